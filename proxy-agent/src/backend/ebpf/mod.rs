@@ -1,0 +1,256 @@
+//! The eBPF backend: loads the socket-LB programs, attaches them to a cgroup,
+//! pins maps and links under the bpffs root, and keeps the maps in step with
+//! the plan.
+//!
+//! Pin layout (`--bpffs-root`, default `/sys/fs/bpf/proxy`):
+//! `maps/<MAP>` for every map and `links/<program>` for every attachment, so
+//! the datapath keeps serving while the agent restarts and `bpftool` can
+//! inspect it. A new agent attaches its programs beside the old ones, then
+//! retires the old pins; `cleanup` removes them all.
+
+pub mod sync;
+
+use std::{
+    collections::BTreeSet,
+    fs::File,
+    io,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, Map, MapData, MapError, PerCpuArray},
+    programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, links::FdLink},
+};
+use proxy_common::{
+    AffinityKey, AffinityValue, Backend, Counter, RevNat, ServiceKey, ServiceValue, map_names,
+};
+
+pub use sync::{SyncError, SyncReport, SyncState};
+use sync::{MapOp, MapWriter};
+
+use crate::plan::Plan;
+
+/// The socket-LB programs, by their function names in proxy-ebpf.
+pub const PROGRAMS: [&str; 4] = ["connect4", "sendmsg4", "recvmsg4", "getpeername4"];
+
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+
+#[derive(Debug, thiserror::Error)]
+pub enum EbpfError {
+    #[error("loading the BPF object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("BPF object has no {what} {name}")]
+    Missing { what: &'static str, name: &'static str },
+    #[error("program {name}: {source}")]
+    Program { name: &'static str, source: ProgramError },
+    #[error("program {name}: its link cannot be pinned (kernel older than 5.7?): {source}")]
+    Link { name: &'static str, source: aya::programs::links::LinkError },
+    #[error("map {name}: {source}")]
+    Map { name: &'static str, source: MapError },
+    #[error("{action} {path}: {source}")]
+    Io { action: &'static str, path: PathBuf, source: io::Error },
+    #[error("pinning {path}: {source}")]
+    Pin { path: PathBuf, source: aya::pin::PinError },
+}
+
+fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> EbpfError {
+    let path = path.to_path_buf();
+    move |source| EbpfError::Io { action, path, source }
+}
+
+/// The maps the agent writes or reads.
+struct Maps {
+    services: Map,
+    backends: Map,
+    rev_nat: Map,
+    sock_rev_nat: Map,
+    affinity: Map,
+    counters: Map,
+}
+
+impl Maps {
+    fn take(ebpf: &mut Ebpf) -> Result<Self, EbpfError> {
+        let mut take = |name: &'static str| {
+            ebpf.take_map(name).ok_or(EbpfError::Missing { what: "map", name })
+        };
+        Ok(Self {
+            services: take(map_names::SERVICES)?,
+            backends: take(map_names::BACKENDS)?,
+            rev_nat: take(map_names::REV_NAT)?,
+            sock_rev_nat: take(map_names::SOCK_REV_NAT)?,
+            affinity: take(map_names::AFFINITY)?,
+            counters: take(map_names::COUNTERS)?,
+        })
+    }
+
+    fn by_name(&self) -> [(&'static str, &Map); 6] {
+        [
+            (map_names::SERVICES, &self.services),
+            (map_names::BACKENDS, &self.backends),
+            (map_names::REV_NAT, &self.rev_nat),
+            (map_names::SOCK_REV_NAT, &self.sock_rev_nat),
+            (map_names::AFFINITY, &self.affinity),
+            (map_names::COUNTERS, &self.counters),
+        ]
+    }
+}
+
+impl MapWriter for Maps {
+    fn apply(&mut self, op: &MapOp) -> Result<(), io::Error> {
+        let mut write = || -> Result<(), MapError> {
+            match op {
+                MapOp::PutBackend { id, backend } => {
+                    HashMap::<_, u32, Backend>::try_from(&mut self.backends)?.insert(id, backend, 0)
+                }
+                MapOp::DeleteBackend { id } => {
+                    HashMap::<_, u32, Backend>::try_from(&mut self.backends)?.remove(id)
+                }
+                MapOp::PutRevNat { id, value, .. } => {
+                    HashMap::<_, u16, RevNat>::try_from(&mut self.rev_nat)?.insert(id, value, 0)
+                }
+                MapOp::DeleteRevNat { id, .. } => {
+                    HashMap::<_, u16, RevNat>::try_from(&mut self.rev_nat)?.remove(id)
+                }
+                MapOp::PutService { key, value } => {
+                    HashMap::<_, ServiceKey, ServiceValue>::try_from(&mut self.services)?
+                        .insert(key, value, 0)
+                }
+                MapOp::DeleteService { key } => {
+                    HashMap::<_, ServiceKey, ServiceValue>::try_from(&mut self.services)?.remove(key)
+                }
+            }
+        };
+        write().map_err(io::Error::other)
+    }
+}
+
+/// Loaded programs and their maps.
+pub struct EbpfBackend {
+    ebpf: Ebpf,
+    maps: Maps,
+    state: SyncState,
+}
+
+impl EbpfBackend {
+    /// Loads and verifies the programs; nothing is attached yet.
+    pub fn load() -> Result<Self, EbpfError> {
+        crate::sys::raise_memlock_rlimit();
+        let mut ebpf = Ebpf::load(OBJECT)?;
+        for name in PROGRAMS {
+            program(&mut ebpf, name)?
+                .load()
+                .map_err(|source| EbpfError::Program { name, source })?;
+        }
+        let maps = Maps::take(&mut ebpf)?;
+        Ok(Self { ebpf, maps, state: SyncState::default() })
+    }
+
+    /// Brings the maps to `plan` (see [`sync`] for the write order), then
+    /// drops affinity entries that name backends their service lost.
+    pub fn sync(&mut self, plan: &Plan) -> Result<SyncReport, SyncError> {
+        let report = self.state.sync(plan, &mut self.maps)?;
+        if !report.affinity_purge.is_empty() {
+            if let Err(err) = self.purge_affinity(&report.affinity_purge) {
+                tracing::warn!(error = %err, "could not purge stale affinity entries");
+            }
+        }
+        Ok(report)
+    }
+
+    fn purge_affinity(&mut self, purge: &[(u16, BTreeSet<u32>)]) -> Result<(), EbpfError> {
+        let mut affinity =
+            HashMap::<_, AffinityKey, AffinityValue>::try_from(&mut self.maps.affinity)
+                .map_err(|source| EbpfError::Map { name: map_names::AFFINITY, source })?;
+        let stale: Vec<AffinityKey> = affinity
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, value)| {
+                purge.iter().any(|(rev, kept)| key.rev_nat_id == *rev && !kept.contains(&value.backend_id))
+            })
+            .map(|(key, _)| key)
+            .collect();
+        for key in &stale {
+            // Already gone (LRU eviction) is fine.
+            let _ = affinity.remove(key);
+        }
+        Ok(())
+    }
+
+    pub fn state(&self) -> &SyncState {
+        &self.state
+    }
+
+    /// Attaches the programs to `cgroup` and pins maps and links under
+    /// `root`, replacing what a previous agent pinned there.
+    pub fn activate(&mut self, cgroup: &Path, root: &Path) -> Result<(), EbpfError> {
+        let cgroup_dir = File::open(cgroup).map_err(io_err("opening cgroup", cgroup))?;
+        let mut links = Vec::new();
+        for name in PROGRAMS {
+            let prog = program(&mut self.ebpf, name)?;
+            let err = |source| EbpfError::Program { name, source };
+            // A bpf_link attachment always runs beside other links (the
+            // kernel refuses the ALLOW_MULTI flag on links), so a previous
+            // agent's programs serve until they are retired below.
+            let id = prog.attach(&cgroup_dir, CgroupAttachMode::Single).map_err(err)?;
+            let link = prog.take_link(id).map_err(err)?;
+            let link = FdLink::try_from(link)
+                .map_err(|source| EbpfError::Link { name, source })?;
+            links.push((name, link));
+        }
+        remove_pins(root)?;
+        let (maps_dir, links_dir) = (root.join("maps"), root.join("links"));
+        for dir in [&maps_dir, &links_dir] {
+            std::fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
+        }
+        for (name, map) in self.maps.by_name() {
+            let path = maps_dir.join(name);
+            map.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
+        }
+        for (name, link) in links {
+            let path = links_dir.join(name);
+            // The pin keeps the attachment; our fd closes when this drops.
+            link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
+        }
+        Ok(())
+    }
+
+    /// Per-counter totals over all CPUs.
+    pub fn counters(&self) -> Vec<(Counter, u64)> {
+        let Ok(array) = PerCpuArray::<&MapData, u64>::try_from(&self.maps.counters) else {
+            return Vec::new();
+        };
+        Counter::ALL
+            .iter()
+            .map(|c| (*c, array.get(&(*c as u32), 0).map(|v| v.iter().sum()).unwrap_or(0)))
+            .collect()
+    }
+}
+
+fn program<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut CgroupSockAddr, EbpfError> {
+    ebpf.program_mut(name)
+        .ok_or(EbpfError::Missing { what: "program", name })?
+        .try_into()
+        .map_err(|source| EbpfError::Program { name, source })
+}
+
+/// Removes the pins under `root`: unpinning a link detaches its program
+/// (once no process holds it), unpinning a map frees it once no program
+/// uses it. Returns how many pins were removed.
+pub fn remove_pins(root: &Path) -> Result<usize, EbpfError> {
+    let mut removed = 0;
+    for dir in [root.join("links"), root.join("maps")] {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io_err("reading", &dir)(e)),
+        };
+        for entry in entries {
+            let path = entry.map_err(io_err("reading", &dir))?.path();
+            std::fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
+            removed += 1;
+        }
+        std::fs::remove_dir(&dir).map_err(io_err("removing", &dir))?;
+    }
+    Ok(removed)
+}

@@ -1,0 +1,3 @@
+//! The code that touches the kernel.
+
+pub mod ebpf;

@@ -1,0 +1,154 @@
+//! Prometheus text metrics on `--metrics-bind-address` (`/metrics`, and
+//! `/healthz` for probes).
+
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    sync::{
+        Mutex,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+};
+
+use proxy_common::Counter;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+};
+
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub syncs_ok: AtomicU64,
+    pub syncs_failed: AtomicU64,
+    pub last_sync_seconds: AtomicU64,
+    pub frontends: AtomicU64,
+    pub backends: AtomicU64,
+    /// Served from their last good version after a bad update.
+    pub kept_objects: AtomicU64,
+    invalid: Mutex<BTreeMap<String, u64>>,
+    datapath: Mutex<Vec<(Counter, u64)>>,
+}
+
+impl Metrics {
+    /// Counts one invalid object (or unreadable file) of `kind`.
+    pub fn invalid(&self, kind: &str) {
+        if let Ok(mut invalid) = self.invalid.lock() {
+            *invalid.entry(kind.to_string()).or_default() += 1;
+        }
+    }
+
+    pub fn set_datapath(&self, counters: Vec<(Counter, u64)>) {
+        if let Ok(mut datapath) = self.datapath.lock() {
+            *datapath = counters;
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, u64)]| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (labels, value) in samples {
+                let _ = writeln!(out, "{name}{labels} {value}");
+            }
+        };
+        metric(
+            "proxy_sync_total",
+            "counter",
+            "Syncs of the datapath with the desired state, by result.",
+            &[
+                (r#"{result="ok"}"#.into(), self.syncs_ok.load(Relaxed)),
+                (r#"{result="error"}"#.into(), self.syncs_failed.load(Relaxed)),
+            ],
+        );
+        metric(
+            "proxy_last_sync_timestamp_seconds",
+            "gauge",
+            "Unix time of the last successful sync.",
+            &[(String::new(), self.last_sync_seconds.load(Relaxed))],
+        );
+        metric(
+            "proxy_frontends",
+            "gauge",
+            "Service frontends (address, port, protocol) in the datapath.",
+            &[(String::new(), self.frontends.load(Relaxed))],
+        );
+        metric(
+            "proxy_backends",
+            "gauge",
+            "Distinct backends in the datapath.",
+            &[(String::new(), self.backends.load(Relaxed))],
+        );
+        let invalid: Vec<_> = self
+            .invalid
+            .lock()
+            .map(|m| m.iter().map(|(k, v)| (format!(r#"{{kind="{k}"}}"#), *v)).collect())
+            .unwrap_or_default();
+        metric(
+            "proxy_invalid_objects_total",
+            "counter",
+            "Objects (or manifest files) rejected as invalid, by kind.",
+            &invalid,
+        );
+        metric(
+            "proxy_kept_objects_total",
+            "counter",
+            "Times an invalid update was ignored and the last good object kept.",
+            &[(String::new(), self.kept_objects.load(Relaxed))],
+        );
+        let datapath: Vec<_> = self
+            .datapath
+            .lock()
+            .map(|d| d.iter().map(|(c, v)| (format!(r#"{{event="{}"}}"#, c.name()), *v)).collect())
+            .unwrap_or_default();
+        metric(
+            "proxy_datapath_events_total",
+            "counter",
+            "Events counted by the BPF programs, summed over CPUs.",
+            &datapath,
+        );
+        out
+    }
+}
+
+/// Serves the metrics until the listener fails.
+pub async fn serve(listener: TcpListener, metrics: std::sync::Arc<Metrics>) {
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut request = [0u8; 1024];
+            let n = stream.read(&mut request).await.unwrap_or(0);
+            let line = String::from_utf8_lossy(&request[..n]);
+            let path = line.split_whitespace().nth(1).unwrap_or("");
+            let (status, body) = match path {
+                "/metrics" => ("200 OK", metrics.render()),
+                "/healthz" => ("200 OK", "ok\n".to_string()),
+                _ => ("404 Not Found", "not found\n".to_string()),
+            };
+            let response = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes()).await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prometheus_text() {
+        let metrics = Metrics::default();
+        metrics.invalid("Service");
+        metrics.invalid("Service");
+        metrics.syncs_ok.store(3, Relaxed);
+        metrics.set_datapath(vec![(Counter::NoBackend, 7)]);
+        let text = metrics.render();
+        assert!(text.contains("proxy_invalid_objects_total{kind=\"Service\"} 2\n"), "{text}");
+        assert!(text.contains("proxy_sync_total{result=\"ok\"} 3\n"));
+        assert!(text.contains("proxy_datapath_events_total{event=\"no_backend\"} 7\n"));
+        assert!(text.contains("# TYPE proxy_frontends gauge\n"));
+    }
+}

@@ -1,0 +1,524 @@
+//! What the services are: kube-proxy's semantics applied to Service and
+//! EndpointSlice objects. Pure code, no I/O.
+//!
+//! - Headless (`clusterIP: None`) and `ExternalName` services, and services
+//!   labelled `service.kubernetes.io/service-proxy-name`, are not proxied.
+//! - Endpoints come from the EndpointSlices labelled
+//!   `kubernetes.io/service-name`; slices of one service are merged and
+//!   de-duplicated. A service port is matched to a slice port by name and
+//!   protocol, and takes that slice's port number: that is how a named
+//!   `targetPort` resolves to different numbers on different pods.
+//! - Ready endpoints are used; when none is ready, the serving and
+//!   terminating ones are (graceful termination).
+//! - A Service the API server would have refused (bad IP, port out of range,
+//!   unknown protocol, duplicate port) is skipped whole and reported by name.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::{Ipv4Addr, SocketAddrV4},
+};
+
+use k8s_openapi::api::{
+    core::v1::{Service, ServiceSpec},
+    discovery::v1::EndpointSlice,
+};
+
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
+pub const DEFAULT_AFFINITY_TIMEOUT_SECS: u32 = 10_800;
+const MAX_AFFINITY_TIMEOUT_SECS: i32 = 86_400;
+
+/// `namespace/name`, how kube-proxy names a service in logs and comments.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl fmt::Display for ServiceName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// `namespace/name:port`, or `namespace/name` for an unnamed port.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortName {
+    pub service: ServiceName,
+    pub port: String,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port.is_empty() {
+            write!(f, "{}", self.service)
+        } else {
+            write!(f, "{}:{}", self.service, self.port)
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    /// Parses a Kubernetes protocol name; absent means TCP.
+    fn parse(value: Option<&str>) -> Result<Self, String> {
+        match value.unwrap_or("TCP") {
+            "TCP" => Ok(Protocol::Tcp),
+            "UDP" => Ok(Protocol::Udp),
+            other => Err(other.to_string()),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        }
+    }
+}
+
+/// One endpoint of a service port, with the EndpointSlice conditions.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Endpoint {
+    pub addr: SocketAddrV4,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node_name: Option<String>,
+}
+
+/// One proxied port of a service: what kube-proxy calls a ServicePort.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: ServicePortName,
+    pub protocol: Protocol,
+    pub port: u16,
+    pub cluster_ip: Ipv4Addr,
+    /// `Some(timeout)` for `sessionAffinity: ClientIP`.
+    pub affinity_timeout_secs: Option<u32>,
+    /// All endpoints found, sorted by address, one per address.
+    pub endpoints: Vec<Endpoint>,
+}
+
+impl ServicePort {
+    /// The endpoints traffic goes to: the ready ones, or when none is ready
+    /// the serving and terminating ones.
+    pub fn usable_endpoints(&self) -> Vec<&Endpoint> {
+        let ready: Vec<_> = self.endpoints.iter().filter(|e| e.ready).collect();
+        if !ready.is_empty() {
+            return ready;
+        }
+        self.endpoints.iter().filter(|e| e.serving && e.terminating).collect()
+    }
+}
+
+/// Why an object, or part of one, was not used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    #[error("Service {service}: invalid clusterIP {value:?}")]
+    InvalidClusterIp { service: ServiceName, value: String },
+    #[error("Service {service}: port {port_name:?} has invalid port number {port}")]
+    InvalidPort { service: ServiceName, port_name: String, port: i32 },
+    #[error("Service {service}: port {port_name:?} has unsupported protocol {protocol:?}")]
+    UnsupportedProtocol { service: ServiceName, port_name: String, protocol: String },
+    #[error("Service {service}: port {port}/{} is declared twice", protocol.as_str())]
+    DuplicatePort { service: ServiceName, port: u16, protocol: Protocol },
+    #[error("Service {service}: sessionAffinity timeoutSeconds {value} is outside 1..=86400")]
+    InvalidAffinityTimeout { service: ServiceName, value: i32 },
+    #[error("Service {service}: unknown sessionAffinity {value:?}")]
+    InvalidAffinity { service: ServiceName, value: String },
+    #[error("{kind} without metadata.name")]
+    Unnamed { kind: &'static str },
+    #[error("EndpointSlice {slice}: invalid endpoint address {value:?}")]
+    InvalidEndpointAddress { slice: ServiceName, value: String },
+    #[error("EndpointSlice {slice}: port {port_name:?} has invalid port number {port:?}")]
+    InvalidEndpointPort { slice: ServiceName, port_name: String, port: Option<i32> },
+}
+
+impl ModelError {
+    /// The kind of object the error is about, for the metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ModelError::Unnamed { kind } => kind,
+            ModelError::InvalidEndpointAddress { .. } | ModelError::InvalidEndpointPort { .. } => {
+                "EndpointSlice"
+            }
+            _ => "Service",
+        }
+    }
+}
+
+/// The proxied service ports, plus what was wrong with the input.
+#[derive(Debug, Default)]
+pub struct Model {
+    pub ports: Vec<ServicePort>,
+    pub errors: Vec<ModelError>,
+}
+
+/// Applies kube-proxy's semantics to a snapshot of Services and EndpointSlices.
+pub fn build(services: &[Service], slices: &[EndpointSlice]) -> Model {
+    let mut model = Model::default();
+    let endpoints = index_slices(slices, &mut model.errors);
+    for service in services {
+        match service_ports(service, &endpoints) {
+            Ok(ports) => model.ports.extend(ports),
+            Err(err) => model.errors.push(err),
+        }
+    }
+    model.ports.sort_by(|a, b| a.name.cmp(&b.name).then(a.protocol.cmp(&b.protocol)));
+    model
+}
+
+/// Key of one slice port: (port name, protocol).
+type SlicePortKey = (String, Protocol);
+/// Per service, per slice port, the endpoints by address.
+type EndpointIndex = BTreeMap<ServiceName, BTreeMap<SlicePortKey, BTreeMap<SocketAddrV4, Endpoint>>>;
+
+fn object_name(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    kind: &'static str,
+) -> Result<ServiceName, ModelError> {
+    let name = meta.name.clone().filter(|n| !n.is_empty()).ok_or(ModelError::Unnamed { kind })?;
+    let namespace = meta.namespace.clone().unwrap_or_else(|| "default".to_string());
+    Ok(ServiceName { namespace, name })
+}
+
+fn index_slices(slices: &[EndpointSlice], errors: &mut Vec<ModelError>) -> EndpointIndex {
+    let mut index = EndpointIndex::new();
+    for slice in slices {
+        // IPv6 and FQDN slices are not proxied (IPv4-only datapath).
+        if slice.address_type != "IPv4" {
+            continue;
+        }
+        let slice_name = match object_name(&slice.metadata, "EndpointSlice") {
+            Ok(name) => name,
+            Err(err) => {
+                errors.push(err);
+                continue;
+            }
+        };
+        let Some(service) = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL))
+        else {
+            continue;
+        };
+        let service = ServiceName { namespace: slice_name.namespace.clone(), name: service.clone() };
+        let mut ports = Vec::new();
+        for port in slice.ports.iter().flatten() {
+            let port_name = port.name.clone().unwrap_or_default();
+            let number = port.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0);
+            let (Some(number), Ok(protocol)) = (number, Protocol::parse(port.protocol.as_deref()))
+            else {
+                errors.push(ModelError::InvalidEndpointPort {
+                    slice: slice_name.clone(),
+                    port_name,
+                    port: port.port,
+                });
+                continue;
+            };
+            ports.push(((port_name, protocol), number));
+        }
+        let by_port = index.entry(service).or_default();
+        for endpoint in &slice.endpoints {
+            // kube-proxy uses the first address of an endpoint.
+            let Some(address) = endpoint.addresses.first() else { continue };
+            let Ok(ip) = address.parse::<Ipv4Addr>() else {
+                errors.push(ModelError::InvalidEndpointAddress {
+                    slice: slice_name.clone(),
+                    value: address.clone(),
+                });
+                continue;
+            };
+            let conditions = endpoint.conditions.clone().unwrap_or_default();
+            // Unset conditions mean ready, serving as ready, not terminating.
+            let ready = conditions.ready.unwrap_or(true);
+            let serving = conditions.serving.unwrap_or(ready);
+            let terminating = conditions.terminating.unwrap_or(false);
+            for (key, number) in &ports {
+                let addr = SocketAddrV4::new(ip, *number);
+                let candidate = Endpoint {
+                    addr,
+                    ready,
+                    serving,
+                    terminating,
+                    node_name: endpoint.node_name.clone(),
+                };
+                // The same endpoint in two slices (during a slice rebalance):
+                // keep the one in the better state.
+                by_port
+                    .entry(key.clone())
+                    .or_default()
+                    .entry(addr)
+                    .and_modify(|e| {
+                        if (candidate.ready, candidate.serving) > (e.ready, e.serving) {
+                            *e = candidate.clone();
+                        }
+                    })
+                    .or_insert(candidate);
+            }
+        }
+    }
+    index
+}
+
+/// Checks a Service as the API server would have: Ok when it can be proxied
+/// (or is deliberately not proxied), the reason otherwise.
+pub fn check_service(service: &Service) -> Result<(), ModelError> {
+    service_ports(service, &EndpointIndex::new()).map(drop)
+}
+
+fn is_proxied(service: &Service, spec: &ServiceSpec) -> bool {
+    let labelled = service
+        .metadata
+        .labels
+        .as_ref()
+        .is_some_and(|labels| labels.contains_key(SERVICE_PROXY_NAME_LABEL));
+    let external_name = spec.type_.as_deref() == Some("ExternalName");
+    let headless = matches!(spec.cluster_ip.as_deref(), None | Some("") | Some("None"));
+    !(labelled || external_name || headless)
+}
+
+fn affinity_timeout(name: &ServiceName, spec: &ServiceSpec) -> Result<Option<u32>, ModelError> {
+    match spec.session_affinity.as_deref() {
+        None | Some("None") => Ok(None),
+        Some("ClientIP") => {
+            let configured = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            match configured {
+                None => Ok(Some(DEFAULT_AFFINITY_TIMEOUT_SECS)),
+                Some(secs @ 1..=MAX_AFFINITY_TIMEOUT_SECS) => Ok(Some(secs as u32)),
+                Some(value) => {
+                    Err(ModelError::InvalidAffinityTimeout { service: name.clone(), value })
+                }
+            }
+        }
+        Some(other) => {
+            Err(ModelError::InvalidAffinity { service: name.clone(), value: other.to_string() })
+        }
+    }
+}
+
+fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<ServicePort>, ModelError> {
+    let name = object_name(&service.metadata, "Service")?;
+    let Some(spec) = service.spec.as_ref() else { return Ok(Vec::new()) };
+    if !is_proxied(service, spec) {
+        return Ok(Vec::new());
+    }
+    let raw_ip = spec.cluster_ip.clone().unwrap_or_default();
+    let cluster_ip = raw_ip
+        .parse::<Ipv4Addr>()
+        .map_err(|_| ModelError::InvalidClusterIp { service: name.clone(), value: raw_ip })?;
+    let affinity_timeout_secs = affinity_timeout(&name, spec)?;
+    let no_endpoints = BTreeMap::new();
+    let endpoints = index.get(&name).unwrap_or(&no_endpoints);
+
+    let mut seen = BTreeSet::new();
+    let mut ports = Vec::new();
+    for port in spec.ports.iter().flatten() {
+        let port_name = port.name.clone().unwrap_or_default();
+        let protocol = Protocol::parse(port.protocol.as_deref()).map_err(|protocol| {
+            ModelError::UnsupportedProtocol {
+                service: name.clone(),
+                port_name: port_name.clone(),
+                protocol,
+            }
+        })?;
+        let number = u16::try_from(port.port).ok().filter(|p| *p != 0).ok_or_else(|| {
+            ModelError::InvalidPort {
+                service: name.clone(),
+                port_name: port_name.clone(),
+                port: port.port,
+            }
+        })?;
+        if !seen.insert((number, protocol)) {
+            return Err(ModelError::DuplicatePort { service: name.clone(), port: number, protocol });
+        }
+        let endpoints = endpoints
+            .get(&(port_name.clone(), protocol))
+            .map(|by_addr| by_addr.values().cloned().collect())
+            .unwrap_or_default();
+        ports.push(ServicePort {
+            name: ServicePortName { service: name.clone(), port: port_name },
+            protocol,
+            port: number,
+            cluster_ip,
+            affinity_timeout_secs,
+            endpoints,
+        });
+    }
+    Ok(ports)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(yaml: &str) -> Service {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    fn slice(yaml: &str) -> EndpointSlice {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    const WEB: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.10
+  ports:
+  - {name: http, port: 80, targetPort: http}
+  - {name: dns, port: 53, protocol: UDP}
+"#;
+
+    fn web_slice(name: &str, port: i32, endpoints: &str) -> EndpointSlice {
+        slice(&format!(
+            r#"
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {name}
+  namespace: shop
+  labels: {{kubernetes.io/service-name: web}}
+addressType: IPv4
+ports:
+- {{name: http, port: {port}, protocol: TCP}}
+- {{name: dns, port: 5353, protocol: UDP}}
+endpoints: {endpoints}
+"#
+        ))
+    }
+
+    fn addrs(port: &ServicePort) -> Vec<String> {
+        port.usable_endpoints().iter().map(|e| e.addr.to_string()).collect()
+    }
+
+    #[test]
+    fn named_target_port_resolves_per_slice_and_slices_merge() {
+        let slices = [
+            web_slice("web-a", 8080, "[{addresses: [10.244.0.2]}, {addresses: [10.244.0.3]}]"),
+            web_slice("web-b", 9090, "[{addresses: [10.244.0.4]}, {addresses: [10.244.0.2]}]"),
+        ];
+        let model = build(&[service(WEB)], &slices);
+        assert!(model.errors.is_empty(), "{:?}", model.errors);
+        let http = model.ports.iter().find(|p| p.name.port == "http").unwrap();
+        assert_eq!(
+            addrs(http),
+            ["10.244.0.2:8080", "10.244.0.2:9090", "10.244.0.3:8080", "10.244.0.4:9090"]
+        );
+        let dns = model.ports.iter().find(|p| p.name.port == "dns").unwrap();
+        assert_eq!(dns.protocol, Protocol::Udp);
+        assert_eq!(addrs(dns), ["10.244.0.2:5353", "10.244.0.3:5353", "10.244.0.4:5353"]);
+        assert_eq!(http.name.to_string(), "shop/web:http");
+    }
+
+    #[test]
+    fn duplicate_endpoints_across_slices_keep_the_ready_one() {
+        let slices = [
+            web_slice("a", 8080, "[{addresses: [10.244.0.2], conditions: {ready: false}}]"),
+            web_slice("b", 8080, "[{addresses: [10.244.0.2], conditions: {ready: true}}]"),
+        ];
+        let model = build(&[service(WEB)], &slices);
+        let http = model.ports.iter().find(|p| p.name.port == "http").unwrap();
+        assert_eq!(http.endpoints.len(), 1);
+        assert!(http.endpoints[0].ready);
+    }
+
+    #[test]
+    fn ready_endpoints_win_then_serving_terminating_fallback() {
+        let mixed = web_slice(
+            "a",
+            8080,
+            "[{addresses: [10.244.0.2], conditions: {ready: true}},
+              {addresses: [10.244.0.3], conditions: {ready: false, serving: true, terminating: true}},
+              {addresses: [10.244.0.4], conditions: {ready: false, serving: false}}]",
+        );
+        let model = build(&[service(WEB)], &[mixed]);
+        assert_eq!(addrs(&model.ports[1]), ["10.244.0.2:8080"]);
+
+        let terminating = web_slice(
+            "a",
+            8080,
+            "[{addresses: [10.244.0.3], conditions: {ready: false, serving: true, terminating: true}},
+              {addresses: [10.244.0.4], conditions: {ready: false, serving: false, terminating: true}},
+              {addresses: [10.244.0.5], conditions: {ready: false, serving: true, terminating: false}}]",
+        );
+        let model = build(&[service(WEB)], &[terminating]);
+        assert_eq!(addrs(&model.ports[1]), ["10.244.0.3:8080"]);
+    }
+
+    #[test]
+    fn headless_external_name_and_foreign_proxy_are_skipped() {
+        let skipped = [
+            "{metadata: {name: a}, spec: {clusterIP: None, ports: [{port: 80}]}}",
+            "{metadata: {name: b}, spec: {type: ExternalName, externalName: example.org}}",
+            "{metadata: {name: c, labels: {service.kubernetes.io/service-proxy-name: other}}, spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}}",
+        ];
+        for yaml in skipped {
+            let model = build(&[service(yaml)], &[]);
+            assert!(model.ports.is_empty() && model.errors.is_empty(), "{yaml}");
+        }
+    }
+
+    #[test]
+    fn slices_of_another_namespace_or_service_do_not_match() {
+        let mut other = web_slice("x", 8080, "[{addresses: [10.244.0.9]}]");
+        other.metadata.namespace = Some("default".into());
+        let model = build(&[service(WEB)], &[other]);
+        assert!(model.ports.iter().all(|p| p.endpoints.is_empty()));
+    }
+
+    #[test]
+    fn malformed_services_are_reported_by_name_and_skipped() {
+        let bad = [
+            ("{metadata: {name: badip}, spec: {clusterIP: 10.96.0.999, ports: [{port: 80}]}}", "badip"),
+            ("{metadata: {name: zero}, spec: {clusterIP: 10.96.0.5, ports: [{port: 0}]}}", "zero"),
+            ("{metadata: {name: big}, spec: {clusterIP: 10.96.0.5, ports: [{port: 70000}]}}", "big"),
+            ("{metadata: {name: proto}, spec: {clusterIP: 10.96.0.6, ports: [{port: 80, protocol: QUIC}]}}", "proto"),
+            ("{metadata: {name: dup}, spec: {clusterIP: 10.96.0.7, ports: [{name: a, port: 80}, {name: b, port: 80}]}}", "dup"),
+            ("{metadata: {name: aff}, spec: {clusterIP: 10.96.0.8, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}, ports: [{port: 80}]}}", "aff"),
+        ];
+        for (yaml, name) in bad {
+            let model = build(&[service(yaml), service(WEB)], &[]);
+            assert_eq!(model.ports.len(), 2, "{yaml}: the good service is still served");
+            assert_eq!(model.errors.len(), 1, "{yaml}");
+            let message = model.errors[0].to_string();
+            assert!(message.contains(&format!("default/{name}")), "{message}");
+            assert_eq!(model.errors[0].kind(), "Service");
+        }
+    }
+
+    #[test]
+    fn bad_endpoint_addresses_are_skipped_alone() {
+        let s = web_slice("a", 8080, "[{addresses: [not-an-ip]}, {addresses: [10.244.0.2]}]");
+        let model = build(&[service(WEB)], &[s]);
+        assert_eq!(model.errors.len(), 1);
+        assert!(model.errors[0].to_string().contains("shop/a"));
+        assert_eq!(addrs(&model.ports[1]), ["10.244.0.2:8080"]);
+    }
+
+    #[test]
+    fn session_affinity_timeout_defaults_and_overrides() {
+        let default = "{metadata: {name: a}, spec: {clusterIP: 10.96.0.3, sessionAffinity: ClientIP, ports: [{port: 80}]}}";
+        let set = "{metadata: {name: a}, spec: {clusterIP: 10.96.0.3, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 5}}, ports: [{port: 80}]}}";
+        assert_eq!(build(&[service(default)], &[]).ports[0].affinity_timeout_secs, Some(10_800));
+        assert_eq!(build(&[service(set)], &[]).ports[0].affinity_timeout_secs, Some(5));
+        assert_eq!(build(&[service(WEB)], &[]).ports[0].affinity_timeout_secs, None);
+    }
+
+    #[test]
+    fn unnamed_port_name_is_namespace_and_name() {
+        let s = "{metadata: {name: a, namespace: n}, spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}}";
+        assert_eq!(build(&[service(s)], &[]).ports[0].name.to_string(), "n/a");
+    }
+}

@@ -1,0 +1,281 @@
+//! Services and EndpointSlices from a YAML file or a directory of them
+//! (`*.yaml`, `*.yml`, `*.json`; multi-document; `kind: List` too), re-read
+//! when their content changes.
+//!
+//! A file that stops parsing keeps its last good objects; a document that does
+//! not decode is reported by kind and name, and the store keeps that object's
+//! last good version.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
+
+use serde::Deserialize;
+use serde_yaml::Value;
+
+use super::{ObjectRef, Snapshot};
+use crate::model::ServiceName;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("reading {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not valid YAML, keeping its previous objects: {source}")]
+    Yaml { path: PathBuf, source: serde_yaml::Error },
+    #[error("{path}: document {index}: {kind} {name}: {source}")]
+    Decode { path: PathBuf, index: usize, kind: String, name: String, source: serde_yaml::Error },
+}
+
+impl ManifestError {
+    /// The metric label: which kind of object (or file) was bad.
+    pub fn kind(&self) -> &str {
+        match self {
+            ManifestError::Decode { kind, .. } => kind,
+            _ => "file",
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct CachedFile {
+    contents: Vec<u8>,
+    snapshot: Snapshot,
+}
+
+/// The manifests at one path, and what was last read from each file.
+#[derive(Debug)]
+pub struct Manifests {
+    path: PathBuf,
+    files: BTreeMap<PathBuf, CachedFile>,
+}
+
+/// What a reload found.
+#[derive(Debug, Default)]
+pub struct Reload {
+    pub changed: bool,
+    pub errors: Vec<ManifestError>,
+}
+
+impl Manifests {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self { path: path.into(), files: BTreeMap::new() }
+    }
+
+    /// Re-reads every file; parses only those whose bytes changed.
+    pub fn reload(&mut self) -> Reload {
+        let mut reload = Reload::default();
+        let paths = match list(&self.path) {
+            Ok(paths) => paths,
+            Err(source) => {
+                reload.errors.push(ManifestError::Read { path: self.path.clone(), source });
+                return reload;
+            }
+        };
+        let before = self.files.len();
+        self.files.retain(|path, _| paths.contains(path));
+        reload.changed |= self.files.len() != before;
+        for path in paths {
+            let contents = match std::fs::read(&path) {
+                Ok(contents) => contents,
+                // Vanished between listing and reading: the next tick sees it gone.
+                Err(source) => {
+                    reload.errors.push(ManifestError::Read { path, source });
+                    continue;
+                }
+            };
+            let cached = self.files.entry(path.clone()).or_default();
+            if cached.contents == contents {
+                continue;
+            }
+            cached.contents = contents;
+            match parse(&path, &cached.contents) {
+                Ok((snapshot, errors)) => {
+                    cached.snapshot = snapshot;
+                    reload.errors.extend(errors);
+                    reload.changed = true;
+                }
+                Err(source) => reload.errors.push(ManifestError::Yaml { path, source }),
+            }
+        }
+        reload
+    }
+
+    /// Everything the files hold now.
+    pub fn snapshot(&self) -> Snapshot {
+        let mut all = Snapshot::default();
+        for file in self.files.values() {
+            all.services.extend(file.snapshot.services.iter().cloned());
+            all.slices.extend(file.snapshot.slices.iter().cloned());
+            all.rejected.extend(file.snapshot.rejected.iter().cloned());
+        }
+        all
+    }
+}
+
+fn list(path: &Path) -> std::io::Result<Vec<PathBuf>> {
+    if !std::fs::metadata(path)?.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut paths = Vec::new();
+    for entry in std::fs::read_dir(path)? {
+        let path = entry?.path();
+        let manifest = matches!(
+            path.extension().and_then(|e| e.to_str()),
+            Some("yaml" | "yml" | "json")
+        );
+        // Editors' hidden swap and backup files are not manifests.
+        let hidden = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
+        if manifest && !hidden && path.is_file() {
+            paths.push(path);
+        }
+    }
+    paths.sort();
+    Ok(paths)
+}
+
+/// Parses all documents of one file. A syntax error fails the whole file;
+/// an object that does not decode is reported and listed as rejected.
+fn parse(path: &Path, contents: &[u8]) -> Result<(Snapshot, Vec<ManifestError>), serde_yaml::Error> {
+    let mut documents = Vec::new();
+    for document in serde_yaml::Deserializer::from_slice(contents) {
+        let value = Value::deserialize(document)?;
+        match value.get("kind").and_then(Value::as_str) {
+            Some("List") => {
+                let items = value.get("items").and_then(Value::as_sequence).cloned();
+                documents.extend(items.unwrap_or_default());
+            }
+            _ if value.is_null() => {}
+            _ => documents.push(value),
+        }
+    }
+    let mut snapshot = Snapshot::default();
+    let mut errors = Vec::new();
+    for (index, value) in documents.into_iter().enumerate() {
+        let api_version = value.get("apiVersion").and_then(Value::as_str).unwrap_or("");
+        let kind = value.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
+        let name = object_name(&value);
+        let decoded = match (api_version, kind.as_str()) {
+            ("v1", "Service") => serde_yaml::from_value(value).map(|s| snapshot.services.push(s)),
+            ("discovery.k8s.io/v1", "EndpointSlice") => {
+                serde_yaml::from_value(value).map(|s| snapshot.slices.push(s))
+            }
+            _ => {
+                tracing::debug!(path = %path.display(), index, api_version, kind, "ignoring object");
+                Ok(())
+            }
+        };
+        if let Err(source) = decoded {
+            let display = name.as_ref().map_or_else(|| "<unnamed>".to_string(), |n| n.to_string());
+            if let Some(name) = name {
+                snapshot.rejected.push(ObjectRef { kind: kind.clone(), name });
+            }
+            errors.push(ManifestError::Decode {
+                path: path.to_path_buf(),
+                index,
+                kind,
+                name: display,
+                source,
+            });
+        }
+    }
+    Ok((snapshot, errors))
+}
+
+fn object_name(value: &Value) -> Option<ServiceName> {
+    let metadata = value.get("metadata")?;
+    let name = metadata.get("name")?.as_str()?.to_string();
+    let namespace = metadata.get("namespace").and_then(Value::as_str).unwrap_or("default");
+    Some(ServiceName { namespace: namespace.to_string(), name })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web}
+spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.2]}]
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: ignored}
+---
+"#;
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("proxy-manifests-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn multi_document_files_yield_services_and_slices() {
+        let (snapshot, errors) = parse(Path::new("x.yaml"), GOOD.as_bytes()).unwrap();
+        assert!(errors.is_empty());
+        assert_eq!(snapshot.services.len(), 1);
+        assert_eq!(snapshot.slices.len(), 1);
+    }
+
+    #[test]
+    fn lists_are_flattened() {
+        let list = "{apiVersion: v1, kind: List, items: [{apiVersion: v1, kind: Service, metadata: {name: a}}]}";
+        let (snapshot, _) = parse(Path::new("x.yaml"), list.as_bytes()).unwrap();
+        assert_eq!(snapshot.services.len(), 1);
+    }
+
+    #[test]
+    fn undecodable_objects_are_reported_by_name() {
+        let bad = "{apiVersion: v1, kind: Service, metadata: {name: bad, namespace: ns}, spec: {ports: [{port: eighty}]}}";
+        let (snapshot, errors) = parse(Path::new("x.yaml"), bad.as_bytes()).unwrap();
+        assert!(snapshot.services.is_empty());
+        assert_eq!(snapshot.rejected[0].name.to_string(), "ns/bad");
+        let message = errors[0].to_string();
+        assert!(message.contains("Service ns/bad"), "{message}");
+    }
+
+    #[test]
+    fn reload_notices_changes_and_keeps_the_last_good_file() {
+        let dir = temp_dir("reload");
+        std::fs::write(dir.join("a.yaml"), GOOD).unwrap();
+        std::fs::write(dir.join(".a.yaml.swp"), "garbage: [").unwrap();
+        let mut manifests = Manifests::new(&dir);
+        let first = manifests.reload();
+        assert!(first.changed && first.errors.is_empty(), "{:?}", first.errors);
+        assert!(!manifests.reload().changed, "same bytes, no change");
+
+        std::fs::write(dir.join("a.yaml"), "kind: [unclosed").unwrap();
+        let broken = manifests.reload();
+        assert!(!broken.changed);
+        assert!(matches!(broken.errors[0], ManifestError::Yaml { .. }));
+        assert_eq!(manifests.snapshot().services.len(), 1, "last good objects kept");
+
+        std::fs::remove_file(dir.join("a.yaml")).unwrap();
+        assert!(manifests.reload().changed);
+        assert!(manifests.snapshot().services.is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_missing_path_is_an_error_that_keeps_state() {
+        let dir = temp_dir("missing");
+        let file = dir.join("one.yaml");
+        std::fs::write(&file, GOOD).unwrap();
+        let mut manifests = Manifests::new(&file);
+        manifests.reload();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let reload = manifests.reload();
+        assert!(!reload.changed);
+        assert!(matches!(reload.errors[0], ManifestError::Read { .. }));
+        assert_eq!(manifests.snapshot().services.len(), 1);
+    }
+}

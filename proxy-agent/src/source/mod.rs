@@ -1,0 +1,146 @@
+//! Where Services and EndpointSlices come from, and the store that keeps the
+//! last good version of each.
+
+pub mod manifests;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+use crate::model::{self, ModelError, ServiceName};
+
+/// An object a source saw but could not decode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectRef {
+    pub kind: String,
+    pub name: ServiceName,
+}
+
+/// Everything a source holds at one moment.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub services: Vec<Service>,
+    pub slices: Vec<EndpointSlice>,
+    pub rejected: Vec<ObjectRef>,
+}
+
+/// The objects the proxy works from. A Service that becomes invalid (or an
+/// object that stops decoding) keeps its last good version: bad input never
+/// takes down what was being served.
+#[derive(Debug, Default)]
+pub struct Store {
+    services: BTreeMap<ServiceName, Service>,
+    slices: BTreeMap<ServiceName, EndpointSlice>,
+}
+
+/// What replacing the store's contents found wrong.
+#[derive(Debug, Default)]
+pub struct StoreUpdate {
+    pub errors: Vec<ModelError>,
+    /// Objects served from their last good version.
+    pub kept: Vec<ObjectRef>,
+}
+
+fn name_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<ServiceName> {
+    Some(ServiceName {
+        namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
+        name: meta.name.clone()?,
+    })
+}
+
+impl Store {
+    /// Replaces the contents with `snapshot`, keeping last good versions.
+    pub fn replace(&mut self, snapshot: Snapshot) -> StoreUpdate {
+        let mut update = StoreUpdate::default();
+        let mut services = BTreeMap::new();
+        let keep_service = |name: &ServiceName, update: &mut StoreUpdate, services: &mut BTreeMap<_, _>| {
+            if let Some(old) = self.services.get(name) {
+                services.insert(name.clone(), old.clone());
+                update.kept.push(ObjectRef { kind: "Service".into(), name: name.clone() });
+            }
+        };
+        for service in snapshot.services {
+            match (model::check_service(&service), name_of(&service.metadata)) {
+                (Ok(()), Some(name)) => drop(services.insert(name, service)),
+                (Err(err), name) => {
+                    update.errors.push(err);
+                    if let Some(name) = name {
+                        keep_service(&name, &mut update, &mut services);
+                    }
+                }
+                (Ok(()), None) => {}
+            }
+        }
+        let mut slices: BTreeMap<_, _> = snapshot
+            .slices
+            .into_iter()
+            .filter_map(|s| Some((name_of(&s.metadata)?, s)))
+            .collect();
+        for rejected in snapshot.rejected {
+            match rejected.kind.as_str() {
+                "Service" => keep_service(&rejected.name, &mut update, &mut services),
+                "EndpointSlice" => {
+                    if let Some(old) = self.slices.get(&rejected.name) {
+                        slices.insert(rejected.name.clone(), old.clone());
+                        update.kept.push(rejected);
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.services = services;
+        self.slices = slices;
+        update
+    }
+
+    /// kube-proxy's view of the stored objects.
+    pub fn model(&self) -> model::Model {
+        let services: Vec<_> = self.services.values().cloned().collect();
+        let slices: Vec<_> = self.slices.values().cloned().collect();
+        model::build(&services, &slices)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(yaml: &str) -> Service {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn an_invalid_update_keeps_the_last_good_service() {
+        let good = service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
+        let bad = service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 0}]}}");
+        let new_bad = service("{metadata: {name: other}, spec: {clusterIP: bogus, ports: [{port: 80}]}}");
+        let mut store = Store::default();
+        let update = store.replace(Snapshot { services: vec![good], ..Default::default() });
+        assert!(update.errors.is_empty());
+
+        let update = store.replace(Snapshot { services: vec![bad, new_bad], ..Default::default() });
+        assert_eq!(update.errors.len(), 2);
+        assert_eq!(update.kept, vec![ObjectRef { kind: "Service".into(), name: ServiceName { namespace: "default".into(), name: "web".into() } }]);
+        let model = store.model();
+        assert_eq!(model.ports.len(), 1);
+        assert_eq!(model.ports[0].port, 80);
+
+        // Deleting it for real removes it.
+        store.replace(Snapshot::default());
+        assert!(store.model().ports.is_empty());
+    }
+
+    #[test]
+    fn an_undecodable_object_keeps_its_last_good_version() {
+        let good = service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
+        let mut store = Store::default();
+        store.replace(Snapshot { services: vec![good], ..Default::default() });
+        let rejected = ObjectRef {
+            kind: "Service".into(),
+            name: ServiceName { namespace: "default".into(), name: "web".into() },
+        };
+        let update = store.replace(Snapshot { rejected: vec![rejected], ..Default::default() });
+        assert_eq!(update.kept.len(), 1);
+        assert_eq!(store.model().ports.len(), 1);
+    }
+}

@@ -1,0 +1,125 @@
+//! The few facts the agent needs from the host: where cgroup2 and bpffs are.
+
+use std::{
+    ffi::CString,
+    io,
+    path::{Path, PathBuf},
+};
+
+const BPF_FS_MAGIC: libc::c_long = 0xcafe_4a11;
+/// Where bpffs is mounted when it is missing.
+pub const BPFFS_MOUNT: &str = "/sys/fs/bpf";
+
+/// The mount point of the cgroup v2 hierarchy, from `/proc/self/mountinfo`.
+pub fn cgroup2_root() -> io::Result<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
+    cgroup2_root_in(&mountinfo)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no cgroup2 mount in /proc/self/mountinfo"))
+}
+
+/// Parses mountinfo lines: `id parent dev root mountpoint opts [optional...] - fstype source opts`.
+fn cgroup2_root_in(mountinfo: &str) -> Option<PathBuf> {
+    mountinfo.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        let fstype = right.split_whitespace().next()?;
+        let mount_point = left.split_whitespace().nth(4)?;
+        (fstype == "cgroup2").then(|| PathBuf::from(unescape_octal(mount_point)))
+    })
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_octal(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find('\\') {
+        out.push_str(&rest[..i]);
+        let code = rest.get(i + 1..i + 4).and_then(|o| u8::from_str_radix(o, 8).ok());
+        match code {
+            Some(byte) => {
+                out.push(byte as char);
+                rest = &rest[i + 4..];
+            }
+            None => {
+                out.push('\\');
+                rest = &rest[i + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+fn is_bpffs(path: &Path) -> io::Result<bool> {
+    let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid NUL-terminated path and a zeroed out-parameter.
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut stat) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(stat.f_type as libc::c_long == BPF_FS_MAGIC)
+}
+
+/// Makes sure `root` is a directory on a bpffs, mounting bpffs at
+/// `/sys/fs/bpf` first when `root` lies there and nothing is mounted.
+pub fn ensure_bpffs_dir(root: &Path) -> io::Result<()> {
+    let existing = root.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/"));
+    if !is_bpffs(existing)? {
+        if !root.starts_with(BPFFS_MOUNT) {
+            return Err(io::Error::other(format!(
+                "{} is not on a bpf filesystem; mount one there or choose a path under {BPFFS_MOUNT}",
+                root.display()
+            )));
+        }
+        mount_bpffs(Path::new(BPFFS_MOUNT))?;
+    }
+    std::fs::create_dir_all(root)
+}
+
+fn mount_bpffs(at: &Path) -> io::Result<()> {
+    std::fs::create_dir_all(at)?;
+    let target = CString::new(at.as_os_str().as_encoded_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: static NUL-terminated strings and a valid target path.
+    let rc = unsafe {
+        libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null())
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    tracing::info!(path = %at.display(), "mounted bpffs");
+    Ok(())
+}
+
+/// Lets BPF maps be created on kernels that still charge them to
+/// RLIMIT_MEMLOCK (before 5.11).
+pub fn raise_memlock_rlimit() {
+    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: a valid rlimit struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } != 0 {
+        tracing::debug!(error = %io::Error::last_os_error(), "could not raise RLIMIT_MEMLOCK");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_cgroup2_mount_among_v1_mounts() {
+        let mountinfo = "\
+25 30 0:23 / /sys rw,nosuid - sysfs sysfs rw
+33 25 0:28 / /sys/fs/cgroup ro shared:9 - tmpfs tmpfs ro,mode=755
+34 33 0:29 / /sys/fs/cgroup/unified rw shared:10 - cgroup2 cgroup2 rw,nsdelegate
+35 33 0:30 / /sys/fs/cgroup/cpu rw shared:11 - cgroup cgroup rw,cpu
+";
+        assert_eq!(cgroup2_root_in(mountinfo), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        assert_eq!(cgroup2_root_in("25 30 0:23 / /sys rw - sysfs sysfs rw\n"), None);
+    }
+
+    #[test]
+    fn mountinfo_octal_escapes_are_decoded() {
+        assert_eq!(unescape_octal(r"/mnt/a\040b\134c"), r"/mnt/a b\c");
+        assert_eq!(unescape_octal(r"/x\0"), r"/x\0");
+    }
+}

@@ -1,0 +1,219 @@
+//! Map keys and values shared by the BPF programs and the agent.
+//!
+//! Every type is `#[repr(C)]` with explicit padding fields, so a key built on
+//! either side hashes to the same bytes. Addresses are `[u8; 4]` in wire order
+//! and ports are host-order `u16`: `bpftool map dump` then prints
+//! `"address": [10,96,0,10], "port": 80` instead of byte-swapped integers.
+#![no_std]
+
+/// Names of the maps in the BPF object; the agent pins each under its own name.
+pub mod map_names {
+    pub const SERVICES: &str = "SERVICES";
+    pub const BACKENDS: &str = "BACKENDS";
+    pub const REV_NAT: &str = "REV_NAT";
+    pub const SOCK_REV_NAT: &str = "SOCK_REV_NAT";
+    pub const AFFINITY: &str = "AFFINITY";
+    pub const COUNTERS: &str = "COUNTERS";
+    pub const ALL: [&str; 6] = [SERVICES, BACKENDS, REV_NAT, SOCK_REV_NAT, AFFINITY, COUNTERS];
+}
+
+/// Capacities, shared so the agent can refuse a plan that would not fit.
+pub const MAX_SERVICE_ENTRIES: u32 = 65_536;
+pub const MAX_BACKENDS: u32 = 65_536;
+pub const MAX_REV_NAT: u32 = 65_536;
+pub const MAX_SOCK_REV_NAT: u32 = 262_144;
+pub const MAX_AFFINITY: u32 = 65_536;
+
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+
+/// Which clients a frontend entry serves (the traffic policies select the
+/// backend set per scope).
+pub const SCOPE_EXTERNAL: u8 = 0;
+
+/// `ServiceValue::flags`: the service has `sessionAffinity: ClientIP`.
+pub const SVC_FLAG_AFFINITY: u16 = 1 << 0;
+
+/// `Backend::flags`: the endpoint runs on this node (`--hostname-override`).
+pub const BACKEND_FLAG_LOCAL: u8 = 1 << 0;
+
+/// Key of the services map. Slot 0 is the frontend entry; slots `1..=count`
+/// hold the ids of the service's backends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    pub address: [u8; 4],
+    pub port: u16,
+    pub slot: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub _pad: [u8; 2],
+}
+
+impl ServiceKey {
+    pub const fn new(address: [u8; 4], port: u16, proto: u8, slot: u16) -> Self {
+        Self { address, port, slot, proto, scope: SCOPE_EXTERNAL, _pad: [0; 2] }
+    }
+
+    pub const fn with_slot(self, slot: u16) -> Self {
+        Self { slot, ..self }
+    }
+}
+
+/// Value of the services map. In the frontend slot `count` is the number of
+/// backend slots and `backend_id` is 0; in a backend slot only `backend_id`
+/// is meaningful.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceValue {
+    pub backend_id: u32,
+    pub count: u16,
+    pub rev_nat_id: u16,
+    pub affinity_timeout_secs: u32,
+    pub flags: u16,
+    pub _pad: u16,
+}
+
+/// Value of the backends map, keyed by a `u32` backend id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Backend {
+    pub address: [u8; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// Value of the reverse-NAT map, keyed by a `u16` reverse-NAT id: the
+/// service address replies must appear to come from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RevNat {
+    pub address: [u8; 4],
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// Key of the socket reverse-NAT map: a socket (by cookie) and the backend it
+/// was sent to. Filled by `connect4`/`sendmsg4`, read by `recvmsg4` and
+/// `getpeername4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey {
+    pub cookie: u64,
+    pub address: [u8; 4],
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// Value of the socket reverse-NAT map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNat {
+    pub address: [u8; 4],
+    pub port: u16,
+    pub rev_nat_id: u16,
+}
+
+/// Key of the session-affinity map. At the socket layer the source address is
+/// not known yet at `connect()`, so the client is its network namespace cookie
+/// (one pod, one netns), as in Cilium's socket LB.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    pub client: u64,
+    pub rev_nat_id: u16,
+    pub _pad: [u8; 6],
+}
+
+/// Value of the session-affinity map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityValue {
+    /// `bpf_ktime_get_ns()` of the last connection that used this entry.
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    pub _pad: u32,
+}
+
+/// Indexes of the per-CPU counters array.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// A socket address matched a service frontend.
+    ServiceHit = 0,
+    /// A backend was picked at random.
+    BackendPicked,
+    /// A backend came from the affinity map.
+    AffinityHit,
+    /// A service had no backend: the call was refused.
+    NoBackend,
+    /// A backend slot or backend id was missing (a racing update).
+    SlotMiss,
+    /// A reply or peer address was reverse-translated.
+    RevNat,
+}
+
+pub const COUNTER_COUNT: u32 = 6;
+
+impl Counter {
+    pub const ALL: [Counter; COUNTER_COUNT as usize] = [
+        Counter::ServiceHit,
+        Counter::BackendPicked,
+        Counter::AffinityHit,
+        Counter::NoBackend,
+        Counter::SlotMiss,
+        Counter::RevNat,
+    ];
+
+    /// The Prometheus-style name the agent exports it under.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Counter::ServiceHit => "service_hit",
+            Counter::BackendPicked => "backend_picked",
+            Counter::AffinityHit => "affinity_hit",
+            Counter::NoBackend => "no_backend",
+            Counter::SlotMiss => "slot_miss",
+            Counter::RevNat => "rev_nat",
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all types are repr(C), Copy, and have no implicit padding.
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for RevNat {}
+    unsafe impl aya::Pod for SockRevNatKey {}
+    unsafe impl aya::Pod for SockRevNat {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityValue {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_have_no_implicit_padding() {
+        assert_eq!(size_of::<ServiceKey>(), 12);
+        assert_eq!(size_of::<ServiceValue>(), 16);
+        assert_eq!(size_of::<Backend>(), 8);
+        assert_eq!(size_of::<RevNat>(), 8);
+        assert_eq!(size_of::<SockRevNatKey>(), 16);
+        assert_eq!(size_of::<SockRevNat>(), 8);
+        assert_eq!(size_of::<AffinityKey>(), 16);
+        assert_eq!(size_of::<AffinityValue>(), 16);
+    }
+
+    #[test]
+    fn counters_are_dense() {
+        for (i, c) in Counter::ALL.iter().enumerate() {
+            assert_eq!(*c as usize, i);
+        }
+    }
+}

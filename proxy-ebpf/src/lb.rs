@@ -1,0 +1,92 @@
+//! Service lookup and backend selection, independent of the hook that asks.
+
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
+use proxy_common::{
+    AffinityKey, AffinityValue, Backend, Counter, SVC_FLAG_AFFINITY, ServiceKey, ServiceValue,
+};
+
+use crate::maps::{AFFINITY, BACKENDS, SERVICES, count};
+
+/// What a lookup of a destination decided.
+pub enum Verdict {
+    /// Not a service address: leave it alone.
+    NotAService,
+    /// A service with no backend: refuse.
+    NoBackend,
+    /// Send to this backend; replies must look like they come from the service.
+    Backend { backend: Backend, rev_nat_id: u16 },
+}
+
+#[inline(always)]
+pub fn lookup_frontend(key: &ServiceKey) -> Option<ServiceValue> {
+    // SAFETY: the value is copied out at once, before any other map operation.
+    unsafe { SERVICES.get(key).copied() }
+}
+
+#[inline(always)]
+fn backend(id: u32) -> Option<Backend> {
+    // SAFETY: copied out at once.
+    unsafe { BACKENDS.get(id).copied() }
+}
+
+/// Picks a backend for a new connection to `key` (slot 0) from `client`.
+#[inline(always)]
+pub fn select(key: &ServiceKey, client: u64) -> Verdict {
+    let Some(svc) = lookup_frontend(key) else {
+        return Verdict::NotAService;
+    };
+    count(Counter::ServiceHit);
+    if svc.count == 0 {
+        count(Counter::NoBackend);
+        return Verdict::NoBackend;
+    }
+    let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, _pad: [0; 6] };
+    let affine = svc.flags & SVC_FLAG_AFFINITY != 0;
+    let now = unsafe { bpf_ktime_get_ns() };
+    if affine {
+        if let Some(backend) = affine_backend(&affinity_key, &svc, now) {
+            count(Counter::AffinityHit);
+            return Verdict::Backend { backend: backend.1, rev_nat_id: svc.rev_nat_id };
+        }
+    }
+    let Some((backend_id, backend)) = random_backend(key, svc.count) else {
+        count(Counter::SlotMiss);
+        return Verdict::NoBackend;
+    };
+    count(Counter::BackendPicked);
+    if affine {
+        let value = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
+        let _ = AFFINITY.insert(&affinity_key, &value, 0);
+    }
+    Verdict::Backend { backend, rev_nat_id: svc.rev_nat_id }
+}
+
+/// The remembered backend of `key`, if its entry is younger than the
+/// service's timeout and the backend still exists. A hit refreshes the entry,
+/// as kube-proxy's `-m recent --set` does on every new connection.
+#[inline(always)]
+fn affine_backend(key: &AffinityKey, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
+    let entry = AFFINITY.get_ptr_mut(key)?;
+    // SAFETY: the LRU entry may be recycled concurrently; at worst we read a
+    // stale backend id, which is then checked against the backends map.
+    let (last_used, backend_id) = unsafe { ((*entry).last_used_ns, (*entry).backend_id) };
+    let timeout_ns = svc.affinity_timeout_secs as u64 * 1_000_000_000;
+    if now.wrapping_sub(last_used) > timeout_ns {
+        return None;
+    }
+    let backend = backend(backend_id)?;
+    unsafe { (*entry).last_used_ns = now };
+    Some((backend_id, backend))
+}
+
+/// Uniform choice over slots `1..=count`, as iptables' statistic chain.
+#[inline(always)]
+fn random_backend(key: &ServiceKey, count: u16) -> Option<(u32, Backend)> {
+    let slot = (unsafe { bpf_get_prandom_u32() } % count as u32) as u16 + 1;
+    let id = lookup_frontend(&key.with_slot(slot))
+        // A slot beyond a count that shrank under us: slot 1 always exists
+        // while the frontend does, because slots are written before counts.
+        .or_else(|| lookup_frontend(&key.with_slot(1)))?
+        .backend_id;
+    Some((id, backend(id)?))
+}

@@ -1,0 +1,40 @@
+//! BPF programs of the service proxy. Entry points are thin; the logic lives
+//! in `sock_lb` (socket hooks) and `lb` (service lookup, backend choice).
+#![no_std]
+#![no_main]
+
+mod lb;
+mod maps;
+mod sock_lb;
+
+use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+
+#[cgroup_sock_addr(connect4)]
+pub fn connect4(ctx: SockAddrContext) -> i32 {
+    sock_lb::try_translate(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock_lb::try_translate(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock_lb::try_reverse(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn getpeername4(ctx: SockAddrContext) -> i32 {
+    sock_lb::try_reverse(&ctx)
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

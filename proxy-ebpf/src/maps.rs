@@ -1,0 +1,42 @@
+//! The maps, declared with BTF so `bpftool map dump` prints field names.
+//! The agent pins them under `--bpffs-root` by these names.
+
+use aya_ebpf::{
+    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use proxy_common::{
+    AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Counter, MAX_AFFINITY, MAX_BACKENDS,
+    MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOCK_REV_NAT, RevNat, ServiceKey, ServiceValue,
+    SockRevNat, SockRevNatKey,
+};
+
+#[btf_map]
+pub static SERVICES: HashMap<ServiceKey, ServiceValue, { MAX_SERVICE_ENTRIES as usize }> =
+    HashMap::new();
+
+#[btf_map]
+pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }> = HashMap::new();
+
+#[btf_map]
+pub static REV_NAT: HashMap<u16, RevNat, { MAX_REV_NAT as usize }> = HashMap::new();
+
+#[btf_map]
+pub static SOCK_REV_NAT: LruHashMap<SockRevNatKey, SockRevNat, { MAX_SOCK_REV_NAT as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { MAX_AFFINITY as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+pub static COUNTERS: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();
+
+#[inline(always)]
+pub fn count(counter: Counter) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
+        // SAFETY: per-CPU slot, and BPF programs are not preempted on one CPU
+        // by another program of these types.
+        unsafe { *slot += 1 };
+    }
+}

@@ -1,0 +1,106 @@
+//! Socket-level load balancing: translate the destination once per socket
+//! (TCP, connected UDP) or per datagram (unconnected UDP), so packets travel
+//! straight to the pod with no per-packet NAT.
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::bpf_sock_addr,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, generated::bpf_set_retval},
+    programs::SockAddrContext,
+};
+use proxy_common::{
+    Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, SockRevNat, SockRevNatKey,
+};
+
+use crate::{
+    lb::{self, Verdict},
+    maps::{SOCK_REV_NAT, count},
+};
+
+/// Return codes of cgroup sock_addr programs.
+pub const ALLOW: i32 = 1;
+pub const REJECT: i32 = 0;
+
+const ECONNREFUSED: i32 = 111;
+
+#[inline(always)]
+fn sock_addr(ctx: &SockAddrContext) -> &mut bpf_sock_addr {
+    // SAFETY: the kernel hands every sock_addr program a valid context.
+    unsafe { &mut *ctx.sock_addr }
+}
+
+#[inline(always)]
+fn service_key(sa: &bpf_sock_addr) -> Option<ServiceKey> {
+    let proto = sa.protocol as u8;
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+        return None;
+    }
+    Some(ServiceKey::new(
+        sa.user_ip4.to_ne_bytes(),
+        u16::from_be(sa.user_port as u16),
+        proto,
+        0,
+    ))
+}
+
+/// `connect4` and `sendmsg4`: pick a backend and rewrite the destination.
+#[inline(always)]
+pub fn try_translate(ctx: &SockAddrContext) -> i32 {
+    let sa = sock_addr(ctx);
+    let Some(key) = service_key(sa) else {
+        return ALLOW;
+    };
+    let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    match lb::select(&key, client) {
+        Verdict::NotAService => ALLOW,
+        Verdict::NoBackend => {
+            // Fail the call at once with ECONNREFUSED instead of EPERM.
+            unsafe { bpf_set_retval(-ECONNREFUSED) };
+            REJECT
+        }
+        Verdict::Backend { backend, rev_nat_id } => {
+            let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+            let rev_key = SockRevNatKey {
+                cookie,
+                address: backend.address,
+                port: backend.port,
+                _pad: 0,
+            };
+            let rev = SockRevNat { address: key.address, port: key.port, rev_nat_id };
+            let _ = SOCK_REV_NAT.insert(&rev_key, &rev, 0);
+            sa.user_ip4 = u32::from_ne_bytes(backend.address);
+            sa.user_port = u16::to_be(backend.port) as u32;
+            ALLOW
+        }
+    }
+}
+
+/// `recvmsg4` and `getpeername4`: show the service address instead of the
+/// backend's to the socket that was translated.
+#[inline(always)]
+pub fn try_reverse(ctx: &SockAddrContext) -> i32 {
+    let sa = sock_addr(ctx);
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let key = SockRevNatKey {
+        cookie,
+        address: sa.user_ip4.to_ne_bytes(),
+        port: u16::from_be(sa.user_port as u16),
+        _pad: 0,
+    };
+    // SAFETY: copied out at once.
+    let Some(rev) = (unsafe { SOCK_REV_NAT.get(&key).copied() }) else {
+        return ALLOW;
+    };
+    // Only while the service still exists: a reply from a pod that is no
+    // longer behind it should show its own address.
+    let frontend = ServiceKey::new(rev.address, rev.port, sa.protocol as u8, 0);
+    match lb::lookup_frontend(&frontend) {
+        Some(svc) if svc.rev_nat_id == rev.rev_nat_id => {
+            count(Counter::RevNat);
+            sa.user_ip4 = u32::from_ne_bytes(rev.address);
+            sa.user_port = u16::to_be(rev.port) as u32;
+        }
+        _ => {}
+    }
+    ALLOW
+}

@@ -1,0 +1,178 @@
+//! The lab's pod process: a server that answers with its name, or a client
+//! that reports who answered. It enters its network namespace (and, for
+//! clients under socket LB, the test cgroup) itself before opening a socket.
+//!
+//! Every answer line is `name=<pod> local=<ip:port> peer=<ip:port>`, as the
+//! server saw the connection; clients print one line per attempt:
+//! `ok ms=<elapsed> from=<reply source or peer> <answer>` or
+//! `err ms=<elapsed> kind=<io::ErrorKind>`.
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+
+const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] \
+    (serve --name NAME [--tcp PORT]... [--udp PORT]... \
+    | tcp ADDR COUNT | udp ADDR COUNT | http ADDR PATH)";
+
+fn main() -> anyhow::Result<()> {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let netns = take_opt(&mut args, "--netns").context(USAGE)?;
+    let cgroup = take_opt(&mut args, "--cgroup");
+    enter_netns(&netns)?;
+    if let Some(cgroup) = cgroup {
+        std::fs::write(format!("{cgroup}/cgroup.procs"), std::process::id().to_string())
+            .with_context(|| format!("joining cgroup {cgroup}"))?;
+    }
+    let timeout = Duration::from_millis(
+        take_opt(&mut args, "--timeout-ms").map_or(Ok(2000), |t| t.parse())?,
+    );
+    match args.first().map(String::as_str) {
+        Some("serve") => serve(&mut args),
+        Some("tcp") => tcp_client(&args, timeout),
+        Some("udp") => udp_client(&args, timeout),
+        Some("http") => http_get(&args, timeout),
+        _ => bail!(USAGE),
+    }
+}
+
+fn take_opt(args: &mut Vec<String>, name: &str) -> Option<String> {
+    let i = args.iter().position(|a| a == name)?;
+    args.remove(i);
+    (i < args.len()).then(|| args.remove(i))
+}
+
+fn take_all(args: &mut Vec<String>, name: &str) -> Vec<String> {
+    std::iter::from_fn(|| take_opt(args, name)).collect()
+}
+
+fn enter_netns(name: &str) -> anyhow::Result<()> {
+    let file = std::fs::File::open(format!("/run/netns/{name}"))
+        .with_context(|| format!("opening netns {name}"))?;
+    // SAFETY: a valid namespace fd; the process is still single-threaded.
+    if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&file), libc::CLONE_NEWNET) } != 0 {
+        bail!("setns {name}: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn answer(name: &str, local: SocketAddr, peer: SocketAddr) -> String {
+    format!("name={name} local={local} peer={peer}")
+}
+
+fn serve(args: &mut Vec<String>) -> anyhow::Result<()> {
+    let name = take_opt(args, "--name").context(USAGE)?;
+    let mut threads = Vec::new();
+    for port in take_all(args, "--tcp") {
+        let listener = TcpListener::bind(format!("0.0.0.0:{port}"))?;
+        let name = name.clone();
+        threads.push(std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let name = name.clone();
+                std::thread::spawn(move || serve_tcp(&name, stream));
+            }
+        }));
+    }
+    for port in take_all(args, "--udp") {
+        let socket = UdpSocket::bind(format!("0.0.0.0:{port}"))?;
+        let name = name.clone();
+        threads.push(std::thread::spawn(move || {
+            let mut buf = [0u8; 1500];
+            let local = socket.local_addr().expect("bound socket");
+            while let Ok((_, peer)) = socket.recv_from(&mut buf) {
+                let _ = socket.send_to(answer(&name, local, peer).as_bytes(), peer);
+            }
+        }));
+    }
+    // The harness waits for this line before sending traffic.
+    println!("ready");
+    std::io::stdout().flush()?;
+    for thread in threads {
+        let _ = thread.join();
+    }
+    Ok(())
+}
+
+/// Answers one HTTP/1.0-style request and closes. The whole request is read
+/// first: closing with unread bytes would make the kernel send a reset.
+fn serve_tcp(name: &str, mut stream: TcpStream) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut request = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => request.extend_from_slice(&buf[..n]),
+        }
+    }
+    let (Ok(local), Ok(peer)) = (stream.local_addr(), stream.peer_addr()) else { return };
+    let body = answer(name, local, peer);
+    let response = format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    let _ = stream.write_all(response.as_bytes());
+}
+
+fn target(args: &[String]) -> anyhow::Result<(SocketAddr, usize)> {
+    let addr = args.get(1).context(USAGE)?.parse()?;
+    let count = args.get(2).map_or(Ok(1), |c| c.parse())?;
+    Ok((addr, count))
+}
+
+fn report(start: Instant, result: std::io::Result<(SocketAddr, String)>) {
+    let ms = start.elapsed().as_secs_f64() * 1000.0;
+    match result {
+        Ok((from, body)) => println!("ok ms={ms:.3} from={from} {}", body.trim()),
+        Err(e) => println!("err ms={ms:.3} kind={:?}", e.kind()),
+    }
+}
+
+/// COUNT sequential connections; `from` is what getpeername returned.
+fn tcp_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
+    let (addr, count) = target(args)?;
+    for _ in 0..count {
+        let start = Instant::now();
+        report(start, tcp_request(addr, "/", timeout));
+    }
+    Ok(())
+}
+
+fn tcp_request(addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Result<(SocketAddr, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    let peer = stream.peer_addr()?;
+    stream.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let body = response.split_once("\r\n\r\n").map_or(response.as_str(), |(_, b)| b);
+    Ok((peer, body.to_string()))
+}
+
+/// COUNT datagrams from one unconnected socket; `from` is the reply's source
+/// as recvmsg reported it.
+fn udp_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
+    let (addr, count) = target(args)?;
+    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    socket.set_read_timeout(Some(timeout))?;
+    let mut buf = [0u8; 1500];
+    for _ in 0..count {
+        let start = Instant::now();
+        let result = socket.send_to(b"hello", addr).and_then(|_| {
+            let (n, from) = socket.recv_from(&mut buf)?;
+            Ok((from, String::from_utf8_lossy(&buf[..n]).into_owned()))
+        });
+        report(start, result);
+    }
+    Ok(())
+}
+
+/// GET PATH from ADDR and print the body (used for the agent's /metrics).
+fn http_get(args: &[String], timeout: Duration) -> anyhow::Result<()> {
+    let addr = args.get(1).context(USAGE)?.parse()?;
+    let path = args.get(2).context(USAGE)?;
+    let (_, body) = tcp_request(addr, path, timeout)?;
+    print!("{body}");
+    Ok(())
+}

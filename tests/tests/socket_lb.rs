@@ -1,0 +1,312 @@
+//! Socket LB in the lab: real programs on a test cgroup, real connections
+//! from a client pod to pods behind a ClusterIP.
+
+use std::time::{Duration, Instant};
+
+use proxy_common::Counter;
+use proxy_lab::{Attempt, Lab, Pod, tally};
+
+const VIP: &str = "10.96.0.10";
+
+/// A lab with `n` web pods (TCP 8080, UDP 5353) and a client pod.
+fn web_lab(n: usize) -> (Lab, Vec<Pod>, Pod) {
+    let mut lab = Lab::new().expect("lab");
+    let mut pods = Vec::new();
+    for i in 0..n {
+        let pod = lab.add_pod(&format!("web-{i}"), &format!("10.244.1.{}", 2 + i)).unwrap();
+        lab.serve(&pod, &[8080], &[5353]).unwrap();
+        pods.push(pod);
+    }
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    (lab, pods, client)
+}
+
+fn endpoints_yaml(pods: &[&Pod]) -> String {
+    if pods.is_empty() {
+        return "[]".into();
+    }
+    pods.iter()
+        .map(|p| format!("\n- {{addresses: [{}], conditions: {{ready: true}}, nodeName: lab-node}}", p.ip))
+        .collect()
+}
+
+/// Service `web` (80/TCP → http, 53/UDP → 5353) and its slice.
+fn web_manifest(pods: &[&Pod], affinity_secs: Option<u32>) -> String {
+    let affinity = affinity_secs.map_or(String::new(), |s| {
+        format!("  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {s}}}}}\n")
+    });
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: lab}}
+spec:
+  clusterIP: {VIP}
+{affinity}  ports:
+  - {{name: http, port: 80, protocol: TCP, targetPort: http}}
+  - {{name: dns, port: 53, protocol: UDP, targetPort: 5353}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: lab
+  labels: {{kubernetes.io/service-name: web}}
+addressType: IPv4
+ports:
+- {{name: http, port: 8080, protocol: TCP}}
+- {{name: dns, port: 5353, protocol: UDP}}
+endpoints: {}
+"#,
+        endpoints_yaml(pods)
+    )
+}
+
+fn tcp(lab: &Lab, client: &Pod, addr: &str, count: usize) -> Vec<Attempt> {
+    lab.client(client, &["tcp", addr, &count.to_string()]).unwrap()
+}
+
+fn all_ok(attempts: &[Attempt]) {
+    let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
+    assert!(failed.is_empty(), "failed attempts: {failed:?}");
+}
+
+#[test]
+fn tcp_connections_spread_uniformly_over_three_endpoints() {
+    let (mut lab, pods, client) = web_lab(3);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    let attempts = tcp(&lab, &client, "10.96.0.10:80", 300);
+    all_ok(&attempts);
+    let counts = tally(&attempts);
+    assert_eq!(counts.len(), 3, "every endpoint answers: {counts:?}");
+    for (pod, n) in &counts {
+        assert!((60..=141).contains(n), "{pod} got {n}/300, outside 20%..47%: {counts:?}");
+    }
+    // The backend saw the client itself: no NAT on the socket path.
+    if let Attempt::Ok { peer, local, .. } = &attempts[0] {
+        assert!(peer.starts_with("10.244.1.100:"), "{peer}");
+        assert!(local.ends_with(":8080"), "{local}");
+    }
+}
+
+#[test]
+fn udp_replies_and_tcp_peer_show_the_cluster_ip() {
+    let (mut lab, pods, client) = web_lab(2);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    let udp = lab.client(&client, &["udp", "10.96.0.10:53", "20"]).unwrap();
+    all_ok(&udp);
+    for attempt in &udp {
+        let Attempt::Ok { from, local, .. } = attempt else { unreachable!() };
+        assert_eq!(from, "10.96.0.10:53", "recvmsg shows the service");
+        assert!(local.ends_with(":5353"), "the pod got it on its port: {local}");
+    }
+    let tcp = tcp(&lab, &client, "10.96.0.10:80", 5);
+    all_ok(&tcp);
+    for attempt in &tcp {
+        let Attempt::Ok { from, .. } = attempt else { unreachable!() };
+        assert_eq!(from, "10.96.0.10:80", "getpeername shows the service");
+    }
+}
+
+#[test]
+fn endpoint_removal_and_addition_take_effect_within_a_second() {
+    let (mut lab, pods, client) = web_lab(3);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+    all_ok(&tcp(&lab, &client, "10.96.0.10:80", 30));
+
+    // Remove web-2: a second later, no new connection reaches it.
+    lab.write_manifest(&web_manifest(&[&pods[0], &pods[1]], None)).unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let after = tcp(&lab, &client, "10.96.0.10:80", 60);
+    all_ok(&after);
+    let counts = tally(&after);
+    assert!(!counts.contains_key("web-2"), "removed endpoint still reached: {counts:?}");
+
+    // Add a new pod: a second later, it receives connections.
+    let extra = lab.add_pod("web-new", "10.244.1.50").unwrap();
+    lab.serve(&extra, &[8080], &[5353]).unwrap();
+    lab.write_manifest(&web_manifest(&[&pods[0], &pods[1], &extra], None)).unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let counts = tally(&tcp(&lab, &client, "10.96.0.10:80", 60));
+    assert!(counts.contains_key("web-new"), "new endpoint not reached: {counts:?}");
+    assert!(!counts.contains_key("web-2"));
+}
+
+#[test]
+fn a_service_without_endpoints_refuses_at_once() {
+    let (mut lab, _pods, client) = web_lab(0);
+    lab.write_manifest(&web_manifest(&[], None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    for attempt in tcp(&lab, &client, "10.96.0.10:80", 5) {
+        match attempt {
+            Attempt::Err { ms, kind } => {
+                assert_eq!(kind, "ConnectionRefused");
+                assert!(ms < 100.0, "refusal took {ms} ms");
+            }
+            ok => panic!("connected to a service without endpoints: {ok:?}"),
+        }
+    }
+    assert!(lab.counter(Counter::NoBackend).unwrap() >= 5);
+}
+
+#[test]
+fn client_ip_affinity_sticks_until_the_timeout() {
+    let (mut lab, pods, client) = web_lab(3);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), Some(2))).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    let first = tcp(&lab, &client, "10.96.0.10:80", 50);
+    all_ok(&first);
+    let counts = tally(&first);
+    assert_eq!(counts.len(), 1, "50 connections of one client reach one backend: {counts:?}");
+    assert_eq!(lab.counter(Counter::BackendPicked).unwrap(), 1);
+    assert_eq!(lab.counter(Counter::AffinityHit).unwrap(), 49);
+
+    // Idle past the timeout: the next connection is a fresh random pick,
+    // and the ones after it stick to that pick.
+    std::thread::sleep(Duration::from_millis(2500));
+    let second = tcp(&lab, &client, "10.96.0.10:80", 10);
+    all_ok(&second);
+    assert_eq!(tally(&second).len(), 1);
+    assert_eq!(lab.counter(Counter::BackendPicked).unwrap(), 2, "a new pick after the timeout");
+    assert_eq!(lab.counter(Counter::AffinityHit).unwrap(), 58);
+}
+
+#[test]
+fn multi_port_service_with_a_named_target_port_per_endpoint() {
+    let mut lab = Lab::new().unwrap();
+    // web-a and web-b name their "http" port 8080, web-c names it 8081; all
+    // serve "metrics" on 9100.
+    let a = lab.add_pod("web-a", "10.244.1.2").unwrap();
+    let b = lab.add_pod("web-b", "10.244.1.3").unwrap();
+    let c = lab.add_pod("web-c", "10.244.1.4").unwrap();
+    lab.serve(&a, &[8080, 9100], &[]).unwrap();
+    lab.serve(&b, &[8080, 9100], &[]).unwrap();
+    lab.serve(&c, &[8081, 9100], &[]).unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    lab.write_manifest(
+        r#"apiVersion: v1
+kind: Service
+metadata: {name: multi, namespace: lab}
+spec:
+  clusterIP: 10.96.0.20
+  ports:
+  - {name: http, port: 80, targetPort: http}
+  - {name: metrics, port: 9090, targetPort: 9100}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: multi-a, namespace: lab, labels: {kubernetes.io/service-name: multi}}
+addressType: IPv4
+ports: [{name: http, port: 8080}, {name: metrics, port: 9100}]
+endpoints: [{addresses: [10.244.1.2]}, {addresses: [10.244.1.3]}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: multi-b, namespace: lab, labels: {kubernetes.io/service-name: multi}}
+addressType: IPv4
+ports: [{name: http, port: 8081}, {name: metrics, port: 9100}]
+endpoints: [{addresses: [10.244.1.4]}]
+"#,
+    )
+    .unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    for (vip, expect) in [("10.96.0.20:80", None), ("10.96.0.20:9090", Some(":9100"))] {
+        let attempts = tcp(&lab, &client, vip, 90);
+        all_ok(&attempts);
+        assert_eq!(tally(&attempts).len(), 3, "{vip}: {:?}", tally(&attempts));
+        for attempt in &attempts {
+            let Attempt::Ok { name, local, .. } = attempt else { unreachable!() };
+            let port = expect.unwrap_or(if name == "web-c" { ":8081" } else { ":8080" });
+            assert!(local.ends_with(port), "{vip} reached {name} on {local}");
+        }
+    }
+}
+
+#[test]
+fn malformed_services_are_reported_and_the_good_ones_served() {
+    let (mut lab, pods, client) = web_lab(2);
+    let bad = r#"
+---
+apiVersion: v1
+kind: Service
+metadata: {name: bad-ip, namespace: lab}
+spec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: port-zero, namespace: lab}
+spec: {clusterIP: 10.96.0.31, ports: [{port: 0}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: bad-proto, namespace: lab}
+spec: {clusterIP: 10.96.0.32, ports: [{port: 80, protocol: QUIC}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: bad-type, namespace: lab}
+spec: {clusterIP: 10.96.0.33, ports: [{port: eighty}]}
+"#;
+    let manifest = web_manifest(&pods.iter().collect::<Vec<_>>(), None) + bad;
+    lab.write_manifest(&manifest).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    all_ok(&tcp(&lab, &client, "10.96.0.10:80", 20));
+    // The bad ones have no frontend: their addresses stay unreachable.
+    let refused = lab.client(&client, &["--timeout-ms", "300", "tcp", "10.96.0.32:80", "1"]).unwrap();
+    assert!(refused[0].pod().is_none());
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let metrics = loop {
+        let metrics = lab.metrics().unwrap();
+        if metrics.contains("proxy_invalid_objects_total{kind=\"Service\"} 4") || Instant::now() > deadline {
+            break metrics;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(metrics.contains("proxy_invalid_objects_total{kind=\"Service\"} 4"), "{metrics}");
+    let log = lab.agent_log();
+    for name in ["lab/bad-ip", "lab/port-zero", "lab/bad-proto", "lab/bad-type"] {
+        assert!(log.contains(name), "{name} not in the log:\n{log}");
+    }
+    assert!(!log.contains("panicked"));
+
+    // Breaking the good service keeps its last good version in service.
+    lab.write_manifest(&manifest.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.999")).unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
+    assert!(lab.agent_log().contains("serving the last good version"));
+    assert!(lab.agent_alive());
+}
+
+#[test]
+fn maps_dump_with_field_names_and_cleanup_removes_everything() {
+    let (mut lab, pods, _client) = web_lab(1);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+    let services = lab.dump_map("SERVICES").unwrap();
+    assert!(services.contains("\"backend_id\""), "{services}");
+    let backends = lab.dump_map("BACKENDS").unwrap();
+    assert!(backends.contains("\"address\": [10,244,1,2\n"), "{backends}");
+    assert!(backends.contains("\"port\": 8080"), "{backends}");
+
+    let cgroup = lab.cgroup.to_string_lossy().into_owned();
+    let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
+    for program in ["connect4", "sendmsg4", "recvmsg4", "getpeername4"] {
+        assert!(attached.contains(program), "{attached}");
+    }
+    let agent = proxy_lab::target_bin("proxy-agent");
+    let pins = lab.pins.to_string_lossy().into_owned();
+    proxy_lab::sh(&agent.to_string_lossy(), &["cleanup", "--bpffs-root", &pins]).unwrap();
+    assert!(!lab.pins.exists(), "pins left behind");
+    // The agent still runs and holds its maps, but no program is attached.
+    let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
+    assert!(!attached.contains("connect4"), "{attached}");
+}
