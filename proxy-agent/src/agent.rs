@@ -45,7 +45,6 @@ impl Agent {
         if reload.changed || self.retry {
             self.sync();
         }
-        self.metrics.set_datapath(self.backend.counters());
     }
 
     fn sync(&mut self) {
@@ -97,7 +96,8 @@ fn node_name(args: &RunArgs) -> anyhow::Result<String> {
     if let Some(name) = &args.hostname_override {
         return Ok(name.clone());
     }
-    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").context("reading the hostname")?;
+    let name =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").context("reading the hostname")?;
     Ok(name.trim().to_lowercase())
 }
 
@@ -134,6 +134,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             .backend
             .activate(&cgroup, root)
             .with_context(|| format!("attaching to {}", cgroup.display()))?;
+        agent.metrics.set_datapath(ebpf::CounterReader::open(root)?);
         tracing::info!("programs attached; serving");
 
         let mut terminate = signal(SignalKind::terminate())?;

@@ -10,13 +10,13 @@ use std::{
     },
 };
 
-use proxy_common::Counter;
+use crate::backend::ebpf::CounterReader;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpListener,
 };
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Metrics {
     pub syncs_ok: AtomicU64,
     pub syncs_failed: AtomicU64,
@@ -26,7 +26,8 @@ pub struct Metrics {
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
     invalid: Mutex<BTreeMap<String, u64>>,
-    datapath: Mutex<Vec<(Counter, u64)>>,
+    /// Read at each scrape, once the datapath is pinned.
+    datapath: Mutex<Option<CounterReader>>,
 }
 
 impl Metrics {
@@ -37,9 +38,9 @@ impl Metrics {
         }
     }
 
-    pub fn set_datapath(&self, counters: Vec<(Counter, u64)>) {
+    pub fn set_datapath(&self, reader: CounterReader) {
         if let Ok(mut datapath) = self.datapath.lock() {
-            *datapath = counters;
+            *datapath = Some(reader);
         }
     }
 
@@ -95,11 +96,12 @@ impl Metrics {
             "Times an invalid update was ignored and the last good object kept.",
             &[(String::new(), self.kept_objects.load(Relaxed))],
         );
-        let datapath: Vec<_> = self
-            .datapath
-            .lock()
-            .map(|d| d.iter().map(|(c, v)| (format!(r#"{{event="{}"}}"#, c.name()), *v)).collect())
-            .unwrap_or_default();
+        let counters = self.datapath.lock().ok().and_then(|d| d.as_ref().map(CounterReader::read));
+        let datapath: Vec<_> = counters
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(c, v)| (format!(r#"{{event="{}"}}"#, c.name()), v))
+            .collect();
         metric(
             "proxy_datapath_events_total",
             "counter",
@@ -144,11 +146,10 @@ mod tests {
         metrics.invalid("Service");
         metrics.invalid("Service");
         metrics.syncs_ok.store(3, Relaxed);
-        metrics.set_datapath(vec![(Counter::NoBackend, 7)]);
         let text = metrics.render();
         assert!(text.contains("proxy_invalid_objects_total{kind=\"Service\"} 2\n"), "{text}");
         assert!(text.contains("proxy_sync_total{result=\"ok\"} 3\n"));
-        assert!(text.contains("proxy_datapath_events_total{event=\"no_backend\"} 7\n"));
+        assert!(text.contains("# TYPE proxy_datapath_events_total counter\n"));
         assert!(text.contains("# TYPE proxy_frontends gauge\n"));
     }
 }

@@ -179,7 +179,8 @@ pub fn build(services: &[Service], slices: &[EndpointSlice]) -> Model {
 /// Key of one slice port: (port name, protocol).
 type SlicePortKey = (String, Protocol);
 /// Per service, per slice port, the endpoints by address.
-type EndpointIndex = BTreeMap<ServiceName, BTreeMap<SlicePortKey, BTreeMap<SocketAddrV4, Endpoint>>>;
+type EndpointIndex =
+    BTreeMap<ServiceName, BTreeMap<SlicePortKey, BTreeMap<SocketAddrV4, Endpoint>>>;
 
 fn object_name(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -208,7 +209,8 @@ fn index_slices(slices: &[EndpointSlice], errors: &mut Vec<ModelError>) -> Endpo
         else {
             continue;
         };
-        let service = ServiceName { namespace: slice_name.namespace.clone(), name: service.clone() };
+        let service =
+            ServiceName { namespace: slice_name.namespace.clone(), name: service.clone() };
         let mut ports = Vec::new();
         for port in slice.ports.iter().flatten() {
             let port_name = port.name.clone().unwrap_or_default();
@@ -340,7 +342,11 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
             }
         })?;
         if !seen.insert((number, protocol)) {
-            return Err(ModelError::DuplicatePort { service: name.clone(), port: number, protocol });
+            return Err(ModelError::DuplicatePort {
+                service: name.clone(),
+                port: number,
+                protocol,
+            });
         }
         let endpoints = endpoints
             .get(&(port_name.clone(), protocol))
@@ -481,12 +487,27 @@ endpoints: {endpoints}
     #[test]
     fn malformed_services_are_reported_by_name_and_skipped() {
         let bad = [
-            ("{metadata: {name: badip}, spec: {clusterIP: 10.96.0.999, ports: [{port: 80}]}}", "badip"),
+            (
+                "{metadata: {name: badip}, spec: {clusterIP: 10.96.0.999, ports: [{port: 80}]}}",
+                "badip",
+            ),
             ("{metadata: {name: zero}, spec: {clusterIP: 10.96.0.5, ports: [{port: 0}]}}", "zero"),
-            ("{metadata: {name: big}, spec: {clusterIP: 10.96.0.5, ports: [{port: 70000}]}}", "big"),
-            ("{metadata: {name: proto}, spec: {clusterIP: 10.96.0.6, ports: [{port: 80, protocol: QUIC}]}}", "proto"),
-            ("{metadata: {name: dup}, spec: {clusterIP: 10.96.0.7, ports: [{name: a, port: 80}, {name: b, port: 80}]}}", "dup"),
-            ("{metadata: {name: aff}, spec: {clusterIP: 10.96.0.8, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}, ports: [{port: 80}]}}", "aff"),
+            (
+                "{metadata: {name: big}, spec: {clusterIP: 10.96.0.5, ports: [{port: 70000}]}}",
+                "big",
+            ),
+            (
+                "{metadata: {name: proto}, spec: {clusterIP: 10.96.0.6, ports: [{port: 80, protocol: QUIC}]}}",
+                "proto",
+            ),
+            (
+                "{metadata: {name: dup}, spec: {clusterIP: 10.96.0.7, ports: [{name: a, port: 80}, {name: b, port: 80}]}}",
+                "dup",
+            ),
+            (
+                "{metadata: {name: aff}, spec: {clusterIP: 10.96.0.8, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}, ports: [{port: 80}]}}",
+                "aff",
+            ),
         ];
         for (yaml, name) in bad {
             let model = build(&[service(yaml), service(WEB)], &[]);

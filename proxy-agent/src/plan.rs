@@ -111,7 +111,11 @@ mod tests {
     #[test]
     fn frontends_carry_usable_endpoints_only() {
         let model = model::Model {
-            ports: vec![port("a", [10, 96, 0, 1], &[("10.0.0.2:80", true), ("10.0.0.3:80", false)])],
+            ports: vec![port(
+                "a",
+                [10, 96, 0, 1],
+                &[("10.0.0.2:80", true), ("10.0.0.3:80", false)],
+            )],
             errors: vec![],
         };
         let (plan, conflicts) = plan(&model, "node-a");

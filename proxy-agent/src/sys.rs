@@ -13,8 +13,9 @@ pub const BPFFS_MOUNT: &str = "/sys/fs/bpf";
 /// The mount point of the cgroup v2 hierarchy, from `/proc/self/mountinfo`.
 pub fn cgroup2_root() -> io::Result<PathBuf> {
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
-    cgroup2_root_in(&mountinfo)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no cgroup2 mount in /proc/self/mountinfo"))
+    cgroup2_root_in(&mountinfo).ok_or_else(|| {
+        io::Error::new(io::ErrorKind::NotFound, "no cgroup2 mount in /proc/self/mountinfo")
+    })
 }
 
 /// Parses mountinfo lines: `id parent dev root mountpoint opts [optional...] - fstype source opts`.

@@ -43,11 +43,9 @@ pub fn select(key: &ServiceKey, client: u64) -> Verdict {
     let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, _pad: [0; 6] };
     let affine = svc.flags & SVC_FLAG_AFFINITY != 0;
     let now = unsafe { bpf_ktime_get_ns() };
-    if affine {
-        if let Some(backend) = affine_backend(&affinity_key, &svc, now) {
-            count(Counter::AffinityHit);
-            return Verdict::Backend { backend: backend.1, rev_nat_id: svc.rev_nat_id };
-        }
+    if affine && let Some((_, backend)) = affine_backend(&affinity_key, &svc, now) {
+        count(Counter::AffinityHit);
+        return Verdict::Backend { backend, rev_nat_id: svc.rev_nat_id };
     }
     let Some((backend_id, backend)) = random_backend(key, svc.count) else {
         count(Counter::SlotMiss);
@@ -56,7 +54,7 @@ pub fn select(key: &ServiceKey, client: u64) -> Verdict {
     count(Counter::BackendPicked);
     if affine {
         let value = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
-        let _ = AFFINITY.insert(&affinity_key, &value, 0);
+        let _ = AFFINITY.insert(affinity_key, value, 0);
     }
     Verdict::Backend { backend, rev_nat_id: svc.rev_nat_id }
 }

@@ -8,9 +8,7 @@ use aya_ebpf::{
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, generated::bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{
-    Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, SockRevNat, SockRevNatKey,
-};
+use proxy_common::{Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, SockRevNat, SockRevNatKey};
 
 use crate::{
     lb::{self, Verdict},
@@ -24,9 +22,20 @@ pub const REJECT: i32 = 0;
 const ECONNREFUSED: i32 = 111;
 
 #[inline(always)]
-fn sock_addr(ctx: &SockAddrContext) -> &mut bpf_sock_addr {
+fn sock_addr(ctx: &SockAddrContext) -> &bpf_sock_addr {
     // SAFETY: the kernel hands every sock_addr program a valid context.
-    unsafe { &mut *ctx.sock_addr }
+    unsafe { &*ctx.sock_addr }
+}
+
+/// Rewrites the address the syscall uses (destination, or the source a
+/// reply is reported from).
+#[inline(always)]
+fn set_user_addr(ctx: &SockAddrContext, address: [u8; 4], port: u16) {
+    // SAFETY: valid context; user_ip4/user_port are writable in these hooks.
+    unsafe {
+        (*ctx.sock_addr).user_ip4 = u32::from_ne_bytes(address);
+        (*ctx.sock_addr).user_port = u16::to_be(port) as u32;
+    }
 }
 
 #[inline(always)]
@@ -35,12 +44,7 @@ fn service_key(sa: &bpf_sock_addr) -> Option<ServiceKey> {
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return None;
     }
-    Some(ServiceKey::new(
-        sa.user_ip4.to_ne_bytes(),
-        u16::from_be(sa.user_port as u16),
-        proto,
-        0,
-    ))
+    Some(ServiceKey::new(sa.user_ip4.to_ne_bytes(), u16::from_be(sa.user_port as u16), proto, 0))
 }
 
 /// `connect4` and `sendmsg4`: pick a backend and rewrite the destination.
@@ -60,16 +64,11 @@ pub fn try_translate(ctx: &SockAddrContext) -> i32 {
         }
         Verdict::Backend { backend, rev_nat_id } => {
             let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-            let rev_key = SockRevNatKey {
-                cookie,
-                address: backend.address,
-                port: backend.port,
-                _pad: 0,
-            };
+            let rev_key =
+                SockRevNatKey { cookie, address: backend.address, port: backend.port, _pad: 0 };
             let rev = SockRevNat { address: key.address, port: key.port, rev_nat_id };
-            let _ = SOCK_REV_NAT.insert(&rev_key, &rev, 0);
-            sa.user_ip4 = u32::from_ne_bytes(backend.address);
-            sa.user_port = u16::to_be(backend.port) as u32;
+            let _ = SOCK_REV_NAT.insert(rev_key, rev, 0);
+            set_user_addr(ctx, backend.address, backend.port);
             ALLOW
         }
     }
@@ -88,7 +87,7 @@ pub fn try_reverse(ctx: &SockAddrContext) -> i32 {
         _pad: 0,
     };
     // SAFETY: copied out at once.
-    let Some(rev) = (unsafe { SOCK_REV_NAT.get(&key).copied() }) else {
+    let Some(rev) = (unsafe { SOCK_REV_NAT.get(key).copied() }) else {
         return ALLOW;
     };
     // Only while the service still exists: a reply from a pod that is no
@@ -97,8 +96,7 @@ pub fn try_reverse(ctx: &SockAddrContext) -> i32 {
     match lb::lookup_frontend(&frontend) {
         Some(svc) if svc.rev_nat_id == rev.rev_nat_id => {
             count(Counter::RevNat);
-            sa.user_ip4 = u32::from_ne_bytes(rev.address);
-            sa.user_port = u16::to_be(rev.port) as u32;
+            set_user_addr(ctx, rev.address, rev.port);
         }
         _ => {}
     }

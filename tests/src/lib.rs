@@ -28,23 +28,29 @@ const BPFFS: &str = "/sys/fs/bpf";
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
-/// A binary built next to the running test (cargo puts integration tests in
-/// `target/<profile>/deps/`).
+/// Overrides where [`target_bin`] looks (the benchmark uses release builds).
+pub const BIN_DIR_ENV: &str = "PROXY_LAB_BIN_DIR";
+
+/// A binary of this workspace: in `$PROXY_LAB_BIN_DIR`, else next to the
+/// running executable (`target/<profile>/`, or its parent for integration
+/// tests, which cargo puts in `target/<profile>/deps/`).
 pub fn target_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    let path = dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build it first (cargo xtask test does)",
-        path.display()
-    );
-    path
+    let exe_dir = exe.parent().expect("exe dir").to_path_buf();
+    let candidates = match std::env::var_os(BIN_DIR_ENV) {
+        Some(dir) => vec![PathBuf::from(dir)],
+        None => vec![exe_dir.clone(), exe_dir.parent().unwrap_or(&exe_dir).to_path_buf()],
+    };
+    let found = candidates.iter().map(|d| d.join(name)).find(|p| p.exists());
+    found.unwrap_or_else(|| {
+        panic!("{name} is missing in {candidates:?}: build it first (cargo xtask test does)")
+    })
 }
 
 /// Runs a command, failing with its output when it fails.
 pub fn sh(program: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(program).args(args).output().with_context(|| format!("running {program}"))?;
+    let out =
+        Command::new(program).args(args).output().with_context(|| format!("running {program}"))?;
     if !out.status.success() {
         bail!(
             "{program} {}: {}{}",
@@ -83,8 +89,17 @@ pub struct Pod {
 pub enum Attempt {
     /// `from` is the peer (TCP, getpeername) or reply source (UDP, recvmsg);
     /// `name`, `local`, `peer` are what the server saw.
-    Ok { ms: f64, from: String, name: String, local: String, peer: String },
-    Err { ms: f64, kind: String },
+    Ok {
+        ms: f64,
+        from: String,
+        name: String,
+        local: String,
+        peer: String,
+    },
+    Err {
+        ms: f64,
+        kind: String,
+    },
 }
 
 impl Attempt {
@@ -167,7 +182,10 @@ impl Lab {
         self.add_netns(&netns)?;
         self.pods += 1;
         let host_if = format!("veth{}", self.pods);
-        ip(&["-n", &self.node, "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
+        ip(&[
+            "-n", &self.node, "link", "add", &host_if, "type", "veth", "peer", "name", "eth0",
+            "netns", &netns,
+        ])?;
         ip(&["-n", &self.node, "addr", "add", &format!("{GATEWAY}/32"), "dev", &host_if])?;
         ip(&["-n", &self.node, "link", "set", &host_if, "up"])?;
         ip(&["-n", &self.node, "route", "add", &format!("{pod_ip}/32"), "dev", &host_if])?;
@@ -253,6 +271,14 @@ impl Lab {
         Ok(())
     }
 
+    /// Kills the agent without letting it clean up, as a crash would.
+    pub fn kill_agent(&mut self) {
+        if let Some(mut agent) = self.agent.take() {
+            let _ = agent.kill();
+            let _ = agent.wait();
+        }
+    }
+
     /// Whether the agent is still running.
     pub fn agent_alive(&mut self) -> bool {
         self.agent.as_mut().is_some_and(|a| matches!(a.try_wait(), Ok(None)))
@@ -287,7 +313,21 @@ impl Lab {
     pub fn counter(&self, counter: proxy_common::Counter) -> anyhow::Result<u64> {
         let map = self.pins.join("maps").join("COUNTERS");
         let index = (counter as u32).to_string();
-        let out = sh("bpftool", &["-j", "map", "lookup", "pinned", &map.to_string_lossy(), "key", &index, "0", "0", "0"])?;
+        let out = sh(
+            "bpftool",
+            &[
+                "-j",
+                "map",
+                "lookup",
+                "pinned",
+                &map.to_string_lossy(),
+                "key",
+                &index,
+                "0",
+                "0",
+                "0",
+            ],
+        )?;
         let json: serde_json::Value = serde_json::from_str(&out)?;
         let values = json["formatted"]["values"].as_array().context("per-CPU values")?;
         Ok(values.iter().filter_map(|v| v["value"].as_u64()).sum())
@@ -295,7 +335,10 @@ impl Lab {
 
     /// `bpftool map dump` of one pinned map.
     pub fn dump_map(&self, name: &str) -> anyhow::Result<String> {
-        sh("bpftool", &["map", "dump", "pinned", &self.pins.join("maps").join(name).to_string_lossy()])
+        sh(
+            "bpftool",
+            &["map", "dump", "pinned", &self.pins.join("maps").join(name).to_string_lossy()],
+        )
     }
 
     fn teardown(&mut self) {
@@ -410,7 +453,9 @@ mod tests {
 
     #[test]
     fn client_lines_parse() {
-        let ok = Attempt::parse("ok ms=0.412 from=10.96.0.10:80 name=web-0 local=10.244.1.2:8080 peer=10.244.1.10:4242");
+        let ok = Attempt::parse(
+            "ok ms=0.412 from=10.96.0.10:80 name=web-0 local=10.244.1.2:8080 peer=10.244.1.10:4242",
+        );
         assert_eq!(ok.as_ref().and_then(|a| a.pod()), Some("web-0"));
         let err = Attempt::parse("err ms=0.101 kind=ConnectionRefused");
         assert_eq!(err, Some(Attempt::Err { ms: 0.101, kind: "ConnectionRefused".into() }));

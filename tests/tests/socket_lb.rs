@@ -26,7 +26,12 @@ fn endpoints_yaml(pods: &[&Pod]) -> String {
         return "[]".into();
     }
     pods.iter()
-        .map(|p| format!("\n- {{addresses: [{}], conditions: {{ready: true}}, nodeName: lab-node}}", p.ip))
+        .map(|p| {
+            format!(
+                "\n- {{addresses: [{}], conditions: {{ready: true}}, nodeName: lab-node}}",
+                p.ip
+            )
+        })
         .collect()
 }
 
@@ -260,13 +265,16 @@ spec: {clusterIP: 10.96.0.33, ports: [{port: eighty}]}
 
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 20));
     // The bad ones have no frontend: their addresses stay unreachable.
-    let refused = lab.client(&client, &["--timeout-ms", "300", "tcp", "10.96.0.32:80", "1"]).unwrap();
+    let refused =
+        lab.client(&client, &["--timeout-ms", "300", "tcp", "10.96.0.32:80", "1"]).unwrap();
     assert!(refused[0].pod().is_none());
 
     let deadline = Instant::now() + Duration::from_secs(5);
     let metrics = loop {
         let metrics = lab.metrics().unwrap();
-        if metrics.contains("proxy_invalid_objects_total{kind=\"Service\"} 4") || Instant::now() > deadline {
+        if metrics.contains("proxy_invalid_objects_total{kind=\"Service\"} 4")
+            || Instant::now() > deadline
+        {
             break metrics;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -279,7 +287,8 @@ spec: {clusterIP: 10.96.0.33, ports: [{port: eighty}]}
     assert!(!log.contains("panicked"));
 
     // Breaking the good service keeps its last good version in service.
-    lab.write_manifest(&manifest.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.999")).unwrap();
+    lab.write_manifest(&manifest.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.999"))
+        .unwrap();
     std::thread::sleep(Duration::from_millis(600));
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
     assert!(lab.agent_log().contains("serving the last good version"));
@@ -309,4 +318,24 @@ fn maps_dump_with_field_names_and_cleanup_removes_everything() {
     // The agent still runs and holds its maps, but no program is attached.
     let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
     assert!(!attached.contains("connect4"), "{attached}");
+}
+
+#[test]
+fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it() {
+    let (mut lab, pods, client) = web_lab(2);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+    all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
+
+    lab.kill_agent();
+    all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
+
+    // A new agent attaches beside the pinned programs, then retires them.
+    lab.start_agent(&[]).unwrap();
+    let cgroup = lab.cgroup.to_string_lossy().into_owned();
+    let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
+    assert_eq!(attached.matches("connect4").count(), 1, "{attached}");
+    assert_eq!(attached.lines().count(), 5, "a header and four programs: {attached}");
+    all_ok(&tcp(&lab, &client, "10.96.0.10:80", 30));
+    assert_eq!(tally(&tcp(&lab, &client, "10.96.0.10:80", 60)).len(), 2);
 }

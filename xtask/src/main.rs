@@ -1,1 +1,113 @@
-fn main(){}
+//! Developer tasks: `cargo xtask setup | demo | test | bench`.
+
+mod bench;
+mod demo;
+mod setup;
+
+use std::process::Command;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what building and testing needs (apt packages, nightly with
+    /// rust-src, bpf-linker); quick when everything is there.
+    Setup,
+    /// Build, start a lab with pods and the example manifest, send traffic
+    /// through the ClusterIP, show the maps, tear everything down.
+    Demo,
+    /// Setup, lint, build, and run every test (unit and lab; needs root).
+    Test,
+    /// Measure connection rates through a service VIP against a direct pod
+    /// connection, in one lab run.
+    Bench {
+        /// Connections per measurement round
+        #[arg(long, default_value_t = 2000)]
+        connections: usize,
+        /// Rounds, alternating VIP and direct
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // Run from the workspace root whatever the caller's directory.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::env::set_current_dir(&root).context("entering the workspace")?;
+    match cli.task {
+        Task::Setup => setup::run(),
+        Task::Demo => {
+            setup::run()?;
+            build()?;
+            demo::run()
+        }
+        Task::Test => {
+            setup::run()?;
+            require_root()?;
+            cargo(&["fmt", "--all", "--check"])?;
+            let clippy = ["clippy", "--workspace", "--exclude", "proxy-ebpf", "--all-targets"];
+            cargo(&[&clippy[..], &["--", "-D", "warnings"]].concat())?;
+            clippy_bpf()?;
+            build()?;
+            cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])
+        }
+        Task::Bench { connections, rounds } => {
+            setup::run()?;
+            require_root()?;
+            cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])?;
+            bench::run(connections, rounds)
+        }
+    }
+}
+
+/// The agent and the lab's pod binary, which the demo and lab tests run.
+fn build() -> anyhow::Result<()> {
+    cargo(&["build", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])
+}
+
+/// Lints the BPF crate for its own target, as the build compiles it.
+fn clippy_bpf() -> anyhow::Result<()> {
+    let status = Command::new("rustup")
+        .args(["run", "nightly", "cargo", "clippy", "-p", "proxy-ebpf"])
+        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+        .args(["--target-dir", "target/bpf-clippy", "--", "-D", "warnings"])
+        // The outer cargo's toolchain must not leak into nightly's.
+        .env_remove("RUSTC")
+        .env_remove("CARGO")
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .status()
+        .context("running clippy on proxy-ebpf")?;
+    if !status.success() {
+        bail!("clippy on proxy-ebpf failed ({status})");
+    }
+    Ok(())
+}
+
+fn cargo(args: &[&str]) -> anyhow::Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(&cargo)
+        .args(args)
+        .status()
+        .with_context(|| format!("running cargo {args:?}"))?;
+    if !status.success() {
+        bail!("cargo {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn require_root() -> anyhow::Result<()> {
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the lab needs root: network namespaces, cgroups and BPF programs");
+    }
+    Ok(())
+}

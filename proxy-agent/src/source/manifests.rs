@@ -120,10 +120,8 @@ fn list(path: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut paths = Vec::new();
     for entry in std::fs::read_dir(path)? {
         let path = entry?.path();
-        let manifest = matches!(
-            path.extension().and_then(|e| e.to_str()),
-            Some("yaml" | "yml" | "json")
-        );
+        let manifest =
+            matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml" | "json"));
         // Editors' hidden swap and backup files are not manifests.
         let hidden = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
         if manifest && !hidden && path.is_file() {
@@ -136,7 +134,10 @@ fn list(path: &Path) -> std::io::Result<Vec<PathBuf>> {
 
 /// Parses all documents of one file. A syntax error fails the whole file;
 /// an object that does not decode is reported and listed as rejected.
-fn parse(path: &Path, contents: &[u8]) -> Result<(Snapshot, Vec<ManifestError>), serde_yaml::Error> {
+fn parse(
+    path: &Path,
+    contents: &[u8],
+) -> Result<(Snapshot, Vec<ManifestError>), serde_yaml::Error> {
     let mut documents = Vec::new();
     for document in serde_yaml::Deserializer::from_slice(contents) {
         let value = Value::deserialize(document)?;
@@ -212,7 +213,8 @@ metadata: {name: ignored}
 "#;
 
     fn temp_dir(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("proxy-manifests-{}-{tag}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("proxy-manifests-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         dir

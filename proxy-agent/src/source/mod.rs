@@ -41,7 +41,9 @@ pub struct StoreUpdate {
     pub kept: Vec<ObjectRef>,
 }
 
-fn name_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<ServiceName> {
+fn name_of(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Option<ServiceName> {
     Some(ServiceName {
         namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
         name: meta.name.clone()?,
@@ -53,12 +55,13 @@ impl Store {
     pub fn replace(&mut self, snapshot: Snapshot) -> StoreUpdate {
         let mut update = StoreUpdate::default();
         let mut services = BTreeMap::new();
-        let keep_service = |name: &ServiceName, update: &mut StoreUpdate, services: &mut BTreeMap<_, _>| {
-            if let Some(old) = self.services.get(name) {
-                services.insert(name.clone(), old.clone());
-                update.kept.push(ObjectRef { kind: "Service".into(), name: name.clone() });
-            }
-        };
+        let keep_service =
+            |name: &ServiceName, update: &mut StoreUpdate, services: &mut BTreeMap<_, _>| {
+                if let Some(old) = self.services.get(name) {
+                    services.insert(name.clone(), old.clone());
+                    update.kept.push(ObjectRef { kind: "Service".into(), name: name.clone() });
+                }
+            };
         for service in snapshot.services {
             match (model::check_service(&service), name_of(&service.metadata)) {
                 (Ok(()), Some(name)) => drop(services.insert(name, service)),
@@ -71,11 +74,8 @@ impl Store {
                 (Ok(()), None) => {}
             }
         }
-        let mut slices: BTreeMap<_, _> = snapshot
-            .slices
-            .into_iter()
-            .filter_map(|s| Some((name_of(&s.metadata)?, s)))
-            .collect();
+        let mut slices: BTreeMap<_, _> =
+            snapshot.slices.into_iter().filter_map(|s| Some((name_of(&s.metadata)?, s))).collect();
         for rejected in snapshot.rejected {
             match rejected.kind.as_str() {
                 "Service" => keep_service(&rejected.name, &mut update, &mut services),
@@ -111,16 +111,25 @@ mod tests {
 
     #[test]
     fn an_invalid_update_keeps_the_last_good_service() {
-        let good = service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
-        let bad = service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 0}]}}");
-        let new_bad = service("{metadata: {name: other}, spec: {clusterIP: bogus, ports: [{port: 80}]}}");
+        let good =
+            service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
+        let bad =
+            service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 0}]}}");
+        let new_bad =
+            service("{metadata: {name: other}, spec: {clusterIP: bogus, ports: [{port: 80}]}}");
         let mut store = Store::default();
         let update = store.replace(Snapshot { services: vec![good], ..Default::default() });
         assert!(update.errors.is_empty());
 
         let update = store.replace(Snapshot { services: vec![bad, new_bad], ..Default::default() });
         assert_eq!(update.errors.len(), 2);
-        assert_eq!(update.kept, vec![ObjectRef { kind: "Service".into(), name: ServiceName { namespace: "default".into(), name: "web".into() } }]);
+        assert_eq!(
+            update.kept,
+            vec![ObjectRef {
+                kind: "Service".into(),
+                name: ServiceName { namespace: "default".into(), name: "web".into() }
+            }]
+        );
         let model = store.model();
         assert_eq!(model.ports.len(), 1);
         assert_eq!(model.ports[0].port, 80);
@@ -132,7 +141,8 @@ mod tests {
 
     #[test]
     fn an_undecodable_object_keeps_its_last_good_version() {
-        let good = service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
+        let good =
+            service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
         let mut store = Store::default();
         store.replace(Snapshot { services: vec![good], ..Default::default() });
         let rejected = ObjectRef {

@@ -28,9 +28,8 @@ fn main() -> anyhow::Result<()> {
         std::fs::write(format!("{cgroup}/cgroup.procs"), std::process::id().to_string())
             .with_context(|| format!("joining cgroup {cgroup}"))?;
     }
-    let timeout = Duration::from_millis(
-        take_opt(&mut args, "--timeout-ms").map_or(Ok(2000), |t| t.parse())?,
-    );
+    let timeout =
+        Duration::from_millis(take_opt(&mut args, "--timeout-ms").map_or(Ok(2000), |t| t.parse())?);
     match args.first().map(String::as_str) {
         Some("serve") => serve(&mut args),
         Some("tcp") => tcp_client(&args, timeout),
@@ -139,7 +138,11 @@ fn tcp_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn tcp_request(addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Result<(SocketAddr, String)> {
+fn tcp_request(
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> std::io::Result<(SocketAddr, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     let peer = stream.peer_addr()?;

@@ -26,8 +26,8 @@ use proxy_common::{
     AffinityKey, AffinityValue, Backend, Counter, RevNat, ServiceKey, ServiceValue, map_names,
 };
 
-pub use sync::{SyncError, SyncReport, SyncState};
 use sync::{MapOp, MapWriter};
+pub use sync::{SyncError, SyncReport, SyncState};
 
 use crate::plan::Plan;
 
@@ -117,7 +117,8 @@ impl MapWriter for Maps {
                         .insert(key, value, 0)
                 }
                 MapOp::DeleteService { key } => {
-                    HashMap::<_, ServiceKey, ServiceValue>::try_from(&mut self.services)?.remove(key)
+                    HashMap::<_, ServiceKey, ServiceValue>::try_from(&mut self.services)?
+                        .remove(key)
                 }
             }
         };
@@ -150,10 +151,10 @@ impl EbpfBackend {
     /// drops affinity entries that name backends their service lost.
     pub fn sync(&mut self, plan: &Plan) -> Result<SyncReport, SyncError> {
         let report = self.state.sync(plan, &mut self.maps)?;
-        if !report.affinity_purge.is_empty() {
-            if let Err(err) = self.purge_affinity(&report.affinity_purge) {
-                tracing::warn!(error = %err, "could not purge stale affinity entries");
-            }
+        if !report.affinity_purge.is_empty()
+            && let Err(err) = self.purge_affinity(&report.affinity_purge)
+        {
+            tracing::warn!(error = %err, "could not purge stale affinity entries");
         }
         Ok(report)
     }
@@ -166,7 +167,9 @@ impl EbpfBackend {
             .iter()
             .filter_map(Result::ok)
             .filter(|(key, value)| {
-                purge.iter().any(|(rev, kept)| key.rev_nat_id == *rev && !kept.contains(&value.backend_id))
+                purge
+                    .iter()
+                    .any(|(rev, kept)| key.rev_nat_id == *rev && !kept.contains(&value.backend_id))
             })
             .map(|(key, _)| key)
             .collect();
@@ -194,8 +197,7 @@ impl EbpfBackend {
             // agent's programs serve until they are retired below.
             let id = prog.attach(&cgroup_dir, CgroupAttachMode::Single).map_err(err)?;
             let link = prog.take_link(id).map_err(err)?;
-            let link = FdLink::try_from(link)
-                .map_err(|source| EbpfError::Link { name, source })?;
+            let link = FdLink::try_from(link).map_err(|source| EbpfError::Link { name, source })?;
             links.push((name, link));
         }
         remove_pins(root)?;
@@ -214,20 +216,34 @@ impl EbpfBackend {
         }
         Ok(())
     }
+}
+
+/// A handle of its own on the pinned counters map, so readers (the metrics
+/// endpoint) need nothing from the sync loop.
+pub struct CounterReader(PerCpuArray<MapData, u64>);
+
+impl CounterReader {
+    pub fn open(root: &Path) -> Result<Self, EbpfError> {
+        let name = map_names::COUNTERS;
+        let err = |source| EbpfError::Map { name, source };
+        let data = MapData::from_pin(root.join("maps").join(name)).map_err(err)?;
+        let map = Map::from_map_data(data).map_err(err)?;
+        Ok(Self(PerCpuArray::try_from(map).map_err(err)?))
+    }
 
     /// Per-counter totals over all CPUs.
-    pub fn counters(&self) -> Vec<(Counter, u64)> {
-        let Ok(array) = PerCpuArray::<&MapData, u64>::try_from(&self.maps.counters) else {
-            return Vec::new();
-        };
+    pub fn read(&self) -> Vec<(Counter, u64)> {
         Counter::ALL
             .iter()
-            .map(|c| (*c, array.get(&(*c as u32), 0).map(|v| v.iter().sum()).unwrap_or(0)))
+            .map(|c| (*c, self.0.get(&(*c as u32), 0).map_or(0, |v| v.iter().sum())))
             .collect()
     }
 }
 
-fn program<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut CgroupSockAddr, EbpfError> {
+fn program<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut CgroupSockAddr, EbpfError> {
     ebpf.program_mut(name)
         .ok_or(EbpfError::Missing { what: "program", name })?
         .try_into()

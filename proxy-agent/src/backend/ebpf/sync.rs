@@ -17,8 +17,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
-    BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat,
-    SVC_FLAG_AFFINITY, ServiceKey, ServiceValue,
+    BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_BACKENDS, MAX_REV_NAT,
+    MAX_SERVICE_ENTRIES, RevNat, SVC_FLAG_AFFINITY, ServiceKey, ServiceValue,
 };
 
 use crate::{
@@ -44,7 +44,9 @@ pub trait MapWriter {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
-    #[error("the plan needs {needed} {what} entries, the map holds {capacity}; keeping the current state")]
+    #[error(
+        "the plan needs {needed} {what} entries, the map holds {capacity}; keeping the current state"
+    )]
     Capacity { what: &'static str, needed: usize, capacity: u32 },
     #[error("writing {op:?}: {source}")]
     Write { op: MapOp, source: std::io::Error },
@@ -116,9 +118,7 @@ impl SyncState {
         self.check_capacity(plan)?;
         let (ops, affinity_purge) = self.ops(plan);
         for op in &ops {
-            writer
-                .apply(op)
-                .map_err(|source| SyncError::Write { op: op.clone(), source })?;
+            writer.apply(op).map_err(|source| SyncError::Write { op: op.clone(), source })?;
             self.record(op);
         }
         Ok(SyncReport { writes: ops.len(), affinity_purge })
@@ -127,8 +127,11 @@ impl SyncState {
     /// Refuses a plan whose peak (old and new entries side by side during the
     /// make-before-break window) would not fit in the maps.
     fn check_capacity(&self, plan: &Plan) -> Result<(), SyncError> {
-        let desired: BTreeSet<Backend> =
-            plan.frontends.iter().flat_map(|(f, p)| p.backends.iter().map(|b| backend(f, b))).collect();
+        let desired: BTreeSet<Backend> = plan
+            .frontends
+            .iter()
+            .flat_map(|(f, p)| p.backends.iter().map(|b| backend(f, b)))
+            .collect();
         let backends = self.backends.keys().chain(&desired).collect::<BTreeSet<_>>().len();
         let installed_entries: usize = self.frontends.values().map(|f| 1 + f.slots.len()).sum();
         let new_entries: usize = plan
@@ -139,7 +142,8 @@ impl SyncState {
                 (1 + p.backends.len()).saturating_sub(1 + installed)
             })
             .sum();
-        let new_frontends = plan.frontends.keys().filter(|f| !self.frontends.contains_key(f)).count();
+        let new_frontends =
+            plan.frontends.keys().filter(|f| !self.frontends.contains_key(f)).count();
         let checks = [
             ("backend", backends, MAX_BACKENDS),
             ("service", installed_entries + new_entries, MAX_SERVICE_ENTRIES),
@@ -196,7 +200,8 @@ impl SyncState {
                 ops.push(MapOp::PutRevNat { frontend: *frontend, id, value });
                 id
             };
-            let backend_ids: Vec<u32> = fp.backends.iter().map(|b| ids[&backend(frontend, b)]).collect();
+            let backend_ids: Vec<u32> =
+                fp.backends.iter().map(|b| ids[&backend(frontend, b)]).collect();
             for (i, id) in backend_ids.iter().enumerate() {
                 let slot = i as u16 + 1;
                 if installed.slots.get(&slot) != Some(id) {
@@ -340,7 +345,8 @@ mod tests {
                 assert!(self.rev_nat.contains_key(&value.rev_nat_id), "{key:?} without rev nat");
                 for slot in 1..=value.count {
                     let slot_value = self.services.get(&key.with_slot(slot));
-                    let slot_value = slot_value.unwrap_or_else(|| panic!("{key:?} slot {slot} missing"));
+                    let slot_value =
+                        slot_value.unwrap_or_else(|| panic!("{key:?} slot {slot} missing"));
                     assert!(self.backends.contains_key(&slot_value.backend_id), "dangling slot");
                 }
             }
@@ -502,11 +508,8 @@ mod tests {
     fn plans_that_do_not_fit_are_refused_before_any_write() {
         let mut big = Plan::default();
         for i in 0..MAX_REV_NAT {
-            let frontend = Frontend {
-                ip: Ipv4Addr::from(0x0a60_0000 + i),
-                port: 80,
-                protocol: Protocol::Tcp,
-            };
+            let frontend =
+                Frontend { ip: Ipv4Addr::from(0x0a60_0000 + i), port: 80, protocol: Protocol::Tcp };
             big.frontends.insert(
                 frontend,
                 FrontendPlan {

@@ -1,0 +1,68 @@
+//! The README's main command: the example manifest served in a lab.
+
+use anyhow::Context;
+use proxy_lab::{Attempt, Lab, sh, tally};
+
+const MANIFEST: &str = "deploy/examples/demo.yaml";
+/// Pods named and addressed as the example EndpointSlice lists them.
+const PODS: [(&str, &str); 3] =
+    [("web-0", "10.244.1.2"), ("web-1", "10.244.1.3"), ("web-2", "10.244.1.4")];
+
+pub fn run() -> anyhow::Result<()> {
+    let manifest =
+        std::fs::read_to_string(MANIFEST).with_context(|| format!("reading {MANIFEST}"))?;
+    let mut lab = Lab::new()?;
+    println!("== lab: node namespace {}, test cgroup {}", lab.node, lab.cgroup.display());
+    for (name, ip) in PODS {
+        let pod = lab.add_pod(name, ip)?;
+        lab.serve(&pod, &[8080], &[5353])?;
+        println!("   pod {name:6} {ip:12} serves TCP 8080 and UDP 5353");
+    }
+    let client = lab.add_pod("client", "10.244.1.100")?;
+    println!("   pod client 10.244.1.100 (in the test cgroup: socket LB applies)");
+
+    lab.write_manifest(&manifest)?;
+    lab.start_agent(&[])?;
+    println!(
+        "\n== proxy-agent run --manifests {MANIFEST} --cgroup-path {} --bpffs-root {}",
+        lab.cgroup.display(),
+        lab.pins.display()
+    );
+    println!("   (in the node namespace; its log: {}/agent.log)", lab.dir.display());
+
+    println!("\n== 12 HTTP requests from the client to the ClusterIP 10.96.0.10:80");
+    let attempts = lab.client(&client, &["tcp", "10.96.0.10:80", "12"])?;
+    for (i, attempt) in attempts.iter().enumerate() {
+        match attempt {
+            Attempt::Ok { name, local, from, ms, .. } => println!(
+                "   #{:<2} answered by {name} at {local}; the client's socket sees its peer as {from} ({ms:.2} ms)",
+                i + 1
+            ),
+            Attempt::Err { kind, .. } => println!("   #{:<2} failed: {kind}", i + 1),
+        }
+    }
+    println!("   per pod: {:?}", tally(&attempts));
+
+    println!("\n== 3 UDP datagrams from the client to 10.96.0.10:53");
+    for attempt in lab.client(&client, &["udp", "10.96.0.10:53", "3"])? {
+        if let Attempt::Ok { name, local, from, .. } = attempt {
+            println!("   reply from {from} (recvmsg), sent by {name} at {local}");
+        }
+    }
+
+    for map in ["SERVICES", "BACKENDS", "REV_NAT"] {
+        println!("\n== bpftool map dump pinned {}/maps/{map}", lab.pins.display());
+        print!("{}", lab.dump_map(map)?);
+    }
+    let cgroup = lab.cgroup.to_string_lossy().into_owned();
+    println!("\n== bpftool cgroup show {cgroup}");
+    print!("{}", sh("bpftool", &["cgroup", "show", &cgroup])?);
+    println!("\n== the agent's metrics (curl 127.0.0.1:10249/metrics in the node namespace)");
+    for line in lab.metrics()?.lines().filter(|l| !l.starts_with('#')) {
+        println!("   {line}");
+    }
+    println!("\n== tearing the lab down");
+    drop(lab);
+    println!("   done: namespaces, cgroup, pins and processes removed");
+    Ok(())
+}
