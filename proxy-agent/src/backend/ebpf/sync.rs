@@ -419,6 +419,25 @@ mod tests {
     }
 
     #[test]
+    fn keys_encode_as_the_programs_build_them_from_a_sockaddr() {
+        // connect4 builds the key from user_ip4 (network order: wire bytes)
+        // and ntohs(user_port); padding is zero.
+        let key = service_key(
+            &Frontend { ip: Ipv4Addr::new(10, 96, 0, 10), port: 80, protocol: Protocol::Udp },
+            2,
+        );
+        // SAFETY: ServiceKey is repr(C) without implicit padding.
+        let bytes: [u8; 12] = unsafe { std::mem::transmute(key) };
+        assert_eq!(bytes, [10, 96, 0, 10, 80, 0, 2, 0, 17, 0, 0, 0]);
+        let backend = backend(
+            &Frontend { ip: Ipv4Addr::new(10, 96, 0, 10), port: 80, protocol: Protocol::Tcp },
+            &BackendPlan { addr: "10.244.1.2:8080".parse().unwrap(), local: true },
+        );
+        let bytes: [u8; 8] = unsafe { std::mem::transmute(backend) };
+        assert_eq!(bytes, [10, 244, 1, 2, 0x90, 0x1f, 6, BACKEND_FLAG_LOCAL]);
+    }
+
+    #[test]
     fn converges_through_churn_without_dangling_slots() {
         let (tcp, udp, other) =
             (frontend(1, Protocol::Tcp), frontend(1, Protocol::Udp), frontend(2, Protocol::Tcp));
