@@ -69,7 +69,8 @@ fn nightly_with_rust_src() -> anyhow::Result<()> {
             "--profile",
             "minimal",
             "--component",
-            "rust-src",
+            // clippy: `cargo xtask test` lints the BPF crate with nightly.
+            "rust-src,clippy",
         ]))?;
     }
     let components = Command::new("rustup")
