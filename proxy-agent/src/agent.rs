@@ -4,7 +4,7 @@
 use std::{
     path::Path,
     sync::{Arc, atomic::Ordering::Relaxed},
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::Context as _;
@@ -14,14 +14,18 @@ use crate::{
     PinArgs, RunArgs,
     backend::ebpf::{self, EbpfBackend},
     metrics::{self, Metrics},
-    plan,
+    plan::{self, Plan},
     source::{Store, manifests::Manifests},
     sys,
 };
 
-/// How often the manifests are checked; a change reaches the kernel within
-/// one period plus the sync.
+/// How often the manifests are checked. New bytes are taken on the second
+/// read that finds them, so a change reaches the kernel within two periods
+/// plus the sync.
 const POLL: Duration = Duration::from_millis(200);
+/// Failed syncs are retried after this, doubling up to `MAX_RETRY`.
+const FIRST_RETRY: Duration = Duration::from_millis(200);
+const MAX_RETRY: Duration = Duration::from_secs(10);
 
 struct Agent {
     manifests: Manifests,
@@ -29,25 +33,39 @@ struct Agent {
     backend: EbpfBackend,
     metrics: Arc<Metrics>,
     node_name: String,
-    /// The last sync failed: try again even if nothing changed.
-    retry: bool,
+    /// A plan the maps do not hold yet, and when to try again.
+    pending: Option<(Plan, Instant)>,
+    retry_after: Duration,
+    /// Every manifest has been read once: the datapath may be replaced.
+    complete: bool,
 }
 
 impl Agent {
-    /// One round: reload, and sync when something changed or the last sync
-    /// failed. Never fails: errors are logged, counted, and retried.
+    /// One round: reload; on a change, compute a new plan; sync the pending
+    /// plan when due. Never fails: errors are logged, counted and retried.
     fn tick(&mut self) {
         let reload = self.manifests.reload();
         for err in &reload.errors {
             tracing::warn!(kind = err.kind(), "{err}");
             self.metrics.invalid(err.kind());
         }
-        if reload.changed || self.retry {
-            self.sync();
+        self.complete |= reload.complete;
+        if reload.changed {
+            self.pending = Some((self.plan(), Instant::now()));
+            self.retry_after = FIRST_RETRY;
+        }
+        if let Some((plan, due)) = self.pending.take() {
+            if Instant::now() < due {
+                self.pending = Some((plan, due));
+            } else {
+                self.sync(plan);
+            }
         }
     }
 
-    fn sync(&mut self) {
+    /// Store, model and plan for the current manifests; each problem is
+    /// logged and counted once per change.
+    fn plan(&mut self) -> Plan {
         let update = self.store.replace(self.manifests.snapshot());
         for err in &update.errors {
             tracing::warn!(kind = err.kind(), "invalid object skipped: {err}");
@@ -67,9 +85,12 @@ impl Agent {
             tracing::warn!("{conflict}");
             self.metrics.invalid("Service");
         }
+        plan
+    }
+
+    fn sync(&mut self, plan: Plan) {
         match self.backend.sync(&plan) {
             Ok(report) => {
-                self.retry = false;
                 self.metrics.syncs_ok.fetch_add(1, Relaxed);
                 let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
                 self.metrics.last_sync_seconds.store(now.map_or(0, |d| d.as_secs()), Relaxed);
@@ -84,11 +105,21 @@ impl Agent {
                 );
             }
             Err(err) => {
-                self.retry = true;
                 self.metrics.syncs_failed.fetch_add(1, Relaxed);
-                tracing::error!("sync failed, serving the previous state and retrying: {err}");
+                tracing::error!(
+                    retry_in = ?self.retry_after,
+                    "sync failed, serving the previous state: {err}"
+                );
+                self.pending = Some((plan, Instant::now() + self.retry_after));
+                self.retry_after = (self.retry_after * 2).min(MAX_RETRY);
             }
         }
+    }
+
+    /// Whether the maps hold the whole source: only then may they replace a
+    /// previous agent's datapath.
+    fn ready(&self) -> bool {
+        self.complete && self.pending.is_none()
     }
 }
 
@@ -106,8 +137,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(path) => path.clone(),
         None => sys::cgroup2_root().context("finding the cgroup2 mount")?,
     };
-    let root = &args.pins.bpffs_root;
-    sys::ensure_bpffs_dir(root).with_context(|| format!("preparing {}", root.display()))?;
+    let root = args.pins.bpffs_root.clone();
+    sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
     let backend = EbpfBackend::load().context("loading the BPF programs")?;
     let node_name = node_name(&args)?;
     tracing::info!(mode = ?args.proxy_mode, node = %node_name, cgroup = %cgroup.display(), bpffs = %root.display(), "starting");
@@ -126,24 +157,24 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             backend,
             metrics,
             node_name,
-            retry: true,
+            pending: None,
+            retry_after: FIRST_RETRY,
+            complete: false,
         };
-        // Fill the maps before the programs see any traffic.
-        agent.tick();
-        agent
-            .backend
-            .activate(&cgroup, root)
-            .with_context(|| format!("attaching to {}", cgroup.display()))?;
-        agent.metrics.set_datapath(ebpf::CounterReader::open(root)?);
-        tracing::info!("programs attached; serving");
-
         let mut terminate = signal(SignalKind::terminate())?;
         let mut interrupt = signal(SignalKind::interrupt())?;
         let mut poll = tokio::time::interval(POLL);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut attached = false;
+        let mut waiting_since: Option<Instant> = None;
         loop {
             tokio::select! {
-                _ = poll.tick() => agent.tick(),
+                _ = poll.tick() => {
+                    agent.tick();
+                    if !attached {
+                        attached = activate_when_ready(&mut agent, &cgroup, &root, &mut waiting_since)?;
+                    }
+                }
                 _ = terminate.recv() => break,
                 _ = interrupt.recv() => break,
             }
@@ -151,6 +182,34 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         tracing::info!("stopping; the datapath stays pinned until `proxy-agent cleanup`");
         Ok(())
     })
+}
+
+/// Attaches the programs once the maps hold the whole source. Until then a
+/// previous agent's datapath keeps serving: a restart with unreadable
+/// manifests must not replace it with empty maps.
+fn activate_when_ready(
+    agent: &mut Agent,
+    cgroup: &Path,
+    root: &Path,
+    waiting_since: &mut Option<Instant>,
+) -> anyhow::Result<bool> {
+    if !agent.ready() {
+        let since = *waiting_since.get_or_insert_with(Instant::now);
+        if since.elapsed() > Duration::from_secs(2) {
+            tracing::warn!(
+                "waiting for every manifest to be readable before taking over the datapath"
+            );
+            *waiting_since = Some(Instant::now());
+        }
+        return Ok(false);
+    }
+    agent
+        .backend
+        .activate(cgroup, root)
+        .with_context(|| format!("attaching to {}", cgroup.display()))?;
+    agent.metrics.set_datapath(ebpf::CounterReader::open(root)?);
+    tracing::info!("programs attached; serving");
+    Ok(true)
 }
 
 pub fn cleanup(args: &PinArgs) -> anyhow::Result<()> {

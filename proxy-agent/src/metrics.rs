@@ -115,7 +115,11 @@ impl Metrics {
 /// Serves the metrics until the listener fails.
 pub async fn serve(listener: TcpListener, metrics: std::sync::Arc<Metrics>) {
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let Ok((mut stream, _)) = listener.accept().await else {
+            // Out of file descriptors, say: back off instead of spinning.
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            continue;
+        };
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let mut request = [0u8; 1024];

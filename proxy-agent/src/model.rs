@@ -16,7 +16,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddrV4},
 };
 
 use k8s_openapi::api::{
@@ -35,6 +35,16 @@ const MAX_AFFINITY_TIMEOUT_SECS: i32 = 86_400;
 pub struct ServiceName {
     pub namespace: String,
     pub name: String,
+}
+
+impl ServiceName {
+    /// The name of an object; `None` when it has none. No namespace means
+    /// `default`, as kubectl applies it.
+    pub fn of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<Self> {
+        let name = meta.name.clone().filter(|n| !n.is_empty())?;
+        let namespace = meta.namespace.clone().unwrap_or_else(|| "default".to_string());
+        Some(ServiceName { namespace, name })
+    }
 }
 
 impl fmt::Display for ServiceName {
@@ -67,11 +77,13 @@ pub enum Protocol {
 }
 
 impl Protocol {
-    /// Parses a Kubernetes protocol name; absent means TCP.
-    fn parse(value: Option<&str>) -> Result<Self, String> {
+    /// Parses a Kubernetes protocol name; absent means TCP. SCTP is valid
+    /// but not proxied (`Ok(None)`); anything else is an error.
+    fn parse(value: Option<&str>) -> Result<Option<Self>, String> {
         match value.unwrap_or("TCP") {
-            "TCP" => Ok(Protocol::Tcp),
-            "UDP" => Ok(Protocol::Udp),
+            "TCP" => Ok(Some(Protocol::Tcp)),
+            "UDP" => Ok(Some(Protocol::Udp)),
+            "SCTP" => Ok(None),
             other => Err(other.to_string()),
         }
     }
@@ -138,6 +150,8 @@ pub enum ModelError {
     Unnamed { kind: &'static str },
     #[error("EndpointSlice {slice}: invalid endpoint address {value:?}")]
     InvalidEndpointAddress { slice: ServiceName, value: String },
+    #[error("EndpointSlice {slice}: port {port_name:?} has unknown protocol {protocol:?}")]
+    UnsupportedSlicePortProtocol { slice: ServiceName, port_name: String, protocol: String },
     #[error("EndpointSlice {slice}: port {port_name:?} has invalid port number {port:?}")]
     InvalidEndpointPort { slice: ServiceName, port_name: String, port: Option<i32> },
 }
@@ -147,9 +161,9 @@ impl ModelError {
     pub fn kind(&self) -> &'static str {
         match self {
             ModelError::Unnamed { kind } => kind,
-            ModelError::InvalidEndpointAddress { .. } | ModelError::InvalidEndpointPort { .. } => {
-                "EndpointSlice"
-            }
+            ModelError::InvalidEndpointAddress { .. }
+            | ModelError::InvalidEndpointPort { .. }
+            | ModelError::UnsupportedSlicePortProtocol { .. } => "EndpointSlice",
             _ => "Service",
         }
     }
@@ -186,9 +200,7 @@ fn object_name(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
     kind: &'static str,
 ) -> Result<ServiceName, ModelError> {
-    let name = meta.name.clone().filter(|n| !n.is_empty()).ok_or(ModelError::Unnamed { kind })?;
-    let namespace = meta.namespace.clone().unwrap_or_else(|| "default".to_string());
-    Ok(ServiceName { namespace, name })
+    ServiceName::of(meta).ok_or(ModelError::Unnamed { kind })
 }
 
 fn index_slices(slices: &[EndpointSlice], errors: &mut Vec<ModelError>) -> EndpointIndex {
@@ -214,9 +226,20 @@ fn index_slices(slices: &[EndpointSlice], errors: &mut Vec<ModelError>) -> Endpo
         let mut ports = Vec::new();
         for port in slice.ports.iter().flatten() {
             let port_name = port.name.clone().unwrap_or_default();
+            let protocol = match Protocol::parse(port.protocol.as_deref()) {
+                Ok(Some(protocol)) => protocol,
+                Ok(None) => continue,
+                Err(protocol) => {
+                    errors.push(ModelError::UnsupportedSlicePortProtocol {
+                        slice: slice_name.clone(),
+                        port_name,
+                        protocol,
+                    });
+                    continue;
+                }
+            };
             let number = port.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0);
-            let (Some(number), Ok(protocol)) = (number, Protocol::parse(port.protocol.as_deref()))
-            else {
+            let Some(number) = number else {
                 errors.push(ModelError::InvalidEndpointPort {
                     slice: slice_name.clone(),
                     port_name,
@@ -238,9 +261,10 @@ fn index_slices(slices: &[EndpointSlice], errors: &mut Vec<ModelError>) -> Endpo
                 continue;
             };
             let conditions = endpoint.conditions.clone().unwrap_or_default();
-            // Unset conditions mean ready, serving as ready, not terminating.
+            // Unset conditions mean ready, serving, not terminating (as
+            // kube-proxy reads them).
             let ready = conditions.ready.unwrap_or(true);
-            let serving = conditions.serving.unwrap_or(ready);
+            let serving = conditions.serving.unwrap_or(true);
             let terminating = conditions.terminating.unwrap_or(false);
             for (key, number) in &ports {
                 let addr = SocketAddrV4::new(ip, *number);
@@ -309,16 +333,43 @@ fn affinity_timeout(name: &ServiceName, spec: &ServiceSpec) -> Result<Option<u32
     }
 }
 
+/// The service's IPv4 cluster IP: the first IPv4 of `clusterIPs` (dual
+/// stack), else `clusterIP`. `None` for an IPv6-only service; an error when
+/// any of them is not an IP address.
+fn ipv4_cluster_ip(name: &ServiceName, spec: &ServiceSpec) -> Result<Option<Ipv4Addr>, ModelError> {
+    let primary = spec.cluster_ip.iter();
+    let all: Vec<&String> = match &spec.cluster_ips {
+        Some(ips) if !ips.is_empty() => ips.iter().collect(),
+        _ => primary.collect(),
+    };
+    let mut first_v4 = None;
+    for raw in all {
+        match raw.parse::<IpAddr>() {
+            Ok(IpAddr::V4(ip)) => {
+                first_v4.get_or_insert(ip);
+            }
+            Ok(IpAddr::V6(_)) => {}
+            Err(_) => {
+                return Err(ModelError::InvalidClusterIp {
+                    service: name.clone(),
+                    value: raw.clone(),
+                });
+            }
+        }
+    }
+    Ok(first_v4)
+}
+
 fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<ServicePort>, ModelError> {
     let name = object_name(&service.metadata, "Service")?;
     let Some(spec) = service.spec.as_ref() else { return Ok(Vec::new()) };
     if !is_proxied(service, spec) {
         return Ok(Vec::new());
     }
-    let raw_ip = spec.cluster_ip.clone().unwrap_or_default();
-    let cluster_ip = raw_ip
-        .parse::<Ipv4Addr>()
-        .map_err(|_| ModelError::InvalidClusterIp { service: name.clone(), value: raw_ip })?;
+    let Some(cluster_ip) = ipv4_cluster_ip(&name, spec)? else {
+        tracing::debug!(service = %name, "IPv6-only service: not proxied");
+        return Ok(Vec::new());
+    };
     let affinity_timeout_secs = affinity_timeout(&name, spec)?;
     let no_endpoints = BTreeMap::new();
     let endpoints = index.get(&name).unwrap_or(&no_endpoints);
@@ -334,6 +385,10 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
                 protocol,
             }
         })?;
+        let Some(protocol) = protocol else {
+            tracing::debug!(service = %name, port = %port_name, "SCTP port: not proxied");
+            continue;
+        };
         let number = u16::try_from(port.port).ok().filter(|p| *p != 0).ok_or_else(|| {
             ModelError::InvalidPort {
                 service: name.clone(),
@@ -405,6 +460,10 @@ endpoints: {endpoints}
         ))
     }
 
+    fn http(model: &Model) -> &ServicePort {
+        model.ports.iter().find(|p| p.name.port == "http").expect("the http port")
+    }
+
     fn addrs(port: &ServicePort) -> Vec<String> {
         port.usable_endpoints().iter().map(|e| e.addr.to_string()).collect()
     }
@@ -450,7 +509,7 @@ endpoints: {endpoints}
               {addresses: [10.244.0.4], conditions: {ready: false, serving: false}}]",
         );
         let model = build(&[service(WEB)], &[mixed]);
-        assert_eq!(addrs(&model.ports[1]), ["10.244.0.2:8080"]);
+        assert_eq!(addrs(http(&model)), ["10.244.0.2:8080"]);
 
         let terminating = web_slice(
             "a",
@@ -460,7 +519,34 @@ endpoints: {endpoints}
               {addresses: [10.244.0.5], conditions: {ready: false, serving: true, terminating: false}}]",
         );
         let model = build(&[service(WEB)], &[terminating]);
-        assert_eq!(addrs(&model.ports[1]), ["10.244.0.3:8080"]);
+        assert_eq!(addrs(http(&model)), ["10.244.0.3:8080"]);
+    }
+
+    #[test]
+    fn unset_serving_means_serving_for_the_terminating_fallback() {
+        let s = web_slice(
+            "a",
+            8080,
+            "[{addresses: [10.244.0.3], conditions: {ready: false, terminating: true}}]",
+        );
+        assert_eq!(addrs(http(&build(&[service(WEB)], &[s]))), ["10.244.0.3:8080"]);
+    }
+
+    #[test]
+    fn sctp_ports_and_ipv6_services_are_skipped_not_rejected() {
+        let sctp = "{metadata: {name: a}, spec: {clusterIP: 10.96.0.3, ports: [{name: x, port: 80}, {name: y, port: 90, protocol: SCTP}]}}";
+        let model = build(&[service(sctp)], &[]);
+        assert!(model.errors.is_empty());
+        assert_eq!(model.ports.len(), 1, "the TCP port is still served");
+        let v6 = "{metadata: {name: b}, spec: {clusterIP: 'fd00::10', clusterIPs: ['fd00::10'], ports: [{port: 80}]}}";
+        let model = build(&[service(v6)], &[]);
+        assert!(model.errors.is_empty() && model.ports.is_empty());
+        let dual = "{metadata: {name: c}, spec: {clusterIP: 'fd00::10', clusterIPs: ['fd00::10', 10.96.0.4], ports: [{port: 80}]}}";
+        assert_eq!(build(&[service(dual)], &[]).ports[0].cluster_ip, Ipv4Addr::new(10, 96, 0, 4));
+        let sctp_slice = slice(
+            "{metadata: {name: s, labels: {kubernetes.io/service-name: a}}, addressType: IPv4, ports: [{name: y, port: 90, protocol: SCTP}], endpoints: [{addresses: [10.244.0.2]}]}",
+        );
+        assert!(build(&[service(sctp)], &[sctp_slice]).errors.is_empty());
     }
 
     #[test]
@@ -525,7 +611,7 @@ endpoints: {endpoints}
         let model = build(&[service(WEB)], &[s]);
         assert_eq!(model.errors.len(), 1);
         assert!(model.errors[0].to_string().contains("shop/a"));
-        assert_eq!(addrs(&model.ports[1]), ["10.244.0.2:8080"]);
+        assert_eq!(addrs(http(&model)), ["10.244.0.2:8080"]);
     }
 
     #[test]

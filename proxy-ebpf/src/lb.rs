@@ -82,8 +82,9 @@ fn affine_backend(key: &AffinityKey, svc: &ServiceValue, now: u64) -> Option<(u3
 fn random_backend(key: &ServiceKey, count: u16) -> Option<(u32, Backend)> {
     let slot = (unsafe { bpf_get_prandom_u32() } % count as u32) as u16 + 1;
     let id = lookup_frontend(&key.with_slot(slot))
-        // A slot beyond a count that shrank under us: slot 1 always exists
-        // while the frontend does, because slots are written before counts.
+        // A slot beyond a count that shrank after we read it: fall back to
+        // slot 1, which exists unless the service is losing its last backend
+        // (then the caller refuses, as it would a moment later).
         .or_else(|| lookup_frontend(&key.with_slot(1)))?
         .backend_id;
     Some((id, backend(id)?))

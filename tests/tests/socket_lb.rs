@@ -272,14 +272,14 @@ spec: {clusterIP: 10.96.0.33, ports: [{port: eighty}]}
     let deadline = Instant::now() + Duration::from_secs(5);
     let metrics = loop {
         let metrics = lab.metrics().unwrap();
-        if metrics.contains("proxy_invalid_objects_total{kind=\"Service\"} 4")
+        if metrics.contains("proxy_invalid_objects_total{kind=\"Service\"} 4\n")
             || Instant::now() > deadline
         {
             break metrics;
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert!(metrics.contains("proxy_invalid_objects_total{kind=\"Service\"} 4"), "{metrics}");
+    assert!(metrics.contains("proxy_invalid_objects_total{kind=\"Service\"} 4\n"), "{metrics}");
     let log = lab.agent_log();
     for name in ["lab/bad-ip", "lab/port-zero", "lab/bad-proto", "lab/bad-type"] {
         assert!(log.contains(name), "{name} not in the log:\n{log}");
@@ -330,8 +330,20 @@ fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it() {
     lab.kill_agent();
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
 
-    // A new agent attaches beside the pinned programs, then retires them.
+    // A new agent that cannot read its manifests leaves the old datapath be.
+    let good = web_manifest(&pods.iter().collect::<Vec<_>>(), None);
+    lab.write_manifest("kind: [this is not yaml").unwrap();
     lab.start_agent(&[]).unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
+    assert!(lab.agent_log().contains("waiting for every manifest"), "{}", lab.agent_log());
+
+    // Once it can, it attaches beside the pinned programs, then retires them.
+    lab.write_manifest(&good).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !lab.agent_log().contains("programs attached") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let cgroup = lab.cgroup.to_string_lossy().into_owned();
     let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
     assert_eq!(attached.matches("connect4").count(), 1, "{attached}");

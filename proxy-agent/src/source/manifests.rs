@@ -2,9 +2,11 @@
 //! (`*.yaml`, `*.yml`, `*.json`; multi-document; `kind: List` too), re-read
 //! when their content changes.
 //!
-//! A file that stops parsing keeps its last good objects; a document that does
-//! not decode is reported by kind and name, and the store keeps that object's
-//! last good version.
+//! New bytes are used once two reads in a row agree, so a file caught in the
+//! middle of a write (which may well parse) is not taken. A file that stops
+//! parsing keeps its last good objects; a document that does not decode is
+//! reported by kind and name, and the store keeps that object's last good
+//! version.
 
 use std::{
     collections::BTreeMap,
@@ -39,7 +41,12 @@ impl ManifestError {
 
 #[derive(Debug, Default)]
 struct CachedFile {
+    /// The bytes `snapshot` came from (or that failed to parse).
     contents: Vec<u8>,
+    /// New bytes seen once, used if the next read finds them again.
+    candidate: Option<Vec<u8>>,
+    /// Parsed at least once.
+    loaded: bool,
     snapshot: Snapshot,
 }
 
@@ -55,6 +62,8 @@ pub struct Manifests {
 pub struct Reload {
     pub changed: bool,
     pub errors: Vec<ManifestError>,
+    /// Every file was read and parsed at least once: the snapshot is whole.
+    pub complete: bool,
 }
 
 impl Manifests {
@@ -85,19 +94,27 @@ impl Manifests {
                 }
             };
             let cached = self.files.entry(path.clone()).or_default();
-            if cached.contents == contents {
+            if cached.loaded && cached.contents == contents {
+                cached.candidate = None;
                 continue;
             }
+            if cached.candidate.as_ref() != Some(&contents) {
+                cached.candidate = Some(contents);
+                continue;
+            }
+            cached.candidate = None;
             cached.contents = contents;
             match parse(&path, &cached.contents) {
                 Ok((snapshot, errors)) => {
                     cached.snapshot = snapshot;
+                    cached.loaded = true;
                     reload.errors.extend(errors);
                     reload.changed = true;
                 }
                 Err(source) => reload.errors.push(ManifestError::Yaml { path, source }),
             }
         }
+        reload.complete = self.files.values().all(|f| f.loaded);
         reload
     }
 
@@ -251,11 +268,14 @@ metadata: {name: ignored}
         std::fs::write(dir.join("a.yaml"), GOOD).unwrap();
         std::fs::write(dir.join(".a.yaml.swp"), "garbage: [").unwrap();
         let mut manifests = Manifests::new(&dir);
+        let seen = manifests.reload();
+        assert!(!seen.changed && !seen.complete, "new bytes wait for a second read");
         let first = manifests.reload();
-        assert!(first.changed && first.errors.is_empty(), "{:?}", first.errors);
+        assert!(first.changed && first.complete && first.errors.is_empty(), "{first:?}");
         assert!(!manifests.reload().changed, "same bytes, no change");
 
         std::fs::write(dir.join("a.yaml"), "kind: [unclosed").unwrap();
+        manifests.reload();
         let broken = manifests.reload();
         assert!(!broken.changed);
         assert!(matches!(broken.errors[0], ManifestError::Yaml { .. }));
@@ -268,11 +288,28 @@ metadata: {name: ignored}
     }
 
     #[test]
+    fn bytes_that_change_between_reads_are_not_taken() {
+        let dir = temp_dir("torn");
+        let file = dir.join("a.yaml");
+        let mut manifests = Manifests::new(&file);
+        // A writer caught mid-file: the first half parses on its own.
+        let half = &GOOD[..GOOD.find("---").unwrap()];
+        std::fs::write(&file, half).unwrap();
+        assert!(!manifests.reload().changed);
+        std::fs::write(&file, GOOD).unwrap();
+        assert!(!manifests.reload().changed, "still moving");
+        assert!(manifests.reload().changed);
+        assert_eq!(manifests.snapshot().slices.len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn a_missing_path_is_an_error_that_keeps_state() {
         let dir = temp_dir("missing");
         let file = dir.join("one.yaml");
         std::fs::write(&file, GOOD).unwrap();
         let mut manifests = Manifests::new(&file);
+        manifests.reload();
         manifests.reload();
         std::fs::remove_dir_all(&dir).unwrap();
         let reload = manifests.reload();

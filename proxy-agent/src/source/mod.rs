@@ -41,15 +41,6 @@ pub struct StoreUpdate {
     pub kept: Vec<ObjectRef>,
 }
 
-fn name_of(
-    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-) -> Option<ServiceName> {
-    Some(ServiceName {
-        namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
-        name: meta.name.clone()?,
-    })
-}
-
 impl Store {
     /// Replaces the contents with `snapshot`, keeping last good versions.
     pub fn replace(&mut self, snapshot: Snapshot) -> StoreUpdate {
@@ -63,8 +54,12 @@ impl Store {
                 }
             };
         for service in snapshot.services {
-            match (model::check_service(&service), name_of(&service.metadata)) {
-                (Ok(()), Some(name)) => drop(services.insert(name, service)),
+            match (model::check_service(&service), ServiceName::of(&service.metadata)) {
+                (Ok(()), Some(name)) => {
+                    if services.insert(name.clone(), service).is_some() {
+                        tracing::warn!(service = %name, "Service defined twice; the last definition wins");
+                    }
+                }
                 (Err(err), name) => {
                     update.errors.push(err);
                     if let Some(name) = name {
@@ -74,8 +69,11 @@ impl Store {
                 (Ok(()), None) => {}
             }
         }
-        let mut slices: BTreeMap<_, _> =
-            snapshot.slices.into_iter().filter_map(|s| Some((name_of(&s.metadata)?, s))).collect();
+        let mut slices: BTreeMap<_, _> = snapshot
+            .slices
+            .into_iter()
+            .filter_map(|s| Some((ServiceName::of(&s.metadata)?, s)))
+            .collect();
         for rejected in snapshot.rejected {
             match rejected.kind.as_str() {
                 "Service" => keep_service(&rejected.name, &mut update, &mut services),

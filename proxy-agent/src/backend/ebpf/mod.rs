@@ -11,7 +11,6 @@
 pub mod sync;
 
 use std::{
-    collections::BTreeSet,
     fs::File,
     io,
     path::{Path, PathBuf},
@@ -26,8 +25,8 @@ use proxy_common::{
     AffinityKey, AffinityValue, Backend, Counter, RevNat, ServiceKey, ServiceValue, map_names,
 };
 
+pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
 use sync::{MapOp, MapWriter};
-pub use sync::{SyncError, SyncReport, SyncState};
 
 use crate::plan::Plan;
 
@@ -150,16 +149,19 @@ impl EbpfBackend {
     /// Brings the maps to `plan` (see [`sync`] for the write order), then
     /// drops affinity entries that name backends their service lost.
     pub fn sync(&mut self, plan: &Plan) -> Result<SyncReport, SyncError> {
-        let report = self.state.sync(plan, &mut self.maps)?;
-        if !report.affinity_purge.is_empty()
-            && let Err(err) = self.purge_affinity(&report.affinity_purge)
+        let result = self.state.sync(plan, &mut self.maps);
+        // Also after a failed sync: slots may have changed before the failure.
+        let purge = self.state.take_affinity_purge();
+        if !purge.is_empty()
+            && let Err(err) = self.purge_affinity(&purge)
         {
-            tracing::warn!(error = %err, "could not purge stale affinity entries");
+            tracing::warn!(error = %err, "could not purge stale affinity entries; will retry");
+            self.state.return_affinity_purge(purge);
         }
-        Ok(report)
+        result
     }
 
-    fn purge_affinity(&mut self, purge: &[(u16, BTreeSet<u32>)]) -> Result<(), EbpfError> {
+    fn purge_affinity(&mut self, purge: &AffinityPurge) -> Result<(), EbpfError> {
         let mut affinity =
             HashMap::<_, AffinityKey, AffinityValue>::try_from(&mut self.maps.affinity)
                 .map_err(|source| EbpfError::Map { name: map_names::AFFINITY, source })?;

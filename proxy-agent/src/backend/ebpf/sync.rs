@@ -56,10 +56,11 @@ pub enum SyncError {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct SyncReport {
     pub writes: usize,
-    /// Services (by reverse-NAT id) whose affinity entries may name a backend
-    /// they no longer have, with the backends they keep.
-    pub affinity_purge: Vec<(u16, BTreeSet<u32>)>,
 }
+
+/// Services (by reverse-NAT id) whose affinity entries may name a backend
+/// they no longer have, with the backends they keep.
+pub type AffinityPurge = BTreeMap<u16, BTreeSet<u32>>;
 
 #[derive(Clone, Debug, Default)]
 struct InstalledFrontend {
@@ -77,6 +78,8 @@ pub struct SyncState {
     rev_nat: BTreeSet<u16>,
     last_backend_id: u32,
     last_rev_nat_id: u16,
+    /// Affinity cleanups owed, kept across failed syncs until done.
+    pending_purge: AffinityPurge,
 }
 
 fn proto(protocol: Protocol) -> u8 {
@@ -116,12 +119,25 @@ impl SyncState {
         writer: &mut impl MapWriter,
     ) -> Result<SyncReport, SyncError> {
         self.check_capacity(plan)?;
-        let (ops, affinity_purge) = self.ops(plan);
+        let (ops, purge) = self.ops(plan);
+        // Owed from now on: a write below may fail after slots changed.
+        self.pending_purge.extend(purge);
         for op in &ops {
             writer.apply(op).map_err(|source| SyncError::Write { op: op.clone(), source })?;
             self.record(op);
         }
-        Ok(SyncReport { writes: ops.len(), affinity_purge })
+        Ok(SyncReport { writes: ops.len() })
+    }
+
+    /// The affinity cleanups owed; the caller hands back what it could not do.
+    pub fn take_affinity_purge(&mut self) -> AffinityPurge {
+        std::mem::take(&mut self.pending_purge)
+    }
+
+    pub fn return_affinity_purge(&mut self, purge: AffinityPurge) {
+        for (rev, kept) in purge {
+            self.pending_purge.entry(rev).or_insert(kept);
+        }
     }
 
     /// Refuses a plan whose peak (old and new entries side by side during the
@@ -157,9 +173,9 @@ impl SyncState {
         Ok(())
     }
 
-    fn ops(&self, plan: &Plan) -> (Vec<MapOp>, Vec<(u16, BTreeSet<u32>)>) {
+    fn ops(&self, plan: &Plan) -> (Vec<MapOp>, AffinityPurge) {
         let mut ops = Vec::new();
-        let mut purge = Vec::new();
+        let mut purge = AffinityPurge::new();
 
         // 1. Backends, with ids for the new ones.
         let mut ids = self.backends.clone();
@@ -202,11 +218,11 @@ impl SyncState {
             };
             let backend_ids: Vec<u32> =
                 fp.backends.iter().map(|b| ids[&backend(frontend, b)]).collect();
-            for (i, id) in backend_ids.iter().enumerate() {
-                let slot = i as u16 + 1;
-                if installed.slots.get(&slot) != Some(id) {
+            let slots = assign_slots(&installed.slots, &backend_ids);
+            for (slot, id) in &slots {
+                if installed.slots.get(slot) != Some(id) {
                     let value = ServiceValue { backend_id: *id, rev_nat_id, ..Default::default() };
-                    ops.push(MapOp::PutService { key: service_key(frontend, slot), value });
+                    ops.push(MapOp::PutService { key: service_key(frontend, *slot), value });
                 }
             }
             let value = ServiceValue {
@@ -224,10 +240,14 @@ impl SyncState {
                 ops.push(MapOp::DeleteService { key: service_key(frontend, *slot) });
             }
             let kept: BTreeSet<u32> = backend_ids.iter().copied().collect();
-            if fp.affinity_timeout_secs.is_some()
+            let had_affinity = installed.value.is_some_and(|v| v.flags & SVC_FLAG_AFFINITY != 0);
+            if fp.affinity_timeout_secs.is_none() && had_affinity {
+                // Switched off: entries must not resurface if it comes back.
+                purge.insert(rev_nat_id, BTreeSet::new());
+            } else if fp.affinity_timeout_secs.is_some()
                 && installed.slots.values().any(|id| !kept.contains(id))
             {
-                purge.push((rev_nat_id, kept));
+                purge.insert(rev_nat_id, kept);
             }
         }
 
@@ -243,7 +263,9 @@ impl SyncState {
                 ops.push(MapOp::DeleteService { key: service_key(frontend, *slot) });
             }
             ops.push(MapOp::DeleteRevNat { frontend: *frontend, id: installed.rev_nat_id });
-            purge.push((installed.rev_nat_id, BTreeSet::new()));
+            if installed.value.is_some_and(|v| v.flags & SVC_FLAG_AFFINITY != 0) {
+                purge.insert(installed.rev_nat_id, BTreeSet::new());
+            }
         }
 
         // 4. Backends nobody uses.
@@ -301,6 +323,31 @@ impl SyncState {
             }
         }
     }
+}
+
+/// Slot for each backend: those already installed in a slot within the new
+/// count stay put, the others fill the free slots, so one endpoint change
+/// rewrites one slot however the addresses sort.
+fn assign_slots(installed: &BTreeMap<u16, u32>, backend_ids: &[u32]) -> BTreeMap<u16, u32> {
+    let count = backend_ids.len();
+    let wanted: BTreeSet<u32> = backend_ids.iter().copied().collect();
+    let mut slots = BTreeMap::new();
+    let mut placed = BTreeSet::new();
+    for (slot, id) in installed {
+        if (*slot as usize) <= count && wanted.contains(id) && placed.insert(*id) {
+            slots.insert(*slot, *id);
+        }
+    }
+    let mut free =
+        (1..=count as u16).filter(|s| !slots.contains_key(s)).collect::<Vec<_>>().into_iter();
+    for id in backend_ids {
+        if !placed.contains(id)
+            && let Some(slot) = free.next()
+        {
+            slots.insert(slot, *id);
+        }
+    }
+    slots
 }
 
 fn frontend_of_key(key: &ServiceKey) -> Frontend {
@@ -469,6 +516,25 @@ mod tests {
     }
 
     #[test]
+    fn slots_stay_put_when_a_lower_address_joins() {
+        let tcp = frontend(1, Protocol::Tcp);
+        let mut maps = Maps::default();
+        let mut state = SyncState::default();
+        let many: Vec<u8> = (10..60).collect();
+        state.sync(&plan(&[(tcp, &many, None)]), &mut maps).unwrap();
+        let before = maps.writes;
+        let mut more = many.clone();
+        more.insert(0, 2);
+        // One backend, one slot, the frontend count.
+        assert_eq!(state.sync(&plan(&[(tcp, &more, None)]), &mut maps).unwrap().writes, 3);
+        assert_eq!(maps.writes - before, 3);
+        // Removing one in the middle: its slot is refilled by the last one.
+        more.remove(20);
+        let report = state.sync(&plan(&[(tcp, &more, None)]), &mut maps).unwrap();
+        assert_eq!(report.writes, 4, "slot refill, count, slot delete, backend delete");
+    }
+
+    #[test]
     fn one_endpoint_change_rewrites_only_what_changed() {
         let tcp = frontend(1, Protocol::Tcp);
         let mut maps = Maps::default();
@@ -483,18 +549,31 @@ mod tests {
 
     #[test]
     fn a_failed_write_leaves_a_consistent_map_and_the_next_sync_finishes() {
-        let tcp = frontend(1, Protocol::Tcp);
-        let target = plan(&[(tcp, &[2, 3, 4], Some(5))]);
-        for fail_at in 0..8 {
+        let (tcp, udp) = (frontend(1, Protocol::Tcp), frontend(1, Protocol::Udp));
+        let start = plan(&[(tcp, &[6, 7], Some(5)), (udp, &[6], None)]);
+        let target = plan(&[(tcp, &[2, 3, 6], Some(5))]);
+        // How many writes the step takes, to fail each one in turn.
+        let mut maps = Maps::default();
+        let mut state = SyncState::default();
+        state.sync(&start, &mut maps).unwrap();
+        let writes = state.sync(&target, &mut maps).unwrap().writes;
+        assert!(writes >= 8, "the step adds, rewrites and removes: {writes} writes");
+        for fail_at in 0..writes {
             let mut maps = Maps::default();
             let mut state = SyncState::default();
-            state.sync(&plan(&[(tcp, &[6, 7], None)]), &mut maps).unwrap();
+            state.sync(&start, &mut maps).unwrap();
             maps.fail_at = Some(maps.writes + fail_at);
             assert!(state.sync(&target, &mut maps).is_err(), "failure {fail_at} injected");
             state.sync(&target, &mut maps).unwrap();
-            let (_, backends) = view(&maps).into_iter().next().unwrap();
-            assert_eq!(backends, vec![[10, 244, 0, 2], [10, 244, 0, 3], [10, 244, 0, 4]]);
+            let (_, mut backends) = view(&maps).into_iter().next().unwrap();
+            backends.sort();
+            assert_eq!(backends, vec![[10, 244, 0, 2], [10, 244, 0, 3], [10, 244, 0, 6]]);
             assert_eq!(maps.backends.len(), 3);
+            assert_eq!(maps.rev_nat.len(), 1);
+            // The cleanup owed for backend 7 survives the failure.
+            let purge = state.take_affinity_purge();
+            let kept: Vec<usize> = purge.values().map(BTreeSet::len).collect();
+            assert_eq!(kept, vec![3], "failure at {fail_at}: {purge:?}");
         }
     }
 
@@ -503,13 +582,18 @@ mod tests {
         let tcp = frontend(1, Protocol::Tcp);
         let mut maps = Maps::default();
         let mut state = SyncState::default();
-        let report = state.sync(&plan(&[(tcp, &[2, 3], Some(10))]), &mut maps).unwrap();
-        assert!(report.affinity_purge.is_empty());
-        let report = state.sync(&plan(&[(tcp, &[2, 3, 4], Some(10))]), &mut maps).unwrap();
-        assert!(report.affinity_purge.is_empty(), "adding a backend keeps affinity");
-        let report = state.sync(&plan(&[(tcp, &[3, 4], Some(10))]), &mut maps).unwrap();
-        assert_eq!(report.affinity_purge.len(), 1);
-        assert_eq!(report.affinity_purge[0].1.len(), 2);
+        state.sync(&plan(&[(tcp, &[2, 3], Some(10))]), &mut maps).unwrap();
+        assert!(state.take_affinity_purge().is_empty());
+        state.sync(&plan(&[(tcp, &[2, 3, 4], Some(10))]), &mut maps).unwrap();
+        assert!(state.take_affinity_purge().is_empty(), "adding a backend keeps affinity");
+        state.sync(&plan(&[(tcp, &[3, 4], Some(10))]), &mut maps).unwrap();
+        let purge = state.take_affinity_purge();
+        assert_eq!(purge.len(), 1);
+        assert_eq!(purge.values().next().unwrap().len(), 2);
+        // Switching affinity off forgets every entry of the service.
+        state.sync(&plan(&[(tcp, &[3, 4], None)]), &mut maps).unwrap();
+        let purge = state.take_affinity_purge();
+        assert!(purge.values().next().unwrap().is_empty());
     }
 
     #[test]
