@@ -2,7 +2,9 @@
 //! datapath; log and count what was wrong, retry what failed.
 
 use std::{
-    path::Path,
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
     sync::{Arc, atomic::Ordering::Relaxed},
     time::{Duration, Instant, SystemTime},
 };
@@ -10,11 +12,13 @@ use std::{
 use anyhow::Context as _;
 use tokio::signal::unix::{SignalKind, signal};
 
+use proxy_common::Config;
+
 use crate::{
     PinArgs, RunArgs,
     backend::ebpf::{self, EbpfBackend},
     metrics::{self, Metrics},
-    plan::{self, Plan},
+    plan::{self, Node, Plan},
     source::{Store, manifests::Manifests},
     sys,
 };
@@ -26,13 +30,23 @@ const POLL: Duration = Duration::from_millis(200);
 /// Failed syncs are retried after this, doubling up to `MAX_RETRY`.
 const FIRST_RETRY: Duration = Duration::from_millis(200);
 const MAX_RETRY: Duration = Duration::from_secs(10);
+/// Expired conntrack entries are collected every this many polls.
+const GC_EVERY: u32 = 5;
+/// A TCP flow translated per packet that never saw a reply lives this long.
+const TCP_SYN_TIMEOUT_SECS: u32 = 60;
 
 struct Agent {
     manifests: Manifests,
     store: Store,
     backend: EbpfBackend,
     metrics: Arc<Metrics>,
-    node_name: String,
+    node: Node,
+    /// Name prefixes of pod-facing interfaces.
+    pod_interfaces: Vec<String>,
+    root: PathBuf,
+    /// The programs are attached: interfaces and conntrack are looked after.
+    attached: bool,
+    polls: u32,
     /// A plan the maps do not hold yet, and when to try again.
     pending: Option<(Plan, Instant)>,
     retry_after: Duration,
@@ -61,6 +75,32 @@ impl Agent {
                 self.sync(plan);
             }
         }
+        if self.attached {
+            self.look_after_datapath();
+        }
+    }
+
+    /// Follows interfaces that come and go, and collects expired flows.
+    fn look_after_datapath(&mut self) {
+        match sys::interfaces() {
+            Ok(interfaces) => {
+                let wanted = tc_interfaces(&interfaces, &self.node.ips, &self.pod_interfaces);
+                self.backend.set_tc_interfaces(&self.root, &wanted);
+            }
+            Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
+        }
+        self.polls = self.polls.wrapping_add(1);
+        if self.polls % GC_EVERY == 0 {
+            match self.backend.collect_conntrack() {
+                Ok((deleted, left)) => {
+                    self.metrics.conntrack_entries.store(left as u64, Relaxed);
+                    if deleted > 0 {
+                        tracing::debug!(deleted, left, "expired flows collected");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "conntrack collection failed"),
+            }
+        }
     }
 
     /// Store, model and plan for the current manifests; each problem is
@@ -80,7 +120,7 @@ impl Agent {
             tracing::warn!(kind = err.kind(), "{err}");
             self.metrics.invalid(err.kind());
         }
-        let (plan, conflicts) = plan::plan(&model, &self.node_name);
+        let (plan, conflicts) = plan::plan(&model, &self.node);
         for conflict in &conflicts {
             tracing::warn!("{conflict}");
             self.metrics.invalid("Service");
@@ -103,6 +143,13 @@ impl Agent {
                     writes = report.writes,
                     "datapath synced"
                 );
+                match self.backend.flush_udp_flows(&report.removed_backends) {
+                    Ok(0) => {}
+                    Ok(flushed) => {
+                        tracing::info!(flushed, "UDP flows to removed endpoints deleted")
+                    }
+                    Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
+                }
             }
             Err(err) => {
                 self.metrics.syncs_failed.fetch_add(1, Relaxed);
@@ -123,6 +170,62 @@ impl Agent {
     }
 }
 
+/// The interfaces whose ingress runs the per-packet program: those holding a
+/// node address, and pod-facing ones (by name prefix).
+fn tc_interfaces(
+    interfaces: &BTreeMap<String, Vec<Ipv4Addr>>,
+    node_ips: &[Ipv4Addr],
+    pod_prefixes: &[String],
+) -> BTreeSet<String> {
+    interfaces
+        .iter()
+        .filter(|(name, addrs)| {
+            pod_prefixes.iter().any(|p| !p.is_empty() && name.starts_with(p.as_str()))
+                || addrs.iter().any(|a| node_ips.contains(a))
+        })
+        .map(|(name, _)| name.clone())
+        .filter(|name| name != "lo")
+        .collect()
+}
+
+/// `--node-ip`, or the IPv4 addresses of the interfaces that are neither
+/// loopback nor pod-facing.
+fn node_ips(args: &RunArgs) -> anyhow::Result<Vec<Ipv4Addr>> {
+    if !args.node_ip.is_empty() {
+        return Ok(args.node_ip.clone());
+    }
+    let interfaces = sys::interfaces().context("listing interfaces")?;
+    let is_pod = |name: &str| {
+        args.pod_interfaces.iter().any(|p| !p.is_empty() && name.starts_with(p.as_str()))
+    };
+    let ips: Vec<Ipv4Addr> = interfaces
+        .iter()
+        .filter(|(name, _)| !is_pod(name))
+        .flat_map(|(_, addrs)| addrs.iter().copied())
+        .filter(|ip| !ip.is_loopback() && !ip.is_link_local())
+        .collect();
+    anyhow::ensure!(!ips.is_empty(), "no node address found: pass --node-ip");
+    Ok(ips)
+}
+
+fn datapath_config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
+    let (cidr, prefix) = args.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
+    let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
+    Config {
+        snat_addr: node_ips[0].octets(),
+        cluster_cidr: cidr,
+        cluster_cidr_prefix: prefix,
+        masquerade_all: args.masquerade_all as u8,
+        snat_port_min: args.snat_port_range.0,
+        snat_port_max: args.snat_port_range.1,
+        _pad: 0,
+        tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
+        tcp_established_timeout_secs: secs(args.conntrack_tcp_timeout_established),
+        tcp_closing_timeout_secs: secs(args.conntrack_tcp_timeout_close_wait),
+        udp_timeout_secs: secs(args.conntrack_udp_timeout),
+    }
+}
+
 fn node_name(args: &RunArgs) -> anyhow::Result<String> {
     if let Some(name) = &args.hostname_override {
         return Ok(name.clone());
@@ -139,9 +242,18 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let root = args.pins.bpffs_root.clone();
     sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
-    let backend = EbpfBackend::load().context("loading the BPF programs")?;
-    let node_name = node_name(&args)?;
-    tracing::info!(mode = ?args.proxy_mode, node = %node_name, cgroup = %cgroup.display(), bpffs = %root.display(), "starting");
+    let mut backend = EbpfBackend::load().context("loading the BPF programs")?;
+    let node = Node {
+        name: node_name(&args)?,
+        ips: node_ips(&args)?,
+        nodeport_addresses: args.nodeport_addresses.clone(),
+    };
+    backend
+        .configure(&datapath_config(&args, &node.ips))
+        .context("writing the datapath settings")?;
+    let (min, max) = args.snat_port_range;
+    sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
+    tracing::info!(mode = ?args.proxy_mode, node = %node.name, node_ips = ?node.ips, cgroup = %cgroup.display(), bpffs = %root.display(), "starting");
 
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -156,7 +268,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             store: Store::default(),
             backend,
             metrics,
-            node_name,
+            node,
+            pod_interfaces: args.pod_interfaces.clone(),
+            root: root.clone(),
+            attached: false,
+            polls: 0,
             pending: None,
             retry_after: FIRST_RETRY,
             complete: false,
@@ -165,14 +281,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let mut interrupt = signal(SignalKind::interrupt())?;
         let mut poll = tokio::time::interval(POLL);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut attached = false;
         let mut waiting_since: Option<Instant> = None;
         loop {
             tokio::select! {
                 _ = poll.tick() => {
                     agent.tick();
-                    if !attached {
-                        attached = activate_when_ready(&mut agent, &cgroup, &root, &mut waiting_since)?;
+                    if !agent.attached {
+                        agent.attached = activate_when_ready(&mut agent, &cgroup, &mut waiting_since)?;
                     }
                 }
                 _ = terminate.recv() => break,
@@ -190,7 +305,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 fn activate_when_ready(
     agent: &mut Agent,
     cgroup: &Path,
-    root: &Path,
     waiting_since: &mut Option<Instant>,
 ) -> anyhow::Result<bool> {
     if !agent.ready() {
@@ -203,11 +317,13 @@ fn activate_when_ready(
         }
         return Ok(false);
     }
+    let interfaces = sys::interfaces().context("listing interfaces")?;
+    let wanted = tc_interfaces(&interfaces, &agent.node.ips, &agent.pod_interfaces);
     agent
         .backend
-        .activate(cgroup, root)
-        .with_context(|| format!("attaching to {}", cgroup.display()))?;
-    agent.metrics.set_datapath(ebpf::CounterReader::open(root)?);
+        .activate(cgroup, &wanted, &agent.root)
+        .with_context(|| format!("attaching to {} and {wanted:?}", cgroup.display()))?;
+    agent.metrics.set_datapath(ebpf::CounterReader::open(&agent.root)?);
     tracing::info!("programs attached; serving");
     Ok(true)
 }
@@ -226,5 +342,32 @@ fn remove_empty_dir(dir: &Path) -> anyhow::Result<()> {
             Err(e).with_context(|| format!("removing {}", dir.display()))
         }
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_packet_interfaces_are_node_and_pod_facing_ones() {
+        let interfaces: BTreeMap<String, Vec<Ipv4Addr>> = [
+            ("lo", vec![Ipv4Addr::LOCALHOST]),
+            ("eth0", vec![Ipv4Addr::new(192, 168, 100, 11)]),
+            ("eth1", vec![Ipv4Addr::new(172, 16, 0, 1)]),
+            ("veth1", vec![Ipv4Addr::new(169, 254, 1, 1)]),
+            ("lxc12", vec![]),
+            ("docker0", vec![Ipv4Addr::new(172, 17, 0, 1)]),
+        ]
+        .into_iter()
+        .map(|(n, a)| (n.to_string(), a))
+        .collect();
+        let wanted = tc_interfaces(
+            &interfaces,
+            &[Ipv4Addr::new(192, 168, 100, 11)],
+            &["veth".into(), "lxc".into()],
+        );
+        let names: Vec<&str> = wanted.iter().map(String::as_str).collect();
+        assert_eq!(names, ["eth0", "lxc12", "veth1"]);
     }
 }

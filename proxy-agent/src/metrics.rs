@@ -23,6 +23,7 @@ pub struct Metrics {
     pub last_sync_seconds: AtomicU64,
     pub frontends: AtomicU64,
     pub backends: AtomicU64,
+    pub conntrack_entries: AtomicU64,
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
     invalid: Mutex<BTreeMap<String, u64>>,
@@ -78,6 +79,12 @@ impl Metrics {
             "gauge",
             "Distinct backends in the datapath.",
             &[(String::new(), self.backends.load(Relaxed))],
+        );
+        metric(
+            "proxy_conntrack_entries",
+            "gauge",
+            "Entries of the per-packet conntrack map (two per flow), at the last collection.",
+            &[(String::new(), self.conntrack_entries.load(Relaxed))],
         );
         let invalid: Vec<_> = self
             .invalid

@@ -113,6 +113,18 @@ pub struct ServicePort {
     pub protocol: Protocol,
     pub port: u16,
     pub cluster_ip: Ipv4Addr,
+    /// `nodePort` of a NodePort or LoadBalancer service.
+    pub node_port: Option<u16>,
+    /// `spec.externalIPs` (IPv4).
+    pub external_ips: Vec<Ipv4Addr>,
+    /// `status.loadBalancer.ingress[].ip` (IPv4) of a LoadBalancer service.
+    pub load_balancer_ips: Vec<Ipv4Addr>,
+    /// `loadBalancerSourceRanges` (IPv4): who may reach the load-balancer IPs.
+    pub source_ranges: Vec<Cidr>,
+    /// `externalTrafficPolicy: Local` on a service with external addresses.
+    pub external_local: bool,
+    /// `internalTrafficPolicy: Local`.
+    pub internal_local: bool,
     /// `Some(timeout)` for `sessionAffinity: ClientIP`.
     pub affinity_timeout_secs: Option<u32>,
     /// All endpoints found, sorted by address, one per address.
@@ -121,13 +133,61 @@ pub struct ServicePort {
 
 impl ServicePort {
     /// The endpoints traffic goes to: the ready ones, or when none is ready
-    /// the serving and terminating ones.
-    pub fn usable_endpoints(&self) -> Vec<&Endpoint> {
-        let ready: Vec<_> = self.endpoints.iter().filter(|e| e.ready).collect();
+    /// the serving and terminating ones. With `local_node`, only those on
+    /// that node (the fallback applies among them, as in kube-proxy).
+    pub fn usable_endpoints(&self, local_node: Option<&str>) -> Vec<&Endpoint> {
+        let candidates = || {
+            self.endpoints
+                .iter()
+                .filter(move |e| local_node.is_none() || e.node_name.as_deref() == local_node)
+        };
+        let ready: Vec<_> = candidates().filter(|e| e.ready).collect();
         if !ready.is_empty() {
             return ready;
         }
-        self.endpoints.iter().filter(|e| e.serving && e.terminating).collect()
+        candidates().filter(|e| e.serving && e.terminating).collect()
+    }
+
+    /// Whether the service has an endpoint traffic could use, anywhere.
+    pub fn has_endpoints(&self) -> bool {
+        !self.usable_endpoints(None).is_empty()
+    }
+}
+
+/// An IPv4 prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Cidr {
+    pub addr: Ipv4Addr,
+    pub len: u8,
+}
+
+impl Cidr {
+    /// Parses `a.b.c.d/n` (a bare address is a /32); `Ok(None)` for IPv6.
+    pub fn parse(text: &str) -> Result<Option<Self>, ()> {
+        let (addr, len) = text.trim().split_once('/').unwrap_or((text.trim(), "32"));
+        match addr.parse::<IpAddr>() {
+            Ok(IpAddr::V4(addr)) => {
+                let len: u8 = len.parse().map_err(drop)?;
+                if len > 32 {
+                    return Err(());
+                }
+                let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+                Ok(Some(Cidr { addr: Ipv4Addr::from(u32::from(addr) & mask), len }))
+            }
+            Ok(IpAddr::V6(_)) => Ok(None),
+            Err(_) => Err(()),
+        }
+    }
+
+    pub fn contains(&self, ip: Ipv4Addr) -> bool {
+        let mask = if self.len == 0 { 0 } else { u32::MAX << (32 - self.len) };
+        u32::from(ip) & mask == u32::from(self.addr)
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
     }
 }
 
@@ -144,6 +204,10 @@ pub enum ModelError {
     DuplicatePort { service: ServiceName, port: u16, protocol: Protocol },
     #[error("Service {service}: sessionAffinity timeoutSeconds {value} is outside 1..=86400")]
     InvalidAffinityTimeout { service: ServiceName, value: i32 },
+    #[error("Service {service}: invalid {field} entry {value:?}")]
+    InvalidAddress { service: ServiceName, field: &'static str, value: String },
+    #[error("Service {service}: port {port_name:?} has invalid nodePort {port}")]
+    InvalidNodePort { service: ServiceName, port_name: String, port: i32 },
     #[error("Service {service}: unknown sessionAffinity {value:?}")]
     InvalidAffinity { service: ServiceName, value: String },
     #[error("{kind} without metadata.name")]
@@ -333,6 +397,79 @@ fn affinity_timeout(name: &ServiceName, spec: &ServiceSpec) -> Result<Option<u32
     }
 }
 
+/// The LoadBalancer source-ranges annotation kube-proxy still honours when
+/// the field is empty.
+const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
+
+/// The service-wide part of its external exposure.
+struct Externals {
+    has_node_ports: bool,
+    external_ips: Vec<Ipv4Addr>,
+    load_balancer_ips: Vec<Ipv4Addr>,
+    source_ranges: Vec<Cidr>,
+    external_local: bool,
+}
+
+impl Externals {
+    fn of(name: &ServiceName, service: &Service, spec: &ServiceSpec) -> Result<Self, ModelError> {
+        let kind = spec.type_.as_deref().unwrap_or("ClusterIP");
+        let load_balancer = kind == "LoadBalancer";
+        let invalid = |field: &'static str, value: &str| ModelError::InvalidAddress {
+            service: name.clone(),
+            field,
+            value: value.to_string(),
+        };
+        let mut external_ips = Vec::new();
+        for raw in spec.external_ips.iter().flatten() {
+            match raw.parse::<IpAddr>() {
+                Ok(IpAddr::V4(ip)) => external_ips.push(ip),
+                Ok(IpAddr::V6(_)) => {}
+                Err(_) => return Err(invalid("externalIPs", raw)),
+            }
+        }
+        let mut load_balancer_ips = Vec::new();
+        if load_balancer {
+            let ingress = service.status.as_ref().and_then(|s| s.load_balancer.as_ref());
+            for entry in ingress.and_then(|lb| lb.ingress.as_ref()).into_iter().flatten() {
+                // Hostname-only entries (some clouds) have nothing to proxy.
+                let Some(raw) = &entry.ip else { continue };
+                match raw.parse::<IpAddr>() {
+                    Ok(IpAddr::V4(ip)) => load_balancer_ips.push(ip),
+                    Ok(IpAddr::V6(_)) => {}
+                    Err(_) => return Err(invalid("status.loadBalancer.ingress", raw)),
+                }
+            }
+        }
+        let annotation = service
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(SOURCE_RANGES_ANNOTATION))
+            .map(|v| v.split(',').map(str::to_string).collect::<Vec<_>>());
+        let ranges = match &spec.load_balancer_source_ranges {
+            Some(ranges) if !ranges.is_empty() => ranges.clone(),
+            _ => annotation.unwrap_or_default(),
+        };
+        let mut source_ranges = Vec::new();
+        for raw in ranges.iter().filter(|r| !r.trim().is_empty()) {
+            match Cidr::parse(raw) {
+                Ok(Some(cidr)) => source_ranges.push(cidr),
+                Ok(None) => {}
+                Err(()) => return Err(invalid("loadBalancerSourceRanges", raw)),
+            }
+        }
+        let has_node_ports = kind == "NodePort" || load_balancer;
+        let external = has_node_ports || !external_ips.is_empty();
+        Ok(Externals {
+            has_node_ports,
+            external_ips,
+            load_balancer_ips,
+            source_ranges,
+            external_local: external && spec.external_traffic_policy.as_deref() == Some("Local"),
+        })
+    }
+}
+
 /// The service's IPv4 cluster IP: the first IPv4 of `clusterIPs` (dual
 /// stack), else `clusterIP`. `None` for an IPv6-only service; an error when
 /// any of them is not an IP address.
@@ -371,6 +508,7 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
         return Ok(Vec::new());
     };
     let affinity_timeout_secs = affinity_timeout(&name, spec)?;
+    let externals = Externals::of(&name, service, spec)?;
     let no_endpoints = BTreeMap::new();
     let endpoints = index.get(&name).unwrap_or(&no_endpoints);
 
@@ -407,11 +545,29 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
             .get(&(port_name.clone(), protocol))
             .map(|by_addr| by_addr.values().cloned().collect())
             .unwrap_or_default();
+        let node_port = match (externals.has_node_ports, port.node_port) {
+            (true, Some(n)) if n != 0 => {
+                Some(u16::try_from(n).ok().filter(|n| *n != 0).ok_or_else(|| {
+                    ModelError::InvalidNodePort {
+                        service: name.clone(),
+                        port_name: port_name.clone(),
+                        port: n,
+                    }
+                })?)
+            }
+            _ => None,
+        };
         ports.push(ServicePort {
             name: ServicePortName { service: name.clone(), port: port_name },
             protocol,
             port: number,
             cluster_ip,
+            node_port,
+            external_ips: externals.external_ips.clone(),
+            load_balancer_ips: externals.load_balancer_ips.clone(),
+            source_ranges: externals.source_ranges.clone(),
+            external_local: externals.external_local,
+            internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout_secs,
             endpoints,
         });
@@ -465,7 +621,7 @@ endpoints: {endpoints}
     }
 
     fn addrs(port: &ServicePort) -> Vec<String> {
-        port.usable_endpoints().iter().map(|e| e.addr.to_string()).collect()
+        port.usable_endpoints(None).iter().map(|e| e.addr.to_string()).collect()
     }
 
     #[test]

@@ -92,6 +92,64 @@ fn mount_bpffs(at: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// The node's network interfaces and their IPv4 addresses, in the agent's
+/// network namespace (netlink-backed `getifaddrs`, not /sys, which may
+/// belong to another namespace).
+pub fn interfaces() -> io::Result<std::collections::BTreeMap<String, Vec<std::net::Ipv4Addr>>> {
+    let mut ifaddrs: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list we free below.
+    if unsafe { libc::getifaddrs(&mut ifaddrs) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut out = std::collections::BTreeMap::new();
+    let mut cursor = ifaddrs;
+    while !cursor.is_null() {
+        // SAFETY: a node of the list getifaddrs returned.
+        let entry = unsafe { &*cursor };
+        cursor = entry.ifa_next;
+        // SAFETY: ifa_name is a NUL-terminated string.
+        let name =
+            unsafe { std::ffi::CStr::from_ptr(entry.ifa_name) }.to_string_lossy().into_owned();
+        let addrs: &mut Vec<std::net::Ipv4Addr> = out.entry(name).or_default();
+        if entry.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: ifa_addr points to a sockaddr of the family it names.
+        if unsafe { (*entry.ifa_addr).sa_family } as i32 == libc::AF_INET {
+            let sin = unsafe { &*(entry.ifa_addr as *const libc::sockaddr_in) };
+            addrs.push(std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+        }
+    }
+    // SAFETY: the list came from getifaddrs.
+    unsafe { libc::freeifaddrs(ifaddrs) };
+    Ok(out)
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns()`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec out-parameter.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Adds `min-max` to `net.ipv4.ip_local_reserved_ports` of the agent's
+/// network namespace, so the node's own sockets never take a port the
+/// datapath hands out for SNAT.
+pub fn reserve_ports(min: u16, max: u16) -> io::Result<()> {
+    const PATH: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+    let current = std::fs::read_to_string(PATH)?;
+    let range = format!("{min}-{max}");
+    if current.split(',').any(|r| r.trim() == range) {
+        return Ok(());
+    }
+    let value = match current.trim() {
+        "" => range,
+        existing => format!("{existing},{range}"),
+    };
+    std::fs::write(PATH, value)
+}
+
 /// Lets BPF maps be created on kernels that still charge them to
 /// RLIMIT_MEMLOCK (before 5.11).
 pub fn raise_memlock_rlimit() {

@@ -14,7 +14,9 @@ pub mod map_names {
     pub const SOCK_REV_NAT: &str = "SOCK_REV_NAT";
     pub const AFFINITY: &str = "AFFINITY";
     pub const COUNTERS: &str = "COUNTERS";
-    pub const ALL: [&str; 6] = [SERVICES, BACKENDS, REV_NAT, SOCK_REV_NAT, AFFINITY, COUNTERS];
+    pub const CONNTRACK: &str = "CONNTRACK";
+    pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
+    pub const CONFIG: &str = "CONFIG";
 }
 
 /// Capacities, shared so the agent can refuse a plan that would not fit.
@@ -23,6 +25,8 @@ pub const MAX_BACKENDS: u32 = 65_536;
 pub const MAX_REV_NAT: u32 = 65_536;
 pub const MAX_SOCK_REV_NAT: u32 = 262_144;
 pub const MAX_AFFINITY: u32 = 65_536;
+pub const MAX_CONNTRACK: u32 = 262_144;
+pub const MAX_SOURCE_RANGES: u32 = 16_384;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -33,6 +37,18 @@ pub const SCOPE_EXTERNAL: u8 = 0;
 
 /// `ServiceValue::flags`: the service has `sessionAffinity: ClientIP`.
 pub const SVC_FLAG_AFFINITY: u16 = 1 << 0;
+/// A NodePort, externalIP or LoadBalancer frontend; with
+/// `externalTrafficPolicy: Cluster` its clients are SNATed to the node.
+pub const SVC_FLAG_EXTERNAL: u16 = 1 << 1;
+/// The traffic policy of this frontend is Local: only local backends, and the
+/// client address is kept.
+pub const SVC_FLAG_LOCAL: u16 = 1 << 2;
+/// With no backend, drop (policy Local with endpoints elsewhere) instead of
+/// rejecting (no endpoints at all), as kube-proxy does.
+pub const SVC_FLAG_DROP_EMPTY: u16 = 1 << 3;
+/// Only sources in `SOURCE_RANGES` for this frontend may connect
+/// (loadBalancerSourceRanges).
+pub const SVC_FLAG_SOURCE_RANGES: u16 = 1 << 4;
 
 /// `Backend::flags`: the endpoint runs on this node (`--hostname-override`).
 pub const BACKEND_FLAG_LOCAL: u8 = 1 << 0;
@@ -115,15 +131,20 @@ pub struct SockRevNat {
     pub rev_nat_id: u16,
 }
 
-/// Key of the session-affinity map. At the socket layer the source address is
-/// not known yet at `connect()`, so the client is its network namespace cookie
-/// (one pod, one netns), as in Cilium's socket LB.
+/// `AffinityKey::kind`: the client is a network-namespace cookie (socket LB:
+/// at `connect()` the source address is not chosen yet; one pod, one netns).
+pub const AFFINITY_CLIENT_NETNS: u8 = 0;
+/// `AffinityKey::kind`: the client is an IPv4 source address (per packet).
+pub const AFFINITY_CLIENT_IPV4: u8 = 1;
+
+/// Key of the session-affinity map.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct AffinityKey {
     pub client: u64,
     pub rev_nat_id: u16,
-    pub _pad: [u8; 6],
+    pub kind: u8,
+    pub _pad: [u8; 5],
 }
 
 /// Value of the session-affinity map.
@@ -134,6 +155,108 @@ pub struct AffinityValue {
     pub last_used_ns: u64,
     pub backend_id: u32,
     pub _pad: u32,
+}
+
+/// Key of the conntrack map: a packet's tuple as it is on the wire.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CtKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+impl CtKey {
+    /// The key of the packets flowing the other way.
+    pub const fn reversed(&self) -> Self {
+        Self {
+            saddr: self.daddr,
+            daddr: self.saddr,
+            sport: self.dport,
+            dport: self.sport,
+            proto: self.proto,
+            _pad: [0; 3],
+        }
+    }
+}
+
+/// `CtEntry::flags`: the entry translates replies (backend to client).
+pub const CT_FLAG_REPLY: u8 = 1 << 0;
+/// The flow's source was rewritten (SNAT to the node).
+pub const CT_FLAG_SNAT: u8 = 1 << 1;
+/// A TCP FIN or RST was seen: the flow is closing.
+pub const CT_FLAG_CLOSING: u8 = 1 << 2;
+/// A packet was seen in the reply direction (TCP: the handshake went on).
+pub const CT_FLAG_SEEN_REPLY: u8 = 1 << 3;
+
+/// Value of the conntrack map: what a packet with the key's tuple becomes,
+/// and until when the entry lives. Each flow has two entries, one per
+/// direction; each names the other by its rewritten tuple reversed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtEntry {
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) after which the entry is stale.
+    pub expires_ns: u64,
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub rev_nat_id: u16,
+    pub flags: u8,
+    pub _pad: u8,
+}
+
+impl CtEntry {
+    /// The tuple this entry rewrites packets to.
+    pub const fn rewritten(&self, proto: u8) -> CtKey {
+        CtKey {
+            saddr: self.saddr,
+            daddr: self.daddr,
+            sport: self.sport,
+            dport: self.dport,
+            proto,
+            _pad: [0; 3],
+        }
+    }
+}
+
+/// Data part of the `SOURCE_RANGES` LPM key: a frontend (by reverse-NAT id)
+/// and a source address. The prefix length covers the 32 bits of id and
+/// padding, then the address bits.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SourceRangeKey {
+    pub rev_nat_id: u16,
+    pub _pad: u16,
+    pub address: [u8; 4],
+}
+
+/// Bits of `SourceRangeKey` before the address.
+pub const SOURCE_RANGE_PREFIX_BITS: u32 = 32;
+
+/// The datapath's settings, in a one-element array written by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Config {
+    /// The node address clients are SNATed to.
+    pub snat_addr: [u8; 4],
+    /// `--cluster-cidr`: sources outside it are masqueraded on ClusterIP
+    /// traffic. A zero prefix length means no cluster CIDR is set.
+    pub cluster_cidr: [u8; 4],
+    pub cluster_cidr_prefix: u8,
+    /// `--masquerade-all`.
+    pub masquerade_all: u8,
+    /// SNAT source ports are allocated in `snat_port_min..=snat_port_max`.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    pub _pad: u16,
+    pub tcp_syn_timeout_secs: u32,
+    pub tcp_established_timeout_secs: u32,
+    pub tcp_closing_timeout_secs: u32,
+    pub udp_timeout_secs: u32,
 }
 
 /// Indexes of the per-CPU counters array.
@@ -152,9 +275,18 @@ pub enum Counter {
     SlotMiss,
     /// A reply or peer address was reverse-translated.
     RevNat,
+    /// A packet matched a conntrack entry and was translated.
+    CtHit,
+    /// A new flow was translated per packet and tracked.
+    CtNew,
+    /// A new flow was refused (TCP RST or ICMP port unreachable).
+    Rejected,
+    /// A packet was dropped (policy Local without a local endpoint, a source
+    /// outside loadBalancerSourceRanges, no SNAT port, a full conntrack map).
+    Dropped,
 }
 
-pub const COUNTER_COUNT: u32 = 6;
+pub const COUNTER_COUNT: u32 = 10;
 
 impl Counter {
     pub const ALL: [Counter; COUNTER_COUNT as usize] = [
@@ -164,6 +296,10 @@ impl Counter {
         Counter::NoBackend,
         Counter::SlotMiss,
         Counter::RevNat,
+        Counter::CtHit,
+        Counter::CtNew,
+        Counter::Rejected,
+        Counter::Dropped,
     ];
 
     /// The Prometheus-style name the agent exports it under.
@@ -175,6 +311,10 @@ impl Counter {
             Counter::NoBackend => "no_backend",
             Counter::SlotMiss => "slot_miss",
             Counter::RevNat => "rev_nat",
+            Counter::CtHit => "ct_hit",
+            Counter::CtNew => "ct_new",
+            Counter::Rejected => "rejected",
+            Counter::Dropped => "dropped",
         }
     }
 }
@@ -191,6 +331,10 @@ mod pod {
     unsafe impl aya::Pod for SockRevNat {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtEntry {}
+    unsafe impl aya::Pod for SourceRangeKey {}
+    unsafe impl aya::Pod for Config {}
 }
 
 #[cfg(test)]
@@ -208,6 +352,10 @@ mod tests {
         assert_eq!(size_of::<SockRevNat>(), 8);
         assert_eq!(size_of::<AffinityKey>(), 16);
         assert_eq!(size_of::<AffinityValue>(), 16);
+        assert_eq!(size_of::<CtKey>(), 16);
+        assert_eq!(size_of::<CtEntry>(), 24);
+        assert_eq!(size_of::<SourceRangeKey>(), 8);
+        assert_eq!(size_of::<Config>(), 32);
     }
 
     #[test]

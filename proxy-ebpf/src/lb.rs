@@ -31,19 +31,26 @@ fn backend(id: u32) -> Option<Backend> {
 
 /// Picks a backend for a new connection to `key` (slot 0) from `client`.
 #[inline(always)]
-pub fn select(key: &ServiceKey, client: u64) -> Verdict {
-    let Some(svc) = lookup_frontend(key) else {
-        return Verdict::NotAService;
-    };
+pub fn select(key: &ServiceKey, client: u64, kind: u8) -> Verdict {
+    match lookup_frontend(key) {
+        Some(svc) => choose(key, &svc, client, kind),
+        None => Verdict::NotAService,
+    }
+}
+
+/// Picks a backend of the frontend `svc` (found at `key`) for `client`, an
+/// address or a netns cookie as `kind` says.
+#[inline(always)]
+pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Verdict {
     count(Counter::ServiceHit);
     if svc.count == 0 {
         count(Counter::NoBackend);
         return Verdict::NoBackend;
     }
-    let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, _pad: [0; 6] };
+    let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, kind, _pad: [0; 5] };
     let affine = svc.flags & SVC_FLAG_AFFINITY != 0;
     let now = unsafe { bpf_ktime_get_ns() };
-    if affine && let Some((_, backend)) = affine_backend(&affinity_key, &svc, now) {
+    if affine && let Some((_, backend)) = affine_backend(&affinity_key, svc, now) {
         count(Counter::AffinityHit);
         return Verdict::Backend { backend, rev_nat_id: svc.rev_nat_id };
     }

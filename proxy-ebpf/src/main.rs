@@ -3,11 +3,18 @@
 #![no_std]
 #![no_main]
 
+mod conntrack;
 mod lb;
 mod maps;
+mod packet;
+mod reject;
 mod sock_lb;
+mod tc_lb;
 
-use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+use aya_ebpf::{
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
+};
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
@@ -27,6 +34,12 @@ pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername4)]
 pub fn getpeername4(ctx: SockAddrContext) -> i32 {
     sock_lb::try_reverse(&ctx)
+}
+
+/// Ingress of node and pod interfaces: per-packet service translation.
+#[classifier]
+pub fn tc_ingress(ctx: TcContext) -> i32 {
+    tc_lb::try_ingress(&ctx)
 }
 
 #[cfg(not(test))]

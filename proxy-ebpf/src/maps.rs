@@ -2,13 +2,13 @@
 //! The agent pins them under `--bpffs-root` by these names.
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Counter, MAX_AFFINITY, MAX_BACKENDS,
-    MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOCK_REV_NAT, RevNat, ServiceKey, ServiceValue,
-    SockRevNat, SockRevNatKey,
+    AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey,
+    MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOCK_REV_NAT,
+    MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue, SockRevNat, SockRevNatKey, SourceRangeKey,
 };
 
 #[btf_map]
@@ -28,6 +28,18 @@ pub static SOCK_REV_NAT: LruHashMap<SockRevNatKey, SockRevNat, { MAX_SOCK_REV_NA
 #[btf_map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { MAX_AFFINITY as usize }> =
     LruHashMap::new();
+
+/// Both directions of every flow translated per packet (tc).
+#[btf_map]
+pub static CONNTRACK: LruHashMap<CtKey, CtEntry, { MAX_CONNTRACK as usize }> = LruHashMap::new();
+
+/// loadBalancerSourceRanges: (frontend, source prefix) -> 1.
+#[btf_map]
+pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8, { MAX_SOURCE_RANGES as usize }> =
+    LpmTrie::new();
+
+#[btf_map]
+pub static CONFIG: Array<Config, 1> = Array::new();
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();

@@ -8,7 +8,9 @@ use aya_ebpf::{
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, generated::bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, SockRevNat, SockRevNatKey};
+use proxy_common::{
+    AFFINITY_CLIENT_NETNS, Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, SockRevNat, SockRevNatKey,
+};
 
 use crate::{
     lb::{self, Verdict},
@@ -55,7 +57,7 @@ pub fn try_translate(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     };
     let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    match lb::select(&key, client) {
+    match lb::select(&key, client, AFFINITY_CLIENT_NETNS) {
         Verdict::NotAService => ALLOW,
         Verdict::NoBackend => {
             // Fail the call at once with ECONNREFUSED instead of EPERM.

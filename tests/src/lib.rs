@@ -103,7 +103,7 @@ pub enum Attempt {
 }
 
 impl Attempt {
-    fn parse(line: &str) -> Option<Self> {
+    pub fn parse(line: &str) -> Option<Self> {
         let field = |key: &str| {
             line.split_whitespace().find_map(|w| w.strip_prefix(key)).map(str::to_string)
         };
@@ -130,20 +130,46 @@ impl Attempt {
     }
 }
 
+/// One node: its namespace, address, test cgroup, pins and agent.
+pub struct Node {
+    pub netns: String,
+    /// Its address on the fabric, 192.168.100.(11 + index).
+    pub ip: String,
+    /// Its pod CIDR, 10.244.(1 + index).0/24, routed to it from the others.
+    pub pod_cidr: String,
+    /// The name EndpointSlices use for it (`nodeName`).
+    pub name: String,
+    pub cgroup: PathBuf,
+    pub pins: PathBuf,
+    log: PathBuf,
+    agent: Option<Child>,
+    veths: usize,
+}
+
 pub struct Lab {
     id: String,
+    /// Node 0, which the single-node tests use.
     pub node: String,
     pub cgroup: PathBuf,
     pub pins: PathBuf,
     pub dir: PathBuf,
+    /// A namespace holding the bridge that joins nodes and external clients.
+    fabric: String,
+    nodes: Vec<Node>,
+    externals: usize,
     netns: Vec<String>,
     children: Vec<Child>,
-    agent: Option<Child>,
-    pods: usize,
 }
 
+/// Addresses of external clients and node uplinks share 192.168.100.0/24;
+/// externalIPs and load-balancer IPs live in 10.200.0.0/24, which external
+/// clients route to node 0.
+pub const FABRIC_PREFIX: &str = "192.168.100";
+pub const EXTERNAL_SERVICE_RANGE: &str = "10.200.0.0/24";
+
 impl Lab {
-    /// A node namespace, a test cgroup, a pin directory and a scratch dir.
+    /// A node (namespace, uplink to the fabric, test cgroup, pin directory)
+    /// and a scratch dir.
     pub fn new() -> anyhow::Result<Self> {
         if unsafe { libc::geteuid() } != 0 {
             bail!("the lab needs root (network namespaces, cgroups, BPF)");
@@ -151,51 +177,154 @@ impl Lab {
         sweep_stale();
         let id = format!("{PREFIX}{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let mut lab = Lab {
-            node: format!("{id}-node"),
-            cgroup: cgroup2_root().join(&id),
-            pins: Path::new(BPFFS).join(&id),
+            node: String::new(),
+            cgroup: PathBuf::new(),
+            pins: PathBuf::new(),
             dir: std::env::temp_dir().join(&id),
+            fabric: format!("{id}-fabric"),
             id,
+            nodes: Vec::new(),
+            externals: 0,
             netns: Vec::new(),
             children: Vec::new(),
-            agent: None,
-            pods: 0,
         };
-        let node = lab.node.clone();
-        lab.add_netns(&node)?;
-        ip(&["-n", &node, "link", "set", "lo", "up"])?;
-        sysctl(&node, "net.ipv4.ip_forward", "1")?;
-        std::fs::create_dir_all(&lab.cgroup).context("creating the test cgroup")?;
         std::fs::create_dir_all(&lab.dir)?;
+        let fabric = lab.fabric.clone();
+        lab.add_netns(&fabric)?;
+        ip(&["-n", &fabric, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &fabric, "link", "set", "br0", "up"])?;
+        lab.add_node()?;
+        lab.node = lab.nodes[0].netns.clone();
+        lab.cgroup = lab.nodes[0].cgroup.clone();
+        lab.pins = lab.nodes[0].pins.clone();
         Ok(lab)
     }
 
     fn add_netns(&mut self, name: &str) -> anyhow::Result<()> {
         ip(&["netns", "add", name])?;
         self.netns.push(name.to_string());
+        ip(&["-n", name, "link", "set", "lo", "up"])?;
         Ok(())
     }
 
-    /// A pod namespace with a veth to the node and a /32 route each way.
-    pub fn add_pod(&mut self, name: &str, pod_ip: &str) -> anyhow::Result<Pod> {
+    /// Joins `netns` to the fabric bridge through its `eth0` with `addr`/24.
+    fn uplink(&mut self, netns: &str, port: &str, addr: &str) -> anyhow::Result<()> {
+        ip(&[
+            "-n",
+            &self.fabric,
+            "link",
+            "add",
+            port,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            netns,
+        ])?;
+        ip(&["-n", &self.fabric, "link", "set", port, "master", "br0", "up"])?;
+        ip(&["-n", netns, "addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
+        ip(&["-n", netns, "link", "set", "eth0", "up"])?;
+        wait_link_up(netns, "eth0")
+    }
+
+    /// Adds a node on the fabric, with routes between its pod CIDR and every
+    /// other node's; returns its index.
+    pub fn add_node(&mut self) -> anyhow::Result<usize> {
+        let index = self.nodes.len();
+        let node_id = format!("{}-n{index}", self.id);
+        let netns = format!("{node_id}-node");
+        self.add_netns(&netns)?;
+        sysctl(&netns, "net.ipv4.ip_forward", "1")?;
+        let node_ip = format!("{FABRIC_PREFIX}.{}", 11 + index);
+        self.uplink(&netns, &format!("n{index}"), &node_ip)?;
+        let pod_cidr = format!("10.244.{}.0/24", 1 + index);
+        for other in &self.nodes {
+            ip(&["-n", &netns, "route", "add", &other.pod_cidr, "via", &other.ip])?;
+            ip(&["-n", &other.netns, "route", "add", &pod_cidr, "via", &node_ip])?;
+        }
+        let cgroup = cgroup2_root().join(&node_id);
+        std::fs::create_dir_all(&cgroup).context("creating the test cgroup")?;
+        self.nodes.push(Node {
+            netns,
+            ip: node_ip,
+            pod_cidr,
+            name: if index == 0 { "lab-node".into() } else { format!("lab-node{}", index + 1) },
+            cgroup,
+            pins: Path::new(BPFFS).join(&node_id),
+            log: self.dir.join(format!("agent-{index}.log")),
+            agent: None,
+            veths: 0,
+        });
+        Ok(index)
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// An external client on the fabric (no default route; the external
+    /// service range goes via node 0).
+    pub fn add_external(&mut self, name: &str, addr: &str) -> anyhow::Result<Pod> {
         let netns = format!("{}-{name}", self.id);
         self.add_netns(&netns)?;
-        self.pods += 1;
-        let host_if = format!("veth{}", self.pods);
+        self.externals += 1;
+        self.uplink(&netns, &format!("x{}", self.externals), addr)?;
+        ip(&["-n", &netns, "route", "add", EXTERNAL_SERVICE_RANGE, "via", &self.nodes[0].ip])?;
+        Ok(Pod { name: name.to_string(), netns, ip: addr.to_string() })
+    }
+
+    /// Installs kube-proxy's `KUBE-FORWARD` drop of conntrack-INVALID packets
+    /// in a node, which reverse-translated packets must never meet.
+    pub fn drop_invalid_forwards(&self, node: usize) -> anyhow::Result<()> {
+        let netns = &self.nodes[node].netns;
+        sh(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                netns,
+                "iptables",
+                "-A",
+                "FORWARD",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "INVALID",
+                "-j",
+                "DROP",
+            ],
+        )
+        .map(drop)
+    }
+
+    /// A pod on node 0.
+    pub fn add_pod(&mut self, name: &str, pod_ip: &str) -> anyhow::Result<Pod> {
+        self.add_pod_on(0, name, pod_ip)
+    }
+
+    /// A pod namespace with a veth to the node and a /32 route each way.
+    pub fn add_pod_on(&mut self, node: usize, name: &str, pod_ip: &str) -> anyhow::Result<Pod> {
+        let netns = format!("{}-{name}", self.id);
+        self.add_netns(&netns)?;
+        let host = &mut self.nodes[node];
+        host.veths += 1;
+        let host_if = format!("veth{}", host.veths);
+        let node_ns = host.netns.clone();
         ip(&[
-            "-n", &self.node, "link", "add", &host_if, "type", "veth", "peer", "name", "eth0",
+            "-n", &node_ns, "link", "add", &host_if, "type", "veth", "peer", "name", "eth0",
             "netns", &netns,
         ])?;
-        ip(&["-n", &self.node, "addr", "add", &format!("{GATEWAY}/32"), "dev", &host_if])?;
-        ip(&["-n", &self.node, "link", "set", &host_if, "up"])?;
-        ip(&["-n", &self.node, "route", "add", &format!("{pod_ip}/32"), "dev", &host_if])?;
-        ip(&["-n", &netns, "link", "set", "lo", "up"])?;
+        ip(&["-n", &node_ns, "addr", "add", &format!("{GATEWAY}/32"), "dev", &host_if])?;
+        ip(&["-n", &node_ns, "link", "set", &host_if, "up"])?;
+        ip(&["-n", &node_ns, "route", "add", &format!("{pod_ip}/32"), "dev", &host_if])?;
         ip(&["-n", &netns, "addr", "add", &format!("{pod_ip}/32"), "dev", "eth0"])?;
         ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
         ip(&["-n", &netns, "route", "add", GATEWAY, "dev", "eth0", "scope", "link"])?;
         ip(&["-n", &netns, "route", "add", "default", "via", GATEWAY, "dev", "eth0"])?;
         wait_link_up(&netns, "eth0")?;
-        wait_link_up(&self.node, &host_if)?;
+        wait_link_up(&node_ns, &host_if)?;
         Ok(Pod { name: name.to_string(), netns, ip: pod_ip.to_string() })
     }
 
@@ -221,7 +350,7 @@ impl Lab {
         Ok(())
     }
 
-    /// Writes the manifest file the agent watches, atomically.
+    /// Writes the manifest file the agents watch, atomically.
     pub fn write_manifest(&self, yaml: &str) -> anyhow::Result<PathBuf> {
         let path = self.dir.join("manifests.yaml");
         let tmp = self.dir.join(".manifests.yaml.tmp");
@@ -231,71 +360,102 @@ impl Lab {
     }
 
     pub fn agent_log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+        self.agent_log_on(0)
     }
 
-    /// Starts `proxy-agent run` in the node namespace on the lab's manifest,
-    /// cgroup and pins; returns once its programs are attached.
+    pub fn agent_log_on(&self, node: usize) -> String {
+        std::fs::read_to_string(&self.nodes[node].log).unwrap_or_default()
+    }
+
     pub fn start_agent(&mut self, extra: &[&str]) -> anyhow::Result<()> {
-        let log = std::fs::File::create(self.dir.join("agent.log"))?;
+        self.start_agent_on(0, extra)
+    }
+
+    /// Starts `proxy-agent run` in a node's namespace on the lab's manifest,
+    /// the node's cgroup, pins and address; returns once it has attached.
+    pub fn start_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
         let manifest = self.dir.join("manifests.yaml");
+        let host = &mut self.nodes[node];
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&host.log)?;
         let mut child = Command::new("nsenter")
-            .arg(format!("--net=/run/netns/{}", self.node))
+            .arg(format!("--net=/run/netns/{}", host.netns))
             .arg(target_bin("proxy-agent"))
             .arg("run")
             .arg("--manifests")
             .arg(&manifest)
             .arg("--cgroup-path")
-            .arg(&self.cgroup)
+            .arg(&host.cgroup)
             .arg("--bpffs-root")
-            .arg(&self.pins)
-            .args(["--hostname-override", "lab-node"])
+            .arg(&host.pins)
+            .args(["--hostname-override", &host.name, "--node-ip", &host.ip])
             .args(extra)
             .env("RUST_LOG", "info")
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()?;
-        let attached = self.pins.join("links").join("getpeername4");
+        let attached = host.pins.join("links").join("getpeername4");
         let deadline = Instant::now() + Duration::from_secs(20);
         while !attached.exists() {
             if let Some(status) = child.try_wait()? {
-                bail!("proxy-agent exited ({status}):\n{}", self.agent_log());
+                bail!("proxy-agent exited ({status}):\n{}", self.agent_log_on(node));
             }
             if Instant::now() > deadline {
                 let _ = child.kill();
-                bail!("proxy-agent did not attach in time:\n{}", self.agent_log());
+                bail!("proxy-agent did not attach in time:\n{}", self.agent_log_on(node));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        self.agent = Some(child);
+        self.nodes[node].agent = Some(child);
         Ok(())
     }
 
-    /// Kills the agent without letting it clean up, as a crash would.
+    /// Kills node 0's agent without letting it clean up, as a crash would.
     pub fn kill_agent(&mut self) {
-        if let Some(mut agent) = self.agent.take() {
+        if let Some(mut agent) = self.nodes[0].agent.take() {
             let _ = agent.kill();
             let _ = agent.wait();
         }
     }
 
-    /// Whether the agent is still running.
+    /// Whether node 0's agent is still running.
     pub fn agent_alive(&mut self) -> bool {
-        self.agent.as_mut().is_some_and(|a| matches!(a.try_wait(), Ok(None)))
+        self.nodes[0].agent.as_mut().is_some_and(|a| matches!(a.try_wait(), Ok(None)))
     }
 
-    /// Runs a labpod client in `pod`, inside the test cgroup (socket LB).
+    /// Runs a labpod client in `pod`, inside node 0's test cgroup (socket LB).
     pub fn client(&self, pod: &Pod, args: &[&str]) -> anyhow::Result<Vec<Attempt>> {
-        let out = self.labpod(&pod.netns, true, args)?;
+        let out = self.labpod(&pod.netns, Some(&self.nodes[0].cgroup), args)?;
         Ok(out.lines().filter_map(Attempt::parse).collect())
     }
 
-    /// Runs labpod in a namespace, optionally in the test cgroup; its stdout.
-    pub fn labpod(&self, netns: &str, in_cgroup: bool, args: &[&str]) -> anyhow::Result<String> {
+    /// Runs a labpod client in `netns` outside any test cgroup: its packets
+    /// meet only the per-packet datapath.
+    pub fn client_outside(&self, pod: &Pod, args: &[&str]) -> anyhow::Result<Vec<Attempt>> {
+        let out = self.labpod(&pod.netns, None, args)?;
+        Ok(out.lines().filter_map(Attempt::parse).collect())
+    }
+
+    /// Starts a labpod client in `pod` outside any cgroup and returns it
+    /// running, its stdout piped (one line per attempt, as they happen).
+    pub fn spawn_outside(&mut self, pod: &Pod, args: &[&str]) -> anyhow::Result<Child> {
+        Ok(Command::new(target_bin("labpod"))
+            .args(["--netns", &pod.netns])
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()?)
+    }
+
+    /// Runs labpod in a namespace, optionally in a cgroup; its stdout.
+    pub fn labpod(
+        &self,
+        netns: &str,
+        cgroup: Option<&Path>,
+        args: &[&str],
+    ) -> anyhow::Result<String> {
         let mut cmd = Command::new(target_bin("labpod"));
         cmd.args(["--netns", netns]);
-        if in_cgroup {
-            cmd.arg("--cgroup").arg(&self.cgroup);
+        if let Some(cgroup) = cgroup {
+            cmd.arg("--cgroup").arg(cgroup);
         }
         let Output { status, stdout, stderr } = cmd.args(args).output()?;
         if !status.success() {
@@ -304,14 +464,18 @@ impl Lab {
         Ok(String::from_utf8_lossy(&stdout).into_owned())
     }
 
-    /// The agent's /metrics, fetched inside the node namespace.
+    /// Node 0's agent's /metrics, fetched inside the node namespace.
     pub fn metrics(&self) -> anyhow::Result<String> {
-        self.labpod(&self.node, false, &["http", "127.0.0.1:10249", "/metrics"])
+        self.labpod(&self.node, None, &["http", "127.0.0.1:10249", "/metrics"])
     }
 
-    /// Sum over CPUs of one datapath counter, read from the pinned map.
     pub fn counter(&self, counter: proxy_common::Counter) -> anyhow::Result<u64> {
-        let map = self.pins.join("maps").join("COUNTERS");
+        self.counter_on(0, counter)
+    }
+
+    /// Sum over CPUs of one datapath counter of a node, from its pinned map.
+    pub fn counter_on(&self, node: usize, counter: proxy_common::Counter) -> anyhow::Result<u64> {
+        let map = self.nodes[node].pins.join("maps").join("COUNTERS");
         let index = (counter as u32).to_string();
         let out = sh(
             "bpftool",
@@ -333,12 +497,14 @@ impl Lab {
         Ok(values.iter().filter_map(|v| v["value"].as_u64()).sum())
     }
 
-    /// `bpftool map dump` of one pinned map.
     pub fn dump_map(&self, name: &str) -> anyhow::Result<String> {
-        sh(
-            "bpftool",
-            &["map", "dump", "pinned", &self.pins.join("maps").join(name).to_string_lossy()],
-        )
+        self.dump_map_on(0, name)
+    }
+
+    /// `bpftool map dump` of one pinned map of a node.
+    pub fn dump_map_on(&self, node: usize, name: &str) -> anyhow::Result<String> {
+        let path = self.nodes[node].pins.join("maps").join(name);
+        sh("bpftool", &["map", "dump", "pinned", &path.to_string_lossy()])
     }
 
     fn teardown(&mut self) {
@@ -346,23 +512,27 @@ impl Lab {
             let _ = child.kill();
             let _ = child.wait();
         }
-        if let Some(mut agent) = self.agent.take() {
-            // SIGTERM: the agent's clean stop path.
-            unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
-            let _ = agent.wait();
-        }
-        if self.pins.exists() {
-            let _ = Command::new(target_bin("proxy-agent"))
-                .args(["cleanup", "--bpffs-root"])
-                .arg(&self.pins)
-                .stderr(Stdio::null())
-                .status();
-            let _ = std::fs::remove_dir_all(&self.pins);
+        for node in &mut self.nodes {
+            if let Some(mut agent) = node.agent.take() {
+                // SIGTERM: the agent's clean stop path.
+                unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+                let _ = agent.wait();
+            }
+            if node.pins.exists() {
+                let _ = Command::new(target_bin("proxy-agent"))
+                    .args(["cleanup", "--bpffs-root"])
+                    .arg(&node.pins)
+                    .stderr(Stdio::null())
+                    .status();
+                let _ = std::fs::remove_dir_all(&node.pins);
+            }
         }
         for netns in self.netns.drain(..) {
             let _ = ip(&["netns", "del", &netns]);
         }
-        remove_cgroup(&self.cgroup);
+        for node in &self.nodes {
+            remove_cgroup(&node.cgroup);
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -28,7 +28,7 @@ pub fn run() -> anyhow::Result<()> {
         lab.cgroup.display(),
         lab.pins.display()
     );
-    println!("   (in the node namespace; its log: {}/agent.log)", lab.dir.display());
+    println!("   (in the node namespace; its log: {}/agent-0.log)", lab.dir.display());
 
     println!("\n== 12 HTTP requests from the client to the ClusterIP 10.96.0.10:80");
     let attempts = lab.client(&client, &["tcp", "10.96.0.10:80", "12"])?;

@@ -15,15 +15,17 @@ use std::{
 
 use anyhow::{Context, bail};
 
-const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] \
+const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS] \
     (serve --name NAME [--tcp PORT]... [--udp PORT]... \
-    | tcp ADDR COUNT | udp ADDR COUNT | http ADDR PATH)";
+    | tcp ADDR COUNT | tcp-concurrent ADDR COUNT \
+    | udp ADDR COUNT [--interval-ms MS] [--connect] | http ADDR PATH)";
 
 fn main() -> anyhow::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let netns = take_opt(&mut args, "--netns").context(USAGE)?;
     let cgroup = take_opt(&mut args, "--cgroup");
     enter_netns(&netns)?;
+    raise_nofile_limit();
     if let Some(cgroup) = cgroup {
         std::fs::write(format!("{cgroup}/cgroup.procs"), std::process::id().to_string())
             .with_context(|| format!("joining cgroup {cgroup}"))?;
@@ -33,7 +35,8 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("serve") => serve(&mut args),
         Some("tcp") => tcp_client(&args, timeout),
-        Some("udp") => udp_client(&args, timeout),
+        Some("tcp-concurrent") => tcp_concurrent(&args, timeout),
+        Some("udp") => udp_client(&mut args, timeout),
         Some("http") => http_get(&args, timeout),
         _ => bail!(USAGE),
     }
@@ -47,6 +50,18 @@ fn take_opt(args: &mut Vec<String>, name: &str) -> Option<String> {
 
 fn take_all(args: &mut Vec<String>, name: &str) -> Vec<String> {
     std::iter::from_fn(|| take_opt(args, name)).collect()
+}
+
+/// Servers and the concurrent client hold a thousand sockets and more.
+fn raise_nofile_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: valid out-parameter, then a valid limit.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
 }
 
 fn enter_netns(name: &str) -> anyhow::Result<()> {
@@ -153,16 +168,52 @@ fn tcp_request(
     Ok((peer, body.to_string()))
 }
 
-/// COUNT datagrams from one unconnected socket; `from` is the reply's source
-/// as recvmsg reported it.
-fn udp_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
+/// COUNT connections held open at once: all are connected first, then each
+/// sends its request and reads its answer.
+fn tcp_concurrent(args: &[String], timeout: Duration) -> anyhow::Result<()> {
+    let (addr, count) = target(args)?;
+    let mut streams = Vec::with_capacity(count);
+    for _ in 0..count {
+        let start = Instant::now();
+        match TcpStream::connect_timeout(&addr, timeout) {
+            Ok(stream) => streams.push((start, stream)),
+            Err(e) => report(start, Err(e)),
+        }
+    }
+    for (start, mut stream) in streams {
+        let result = (|| {
+            stream.set_read_timeout(Some(timeout))?;
+            stream.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+            let mut response = String::new();
+            stream.read_to_string(&mut response)?;
+            let body = response.split_once("\r\n\r\n").map_or(response.as_str(), |(_, b)| b);
+            Ok((stream.peer_addr()?, body.to_string()))
+        })();
+        report(start, result);
+    }
+    Ok(())
+}
+
+/// COUNT datagrams from one socket (one flow), INTERVAL apart; `from` is
+/// the reply's source as recvmsg reported it. With `--connect` the socket is
+/// connected, so an ICMP port unreachable surfaces as ConnectionRefused.
+fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
+    let interval = take_opt(args, "--interval-ms").map_or(Ok(0), |t| t.parse())?;
+    let connect = args.iter().position(|a| a == "--connect").map(|i| args.remove(i)).is_some();
     let (addr, count) = target(args)?;
     let socket = UdpSocket::bind("0.0.0.0:0")?;
     socket.set_read_timeout(Some(timeout))?;
+    if connect {
+        socket.connect(addr)?;
+    }
     let mut buf = [0u8; 1500];
-    for _ in 0..count {
+    for i in 0..count {
+        if i > 0 {
+            std::thread::sleep(Duration::from_millis(interval));
+        }
         let start = Instant::now();
-        let result = socket.send_to(b"hello", addr).and_then(|_| {
+        let sent = if connect { socket.send(b"hello") } else { socket.send_to(b"hello", addr) };
+        let result = sent.and_then(|_| {
             let (n, from) = socket.recv_from(&mut buf)?;
             Ok((from, String::from_utf8_lossy(&buf[..n]).into_owned()))
         });

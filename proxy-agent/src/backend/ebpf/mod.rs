@@ -1,16 +1,20 @@
-//! The eBPF backend: loads the socket-LB programs, attaches them to a cgroup,
-//! pins maps and links under the bpffs root, and keeps the maps in step with
-//! the plan.
+//! The eBPF backend: loads the programs, attaches the socket-LB ones to a
+//! cgroup and the per-packet one to the ingress of node and pod interfaces
+//! (TCX), pins maps and links under the bpffs root, keeps the maps in step
+//! with the plan, and keeps the conntrack map clean.
 //!
 //! Pin layout (`--bpffs-root`, default `/sys/fs/bpf/proxy`):
-//! `maps/<MAP>` for every map and `links/<program>` for every attachment, so
-//! the datapath keeps serving while the agent restarts and `bpftool` can
-//! inspect it. A new agent attaches its programs beside the old ones, then
-//! retires the old pins; `cleanup` removes them all.
+//! `maps/<MAP>` for every map, `links/<program>` for the cgroup attachments
+//! and `links/tc-<interface>` for the tc ones, so the datapath keeps serving
+//! while the agent restarts and `bpftool` can inspect it. A new agent
+//! attaches its programs beside the old ones, then retires the old pins;
+//! `cleanup` removes them all.
 
+pub mod conntrack;
 pub mod sync;
 
 use std::{
+    collections::BTreeSet,
     fs::File,
     io,
     path::{Path, PathBuf},
@@ -18,11 +22,18 @@ use std::{
 
 use aya::{
     Ebpf,
-    maps::{HashMap, Map, MapData, MapError, PerCpuArray},
-    programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, links::FdLink},
+    maps::{
+        Array, HashMap, Map, MapData, MapError, PerCpuArray,
+        lpm_trie::{Key, LpmTrie},
+    },
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, LinkOrder, ProgramError, SchedClassifier, TcAttachType,
+        links::FdLink, tc::TcAttachOptions,
+    },
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Counter, RevNat, ServiceKey, ServiceValue, map_names,
+    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP, RevNat,
+    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SourceRangeKey, map_names,
 };
 
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
@@ -32,6 +43,8 @@ use crate::plan::Plan;
 
 /// The socket-LB programs, by their function names in proxy-ebpf.
 pub const PROGRAMS: [&str; 4] = ["connect4", "sendmsg4", "recvmsg4", "getpeername4"];
+/// The per-packet program, attached to the ingress of node and pod interfaces.
+pub const TC_INGRESS: &str = "tc_ingress";
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
@@ -65,6 +78,9 @@ struct Maps {
     rev_nat: Map,
     sock_rev_nat: Map,
     affinity: Map,
+    conntrack: Map,
+    source_ranges: Map,
+    config: Map,
     counters: Map,
 }
 
@@ -79,17 +95,23 @@ impl Maps {
             rev_nat: take(map_names::REV_NAT)?,
             sock_rev_nat: take(map_names::SOCK_REV_NAT)?,
             affinity: take(map_names::AFFINITY)?,
+            conntrack: take(map_names::CONNTRACK)?,
+            source_ranges: take(map_names::SOURCE_RANGES)?,
+            config: take(map_names::CONFIG)?,
             counters: take(map_names::COUNTERS)?,
         })
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 6] {
+    fn by_name(&self) -> [(&'static str, &Map); 9] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
             (map_names::REV_NAT, &self.rev_nat),
             (map_names::SOCK_REV_NAT, &self.sock_rev_nat),
             (map_names::AFFINITY, &self.affinity),
+            (map_names::CONNTRACK, &self.conntrack),
+            (map_names::SOURCE_RANGES, &self.source_ranges),
+            (map_names::CONFIG, &self.config),
             (map_names::COUNTERS, &self.counters),
         ]
     }
@@ -119,10 +141,28 @@ impl MapWriter for Maps {
                     HashMap::<_, ServiceKey, ServiceValue>::try_from(&mut self.services)?
                         .remove(key)
                 }
+                MapOp::PutSourceRange { rev_nat_id, cidr, .. } => {
+                    LpmTrie::<_, SourceRangeKey, u8>::try_from(&mut self.source_ranges)?.insert(
+                        &source_range_key(*rev_nat_id, cidr),
+                        1,
+                        0,
+                    )
+                }
+                MapOp::DeleteSourceRange { rev_nat_id, cidr, .. } => {
+                    LpmTrie::<_, SourceRangeKey, u8>::try_from(&mut self.source_ranges)?
+                        .remove(&source_range_key(*rev_nat_id, cidr))
+                }
             }
         };
         write().map_err(io::Error::other)
     }
+}
+
+fn source_range_key(rev_nat_id: u16, cidr: &crate::model::Cidr) -> Key<SourceRangeKey> {
+    Key::new(
+        SOURCE_RANGE_PREFIX_BITS + cidr.len as u32,
+        SourceRangeKey { rev_nat_id, _pad: 0, address: cidr.addr.octets() },
+    )
 }
 
 /// Loaded programs and their maps.
@@ -130,6 +170,8 @@ pub struct EbpfBackend {
     ebpf: Ebpf,
     maps: Maps,
     state: SyncState,
+    /// Interfaces whose ingress runs the per-packet program (pinned by us).
+    tc_interfaces: BTreeSet<String>,
 }
 
 impl EbpfBackend {
@@ -142,8 +184,24 @@ impl EbpfBackend {
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
+        let tc: &mut SchedClassifier = ebpf
+            .program_mut(TC_INGRESS)
+            .ok_or(EbpfError::Missing { what: "program", name: TC_INGRESS })?
+            .try_into()
+            .map_err(|source| EbpfError::Program { name: TC_INGRESS, source })?;
+        tc.load().map_err(|source| EbpfError::Program { name: TC_INGRESS, source })?;
         let maps = Maps::take(&mut ebpf)?;
-        Ok(Self { ebpf, maps, state: SyncState::default() })
+        Ok(Self { ebpf, maps, state: SyncState::default(), tc_interfaces: BTreeSet::new() })
+    }
+
+    /// Writes the datapath settings (before the programs see traffic).
+    pub fn configure(&mut self, config: &Config) -> Result<(), EbpfError> {
+        let name = map_names::CONFIG;
+        let err = |source| EbpfError::Map { name, source };
+        Array::<_, Config>::try_from(&mut self.maps.config)
+            .map_err(err)?
+            .set(0, config, 0)
+            .map_err(err)
     }
 
     /// Brings the maps to `plan` (see [`sync`] for the write order), then
@@ -169,9 +227,7 @@ impl EbpfBackend {
             .iter()
             .filter_map(Result::ok)
             .filter(|(key, value)| {
-                purge
-                    .iter()
-                    .any(|(rev, kept)| key.rev_nat_id == *rev && !kept.contains(&value.backend_id))
+                purge.get(&key.rev_nat_id).is_some_and(|kept| !kept.contains(&value.backend_id))
             })
             .map(|(key, _)| key)
             .collect();
@@ -186,9 +242,15 @@ impl EbpfBackend {
         &self.state
     }
 
-    /// Attaches the programs to `cgroup` and pins maps and links under
-    /// `root`, replacing what a previous agent pinned there.
-    pub fn activate(&mut self, cgroup: &Path, root: &Path) -> Result<(), EbpfError> {
+    /// Attaches the socket programs to `cgroup` and the per-packet program to
+    /// `interfaces`, and pins maps and links under `root`, replacing what a
+    /// previous agent pinned there.
+    pub fn activate(
+        &mut self,
+        cgroup: &Path,
+        interfaces: &BTreeSet<String>,
+        root: &Path,
+    ) -> Result<(), EbpfError> {
         let cgroup_dir = File::open(cgroup).map_err(io_err("opening cgroup", cgroup))?;
         let mut links = Vec::new();
         for name in PROGRAMS {
@@ -201,6 +263,10 @@ impl EbpfBackend {
             let link = prog.take_link(id).map_err(err)?;
             let link = FdLink::try_from(link).map_err(|source| EbpfError::Link { name, source })?;
             links.push((name, link));
+        }
+        let mut tc_links = Vec::new();
+        for interface in interfaces {
+            tc_links.push((interface.clone(), self.attach_tc(interface)?));
         }
         remove_pins(root)?;
         let (maps_dir, links_dir) = (root.join("maps"), root.join("links"));
@@ -216,7 +282,98 @@ impl EbpfBackend {
             // The pin keeps the attachment; our fd closes when this drops.
             link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
         }
+        for (interface, link) in tc_links {
+            self.pin_tc(root, &interface, link)?;
+        }
         Ok(())
+    }
+
+    fn attach_tc(&mut self, interface: &str) -> Result<FdLink, EbpfError> {
+        let name = TC_INGRESS;
+        let err = |source| EbpfError::Program { name, source };
+        let prog: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(name)
+            .ok_or(EbpfError::Missing { what: "program", name })?
+            .try_into()
+            .map_err(err)?;
+        // TCX (6.6+): a link that can be pinned and runs beside others.
+        let id = prog
+            .attach_with_options(
+                interface,
+                TcAttachType::Ingress,
+                TcAttachOptions::TcxOrder(LinkOrder::default()),
+            )
+            .map_err(err)?;
+        let link = prog.take_link(id).map_err(err)?;
+        FdLink::try_from(link).map_err(|source| EbpfError::Link { name, source })
+    }
+
+    fn pin_tc(&mut self, root: &Path, interface: &str, link: FdLink) -> Result<(), EbpfError> {
+        let path = root.join("links").join(format!("tc-{interface}"));
+        link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
+        self.tc_interfaces.insert(interface.to_string());
+        Ok(())
+    }
+
+    /// Attaches the per-packet program to interfaces that appeared and
+    /// unpins the links of those that are gone or no longer wanted.
+    pub fn set_tc_interfaces(&mut self, root: &Path, wanted: &BTreeSet<String>) {
+        let stale: Vec<String> = self.tc_interfaces.difference(wanted).cloned().collect();
+        for interface in stale {
+            let path = root.join("links").join(format!("tc-{interface}"));
+            match std::fs::remove_file(&path) {
+                Ok(()) => tracing::info!(%interface, "per-packet program detached"),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(%interface, error = %e, "could not unpin"),
+            }
+            self.tc_interfaces.remove(&interface);
+        }
+        let new: Vec<String> = wanted.difference(&self.tc_interfaces).cloned().collect();
+        for interface in new {
+            match self.attach_tc(&interface).and_then(|link| self.pin_tc(root, &interface, link)) {
+                Ok(()) => tracing::info!(%interface, "per-packet program attached"),
+                // The interface may be gone again already; the next scan retries.
+                Err(e) => tracing::warn!(%interface, error = %e, "could not attach"),
+            }
+        }
+    }
+
+    fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtEntry)>, EbpfError> {
+        let name = map_names::CONNTRACK;
+        let err = |source| EbpfError::Map { name, source };
+        let map = HashMap::<_, CtKey, CtEntry>::try_from(&self.maps.conntrack).map_err(err)?;
+        Ok(map.iter().filter_map(Result::ok).collect())
+    }
+
+    fn delete_conntrack(&mut self, keys: &[CtKey]) -> Result<usize, EbpfError> {
+        let name = map_names::CONNTRACK;
+        let err = |source| EbpfError::Map { name, source };
+        let mut map =
+            HashMap::<_, CtKey, CtEntry>::try_from(&mut self.maps.conntrack).map_err(err)?;
+        // Already gone (LRU eviction, a racing GC) is fine.
+        Ok(keys.iter().filter(|k| map.remove(k).is_ok()).count())
+    }
+
+    /// Deletes expired flows (both directions); returns (deleted, left).
+    pub fn collect_conntrack(&mut self) -> Result<(usize, usize), EbpfError> {
+        let entries = self.conntrack_entries()?;
+        let stale = conntrack::expired(&entries, crate::sys::monotonic_ns());
+        let deleted = self.delete_conntrack(&stale)?;
+        Ok((deleted, entries.len().saturating_sub(deleted)))
+    }
+
+    /// Deletes the UDP flows to backends that left, as kube-proxy clears
+    /// their conntrack entries: the next datagram picks a live backend.
+    pub fn flush_udp_flows(&mut self, removed: &[Backend]) -> Result<usize, EbpfError> {
+        let udp: Vec<Backend> =
+            removed.iter().copied().filter(|b| b.proto == IPPROTO_UDP).collect();
+        if udp.is_empty() {
+            return Ok(0);
+        }
+        let entries = self.conntrack_entries()?;
+        let flows = conntrack::flows_to(&entries, &udp);
+        self.delete_conntrack(&flows)
     }
 }
 

@@ -4,9 +4,10 @@
 //! For every plan, writes go in this order:
 //! 1. new backends;
 //! 2. per frontend: its reverse-NAT entry (if new), changed backend slots,
-//!    then the frontend slot (count, flags), then slots beyond the new count;
-//! 3. removed frontends: the frontend slot first, then its slots and its
-//!    reverse-NAT entry;
+//!    new source ranges, then the frontend slot (count, flags), then slots
+//!    beyond the new count and source ranges it no longer has;
+//! 3. removed frontends: the frontend slot first, then its slots, source
+//!    ranges and reverse-NAT entry;
 //! 4. backends no frontend uses any more.
 //!
 //! So a program that read a frontend count always finds slots `1..=count`,
@@ -18,12 +19,13 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
     BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_BACKENDS, MAX_REV_NAT,
-    MAX_SERVICE_ENTRIES, RevNat, SVC_FLAG_AFFINITY, ServiceKey, ServiceValue,
+    MAX_SERVICE_ENTRIES, MAX_SOURCE_RANGES, RevNat, SVC_FLAG_AFFINITY, SVC_FLAG_DROP_EMPTY,
+    SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
 };
 
 use crate::{
-    model::Protocol,
-    plan::{BackendPlan, Frontend, Plan},
+    model::{Cidr, Protocol},
+    plan::{BackendPlan, Frontend, FrontendPlan, Plan},
 };
 
 /// One write to the maps.
@@ -34,6 +36,8 @@ pub enum MapOp {
     PutService { key: ServiceKey, value: ServiceValue },
     DeleteService { key: ServiceKey },
     DeleteRevNat { frontend: Frontend, id: u16 },
+    PutSourceRange { frontend: Frontend, rev_nat_id: u16, cidr: Cidr },
+    DeleteSourceRange { frontend: Frontend, rev_nat_id: u16, cidr: Cidr },
     DeleteBackend { id: u32 },
 }
 
@@ -56,6 +60,8 @@ pub enum SyncError {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct SyncReport {
     pub writes: usize,
+    /// Backends no frontend uses any more (their flows may need flushing).
+    pub removed_backends: Vec<Backend>,
 }
 
 /// Services (by reverse-NAT id) whose affinity entries may name a backend
@@ -67,6 +73,7 @@ struct InstalledFrontend {
     rev_nat_id: u16,
     value: Option<ServiceValue>,
     slots: BTreeMap<u16, u32>,
+    source_ranges: BTreeSet<Cidr>,
 }
 
 /// What the maps hold, as far as the agent wrote them.
@@ -122,11 +129,15 @@ impl SyncState {
         let (ops, purge) = self.ops(plan);
         // Owed from now on: a write below may fail after slots changed.
         self.pending_purge.extend(purge);
+        let mut report = SyncReport { writes: ops.len(), removed_backends: Vec::new() };
         for op in &ops {
             writer.apply(op).map_err(|source| SyncError::Write { op: op.clone(), source })?;
+            if let MapOp::DeleteBackend { id } = op {
+                report.removed_backends.extend(self.backend_by_id.get(id).copied());
+            }
             self.record(op);
         }
-        Ok(SyncReport { writes: ops.len() })
+        Ok(report)
     }
 
     /// The affinity cleanups owed; the caller hands back what it could not do.
@@ -160,10 +171,13 @@ impl SyncState {
             .sum();
         let new_frontends =
             plan.frontends.keys().filter(|f| !self.frontends.contains_key(f)).count();
+        let ranges: usize = self.frontends.values().map(|f| f.source_ranges.len()).sum::<usize>()
+            + plan.frontends.values().map(|f| f.source_ranges.len()).sum::<usize>();
         let checks = [
             ("backend", backends, MAX_BACKENDS),
             ("service", installed_entries + new_entries, MAX_SERVICE_ENTRIES),
             ("reverse-NAT", self.rev_nat.len() + new_frontends, MAX_REV_NAT - 1),
+            ("source-range", ranges, MAX_SOURCE_RANGES),
         ];
         for (what, needed, capacity) in checks {
             if needed > capacity as usize {
@@ -225,12 +239,16 @@ impl SyncState {
                     ops.push(MapOp::PutService { key: service_key(frontend, *slot), value });
                 }
             }
+            let wanted: BTreeSet<Cidr> = fp.source_ranges.iter().copied().collect();
+            for cidr in wanted.difference(&installed.source_ranges) {
+                ops.push(MapOp::PutSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
+            }
             let value = ServiceValue {
                 backend_id: 0,
                 count: backend_ids.len() as u16,
                 rev_nat_id,
                 affinity_timeout_secs: fp.affinity_timeout_secs.unwrap_or(0),
-                flags: if fp.affinity_timeout_secs.is_some() { SVC_FLAG_AFFINITY } else { 0 },
+                flags: flags(fp),
                 _pad: 0,
             };
             if installed.value != Some(value) {
@@ -238,6 +256,9 @@ impl SyncState {
             }
             for slot in installed.slots.keys().filter(|s| **s as usize > backend_ids.len()) {
                 ops.push(MapOp::DeleteService { key: service_key(frontend, *slot) });
+            }
+            for cidr in installed.source_ranges.difference(&wanted) {
+                ops.push(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
             }
             let kept: BTreeSet<u32> = backend_ids.iter().copied().collect();
             let had_affinity = installed.value.is_some_and(|v| v.flags & SVC_FLAG_AFFINITY != 0);
@@ -261,6 +282,10 @@ impl SyncState {
             }
             for slot in installed.slots.keys() {
                 ops.push(MapOp::DeleteService { key: service_key(frontend, *slot) });
+            }
+            for cidr in &installed.source_ranges {
+                let rev_nat_id = installed.rev_nat_id;
+                ops.push(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
             }
             ops.push(MapOp::DeleteRevNat { frontend: *frontend, id: installed.rev_nat_id });
             if installed.value.is_some_and(|v| v.flags & SVC_FLAG_AFFINITY != 0) {
@@ -304,6 +329,14 @@ impl SyncState {
                 self.rev_nat.remove(id);
                 self.frontends.remove(frontend);
             }
+            MapOp::PutSourceRange { frontend, cidr, .. } => {
+                self.frontends.entry(*frontend).or_default().source_ranges.insert(*cidr);
+            }
+            MapOp::DeleteSourceRange { frontend, cidr, .. } => {
+                if let Some(entry) = self.frontends.get_mut(frontend) {
+                    entry.source_ranges.remove(cidr);
+                }
+            }
             MapOp::PutService { key, value } => {
                 let entry = self.frontends.entry(frontend_of_key(key)).or_default();
                 if key.slot == 0 {
@@ -323,6 +356,20 @@ impl SyncState {
             }
         }
     }
+}
+
+/// The frontend flags the programs act on.
+fn flags(fp: &FrontendPlan) -> u16 {
+    [
+        (fp.affinity_timeout_secs.is_some(), SVC_FLAG_AFFINITY),
+        (fp.external, SVC_FLAG_EXTERNAL),
+        (fp.local, SVC_FLAG_LOCAL),
+        (fp.drop_when_empty, SVC_FLAG_DROP_EMPTY),
+        (!fp.source_ranges.is_empty(), SVC_FLAG_SOURCE_RANGES),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .fold(0, |flags, (_, flag)| flags | flag)
 }
 
 /// Slot for each backend: those already installed in a slot within the new
@@ -382,6 +429,7 @@ mod tests {
         services: BTreeMap<ServiceKey, ServiceValue>,
         backends: BTreeMap<u32, Backend>,
         rev_nat: BTreeMap<u16, RevNat>,
+        source_ranges: BTreeSet<(u16, Cidr)>,
         writes: usize,
         fail_at: Option<usize>,
     }
@@ -390,6 +438,10 @@ mod tests {
         fn check(&self) {
             for (key, value) in self.services.iter().filter(|(k, _)| k.slot == 0) {
                 assert!(self.rev_nat.contains_key(&value.rev_nat_id), "{key:?} without rev nat");
+                if value.flags & SVC_FLAG_SOURCE_RANGES != 0 {
+                    let rev = value.rev_nat_id;
+                    assert!(self.source_ranges.iter().any(|(r, _)| *r == rev), "{key:?} ranges");
+                }
                 for slot in 1..=value.count {
                     let slot_value = self.services.get(&key.with_slot(slot));
                     let slot_value =
@@ -417,6 +469,12 @@ mod tests {
                 MapOp::DeleteRevNat { id, .. } => drop(self.rev_nat.remove(id)),
                 MapOp::PutService { key, value } => drop(self.services.insert(*key, *value)),
                 MapOp::DeleteService { key } => drop(self.services.remove(key)),
+                MapOp::PutSourceRange { rev_nat_id, cidr, .. } => {
+                    let _ = self.source_ranges.insert((*rev_nat_id, *cidr));
+                }
+                MapOp::DeleteSourceRange { rev_nat_id, cidr, .. } => {
+                    let _ = self.source_ranges.remove(&(*rev_nat_id, *cidr));
+                }
             }
             self.check();
             Ok(())
@@ -430,6 +488,11 @@ mod tests {
     fn plan(frontends: &[(Frontend, &[u8], Option<u32>)]) -> Plan {
         let mut plan = Plan::default();
         for (frontend, backends, affinity) in frontends {
+            // Frontends on 10.96.0.2 are load-balancer IPs with a source range.
+            let ranges: Vec<Cidr> = (frontend.ip.octets()[3] == 2)
+                .then(|| Cidr::parse("192.168.0.0/16").unwrap().unwrap())
+                .into_iter()
+                .collect();
             plan.frontends.insert(
                 *frontend,
                 FrontendPlan {
@@ -445,6 +508,10 @@ mod tests {
                         })
                         .collect(),
                     affinity_timeout_secs: *affinity,
+                    external: !ranges.is_empty(),
+                    local: false,
+                    drop_when_empty: false,
+                    source_ranges: ranges,
                 },
             );
         }
@@ -513,6 +580,7 @@ mod tests {
             assert_eq!(state.sync(step, &mut maps).unwrap().writes, 0);
         }
         assert!(maps.services.is_empty() && maps.backends.is_empty() && maps.rev_nat.is_empty());
+        assert!(maps.source_ranges.is_empty());
     }
 
     #[test]
@@ -622,6 +690,10 @@ mod tests {
                     },
                     backends: vec![],
                     affinity_timeout_secs: None,
+                    external: false,
+                    local: false,
+                    drop_when_empty: false,
+                    source_ranges: vec![],
                 },
             );
         }

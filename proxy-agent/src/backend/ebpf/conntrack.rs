@@ -1,0 +1,113 @@
+//! Upkeep of the per-packet conntrack map: which entries to delete. Pure
+//! code; the backend reads and deletes the map entries.
+//!
+//! Every flow has two entries (one per direction) and each names the other:
+//! the tuple it rewrites to, reversed. Both go together.
+
+use std::collections::BTreeSet;
+
+use proxy_common::{Backend, CT_FLAG_REPLY, CtEntry, CtKey};
+
+/// The key of the other direction's entry.
+fn pair(key: &CtKey, entry: &CtEntry) -> CtKey {
+    entry.rewritten(key.proto).reversed()
+}
+
+fn with_pairs<'a>(entries: impl Iterator<Item = &'a (CtKey, CtEntry)>) -> Vec<CtKey> {
+    let mut keys = BTreeSet::new();
+    for (key, entry) in entries {
+        keys.insert(*key);
+        keys.insert(pair(key, entry));
+    }
+    keys.into_iter().collect()
+}
+
+/// Expired entries and their pairs (a flow is alive while either direction
+/// is: an expired entry whose pair still lives is kept).
+pub fn expired(entries: &[(CtKey, CtEntry)], now_ns: u64) -> Vec<CtKey> {
+    let live: BTreeSet<CtKey> =
+        entries.iter().filter(|(_, e)| e.expires_ns >= now_ns).map(|(k, _)| *k).collect();
+    with_pairs(entries.iter().filter(|(k, e)| e.expires_ns < now_ns && !live.contains(&pair(k, e))))
+}
+
+/// Entries of flows to `backends` (and their pairs): kube-proxy deletes the
+/// UDP conntrack entries of a removed endpoint so clients re-resolve it.
+pub fn flows_to(entries: &[(CtKey, CtEntry)], backends: &[Backend]) -> Vec<CtKey> {
+    let is_backend = |addr: [u8; 4], port: u16, proto: u8| {
+        backends.iter().any(|b| b.address == addr && b.port == port && b.proto == proto)
+    };
+    with_pairs(entries.iter().filter(|(k, e)| {
+        if e.flags & CT_FLAG_REPLY != 0 {
+            is_backend(k.saddr, k.sport, k.proto)
+        } else {
+            is_backend(e.daddr, e.dport, k.proto)
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proxy_common::{CT_FLAG_SNAT, IPPROTO_UDP};
+
+    /// A flow client:40000 -> 10.96.0.10:53 sent to backend:5353, SNATed to
+    /// 192.168.1.1:61000.
+    fn flow(client: u8, backend: u8, expires: [u64; 2]) -> [(CtKey, CtEntry); 2] {
+        let orig = CtKey {
+            saddr: [10, 0, 0, client],
+            daddr: [10, 96, 0, 10],
+            sport: 40000,
+            dport: 53,
+            proto: IPPROTO_UDP,
+            _pad: [0; 3],
+        };
+        let xlated = CtKey {
+            saddr: [192, 168, 1, 1],
+            daddr: [10, 244, 0, backend],
+            sport: 61000 + client as u16,
+            dport: 5353,
+            proto: IPPROTO_UDP,
+            _pad: [0; 3],
+        };
+        let entry = |to: CtKey, expires_ns, flags| CtEntry {
+            expires_ns,
+            saddr: to.saddr,
+            daddr: to.daddr,
+            sport: to.sport,
+            dport: to.dport,
+            rev_nat_id: 1,
+            flags,
+            _pad: 0,
+        };
+        [
+            (orig, entry(xlated, expires[0], CT_FLAG_SNAT)),
+            (xlated.reversed(), entry(orig.reversed(), expires[1], CT_FLAG_SNAT | CT_FLAG_REPLY)),
+        ]
+    }
+
+    #[test]
+    fn expired_flows_go_with_both_entries_live_ones_stay() {
+        let mut entries = Vec::new();
+        entries.extend(flow(1, 2, [10, 10]));
+        entries.extend(flow(2, 2, [10, 100]));
+        entries.extend(flow(3, 3, [100, 100]));
+        let gone = expired(&entries, 50);
+        assert_eq!(gone.len(), 2, "only flow 1: flow 2's reply side is alive");
+        assert!(gone.contains(&entries[0].0) && gone.contains(&entries[1].0));
+    }
+
+    #[test]
+    fn flows_to_a_removed_backend_are_found_from_either_side() {
+        let mut entries = Vec::new();
+        entries.extend(flow(1, 2, [10, 10]));
+        entries.extend(flow(2, 3, [10, 10]));
+        let backend =
+            Backend { address: [10, 244, 0, 2], port: 5353, proto: IPPROTO_UDP, flags: 0 };
+        let gone = flows_to(&entries, &[backend]);
+        assert_eq!(gone.len(), 2);
+        assert!(gone.contains(&entries[0].0) && gone.contains(&entries[1].0));
+        // Only the reply side present (the forward entry was evicted).
+        let gone = flows_to(&entries[1..2], &[backend]);
+        assert_eq!(gone.len(), 2);
+    }
+}

@@ -1,0 +1,164 @@
+//! IPv4 TCP/UDP packet access for tc programs: parsing, rewriting addresses
+//! and ports with incremental checksum updates, and plain checksums for the
+//! packets we build (RST, ICMP).
+
+use aya_ebpf::{
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    programs::TcContext,
+};
+use proxy_common::{CtKey, IPPROTO_TCP, IPPROTO_UDP};
+
+pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IP: u16 = 0x0800;
+const IP_OFF: usize = ETH_HLEN;
+const IP_CSUM_OFF: usize = IP_OFF + 10;
+const IP_SADDR_OFF: usize = IP_OFF + 12;
+const IP_DADDR_OFF: usize = IP_OFF + 16;
+const IP_TTL_OFF: usize = IP_OFF + 8;
+/// More-fragments flag and fragment offset, in the frag_off field.
+const IP_MF_OR_OFFSET: u16 = 0x3fff;
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+/// The fields of one IPv4 TCP or UDP packet the datapath works with.
+#[derive(Clone, Copy)]
+pub struct Packet {
+    pub tuple: CtKey,
+    /// Offset of the L4 header.
+    pub l4_off: usize,
+    /// TCP flags (0 for UDP).
+    pub tcp_flags: u8,
+    /// The IPv4 header length is 20 (no options).
+    pub plain_ip_header: bool,
+}
+
+impl Packet {
+    fn l4_csum_off(&self) -> usize {
+        self.l4_off + if self.tuple.proto == IPPROTO_TCP { 16 } else { 6 }
+    }
+
+    fn l4_flags(&self) -> u64 {
+        // A UDP checksum of zero means "none" and must stay zero.
+        if self.tuple.proto == IPPROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 }
+    }
+}
+
+/// Parses an Ethernet + IPv4 + TCP/UDP packet. Anything else (other
+/// protocols, IP fragments, which carry no ports or belong to a datagram we
+/// cannot see whole) is `None` and passes untouched.
+#[inline(always)]
+pub fn parse(ctx: &TcContext) -> Option<Packet> {
+    let ethertype: u16 = ctx.load(12).ok()?;
+    if u16::from_be(ethertype) != ETH_P_IP {
+        return None;
+    }
+    let version_ihl: u8 = ctx.load(IP_OFF).ok()?;
+    if version_ihl >> 4 != 4 {
+        return None;
+    }
+    let ihl = ((version_ihl & 0x0f) as usize) * 4;
+    if ihl < 20 {
+        return None;
+    }
+    let frag: u16 = ctx.load(IP_OFF + 6).ok()?;
+    if u16::from_be(frag) & IP_MF_OR_OFFSET != 0 {
+        return None;
+    }
+    let proto: u8 = ctx.load(IP_OFF + 9).ok()?;
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+        return None;
+    }
+    let saddr: [u8; 4] = ctx.load(IP_SADDR_OFF).ok()?;
+    let daddr: [u8; 4] = ctx.load(IP_DADDR_OFF).ok()?;
+    let l4_off = IP_OFF + ihl;
+    let sport: u16 = ctx.load(l4_off).ok()?;
+    let dport: u16 = ctx.load(l4_off + 2).ok()?;
+    let tcp_flags = if proto == IPPROTO_TCP { ctx.load::<u8>(l4_off + 13).ok()? } else { 0 };
+    Some(Packet {
+        tuple: CtKey {
+            saddr,
+            daddr,
+            sport: u16::from_be(sport),
+            dport: u16::from_be(dport),
+            proto,
+            _pad: [0; 3],
+        },
+        l4_off,
+        tcp_flags,
+        plain_ip_header: ihl == 20,
+    })
+}
+
+fn set_addr(
+    ctx: &TcContext,
+    pkt: &Packet,
+    off: usize,
+    old: [u8; 4],
+    new: [u8; 4],
+) -> Result<(), i64> {
+    if old == new {
+        return Ok(());
+    }
+    let (old, new) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
+    ctx.l4_csum_replace(pkt.l4_csum_off(), old, new, BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags() | 4)?;
+    ctx.l3_csum_replace(IP_CSUM_OFF, old, new, 4)?;
+    ctx.store(off, &(new as u32), 0)
+}
+
+fn set_port(ctx: &TcContext, pkt: &Packet, off: usize, old: u16, new: u16) -> Result<(), i64> {
+    if old == new {
+        return Ok(());
+    }
+    let (old, new) = (old.to_be(), new.to_be());
+    ctx.l4_csum_replace(pkt.l4_csum_off(), old as u64, new as u64, pkt.l4_flags() | 2)?;
+    ctx.store(off, &new, 0)
+}
+
+/// Rewrites the packet's tuple to `to`, keeping the IP and L4 checksums right.
+#[inline(always)]
+pub fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> Result<(), i64> {
+    let from = &pkt.tuple;
+    set_addr(ctx, pkt, IP_SADDR_OFF, from.saddr, to.saddr)?;
+    set_addr(ctx, pkt, IP_DADDR_OFF, from.daddr, to.daddr)?;
+    set_port(ctx, pkt, pkt.l4_off, from.sport, to.sport)?;
+    set_port(ctx, pkt, pkt.l4_off + 2, from.dport, to.dport)
+}
+
+/// Decrements the TTL of a packet we forward ourselves; false when it ran out.
+#[inline(always)]
+pub fn decrement_ttl(ctx: &TcContext) -> Result<bool, i64> {
+    let ttl: u8 = ctx.load(IP_TTL_OFF)?;
+    if ttl <= 1 {
+        return Ok(false);
+    }
+    // TTL is the high byte of the 16-bit word it shares with the protocol.
+    let (old, new) = ((ttl as u16) << 8, ((ttl - 1) as u16) << 8);
+    ctx.l3_csum_replace(IP_CSUM_OFF, old.to_be() as u64, new.to_be() as u64, 2)?;
+    ctx.store(IP_TTL_OFF, &(ttl - 1), 0)?;
+    Ok(true)
+}
+
+/// Ones'-complement sum of `bytes` (big-endian 16-bit words) added to `sum`.
+#[inline(always)]
+pub fn csum_add(mut sum: u32, bytes: &[u8]) -> u32 {
+    let mut i = 0;
+    while i + 1 < bytes.len() {
+        sum += u16::from_be_bytes([bytes[i], bytes[i + 1]]) as u32;
+        i += 2;
+    }
+    if i < bytes.len() {
+        sum += (bytes[i] as u32) << 8;
+    }
+    sum
+}
+
+/// Folds a ones'-complement sum into the checksum field value.
+#[inline(always)]
+pub fn csum_fold(mut sum: u32) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}

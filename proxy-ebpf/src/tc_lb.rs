@@ -1,0 +1,157 @@
+//! Per-packet load balancing in tc ingress: for traffic no socket hook sees
+//! (NodePort, externalIPs, LoadBalancer IPs, ClusterIP traffic the node
+//! forwards). A tracked flow is rewritten from its conntrack entry; a new
+//! flow to a frontend gets a backend, SNAT where kube-proxy would
+//! masquerade, and two conntrack entries. Translated packets are sent on with
+//! a FIB lookup and a redirect, so they bypass the stack (and its netfilter
+//! conntrack, which never saw the translated tuples).
+
+use aya_ebpf::{
+    bindings::{
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_fib_lookup as FibLookup, bpf_redir_neigh,
+    },
+    helpers::{
+        bpf_ktime_get_ns,
+        generated::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    },
+    maps::lpm_trie::Key,
+    programs::TcContext,
+};
+use proxy_common::{
+    AFFINITY_CLIENT_IPV4, Backend, Config, Counter, CtKey, SOURCE_RANGE_PREFIX_BITS,
+    SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, ServiceKey,
+    ServiceValue, SourceRangeKey,
+};
+
+use crate::{
+    conntrack,
+    lb::{self, Verdict},
+    maps::{CONFIG, SOURCE_RANGES, count},
+    packet::{self, Packet},
+    reject,
+};
+
+const AF_INET: u8 = 2;
+
+#[inline(always)]
+pub fn try_ingress(ctx: &TcContext) -> i32 {
+    let Some(pkt) = packet::parse(ctx) else { return TC_ACT_OK as i32 };
+    let Some(cfg) = CONFIG.get(0) else { return TC_ACT_OK as i32 };
+    let now = unsafe { bpf_ktime_get_ns() };
+
+    if let Some(entry) = conntrack::lookup(&pkt, cfg, now) {
+        count(Counter::CtHit);
+        return forward(ctx, &pkt, &entry.rewritten(pkt.tuple.proto));
+    }
+
+    let key = ServiceKey::new(pkt.tuple.daddr, pkt.tuple.dport, pkt.tuple.proto, 0);
+    let Some(svc) = lb::lookup_frontend(&key) else { return TC_ACT_OK as i32 };
+    if svc.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed(&svc, pkt.tuple.saddr) {
+        count(Counter::Dropped);
+        return TC_ACT_SHOT as i32;
+    }
+    let client = u32::from_ne_bytes(pkt.tuple.saddr) as u64;
+    match lb::choose(&key, &svc, client, AFFINITY_CLIENT_IPV4) {
+        Verdict::NotAService => TC_ACT_OK as i32,
+        Verdict::NoBackend if svc.flags & SVC_FLAG_DROP_EMPTY != 0 => {
+            count(Counter::Dropped);
+            TC_ACT_SHOT as i32
+        }
+        Verdict::NoBackend => reject::refuse(ctx, &pkt),
+        Verdict::Backend { backend, rev_nat_id } => {
+            let snat = needs_snat(&svc, cfg, &pkt, &backend);
+            let xlated = CtKey {
+                saddr: if snat { cfg.snat_addr } else { pkt.tuple.saddr },
+                daddr: backend.address,
+                sport: pkt.tuple.sport,
+                dport: backend.port,
+                proto: pkt.tuple.proto,
+                _pad: [0; 3],
+            };
+            let Some(xlated) = conntrack::create(&pkt.tuple, xlated, rev_nat_id, snat, cfg, now)
+            else {
+                count(Counter::Dropped);
+                return TC_ACT_SHOT as i32;
+            };
+            count(Counter::CtNew);
+            forward(ctx, &pkt, &xlated)
+        }
+    }
+}
+
+/// kube-proxy's masquerade decisions: external traffic with policy Cluster,
+/// a pod reaching itself (hairpin), and ClusterIP traffic from outside the
+/// cluster CIDR (or all of it with `--masquerade-all`).
+#[inline(always)]
+fn needs_snat(svc: &ServiceValue, cfg: &Config, pkt: &Packet, backend: &Backend) -> bool {
+    if backend.address == pkt.tuple.saddr {
+        return true;
+    }
+    if svc.flags & SVC_FLAG_EXTERNAL != 0 {
+        return svc.flags & SVC_FLAG_LOCAL == 0;
+    }
+    cfg.masquerade_all != 0
+        || (cfg.cluster_cidr_prefix != 0
+            && !in_prefix(pkt.tuple.saddr, cfg.cluster_cidr, cfg.cluster_cidr_prefix))
+}
+
+#[inline(always)]
+fn in_prefix(addr: [u8; 4], prefix: [u8; 4], len: u8) -> bool {
+    let mask = if len >= 32 { u32::MAX } else { !(u32::MAX >> len) };
+    u32::from_be_bytes(addr) & mask == u32::from_be_bytes(prefix) & mask
+}
+
+#[inline(always)]
+fn source_allowed(svc: &ServiceValue, saddr: [u8; 4]) -> bool {
+    let key = Key::new(
+        SOURCE_RANGE_PREFIX_BITS + 32,
+        SourceRangeKey { rev_nat_id: svc.rev_nat_id, _pad: 0, address: saddr },
+    );
+    SOURCE_RANGES.get(&key).is_some()
+}
+
+/// Rewrites `pkt` to `to` and sends it towards its new destination.
+#[inline(always)]
+fn forward(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> i32 {
+    if packet::rewrite(ctx, pkt, to).is_err() {
+        count(Counter::Dropped);
+        return TC_ACT_SHOT as i32;
+    }
+    // SAFETY: bpf_fib_lookup is plain data; zero is a valid start.
+    let mut fib: FibLookup = unsafe { core::mem::zeroed() };
+    fib.family = AF_INET;
+    fib.l4_protocol = to.proto;
+    fib.sport = to.sport.to_be();
+    fib.dport = to.dport.to_be();
+    fib.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    fib.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(to.saddr);
+    fib.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(to.daddr);
+    let rc = unsafe {
+        bpf_fib_lookup(ctx.skb.skb.cast(), &mut fib, core::mem::size_of::<FibLookup>() as i32, 0)
+    } as u32;
+    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+        // Local delivery (a host-network backend) or no route: the stack
+        // takes the translated packet from here.
+        return TC_ACT_OK as i32;
+    }
+    match packet::decrement_ttl(ctx) {
+        Ok(true) => {}
+        _ => return TC_ACT_SHOT as i32,
+    }
+    if rc == BPF_FIB_LKUP_RET_SUCCESS {
+        let macs = [fib.dmac, fib.smac];
+        if ctx.store(0, &macs, 0).is_err() {
+            return TC_ACT_SHOT as i32;
+        }
+        return unsafe { bpf_redirect(fib.ifindex, 0) } as i32;
+    }
+    // SAFETY: plain data.
+    let mut nh: bpf_redir_neigh = unsafe { core::mem::zeroed() };
+    nh.nh_family = AF_INET as u32;
+    nh.__bindgen_anon_1.ipv4_nh = unsafe { fib.__bindgen_anon_4.ipv4_dst };
+    unsafe {
+        bpf_redirect_neigh(fib.ifindex, &mut nh, core::mem::size_of::<bpf_redir_neigh>() as i32, 0)
+            as i32
+    }
+}
