@@ -90,7 +90,7 @@ impl Agent {
             Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
         }
         self.polls = self.polls.wrapping_add(1);
-        if self.polls % GC_EVERY == 0 {
+        if self.polls.is_multiple_of(GC_EVERY) {
             match self.backend.collect_conntrack() {
                 Ok((deleted, left)) => {
                     self.metrics.conntrack_entries.store(left as u64, Relaxed);

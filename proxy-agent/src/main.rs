@@ -30,7 +30,7 @@ struct Cli {
 enum Command {
     /// Serve the services of the manifests until SIGTERM; the datapath stays
     /// pinned after exit (as Cilium's does) until `cleanup`.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Remove every program, link and pin the agent installed.
     Cleanup(PinArgs),
 }
@@ -165,7 +165,7 @@ fn main() -> std::process::ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => agent::run(args),
+        Command::Run(args) => agent::run(*args),
         Command::Cleanup(args) => agent::cleanup(&args),
     };
     match result {

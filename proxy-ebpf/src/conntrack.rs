@@ -39,7 +39,7 @@ fn lifetime_ns(cfg: &Config, proto: u8, flags: u8) -> u64 {
 /// state change (first reply, FIN or RST) is written to both directions.
 #[inline(always)]
 pub fn lookup(pkt: &Packet, cfg: &Config, now: u64) -> Option<CtEntry> {
-    let entry = CONNTRACK.get_ptr_mut(&pkt.tuple)?;
+    let entry = CONNTRACK.get_ptr_mut(pkt.tuple)?;
     // SAFETY: LRU values may be recycled under us; we copy and re-check.
     let current = unsafe { *entry };
     if current.expires_ns < now {
@@ -60,7 +60,7 @@ pub fn lookup(pkt: &Packet, cfg: &Config, now: u64) -> Option<CtEntry> {
         }
         if flags != current.flags {
             let other = current.rewritten(pkt.tuple.proto).reversed();
-            if let Some(pair) = CONNTRACK.get_ptr_mut(&other) {
+            if let Some(pair) = CONNTRACK.get_ptr_mut(other) {
                 let shared = flags & (CT_FLAG_SEEN_REPLY | CT_FLAG_CLOSING);
                 unsafe {
                     (*pair).flags |= shared;

@@ -3,7 +3,7 @@
 //! out of the interface the packet came in on.
 
 use aya_ebpf::{
-    bindings::{TC_ACT_SHOT, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
+    bindings::bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
     helpers::generated::{bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
@@ -12,6 +12,7 @@ use proxy_common::{Counter, IPPROTO_TCP};
 use crate::{
     maps::count,
     packet::{self, ETH_HLEN, Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    tc_lb::SHOT,
 };
 
 const IP_OFF: usize = ETH_HLEN;
@@ -28,13 +29,13 @@ pub fn refuse(ctx: &TcContext, pkt: &Packet) -> i32 {
     // worth the code; those are dropped.
     if !pkt.plain_ip_header {
         count(Counter::Dropped);
-        return TC_ACT_SHOT as i32;
+        return SHOT;
     }
     let built =
         if pkt.tuple.proto == IPPROTO_TCP { tcp_reset(ctx, pkt) } else { icmp_unreachable(ctx) };
     if built.is_err() {
         count(Counter::Dropped);
-        return TC_ACT_SHOT as i32;
+        return SHOT;
     }
     count(Counter::Rejected);
     // SAFETY: plain helper call; out of the device the packet came from.

@@ -8,8 +8,8 @@
 
 use aya_ebpf::{
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT,
-        bpf_fib_lookup as FibLookup, bpf_redir_neigh,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibLookup,
+        bpf_redir_neigh,
     },
     helpers::{
         bpf_ktime_get_ns,
@@ -34,10 +34,17 @@ use crate::{
 
 const AF_INET: u8 = 2;
 
+/// Not ours: the next program (TCX) or the stack takes the packet as it is.
+pub const NEXT: i32 = -1;
+/// Translated, but the stack delivers it (a local address, or no route).
+pub const STACK: i32 = 0;
+/// Dropped.
+pub const SHOT: i32 = 2;
+
 #[inline(always)]
 pub fn try_ingress(ctx: &TcContext) -> i32 {
-    let Some(pkt) = packet::parse(ctx) else { return TC_ACT_OK as i32 };
-    let Some(cfg) = CONFIG.get(0) else { return TC_ACT_OK as i32 };
+    let Some(pkt) = packet::parse(ctx) else { return NEXT };
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
 
     if let Some(entry) = conntrack::lookup(&pkt, cfg, now) {
@@ -46,17 +53,17 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
     }
 
     let key = ServiceKey::new(pkt.tuple.daddr, pkt.tuple.dport, pkt.tuple.proto, 0);
-    let Some(svc) = lb::lookup_frontend(&key) else { return TC_ACT_OK as i32 };
+    let Some(svc) = lb::lookup_frontend(&key) else { return NEXT };
     if svc.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed(&svc, pkt.tuple.saddr) {
         count(Counter::Dropped);
-        return TC_ACT_SHOT as i32;
+        return SHOT;
     }
     let client = u32::from_ne_bytes(pkt.tuple.saddr) as u64;
     match lb::choose(&key, &svc, client, AFFINITY_CLIENT_IPV4) {
-        Verdict::NotAService => TC_ACT_OK as i32,
+        Verdict::NotAService => NEXT,
         Verdict::NoBackend if svc.flags & SVC_FLAG_DROP_EMPTY != 0 => {
             count(Counter::Dropped);
-            TC_ACT_SHOT as i32
+            SHOT
         }
         Verdict::NoBackend => reject::refuse(ctx, &pkt),
         Verdict::Backend { backend, rev_nat_id } => {
@@ -72,7 +79,7 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
             let Some(xlated) = conntrack::create(&pkt.tuple, xlated, rev_nat_id, snat, cfg, now)
             else {
                 count(Counter::Dropped);
-                return TC_ACT_SHOT as i32;
+                return SHOT;
             };
             count(Counter::CtNew);
             forward(ctx, &pkt, &xlated)
@@ -116,7 +123,7 @@ fn source_allowed(svc: &ServiceValue, saddr: [u8; 4]) -> bool {
 fn forward(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> i32 {
     if packet::rewrite(ctx, pkt, to).is_err() {
         count(Counter::Dropped);
-        return TC_ACT_SHOT as i32;
+        return SHOT;
     }
     // SAFETY: bpf_fib_lookup is plain data; zero is a valid start.
     let mut fib: FibLookup = unsafe { core::mem::zeroed() };
@@ -133,16 +140,16 @@ fn forward(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> i32 {
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         // Local delivery (a host-network backend) or no route: the stack
         // takes the translated packet from here.
-        return TC_ACT_OK as i32;
+        return STACK;
     }
     match packet::decrement_ttl(ctx) {
         Ok(true) => {}
-        _ => return TC_ACT_SHOT as i32,
+        _ => return SHOT,
     }
     if rc == BPF_FIB_LKUP_RET_SUCCESS {
         let macs = [fib.dmac, fib.smac];
         if ctx.store(0, &macs, 0).is_err() {
-            return TC_ACT_SHOT as i32;
+            return SHOT;
         }
         return unsafe { bpf_redirect(fib.ifindex, 0) } as i32;
     }

@@ -108,7 +108,10 @@ impl Attempt {
             line.split_whitespace().find_map(|w| w.strip_prefix(key)).map(str::to_string)
         };
         let ms = field("ms=")?.parse().ok()?;
-        if line.starts_with("ok ") {
+        if !line.starts_with("ok ") {
+            return Some(Attempt::Err { ms, kind: field("kind=")? });
+        }
+        let answer = (|| {
             Some(Attempt::Ok {
                 ms,
                 from: field("from=")?,
@@ -116,9 +119,9 @@ impl Attempt {
                 local: field("local=")?,
                 peer: field("peer=")?,
             })
-        } else {
-            Some(Attempt::Err { ms, kind: field("kind=")? })
-        }
+        })();
+        // Connected, but the server's answer is missing or cut short.
+        Some(answer.unwrap_or(Attempt::Err { ms, kind: "NoAnswer".into() }))
     }
 
     /// The answering pod's name, for successful attempts.
@@ -325,7 +328,27 @@ impl Lab {
         ip(&["-n", &netns, "route", "add", "default", "via", GATEWAY, "dev", "eth0"])?;
         wait_link_up(&netns, "eth0")?;
         wait_link_up(&node_ns, &host_if)?;
+        self.wait_tc_attached(node, &host_if)?;
         Ok(Pod { name: name.to_string(), netns, ip: pod_ip.to_string() })
+    }
+
+    /// With an agent running on `node`, waits until it has attached its
+    /// per-packet program to the new interface (it looks every 200 ms), as a
+    /// CNI would wait before starting the pod.
+    fn wait_tc_attached(&mut self, node: usize, interface: &str) -> anyhow::Result<()> {
+        let host = &mut self.nodes[node];
+        if !host.agent.as_mut().is_some_and(|a| matches!(a.try_wait(), Ok(None))) {
+            return Ok(());
+        }
+        let pin = host.pins.join("links").join(format!("tc-{interface}"));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !pin.exists() {
+            if Instant::now() > deadline {
+                bail!("the agent on {} did not attach to {interface}", host.netns);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
     }
 
     /// Starts a server in `pod` answering on the given ports; returns once it
@@ -629,6 +652,8 @@ mod tests {
         assert_eq!(ok.as_ref().and_then(|a| a.pod()), Some("web-0"));
         let err = Attempt::parse("err ms=0.101 kind=ConnectionRefused");
         assert_eq!(err, Some(Attempt::Err { ms: 0.101, kind: "ConnectionRefused".into() }));
+        let cut = Attempt::parse("ok ms=0.2 from=10.96.0.10:80 ");
+        assert_eq!(cut, Some(Attempt::Err { ms: 0.2, kind: "NoAnswer".into() }));
     }
 
     #[test]

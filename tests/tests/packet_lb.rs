@@ -26,7 +26,9 @@ fn cluster(manifest: &str) -> Cluster {
     let mut lab = Lab::new().unwrap();
     lab.add_node().unwrap();
     let mut pods = Vec::new();
-    for (node, name, ip) in [(0, "web-a", "10.244.1.2"), (1, "web-b", "10.244.2.2"), (1, "web-c", "10.244.2.3")] {
+    for (node, name, ip) in
+        [(0, "web-a", "10.244.1.2"), (1, "web-b", "10.244.2.2"), (1, "web-c", "10.244.2.3")]
+    {
         let pod = lab.add_pod_on(node, name, ip).unwrap();
         lab.serve(&pod, &[8080], &[5353]).unwrap();
         pods.push(pod);
@@ -105,4 +107,185 @@ fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node() {
         assert_eq!(peer_ip(peer), "192.168.100.11", "{name} saw {peer}, not the node");
     }
     assert!(c.lab.counter_on(0, Counter::CtNew).unwrap() >= 90);
+}
+
+#[test]
+fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints() {
+    let local =
+        PORTS_30080.replace("type: NodePort", "type: NodePort\n  externalTrafficPolicy: Local");
+    let elsewhere = local.replace("30080", "30081").replace("30053", "30054");
+    let manifest = service("web", "10.96.0.10", &local, &["a", "b", "c"])
+        + &service("far", "10.96.0.11", &elsewhere, &["b", "c"]);
+    let c = cluster(&manifest);
+
+    // Node 0 has only web-a; node 1 has web-b and web-c.
+    for (node_ip, expect) in
+        [("192.168.100.11", vec!["web-a"]), ("192.168.100.12", vec!["web-b", "web-c"])]
+    {
+        let attempts =
+            c.lab.client_outside(&c.ext, &["tcp", &format!("{node_ip}:30080"), "40"]).unwrap();
+        for (name, peer, _) in ok_attempts(&attempts) {
+            assert!(expect.contains(&name.as_str()), "{node_ip} sent to {name}");
+            assert_eq!(peer_ip(&peer), "192.168.100.101", "the client IP is kept");
+        }
+        assert_eq!(tally(&attempts).len(), expect.len());
+    }
+
+    // No local endpoint for "far" on node 0: dropped, not refused.
+    let dropped_before = c.lab.counter_on(0, Counter::Dropped).unwrap();
+    let attempts = c
+        .lab
+        .client_outside(&c.ext, &["--timeout-ms", "500", "tcp", "192.168.100.11:30081", "1"])
+        .unwrap();
+    assert!(
+        matches!(&attempts[0], Attempt::Err { kind, .. } if kind == "TimedOut"),
+        "{attempts:?}"
+    );
+    assert!(c.lab.counter_on(0, Counter::Dropped).unwrap() > dropped_before);
+    // Node 1 serves it.
+    ok_attempts(&c.lab.client_outside(&c.ext, &["tcp", "192.168.100.12:30081", "5"]).unwrap());
+}
+
+#[test]
+fn load_balancer_and_external_ips_with_source_ranges() {
+    let spec = "  type: LoadBalancer
+  externalIPs: [10.200.0.11]
+  loadBalancerSourceRanges: [192.168.100.101/32]
+  ports:
+  - {name: http, port: 80, targetPort: 8080, nodePort: 30090}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30091}
+status:
+  loadBalancer:
+    ingress: [{ip: 10.200.0.10}]";
+    let c = cluster(&service("lb", "10.96.0.12", spec, &["a", "b", "c"]));
+
+    let admitted = c.lab.client_outside(&c.ext, &["tcp", "10.200.0.10:80", "30"]).unwrap();
+    assert_eq!(tally(&admitted).len(), 3, "the LB IP reaches the service: {admitted:?}");
+    let refused = c
+        .lab
+        .client_outside(&c.ext2, &["--timeout-ms", "500", "tcp", "10.200.0.10:80", "1"])
+        .unwrap();
+    assert!(matches!(&refused[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{refused:?}");
+    // The source ranges guard the LB IP only, as in kube-proxy.
+    ok_attempts(&c.lab.client_outside(&c.ext2, &["tcp", "10.200.0.11:80", "10"]).unwrap());
+    ok_attempts(&c.lab.client_outside(&c.ext2, &["tcp", "192.168.100.11:30090", "10"]).unwrap());
+}
+
+#[test]
+fn hairpin_a_pod_reaches_itself_through_its_cluster_ip() {
+    let ports = "  ports: [{name: http, port: 80, targetPort: 8080}]";
+    let c = cluster(&service("self", "10.96.0.20", ports, &["a"]));
+    // web-a is outside the socket-LB cgroup: only tc sees its packets.
+    let attempts = c.lab.client_outside(&c.pods[0], &["tcp", "10.96.0.20:80", "10"]).unwrap();
+    for (name, peer, from) in ok_attempts(&attempts) {
+        assert_eq!(name, "web-a");
+        assert_eq!(from, "10.96.0.20:80", "the reply comes from the service");
+        assert_eq!(peer_ip(&peer), "192.168.100.11", "SNATed so the reply returns via the node");
+    }
+}
+
+#[test]
+fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node() {
+    let ports = "  ports:
+  - {name: http, port: 80, targetPort: 8080}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353}";
+    let mut c = cluster(&service("far", "10.96.0.21", ports, &["b", "c"]));
+    let client = c.lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
+    let attempts = c.lab.client_outside(&client, &["tcp", "10.96.0.21:80", "40"]).unwrap();
+    assert_eq!(tally(&attempts).len(), 2);
+    for (_, peer, from) in ok_attempts(&attempts) {
+        assert_eq!(peer_ip(&peer), "10.244.1.100", "in-cluster sources are not masqueraded");
+        assert_eq!(from, "10.96.0.21:80");
+    }
+    for (_, _, from) in
+        ok_attempts(&c.lab.client_outside(&client, &["udp", "10.96.0.21:53", "5"]).unwrap())
+    {
+        assert_eq!(from, "10.96.0.21:53", "UDP replies come from the service");
+    }
+}
+
+#[test]
+fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows() {
+    let mut lab = Lab::new().unwrap();
+    let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
+    lab.serve(&pod, &[8080], &[]).unwrap();
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    lab.write_manifest(&service("web", "10.96.0.10", PORTS_30080, &["a"])).unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    lab.start_agent(&["--conntrack-tcp-timeout-close-wait", "2s"]).unwrap();
+
+    let attempts =
+        lab.client_outside(&ext, &["tcp-concurrent", "192.168.100.11:30080", "1000"]).unwrap();
+    assert_eq!(attempts.len(), 1000);
+    let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
+    assert!(failed.is_empty(), "{} failed, e.g. {:?}", failed.len(), failed.first());
+    assert!(lab.counter(Counter::CtNew).unwrap() >= 1000);
+
+    // Closed flows expire after 2 s and the agent collects them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut left = usize::MAX;
+    while Instant::now() < deadline {
+        left = lab.dump_map("CONNTRACK").unwrap().matches("\"expires_ns\"").count();
+        if left == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(left, 0, "conntrack entries left behind");
+}
+
+#[test]
+fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint() {
+    let mut c = cluster(&service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+    // One socket, one flow: 30 datagrams over 3 s.
+    let mut client = c
+        .lab
+        .spawn_outside(&c.ext, &["udp", "192.168.100.11:30053", "30", "--interval-ms", "100"])
+        .unwrap();
+    let mut lines = BufReader::new(client.stdout.take().unwrap()).lines();
+    let mut next = || Attempt::parse(&lines.next().unwrap().unwrap()).unwrap();
+    let first = next();
+    let Attempt::Ok { name: stuck_to, from, .. } = first else { panic!("{first:?}") };
+    assert_eq!(from, "192.168.100.11:30053", "replies come from the node port");
+    let early: Vec<_> = (0..4).map(|_| next().pod().unwrap_or("<lost>").to_string()).collect();
+    assert!(early.iter().all(|n| *n == stuck_to), "one flow, one backend: {stuck_to} {early:?}");
+
+    let remaining: Vec<&str> =
+        ["a", "b", "c"].into_iter().filter(|p| format!("web-{p}") != stuck_to).collect();
+    c.lab.write_manifest(&service("web", "10.96.0.10", PORTS_30080, &remaining)).unwrap();
+    let changed = Instant::now();
+    let mut after = Vec::new();
+    for line in lines {
+        let attempt = Attempt::parse(&line.unwrap()).unwrap();
+        if changed.elapsed() > Duration::from_secs(1) {
+            after.push(attempt.pod().unwrap_or("<lost>").to_string());
+        }
+    }
+    client.wait().unwrap();
+    assert!(after.len() > 5, "{after:?}");
+    assert!(
+        after.iter().all(|n| *n != stuck_to && n != "<lost>"),
+        "within a second the flow left {stuck_to}: {after:?}"
+    );
+    assert_eq!(
+        after.iter().collect::<std::collections::BTreeSet<_>>().len(),
+        1,
+        "and sticks again"
+    );
+}
+
+#[test]
+fn no_endpoints_are_refused_not_timed_out() {
+    let c = cluster(&service("empty", "10.96.0.30", PORTS_30080, &[]));
+    let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "3"]).unwrap();
+    for attempt in &attempts {
+        assert!(
+            matches!(attempt, Attempt::Err { kind, ms } if kind == "ConnectionRefused" && *ms < 100.0),
+            "{attempts:?}"
+        );
+    }
+    let udp =
+        c.lab.client_outside(&c.ext, &["udp", "192.168.100.11:30053", "1", "--connect"]).unwrap();
+    assert!(matches!(&udp[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"), "{udp:?}");
+    assert!(c.lab.counter_on(0, Counter::Rejected).unwrap() >= 4);
 }

@@ -114,7 +114,8 @@ fn serve(args: &mut Vec<String>) -> anyhow::Result<()> {
 /// Answers one HTTP/1.0-style request and closes. The whole request is read
 /// first: closing with unread bytes would make the kernel send a reset.
 fn serve_tcp(name: &str, mut stream: TcpStream) {
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    // Long enough for a client that opens a thousand connections first.
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
     let mut request = Vec::new();
     let mut buf = [0u8; 1024];
     while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
