@@ -15,8 +15,8 @@ use tokio::signal::unix::{SignalKind, signal};
 use proxy_common::Config;
 
 use crate::{
-    PinArgs, RunArgs,
     backend::ebpf::{self, EbpfBackend},
+    cli::{PinArgs, RunArgs},
     metrics::{self, Metrics},
     plan::{self, Node, Plan},
     source::{Store, manifests::Manifests},

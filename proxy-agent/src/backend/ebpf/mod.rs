@@ -28,7 +28,7 @@ use aya::{
     },
     programs::{
         CgroupAttachMode, CgroupSockAddr, LinkOrder, ProgramError, SchedClassifier, TcAttachType,
-        links::FdLink, tc::TcAttachOptions,
+        TestRun, TestRunOptions, links::FdLink, tc::TcAttachOptions,
     },
 };
 use proxy_common::{
@@ -374,6 +374,48 @@ impl EbpfBackend {
         let entries = self.conntrack_entries()?;
         let flows = conntrack::flows_to(&entries, &udp);
         self.delete_conntrack(&flows)
+    }
+}
+
+/// What the per-packet program did to one packet under `BPF_PROG_TEST_RUN`.
+#[derive(Debug)]
+pub struct PacketRun {
+    /// The tc verdict: -1 next/pass, 0 to the stack, 2 drop, 7 redirect.
+    pub verdict: i32,
+    /// The packet as the program left it.
+    pub packet: Vec<u8>,
+    /// Mean time of one run, as the kernel measured it.
+    pub duration: std::time::Duration,
+}
+
+impl EbpfBackend {
+    /// Runs the per-packet program on `packet` `repeat` times in the kernel
+    /// without sending anything (packet-level tests and benchmarks).
+    pub fn run_tc(&mut self, packet: &[u8], repeat: u32) -> Result<PacketRun, EbpfError> {
+        let name = TC_INGRESS;
+        let err = |source| EbpfError::Program { name, source };
+        let prog: &SchedClassifier = self
+            .ebpf
+            .program(name)
+            .ok_or(EbpfError::Missing { what: "program", name })?
+            .try_into()
+            .map_err(err)?;
+        // Room for the largest packet the program builds from a small one.
+        let mut out = vec![0u8; packet.len() + 128];
+        let result = prog
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                repeat,
+                ..TestRunOptions::new()
+            })
+            .map_err(err)?;
+        out.truncate(result.data_size_out as usize);
+        Ok(PacketRun {
+            verdict: result.return_value as i32,
+            packet: out,
+            duration: result.duration,
+        })
     }
 }
 

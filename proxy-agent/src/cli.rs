@@ -1,0 +1,170 @@
+//! The command line: subcommands and flags (kube-proxy's names where the
+//! concept exists).
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::model;
+
+#[derive(Parser)]
+#[command(name = "proxy-agent", version, about = "eBPF Kubernetes service proxy")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Serve the services of the manifests until SIGTERM; the datapath stays
+    /// pinned after exit (as Cilium's does) until `cleanup`.
+    Run(Box<RunArgs>),
+    /// Remove every program, link and pin the agent installed.
+    Cleanup(PinArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ProxyMode {
+    /// Socket load balancing in BPF programs on cgroup hooks.
+    Ebpf,
+}
+
+/// Where the datapath is pinned; shared by `run` and `cleanup`.
+#[derive(Args, Clone, Debug)]
+pub struct PinArgs {
+    /// bpffs directory for the pinned maps and links (bpffs is mounted at
+    /// /sys/fs/bpf when missing)
+    #[arg(long, value_name = "PATH", default_value = "/sys/fs/bpf/proxy")]
+    pub bpffs_root: PathBuf,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct RunArgs {
+    /// A YAML file or directory of Services and EndpointSlices, re-read on change
+    #[arg(long, value_name = "PATH")]
+    pub manifests: PathBuf,
+    /// Which datapath to program
+    #[arg(long, value_enum, default_value = "ebpf")]
+    pub proxy_mode: ProxyMode,
+    /// This node's name, matched against EndpointSlice nodeName to flag local
+    /// backends [default: the hostname]
+    #[arg(long, value_name = "NAME")]
+    pub hostname_override: Option<String>,
+    /// cgroup v2 the socket programs attach to [default: the cgroup2 mount root]
+    #[arg(long, value_name = "PATH")]
+    pub cgroup_path: Option<PathBuf>,
+    /// Where /metrics and /healthz are served
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: SocketAddr,
+    /// This node's IPv4 addresses: NodePorts are served on them and clients
+    /// are SNATed to the first [default: the addresses of its non-pod
+    /// interfaces]
+    #[arg(long, value_name = "IP[,IP]", value_delimiter = ',')]
+    pub node_ip: Vec<Ipv4Addr>,
+    /// Serve NodePorts only on node addresses within these CIDRs [default: all]
+    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
+    pub nodeport_addresses: Vec<model::Cidr>,
+    /// The pods' CIDR: ClusterIP traffic translated per packet from other
+    /// sources is masqueraded to the node
+    #[arg(long, value_name = "CIDR", value_parser = parse_cidr)]
+    pub cluster_cidr: Option<model::Cidr>,
+    /// Masquerade all ClusterIP traffic translated per packet
+    #[arg(long)]
+    pub masquerade_all: bool,
+    /// Name prefixes of pod-facing interfaces; their ingress (and that of the
+    /// interfaces holding a node IP) runs the per-packet program, also on
+    /// interfaces that appear later
+    #[arg(
+        long,
+        value_name = "PREFIX[,PREFIX]",
+        value_delimiter = ',',
+        default_value = "veth,lxc,cali"
+    )]
+    pub pod_interfaces: Vec<String>,
+    /// Source ports SNAT allocates from; reserved in the node's
+    /// net.ipv4.ip_local_reserved_ports
+    #[arg(long, value_name = "MIN-MAX", default_value = "61000-65000", value_parser = parse_port_range)]
+    pub snat_port_range: (u16, u16),
+    /// Idle timeout of an established TCP flow translated per packet
+    #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_established: Duration,
+    /// How long a TCP flow translated per packet lives after a FIN or RST
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_close_wait: Duration,
+    /// Idle timeout of a UDP flow translated per packet
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub conntrack_udp_timeout: Duration,
+    #[command(flatten)]
+    pub pins: PinArgs,
+}
+
+fn parse_cidr(text: &str) -> Result<model::Cidr, String> {
+    match model::Cidr::parse(text) {
+        Ok(Some(cidr)) => Ok(cidr),
+        Ok(None) => Err("only IPv4 is supported".into()),
+        Err(()) => Err("expected an IPv4 CIDR such as 10.244.0.0/16".into()),
+    }
+}
+
+fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
+    let parsed = text.split_once('-').and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+    match parsed {
+        Some((min, max)) if 0 < min && min <= max => Ok((min, max)),
+        _ => Err("expected MIN-MAX, such as 61000-65000".into()),
+    }
+}
+
+/// `90`, `90s`, `15m`, `24h`, or Go-style combinations such as `1h30m`.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let bad = || format!("expected a duration such as 30s, 15m or 24h, not {text:?}");
+    if let Ok(secs) = text.parse::<u64>() {
+        return Ok(Duration::from_secs(secs));
+    }
+    let mut total = 0u64;
+    let mut number = String::new();
+    for c in text.chars() {
+        if c.is_ascii_digit() {
+            number.push(c);
+            continue;
+        }
+        let unit = match c {
+            'h' => 3600,
+            'm' => 60,
+            's' => 1,
+            _ => return Err(bad()),
+        };
+        total += number.parse::<u64>().map_err(|_| bad())? * unit;
+        number.clear();
+    }
+    if !number.is_empty() || total == 0 {
+        return Err(bad());
+    }
+    Ok(Duration::from_secs(total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flag_values_parse_like_kube_proxy() {
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(parse_duration("1h30m0s"), Ok(Duration::from_secs(5_400)));
+        assert_eq!(parse_duration("45"), Ok(Duration::from_secs(45)));
+        assert!(parse_duration("10x").is_err() && parse_duration("0s").is_err());
+        assert_eq!(parse_port_range("61000-65000"), Ok((61000, 65000)));
+        assert!(parse_port_range("65000-61000").is_err());
+        assert_eq!(parse_cidr("10.244.0.0/16").unwrap().to_string(), "10.244.0.0/16");
+        assert!(parse_cidr("fd00::/64").is_err());
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

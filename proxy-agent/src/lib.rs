@@ -1,0 +1,13 @@
+//! proxy-agent: an eBPF replacement for kube-proxy.
+//!
+//! `source` reads objects, `model` applies kube-proxy's semantics, `plan`
+//! turns that into the desired datapath, `backend` writes it to the kernel.
+
+pub mod agent;
+pub mod backend;
+pub mod cli;
+pub mod metrics;
+pub mod model;
+pub mod plan;
+pub mod source;
+pub mod sys;

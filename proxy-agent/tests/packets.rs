@@ -1,0 +1,319 @@
+//! Packet-level tests of the per-packet program: the loaded program runs on
+//! crafted packets with `BPF_PROG_TEST_RUN` (nothing is sent), and the test
+//! checks the packet it produced byte by byte, recomputing every checksum
+//! itself. Each test runs in a network namespace of its own (empty, so FIB
+//! lookups find no route and translated packets are handed to the "stack").
+//! Needs root.
+
+use std::net::SocketAddrV4;
+
+use proxy_agent::{
+    backend::ebpf::{EbpfBackend, PacketRun},
+    model::{Cidr, Protocol, ServiceName, ServicePortName},
+    plan::{BackendPlan, Frontend, FrontendPlan, Plan},
+};
+use proxy_common::Config;
+
+const NEXT: i32 = -1;
+const STACK: i32 = 0;
+const SHOT: i32 = 2;
+const REDIRECT: i32 = 7;
+
+const NODE: [u8; 4] = [192, 168, 100, 11];
+const CLIENT: [u8; 4] = [192, 168, 100, 101];
+const POD: [u8; 4] = [10, 244, 2, 2];
+const TCP: u8 = 6;
+const UDP: u8 = 17;
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+const RST: u8 = 0x04;
+
+fn in_own_netns() {
+    assert_eq!(unsafe { libc::geteuid() }, 0, "packet tests load BPF programs: run as root");
+    // SAFETY: moves this test's thread alone into a new, empty namespace.
+    assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare(CLONE_NEWNET)");
+}
+
+fn frontend(ip: [u8; 4], port: u16, protocol: Protocol) -> Frontend {
+    Frontend { ip: ip.into(), port, protocol }
+}
+
+fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -> FrontendPlan {
+    FrontendPlan {
+        service: ServicePortName {
+            service: ServiceName { namespace: "t".into(), name: "svc".into() },
+            port: String::new(),
+        },
+        backends: backends
+            .iter()
+            .map(|(ip, port)| BackendPlan {
+                addr: SocketAddrV4::new((*ip).into(), *port),
+                local: false,
+            })
+            .collect(),
+        affinity_timeout_secs: None,
+        external,
+        local: false,
+        drop_when_empty: false,
+        source_ranges: ranges.iter().map(|r| Cidr::parse(r).unwrap().unwrap()).collect(),
+    }
+}
+
+fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
+    in_own_netns();
+    let mut backend = EbpfBackend::load().expect("load the programs");
+    backend
+        .configure(&Config {
+            snat_addr: NODE,
+            cluster_cidr: [10, 244, 0, 0],
+            cluster_cidr_prefix: 16,
+            masquerade_all: 0,
+            snat_port_min: 61000,
+            snat_port_max: 65000,
+            _pad: 0,
+            tcp_syn_timeout_secs: 60,
+            tcp_established_timeout_secs: 3600,
+            tcp_closing_timeout_secs: 10,
+            udp_timeout_secs: 30,
+        })
+        .unwrap();
+    backend.sync(&Plan { frontends: frontends.into_iter().collect() }).unwrap();
+    backend
+}
+
+/// Ethernet + IPv4 (valid header checksum) + L4 header and payload.
+fn packet(proto: u8, src: ([u8; 4], u16), dst: ([u8; 4], u16), l4_rest: &[u8]) -> Vec<u8> {
+    let mut l4 = Vec::new();
+    l4.extend_from_slice(&src.1.to_be_bytes());
+    l4.extend_from_slice(&dst.1.to_be_bytes());
+    l4.extend_from_slice(l4_rest);
+    let mut p = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x08, 0x00];
+    let total = (20 + l4.len()) as u16;
+    let mut ip = vec![0x45, 0, 0, 0, 0x12, 0x34, 0x40, 0, 64, proto, 0, 0];
+    ip[2..4].copy_from_slice(&total.to_be_bytes());
+    ip.extend_from_slice(&src.0);
+    ip.extend_from_slice(&dst.0);
+    let sum = fold(sum16(&ip));
+    ip[10..12].copy_from_slice(&sum.to_be_bytes());
+    p.extend_from_slice(&ip);
+    p.extend_from_slice(&l4);
+    p
+}
+
+/// A 32-byte TCP header with the given flags, seq 1000, MSS and SACK options, and a
+/// valid checksum.
+fn tcp(src: ([u8; 4], u16), dst: ([u8; 4], u16), flags: u8) -> Vec<u8> {
+    let mut rest = vec![0, 0, 0x03, 0xe8, 0, 0, 0, 0, 0x80, flags, 0xfa, 0xf0, 0, 0, 0, 0];
+    rest.extend_from_slice(&[2, 4, 0x05, 0xb4, 4, 2, 1, 1, 1, 1, 1, 0]);
+    let mut p = packet(TCP, src, dst, &rest);
+    set_l4_checksum(&mut p);
+    p
+}
+
+fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), with_checksum: bool) -> Vec<u8> {
+    let payload = b"hello";
+    let mut rest = vec![0, 0, 0, 0];
+    rest[0..2].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    rest.extend_from_slice(payload);
+    let mut p = packet(UDP, src, dst, &rest);
+    if with_checksum {
+        set_l4_checksum(&mut p);
+    }
+    p
+}
+
+fn sum16(bytes: &[u8]) -> u32 {
+    bytes.chunks(2).map(|c| u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32).sum()
+}
+
+fn fold(mut sum: u32) -> u16 {
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+fn l4_sum(p: &[u8]) -> u32 {
+    let (ip, l4) = (&p[14..34], &p[34..]);
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&ip[12..20]);
+    pseudo.extend_from_slice(&[0, ip[9]]);
+    pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+    sum16(&pseudo) + sum16(l4)
+}
+
+fn csum_offset(p: &[u8]) -> usize {
+    34 + if p[23] == TCP { 16 } else { 6 }
+}
+
+fn set_l4_checksum(p: &mut [u8]) {
+    let off = csum_offset(p);
+    p[off..off + 2].copy_from_slice(&[0, 0]);
+    let sum = fold(l4_sum(p));
+    p[off..off + 2].copy_from_slice(&sum.to_be_bytes());
+}
+
+/// Checks the IPv4 header checksum and the TCP/UDP/ICMP one.
+fn assert_checksums(p: &[u8]) {
+    assert_eq!(fold(sum16(&p[14..34])), 0, "IPv4 header checksum of {p:02x?}");
+    match p[23] {
+        1 => assert_eq!(fold(sum16(&p[34..])), 0, "ICMP checksum"),
+        _ => {
+            let off = csum_offset(p);
+            if p[23] == UDP && p[off..off + 2] == [0, 0] {
+                return;
+            }
+            assert_eq!(fold(l4_sum(p)), 0, "L4 checksum of {p:02x?}");
+        }
+    }
+}
+
+fn tuple(p: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
+    let addr = |o: usize| [p[o], p[o + 1], p[o + 2], p[o + 3]];
+    let port = |o: usize| u16::from_be_bytes([p[o], p[o + 1]]);
+    ((addr(26), port(34)), (addr(30), port(36)))
+}
+
+fn run(backend: &mut EbpfBackend, p: &[u8]) -> PacketRun {
+    backend.run_tc(p, 1).expect("test run")
+}
+
+#[test]
+fn node_port_flow_is_translated_both_ways_with_valid_checksums() {
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD, 8080)], true, &[]),
+    )]);
+    let syn = tcp((CLIENT, 40000), (NODE, 30080), SYN);
+    let out = run(&mut dp, &syn);
+    assert_eq!(out.verdict, STACK, "no route in an empty netns: the stack gets it");
+    let ((src, sport), dst) = tuple(&out.packet);
+    assert_eq!(src, NODE, "external traffic with policy Cluster is SNATed");
+    assert!((61000..=65000).contains(&sport), "SNAT port {sport} in range");
+    assert_eq!(dst, (POD, 8080));
+    assert_eq!(out.packet.len(), syn.len());
+    assert_checksums(&out.packet);
+    assert_eq!(out.packet[34 + 20..], syn[34 + 20..], "options untouched");
+
+    let syn_ack = tcp((POD, 8080), (NODE, sport), SYN | ACK);
+    let back = run(&mut dp, &syn_ack);
+    assert_eq!(back.verdict, STACK);
+    assert_eq!(tuple(&back.packet), ((NODE, 30080), (CLIENT, 40000)));
+    assert_checksums(&back.packet);
+
+    // The same client packet again follows the same flow.
+    let again = run(&mut dp, &syn);
+    assert_eq!(tuple(&again.packet), tuple(&out.packet));
+}
+
+#[test]
+fn udp_checksums_stay_valid_and_zero_stays_zero() {
+    let mut dp = datapath(vec![(
+        frontend([10, 96, 0, 10], 53, Protocol::Udp),
+        frontend_plan(&[(POD, 5353)], false, &[]),
+    )]);
+    let client = ([10, 244, 1, 5], 40000);
+    let with = run(&mut dp, &udp(client, ([10, 96, 0, 10], 53), true));
+    assert_eq!(tuple(&with.packet), (client, (POD, 5353)), "in-cluster source: no SNAT");
+    assert_ne!(with.packet[40..42], [0, 0]);
+    assert_checksums(&with.packet);
+
+    let without = run(&mut dp, &udp(([10, 244, 1, 6], 40001), ([10, 96, 0, 10], 53), false));
+    assert_eq!(tuple(&without.packet).1, (POD, 5353));
+    assert_eq!(without.packet[40..42], [0, 0], "no checksum stays no checksum");
+    assert_checksums(&without.packet);
+}
+
+#[test]
+fn fragments_and_foreign_packets_pass_untouched() {
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD, 8080)], true, &[]),
+    )]);
+    let mut first_fragment = tcp((CLIENT, 40000), (NODE, 30080), SYN);
+    first_fragment[20] |= 0x20; // more fragments
+    let mut later_fragment = first_fragment.clone();
+    later_fragment[20] = 0x00;
+    later_fragment[21] = 0x10; // offset 128
+    let mut icmp = packet(1, (CLIENT, 0x0800), (NODE, 0), &[0, 0, 0, 1]);
+    icmp[34] = 8;
+    let mut arp = tcp((CLIENT, 40000), (NODE, 30080), SYN);
+    arp[12..14].copy_from_slice(&[0x08, 0x06]);
+    let not_a_service = tcp((CLIENT, 40000), (NODE, 22), SYN);
+    for p in [first_fragment, later_fragment, icmp, arp, not_a_service] {
+        let out = run(&mut dp, &p);
+        assert_eq!(out.verdict, NEXT, "{p:02x?}");
+        assert_eq!(out.packet, p);
+    }
+}
+
+#[test]
+fn a_service_without_endpoints_answers_a_syn_with_a_valid_rst() {
+    let mut dp =
+        datapath(vec![(frontend(NODE, 30080, Protocol::Tcp), frontend_plan(&[], true, &[]))]);
+    let syn = tcp((CLIENT, 40000), (NODE, 30080), SYN);
+    let out = run(&mut dp, &syn);
+    assert_eq!(out.verdict, REDIRECT, "sent back out of the interface it came from");
+    let p = &out.packet;
+    assert_eq!(tuple(p), ((NODE, 30080), (CLIENT, 40000)));
+    assert_eq!(p[0..6], syn[6..12], "MACs swapped");
+    assert_eq!(p[34 + 13], RST | ACK);
+    assert_eq!(u32::from_be_bytes(p[38..42].try_into().unwrap()), 0, "seq 0");
+    assert_eq!(u32::from_be_bytes(p[42..46].try_into().unwrap()), 1001, "acks the SYN");
+    assert_checksums(p);
+}
+
+#[test]
+fn a_service_without_endpoints_answers_udp_with_port_unreachable() {
+    let mut dp =
+        datapath(vec![(frontend(NODE, 30053, Protocol::Udp), frontend_plan(&[], true, &[]))]);
+    let datagram = udp((CLIENT, 40000), (NODE, 30053), true);
+    let out = run(&mut dp, &datagram);
+    assert_eq!(out.verdict, REDIRECT);
+    let p = &out.packet;
+    assert_eq!(p.len(), 14 + 20 + 8 + 28);
+    assert_eq!(p[23], 1, "ICMP");
+    assert_eq!(p[26..30], NODE);
+    assert_eq!(p[30..34], CLIENT);
+    assert_eq!(p[34..36], [3, 3], "destination unreachable, port unreachable");
+    assert_eq!(p[42..70], datagram[14..42], "quotes the IP header and 8 bytes");
+    assert_checksums(p);
+}
+
+#[test]
+fn a_pod_reaching_itself_is_snated_to_the_node() {
+    let pod = ([10, 244, 1, 7], 8080);
+    let mut dp = datapath(vec![(
+        frontend([10, 96, 0, 20], 80, Protocol::Tcp),
+        frontend_plan(&[pod], false, &[]),
+    )]);
+    let out = run(&mut dp, &tcp(([10, 244, 1, 7], 50000), ([10, 96, 0, 20], 80), SYN));
+    let ((src, _), dst) = tuple(&out.packet);
+    assert_eq!((src, dst), (NODE, pod));
+    assert_checksums(&out.packet);
+}
+
+#[test]
+fn load_balancer_source_ranges_admit_and_drop() {
+    let lb = [10, 200, 0, 10];
+    let mut dp = datapath(vec![(
+        frontend(lb, 80, Protocol::Tcp),
+        frontend_plan(&[(POD, 8080)], true, &["192.168.100.96/29"]),
+    )]);
+    let inside = run(&mut dp, &tcp((CLIENT, 40000), (lb, 80), SYN));
+    assert_eq!(tuple(&inside.packet).1, (POD, 8080));
+    let outside = run(&mut dp, &tcp(([192, 168, 100, 200], 40000), (lb, 80), SYN));
+    assert_eq!(outside.verdict, SHOT);
+}
+
+#[test]
+fn masquerade_of_sources_outside_the_cluster_cidr() {
+    let mut dp = datapath(vec![(
+        frontend([10, 96, 0, 30], 80, Protocol::Tcp),
+        frontend_plan(&[(POD, 8080)], false, &[]),
+    )]);
+    let from_pod = run(&mut dp, &tcp(([10, 244, 1, 9], 40000), ([10, 96, 0, 30], 80), SYN));
+    assert_eq!(tuple(&from_pod.packet).0, ([10, 244, 1, 9], 40000));
+    let from_outside = run(&mut dp, &tcp((CLIENT, 40000), ([10, 96, 0, 30], 80), SYN));
+    assert_eq!(tuple(&from_outside.packet).0.0, NODE, "off-cluster source masqueraded");
+}
