@@ -106,7 +106,7 @@ fn parse_cidr(text: &str) -> Result<model::Cidr, String> {
     match model::Cidr::parse(text) {
         Ok(Some(cidr)) => Ok(cidr),
         Ok(None) => Err("only IPv4 is supported".into()),
-        Err(()) => Err("expected an IPv4 CIDR such as 10.244.0.0/16".into()),
+        Err(_) => Err("expected an IPv4 CIDR such as 10.244.0.0/16".into()),
     }
 }
 

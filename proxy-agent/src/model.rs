@@ -154,6 +154,10 @@ impl ServicePort {
     }
 }
 
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid CIDR {0:?}")]
+pub struct InvalidCidr(pub String);
+
 /// An IPv4 prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Cidr {
@@ -163,19 +167,20 @@ pub struct Cidr {
 
 impl Cidr {
     /// Parses `a.b.c.d/n` (a bare address is a /32); `Ok(None)` for IPv6.
-    pub fn parse(text: &str) -> Result<Option<Self>, ()> {
+    pub fn parse(text: &str) -> Result<Option<Self>, InvalidCidr> {
+        let invalid = || InvalidCidr(text.to_string());
         let (addr, len) = text.trim().split_once('/').unwrap_or((text.trim(), "32"));
         match addr.parse::<IpAddr>() {
             Ok(IpAddr::V4(addr)) => {
-                let len: u8 = len.parse().map_err(drop)?;
+                let len: u8 = len.parse().map_err(|_| invalid())?;
                 if len > 32 {
-                    return Err(());
+                    return Err(invalid());
                 }
                 let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
                 Ok(Some(Cidr { addr: Ipv4Addr::from(u32::from(addr) & mask), len }))
             }
             Ok(IpAddr::V6(_)) => Ok(None),
-            Err(_) => Err(()),
+            Err(_) => Err(invalid()),
         }
     }
 
@@ -455,7 +460,7 @@ impl Externals {
             match Cidr::parse(raw) {
                 Ok(Some(cidr)) => source_ranges.push(cidr),
                 Ok(None) => {}
-                Err(()) => return Err(invalid("loadBalancerSourceRanges", raw)),
+                Err(_) => return Err(invalid("loadBalancerSourceRanges", raw)),
             }
         }
         let has_node_ports = kind == "NodePort" || load_balancer;
