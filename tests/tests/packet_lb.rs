@@ -289,3 +289,32 @@ fn no_endpoints_are_refused_not_timed_out() {
     assert!(matches!(&udp[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"), "{udp:?}");
     assert!(c.lab.counter_on(0, Counter::Rejected).unwrap() >= 4);
 }
+
+#[test]
+fn internal_local_policy_and_client_ip_affinity_per_packet() {
+    let local =
+        "  internalTrafficPolicy: Local\n  ports: [{name: http, port: 80, targetPort: 8080}]";
+    let sticky = "  type: NodePort
+  sessionAffinity: ClientIP
+  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}
+  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30085}]";
+    let manifest = service("loc", "10.96.0.40", local, &["a", "b", "c"])
+        + &service("sticky", "10.96.0.41", sticky, &["a", "b", "c"]);
+    let mut c = cluster(&manifest);
+
+    // internalTrafficPolicy: Local keeps ClusterIP traffic on the node.
+    let client0 = c.lab.add_pod_on(0, "client0", "10.244.1.100").unwrap();
+    let client1 = c.lab.add_pod_on(1, "client1", "10.244.2.100").unwrap();
+    let from0 = c.lab.client_outside(&client0, &["tcp", "10.96.0.40:80", "20"]).unwrap();
+    ok_attempts(&from0);
+    assert_eq!(tally(&from0).keys().collect::<Vec<_>>(), ["web-a"]);
+    let from1 = c.lab.client_outside(&client1, &["tcp", "10.96.0.40:80", "40"]).unwrap();
+    ok_attempts(&from1);
+    assert_eq!(tally(&from1).keys().collect::<Vec<_>>(), ["web-b", "web-c"]);
+
+    // ClientIP affinity: one external client, one backend.
+    let sticky = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30085", "30"]).unwrap();
+    ok_attempts(&sticky);
+    assert_eq!(tally(&sticky).len(), 1, "{:?}", tally(&sticky));
+    assert!(c.lab.counter_on(0, Counter::AffinityHit).unwrap() >= 29);
+}
