@@ -221,7 +221,7 @@ fn datapath_config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
         _pad: 0,
         tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
         tcp_established_timeout_secs: secs(args.conntrack_tcp_timeout_established),
-        tcp_closing_timeout_secs: secs(args.conntrack_tcp_timeout_close_wait),
+        tcp_closing_timeout_secs: secs(args.conntrack_tcp_timeout_time_wait),
         udp_timeout_secs: secs(args.conntrack_udp_timeout),
     }
 }

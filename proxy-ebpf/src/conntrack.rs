@@ -13,7 +13,7 @@ use proxy_common::{
 
 use crate::{
     maps::CONNTRACK,
-    packet::{Packet, TCP_FIN, TCP_RST},
+    packet::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 const NS_PER_SEC: u64 = 1_000_000_000;
@@ -45,6 +45,14 @@ pub fn lookup(pkt: &Packet, cfg: &Config, now: u64) -> Option<CtEntry> {
     if current.expires_ns < now {
         return None;
     }
+    // A client reusing the source port of a flow that has closed opens a new
+    // flow, as netfilter restarts a TIME_WAIT entry on SYN: it gets a fresh
+    // backend pick and SNAT port instead of the dead flow's (whose 4-tuple
+    // the backend may still hold in TIME_WAIT).
+    let new_syn = pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    if new_syn && current.flags & (CT_FLAG_CLOSING | CT_FLAG_REPLY) == CT_FLAG_CLOSING {
+        return None;
+    }
     let mut flags = current.flags;
     if current.flags & CT_FLAG_REPLY != 0 {
         flags |= CT_FLAG_SEEN_REPLY;
@@ -70,6 +78,25 @@ pub fn lookup(pkt: &Packet, cfg: &Config, now: u64) -> Option<CtEntry> {
         }
     }
     Some(current)
+}
+
+/// How long a closed flow's SNAT port rests before a new flow may take it:
+/// Linux backends hold a closed connection in TIME_WAIT for 60 s, and clients
+/// use per-connection timestamp offsets, so a new SYN on that 4-tuple
+/// would often fail PAWS and be answered with an ACK instead of a SYN-ACK.
+const PORT_REST_NS: u64 = 60 * NS_PER_SEC;
+
+/// Whether the port behind an existing reply entry may go to a new flow: its
+/// flow expired, or closed at least `PORT_REST_NS` ago (its entries may live
+/// longer, `--conntrack-tcp-timeout-time-wait`, for late packets).
+#[inline(always)]
+fn reusable(reply_key: &CtKey, cfg: &Config, now: u64) -> bool {
+    let Some(entry) = CONNTRACK.get_ptr(reply_key) else { return true };
+    // SAFETY: read once; a racing writer at worst makes us try another port.
+    let (expires_ns, flags) = unsafe { ((*entry).expires_ns, (*entry).flags) };
+    let closed_lifetime = cfg.tcp_closing_timeout_secs as u64 * NS_PER_SEC;
+    expires_ns < now
+        || (flags & CT_FLAG_CLOSING != 0 && expires_ns + PORT_REST_NS <= now + closed_lifetime)
 }
 
 /// Records a new flow `orig` translated to `xlated`. With SNAT, picks a
@@ -102,7 +129,11 @@ pub fn create(
         let mut found = false;
         for _ in 0..SNAT_TRIES {
             xlated.sport = cfg.snat_port_min + (unsafe { bpf_get_prandom_u32() } % span) as u16;
-            if CONNTRACK.insert(xlated.reversed(), reply, BPF_NOEXIST as u64).is_ok() {
+            let key = xlated.reversed();
+            if CONNTRACK.insert(key, reply, BPF_NOEXIST as u64).is_ok()
+                || (reusable(&key, cfg, now)
+                    && CONNTRACK.insert(key, reply, BPF_ANY as u64).is_ok())
+            {
                 found = true;
                 break;
             }

@@ -212,7 +212,7 @@ fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows() {
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
     lab.write_manifest(&service("web", "10.96.0.10", PORTS_30080, &["a"])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
-    lab.start_agent(&["--conntrack-tcp-timeout-close-wait", "2s"]).unwrap();
+    lab.start_agent(&["--conntrack-tcp-timeout-time-wait", "2s"]).unwrap();
 
     let attempts =
         lab.client_outside(&ext, &["tcp-concurrent", "192.168.100.11:30080", "1000"]).unwrap();
