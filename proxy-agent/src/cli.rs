@@ -85,9 +85,9 @@ pub struct RunArgs {
         default_value = "veth,lxc,cali"
     )]
     pub pod_interfaces: Vec<String>,
-    /// Source ports SNAT allocates from; reserved in the node's
-    /// net.ipv4.ip_local_reserved_ports
-    #[arg(long, value_name = "MIN-MAX", default_value = "61000-65000", value_parser = parse_port_range)]
+    /// Source ports SNAT allocates from (below the NodePort and ephemeral
+    /// ranges); reserved in the node's net.ipv4.ip_local_reserved_ports
+    #[arg(long, value_name = "MIN-MAX", default_value = "10000-29999", value_parser = parse_port_range)]
     pub snat_port_range: (u16, u16),
     /// Idle timeout of an established TCP flow translated per packet
     #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
