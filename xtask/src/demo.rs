@@ -20,6 +20,10 @@ pub fn run() -> anyhow::Result<()> {
     }
     let client = lab.add_pod("client", "10.244.1.100")?;
     println!("   pod client 10.244.1.100 (in the test cgroup: socket LB applies)");
+    let ext = lab.add_external("ext", "192.168.100.101")?;
+    println!(
+        "   external client 192.168.100.101 on the node's network (the node is 192.168.100.11)"
+    );
 
     lab.write_manifest(&manifest)?;
     lab.start_agent(&[])?;
@@ -43,20 +47,39 @@ pub fn run() -> anyhow::Result<()> {
     }
     println!("   per pod: {:?}", tally(&attempts));
 
-    println!("\n== 3 UDP datagrams from the client to 10.96.0.10:53");
-    for attempt in lab.client(&client, &["udp", "10.96.0.10:53", "3"])? {
-        if let Attempt::Ok { name, local, from, .. } = attempt {
-            println!("   reply from {from} (recvmsg), sent by {name} at {local}");
+    println!("\n== 6 HTTP requests from the external client to the NodePort 192.168.100.11:30080");
+    for (i, attempt) in
+        lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "6"])?.iter().enumerate()
+    {
+        match attempt {
+            Attempt::Ok { name, local, peer, ms, .. } => println!(
+                "   #{:<2} answered by {name} at {local}, which saw the client as {peer} (SNAT to the node; {ms:.2} ms)",
+                i + 1
+            ),
+            Attempt::Err { kind, .. } => println!("   #{:<2} failed: {kind}", i + 1),
         }
     }
 
-    for map in ["SERVICES", "BACKENDS", "REV_NAT"] {
+    println!("\n== 3 UDP datagrams from the client to 10.96.0.10:53");
+    for attempt in lab.client(&client, &["udp", "10.96.0.10:53", "3"])? {
+        if let Attempt::Ok { name, from, .. } = attempt {
+            println!("   reply from {from} (as recvmsg reports it), sent by {name} from port 5353");
+        }
+    }
+
+    for map in ["SERVICES", "BACKENDS", "REV_NAT", "CONNTRACK"] {
         println!("\n== bpftool map dump pinned {}/maps/{map}", lab.pins.display());
         print!("{}", lab.dump_map(map)?);
     }
     let cgroup = lab.cgroup.to_string_lossy().into_owned();
     println!("\n== bpftool cgroup show {cgroup}");
     print!("{}", sh("bpftool", &["cgroup", "show", &cgroup])?);
+    println!("\n== ls {}/links (cgroup links, and the per-packet program's by interface)", lab.pins.display());
+    let links = std::fs::read_dir(lab.pins.join("links"))?;
+    let mut names: Vec<String> =
+        links.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    println!("   {}", names.join("  "));
     println!("\n== the agent's metrics (curl 127.0.0.1:10249/metrics in the node namespace)");
     for line in lab.metrics()?.lines().filter(|l| !l.starts_with('#')) {
         println!("   {line}");
