@@ -74,7 +74,10 @@ pub fn run() -> anyhow::Result<()> {
     let cgroup = lab.cgroup.to_string_lossy().into_owned();
     println!("\n== bpftool cgroup show {cgroup}");
     print!("{}", sh("bpftool", &["cgroup", "show", &cgroup])?);
-    println!("\n== ls {}/links (cgroup links, and the per-packet program's by interface)", lab.pins.display());
+    println!(
+        "\n== ls {}/links (cgroup links, and the per-packet program's by interface)",
+        lab.pins.display()
+    );
     let links = std::fs::read_dir(lab.pins.join("links"))?;
     let mut names: Vec<String> =
         links.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
