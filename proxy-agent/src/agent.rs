@@ -189,12 +189,16 @@ fn tc_interfaces(
 }
 
 /// `--node-ip`, or the IPv4 addresses of the interfaces that are neither
-/// loopback nor pod-facing.
+/// loopback nor pod-facing, those of the default route's interface first
+/// (the first is the SNAT address: replies must find their way back to it).
 fn node_ips(args: &RunArgs) -> anyhow::Result<Vec<Ipv4Addr>> {
     if !args.node_ip.is_empty() {
         return Ok(args.node_ip.clone());
     }
-    let interfaces = sys::interfaces().context("listing interfaces")?;
+    let mut interfaces: Vec<(String, Vec<Ipv4Addr>)> =
+        sys::interfaces().context("listing interfaces")?.into_iter().collect();
+    let uplink = sys::default_route_interface();
+    interfaces.sort_by_key(|(name, _)| Some(name) != uplink.as_ref());
     let is_pod = |name: &str| {
         args.pod_interfaces.iter().any(|p| !p.is_empty() && name.starts_with(p.as_str()))
     };
@@ -221,7 +225,8 @@ fn datapath_config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
         _pad: 0,
         tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
         tcp_established_timeout_secs: secs(args.conntrack_tcp_timeout_established),
-        tcp_closing_timeout_secs: secs(args.conntrack_tcp_timeout_time_wait),
+        tcp_close_wait_timeout_secs: secs(args.conntrack_tcp_timeout_close_wait),
+        tcp_time_wait_timeout_secs: secs(args.conntrack_tcp_timeout_time_wait),
         udp_timeout_secs: secs(args.conntrack_udp_timeout),
     }
 }

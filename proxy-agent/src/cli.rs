@@ -92,9 +92,12 @@ pub struct RunArgs {
     /// Idle timeout of an established TCP flow translated per packet
     #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
     pub conntrack_tcp_timeout_established: Duration,
-    /// How long a TCP flow translated per packet is kept after a FIN or RST;
-    /// its SNAT port is not reused meanwhile (backends keep closed
-    /// connections in TIME_WAIT for 60 s), as netfilter's TIME_WAIT does
+    /// Idle timeout of a half-closed TCP flow (one side sent FIN)
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_close_wait: Duration,
+    /// How long a closed TCP flow (both FINs, or an RST) is kept for late
+    /// packets, as netfilter's TIME_WAIT; its SNAT port rests at least 60 s
+    /// either way (backends keep closed connections in TIME_WAIT that long)
     #[arg(long, value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
     pub conntrack_tcp_timeout_time_wait: Duration,
     /// Idle timeout of a UDP flow translated per packet

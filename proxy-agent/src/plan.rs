@@ -89,6 +89,11 @@ pub fn plan(model: &Model, node: &Node) -> (Plan, Vec<ConflictError>) {
     for port in &model.ports {
         for (frontend, fp) in frontends(port, node) {
             if let Some(existing) = plan.frontends.get(&frontend) {
+                // The same address listed twice by one service port: the
+                // first (a load-balancer IP, with its source ranges) stands.
+                if existing.service == port.name {
+                    continue;
+                }
                 conflicts.push(ConflictError {
                     frontend,
                     winner: existing.service.clone(),
@@ -132,9 +137,9 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, FrontendPlan)> {
     if let Some(node_port) = port.node_port {
         out.extend(node.nodeport_ips().map(|ip| (at(ip, node_port), external.clone())));
     }
-    out.extend(port.external_ips.iter().map(|ip| (at(*ip, port.port), external.clone())));
     let balanced = for_policy(true, port.external_local, port.source_ranges.clone());
     out.extend(port.load_balancer_ips.iter().map(|ip| (at(*ip, port.port), balanced.clone())));
+    out.extend(port.external_ips.iter().map(|ip| (at(*ip, port.port), external.clone())));
     out
 }
 

@@ -125,6 +125,29 @@ pub fn interfaces() -> io::Result<std::collections::BTreeMap<String, Vec<std::ne
     Ok(out)
 }
 
+/// The interface of the IPv4 default route in the agent's network namespace
+/// (`/proc/net/route` follows the reader's namespace).
+pub fn default_route_interface() -> Option<String> {
+    default_route_in(&std::fs::read_to_string("/proc/net/route").ok()?)
+}
+
+/// `Iface Destination Gateway Flags ...`: the default route has destination
+/// 00000000 and mask 00000000; the lowest metric wins.
+fn default_route_in(table: &str) -> Option<String> {
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (iface, dest, metric, mask) =
+                (fields.first()?, fields.get(1)?, fields.get(6)?, fields.get(7)?);
+            (*dest == "00000000" && *mask == "00000000")
+                .then(|| (metric.parse::<u32>().unwrap_or(u32::MAX), iface.to_string()))
+        })
+        .min()
+        .map(|(_, iface)| iface)
+}
+
 /// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns()`.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -174,6 +197,18 @@ mod tests {
 ";
         assert_eq!(cgroup2_root_in(mountinfo), Some(PathBuf::from("/sys/fs/cgroup/unified")));
         assert_eq!(cgroup2_root_in("25 30 0:23 / /sys rw - sysfs sysfs rw\n"), None);
+    }
+
+    #[test]
+    fn the_default_route_interface_is_found() {
+        let table =
+            "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
+docker0\t000011AC\t00000000\t0001\t0\t0\t0\t0000FFFF\t0\t0\t0
+wlan0\t00000000\t0101A8C0\t0003\t0\t0\t600\t00000000\t0\t0\t0
+eth0\t00000000\t0101A8C0\t0003\t0\t0\t100\t00000000\t0\t0\t0
+";
+        assert_eq!(default_route_in(table).as_deref(), Some("eth0"));
+        assert_eq!(default_route_in("Iface\tDestination\n"), None);
     }
 
     #[test]

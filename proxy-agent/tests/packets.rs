@@ -73,7 +73,8 @@ fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
             _pad: 0,
             tcp_syn_timeout_secs: 60,
             tcp_established_timeout_secs: 3600,
-            tcp_closing_timeout_secs: 10,
+            tcp_close_wait_timeout_secs: 3600,
+            tcp_time_wait_timeout_secs: 120,
             udp_timeout_secs: 30,
         })
         .unwrap();

@@ -187,10 +187,89 @@ impl CtKey {
 pub const CT_FLAG_REPLY: u8 = 1 << 0;
 /// The flow's source was rewritten (SNAT to the node).
 pub const CT_FLAG_SNAT: u8 = 1 << 1;
-/// A TCP FIN or RST was seen: the flow is closing.
-pub const CT_FLAG_CLOSING: u8 = 1 << 2;
-/// A packet was seen in the reply direction (TCP: the handshake went on).
+/// TCP: both sides sent FIN, or one sent RST: the flow is over.
+pub const CT_FLAG_CLOSED: u8 = 1 << 2;
+/// A packet was seen in the reply direction.
 pub const CT_FLAG_SEEN_REPLY: u8 = 1 << 3;
+/// TCP: the client acknowledged after the backend answered (handshake done).
+pub const CT_FLAG_ESTABLISHED: u8 = 1 << 4;
+/// TCP: the client sent FIN.
+pub const CT_FLAG_FIN_ORIG: u8 = 1 << 5;
+/// TCP: the backend sent FIN.
+pub const CT_FLAG_FIN_REPLY: u8 = 1 << 6;
+/// The bits both entries of a flow share (the flow's state).
+pub const CT_STATE_FLAGS: u8 = CT_FLAG_CLOSED
+    | CT_FLAG_SEEN_REPLY
+    | CT_FLAG_ESTABLISHED
+    | CT_FLAG_FIN_ORIG
+    | CT_FLAG_FIN_REPLY;
+
+/// The flow state machine, shared by the programs and the agent's tests.
+pub mod ct {
+    use super::*;
+
+    pub const TCP_FIN: u8 = 0x01;
+    pub const TCP_SYN: u8 = 0x02;
+    pub const TCP_RST: u8 = 0x04;
+    pub const TCP_ACK: u8 = 0x10;
+    /// A closed flow's SNAT port rests this long before a new flow may take
+    /// it: Linux backends keep a closed connection in TIME_WAIT for 60 s, and
+    /// clients use per-connection timestamp offsets, so a new SYN on that
+    /// 4-tuple would often fail PAWS (answered by an ACK, not a SYN-ACK).
+    pub const PORT_REST_SECS: u64 = 60;
+    const NS_PER_SEC: u64 = 1_000_000_000;
+
+    /// The flags of an entry after a packet of its direction with
+    /// `tcp_flags` (0 for UDP).
+    pub const fn next_flags(flags: u8, tcp_flags: u8) -> u8 {
+        let reply = flags & CT_FLAG_REPLY != 0;
+        let mut next = flags;
+        if reply {
+            next |= CT_FLAG_SEEN_REPLY;
+        } else if flags & CT_FLAG_SEEN_REPLY != 0 && tcp_flags & TCP_ACK != 0 {
+            next |= CT_FLAG_ESTABLISHED;
+        }
+        if tcp_flags & TCP_FIN != 0 {
+            next |= if reply { CT_FLAG_FIN_REPLY } else { CT_FLAG_FIN_ORIG };
+        }
+        let both_fins = CT_FLAG_FIN_ORIG | CT_FLAG_FIN_REPLY;
+        if tcp_flags & TCP_RST != 0 || next & both_fins == both_fins {
+            next |= CT_FLAG_CLOSED;
+        }
+        next
+    }
+
+    /// How long a flow in state `flags` lives without packets.
+    pub const fn lifetime_secs(cfg: &Config, proto: u8, flags: u8) -> u32 {
+        if proto == IPPROTO_UDP {
+            cfg.udp_timeout_secs
+        } else if flags & CT_FLAG_CLOSED != 0 {
+            cfg.tcp_time_wait_timeout_secs
+        } else if flags & (CT_FLAG_FIN_ORIG | CT_FLAG_FIN_REPLY) != 0 {
+            cfg.tcp_close_wait_timeout_secs
+        } else if flags & CT_FLAG_ESTABLISHED != 0 {
+            cfg.tcp_established_timeout_secs
+        } else {
+            cfg.tcp_syn_timeout_secs
+        }
+    }
+
+    /// A client SYN (no ACK) on the original-direction entry of a closed flow
+    /// opens a new flow, as netfilter restarts a TIME_WAIT entry.
+    pub const fn restarts(flags: u8, tcp_flags: u8) -> bool {
+        tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+            && flags & (CT_FLAG_CLOSED | CT_FLAG_REPLY) == CT_FLAG_CLOSED
+    }
+
+    /// Whether the SNAT port held by a reply entry may go to a new flow: the
+    /// entry expired, or its flow closed at least `PORT_REST_SECS` ago.
+    pub const fn port_reusable(cfg: &Config, expires_ns: u64, flags: u8, now: u64) -> bool {
+        let closed_lifetime = cfg.tcp_time_wait_timeout_secs as u64 * NS_PER_SEC;
+        expires_ns < now
+            || (flags & CT_FLAG_CLOSED != 0
+                && expires_ns + PORT_REST_SECS * NS_PER_SEC <= now + closed_lifetime)
+    }
+}
 
 /// Value of the conntrack map: what a packet with the key's tuple becomes,
 /// and until when the entry lives. Each flow has two entries, one per
@@ -255,7 +334,10 @@ pub struct Config {
     pub _pad: u16,
     pub tcp_syn_timeout_secs: u32,
     pub tcp_established_timeout_secs: u32,
-    pub tcp_closing_timeout_secs: u32,
+    /// After one side's FIN (half-closed).
+    pub tcp_close_wait_timeout_secs: u32,
+    /// After both FINs or an RST.
+    pub tcp_time_wait_timeout_secs: u32,
     pub udp_timeout_secs: u32,
 }
 
@@ -355,7 +437,55 @@ mod tests {
         assert_eq!(size_of::<CtKey>(), 16);
         assert_eq!(size_of::<CtEntry>(), 24);
         assert_eq!(size_of::<SourceRangeKey>(), 8);
-        assert_eq!(size_of::<Config>(), 32);
+        assert_eq!(size_of::<Config>(), 36);
+    }
+
+    fn cfg() -> Config {
+        Config {
+            tcp_syn_timeout_secs: 60,
+            tcp_established_timeout_secs: 86_400,
+            tcp_close_wait_timeout_secs: 3_600,
+            tcp_time_wait_timeout_secs: 120,
+            udp_timeout_secs: 30,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn tcp_flows_walk_through_the_states() {
+        use ct::*;
+        let life = |flags| lifetime_secs(&cfg(), IPPROTO_TCP, flags);
+        let (fwd, rev) = (0, CT_FLAG_REPLY);
+        // SYN, SYN-ACK: not established until the client's ACK.
+        let f = next_flags(fwd, TCP_SYN);
+        assert_eq!(life(f), 60);
+        let r = next_flags(rev | (f & CT_STATE_FLAGS), TCP_SYN | TCP_ACK);
+        assert_eq!(life(r), 60, "a SYN-ACK alone does not establish (SYN floods)");
+        let f = next_flags(fwd | (r & CT_STATE_FLAGS), TCP_ACK);
+        assert_eq!(life(f), 86_400);
+        // One FIN: half-closed; both: closed.
+        let f = next_flags(f, TCP_FIN | TCP_ACK);
+        assert_eq!(life(f), 3_600);
+        assert!(!restarts(f, TCP_SYN));
+        let r = next_flags(rev | (f & CT_STATE_FLAGS), TCP_FIN | TCP_ACK);
+        assert_eq!(life(r), 120);
+        assert!(restarts(fwd | (r & CT_STATE_FLAGS), TCP_SYN));
+        assert!(!restarts(r, TCP_SYN), "only the client's entry restarts");
+        // An RST closes at once.
+        assert_eq!(life(next_flags(fwd | CT_FLAG_ESTABLISHED, TCP_RST)), 120);
+        assert_eq!(lifetime_secs(&cfg(), IPPROTO_UDP, CT_FLAG_ESTABLISHED), 30);
+    }
+
+    #[test]
+    fn snat_ports_rest_through_time_wait() {
+        use ct::*;
+        let s = 1_000_000_000u64;
+        let now = 1_000 * s;
+        let closed_at = |t: u64| t + 120 * s; // expiry of a flow closed at t
+        assert!(port_reusable(&cfg(), now - 1, 0, now), "expired");
+        assert!(!port_reusable(&cfg(), now + 10 * s, CT_FLAG_ESTABLISHED, now), "live");
+        assert!(!port_reusable(&cfg(), closed_at(now - 59 * s), CT_FLAG_CLOSED, now));
+        assert!(port_reusable(&cfg(), closed_at(now - 60 * s), CT_FLAG_CLOSED, now));
     }
 
     #[test]

@@ -18,11 +18,6 @@ const IP_TTL_OFF: usize = IP_OFF + 8;
 /// More-fragments flag and fragment offset, in the frag_off field.
 const IP_MF_OR_OFFSET: u16 = 0x3fff;
 
-pub const TCP_FIN: u8 = 0x01;
-pub const TCP_SYN: u8 = 0x02;
-pub const TCP_RST: u8 = 0x04;
-pub const TCP_ACK: u8 = 0x10;
-
 /// The fields of one IPv4 TCP or UDP packet the datapath works with.
 #[derive(Clone, Copy)]
 pub struct Packet {

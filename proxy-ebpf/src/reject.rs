@@ -7,11 +7,14 @@ use aya_ebpf::{
     helpers::generated::{bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
-use proxy_common::{Counter, IPPROTO_TCP};
+use proxy_common::{
+    Counter, IPPROTO_TCP,
+    ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+};
 
 use crate::{
     maps::count,
-    packet::{self, ETH_HLEN, Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    packet::{self, ETH_HLEN, Packet},
     tc_lb::SHOT,
 };
 

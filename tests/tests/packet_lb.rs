@@ -312,9 +312,23 @@ fn internal_local_policy_and_client_ip_affinity_per_packet() {
     ok_attempts(&from1);
     assert_eq!(tally(&from1).keys().collect::<Vec<_>>(), ["web-b", "web-c"]);
 
-    // ClientIP affinity: one external client, one backend.
-    let sticky = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30085", "30"]).unwrap();
-    ok_attempts(&sticky);
-    assert_eq!(tally(&sticky).len(), 1, "{:?}", tally(&sticky));
-    assert!(c.lab.counter_on(0, Counter::AffinityHit).unwrap() >= 29);
+    // ClientIP affinity: each external client sticks to one backend, and
+    // the clients are told apart (over a few clients, not all on one pod).
+    let mut picks = std::collections::BTreeSet::new();
+    for (i, addr) in ["192.168.100.103", "192.168.100.104", "192.168.100.105", "192.168.100.106"]
+        .iter()
+        .enumerate()
+    {
+        let client = c.lab.add_external(&format!("sticky{i}"), addr).unwrap();
+        let sticky = c.lab.client_outside(&client, &["tcp", "192.168.100.11:30085", "20"]).unwrap();
+        ok_attempts(&sticky);
+        assert_eq!(tally(&sticky).len(), 1, "{addr}: {:?}", tally(&sticky));
+        picks.extend(tally(&sticky).into_keys());
+    }
+    for client in [&c.ext, &c.ext2] {
+        let sticky = c.lab.client_outside(client, &["tcp", "192.168.100.11:30085", "20"]).unwrap();
+        picks.extend(tally(&sticky).into_keys());
+    }
+    assert!(picks.len() > 1, "six clients, all on {picks:?}: is the client in the key?");
+    assert!(c.lab.counter_on(0, Counter::AffinityHit).unwrap() >= 6 * 19);
 }

@@ -30,19 +30,21 @@ pub fn expired(entries: &[(CtKey, CtEntry)], now_ns: u64) -> Vec<CtKey> {
     with_pairs(entries.iter().filter(|(k, e)| e.expires_ns < now_ns && !live.contains(&pair(k, e))))
 }
 
+/// Whether the entry belongs to a flow to one of `backends`: a reply entry
+/// by its key's source, a forward entry by the destination it rewrites to.
+pub fn names_backend(key: &CtKey, entry: &CtEntry, backends: &[Backend]) -> bool {
+    let (addr, port) = if entry.flags & CT_FLAG_REPLY != 0 {
+        (key.saddr, key.sport)
+    } else {
+        (entry.daddr, entry.dport)
+    };
+    backends.iter().any(|b| b.address == addr && b.port == port && b.proto == key.proto)
+}
+
 /// Entries of flows to `backends` (and their pairs): kube-proxy deletes the
 /// UDP conntrack entries of a removed endpoint so clients re-resolve it.
 pub fn flows_to(entries: &[(CtKey, CtEntry)], backends: &[Backend]) -> Vec<CtKey> {
-    let is_backend = |addr: [u8; 4], port: u16, proto: u8| {
-        backends.iter().any(|b| b.address == addr && b.port == port && b.proto == proto)
-    };
-    with_pairs(entries.iter().filter(|(k, e)| {
-        if e.flags & CT_FLAG_REPLY != 0 {
-            is_backend(k.saddr, k.sport, k.proto)
-        } else {
-            is_backend(e.daddr, e.dport, k.proto)
-        }
-    }))
+    with_pairs(entries.iter().filter(|(k, e)| names_backend(k, e, backends)))
 }
 
 #[cfg(test)]

@@ -346,20 +346,34 @@ impl EbpfBackend {
         Ok(map.iter().filter_map(Result::ok).collect())
     }
 
-    fn delete_conntrack(&mut self, keys: &[CtKey]) -> Result<usize, EbpfError> {
+    /// Deletes the `keys` whose entry `still_stale` says may go: the map
+    /// moves on while we scan, so each entry is read again before deletion.
+    fn delete_conntrack(
+        &mut self,
+        keys: &[CtKey],
+        still_stale: impl Fn(&CtKey, &CtEntry) -> bool,
+    ) -> Result<usize, EbpfError> {
         let name = map_names::CONNTRACK;
         let err = |source| EbpfError::Map { name, source };
         let mut map =
             HashMap::<_, CtKey, CtEntry>::try_from(&mut self.maps.conntrack).map_err(err)?;
-        // Already gone (LRU eviction, a racing GC) is fine.
-        Ok(keys.iter().filter(|k| map.remove(k).is_ok()).count())
+        let mut deleted = 0;
+        for key in keys {
+            // Already gone (LRU eviction) is fine.
+            if map.get(key, 0).is_ok_and(|e| still_stale(key, &e)) && map.remove(key).is_ok() {
+                deleted += 1;
+            }
+        }
+        Ok(deleted)
     }
 
     /// Deletes expired flows (both directions); returns (deleted, left).
     pub fn collect_conntrack(&mut self) -> Result<(usize, usize), EbpfError> {
         let entries = self.conntrack_entries()?;
-        let stale = conntrack::expired(&entries, crate::sys::monotonic_ns());
-        let deleted = self.delete_conntrack(&stale)?;
+        let now = crate::sys::monotonic_ns();
+        let stale = conntrack::expired(&entries, now);
+        // A key the datapath gave a new flow meanwhile has a later expiry.
+        let deleted = self.delete_conntrack(&stale, |_, e| e.expires_ns < now)?;
         Ok((deleted, entries.len().saturating_sub(deleted)))
     }
 
@@ -373,7 +387,8 @@ impl EbpfBackend {
         }
         let entries = self.conntrack_entries()?;
         let flows = conntrack::flows_to(&entries, &udp);
-        self.delete_conntrack(&flows)
+        // Only entries still naming a removed backend (not a new flow's).
+        self.delete_conntrack(&flows, |k, e| conntrack::names_backend(k, e, &udp))
     }
 }
 
