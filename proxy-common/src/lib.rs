@@ -31,8 +31,9 @@ pub const MAX_SOURCE_RANGES: u32 = 16_384;
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 
-/// Which clients a frontend entry serves (the traffic policies select the
-/// backend set per scope).
+/// `ServiceKey::scope`: 0 is the only scope written today. A second scope
+/// would give in-cluster clients of an `externalTrafficPolicy: Local`
+/// address every endpoint, as kube-proxy does.
 pub const SCOPE_EXTERNAL: u8 = 0;
 
 /// `ServiceValue::flags`: the service has `sessionAffinity: ClientIP`.
