@@ -7,7 +7,7 @@
 use std::{net::SocketAddrV4, time::Duration};
 
 use proxy_agent::{
-    backend::ebpf::EbpfBackend,
+    backend::ebpf::{EbpfBackend, TcAttach},
     model::{Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendPlan, Plan},
 };
@@ -34,7 +34,7 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(unsafe { libc::geteuid() } == 0, "needs root");
     // SAFETY: single-threaded here; the namespace is this process's alone.
     anyhow::ensure!(unsafe { libc::unshare(libc::CLONE_NEWNET) } == 0, "unshare");
-    let mut dp = EbpfBackend::load()?;
+    let mut dp = EbpfBackend::load(TcAttach::Tcx)?;
     dp.configure(&Config {
         snat_addr: NODE,
         snat_port_min: 1024,

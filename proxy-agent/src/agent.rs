@@ -15,8 +15,8 @@ use tokio::signal::unix::{SignalKind, signal};
 use proxy_common::Config;
 
 use crate::{
-    backend::ebpf::{self, EbpfBackend},
-    cli::{PinArgs, RunArgs},
+    backend::ebpf::{self, EbpfBackend, TcAttach},
+    cli::{PinArgs, RunArgs, TcAttachArg},
     metrics::{self, Metrics},
     plan::{self, Node, Plan},
     source::{Store, manifests::Manifests},
@@ -247,7 +247,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let root = args.pins.bpffs_root.clone();
     sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
-    let mut backend = EbpfBackend::load().context("loading the BPF programs")?;
+    let tc_mode = match args.tc_attach {
+        TcAttachArg::Auto => TcAttach::for_this_kernel(),
+        TcAttachArg::Tcx => TcAttach::Tcx,
+        TcAttachArg::Netlink => TcAttach::Netlink,
+    };
+    let mut backend = EbpfBackend::load(tc_mode).context("loading the BPF programs")?;
     let node = Node {
         name: node_name(&args)?,
         ips: node_ips(&args)?,
@@ -258,7 +263,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         .context("writing the datapath settings")?;
     let (min, max) = args.snat_port_range;
     sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
-    tracing::info!(mode = ?args.proxy_mode, node = %node.name, node_ips = ?node.ips, cgroup = %cgroup.display(), bpffs = %root.display(), "starting");
+    tracing::info!(mode = ?args.proxy_mode, ?tc_mode, node = %node.name, node_ips = ?node.ips, cgroup = %cgroup.display(), bpffs = %root.display(), "starting");
 
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -337,7 +342,8 @@ pub fn cleanup(args: &PinArgs) -> anyhow::Result<()> {
     let root = &args.bpffs_root;
     let removed = ebpf::remove_pins(root)?;
     remove_empty_dir(root)?;
-    tracing::info!(removed, root = %root.display(), "removed pinned links and maps");
+    let filters = ebpf::remove_tc_filters();
+    tracing::info!(removed, filters, root = %root.display(), "removed pinned links and maps, and clsact filters");
     Ok(())
 }
 

@@ -33,6 +33,17 @@ pub enum ProxyMode {
     Ebpf,
 }
 
+/// How the per-packet program is attached to interfaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TcAttachArg {
+    /// TCX links on kernels 6.6 and later, clsact filters before
+    Auto,
+    /// TCX links, pinned: they outlive the agent
+    Tcx,
+    /// clsact filters (netlink): removed when the agent stops
+    Netlink,
+}
+
 /// Where the datapath is pinned; shared by `run` and `cleanup`.
 #[derive(Args, Clone, Debug)]
 pub struct PinArgs {
@@ -85,6 +96,9 @@ pub struct RunArgs {
         default_value = "veth,lxc,cali"
     )]
     pub pod_interfaces: Vec<String>,
+    /// How the per-packet program is attached to interfaces
+    #[arg(long, value_enum, default_value = "auto")]
+    pub tc_attach: TcAttachArg,
     /// Source ports SNAT allocates from (below the NodePort and ephemeral
     /// ranges); reserved in the node's net.ipv4.ip_local_reserved_ports
     #[arg(long, value_name = "MIN-MAX", default_value = "10000-29999", value_parser = parse_port_range)]

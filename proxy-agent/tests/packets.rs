@@ -8,7 +8,7 @@
 use std::net::SocketAddrV4;
 
 use proxy_agent::{
-    backend::ebpf::{EbpfBackend, PacketRun},
+    backend::ebpf::{EbpfBackend, PacketRun, TcAttach},
     model::{Cidr, Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendPlan, Plan},
 };
@@ -61,7 +61,7 @@ fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -
 
 fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
     in_own_netns();
-    let mut backend = EbpfBackend::load().expect("load the programs");
+    let mut backend = EbpfBackend::load(TcAttach::Tcx).expect("load the programs");
     backend
         .configure(&Config {
             snat_addr: NODE,

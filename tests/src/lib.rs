@@ -133,6 +133,9 @@ impl Attempt {
     }
 }
 
+/// What the agent logs once its programs are attached.
+const ATTACHED: &str = "programs attached; serving";
+
 /// One node: its namespace, address, test cgroup, pins and agent.
 pub struct Node {
     pub netns: String,
@@ -397,10 +400,31 @@ impl Lab {
     /// Starts `proxy-agent run` in a node's namespace on the lab's manifest,
     /// the node's cgroup, pins and address; returns once it has attached.
     pub fn start_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
+        // The log is appended to across restarts: wait for one more "attached".
+        let attached_before = self.agent_log_on(node).matches(ATTACHED).count();
+        self.spawn_agent_on(node, extra)?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.agent_log_on(node).matches(ATTACHED).count() == attached_before {
+            let agent = self.nodes[node].agent.as_mut().context("agent")?;
+            if let Some(status) = agent.try_wait()? {
+                self.nodes[node].agent = None;
+                bail!("proxy-agent exited ({status}):\n{}", self.agent_log_on(node));
+            }
+            if Instant::now() > deadline {
+                self.kill_agent_on(node);
+                bail!("proxy-agent did not attach in time:\n{}", self.agent_log_on(node));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// Starts `proxy-agent run` on a node without waiting for it to attach.
+    pub fn spawn_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
         let manifest = self.dir.join("manifests.yaml");
         let host = &mut self.nodes[node];
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&host.log)?;
-        let mut child = Command::new("nsenter")
+        let child = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{}", host.netns))
             .arg(target_bin("proxy-agent"))
             .arg("run")
@@ -416,25 +440,17 @@ impl Lab {
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()?;
-        let attached = host.pins.join("links").join("getpeername4");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !attached.exists() {
-            if let Some(status) = child.try_wait()? {
-                bail!("proxy-agent exited ({status}):\n{}", self.agent_log_on(node));
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                bail!("proxy-agent did not attach in time:\n{}", self.agent_log_on(node));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.nodes[node].agent = Some(child);
+        host.agent = Some(child);
         Ok(())
     }
 
     /// Kills node 0's agent without letting it clean up, as a crash would.
     pub fn kill_agent(&mut self) {
-        if let Some(mut agent) = self.nodes[0].agent.take() {
+        self.kill_agent_on(0)
+    }
+
+    pub fn kill_agent_on(&mut self, node: usize) {
+        if let Some(mut agent) = self.nodes[node].agent.take() {
             let _ = agent.kill();
             let _ = agent.wait();
         }

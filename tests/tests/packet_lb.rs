@@ -332,3 +332,49 @@ fn internal_local_policy_and_client_ip_affinity_per_packet() {
     assert!(picks.len() > 1, "six clients, all on {picks:?}: is the client in the key?");
     assert!(c.lab.counter_on(0, Counter::AffinityHit).unwrap() >= 6 * 19);
 }
+
+#[test]
+fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
+    let mut lab = Lab::new().unwrap();
+    let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
+    lab.serve(&pod, &[8080], &[5353]).unwrap();
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    lab.write_manifest(&service("web", "10.96.0.10", PORTS_30080, &["a"])).unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    let netlink = ["--tc-attach", "netlink"];
+    lab.start_agent(&netlink).unwrap();
+    let node = lab.node.clone();
+    let filters = || {
+        proxy_lab::sh(
+            "ip",
+            &["netns", "exec", &node, "tc", "filter", "show", "dev", "eth0", "ingress"],
+        )
+        .unwrap()
+        .lines()
+        .filter(|line| line.contains("tc_ingress"))
+        .count()
+    };
+    assert_eq!(filters(), 1);
+    assert!(!lab.pins.join("links").join("tc-eth0").exists(), "filters are not pinned");
+    for (_, peer, _) in
+        ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "20"]).unwrap())
+    {
+        assert_eq!(peer_ip(&peer), "192.168.100.11");
+    }
+
+    // A crashed agent leaves its filter; the next one replaces it.
+    lab.kill_agent();
+    assert_eq!(filters(), 1);
+    lab.start_agent(&netlink).unwrap();
+    assert_eq!(filters(), 1, "one filter after the restart");
+    ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "20"]).unwrap());
+
+    // `cleanup` (in the node's namespace) removes filters as it does pins.
+    lab.kill_agent();
+    let agent = proxy_lab::target_bin("proxy-agent");
+    let pins = lab.pins.to_string_lossy().into_owned();
+    let netns = format!("--net=/run/netns/{}", lab.node);
+    proxy_lab::sh("nsenter", &[&netns, &agent.to_string_lossy(), "cleanup", "--bpffs-root", &pins])
+        .unwrap();
+    assert_eq!(filters(), 0);
+}

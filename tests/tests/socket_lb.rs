@@ -333,7 +333,7 @@ fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it() {
     // A new agent that cannot read its manifests leaves the old datapath be.
     let good = web_manifest(&pods.iter().collect::<Vec<_>>(), None);
     lab.write_manifest("kind: [this is not yaml").unwrap();
-    lab.start_agent(&[]).unwrap();
+    lab.spawn_agent_on(0, &[]).unwrap();
     std::thread::sleep(Duration::from_millis(2500));
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
     assert!(lab.agent_log().contains("waiting for every manifest"), "{}", lab.agent_log());

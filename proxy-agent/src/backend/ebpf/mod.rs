@@ -14,7 +14,7 @@ pub mod conntrack;
 pub mod sync;
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fs::File,
     io,
     path::{Path, PathBuf},
@@ -28,8 +28,13 @@ use aya::{
     },
     programs::{
         CgroupAttachMode, CgroupSockAddr, LinkOrder, ProgramError, SchedClassifier, TcAttachType,
-        TestRun, TestRunOptions, links::FdLink, tc::TcAttachOptions,
+        TestRun, TestRunOptions,
+        links::FdLink,
+        tc::{
+            NlOptions, SchedClassifierLink, TcAttachOptions, qdisc_add_clsact, qdisc_detach_program,
+        },
     },
+    util::KernelVersion,
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP, RevNat,
@@ -165,18 +170,48 @@ fn source_range_key(rev_nat_id: u16, cidr: &crate::model::Cidr) -> Key<SourceRan
     )
 }
 
+/// How the per-packet program is attached to an interface's ingress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcAttach {
+    /// A TCX link (kernel 6.6+), pinned: it outlives the agent and runs
+    /// beside other programs.
+    Tcx,
+    /// A classic clsact filter (any kernel with clsact): it lives as long as
+    /// the agent, which removes it when it stops.
+    Netlink,
+}
+
+impl TcAttach {
+    /// TCX where the kernel has it, clsact filters elsewhere.
+    pub fn for_this_kernel() -> Self {
+        match KernelVersion::current() {
+            Ok(v) if v >= KernelVersion::new(6, 6, 0) => TcAttach::Tcx,
+            _ => TcAttach::Netlink,
+        }
+    }
+}
+
+/// One attachment of the per-packet program.
+enum TcLink {
+    /// Held by its pin under `links/`.
+    Pinned,
+    /// Held by us: dropping it removes the filter.
+    Filter { _link: SchedClassifierLink },
+}
+
 /// Loaded programs and their maps.
 pub struct EbpfBackend {
     ebpf: Ebpf,
     maps: Maps,
     state: SyncState,
-    /// Interfaces whose ingress runs the per-packet program (pinned by us).
-    tc_interfaces: BTreeSet<String>,
+    tc_mode: TcAttach,
+    /// Interfaces whose ingress runs the per-packet program.
+    tc_links: BTreeMap<String, TcLink>,
 }
 
 impl EbpfBackend {
     /// Loads and verifies the programs; nothing is attached yet.
-    pub fn load() -> Result<Self, EbpfError> {
+    pub fn load(tc_mode: TcAttach) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
         let mut ebpf = Ebpf::load(OBJECT)?;
         for name in PROGRAMS {
@@ -191,7 +226,7 @@ impl EbpfBackend {
             .map_err(|source| EbpfError::Program { name: TC_INGRESS, source })?;
         tc.load().map_err(|source| EbpfError::Program { name: TC_INGRESS, source })?;
         let maps = Maps::take(&mut ebpf)?;
-        Ok(Self { ebpf, maps, state: SyncState::default(), tc_interfaces: BTreeSet::new() })
+        Ok(Self { ebpf, maps, state: SyncState::default(), tc_mode, tc_links: BTreeMap::new() })
     }
 
     /// Writes the datapath settings (before the programs see traffic).
@@ -283,55 +318,81 @@ impl EbpfBackend {
             link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
         }
         for (interface, link) in tc_links {
-            self.pin_tc(root, &interface, link)?;
+            self.keep_tc(root, &interface, link)?;
         }
         Ok(())
     }
 
-    fn attach_tc(&mut self, interface: &str) -> Result<FdLink, EbpfError> {
+    fn attach_tc(&mut self, interface: &str) -> Result<Attached, EbpfError> {
         let name = TC_INGRESS;
         let err = |source| EbpfError::Program { name, source };
+        let tc_mode = self.tc_mode;
         let prog: &mut SchedClassifier = self
             .ebpf
             .program_mut(name)
             .ok_or(EbpfError::Missing { what: "program", name })?
             .try_into()
             .map_err(err)?;
-        // TCX (6.6+): a link that can be pinned and runs beside others.
-        let id = prog
-            .attach_with_options(
-                interface,
-                TcAttachType::Ingress,
-                TcAttachOptions::TcxOrder(LinkOrder::default()),
-            )
-            .map_err(err)?;
-        let link = prog.take_link(id).map_err(err)?;
-        FdLink::try_from(link).map_err(|source| EbpfError::Link { name, source })
+        match tc_mode {
+            TcAttach::Tcx => {
+                let options = TcAttachOptions::TcxOrder(LinkOrder::default());
+                let id = prog
+                    .attach_with_options(interface, TcAttachType::Ingress, options)
+                    .map_err(err)?;
+                let link = prog.take_link(id).map_err(err)?;
+                let link =
+                    FdLink::try_from(link).map_err(|source| EbpfError::Link { name, source })?;
+                Ok(Attached::Tcx(link))
+            }
+            TcAttach::Netlink => {
+                // Present already on most interfaces; a real failure shows
+                // in the attach below.
+                let _ = qdisc_add_clsact(interface);
+                // Filters of an agent that died are still there.
+                let _ = qdisc_detach_program(interface, TcAttachType::Ingress, name);
+                let options = TcAttachOptions::Netlink(NlOptions::default());
+                let id = prog
+                    .attach_with_options(interface, TcAttachType::Ingress, options)
+                    .map_err(err)?;
+                Ok(Attached::Filter(prog.take_link(id).map_err(err)?))
+            }
+        }
     }
 
-    fn pin_tc(&mut self, root: &Path, interface: &str, link: FdLink) -> Result<(), EbpfError> {
-        let path = root.join("links").join(format!("tc-{interface}"));
-        link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
-        self.tc_interfaces.insert(interface.to_string());
+    /// Keeps a new attachment: pins a TCX link, holds a filter.
+    fn keep_tc(&mut self, root: &Path, interface: &str, link: Attached) -> Result<(), EbpfError> {
+        let kept = match link {
+            Attached::Tcx(link) => {
+                let path = root.join("links").join(format!("tc-{interface}"));
+                link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
+                TcLink::Pinned
+            }
+            Attached::Filter(link) => TcLink::Filter { _link: link },
+        };
+        self.tc_links.insert(interface.to_string(), kept);
         Ok(())
     }
 
-    /// Attaches the per-packet program to interfaces that appeared and
-    /// unpins the links of those that are gone or no longer wanted.
+    /// Attaches the per-packet program to interfaces that appeared, and
+    /// detaches it from those that are gone or no longer wanted.
     pub fn set_tc_interfaces(&mut self, root: &Path, wanted: &BTreeSet<String>) {
-        let stale: Vec<String> = self.tc_interfaces.difference(wanted).cloned().collect();
+        let stale: Vec<String> =
+            self.tc_links.keys().filter(|i| !wanted.contains(*i)).cloned().collect();
         for interface in stale {
-            let path = root.join("links").join(format!("tc-{interface}"));
-            match std::fs::remove_file(&path) {
-                Ok(()) => tracing::info!(%interface, "per-packet program detached"),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => tracing::warn!(%interface, error = %e, "could not unpin"),
+            if let Some(TcLink::Pinned) = self.tc_links.remove(&interface) {
+                let path = root.join("links").join(format!("tc-{interface}"));
+                match std::fs::remove_file(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => tracing::warn!(%interface, error = %e, "could not unpin"),
+                }
             }
-            self.tc_interfaces.remove(&interface);
+            tracing::info!(%interface, "per-packet program detached");
         }
-        let new: Vec<String> = wanted.difference(&self.tc_interfaces).cloned().collect();
+        let new: Vec<String> =
+            wanted.iter().filter(|i| !self.tc_links.contains_key(*i)).cloned().collect();
         for interface in new {
-            match self.attach_tc(&interface).and_then(|link| self.pin_tc(root, &interface, link)) {
+            match self.attach_tc(&interface).and_then(|link| self.keep_tc(root, &interface, link)) {
                 Ok(()) => tracing::info!(%interface, "per-packet program attached"),
                 // The interface may be gone again already; the next scan retries.
                 Err(e) => tracing::warn!(%interface, error = %e, "could not attach"),
@@ -390,6 +451,25 @@ impl EbpfBackend {
         // Only entries still naming a removed backend (not a new flow's).
         self.delete_conntrack(&flows, |k, e| conntrack::names_backend(k, e, &udp))
     }
+}
+
+/// A fresh attachment of the per-packet program.
+enum Attached {
+    Tcx(FdLink),
+    Filter(SchedClassifierLink),
+}
+
+/// Removes the per-packet program's clsact filters from every interface of
+/// the caller's network namespace (TCX links go with their pins); returns
+/// on how many interfaces one was found.
+pub fn remove_tc_filters() -> usize {
+    let Ok(interfaces) = crate::sys::interfaces() else { return 0 };
+    interfaces
+        .keys()
+        .filter(|interface| {
+            qdisc_detach_program(interface, TcAttachType::Ingress, TC_INGRESS).is_ok()
+        })
+        .count()
 }
 
 /// What the per-packet program did to one packet under `BPF_PROG_TEST_RUN`.
