@@ -226,26 +226,64 @@ fn udp_checksums_stay_valid_and_zero_stays_zero() {
 }
 
 #[test]
-fn fragments_and_foreign_packets_pass_untouched() {
+fn foreign_packets_pass_untouched() {
     let mut dp = datapath(vec![(
         frontend(NODE, 30080, Protocol::Tcp),
         frontend_plan(&[(POD, 8080)], true, &[]),
     )]);
-    let mut first_fragment = tcp((CLIENT, 40000), (NODE, 30080), SYN);
-    first_fragment[20] |= 0x20; // more fragments
-    let mut later_fragment = first_fragment.clone();
-    later_fragment[20] = 0x00;
-    later_fragment[21] = 0x10; // offset 128
     let mut icmp = packet(1, (CLIENT, 0x0800), (NODE, 0), &[0, 0, 0, 1]);
     icmp[34] = 8;
     let mut arp = tcp((CLIENT, 40000), (NODE, 30080), SYN);
     arp[12..14].copy_from_slice(&[0x08, 0x06]);
     let not_a_service = tcp((CLIENT, 40000), (NODE, 22), SYN);
-    for p in [first_fragment, later_fragment, icmp, arp, not_a_service] {
+    let mut unknown_fragment = udp((CLIENT, 40000), (NODE, 30053), true);
+    unknown_fragment[20..22].copy_from_slice(&[0x00, 0x10]); // offset 128, no first seen
+    for p in [icmp, arp, not_a_service, unknown_fragment] {
         let out = run(&mut dp, &p);
         assert_eq!(out.verdict, NEXT, "{p:02x?}");
         assert_eq!(out.packet, p);
     }
+}
+
+#[test]
+fn fragments_of_a_datagram_follow_the_first() {
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30053, Protocol::Udp),
+        frontend_plan(&[(POD, 5353)], true, &[]),
+    )]);
+    // First fragment: more-fragments set, offset 0; its UDP checksum covers
+    // the whole datagram, so only the incremental change can be checked.
+    let whole = udp((CLIENT, 40000), (NODE, 30053), true);
+    let mut first = whole.clone();
+    first[20] |= 0x20;
+    first[24..26].copy_from_slice(&[0, 0]);
+    let sum = fold(sum16(&first[14..34]));
+    first[24..26].copy_from_slice(&sum.to_be_bytes());
+    let out = run(&mut dp, &first);
+    let ((src, sport), dst) = tuple(&out.packet);
+    assert_eq!((src, dst), (NODE, (POD, 5353)));
+    assert_eq!(fold(sum16(&out.packet[14..34])), 0, "IPv4 header checksum");
+    // The same rewrite applied to the unfragmented datagram gives the same
+    // UDP checksum: the incremental update is right for the whole datagram.
+    let mut expect = whole.clone();
+    expect[26..30].copy_from_slice(&NODE);
+    expect[30..34].copy_from_slice(&POD);
+    expect[34..36].copy_from_slice(&sport.to_be_bytes());
+    expect[36..38].copy_from_slice(&5353u16.to_be_bytes());
+    set_l4_checksum(&mut expect);
+    assert_eq!(out.packet[40..42], expect[40..42]);
+
+    // A later fragment (offset 8 bytes, same id): addresses only.
+    let mut later = packet(UDP, (CLIENT, 0x6162), (NODE, 0x6364), b"efgh");
+    later[20..22].copy_from_slice(&[0x00, 0x01]);
+    later[24..26].copy_from_slice(&[0, 0]);
+    let sum = fold(sum16(&later[14..34]));
+    later[24..26].copy_from_slice(&sum.to_be_bytes());
+    let moved = run(&mut dp, &later);
+    assert_eq!(moved.packet[26..30], NODE);
+    assert_eq!(moved.packet[30..34], POD);
+    assert_eq!(moved.packet[34..], later[34..], "payload untouched");
+    assert_eq!(fold(sum16(&moved.packet[14..34])), 0, "IPv4 header checksum");
 }
 
 #[test]

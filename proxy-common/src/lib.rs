@@ -17,6 +17,7 @@ pub mod map_names {
     pub const CONNTRACK: &str = "CONNTRACK";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const CONFIG: &str = "CONFIG";
+    pub const FRAGMENTS: &str = "FRAGMENTS";
 }
 
 /// Capacities, shared so the agent can refuse a plan that would not fit.
@@ -27,6 +28,7 @@ pub const MAX_SOCK_REV_NAT: u32 = 262_144;
 pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_CONNTRACK: u32 = 262_144;
 pub const MAX_SOURCE_RANGES: u32 = 16_384;
+pub const MAX_FRAGMENTS: u32 = 16_384;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -303,6 +305,26 @@ impl CtEntry {
     }
 }
 
+/// Key of the fragments map: an IP datagram whose first fragment was
+/// translated, as its later fragments carry it (they have no ports).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub id: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// Value of the fragments map: the addresses the first fragment got.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragRewrite {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+}
+
 /// Data part of the `SOURCE_RANGES` LPM key: a frontend (by reverse-NAT id)
 /// and a source address. The prefix length covers the 32 bits of id and
 /// padding, then the address bits.
@@ -418,6 +440,8 @@ mod pod {
     unsafe impl aya::Pod for CtEntry {}
     unsafe impl aya::Pod for SourceRangeKey {}
     unsafe impl aya::Pod for Config {}
+    unsafe impl aya::Pod for FragKey {}
+    unsafe impl aya::Pod for FragRewrite {}
 }
 
 #[cfg(test)]
@@ -438,6 +462,8 @@ mod tests {
         assert_eq!(size_of::<CtKey>(), 16);
         assert_eq!(size_of::<CtEntry>(), 24);
         assert_eq!(size_of::<SourceRangeKey>(), 8);
+        assert_eq!(size_of::<FragKey>(), 12);
+        assert_eq!(size_of::<FragRewrite>(), 8);
         assert_eq!(size_of::<Config>(), 36);
     }
 

@@ -6,9 +6,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey,
-    MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOCK_REV_NAT,
-    MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue, SockRevNat, SockRevNatKey, SourceRangeKey,
+    AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey, FragKey,
+    FragRewrite, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_REV_NAT,
+    MAX_SERVICE_ENTRIES, MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue,
+    SockRevNat, SockRevNatKey, SourceRangeKey,
 };
 
 #[btf_map]
@@ -40,6 +41,12 @@ pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8, { MAX_SOURCE_RANGES as usi
 
 #[btf_map]
 pub static CONFIG: Array<Config, 1> = Array::new();
+
+/// Datagrams whose first fragment was translated: their later fragments
+/// (no ports) get the same addresses.
+#[btf_map]
+pub static FRAGMENTS: LruHashMap<FragKey, FragRewrite, { MAX_FRAGMENTS as usize }> =
+    LruHashMap::new();
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();

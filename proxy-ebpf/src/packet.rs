@@ -6,7 +6,7 @@ use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
-use proxy_common::{CtKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{CtKey, FragKey, FragRewrite, IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
@@ -15,8 +15,8 @@ const IP_CSUM_OFF: usize = IP_OFF + 10;
 const IP_SADDR_OFF: usize = IP_OFF + 12;
 const IP_DADDR_OFF: usize = IP_OFF + 16;
 const IP_TTL_OFF: usize = IP_OFF + 8;
-/// More-fragments flag and fragment offset, in the frag_off field.
-const IP_MF_OR_OFFSET: u16 = 0x3fff;
+const IP_MORE_FRAGMENTS: u16 = 0x2000;
+const IP_FRAGMENT_OFFSET: u16 = 0x1fff;
 
 /// The fields of one IPv4 TCP or UDP packet the datapath works with.
 #[derive(Clone, Copy)]
@@ -28,6 +28,17 @@ pub struct Packet {
     pub tcp_flags: u8,
     /// The IPv4 header length is 20 (no options).
     pub plain_ip_header: bool,
+    /// The first fragment of a fragmented datagram: its later fragments are
+    /// known by this key.
+    pub first_fragment: Option<FragKey>,
+}
+
+/// What a tc program sees.
+pub enum Parsed {
+    /// A TCP or UDP packet, or the first fragment of a datagram.
+    Packet(Packet),
+    /// A later fragment: IP header only.
+    Fragment(FragKey),
 }
 
 impl Packet {
@@ -41,11 +52,10 @@ impl Packet {
     }
 }
 
-/// Parses an Ethernet + IPv4 + TCP/UDP packet. Anything else (other
-/// protocols, IP fragments, which carry no ports or belong to a datagram we
-/// cannot see whole) is `None` and passes untouched.
+/// Parses an Ethernet + IPv4 + TCP/UDP packet or fragment. Anything else
+/// (other protocols, IPv6, ARP) is `None` and passes untouched.
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Option<Packet> {
+pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     let ethertype: u16 = ctx.load(12).ok()?;
     if u16::from_be(ethertype) != ETH_P_IP {
         return None;
@@ -58,21 +68,23 @@ pub fn parse(ctx: &TcContext) -> Option<Packet> {
     if ihl < 20 {
         return None;
     }
-    let frag: u16 = ctx.load(IP_OFF + 6).ok()?;
-    if u16::from_be(frag) & IP_MF_OR_OFFSET != 0 {
-        return None;
-    }
+    let frag = u16::from_be(ctx.load(IP_OFF + 6).ok()?);
     let proto: u8 = ctx.load(IP_OFF + 9).ok()?;
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return None;
     }
     let saddr: [u8; 4] = ctx.load(IP_SADDR_OFF).ok()?;
     let daddr: [u8; 4] = ctx.load(IP_DADDR_OFF).ok()?;
+    let id = u16::from_be(ctx.load(IP_OFF + 4).ok()?);
+    let frag_key = FragKey { saddr, daddr, id, proto, _pad: 0 };
+    if frag & IP_FRAGMENT_OFFSET != 0 {
+        return Some(Parsed::Fragment(frag_key));
+    }
     let l4_off = IP_OFF + ihl;
     let sport: u16 = ctx.load(l4_off).ok()?;
     let dport: u16 = ctx.load(l4_off + 2).ok()?;
     let tcp_flags = if proto == IPPROTO_TCP { ctx.load::<u8>(l4_off + 13).ok()? } else { 0 };
-    Some(Packet {
+    Some(Parsed::Packet(Packet {
         tuple: CtKey {
             saddr,
             daddr,
@@ -84,12 +96,15 @@ pub fn parse(ctx: &TcContext) -> Option<Packet> {
         l4_off,
         tcp_flags,
         plain_ip_header: ihl == 20,
-    })
+        first_fragment: (frag & IP_MORE_FRAGMENTS != 0).then_some(frag_key),
+    }))
 }
 
+/// Rewrites one IP address; `l4` is the packet whose L4 checksum covers it
+/// (none for a later fragment, which carries no L4 header).
 fn set_addr(
     ctx: &TcContext,
-    pkt: &Packet,
+    l4: Option<&Packet>,
     off: usize,
     old: [u8; 4],
     new: [u8; 4],
@@ -98,7 +113,10 @@ fn set_addr(
         return Ok(());
     }
     let (old, new) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
-    ctx.l4_csum_replace(pkt.l4_csum_off(), old, new, BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags() | 4)?;
+    if let Some(pkt) = l4 {
+        let flags = BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags() | 4;
+        ctx.l4_csum_replace(pkt.l4_csum_off(), old, new, flags)?;
+    }
     ctx.l3_csum_replace(IP_CSUM_OFF, old, new, 4)?;
     ctx.store(off, &(new as u32), 0)
 }
@@ -116,10 +134,17 @@ fn set_port(ctx: &TcContext, pkt: &Packet, off: usize, old: u16, new: u16) -> Re
 #[inline(always)]
 pub fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> Result<(), i64> {
     let from = &pkt.tuple;
-    set_addr(ctx, pkt, IP_SADDR_OFF, from.saddr, to.saddr)?;
-    set_addr(ctx, pkt, IP_DADDR_OFF, from.daddr, to.daddr)?;
+    set_addr(ctx, Some(pkt), IP_SADDR_OFF, from.saddr, to.saddr)?;
+    set_addr(ctx, Some(pkt), IP_DADDR_OFF, from.daddr, to.daddr)?;
     set_port(ctx, pkt, pkt.l4_off, from.sport, to.sport)?;
     set_port(ctx, pkt, pkt.l4_off + 2, from.dport, to.dport)
+}
+
+/// Rewrites the addresses of a later fragment (IP header only).
+#[inline(always)]
+pub fn rewrite_fragment(ctx: &TcContext, from: &FragKey, to: &FragRewrite) -> Result<(), i64> {
+    set_addr(ctx, None, IP_SADDR_OFF, from.saddr, to.saddr)?;
+    set_addr(ctx, None, IP_DADDR_OFF, from.daddr, to.daddr)
 }
 
 /// Decrements the TTL of a packet we forward ourselves; false when it ran out.

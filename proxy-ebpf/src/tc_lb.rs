@@ -19,16 +19,16 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AFFINITY_CLIENT_IPV4, Backend, Config, Counter, CtKey, SOURCE_RANGE_PREFIX_BITS,
-    SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, ServiceKey,
-    ServiceValue, SourceRangeKey,
+    AFFINITY_CLIENT_IPV4, Backend, Config, Counter, CtKey, FragKey, FragRewrite,
+    SOURCE_RANGE_PREFIX_BITS, SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL,
+    SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRangeKey,
 };
 
 use crate::{
     conntrack,
     lb::{self, Verdict},
-    maps::{CONFIG, SOURCE_RANGES, count},
-    packet::{self, Packet},
+    maps::{CONFIG, FRAGMENTS, SOURCE_RANGES, count},
+    packet::{self, Packet, Parsed},
     reject,
 };
 
@@ -43,7 +43,11 @@ pub const SHOT: i32 = 2;
 
 #[inline(always)]
 pub fn try_ingress(ctx: &TcContext) -> i32 {
-    let Some(pkt) = packet::parse(ctx) else { return NEXT };
+    let pkt = match packet::parse(ctx) {
+        Some(Parsed::Packet(pkt)) => pkt,
+        Some(Parsed::Fragment(key)) => return later_fragment(ctx, &key),
+        None => return NEXT,
+    };
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
 
@@ -118,13 +122,38 @@ fn source_allowed(svc: &ServiceValue, saddr: [u8; 4]) -> bool {
     SOURCE_RANGES.get(&key).is_some()
 }
 
-/// Rewrites `pkt` to `to` and sends it towards its new destination.
+/// A fragment after the first: it follows the first fragment's translation,
+/// if that one came through here.
+#[inline(always)]
+fn later_fragment(ctx: &TcContext, key: &FragKey) -> i32 {
+    // SAFETY: copied out at once.
+    let Some(to) = (unsafe { FRAGMENTS.get(key).copied() }) else { return NEXT };
+    if packet::rewrite_fragment(ctx, key, &to).is_err() {
+        count(Counter::Dropped);
+        return SHOT;
+    }
+    let tuple = CtKey { saddr: to.saddr, daddr: to.daddr, proto: key.proto, ..CtKey::default() };
+    send(ctx, &tuple)
+}
+
+/// Rewrites `pkt` to `to` and sends it towards its new destination; the
+/// first fragment of a datagram leaves its translation for the others.
 #[inline(always)]
 fn forward(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> i32 {
     if packet::rewrite(ctx, pkt, to).is_err() {
         count(Counter::Dropped);
         return SHOT;
     }
+    if let Some(key) = &pkt.first_fragment {
+        let _ = FRAGMENTS.insert(key, FragRewrite { saddr: to.saddr, daddr: to.daddr }, 0);
+    }
+    send(ctx, to)
+}
+
+/// Sends an already translated packet on: a FIB lookup, then a redirect to
+/// the next hop's interface (the stack for local or unroutable addresses).
+#[inline(always)]
+fn send(ctx: &TcContext, to: &CtKey) -> i32 {
     // SAFETY: bpf_fib_lookup is plain data; zero is a valid start.
     let mut fib: FibLookup = unsafe { core::mem::zeroed() };
     fib.family = AF_INET;

@@ -275,6 +275,20 @@ fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint() {
 }
 
 #[test]
+fn fragmented_datagrams_through_a_node_port() {
+    let c = cluster(&service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+    // 4000 bytes: three fragments on a 1500-byte MTU.
+    let attempts = c
+        .lab
+        .client_outside(&c.ext, &["udp", "192.168.100.11:30053", "10", "--size", "4000"])
+        .unwrap();
+    for (_, peer, from) in ok_attempts(&attempts) {
+        assert_eq!(from, "192.168.100.11:30053");
+        assert_eq!(peer_ip(&peer), "192.168.100.11", "SNATed like any datagram");
+    }
+}
+
+#[test]
 fn no_endpoints_are_refused_not_timed_out() {
     let c = cluster(&service("empty", "10.96.0.30", PORTS_30080, &[]));
     let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "3"]).unwrap();

@@ -18,7 +18,7 @@ use anyhow::{Context, bail};
 const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS] \
     (serve --name NAME [--tcp PORT]... [--udp PORT]... \
     | tcp ADDR COUNT | tcp-concurrent ADDR COUNT \
-    | udp ADDR COUNT [--interval-ms MS] [--connect] | http ADDR PATH)";
+    | udp ADDR COUNT [--interval-ms MS] [--connect] [--size BYTES] | http ADDR PATH)";
 
 fn main() -> anyhow::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
@@ -95,7 +95,7 @@ fn serve(args: &mut Vec<String>) -> anyhow::Result<()> {
         let socket = UdpSocket::bind(format!("0.0.0.0:{port}"))?;
         let name = name.clone();
         threads.push(std::thread::spawn(move || {
-            let mut buf = [0u8; 1500];
+            let mut buf = [0u8; 65536];
             let local = socket.local_addr().expect("bound socket");
             while let Ok((_, peer)) = socket.recv_from(&mut buf) {
                 let _ = socket.send_to(answer(&name, local, peer).as_bytes(), peer);
@@ -200,6 +200,8 @@ fn tcp_concurrent(args: &[String], timeout: Duration) -> anyhow::Result<()> {
 /// connected, so an ICMP port unreachable surfaces as ConnectionRefused.
 fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
     let interval = take_opt(args, "--interval-ms").map_or(Ok(0), |t| t.parse())?;
+    // Larger than the MTU, a datagram leaves in fragments.
+    let payload = vec![b'x'; take_opt(args, "--size").map_or(Ok(5), |t| t.parse())?];
     let connect = args.iter().position(|a| a == "--connect").map(|i| args.remove(i)).is_some();
     let (addr, count) = target(args)?;
     let socket = UdpSocket::bind("0.0.0.0:0")?;
@@ -213,7 +215,7 @@ fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
             std::thread::sleep(Duration::from_millis(interval));
         }
         let start = Instant::now();
-        let sent = if connect { socket.send(b"hello") } else { socket.send_to(b"hello", addr) };
+        let sent = if connect { socket.send(&payload) } else { socket.send_to(&payload, addr) };
         let result = sent.and_then(|_| {
             let (n, from) = socket.recv_from(&mut buf)?;
             Ok((from, String::from_utf8_lossy(&buf[..n]).into_owned()))

@@ -86,6 +86,7 @@ struct Maps {
     conntrack: Map,
     source_ranges: Map,
     config: Map,
+    fragments: Map,
     counters: Map,
 }
 
@@ -103,11 +104,12 @@ impl Maps {
             conntrack: take(map_names::CONNTRACK)?,
             source_ranges: take(map_names::SOURCE_RANGES)?,
             config: take(map_names::CONFIG)?,
+            fragments: take(map_names::FRAGMENTS)?,
             counters: take(map_names::COUNTERS)?,
         })
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 9] {
+    fn by_name(&self) -> [(&'static str, &Map); 10] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
@@ -117,6 +119,7 @@ impl Maps {
             (map_names::CONNTRACK, &self.conntrack),
             (map_names::SOURCE_RANGES, &self.source_ranges),
             (map_names::CONFIG, &self.config),
+            (map_names::FRAGMENTS, &self.fragments),
             (map_names::COUNTERS, &self.counters),
         ]
     }
