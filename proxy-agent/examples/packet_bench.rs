@@ -50,6 +50,7 @@ fn main() -> anyhow::Result<()> {
         .map(|i| BackendPlan {
             addr: SocketAddrV4::new([10, 244, 2, i + 2].into(), 8080),
             local: false,
+            host: false,
         })
         .collect();
     let plan = Plan {

@@ -29,6 +29,8 @@ pub struct BackendPlan {
     pub addr: SocketAddrV4,
     /// The endpoint runs on this node.
     pub local: bool,
+    /// The endpoint's address is one of this node's (host network).
+    pub host: bool,
 }
 
 /// What a frontend balances over, and how.
@@ -117,6 +119,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, FrontendPlan)> {
             .map(|e| BackendPlan {
                 addr: e.addr,
                 local: e.node_name.as_deref() == Some(&node.name),
+                host: node.ips.contains(e.addr.ip()),
             })
             .collect();
         backends.sort();
@@ -205,7 +208,7 @@ mod tests {
         )]);
         let fp = at(&plan, [10, 96, 0, 1], 80);
         let addr = "10.0.0.2:80".parse::<SocketAddrV4>().unwrap();
-        assert_eq!(fp.backends, vec![BackendPlan { addr, local: true }]);
+        assert_eq!(fp.backends, vec![BackendPlan { addr, local: true, host: false }]);
         assert!(!fp.external && !fp.local && !fp.drop_when_empty);
     }
 

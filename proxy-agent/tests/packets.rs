@@ -49,6 +49,7 @@ fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -
             .map(|(ip, port)| BackendPlan {
                 addr: SocketAddrV4::new((*ip).into(), *port),
                 local: false,
+                host: false,
             })
             .collect(),
         affinity_timeout_secs: None,

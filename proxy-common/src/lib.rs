@@ -55,6 +55,9 @@ pub const SVC_FLAG_SOURCE_RANGES: u16 = 1 << 4;
 
 /// `Backend::flags`: the endpoint runs on this node (`--hostname-override`).
 pub const BACKEND_FLAG_LOCAL: u8 = 1 << 0;
+/// `Backend::flags`: the endpoint is one of this node's own addresses (a
+/// host-network pod): per packet it is reached through the stack, unSNATed.
+pub const BACKEND_FLAG_HOST: u8 = 1 << 1;
 
 /// Key of the services map. Slot 0 is the frontend entry; slots `1..=count`
 /// hold the ids of the service's backends.

@@ -42,6 +42,13 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
     tc_lb::try_ingress(&ctx)
 }
 
+/// Egress of the same interfaces: replies the stack sends for translated
+/// flows (host-network backends).
+#[classifier]
+pub fn tc_egress(ctx: TcContext) -> i32 {
+    tc_lb::try_egress(&ctx)
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

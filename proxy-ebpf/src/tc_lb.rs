@@ -19,7 +19,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AFFINITY_CLIENT_IPV4, Backend, Config, Counter, CtKey, FragKey, FragRewrite,
+    AFFINITY_CLIENT_IPV4, BACKEND_FLAG_HOST, Backend, Config, Counter, CtKey, FragKey, FragRewrite,
     SOURCE_RANGE_PREFIX_BITS, SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL,
     SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRangeKey,
 };
@@ -96,6 +96,11 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
 /// cluster CIDR (or all of it with `--masquerade-all`).
 #[inline(always)]
 fn needs_snat(svc: &ServiceValue, cfg: &Config, pkt: &Packet, backend: &Backend) -> bool {
+    // A host-network backend answers from this node anyway, and a packet
+    // from a node address to a node address would be a martian.
+    if backend.flags & BACKEND_FLAG_HOST != 0 {
+        return false;
+    }
     if backend.address == pkt.tuple.saddr {
         return true;
     }
@@ -120,6 +125,26 @@ fn source_allowed(svc: &ServiceValue, saddr: [u8; 4]) -> bool {
         SourceRangeKey { rev_nat_id: svc.rev_nat_id, _pad: 0, address: saddr },
     );
     SOURCE_RANGES.get(&key).is_some()
+}
+
+/// Egress of the same interfaces: replies of host-network backends, which
+/// the stack sends (translated packets it delivered locally), are reverse
+/// translated on their way out. Packets this program redirected were
+/// translated already; their tuples are no conntrack keys.
+#[inline(always)]
+pub fn try_egress(ctx: &TcContext) -> i32 {
+    let Some(Parsed::Packet(pkt)) = packet::parse(ctx) else { return NEXT };
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some(entry) = conntrack::lookup(&pkt, cfg, now) else { return NEXT };
+    count(Counter::CtHit);
+    match packet::rewrite(ctx, &pkt, &entry.rewritten(pkt.tuple.proto)) {
+        Ok(()) => NEXT,
+        Err(_) => {
+            count(Counter::Dropped);
+            SHOT
+        }
+    }
 }
 
 /// A fragment after the first: it follows the first fragment's translation,

@@ -392,3 +392,48 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
         .unwrap();
     assert_eq!(filters(), 0);
 }
+
+#[test]
+fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service() {
+    let mut lab = Lab::new().unwrap();
+    // A host-network "pod": a server in the node's own namespace.
+    let host = Pod { name: "host".into(), netns: lab.node.clone(), ip: "192.168.100.11".into() };
+    lab.serve(&host, &[9090], &[]).unwrap();
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    lab.write_manifest(
+        r#"apiVersion: v1
+kind: Service
+metadata: {name: hostnet, namespace: lab}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.50
+  ports: [{name: http, port: 80, targetPort: 9090, nodePort: 30099}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: hostnet-1, namespace: lab, labels: {kubernetes.io/service-name: hostnet}}
+addressType: IPv4
+ports: [{name: http, port: 9090}]
+endpoints: [{addresses: [192.168.100.11], nodeName: lab-node}]
+"#,
+    )
+    .unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
+
+    for (name, peer, from) in
+        ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30099", "10"]).unwrap())
+    {
+        assert_eq!(name, "host");
+        assert_eq!(peer_ip(&peer), "192.168.100.101", "delivered locally, not SNATed");
+        assert_eq!(from, "192.168.100.11:30099");
+    }
+    // From a pod outside the cgroup, per packet: the reply comes from the VIP.
+    for (_, peer, from) in
+        ok_attempts(&lab.client_outside(&client, &["tcp", "10.96.0.50:80", "10"]).unwrap())
+    {
+        assert_eq!(peer_ip(&peer), "10.244.1.100");
+        assert_eq!(from, "10.96.0.50:80");
+    }
+}

@@ -50,6 +50,11 @@ use crate::plan::Plan;
 pub const PROGRAMS: [&str; 4] = ["connect4", "sendmsg4", "recvmsg4", "getpeername4"];
 /// The per-packet program, attached to the ingress of node and pod interfaces.
 pub const TC_INGRESS: &str = "tc_ingress";
+/// Its egress companion (replies the stack sends for translated flows).
+pub const TC_EGRESS: &str = "tc_egress";
+/// Per interface: program, hook, and the prefix of its pin under `links/`.
+const TC_HOOKS: [(&str, TcAttachType, &str); 2] =
+    [(TC_INGRESS, TcAttachType::Ingress, "tc"), (TC_EGRESS, TcAttachType::Egress, "tc-egress")];
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
@@ -208,8 +213,8 @@ pub struct EbpfBackend {
     maps: Maps,
     state: SyncState,
     tc_mode: TcAttach,
-    /// Interfaces whose ingress runs the per-packet program.
-    tc_links: BTreeMap<String, TcLink>,
+    /// Interfaces running the per-packet programs, one link per hook.
+    tc_links: BTreeMap<String, Vec<TcLink>>,
 }
 
 impl EbpfBackend {
@@ -222,12 +227,11 @@ impl EbpfBackend {
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
-        let tc: &mut SchedClassifier = ebpf
-            .program_mut(TC_INGRESS)
-            .ok_or(EbpfError::Missing { what: "program", name: TC_INGRESS })?
-            .try_into()
-            .map_err(|source| EbpfError::Program { name: TC_INGRESS, source })?;
-        tc.load().map_err(|source| EbpfError::Program { name: TC_INGRESS, source })?;
+        for (name, _, _) in TC_HOOKS {
+            tc_program(&mut ebpf, name)?
+                .load()
+                .map_err(|source| EbpfError::Program { name, source })?;
+        }
         let maps = Maps::take(&mut ebpf)?;
         Ok(Self { ebpf, maps, state: SyncState::default(), tc_mode, tc_links: BTreeMap::new() })
     }
@@ -326,52 +330,56 @@ impl EbpfBackend {
         Ok(())
     }
 
-    fn attach_tc(&mut self, interface: &str) -> Result<Attached, EbpfError> {
-        let name = TC_INGRESS;
-        let err = |source| EbpfError::Program { name, source };
+    /// Attaches the per-packet programs to both hooks of `interface`.
+    fn attach_tc(&mut self, interface: &str) -> Result<Vec<Attached>, EbpfError> {
         let tc_mode = self.tc_mode;
-        let prog: &mut SchedClassifier = self
-            .ebpf
-            .program_mut(name)
-            .ok_or(EbpfError::Missing { what: "program", name })?
-            .try_into()
-            .map_err(err)?;
-        match tc_mode {
-            TcAttach::Tcx => {
-                let options = TcAttachOptions::TcxOrder(LinkOrder::default());
-                let id = prog
-                    .attach_with_options(interface, TcAttachType::Ingress, options)
-                    .map_err(err)?;
-                let link = prog.take_link(id).map_err(err)?;
-                let link =
-                    FdLink::try_from(link).map_err(|source| EbpfError::Link { name, source })?;
-                Ok(Attached::Tcx(link))
-            }
-            TcAttach::Netlink => {
-                // Present already on most interfaces; a real failure shows
-                // in the attach below.
-                let _ = qdisc_add_clsact(interface);
-                // Filters of an agent that died are still there.
-                let _ = qdisc_detach_program(interface, TcAttachType::Ingress, name);
-                let options = TcAttachOptions::Netlink(NlOptions::default());
-                let id = prog
-                    .attach_with_options(interface, TcAttachType::Ingress, options)
-                    .map_err(err)?;
-                Ok(Attached::Filter(prog.take_link(id).map_err(err)?))
-            }
+        let mut attached = Vec::new();
+        for (name, hook, prefix) in TC_HOOKS {
+            let err = |source| EbpfError::Program { name, source };
+            let prog = tc_program(&mut self.ebpf, name)?;
+            let link = match tc_mode {
+                TcAttach::Tcx => {
+                    let options = TcAttachOptions::TcxOrder(LinkOrder::default());
+                    let id = prog.attach_with_options(interface, hook, options).map_err(err)?;
+                    let link = prog.take_link(id).map_err(err)?;
+                    let link = FdLink::try_from(link)
+                        .map_err(|source| EbpfError::Link { name, source })?;
+                    Attached::Tcx(link, prefix)
+                }
+                TcAttach::Netlink => {
+                    // Present already on most interfaces; a real failure
+                    // shows in the attach below.
+                    let _ = qdisc_add_clsact(interface);
+                    // Filters of an agent that died are still there.
+                    let _ = qdisc_detach_program(interface, hook, name);
+                    let options = TcAttachOptions::Netlink(NlOptions::default());
+                    let id = prog.attach_with_options(interface, hook, options).map_err(err)?;
+                    Attached::Filter(prog.take_link(id).map_err(err)?)
+                }
+            };
+            attached.push(link);
         }
+        Ok(attached)
     }
 
-    /// Keeps a new attachment: pins a TCX link, holds a filter.
-    fn keep_tc(&mut self, root: &Path, interface: &str, link: Attached) -> Result<(), EbpfError> {
-        let kept = match link {
-            Attached::Tcx(link) => {
-                let path = root.join("links").join(format!("tc-{interface}"));
-                link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
-                TcLink::Pinned
-            }
-            Attached::Filter(link) => TcLink::Filter { _link: link },
-        };
+    /// Keeps new attachments: pins TCX links, holds filters.
+    fn keep_tc(
+        &mut self,
+        root: &Path,
+        interface: &str,
+        links: Vec<Attached>,
+    ) -> Result<(), EbpfError> {
+        let mut kept = Vec::new();
+        for link in links {
+            kept.push(match link {
+                Attached::Tcx(link, prefix) => {
+                    let path = root.join("links").join(format!("{prefix}-{interface}"));
+                    link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
+                    TcLink::Pinned
+                }
+                Attached::Filter(link) => TcLink::Filter { _link: link },
+            });
+        }
         self.tc_links.insert(interface.to_string(), kept);
         Ok(())
     }
@@ -382,21 +390,23 @@ impl EbpfBackend {
         let stale: Vec<String> =
             self.tc_links.keys().filter(|i| !wanted.contains(*i)).cloned().collect();
         for interface in stale {
-            if let Some(TcLink::Pinned) = self.tc_links.remove(&interface) {
-                let path = root.join("links").join(format!("tc-{interface}"));
+            // Filters go when their links drop; pinned links with their pins.
+            self.tc_links.remove(&interface);
+            for (_, _, prefix) in TC_HOOKS {
+                let path = root.join("links").join(format!("{prefix}-{interface}"));
                 match std::fs::remove_file(&path) {
                     Ok(()) => {}
                     Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                     Err(e) => tracing::warn!(%interface, error = %e, "could not unpin"),
                 }
             }
-            tracing::info!(%interface, "per-packet program detached");
+            tracing::info!(%interface, "per-packet programs detached");
         }
         let new: Vec<String> =
             wanted.iter().filter(|i| !self.tc_links.contains_key(*i)).cloned().collect();
         for interface in new {
             match self.attach_tc(&interface).and_then(|link| self.keep_tc(root, &interface, link)) {
-                Ok(()) => tracing::info!(%interface, "per-packet program attached"),
+                Ok(()) => tracing::info!(%interface, "per-packet programs attached"),
                 // The interface may be gone again already; the next scan retries.
                 Err(e) => tracing::warn!(%interface, error = %e, "could not attach"),
             }
@@ -456,22 +466,32 @@ impl EbpfBackend {
     }
 }
 
-/// A fresh attachment of the per-packet program.
+/// A fresh attachment of a per-packet program: a TCX link (with its pin
+/// prefix) or a clsact filter.
 enum Attached {
-    Tcx(FdLink),
+    Tcx(FdLink, &'static str),
     Filter(SchedClassifierLink),
 }
 
-/// Removes the per-packet program's clsact filters from every interface of
+fn tc_program<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut SchedClassifier, EbpfError> {
+    ebpf.program_mut(name)
+        .ok_or(EbpfError::Missing { what: "program", name })?
+        .try_into()
+        .map_err(|source| EbpfError::Program { name, source })
+}
+
+/// Removes the per-packet programs' clsact filters from every interface of
 /// the caller's network namespace (TCX links go with their pins); returns
-/// on how many interfaces one was found.
+/// how many hooks had one.
 pub fn remove_tc_filters() -> usize {
     let Ok(interfaces) = crate::sys::interfaces() else { return 0 };
     interfaces
         .keys()
-        .filter(|interface| {
-            qdisc_detach_program(interface, TcAttachType::Ingress, TC_INGRESS).is_ok()
-        })
+        .flat_map(|interface| TC_HOOKS.map(|(name, hook, _)| (interface, name, hook)))
+        .filter(|(interface, name, hook)| qdisc_detach_program(interface, *hook, name).is_ok())
         .count()
 }
 

@@ -18,9 +18,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
-    BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_BACKENDS, MAX_REV_NAT,
-    MAX_SERVICE_ENTRIES, MAX_SOURCE_RANGES, RevNat, SVC_FLAG_AFFINITY, SVC_FLAG_DROP_EMPTY,
-    SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
+    BACKEND_FLAG_HOST, BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_BACKENDS,
+    MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOURCE_RANGES, RevNat, SVC_FLAG_AFFINITY,
+    SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, ServiceKey,
+    ServiceValue,
 };
 
 use crate::{
@@ -407,7 +408,10 @@ fn backend(frontend: &Frontend, planned: &BackendPlan) -> Backend {
         address: planned.addr.ip().octets(),
         port: planned.addr.port(),
         proto: proto(frontend.protocol),
-        flags: if planned.local { BACKEND_FLAG_LOCAL } else { 0 },
+        flags: [(planned.local, BACKEND_FLAG_LOCAL), (planned.host, BACKEND_FLAG_HOST)]
+            .iter()
+            .filter(|(on, _)| *on)
+            .fold(0, |flags, (_, flag)| flags | flag),
     }
 }
 
@@ -505,6 +509,7 @@ mod tests {
                         .map(|b| BackendPlan {
                             addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, *b), 8080),
                             local: *b % 2 == 0,
+                            host: false,
                         })
                         .collect(),
                     affinity_timeout_secs: *affinity,
@@ -545,7 +550,7 @@ mod tests {
         assert_eq!(bytes, [10, 96, 0, 10, 80, 0, 2, 0, 17, 0, 0, 0]);
         let backend = backend(
             &Frontend { ip: Ipv4Addr::new(10, 96, 0, 10), port: 80, protocol: Protocol::Tcp },
-            &BackendPlan { addr: "10.244.1.2:8080".parse().unwrap(), local: true },
+            &BackendPlan { addr: "10.244.1.2:8080".parse().unwrap(), local: true, host: false },
         );
         let bytes: [u8; 8] = unsafe { std::mem::transmute(backend) };
         assert_eq!(bytes, [10, 244, 1, 2, 0x90, 0x1f, 6, BACKEND_FLAG_LOCAL]);
