@@ -16,7 +16,8 @@ use proxy_common::Config;
 
 use crate::{
     backend::ebpf::{self, EbpfBackend, TcAttach},
-    cli::{PinArgs, RunArgs, TcAttachArg},
+    backend::iptables::render,
+    cli::{PinArgs, RenderIptablesArgs, RunArgs, TcAttachArg},
     metrics::{self, Metrics},
     plan::{self, Node, Plan},
     source::{Store, manifests::Manifests},
@@ -191,17 +192,16 @@ fn tc_interfaces(
 /// `--node-ip`, or the IPv4 addresses of the interfaces that are neither
 /// loopback nor pod-facing, those of the default route's interface first
 /// (the first is the SNAT address: replies must find their way back to it).
-fn node_ips(args: &RunArgs) -> anyhow::Result<Vec<Ipv4Addr>> {
-    if !args.node_ip.is_empty() {
-        return Ok(args.node_ip.clone());
+fn node_ips(node_ip: &[Ipv4Addr], pod_interfaces: &[String]) -> anyhow::Result<Vec<Ipv4Addr>> {
+    if !node_ip.is_empty() {
+        return Ok(node_ip.to_vec());
     }
     let mut interfaces: Vec<(String, Vec<Ipv4Addr>)> =
         sys::interfaces().context("listing interfaces")?.into_iter().collect();
     let uplink = sys::default_route_interface();
     interfaces.sort_by_key(|(name, _)| Some(name) != uplink.as_ref());
-    let is_pod = |name: &str| {
-        args.pod_interfaces.iter().any(|p| !p.is_empty() && name.starts_with(p.as_str()))
-    };
+    let is_pod =
+        |name: &str| pod_interfaces.iter().any(|p| !p.is_empty() && name.starts_with(p.as_str()));
     let ips: Vec<Ipv4Addr> = interfaces
         .iter()
         .filter(|(name, _)| !is_pod(name))
@@ -231,8 +231,8 @@ fn datapath_config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
     }
 }
 
-fn node_name(args: &RunArgs) -> anyhow::Result<String> {
-    if let Some(name) = &args.hostname_override {
+fn node_name(hostname_override: &Option<String>) -> anyhow::Result<String> {
+    if let Some(name) = hostname_override {
         return Ok(name.clone());
     }
     let name =
@@ -254,8 +254,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let mut backend = EbpfBackend::load(tc_mode).context("loading the BPF programs")?;
     let node = Node {
-        name: node_name(&args)?,
-        ips: node_ips(&args)?,
+        name: node_name(&args.hostname_override)?,
+        ips: node_ips(&args.node_ip, &args.pod_interfaces)?,
         nodeport_addresses: args.nodeport_addresses.clone(),
     };
     backend
@@ -336,6 +336,42 @@ fn activate_when_ready(
     agent.metrics.set_datapath(ebpf::CounterReader::open(&agent.root)?);
     tracing::info!("programs attached; serving");
     Ok(true)
+}
+
+/// `render iptables`: kube-proxy's restore input for the manifests, on stdout.
+pub fn render_iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
+    let mut manifests = Manifests::new(&args.manifests);
+    // New bytes are taken on the second read that finds them.
+    manifests.reload();
+    let reload = manifests.reload();
+    for err in &reload.errors {
+        tracing::warn!("{err}");
+    }
+    anyhow::ensure!(
+        reload.complete,
+        "could not read every manifest under {}",
+        args.manifests.display()
+    );
+    let mut store = Store::default();
+    for err in store.replace(manifests.snapshot()).errors {
+        tracing::warn!("invalid object skipped: {err}");
+    }
+    let model = store.model();
+    let pod_interfaces: Vec<String> =
+        crate::cli::DEFAULT_POD_INTERFACES.split(',').map(String::from).collect();
+    let options = render::Options {
+        node_name: node_name(&args.hostname_override)?,
+        node_ips: node_ips(&args.node_ip, &pod_interfaces)?,
+        nodeport_addresses: args.nodeport_addresses.clone(),
+        cluster_cidr: args.cluster_cidr,
+        masquerade_all: args.masquerade_all,
+        // What current kube-proxy writes with current iptables.
+        localhost_nodeports: true,
+        nfacct: !args.no_nfacct,
+        random_fully: true,
+    };
+    print!("{}", render::render(&model, &options));
+    Ok(())
 }
 
 pub fn cleanup(args: &PinArgs) -> anyhow::Result<()> {

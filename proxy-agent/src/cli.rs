@@ -25,6 +25,42 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Remove every program, link and pin the agent installed.
     Cleanup(PinArgs),
+    /// Print what a mode would program, without applying anything.
+    #[command(subcommand)]
+    Render(RenderCommand),
+}
+
+#[derive(Subcommand)]
+pub enum RenderCommand {
+    /// The iptables-restore input kube-proxy's iptables mode would write on
+    /// a full sync (filter and nat tables; services in name order)
+    Iptables(RenderIptablesArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct RenderIptablesArgs {
+    /// A YAML file or directory of Services and EndpointSlices
+    #[arg(long, value_name = "PATH")]
+    pub manifests: PathBuf,
+    /// This node's name, matched against EndpointSlice nodeName [default: the hostname]
+    #[arg(long, value_name = "NAME")]
+    pub hostname_override: Option<String>,
+    /// This node's IPv4 addresses [default: the addresses of its non-pod interfaces]
+    #[arg(long, value_name = "IP[,IP]", value_delimiter = ',')]
+    pub node_ip: Vec<Ipv4Addr>,
+    /// NodePorts only on node addresses within these CIDRs [default: all]
+    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
+    pub nodeport_addresses: Vec<model::Cidr>,
+    /// The pods' CIDR, kube-proxy's local-traffic detector
+    #[arg(long, value_name = "CIDR", value_parser = parse_cidr)]
+    pub cluster_cidr: Option<model::Cidr>,
+    /// Masquerade all ClusterIP traffic
+    #[arg(long)]
+    pub masquerade_all: bool,
+    /// Leave out the nfacct counter matches kube-proxy adds where the kernel
+    /// has nfnetlink_acct (the counters must exist before such rules apply)
+    #[arg(long)]
+    pub no_nfacct: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -32,6 +68,9 @@ pub enum ProxyMode {
     /// Socket load balancing in BPF programs on cgroup hooks.
     Ebpf,
 }
+
+/// `--pod-interfaces` when not given.
+pub const DEFAULT_POD_INTERFACES: &str = "veth,lxc,cali";
 
 /// How the per-packet program is attached to interfaces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -93,7 +132,7 @@ pub struct RunArgs {
         long,
         value_name = "PREFIX[,PREFIX]",
         value_delimiter = ',',
-        default_value = "veth,lxc,cali"
+        default_value = DEFAULT_POD_INTERFACES
     )]
     pub pod_interfaces: Vec<String>,
     /// How the per-packet program is attached to interfaces

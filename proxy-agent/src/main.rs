@@ -3,7 +3,7 @@
 use clap::Parser as _;
 use proxy_agent::{
     agent,
-    cli::{Cli, Command},
+    cli::{Cli, Command, RenderCommand},
 };
 
 fn main() -> std::process::ExitCode {
@@ -19,6 +19,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Run(args) => agent::run(*args),
         Command::Cleanup(args) => agent::cleanup(&args),
+        Command::Render(RenderCommand::Iptables(args)) => agent::render_iptables(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

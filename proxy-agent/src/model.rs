@@ -123,6 +123,8 @@ pub struct ServicePort {
     pub source_ranges: Vec<Cidr>,
     /// `externalTrafficPolicy: Local` on a service with external addresses.
     pub external_local: bool,
+    /// `healthCheckNodePort` (LoadBalancer with externalTrafficPolicy Local).
+    pub health_check_node_port: Option<u16>,
     /// `internalTrafficPolicy: Local`.
     pub internal_local: bool,
     /// `Some(timeout)` for `sessionAffinity: ClientIP`.
@@ -572,6 +574,10 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
             load_balancer_ips: externals.load_balancer_ips.clone(),
             source_ranges: externals.source_ranges.clone(),
             external_local: externals.external_local,
+            health_check_node_port: spec
+                .health_check_node_port
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|p| *p != 0),
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout_secs,
             endpoints,

@@ -165,6 +165,7 @@ mod tests {
             load_balancer_ips: vec![],
             source_ranges: vec![],
             external_local: false,
+            health_check_node_port: None,
             internal_local: false,
             affinity_timeout_secs: None,
             endpoints: endpoints

@@ -1,3 +1,4 @@
 //! The code that touches the kernel.
 
 pub mod ebpf;
+pub mod iptables;
