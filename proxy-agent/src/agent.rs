@@ -213,13 +213,13 @@ fn node_ips(node_ip: &[Ipv4Addr], pod_interfaces: &[String]) -> anyhow::Result<V
 }
 
 fn datapath_config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
-    let (cidr, prefix) = args.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
+    let (cidr, prefix) = args.node.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
     Config {
         snat_addr: node_ips[0].octets(),
         cluster_cidr: cidr,
         cluster_cidr_prefix: prefix,
-        masquerade_all: args.masquerade_all as u8,
+        masquerade_all: args.node.masquerade_all as u8,
         snat_port_min: args.snat_port_range.0,
         snat_port_max: args.snat_port_range.1,
         _pad: 0,
@@ -254,9 +254,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let mut backend = EbpfBackend::load(tc_mode).context("loading the BPF programs")?;
     let node = Node {
-        name: node_name(&args.hostname_override)?,
-        ips: node_ips(&args.node_ip, &args.pod_interfaces)?,
-        nodeport_addresses: args.nodeport_addresses.clone(),
+        name: node_name(&args.node.hostname_override)?,
+        ips: node_ips(&args.node.node_ip, &args.pod_interfaces)?,
+        nodeport_addresses: args.node.nodeport_addresses.clone(),
     };
     backend
         .configure(&datapath_config(&args, &node.ips))
@@ -360,11 +360,11 @@ pub fn render_iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
     let pod_interfaces: Vec<String> =
         crate::cli::DEFAULT_POD_INTERFACES.split(',').map(String::from).collect();
     let options = render::Options {
-        node_name: node_name(&args.hostname_override)?,
-        node_ips: node_ips(&args.node_ip, &pod_interfaces)?,
-        nodeport_addresses: args.nodeport_addresses.clone(),
-        cluster_cidr: args.cluster_cidr,
-        masquerade_all: args.masquerade_all,
+        node_name: node_name(&args.node.hostname_override)?,
+        node_ips: node_ips(&args.node.node_ip, &pod_interfaces)?,
+        nodeport_addresses: args.node.nodeport_addresses.clone(),
+        cluster_cidr: args.node.cluster_cidr,
+        masquerade_all: args.node.masquerade_all,
         // What current kube-proxy writes with current iptables.
         localhost_nodeports: true,
         nfacct: !args.no_nfacct,

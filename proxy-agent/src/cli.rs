@@ -42,21 +42,8 @@ pub struct RenderIptablesArgs {
     /// A YAML file or directory of Services and EndpointSlices
     #[arg(long, value_name = "PATH")]
     pub manifests: PathBuf,
-    /// This node's name, matched against EndpointSlice nodeName [default: the hostname]
-    #[arg(long, value_name = "NAME")]
-    pub hostname_override: Option<String>,
-    /// This node's IPv4 addresses [default: the addresses of its non-pod interfaces]
-    #[arg(long, value_name = "IP[,IP]", value_delimiter = ',')]
-    pub node_ip: Vec<Ipv4Addr>,
-    /// NodePorts only on node addresses within these CIDRs [default: all]
-    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
-    pub nodeport_addresses: Vec<model::Cidr>,
-    /// The pods' CIDR, kube-proxy's local-traffic detector
-    #[arg(long, value_name = "CIDR", value_parser = parse_cidr)]
-    pub cluster_cidr: Option<model::Cidr>,
-    /// Masquerade all ClusterIP traffic
-    #[arg(long)]
-    pub masquerade_all: bool,
+    #[command(flatten)]
+    pub node: NodeArgs,
     /// Leave out the nfacct counter matches kube-proxy adds where the kernel
     /// has nfnetlink_acct (the counters must exist before such rules apply)
     #[arg(long)]
@@ -65,7 +52,8 @@ pub struct RenderIptablesArgs {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProxyMode {
-    /// Socket load balancing in BPF programs on cgroup hooks.
+    /// BPF programs: socket load balancing on cgroup hooks, per-packet
+    /// translation in tc.
     Ebpf,
 }
 
@@ -81,6 +69,29 @@ pub enum TcAttachArg {
     Tcx,
     /// clsact filters (netlink): removed when the agent stops
     Netlink,
+}
+
+/// The node and its traffic rules; shared by `run` and `render`.
+#[derive(Args, Clone, Debug)]
+pub struct NodeArgs {
+    /// This node's name, matched against EndpointSlice nodeName (local
+    /// endpoints) [default: the hostname]
+    #[arg(long, value_name = "NAME")]
+    pub hostname_override: Option<String>,
+    /// This node's IPv4 addresses: NodePorts are served on them and clients
+    /// are SNATed to the first [default: the addresses of its non-pod
+    /// interfaces, the default route's first]
+    #[arg(long, value_name = "IP[,IP]", value_delimiter = ',')]
+    pub node_ip: Vec<Ipv4Addr>,
+    /// Serve NodePorts only on node addresses within these CIDRs [default: all]
+    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
+    pub nodeport_addresses: Vec<model::Cidr>,
+    /// The pods' CIDR: ClusterIP traffic from other sources is masqueraded
+    #[arg(long, value_name = "CIDR", value_parser = parse_cidr)]
+    pub cluster_cidr: Option<model::Cidr>,
+    /// Masquerade all ClusterIP traffic (translated per packet, or by iptables)
+    #[arg(long)]
+    pub masquerade_all: bool,
 }
 
 /// Where the datapath is pinned; shared by `run` and `cleanup`.
@@ -100,31 +111,14 @@ pub struct RunArgs {
     /// Which datapath to program
     #[arg(long, value_enum, default_value = "ebpf")]
     pub proxy_mode: ProxyMode,
-    /// This node's name, matched against EndpointSlice nodeName to flag local
-    /// backends [default: the hostname]
-    #[arg(long, value_name = "NAME")]
-    pub hostname_override: Option<String>,
+    #[command(flatten)]
+    pub node: NodeArgs,
     /// cgroup v2 the socket programs attach to [default: the cgroup2 mount root]
     #[arg(long, value_name = "PATH")]
     pub cgroup_path: Option<PathBuf>,
     /// Where /metrics and /healthz are served
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:10249")]
     pub metrics_bind_address: SocketAddr,
-    /// This node's IPv4 addresses: NodePorts are served on them and clients
-    /// are SNATed to the first [default: the addresses of its non-pod
-    /// interfaces]
-    #[arg(long, value_name = "IP[,IP]", value_delimiter = ',')]
-    pub node_ip: Vec<Ipv4Addr>,
-    /// Serve NodePorts only on node addresses within these CIDRs [default: all]
-    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
-    pub nodeport_addresses: Vec<model::Cidr>,
-    /// The pods' CIDR: ClusterIP traffic translated per packet from other
-    /// sources is masqueraded to the node
-    #[arg(long, value_name = "CIDR", value_parser = parse_cidr)]
-    pub cluster_cidr: Option<model::Cidr>,
-    /// Masquerade all ClusterIP traffic translated per packet
-    #[arg(long)]
-    pub masquerade_all: bool,
     /// Name prefixes of pod-facing interfaces; their ingress (and that of the
     /// interfaces holding a node IP) runs the per-packet program, also on
     /// interfaces that appear later
