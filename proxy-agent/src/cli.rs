@@ -166,7 +166,7 @@ fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
     let parsed = text.split_once('-').and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
     match parsed {
         Some((min, max)) if 0 < min && min <= max => Ok((min, max)),
-        _ => Err("expected MIN-MAX, such as 61000-65000".into()),
+        _ => Err("expected MIN-MAX, such as 10000-29999".into()),
     }
 }
 
