@@ -28,6 +28,9 @@ pub enum Command {
     /// Print what a mode would program, without applying anything.
     #[command(subcommand)]
     Render(RenderCommand),
+    /// Check the kernel features the eBPF mode needs and print the mode
+    /// `--proxy-mode auto` would pick (loads, never attaches, the programs).
+    Probe,
 }
 
 #[derive(Subcommand)]

@@ -9,5 +9,6 @@ pub mod cli;
 pub mod metrics;
 pub mod model;
 pub mod plan;
+pub mod probe;
 pub mod source;
 pub mod sys;

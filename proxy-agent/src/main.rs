@@ -4,6 +4,7 @@ use clap::Parser as _;
 use proxy_agent::{
     agent,
     cli::{Cli, Command, RenderCommand},
+    probe,
 };
 
 fn main() -> std::process::ExitCode {
@@ -20,6 +21,10 @@ fn main() -> std::process::ExitCode {
         Command::Run(args) => agent::run(*args),
         Command::Cleanup(args) => agent::cleanup(&args),
         Command::Render(RenderCommand::Iptables(args)) => agent::render_iptables(&args),
+        Command::Probe => {
+            print!("{}", probe::report(&probe::run()));
+            Ok(())
+        }
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

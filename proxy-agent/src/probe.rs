@@ -1,0 +1,152 @@
+//! What the kernel can run, and the mode `auto` picks from it. The checks
+//! are real (BTF support as aya detects it, the cgroup2 mount, loading and
+//! verifying the very programs the agent would attach); the decision is a
+//! pure function of their results.
+
+use std::fmt::Write as _;
+
+use aya::util::KernelVersion;
+
+use crate::{
+    backend::ebpf::{EbpfBackend, TcAttach},
+    sys,
+};
+
+/// One kernel feature and whether this kernel has it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Feature {
+    pub name: &'static str,
+    /// Without it the eBPF mode cannot run.
+    pub required: bool,
+    pub found: bool,
+    pub detail: String,
+}
+
+/// The mode `--proxy-mode auto` picks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    Ebpf,
+    /// The first missing feature the eBPF mode needs.
+    Iptables {
+        missing: &'static str,
+    },
+}
+
+pub const BTF: &str = "BTF (kernel type information for BPF objects)";
+pub const CGROUP2: &str = "cgroup v2 mounted";
+pub const PROGRAMS: &str = "programs load (cgroup sock_addr, tc, helpers, BTF maps)";
+pub const CGROUP_LINKS: &str = "bpf_link for cgroups (5.7+)";
+pub const TCX: &str = "TCX attachment (6.6+; else clsact filters)";
+
+/// Picks the mode: eBPF when every required feature is there.
+pub fn decide(features: &[Feature]) -> Decision {
+    match features.iter().find(|f| f.required && !f.found) {
+        Some(missing) => Decision::Iptables { missing: missing.name },
+        None => Decision::Ebpf,
+    }
+}
+
+/// Runs the checks on this kernel (needs root to load programs).
+pub fn run() -> Vec<Feature> {
+    let kernel = KernelVersion::current().ok();
+    let at_least = |major, minor| kernel.is_some_and(|v| v >= KernelVersion::new(major, minor, 0));
+    let version = kernel.map_or_else(|| "unknown kernel".to_string(), |v| format!("kernel {v}"));
+    let btf = aya::features().btf().is_some();
+    let cgroup2 = sys::cgroup2_root();
+    let programs = EbpfBackend::load(TcAttach::for_this_kernel());
+    vec![
+        Feature {
+            name: BTF,
+            required: true,
+            found: btf,
+            detail: if btf { "supported".into() } else { "BPF_BTF_LOAD refused".into() },
+        },
+        Feature {
+            name: CGROUP2,
+            required: true,
+            found: cgroup2.is_ok(),
+            detail: match &cgroup2 {
+                Ok(path) => path.display().to_string(),
+                Err(e) => e.to_string(),
+            },
+        },
+        Feature {
+            name: PROGRAMS,
+            required: true,
+            found: programs.is_ok(),
+            detail: match &programs {
+                Ok(_) => "verified".into(),
+                Err(e) => e.to_string(),
+            },
+        },
+        Feature {
+            name: CGROUP_LINKS,
+            required: true,
+            found: at_least(5, 7),
+            detail: version.clone(),
+        },
+        Feature { name: TCX, required: false, found: at_least(6, 6), detail: version },
+    ]
+}
+
+/// The probe as a table, and the decision.
+pub fn report(features: &[Feature]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{:<58} {:<9} {:<6} detail", "feature", "needed", "found");
+    for f in features {
+        let needed = if f.required { "ebpf" } else { "optional" };
+        let found = if f.found { "yes" } else { "NO" };
+        let _ = writeln!(out, "{:<58} {needed:<9} {found:<6} {}", f.name, f.detail);
+    }
+    let _ = match decide(features) {
+        Decision::Ebpf => writeln!(out, "--proxy-mode auto would run: ebpf"),
+        Decision::Iptables { missing } => {
+            writeln!(out, "--proxy-mode auto would run: iptables (missing: {missing})")
+        }
+    };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(missing: &[&str]) -> Vec<Feature> {
+        [(BTF, true), (CGROUP2, true), (PROGRAMS, true), (CGROUP_LINKS, true), (TCX, false)]
+            .into_iter()
+            .map(|(name, required)| Feature {
+                name,
+                required,
+                found: !missing.contains(&name),
+                detail: String::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_complete_kernel_runs_ebpf() {
+        assert_eq!(decide(&kernel(&[])), Decision::Ebpf);
+        // Without TCX the per-packet program uses clsact filters.
+        assert_eq!(decide(&kernel(&[TCX])), Decision::Ebpf);
+    }
+
+    #[test]
+    fn a_kernel_without_btf_falls_back_to_iptables() {
+        assert_eq!(decide(&kernel(&[BTF])), Decision::Iptables { missing: BTF });
+    }
+
+    #[test]
+    fn a_kernel_without_sock_addr_hooks_falls_back_and_says_why() {
+        // The cgroup sock_addr programs fail verification or loading.
+        let features = kernel(&[PROGRAMS, CGROUP_LINKS]);
+        assert_eq!(decide(&features), Decision::Iptables { missing: PROGRAMS });
+        let table = report(&features);
+        assert!(table.contains("would run: iptables (missing: programs load"), "{table}");
+        assert!(table.lines().filter(|l| l.contains(" NO ")).count() == 2, "{table}");
+    }
+
+    #[test]
+    fn no_cgroup2_means_iptables() {
+        assert_eq!(decide(&kernel(&[CGROUP2])), Decision::Iptables { missing: CGROUP2 });
+    }
+}
