@@ -308,7 +308,13 @@ impl EbpfBackend {
         }
         let mut tc_links = Vec::new();
         for interface in interfaces {
-            tc_links.push((interface.clone(), self.attach_tc(interface)?));
+            // One interface that will not take the program (gone already, an
+            // odd device) must not keep the others unserved: the periodic
+            // scan tries it again.
+            match self.attach_tc(interface) {
+                Ok(links) => tc_links.push((interface.clone(), links)),
+                Err(e) => tracing::warn!(%interface, error = %e, "could not attach; will retry"),
+            }
         }
         remove_pins(root)?;
         let (maps_dir, links_dir) = (root.join("maps"), root.join("links"));
