@@ -369,6 +369,10 @@ pub fn render_iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
         localhost_nodeports: true,
         nfacct: !args.no_nfacct,
         random_fully: true,
+        conntrack_tcp_liberal: std::fs::read_to_string(
+            "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",
+        )
+        .is_ok_and(|v| v.trim() != "0"),
     };
     print!("{}", render::render(&model, &options));
     Ok(())

@@ -438,8 +438,12 @@ impl Externals {
         if load_balancer {
             let ingress = service.status.as_ref().and_then(|s| s.load_balancer.as_ref());
             for entry in ingress.and_then(|lb| lb.ingress.as_ref()).into_iter().flatten() {
-                // Hostname-only entries (some clouds) have nothing to proxy.
+                // Hostname-only entries (some clouds) have nothing to proxy,
+                // and `ipMode: Proxy` ones are handled by the load balancer.
                 let Some(raw) = &entry.ip else { continue };
+                if entry.ip_mode.as_deref() == Some("Proxy") {
+                    continue;
+                }
                 match raw.parse::<IpAddr>() {
                     Ok(IpAddr::V4(ip)) => load_balancer_ips.push(ip),
                     Ok(IpAddr::V6(_)) => {}
@@ -574,10 +578,16 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
             load_balancer_ips: externals.load_balancer_ips.clone(),
             source_ranges: externals.source_ranges.clone(),
             external_local: externals.external_local,
+            // Only LoadBalancer services with policy Local have one (the API
+            // server clears it otherwise; manifests are not validated).
             health_check_node_port: spec
                 .health_check_node_port
                 .and_then(|p| u16::try_from(p).ok())
-                .filter(|p| *p != 0),
+                .filter(|p| {
+                    *p != 0
+                        && externals.external_local
+                        && spec.type_.as_deref() == Some("LoadBalancer")
+                }),
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout_secs,
             endpoints,
@@ -714,6 +724,16 @@ endpoints: {endpoints}
             "{metadata: {name: s, labels: {kubernetes.io/service-name: a}}, addressType: IPv4, ports: [{name: y, port: 90, protocol: SCTP}], endpoints: [{addresses: [10.244.0.2]}]}",
         );
         assert!(build(&[service(sctp)], &[sctp_slice]).errors.is_empty());
+    }
+
+    #[test]
+    fn load_balancer_ips_in_proxy_mode_and_stray_health_check_ports_are_ignored() {
+        let lb = "{metadata: {name: a}, spec: {type: LoadBalancer, clusterIP: 10.96.0.3, externalTrafficPolicy: Local, healthCheckNodePort: 32000, ports: [{port: 80, nodePort: 30080}]}, status: {loadBalancer: {ingress: [{ip: 10.200.0.1}, {ip: 10.200.0.2, ipMode: Proxy}, {hostname: lb.example}]}}}";
+        let port = &build(&[service(lb)], &[]).ports[0];
+        assert_eq!(port.load_balancer_ips, vec![Ipv4Addr::new(10, 200, 0, 1)]);
+        assert_eq!(port.health_check_node_port, Some(32000));
+        let cluster = lb.replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster");
+        assert_eq!(build(&[service(&cluster)], &[]).ports[0].health_check_node_port, None);
     }
 
     #[test]

@@ -36,6 +36,24 @@ pub struct Options {
     pub nfacct: bool,
     /// iptables supports `MASQUERADE --random-fully` (1.6.2+).
     pub random_fully: bool,
+    /// `net.netfilter.nf_conntrack_tcp_be_liberal` is set: kube-proxy then
+    /// does not drop conntrack-INVALID forwards.
+    pub conntrack_tcp_liberal: bool,
+}
+
+impl Options {
+    /// `--nodeport-addresses` matches every address (none given, or a /0).
+    fn nodeports_everywhere(&self) -> bool {
+        self.nodeport_addresses.is_empty() || self.nodeport_addresses.iter().any(|c| c.len == 0)
+    }
+
+    /// Localhost NodePorts are on, as kube-proxy turns them off when
+    /// `--nodeport-addresses` leaves out loopback.
+    fn localhost_nodeports(&self) -> bool {
+        self.localhost_nodeports
+            && (self.nodeports_everywhere()
+                || self.nodeport_addresses.iter().any(|c| c.contains(Ipv4Addr::LOCALHOST)))
+    }
 }
 
 /// The jumps from the built-in chains kube-proxy ensures outside the
@@ -139,7 +157,7 @@ pub fn render(model: &Model, opts: &Options) -> String {
     ] {
         filter.chain(chain);
     }
-    if opts.localhost_nodeports {
+    if opts.localhost_nodeports() {
         filter.chain("KUBE-FIREWALL");
         filter.rule(
             "KUBE-FIREWALL",
@@ -189,10 +207,10 @@ pub fn render(model: &Model, opts: &Options) -> String {
 
     let nodeports =
         "\"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
-    if opts.nodeport_addresses.is_empty() {
+    if opts.nodeports_everywhere() {
         let mut words =
             vec!["-m", "comment", "--comment", nodeports, "-m", "addrtype", "--dst-type", "LOCAL"];
-        if !opts.localhost_nodeports {
+        if !opts.localhost_nodeports() {
             words.extend(["!", "-d", "127.0.0.0/8"]);
         }
         words.extend(["-j", "KUBE-NODEPORTS"]);
@@ -211,12 +229,14 @@ pub fn render(model: &Model, opts: &Options) -> String {
         }
     }
 
-    let mut invalid = vec!["-m", "conntrack", "--ctstate", "INVALID"];
-    if opts.nfacct {
-        invalid.extend(["-m", "nfacct", "--nfacct-name", "ct_state_invalid_dropped_pkts"]);
+    if !opts.conntrack_tcp_liberal {
+        let mut invalid = vec!["-m", "conntrack", "--ctstate", "INVALID"];
+        if opts.nfacct {
+            invalid.extend(["-m", "nfacct", "--nfacct-name", "ct_state_invalid_dropped_pkts"]);
+        }
+        invalid.extend(["-j", "DROP"]);
+        filter.rule("KUBE-FORWARD", &invalid);
     }
-    invalid.extend(["-j", "DROP"]);
-    filter.rule("KUBE-FORWARD", &invalid);
     filter.rule(
         "KUBE-FORWARD",
         &[
@@ -390,21 +410,23 @@ impl<'a> ServiceRules<'a> {
                 filter.rule("KUBE-EXTERNAL-SERVICES", &words);
             }
         }
-        for ip in &self.port.load_balancer_ips {
-            let ip = ip.to_string();
-            if self.uses_fw() {
-                let not_accepted = format!("\"{s} traffic not accepted by {}\"", self.chains.fw);
+        // All the firewall drops, then the no-endpoint rules, as kube-proxy.
+        if self.uses_fw() {
+            let not_accepted = format!("\"{s} traffic not accepted by {}\"", self.chains.fw);
+            for ip in &self.port.load_balancer_ips {
+                let ip = ip.to_string();
                 let mut words = vec!["-m", "comment", "--comment", &not_accepted];
                 words.extend(self.dest(&ip, &port));
                 words.extend(["-j", "DROP"]);
                 filter.rule("KUBE-PROXY-FIREWALL", &words);
             }
-            if external {
-                let mut words = vec!["-m", "comment", "--comment", &why];
-                words.extend(self.dest(&ip, &port));
-                words.extend(["-j", target]);
-                filter.rule("KUBE-EXTERNAL-SERVICES", &words);
-            }
+        }
+        for ip in self.port.load_balancer_ips.iter().filter(|_| external) {
+            let ip = ip.to_string();
+            let mut words = vec!["-m", "comment", "--comment", &why];
+            words.extend(self.dest(&ip, &port));
+            words.extend(["-j", target]);
+            filter.rule("KUBE-EXTERNAL-SERVICES", &words);
         }
         if let (Some(node_port), true) = (self.port.node_port, external) {
             let node_port = node_port.to_string();
@@ -485,7 +507,7 @@ impl<'a> ServiceRules<'a> {
         if let Some(node_port) = self.port.node_port {
             let node_port = node_port.to_string();
             let bare = comment(s);
-            if self.opts.localhost_nodeports && self.opts.nfacct {
+            if self.opts.localhost_nodeports() && self.opts.nfacct {
                 nat.rule(
                     "KUBE-NODEPORTS",
                     &[
@@ -556,11 +578,12 @@ impl<'a> ServiceRules<'a> {
                     &["-m", "comment", "--comment", &lb_ip, "-s", &range, "-j", &c.ext],
                 );
             }
+            // kube-proxy checks its primary node IP only.
             let admits_node = self
-                .port
-                .source_ranges
-                .iter()
-                .any(|r| self.opts.node_ips.iter().any(|ip| r.contains(*ip)));
+                .opts
+                .node_ips
+                .first()
+                .is_some_and(|node| self.port.source_ranges.iter().any(|r| r.contains(*node)));
             if admits_node {
                 for ip in &self.port.load_balancer_ips {
                     let ip = ip.to_string();
@@ -733,6 +756,7 @@ mod tests {
             localhost_nodeports: true,
             nfacct: true,
             random_fully: true,
+            conntrack_tcp_liberal: false,
         }
     }
 
