@@ -124,6 +124,13 @@ impl Attempt {
         Some(answer.unwrap_or(Attempt::Err { ms, kind: "NoAnswer".into() }))
     }
 
+    /// How long the attempt took.
+    pub fn ms(&self) -> f64 {
+        match self {
+            Attempt::Ok { ms, .. } | Attempt::Err { ms, .. } => *ms,
+        }
+    }
+
     /// The answering pod's name, for successful attempts.
     pub fn pod(&self) -> Option<&str> {
         match self {
