@@ -24,7 +24,10 @@ use anyhow::{Context, bail};
 const GATEWAY: &str = "169.254.1.1";
 const PREFIX: &str = "pxl-";
 const CGROUP2: &str = "/sys/fs/cgroup/unified";
-const BPFFS: &str = "/sys/fs/bpf";
+/// Each lab's own bpffs, mounted in its scratch dir (so nothing appears in
+/// the host's /sys/fs/bpf, where mounting bpffs would also show the kernel's
+/// preloaded iterators) and unmounted at teardown.
+const BPFFS_DIR: &str = "bpf";
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 
@@ -202,6 +205,7 @@ impl Lab {
             children: Vec::new(),
         };
         std::fs::create_dir_all(&lab.dir)?;
+        mount_bpffs(&lab.dir.join(BPFFS_DIR))?;
         let fabric = lab.fabric.clone();
         lab.add_netns(&fabric)?;
         ip(&["-n", &fabric, "link", "add", "br0", "type", "bridge"])?;
@@ -265,7 +269,7 @@ impl Lab {
             pod_cidr,
             name: if index == 0 { "lab-node".into() } else { format!("lab-node{}", index + 1) },
             cgroup,
-            pins: Path::new(BPFFS).join(&node_id),
+            pins: self.dir.join(BPFFS_DIR).join(&node_id),
             log: self.dir.join(format!("agent-{index}.log")),
             agent: None,
             veths: 0,
@@ -579,7 +583,7 @@ impl Lab {
         for node in &self.nodes {
             remove_cgroup(&node.cgroup);
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        remove_scratch(&self.dir);
     }
 }
 
@@ -639,19 +643,44 @@ fn sweep_stale() {
             }
         }
     }
-    for dir in [cgroup2_root(), PathBuf::from(BPFFS)] {
+    let scratch = std::env::temp_dir();
+    for dir in [cgroup2_root(), scratch.clone()] {
         let Ok(entries) = std::fs::read_dir(&dir) else { continue };
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             if dead(&name) {
-                if dir == Path::new(BPFFS) {
-                    let _ = std::fs::remove_dir_all(entry.path());
+                if dir == scratch {
+                    remove_scratch(&entry.path());
                 } else {
                     remove_cgroup(&entry.path());
                 }
             }
         }
     }
+}
+
+/// A bpffs of the lab's own.
+fn mount_bpffs(at: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(at)?;
+    let target = std::ffi::CString::new(at.as_os_str().as_encoded_bytes())?;
+    // SAFETY: static NUL-terminated strings and a valid target path.
+    let rc = unsafe {
+        libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null())
+    };
+    if rc != 0 {
+        bail!("mounting bpffs at {}: {}", at.display(), std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Unmounts the lab's bpffs (dropping whatever is still pinned there) and
+/// removes its scratch dir.
+fn remove_scratch(dir: &Path) {
+    if let Ok(target) = std::ffi::CString::new(dir.join(BPFFS_DIR).as_os_str().as_encoded_bytes()) {
+        // SAFETY: a valid path; failure (not mounted) is fine.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// How many attempts each pod answered.
