@@ -56,40 +56,41 @@ impl Packet {
 /// (other protocols, IPv6, ARP) is `None` and passes untouched.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Parsed> {
+    // One load per header: each bpf_skb_load_bytes is a helper call, and
+    // this runs for every packet of every watched interface.
     let ethertype: u16 = ctx.load(12).ok()?;
     if u16::from_be(ethertype) != ETH_P_IP {
         return None;
     }
-    let version_ihl: u8 = ctx.load(IP_OFF).ok()?;
-    if version_ihl >> 4 != 4 {
+    let ip: [u8; 20] = ctx.load(IP_OFF).ok()?;
+    if ip[0] >> 4 != 4 {
         return None;
     }
-    let ihl = ((version_ihl & 0x0f) as usize) * 4;
+    let ihl = ((ip[0] & 0x0f) as usize) * 4;
     if ihl < 20 {
         return None;
     }
-    let frag = u16::from_be(ctx.load(IP_OFF + 6).ok()?);
-    let proto: u8 = ctx.load(IP_OFF + 9).ok()?;
+    let frag = u16::from_be_bytes([ip[6], ip[7]]);
+    let proto = ip[9];
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return None;
     }
-    let saddr: [u8; 4] = ctx.load(IP_SADDR_OFF).ok()?;
-    let daddr: [u8; 4] = ctx.load(IP_DADDR_OFF).ok()?;
-    let id = u16::from_be(ctx.load(IP_OFF + 4).ok()?);
+    let saddr = [ip[12], ip[13], ip[14], ip[15]];
+    let daddr = [ip[16], ip[17], ip[18], ip[19]];
+    let id = u16::from_be_bytes([ip[4], ip[5]]);
     let frag_key = FragKey { saddr, daddr, id, proto, _pad: 0 };
     if frag & IP_FRAGMENT_OFFSET != 0 {
         return Some(Parsed::Fragment(frag_key));
     }
     let l4_off = IP_OFF + ihl;
-    let sport: u16 = ctx.load(l4_off).ok()?;
-    let dport: u16 = ctx.load(l4_off + 2).ok()?;
+    let ports: [u8; 4] = ctx.load(l4_off).ok()?;
     let tcp_flags = if proto == IPPROTO_TCP { ctx.load::<u8>(l4_off + 13).ok()? } else { 0 };
     Some(Parsed::Packet(Packet {
         tuple: CtKey {
             saddr,
             daddr,
-            sport: u16::from_be(sport),
-            dport: u16::from_be(dport),
+            sport: u16::from_be_bytes([ports[0], ports[1]]),
+            dport: u16::from_be_bytes([ports[2], ports[3]]),
             proto,
             _pad: [0; 3],
         },

@@ -223,12 +223,12 @@ impl EbpfBackend {
         crate::sys::raise_memlock_rlimit();
         let mut ebpf = Ebpf::load(OBJECT)?;
         for name in PROGRAMS {
-            program(&mut ebpf, name)?
+            program::<CgroupSockAddr>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
         for (name, _, _) in TC_HOOKS {
-            tc_program(&mut ebpf, name)?
+            program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
@@ -296,7 +296,7 @@ impl EbpfBackend {
         let cgroup_dir = File::open(cgroup).map_err(io_err("opening cgroup", cgroup))?;
         let mut links = Vec::new();
         for name in PROGRAMS {
-            let prog = program(&mut self.ebpf, name)?;
+            let prog: &mut CgroupSockAddr = program(&mut self.ebpf, name)?;
             let err = |source| EbpfError::Program { name, source };
             // A bpf_link attachment always runs beside other links (the
             // kernel refuses the ALLOW_MULTI flag on links), so a previous
@@ -342,7 +342,7 @@ impl EbpfBackend {
         let mut attached = Vec::new();
         for (name, hook, prefix) in TC_HOOKS {
             let err = |source| EbpfError::Program { name, source };
-            let prog = tc_program(&mut self.ebpf, name)?;
+            let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
             let link = match tc_mode {
                 TcAttach::Tcx => {
                     let options = TcAttachOptions::TcxOrder(LinkOrder::default());
@@ -479,16 +479,6 @@ enum Attached {
     Filter(SchedClassifierLink),
 }
 
-fn tc_program<'a>(
-    ebpf: &'a mut Ebpf,
-    name: &'static str,
-) -> Result<&'a mut SchedClassifier, EbpfError> {
-    ebpf.program_mut(name)
-        .ok_or(EbpfError::Missing { what: "program", name })?
-        .try_into()
-        .map_err(|source| EbpfError::Program { name, source })
-}
-
 /// Removes the per-packet programs' clsact filters from every interface of
 /// the caller's network namespace (TCX links go with their pins); returns
 /// how many hooks had one.
@@ -565,10 +555,11 @@ impl CounterReader {
     }
 }
 
-fn program<'a>(
-    ebpf: &'a mut Ebpf,
-    name: &'static str,
-) -> Result<&'a mut CgroupSockAddr, EbpfError> {
+/// A program of the object, as its type (`CgroupSockAddr`, `SchedClassifier`).
+fn program<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, EbpfError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
     ebpf.program_mut(name)
         .ok_or(EbpfError::Missing { what: "program", name })?
         .try_into()
