@@ -1,5 +1,6 @@
 //! The agent's loop: read the source, build the model and plan, sync the
-//! datapath; log and count what was wrong, retry what failed.
+//! datapath (eBPF or iptables); log and count what was wrong, retry what
+//! failed.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -15,11 +16,15 @@ use tokio::signal::unix::{SignalKind, signal};
 use proxy_common::Config;
 
 use crate::{
-    backend::ebpf::{self, EbpfBackend, TcAttach},
-    backend::iptables::render,
-    cli::{PinArgs, RenderIptablesArgs, RunArgs, TcAttachArg},
+    backend::{
+        ebpf::{self, EbpfBackend, TcAttach},
+        iptables::{self, CANARY, IptablesBackend, exec::System, render},
+    },
+    cli::{NodeArgs, PinArgs, ProxyMode, RenderIptablesArgs, RunArgs, TcAttachArg},
     metrics::{self, Metrics},
+    model::Model,
     plan::{self, Node, Plan},
+    probe,
     source::{Store, manifests::Manifests},
     sys,
 };
@@ -31,33 +36,69 @@ const POLL: Duration = Duration::from_millis(200);
 /// Failed syncs are retried after this, doubling up to `MAX_RETRY`.
 const FIRST_RETRY: Duration = Duration::from_millis(200);
 const MAX_RETRY: Duration = Duration::from_secs(10);
-/// Expired conntrack entries are collected every this many polls.
+/// eBPF: expired conntrack entries are collected every this many polls.
 const GC_EVERY: u32 = 5;
+/// iptables: the canary chains are checked every this many polls.
+const CANARY_EVERY: u32 = 10;
 /// A TCP flow translated per packet that never saw a reply lives this long.
 const TCP_SYN_TIMEOUT_SECS: u32 = 60;
+/// What the agent logs once its datapath serves the source.
+const SERVING: &str = "datapath ready; serving";
+
+/// What the datapath should hold: the model, and the plan (which also
+/// reports conflicting frontends, in either mode).
+#[derive(Default)]
+struct Desired {
+    model: Model,
+    plan: Plan,
+}
+
+/// The eBPF datapath and what looking after it needs.
+struct Ebpf {
+    backend: EbpfBackend,
+    cgroup: PathBuf,
+    root: PathBuf,
+    /// Name prefixes of pod-facing interfaces.
+    pod_interfaces: Vec<String>,
+}
+
+enum Datapath {
+    Ebpf(Box<Ebpf>),
+    Iptables(Box<IptablesBackend<System>>),
+}
+
+impl Datapath {
+    fn mode(&self) -> &'static str {
+        match self {
+            Datapath::Ebpf(_) => "ebpf",
+            Datapath::Iptables(_) => "iptables",
+        }
+    }
+}
 
 struct Agent {
     manifests: Manifests,
     store: Store,
-    backend: EbpfBackend,
+    datapath: Datapath,
     metrics: Arc<Metrics>,
     node: Node,
-    /// Name prefixes of pod-facing interfaces.
-    pod_interfaces: Vec<String>,
-    root: PathBuf,
-    /// The programs are attached: interfaces and conntrack are looked after.
-    attached: bool,
-    polls: u32,
-    /// A plan the maps do not hold yet, and when to try again.
-    pending: Option<(Plan, Instant)>,
+    /// `--bpffs-root`: the eBPF mode's pins (removed in iptables mode).
+    pins: PathBuf,
+    desired: Desired,
+    /// When to sync `desired` into the datapath; `None`: it holds it.
+    due: Option<Instant>,
     retry_after: Duration,
     /// Every manifest has been read once: the datapath may be replaced.
     complete: bool,
+    /// The datapath serves `desired` (programs attached, rules applied).
+    serving: bool,
+    polls: u32,
 }
 
 impl Agent {
-    /// One round: reload; on a change, compute a new plan; sync the pending
-    /// plan when due. Never fails: errors are logged, counted and retried.
+    /// One round: reload; on a change, compute the desired state; sync it
+    /// when due; look after the datapath. Never fails: errors are logged,
+    /// counted and retried.
     fn tick(&mut self) {
         let reload = self.manifests.reload();
         for err in &reload.errors {
@@ -66,47 +107,22 @@ impl Agent {
         }
         self.complete |= reload.complete;
         if reload.changed {
-            self.pending = Some((self.plan(), Instant::now()));
+            self.desired = self.desired();
+            self.due = Some(Instant::now());
             self.retry_after = FIRST_RETRY;
         }
-        if let Some((plan, due)) = self.pending.take() {
-            if Instant::now() < due {
-                self.pending = Some((plan, due));
-            } else {
-                self.sync(plan);
-            }
-        }
-        if self.attached {
-            self.look_after_datapath();
-        }
-    }
-
-    /// Follows interfaces that come and go, and collects expired flows.
-    fn look_after_datapath(&mut self) {
-        match sys::interfaces() {
-            Ok(interfaces) => {
-                let wanted = tc_interfaces(&interfaces, &self.node.ips, &self.pod_interfaces);
-                self.backend.set_tc_interfaces(&self.root, &wanted);
-            }
-            Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
+        if self.due.is_some_and(|due| Instant::now() >= due) && self.may_sync() {
+            self.sync();
         }
         self.polls = self.polls.wrapping_add(1);
-        if self.polls.is_multiple_of(GC_EVERY) {
-            match self.backend.collect_conntrack() {
-                Ok((deleted, left)) => {
-                    self.metrics.conntrack_entries.store(left as u64, Relaxed);
-                    if deleted > 0 {
-                        tracing::debug!(deleted, left, "expired flows collected");
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "conntrack collection failed"),
-            }
+        if self.serving {
+            self.look_after_datapath();
         }
     }
 
     /// Store, model and plan for the current manifests; each problem is
     /// logged and counted once per change.
-    fn plan(&mut self) -> Plan {
+    fn desired(&mut self) -> Desired {
         let update = self.store.replace(self.manifests.snapshot());
         for err in &update.errors {
             tracing::warn!(kind = err.kind(), "invalid object skipped: {err}");
@@ -126,49 +142,179 @@ impl Agent {
             tracing::warn!("{conflict}");
             self.metrics.invalid("Service");
         }
-        plan
+        Desired { model, plan }
     }
 
-    fn sync(&mut self, plan: Plan) {
-        match self.backend.sync(&plan) {
-            Ok(report) => {
+    fn sync(&mut self) {
+        let plan = &self.desired.plan;
+        let result = match &mut self.datapath {
+            Datapath::Ebpf(dp) => sync_ebpf(&mut dp.backend, plan),
+            Datapath::Iptables(backend) => {
+                let result = sync_iptables(backend, &self.desired.model);
+                if result.is_err() {
+                    self.metrics.restore_failures.fetch_add(1, Relaxed);
+                }
+                result
+            }
+        };
+        match result {
+            Ok(()) => {
+                self.due = None;
                 self.metrics.syncs_ok.fetch_add(1, Relaxed);
                 let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
                 self.metrics.last_sync_seconds.store(now.map_or(0, |d| d.as_secs()), Relaxed);
-                let state = self.backend.state();
-                self.metrics.frontends.store(state.frontend_count() as u64, Relaxed);
-                self.metrics.backends.store(state.backend_count() as u64, Relaxed);
-                tracing::info!(
-                    frontends = state.frontend_count(),
-                    backends = state.backend_count(),
-                    writes = report.writes,
-                    "datapath synced"
-                );
-                match self.backend.flush_udp_flows(&report.removed_backends) {
-                    Ok(0) => {}
-                    Ok(flushed) => {
-                        tracing::info!(flushed, "UDP flows to removed endpoints deleted")
-                    }
-                    Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
-                }
+                let backends: BTreeSet<_> =
+                    plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
+                self.metrics.frontends.store(plan.frontends.len() as u64, Relaxed);
+                self.metrics.backends.store(backends.len() as u64, Relaxed);
             }
             Err(err) => {
                 self.metrics.syncs_failed.fetch_add(1, Relaxed);
                 tracing::error!(
                     retry_in = ?self.retry_after,
-                    "sync failed, serving the previous state: {err}"
+                    "sync failed, serving the previous state: {err:#}"
                 );
-                self.pending = Some((plan, Instant::now() + self.retry_after));
+                self.due = Some(Instant::now() + self.retry_after);
                 self.retry_after = (self.retry_after * 2).min(MAX_RETRY);
             }
         }
     }
 
-    /// Whether the maps hold the whole source: only then may they replace a
-    /// previous agent's datapath.
-    fn ready(&self) -> bool {
-        self.complete && self.pending.is_none()
+    /// eBPF: follows interfaces that come and go, and collects expired
+    /// flows. iptables: resyncs when someone flushed the rules, and hourly.
+    fn look_after_datapath(&mut self) {
+        match &mut self.datapath {
+            Datapath::Ebpf(dp) => {
+                match sys::interfaces() {
+                    Ok(interfaces) => {
+                        let wanted = tc_interfaces(&interfaces, &self.node.ips, &dp.pod_interfaces);
+                        dp.backend.set_tc_interfaces(&dp.root, &wanted);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
+                }
+                if self.polls.is_multiple_of(GC_EVERY) {
+                    match dp.backend.collect_conntrack() {
+                        Ok((deleted, left)) => {
+                            self.metrics.conntrack_entries.store(left as u64, Relaxed);
+                            if deleted > 0 {
+                                tracing::debug!(deleted, left, "expired flows collected");
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "conntrack collection failed"),
+                    }
+                }
+            }
+            Datapath::Iptables(backend) => {
+                if self.due.is_some() || !self.polls.is_multiple_of(CANARY_EVERY) {
+                    return;
+                }
+                if let Some(table) = backend.canary_gone() {
+                    tracing::warn!(
+                        table,
+                        "{CANARY} is gone: another program flushed the rules; full resync"
+                    );
+                    self.metrics.canary_resyncs.fetch_add(1, Relaxed);
+                    self.due = Some(Instant::now());
+                } else if backend.full_sync_due() {
+                    self.due = Some(Instant::now());
+                }
+            }
+        }
     }
+
+    /// A new agent's maps are private until its programs attach, but rules
+    /// are live as soon as they are applied: they wait for every manifest,
+    /// so an unreadable file never replaces good rules with fewer.
+    fn may_sync(&self) -> bool {
+        self.complete || matches!(self.datapath, Datapath::Ebpf(_))
+    }
+
+    /// Whether the datapath holds the whole source: only then may it
+    /// replace a previous agent's (or the other mode's).
+    fn ready(&self) -> bool {
+        self.complete && self.due.is_none()
+    }
+
+    /// Once the datapath holds the whole source, makes it serve: attaches
+    /// the programs (eBPF; until then a previous agent's datapath keeps
+    /// serving), then removes what the other mode left.
+    fn serve_when_ready(&mut self, waiting_since: &mut Option<Instant>) -> anyhow::Result<()> {
+        if !self.ready() {
+            let since = *waiting_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > Duration::from_secs(2) {
+                tracing::warn!(
+                    "waiting for every manifest to be readable before taking over the datapath"
+                );
+                *waiting_since = Some(Instant::now());
+            }
+            return Ok(());
+        }
+        match &mut self.datapath {
+            Datapath::Ebpf(dp) => {
+                let interfaces = sys::interfaces().context("listing interfaces")?;
+                let wanted = tc_interfaces(&interfaces, &self.node.ips, &dp.pod_interfaces);
+                dp.backend.activate(&dp.cgroup, &wanted, &dp.root).with_context(|| {
+                    format!("attaching to {} and {wanted:?}", dp.cgroup.display())
+                })?;
+                self.metrics.set_datapath(ebpf::CounterReader::open(&dp.root)?);
+                // Socket LB and tc translate before netfilter sees a packet:
+                // the rules only go once the programs serve.
+                match iptables::cleanup(&mut System) {
+                    Ok(0) => {}
+                    Ok(chains) => tracing::info!(chains, "removed the iptables mode's rules"),
+                    Err(e) => tracing::warn!("could not remove the iptables mode's rules: {e}"),
+                }
+            }
+            Datapath::Iptables(_) => {
+                // The rules are in; a previous eBPF datapath would still
+                // translate in front of them.
+                match cleanup_ebpf(&self.pins) {
+                    Ok((0, 0)) => {}
+                    Ok((pins, filters)) => {
+                        tracing::info!(pins, filters, "removed the eBPF mode's programs")
+                    }
+                    Err(e) => tracing::warn!("could not remove the eBPF mode's programs: {e:#}"),
+                }
+            }
+        }
+        tracing::info!(mode = self.datapath.mode(), "{SERVING}");
+        self.serving = true;
+        Ok(())
+    }
+}
+
+fn sync_ebpf(backend: &mut EbpfBackend, plan: &Plan) -> anyhow::Result<()> {
+    let report = backend.sync(plan)?;
+    let state = backend.state();
+    tracing::info!(
+        frontends = state.frontend_count(),
+        backends = state.backend_count(),
+        writes = report.writes,
+        "datapath synced"
+    );
+    match backend.flush_udp_flows(&report.removed_backends) {
+        Ok(0) => {}
+        Ok(flushed) => tracing::info!(flushed, "UDP flows to removed endpoints deleted"),
+        Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
+    }
+    Ok(())
+}
+
+fn sync_iptables(backend: &mut IptablesBackend<System>, model: &Model) -> anyhow::Result<()> {
+    let report = backend.sync(model)?;
+    tracing::info!(
+        full = report.full,
+        chains_written = report.chains_written,
+        chains_deleted = report.chains_deleted,
+        "rules synced"
+    );
+    if report.flows_flushed > 0 {
+        tracing::info!(sets = report.flows_flushed, "stale UDP conntrack entries deleted");
+    }
+    for e in &report.flow_errors {
+        tracing::warn!("could not delete stale UDP conntrack entries: {e}");
+    }
+    Ok(())
 }
 
 /// The interfaces whose ingress runs the per-packet program: those holding a
@@ -240,7 +386,26 @@ fn node_name(hostname_override: &Option<String>) -> anyhow::Result<String> {
     Ok(name.trim().to_lowercase())
 }
 
-pub fn run(args: RunArgs) -> anyhow::Result<()> {
+/// The mode to run: as asked, or for `auto` what the kernel can run.
+fn choose_mode(asked: ProxyMode) -> ProxyMode {
+    if asked != ProxyMode::Auto {
+        return asked;
+    }
+    let features = probe::run();
+    match probe::decide(&features) {
+        probe::Decision::Ebpf => ProxyMode::Ebpf,
+        probe::Decision::Iptables { missing } => {
+            let detail = features.iter().find(|f| f.name == missing).map(|f| f.detail.as_str());
+            tracing::warn!(
+                "eBPF mode unavailable, this kernel lacks: {missing} ({}); running in iptables mode",
+                detail.unwrap_or_default()
+            );
+            ProxyMode::Iptables
+        }
+    }
+}
+
+fn ebpf_datapath(args: &RunArgs, node: &Node) -> anyhow::Result<Ebpf> {
     let cgroup = match &args.cgroup_path {
         Some(path) => path.clone(),
         None => sys::cgroup2_root().context("finding the cgroup2 mount")?,
@@ -253,17 +418,37 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         TcAttachArg::Netlink => TcAttach::Netlink,
     };
     let mut backend = EbpfBackend::load(tc_mode).context("loading the BPF programs")?;
+    backend
+        .configure(&datapath_config(args, &node.ips))
+        .context("writing the datapath settings")?;
+    let (min, max) = args.snat_port_range;
+    sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
+    tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), "BPF programs loaded");
+    Ok(Ebpf { backend, cgroup, root, pod_interfaces: args.pod_interfaces.clone() })
+}
+
+fn iptables_datapath(args: &RunArgs, node: &Node) -> IptablesBackend<System> {
+    let options = render_options(node, &args.node, false);
+    if options.localhost_nodeports() {
+        // As kube-proxy: NodePorts on 127.0.0.1 need DNAT of loopback traffic.
+        if let Err(e) = sys::set_sysctl("net/ipv4/conf/all/route_localnet", "1") {
+            tracing::warn!("could not enable route_localnet (localhost NodePorts): {e}");
+        }
+    }
+    IptablesBackend::new(System, options)
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let node = Node {
         name: node_name(&args.node.hostname_override)?,
         ips: node_ips(&args.node.node_ip, &args.pod_interfaces)?,
         nodeport_addresses: args.node.nodeport_addresses.clone(),
     };
-    backend
-        .configure(&datapath_config(&args, &node.ips))
-        .context("writing the datapath settings")?;
-    let (min, max) = args.snat_port_range;
-    sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
-    tracing::info!(mode = ?args.proxy_mode, ?tc_mode, node = %node.name, node_ips = ?node.ips, cgroup = %cgroup.display(), bpffs = %root.display(), "starting");
+    let datapath = match choose_mode(args.proxy_mode) {
+        ProxyMode::Iptables => Datapath::Iptables(Box::new(iptables_datapath(&args, &node))),
+        _ => Datapath::Ebpf(Box::new(ebpf_datapath(&args, &node)?)),
+    };
+    tracing::info!(mode = datapath.mode(), node = %node.name, node_ips = ?node.ips, "starting");
 
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
@@ -276,16 +461,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let mut agent = Agent {
             manifests: Manifests::new(&args.manifests),
             store: Store::default(),
-            backend,
+            datapath,
             metrics,
             node,
-            pod_interfaces: args.pod_interfaces.clone(),
-            root: root.clone(),
-            attached: false,
-            polls: 0,
-            pending: None,
+            pins: args.pins.bpffs_root.clone(),
+            desired: Desired::default(),
+            due: None,
             retry_after: FIRST_RETRY,
             complete: false,
+            serving: false,
+            polls: 0,
         };
         let mut terminate = signal(SignalKind::terminate())?;
         let mut interrupt = signal(SignalKind::interrupt())?;
@@ -296,46 +481,36 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             tokio::select! {
                 _ = poll.tick() => {
                     agent.tick();
-                    if !agent.attached {
-                        agent.attached = activate_when_ready(&mut agent, &cgroup, &mut waiting_since)?;
+                    if !agent.serving {
+                        agent.serve_when_ready(&mut waiting_since)?;
                     }
                 }
                 _ = terminate.recv() => break,
                 _ = interrupt.recv() => break,
             }
         }
-        tracing::info!("stopping; the datapath stays pinned until `proxy-agent cleanup`");
+        tracing::info!("stopping; the datapath stays in place until `proxy-agent cleanup`");
         Ok(())
     })
 }
 
-/// Attaches the programs once the maps hold the whole source. Until then a
-/// previous agent's datapath keeps serving: a restart with unreadable
-/// manifests must not replace it with empty maps.
-fn activate_when_ready(
-    agent: &mut Agent,
-    cgroup: &Path,
-    waiting_since: &mut Option<Instant>,
-) -> anyhow::Result<bool> {
-    if !agent.ready() {
-        let since = *waiting_since.get_or_insert_with(Instant::now);
-        if since.elapsed() > Duration::from_secs(2) {
-            tracing::warn!(
-                "waiting for every manifest to be readable before taking over the datapath"
-            );
-            *waiting_since = Some(Instant::now());
-        }
-        return Ok(false);
+/// What the iptables rules depend on besides the services.
+fn render_options(node: &Node, args: &NodeArgs, nfacct: bool) -> render::Options {
+    render::Options {
+        node_name: node.name.clone(),
+        node_ips: node.ips.clone(),
+        nodeport_addresses: args.nodeport_addresses.clone(),
+        cluster_cidr: args.cluster_cidr,
+        masquerade_all: args.masquerade_all,
+        // What current kube-proxy writes with current iptables.
+        localhost_nodeports: true,
+        nfacct,
+        random_fully: true,
+        conntrack_tcp_liberal: std::fs::read_to_string(
+            "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",
+        )
+        .is_ok_and(|v| v.trim() != "0"),
     }
-    let interfaces = sys::interfaces().context("listing interfaces")?;
-    let wanted = tc_interfaces(&interfaces, &agent.node.ips, &agent.pod_interfaces);
-    agent
-        .backend
-        .activate(cgroup, &wanted, &agent.root)
-        .with_context(|| format!("attaching to {} and {wanted:?}", cgroup.display()))?;
-    agent.metrics.set_datapath(ebpf::CounterReader::open(&agent.root)?);
-    tracing::info!("programs attached; serving");
-    Ok(true)
 }
 
 /// `render iptables`: kube-proxy's restore input for the manifests, on stdout.
@@ -359,32 +534,32 @@ pub fn render_iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
     let model = store.model();
     let pod_interfaces: Vec<String> =
         crate::cli::DEFAULT_POD_INTERFACES.split(',').map(String::from).collect();
-    let options = render::Options {
-        node_name: node_name(&args.node.hostname_override)?,
-        node_ips: node_ips(&args.node.node_ip, &pod_interfaces)?,
+    let node = Node {
+        name: node_name(&args.node.hostname_override)?,
+        ips: node_ips(&args.node.node_ip, &pod_interfaces)?,
         nodeport_addresses: args.node.nodeport_addresses.clone(),
-        cluster_cidr: args.node.cluster_cidr,
-        masquerade_all: args.node.masquerade_all,
-        // What current kube-proxy writes with current iptables.
-        localhost_nodeports: true,
-        nfacct: !args.no_nfacct,
-        random_fully: true,
-        conntrack_tcp_liberal: std::fs::read_to_string(
-            "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",
-        )
-        .is_ok_and(|v| v.trim() != "0"),
     };
+    let options = render_options(&node, &args.node, !args.no_nfacct);
     print!("{}", render::render(&model, &options));
     Ok(())
 }
 
+/// Removes both modes' datapaths: pins (links detach, maps go), clsact
+/// filters and iptables rules of the caller's network namespace.
 pub fn cleanup(args: &PinArgs) -> anyhow::Result<()> {
     let root = &args.bpffs_root;
+    let (pins, filters) = cleanup_ebpf(root)?;
+    let chains = iptables::cleanup(&mut System).context("removing the iptables rules")?;
+    tracing::info!(pins, filters, chains, root = %root.display(), "removed pinned links and maps, clsact filters and iptables chains");
+    Ok(())
+}
+
+/// Removes the eBPF mode's pins under `root` and its clsact filters;
+/// returns how many of each.
+fn cleanup_ebpf(root: &Path) -> anyhow::Result<(usize, usize)> {
     let removed = ebpf::remove_pins(root)?;
     remove_empty_dir(root)?;
-    let filters = ebpf::remove_tc_filters();
-    tracing::info!(removed, filters, root = %root.display(), "removed pinned links and maps, and clsact filters");
-    Ok(())
+    Ok((removed, ebpf::remove_tc_filters()))
 }
 
 fn remove_empty_dir(dir: &Path) -> anyhow::Result<()> {

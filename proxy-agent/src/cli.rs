@@ -55,9 +55,13 @@ pub struct RenderIptablesArgs {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProxyMode {
+    /// eBPF when the kernel can run it (see `probe`), else iptables
+    Auto,
     /// BPF programs: socket load balancing on cgroup hooks, per-packet
-    /// translation in tc.
+    /// translation in tc
     Ebpf,
+    /// kube-proxy's iptables rules, applied with iptables-restore
+    Iptables,
 }
 
 /// `--pod-interfaces` when not given.
@@ -112,7 +116,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "PATH")]
     pub manifests: PathBuf,
     /// Which datapath to program
-    #[arg(long, value_enum, default_value = "ebpf")]
+    #[arg(long, value_enum, default_value = "auto")]
     pub proxy_mode: ProxyMode,
     #[command(flatten)]
     pub node: NodeArgs,

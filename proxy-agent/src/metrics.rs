@@ -26,6 +26,10 @@ pub struct Metrics {
     pub conntrack_entries: AtomicU64,
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
+    /// iptables mode: failed `iptables-restore` runs.
+    pub restore_failures: AtomicU64,
+    /// iptables mode: full resyncs because the canary chain vanished.
+    pub canary_resyncs: AtomicU64,
     invalid: Mutex<BTreeMap<String, u64>>,
     /// Read at each scrape, once the datapath is pinned.
     datapath: Mutex<Option<CounterReader>>,
@@ -102,6 +106,18 @@ impl Metrics {
             "counter",
             "Times an invalid update was ignored and the last good object kept.",
             &[(String::new(), self.kept_objects.load(Relaxed))],
+        );
+        metric(
+            "kubeproxy_iptables_restore_failures_total",
+            "counter",
+            "iptables mode: failed iptables-restore runs (each is retried as a full sync).",
+            &[(String::new(), self.restore_failures.load(Relaxed))],
+        );
+        metric(
+            "proxy_iptables_canary_resyncs_total",
+            "counter",
+            "iptables mode: full resyncs after KUBE-PROXY-CANARY vanished (rules flushed by another program).",
+            &[(String::new(), self.canary_resyncs.load(Relaxed))],
         );
         let counters = self.datapath.lock().ok().and_then(|d| d.as_ref().map(CounterReader::read));
         let datapath: Vec<_> = counters

@@ -173,6 +173,16 @@ pub fn reserve_ports(min: u16, max: u16) -> io::Result<()> {
     std::fs::write(PATH, value)
 }
 
+/// Sets a sysctl (`net/ipv4/...`, relative to /proc/sys) of the agent's
+/// network namespace, if it is not set already.
+pub fn set_sysctl(key: &str, value: &str) -> io::Result<()> {
+    let path = Path::new("/proc/sys").join(key);
+    if std::fs::read_to_string(&path)?.trim() == value {
+        return Ok(());
+    }
+    std::fs::write(path, value)
+}
+
 /// Lets BPF maps be created on kernels that still charge them to
 /// RLIMIT_MEMLOCK (before 5.11).
 pub fn raise_memlock_rlimit() {

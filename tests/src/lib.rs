@@ -143,8 +143,42 @@ impl Attempt {
     }
 }
 
-/// What the agent logs once its programs are attached.
-const ATTACHED: &str = "programs attached; serving";
+/// What the agent logs once its datapath serves the manifests.
+const SERVING: &str = "datapath ready; serving";
+
+/// The agent's `--proxy-mode`: the same scenarios run in each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Ebpf,
+    Iptables,
+}
+
+impl Mode {
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Iptables => "iptables",
+        }
+    }
+}
+
+/// Generates `mod <scenario> { fn ebpf(); fn iptables(); }`, each test
+/// calling `<scenario>(Mode)`: one definition, both modes.
+#[macro_export]
+macro_rules! both_modes {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[test]
+            fn ebpf() {
+                super::$scenario($crate::Mode::Ebpf)
+            }
+            #[test]
+            fn iptables() {
+                super::$scenario($crate::Mode::Iptables)
+            }
+        }
+    )*};
+}
 
 /// One node: its namespace, address, test cgroup, pins and agent.
 pub struct Node {
@@ -162,8 +196,29 @@ pub struct Node {
     veths: usize,
 }
 
+impl Node {
+    /// `proxy-agent cleanup` in this node's namespace: its pins, filters
+    /// and iptables rules (never the host's).
+    fn cleanup(&self) -> anyhow::Result<String> {
+        let agent = target_bin("proxy-agent");
+        let netns = format!("--net=/run/netns/{}", self.netns);
+        let pins = self.pins.to_string_lossy();
+        let out = Command::new("nsenter")
+            .args([netns.as_str()])
+            .arg(&agent)
+            .args(["cleanup", "--bpffs-root", &pins])
+            .output()?;
+        if !out.status.success() {
+            bail!("cleanup failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
 pub struct Lab {
     id: String,
+    /// The mode agents are started in.
+    pub mode: Mode,
     /// Node 0, which the single-node tests use.
     pub node: String,
     pub cgroup: PathBuf,
@@ -182,17 +237,25 @@ pub struct Lab {
 /// clients route to node 0.
 pub const FABRIC_PREFIX: &str = "192.168.100";
 pub const EXTERNAL_SERVICE_RANGE: &str = "10.200.0.0/24";
+/// Cluster IPs.
+pub const SERVICE_RANGE: &str = "10.96.0.0/12";
 
 impl Lab {
-    /// A node (namespace, uplink to the fabric, test cgroup, pin directory)
-    /// and a scratch dir.
+    /// A lab whose agents run in eBPF mode.
     pub fn new() -> anyhow::Result<Self> {
+        Self::with_mode(Mode::Ebpf)
+    }
+
+    /// A node (namespace, uplink to the fabric, test cgroup, pin directory)
+    /// and a scratch dir; agents run in `mode`.
+    pub fn with_mode(mode: Mode) -> anyhow::Result<Self> {
         if unsafe { libc::geteuid() } != 0 {
             bail!("the lab needs root (network namespaces, cgroups, BPF)");
         }
         sweep_stale();
         let id = format!("{PREFIX}{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let mut lab = Lab {
+            mode,
             node: String::new(),
             cgroup: PathBuf::new(),
             pins: PathBuf::new(),
@@ -256,6 +319,16 @@ impl Lab {
         sysctl(&netns, "net.ipv4.ip_forward", "1")?;
         let node_ip = format!("{FABRIC_PREFIX}.{}", 11 + index);
         self.uplink(&netns, &format!("n{index}"), &node_ip)?;
+        // Service addresses route to a device of their own, as kube-proxy's
+        // IPVS mode and Cilium give them one: packets to a service without
+        // endpoints must reach the filter rules that refuse them, not die
+        // for want of a route. A bridge without ports drops what it gets
+        // (this kernel has no dummy driver).
+        ip(&["-n", &netns, "link", "add", "svc0", "type", "bridge"])?;
+        ip(&["-n", &netns, "link", "set", "svc0", "up"])?;
+        for range in [SERVICE_RANGE, EXTERNAL_SERVICE_RANGE] {
+            ip(&["-n", &netns, "route", "add", range, "dev", "svc0"])?;
+        }
         let pod_cidr = format!("10.244.{}.0/24", 1 + index);
         for other in &self.nodes {
             ip(&["-n", &netns, "route", "add", &other.pod_cidr, "via", &other.ip])?;
@@ -333,7 +406,19 @@ impl Lab {
             "-n", &node_ns, "link", "add", &host_if, "type", "veth", "peer", "name", "eth0",
             "netns", &netns,
         ])?;
-        ip(&["-n", &node_ns, "addr", "add", &format!("{GATEWAY}/32"), "dev", &host_if])?;
+        // Link scope, as CNIs leave the gateway off the host's global
+        // addresses: the node masquerades with its own address, not this.
+        ip(&[
+            "-n",
+            &node_ns,
+            "addr",
+            "add",
+            &format!("{GATEWAY}/32"),
+            "dev",
+            &host_if,
+            "scope",
+            "link",
+        ])?;
         ip(&["-n", &node_ns, "link", "set", &host_if, "up"])?;
         ip(&["-n", &node_ns, "route", "add", &format!("{pod_ip}/32"), "dev", &host_if])?;
         ip(&["-n", &netns, "addr", "add", &format!("{pod_ip}/32"), "dev", "eth0"])?;
@@ -351,7 +436,8 @@ impl Lab {
     /// CNI would wait before starting the pod.
     fn wait_tc_attached(&mut self, node: usize, interface: &str) -> anyhow::Result<()> {
         let host = &mut self.nodes[node];
-        if !host.agent.as_mut().is_some_and(|a| matches!(a.try_wait(), Ok(None))) {
+        let running = host.agent.as_mut().is_some_and(|a| matches!(a.try_wait(), Ok(None)));
+        if !running || self.mode != Mode::Ebpf {
             return Ok(());
         }
         let pin = host.pins.join("links").join(format!("tc-{interface}"));
@@ -409,13 +495,14 @@ impl Lab {
     }
 
     /// Starts `proxy-agent run` in a node's namespace on the lab's manifest,
-    /// the node's cgroup, pins and address; returns once it has attached.
+    /// the node's cgroup, pins and address, in the lab's mode; returns once
+    /// its datapath serves.
     pub fn start_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
-        // The log is appended to across restarts: wait for one more "attached".
-        let attached_before = self.agent_log_on(node).matches(ATTACHED).count();
+        // The log is appended to across restarts: wait for one more line.
+        let attached_before = self.agent_log_on(node).matches(SERVING).count();
         self.spawn_agent_on(node, extra)?;
         let deadline = Instant::now() + Duration::from_secs(20);
-        while self.agent_log_on(node).matches(ATTACHED).count() == attached_before {
+        while self.agent_log_on(node).matches(SERVING).count() == attached_before {
             let agent = self.nodes[node].agent.as_mut().context("agent")?;
             if let Some(status) = agent.try_wait()? {
                 self.nodes[node].agent = None;
@@ -423,16 +510,19 @@ impl Lab {
             }
             if Instant::now() > deadline {
                 self.kill_agent_on(node);
-                bail!("proxy-agent did not attach in time:\n{}", self.agent_log_on(node));
+                bail!("proxy-agent did not serve in time:\n{}", self.agent_log_on(node));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(())
     }
 
-    /// Starts `proxy-agent run` on a node without waiting for it to attach.
+    /// Starts `proxy-agent run` on a node without waiting for it to serve;
+    /// a `--proxy-mode` in `extra` overrides the lab's.
     pub fn spawn_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
         let manifest = self.dir.join("manifests.yaml");
+        let mode = ["--proxy-mode", self.mode.as_arg()];
+        let mode: &[&str] = if extra.contains(&"--proxy-mode") { &[] } else { &mode };
         let host = &mut self.nodes[node];
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&host.log)?;
         let child = Command::new("nsenter")
@@ -446,6 +536,7 @@ impl Lab {
             .arg("--bpffs-root")
             .arg(&host.pins)
             .args(["--hostname-override", &host.name, "--node-ip", &host.ip])
+            .args(mode)
             .args(extra)
             .env("RUST_LOG", "info")
             .stdout(log.try_clone()?)
@@ -519,6 +610,34 @@ impl Lab {
         self.labpod(&self.node, None, &["http", "127.0.0.1:10249", "/metrics"])
     }
 
+    /// `proxy-agent cleanup` in a node's namespace, on its pins.
+    pub fn cleanup_on(&self, node: usize) -> anyhow::Result<String> {
+        self.nodes[node].cleanup()
+    }
+
+    /// `iptables-save` in a node's namespace.
+    pub fn iptables_save_on(&self, node: usize) -> anyhow::Result<String> {
+        sh("ip", &["netns", "exec", &self.nodes[node].netns, "iptables-save"])
+    }
+
+    /// Packets that matched the rules of a table whose line contains
+    /// `needle` (in `iptables-save -c` form), in a node's namespace.
+    pub fn rule_packets_on(&self, node: usize, table: &str, needle: &str) -> anyhow::Result<u64> {
+        let saved = self.exec_on(node, "iptables-save", &["-c", "-t", table])?;
+        Ok(saved
+            .lines()
+            .filter(|line| line.contains(needle))
+            .filter_map(|line| line.strip_prefix('[')?.split(':').next()?.parse::<u64>().ok())
+            .sum())
+    }
+
+    /// Runs a command in a node's namespace.
+    pub fn exec_on(&self, node: usize, program: &str, args: &[&str]) -> anyhow::Result<String> {
+        let mut full = vec!["netns", "exec", &self.nodes[node].netns, program];
+        full.extend(args);
+        sh("ip", &full)
+    }
+
     pub fn counter(&self, counter: proxy_common::Counter) -> anyhow::Result<u64> {
         self.counter_on(0, counter)
     }
@@ -568,14 +687,9 @@ impl Lab {
                 unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
                 let _ = agent.wait();
             }
-            if node.pins.exists() {
-                let _ = Command::new(target_bin("proxy-agent"))
-                    .args(["cleanup", "--bpffs-root"])
-                    .arg(&node.pins)
-                    .stderr(Stdio::null())
-                    .status();
-                let _ = std::fs::remove_dir_all(&node.pins);
-            }
+            // Rules die with the namespace; pins live in the lab's bpffs.
+            let _ = node.cleanup();
+            let _ = std::fs::remove_dir_all(&node.pins);
         }
         for netns in self.netns.drain(..) {
             let _ = ip(&["netns", "del", &netns]);

@@ -1,16 +1,29 @@
-//! Socket LB in the lab: real programs on a test cgroup, real connections
-//! from a client pod to pods behind a ClusterIP.
+//! ClusterIP scenarios in the lab: real connections from a client pod to
+//! pods behind a ClusterIP. Each runs in both modes (`<scenario>::ebpf`,
+//! `<scenario>::iptables`): in eBPF mode the client is in the socket-LB
+//! cgroup; in iptables mode its packets meet the node's rules.
 
 use std::time::{Duration, Instant};
 
 use proxy_common::Counter;
-use proxy_lab::{Attempt, Lab, Pod, tally};
+use proxy_lab::{Attempt, Lab, Mode, Pod, both_modes, tally};
+
+both_modes!(
+    tcp_connections_spread_uniformly_over_three_endpoints,
+    udp_replies_and_tcp_peer_show_the_cluster_ip,
+    endpoint_removal_and_addition_take_effect_within_a_second,
+    a_service_without_endpoints_refuses_at_once,
+    client_ip_affinity_sticks_until_the_timeout,
+    multi_port_service_with_a_named_target_port_per_endpoint,
+    malformed_services_are_reported_and_the_good_ones_served,
+    the_datapath_survives_an_agent_crash_and_a_restart_replaces_it,
+);
 
 const VIP: &str = "10.96.0.10";
 
 /// A lab with `n` web pods (TCP 8080, UDP 5353) and a client pod.
-fn web_lab(n: usize) -> (Lab, Vec<Pod>, Pod) {
-    let mut lab = Lab::new().expect("lab");
+fn web_lab(mode: Mode, n: usize) -> (Lab, Vec<Pod>, Pod) {
+    let mut lab = Lab::with_mode(mode).expect("lab");
     let mut pods = Vec::new();
     for i in 0..n {
         let pod = lab.add_pod(&format!("web-{i}"), &format!("10.244.1.{}", 2 + i)).unwrap();
@@ -75,9 +88,8 @@ fn all_ok(attempts: &[Attempt]) {
     assert!(failed.is_empty(), "failed attempts: {failed:?}");
 }
 
-#[test]
-fn tcp_connections_spread_uniformly_over_three_endpoints() {
-    let (mut lab, pods, client) = web_lab(3);
+fn tcp_connections_spread_uniformly_over_three_endpoints(mode: Mode) {
+    let (mut lab, pods, client) = web_lab(mode, 3);
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(&[]).unwrap();
 
@@ -95,9 +107,8 @@ fn tcp_connections_spread_uniformly_over_three_endpoints() {
     }
 }
 
-#[test]
-fn udp_replies_and_tcp_peer_show_the_cluster_ip() {
-    let (mut lab, pods, client) = web_lab(2);
+fn udp_replies_and_tcp_peer_show_the_cluster_ip(mode: Mode) {
+    let (mut lab, pods, client) = web_lab(mode, 2);
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(&[]).unwrap();
 
@@ -116,9 +127,8 @@ fn udp_replies_and_tcp_peer_show_the_cluster_ip() {
     }
 }
 
-#[test]
-fn endpoint_removal_and_addition_take_effect_within_a_second() {
-    let (mut lab, pods, client) = web_lab(3);
+fn endpoint_removal_and_addition_take_effect_within_a_second(mode: Mode) {
+    let (mut lab, pods, client) = web_lab(mode, 3);
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(&[]).unwrap();
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 30));
@@ -141,9 +151,8 @@ fn endpoint_removal_and_addition_take_effect_within_a_second() {
     assert!(!counts.contains_key("web-2"));
 }
 
-#[test]
-fn a_service_without_endpoints_refuses_at_once() {
-    let (mut lab, _pods, client) = web_lab(0);
+fn a_service_without_endpoints_refuses_at_once(mode: Mode) {
+    let (mut lab, _pods, client) = web_lab(mode, 0);
     lab.write_manifest(&web_manifest(&[], None)).unwrap();
     lab.start_agent(&[]).unwrap();
 
@@ -156,12 +165,32 @@ fn a_service_without_endpoints_refuses_at_once() {
             ok => panic!("connected to a service without endpoints: {ok:?}"),
         }
     }
-    assert!(lab.counter(Counter::NoBackend).unwrap() >= 5);
+    let refused = match mode {
+        Mode::Ebpf => lab.counter(Counter::NoBackend).unwrap(),
+        Mode::Iptables => lab.rule_packets_on(0, "filter", "has no endpoints").unwrap(),
+    };
+    assert!(refused >= 5, "{refused} refusals counted");
 }
 
-#[test]
-fn client_ip_affinity_sticks_until_the_timeout() {
-    let (mut lab, pods, client) = web_lab(3);
+/// (backend picks, affinity hits): the datapath's counters, or the packets
+/// of the rules that pick at random and of those that check `recent`.
+fn picks_and_hits(lab: &Lab, mode: Mode) -> (u64, u64) {
+    match mode {
+        Mode::Ebpf => (
+            lab.counter(Counter::BackendPicked).unwrap(),
+            lab.counter(Counter::AffinityHit).unwrap(),
+        ),
+        Mode::Iptables => {
+            // Without --cluster-cidr the KUBE-SVC chain holds only these.
+            let hits = lab.rule_packets_on(0, "nat", "--rcheck").unwrap();
+            let all = lab.rule_packets_on(0, "nat", "-A KUBE-SVC-").unwrap();
+            (all - hits, hits)
+        }
+    }
+}
+
+fn client_ip_affinity_sticks_until_the_timeout(mode: Mode) {
+    let (mut lab, pods, client) = web_lab(mode, 3);
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), Some(2))).unwrap();
     lab.start_agent(&[]).unwrap();
 
@@ -169,8 +198,7 @@ fn client_ip_affinity_sticks_until_the_timeout() {
     all_ok(&first);
     let counts = tally(&first);
     assert_eq!(counts.len(), 1, "50 connections of one client reach one backend: {counts:?}");
-    assert_eq!(lab.counter(Counter::BackendPicked).unwrap(), 1);
-    assert_eq!(lab.counter(Counter::AffinityHit).unwrap(), 49);
+    assert_eq!(picks_and_hits(&lab, mode), (1, 49));
 
     // Idle past the timeout: the next connection is a fresh random pick,
     // and the ones after it stick to that pick.
@@ -178,13 +206,11 @@ fn client_ip_affinity_sticks_until_the_timeout() {
     let second = tcp(&lab, &client, "10.96.0.10:80", 10);
     all_ok(&second);
     assert_eq!(tally(&second).len(), 1);
-    assert_eq!(lab.counter(Counter::BackendPicked).unwrap(), 2, "a new pick after the timeout");
-    assert_eq!(lab.counter(Counter::AffinityHit).unwrap(), 58);
+    assert_eq!(picks_and_hits(&lab, mode), (2, 58), "a new pick after the timeout");
 }
 
-#[test]
-fn multi_port_service_with_a_named_target_port_per_endpoint() {
-    let mut lab = Lab::new().unwrap();
+fn multi_port_service_with_a_named_target_port_per_endpoint(mode: Mode) {
+    let mut lab = Lab::with_mode(mode).unwrap();
     // web-a and web-b name their "http" port 8080, web-c names it 8081; all
     // serve "metrics" on 9100.
     let a = lab.add_pod("web-a", "10.244.1.2").unwrap();
@@ -234,9 +260,8 @@ endpoints: [{addresses: [10.244.1.4]}]
     }
 }
 
-#[test]
-fn malformed_services_are_reported_and_the_good_ones_served() {
-    let (mut lab, pods, client) = web_lab(2);
+fn malformed_services_are_reported_and_the_good_ones_served(mode: Mode) {
+    let (mut lab, pods, client) = web_lab(mode, 2);
     let bad = r#"
 ---
 apiVersion: v1
@@ -297,7 +322,7 @@ spec: {clusterIP: 10.96.0.33, ports: [{port: eighty}]}
 
 #[test]
 fn maps_dump_with_field_names_and_cleanup_removes_everything() {
-    let (mut lab, pods, _client) = web_lab(1);
+    let (mut lab, pods, _client) = web_lab(Mode::Ebpf, 1);
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(&[]).unwrap();
     let services = lab.dump_map("SERVICES").unwrap();
@@ -311,18 +336,15 @@ fn maps_dump_with_field_names_and_cleanup_removes_everything() {
     for program in ["connect4", "sendmsg4", "recvmsg4", "getpeername4"] {
         assert!(attached.contains(program), "{attached}");
     }
-    let agent = proxy_lab::target_bin("proxy-agent");
-    let pins = lab.pins.to_string_lossy().into_owned();
-    proxy_lab::sh(&agent.to_string_lossy(), &["cleanup", "--bpffs-root", &pins]).unwrap();
+    lab.cleanup_on(0).unwrap();
     assert!(!lab.pins.exists(), "pins left behind");
     // The agent still runs and holds its maps, but no program is attached.
     let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
     assert!(!attached.contains("connect4"), "{attached}");
 }
 
-#[test]
-fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it() {
-    let (mut lab, pods, client) = web_lab(2);
+fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it(mode: Mode) {
+    let (mut lab, pods, client) = web_lab(mode, 2);
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(&[]).unwrap();
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
@@ -338,16 +360,28 @@ fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it() {
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
     assert!(lab.agent_log().contains("waiting for every manifest"), "{}", lab.agent_log());
 
-    // Once it can, it attaches beside the pinned programs, then retires them.
+    // Once it can, it takes over: eBPF attaches beside the pinned programs,
+    // then retires them; iptables rewrites the rules, jumps not doubled.
     lab.write_manifest(&good).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
-    while !lab.agent_log().contains("programs attached") && Instant::now() < deadline {
+    while lab.agent_log().matches("datapath ready; serving").count() < 2
+        && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(50));
     }
-    let cgroup = lab.cgroup.to_string_lossy().into_owned();
-    let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
-    assert_eq!(attached.matches("connect4").count(), 1, "{attached}");
-    assert_eq!(attached.lines().count(), 5, "a header and four programs: {attached}");
+    match mode {
+        Mode::Ebpf => {
+            let cgroup = lab.cgroup.to_string_lossy().into_owned();
+            let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
+            assert_eq!(attached.matches("connect4").count(), 1, "{attached}");
+            assert_eq!(attached.lines().count(), 5, "a header and four programs: {attached}");
+        }
+        Mode::Iptables => {
+            let saved = lab.iptables_save_on(0).unwrap();
+            assert_eq!(saved.matches("-A PREROUTING").count(), 1, "{saved}");
+            assert_eq!(saved.matches("lab/web:http cluster IP").count(), 1, "{saved}");
+        }
+    }
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 30));
     assert_eq!(tally(&tcp(&lab, &client, "10.96.0.10:80", 60)).len(), 2);
 }

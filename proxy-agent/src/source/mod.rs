@@ -99,6 +99,26 @@ impl Store {
     }
 }
 
+/// The model of a YAML stream of Services and EndpointSlices, for tests.
+#[cfg(test)]
+pub(crate) fn model_from_yaml(yaml: &str) -> model::Model {
+    use serde::Deserialize as _;
+    let mut snapshot = Snapshot::default();
+    for doc in serde_yaml::Deserializer::from_str(yaml) {
+        let value = serde_yaml::Value::deserialize(doc).unwrap();
+        match value.get("kind").and_then(|k| k.as_str()) {
+            Some("Service") => snapshot.services.push(serde_yaml::from_value(value).unwrap()),
+            Some("EndpointSlice") => snapshot.slices.push(serde_yaml::from_value(value).unwrap()),
+            _ => {}
+        }
+    }
+    let mut store = Store::default();
+    store.replace(snapshot);
+    let model = store.model();
+    assert!(model.errors.is_empty(), "{:?}", model.errors);
+    model
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -58,6 +58,16 @@ pub fn endpoint_chain(name: &ServicePortName, protocol: Protocol, endpoint: &str
     format!("KUBE-SEP-{}", hash(&format!("{name}{}{endpoint}", lower(protocol))))
 }
 
+/// The prefixes of the chains kube-proxy writes per service port and
+/// endpoint; other chains are top-level and rewritten on every sync.
+const SERVICE_CHAIN_PREFIXES: [&str; 5] =
+    ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"];
+
+/// Whether `chain` is a per-service-port or per-endpoint chain.
+pub fn is_service_chain(chain: &str) -> bool {
+    SERVICE_CHAIN_PREFIXES.iter().any(|p| chain.starts_with(p))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

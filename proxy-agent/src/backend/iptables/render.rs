@@ -7,9 +7,14 @@
 //! built-in chains are not part of the restore input; kube-proxy ensures
 //! them with separate `iptables -C/-I` commands, listed by [`jump_rules`].
 
-use std::{fmt::Write as _, net::Ipv4Addr};
+use std::{
+    collections::BTreeMap,
+    fmt::{self, Write as _},
+    hash::{DefaultHasher, Hasher as _},
+    net::Ipv4Addr,
+};
 
-use super::chains::{ServiceChains, endpoint_chain};
+use super::chains::{ServiceChains, endpoint_chain, is_service_chain};
 use crate::model::{Cidr, Endpoint, Model, Protocol, ServicePort};
 
 /// kube-proxy's masquerade mark (bit 14), as it formats it.
@@ -49,7 +54,7 @@ impl Options {
 
     /// Localhost NodePorts are on, as kube-proxy turns them off when
     /// `--nodeport-addresses` leaves out loopback.
-    fn localhost_nodeports(&self) -> bool {
+    pub fn localhost_nodeports(&self) -> bool {
         self.localhost_nodeports
             && (self.nodeports_everywhere()
                 || self.nodeport_addresses.iter().any(|c| c.contains(Ipv4Addr::LOCALHOST)))
@@ -94,8 +99,9 @@ pub fn jump_rules() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
     ]
 }
 
-/// One table's part of the restore input.
-#[derive(Default)]
+/// One table's part of the restore input: its chains in declaration order,
+/// and its `-A` lines in kube-proxy's order.
+#[derive(Clone, Debug, Default)]
 struct Table {
     chains: Vec<String>,
     rules: Vec<String>,
@@ -103,19 +109,134 @@ struct Table {
 
 impl Table {
     fn chain(&mut self, name: &str) {
-        self.chains.push(format!(":{name} - [0:0]"));
+        self.chains.push(name.to_string());
     }
 
     fn rule(&mut self, chain: &str, words: &[&str]) {
         self.rules.push(format!("-A {chain} {}", words.join(" ")));
     }
 
-    fn write(&self, out: &mut String, table: &str) {
+    /// Writes the chains and rules `include` selects, then declares and
+    /// deletes the `stale` chains (after the rules that referenced them are
+    /// flushed or rewritten).
+    fn write(&self, out: &mut String, table: &str, include: impl Fn(&str) -> bool, stale: &[&str]) {
         let _ = writeln!(out, "*{table}");
-        for line in self.chains.iter().chain(&self.rules) {
+        for chain in self
+            .chains
+            .iter()
+            .map(String::as_str)
+            .filter(|c| include(c))
+            .chain(stale.iter().copied())
+        {
+            let _ = writeln!(out, ":{chain} - [0:0]");
+        }
+        for line in self.rules.iter().filter(|line| include(rule_chain(line))) {
             let _ = writeln!(out, "{line}");
         }
+        for chain in stale {
+            let _ = writeln!(out, "-X {chain}");
+        }
         let _ = writeln!(out, "COMMIT");
+    }
+
+    /// A digest of each chain's rules (chains without rules included).
+    fn digests(&self) -> BTreeMap<&str, u64> {
+        let mut hashers: BTreeMap<&str, DefaultHasher> =
+            self.chains.iter().map(|c| (c.as_str(), DefaultHasher::new())).collect();
+        for line in &self.rules {
+            hashers.entry(rule_chain(line)).or_default().write(line.as_bytes());
+        }
+        hashers.into_iter().map(|(chain, h)| (chain, h.finish())).collect()
+    }
+}
+
+/// The chain of an `-A CHAIN …` line.
+fn rule_chain(line: &str) -> &str {
+    line.split(' ').nth(1).unwrap_or_default()
+}
+
+/// The tables kube-proxy's iptables mode writes, as `iptables-restore`
+/// input. `Display` gives a full sync's input.
+#[derive(Clone, Debug, Default)]
+pub struct Ruleset {
+    filter: Table,
+    nat: Table,
+}
+
+/// A table and one of its chains.
+pub type ChainRef = (&'static str, String);
+
+/// A digest of each chain's rules, to tell which chains changed.
+pub type Digests = BTreeMap<ChainRef, u64>;
+
+/// Which chains a restore rewrites.
+#[derive(Clone, Copy, Debug)]
+pub enum Scope<'a> {
+    /// Every chain: a full sync.
+    Full,
+    /// The top-level chains, and the per-service chains whose rules differ
+    /// from these digests of what was applied: a partial sync.
+    ChangedSince(&'a Digests),
+}
+
+impl Ruleset {
+    fn tables(&self) -> [(&'static str, &Table); 2] {
+        [("filter", &self.filter), ("nat", &self.nat)]
+    }
+
+    pub fn digests(&self) -> Digests {
+        self.tables()
+            .into_iter()
+            .flat_map(|(name, table)| {
+                table.digests().into_iter().map(move |(c, d)| ((name, c.to_string()), d))
+            })
+            .collect()
+    }
+
+    /// Whether a table holds a chain.
+    pub fn has_chain(&self, table: &str, chain: &str) -> bool {
+        self.tables().iter().any(|(name, t)| *name == table && t.chains.iter().any(|c| c == chain))
+    }
+
+    /// The per-service chains among `existing` that this ruleset no longer
+    /// has: a restore deletes them.
+    pub fn stale_chains<'a>(
+        &self,
+        existing: impl IntoIterator<Item = &'a ChainRef>,
+    ) -> Vec<ChainRef> {
+        existing
+            .into_iter()
+            .filter(|(table, chain)| is_service_chain(chain) && !self.has_chain(table, chain))
+            .cloned()
+            .collect()
+    }
+
+    /// The `iptables-restore --noflush` input for `scope`, deleting `stale`.
+    pub fn restore_input(&self, scope: Scope, stale: &[ChainRef]) -> String {
+        let digests = match scope {
+            Scope::Full => Digests::new(),
+            Scope::ChangedSince(_) => self.digests(),
+        };
+        let mut out = String::new();
+        for (name, table) in self.tables() {
+            let include = |chain: &str| match scope {
+                Scope::Full => true,
+                Scope::ChangedSince(applied) => {
+                    let key = (name, chain.to_string());
+                    !is_service_chain(chain) || applied.get(&key) != digests.get(&key)
+                }
+            };
+            let stale: Vec<&str> =
+                stale.iter().filter(|(t, _)| *t == name).map(|(_, c)| c.as_str()).collect();
+            table.write(&mut out, name, include, &stale);
+        }
+        out
+    }
+}
+
+impl fmt::Display for Ruleset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.restore_input(Scope::Full, &[]))
     }
 }
 
@@ -142,8 +263,8 @@ fn probability(left: usize) -> String {
     format!("{:.10}", 1.0 / left as f64)
 }
 
-/// Renders the restore input for `model`.
-pub fn render(model: &Model, opts: &Options) -> String {
+/// The rules for `model`.
+pub fn render(model: &Model, opts: &Options) -> Ruleset {
     let large =
         model.ports.iter().map(|p| p.endpoints.len()).sum::<usize>() > LARGE_CLUSTER_ENDPOINTS;
     let mut filter = Table::default();
@@ -268,10 +389,7 @@ pub fn render(model: &Model, opts: &Options) -> String {
         ],
     );
 
-    let mut out = String::new();
-    filter.write(&mut out, "filter");
-    nat.write(&mut out, "nat");
-    out
+    Ruleset { filter, nat }
 }
 
 /// The rules of one service port: which chains it needs, and their rules.
@@ -726,24 +844,9 @@ impl<'a> ServiceRules<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::{Snapshot, Store};
 
     fn model(yaml: &str) -> Model {
-        let mut services = Vec::new();
-        let mut slices = Vec::new();
-        for doc in serde_yaml::Deserializer::from_str(yaml) {
-            let value = serde_yaml::Value::deserialize(doc).unwrap();
-            match value.get("kind").and_then(|k| k.as_str()) {
-                Some("Service") => services.push(serde_yaml::from_value(value).unwrap()),
-                Some("EndpointSlice") => slices.push(serde_yaml::from_value(value).unwrap()),
-                _ => {}
-            }
-        }
-        let mut store = Store::default();
-        store.replace(Snapshot { services, slices, rejected: vec![] });
-        let model = store.model();
-        assert!(model.errors.is_empty(), "{:?}", model.errors);
-        model
+        crate::source::model_from_yaml(yaml)
     }
 
     fn options() -> Options {
@@ -759,8 +862,6 @@ mod tests {
             conntrack_tcp_liberal: false,
         }
     }
-
-    use serde::Deserialize as _;
 
     const FILTER_HEAD: &str = r#"*filter
 :KUBE-SERVICES - [0:0]
@@ -815,7 +916,7 @@ COMMIT
 -A KUBE-SEP-4EX2N4PG4ASNZOBF -m comment --comment default/web:http -s 10.244.2.2 -j KUBE-MARK-MASQ
 -A KUBE-SEP-4EX2N4PG4ASNZOBF -m comment --comment default/web:http -m tcp -p tcp -j DNAT --to-destination 10.244.2.2:8080
 "# + NODEPORTS_LAST;
-        assert_eq!(render(&m, &options()), expected);
+        assert_eq!(render(&m, &options()).to_string(), expected);
     }
 
     #[test]
@@ -843,11 +944,11 @@ COMMIT
 -A KUBE-SEP-KKAYSMSONWI56KZA -m comment --comment default/np -m tcp -p tcp -j DNAT --to-destination 10.244.1.5:8080
 "# + NODEPORTS_LAST;
         // kube-proxy walks services in Go map order; we walk them by name.
-        assert_eq!(render(&model(&yaml), &options()), expected);
+        assert_eq!(render(&model(&yaml), &options()).to_string(), expected);
     }
 
     fn lines(yaml: &str, opts: &Options) -> Vec<String> {
-        render(&model(yaml), opts).lines().map(str::to_string).collect()
+        render(&model(yaml), opts).to_string().lines().map(str::to_string).collect()
     }
 
     fn has(lines: &[String], line: &str) {
