@@ -311,6 +311,12 @@ fn sync_iptables(backend: &mut IptablesBackend<System>, model: &Model) -> anyhow
     if report.flows_flushed > 0 {
         tracing::info!(sets = report.flows_flushed, "stale UDP conntrack entries deleted");
     }
+    if report.untranslated_deleted > 0 {
+        tracing::info!(
+            flows = report.untranslated_deleted,
+            "conntrack entries made while the rules were missing deleted"
+        );
+    }
     for e in &report.flow_errors {
         tracing::warn!("could not delete stale UDP conntrack entries: {e}");
     }

@@ -325,7 +325,9 @@ impl Lab {
         // for want of a route. A bridge without ports drops what it gets
         // (this kernel has no dummy driver).
         ip(&["-n", &netns, "link", "add", "svc0", "type", "bridge"])?;
-        ip(&["-n", &netns, "link", "set", "svc0", "up"])?;
+        // No ARP: nothing answers there, and a failed resolution would
+        // send clients ICMP errors no real node sends.
+        ip(&["-n", &netns, "link", "set", "svc0", "arp", "off", "up"])?;
         for range in [SERVICE_RANGE, EXTERNAL_SERVICE_RANGE] {
             ip(&["-n", &netns, "route", "add", range, "dev", "svc0"])?;
         }
@@ -636,6 +638,23 @@ impl Lab {
         let mut full = vec!["netns", "exec", &self.nodes[node].netns, program];
         full.extend(args);
         sh("ip", &full)
+    }
+
+    /// What a node's datapath counted: the eBPF counter, or in iptables mode
+    /// the packets of the rules that do the same thing (refusals, drops for
+    /// want of a local endpoint, affinity hits).
+    pub fn count_on(&self, node: usize, counter: proxy_common::Counter) -> anyhow::Result<u64> {
+        use proxy_common::Counter::*;
+        if self.mode == Mode::Ebpf {
+            return self.counter_on(node, counter);
+        }
+        let (table, rules) = match counter {
+            NoBackend | Rejected => ("filter", "has no endpoints\""),
+            Dropped => ("filter", "has no local endpoints\""),
+            AffinityHit => ("nat", "--rcheck"),
+            other => bail!("{other:?} has no iptables counterpart"),
+        };
+        self.rule_packets_on(node, table, rules)
     }
 
     pub fn counter(&self, counter: proxy_common::Counter) -> anyhow::Result<u64> {

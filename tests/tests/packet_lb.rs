@@ -1,7 +1,9 @@
-//! The per-packet datapath in the lab: two nodes on a fabric with routed pod
+//! Per-packet scenarios in the lab: two nodes on a fabric with routed pod
 //! CIDRs, external clients, NodePorts, load-balancer and external IPs, and
 //! ClusterIP traffic from pods outside the socket-LB cgroup. Each node drops
 //! conntrack-INVALID forwards, as kube-proxy's KUBE-FORWARD chain does.
+//! Each scenario runs in both modes (`<scenario>::ebpf`, `::iptables`);
+//! what the eBPF datapath counts, the iptables rules count too.
 
 use std::{
     io::{BufRead, BufReader},
@@ -9,7 +11,21 @@ use std::{
 };
 
 use proxy_common::Counter;
-use proxy_lab::{Attempt, Lab, Pod, tally};
+use proxy_lab::{Attempt, Lab, Mode, Pod, both_modes, tally};
+
+both_modes!(
+    node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node,
+    node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints,
+    load_balancer_and_external_ips_with_source_ranges,
+    hairpin_a_pod_reaches_itself_through_its_cluster_ip,
+    cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node,
+    a_thousand_concurrent_node_port_connections_and_no_leaked_flows,
+    udp_node_port_flows_stick_and_move_off_a_removed_endpoint,
+    fragmented_datagrams_through_a_node_port,
+    no_endpoints_are_refused_not_timed_out,
+    internal_local_policy_and_client_ip_affinity_per_packet,
+    host_network_backends_are_reached_through_the_stack_and_answer_as_the_service,
+);
 
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
 
@@ -22,8 +38,8 @@ struct Cluster {
     ext2: Pod,
 }
 
-fn cluster(manifest: &str) -> Cluster {
-    let mut lab = Lab::new().unwrap();
+fn cluster(mode: Mode, manifest: &str) -> Cluster {
+    let mut lab = Lab::with_mode(mode).unwrap();
     lab.add_node().unwrap();
     let mut pods = Vec::new();
     for (node, name, ip) in
@@ -97,26 +113,28 @@ fn peer_ip(peer: &str) -> &str {
     peer.split(':').next().unwrap()
 }
 
-#[test]
-fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node() {
-    let c = cluster(&service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node(mode: Mode) {
+    let c = cluster(mode, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
     let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "90"]).unwrap();
     let seen = ok_attempts(&attempts);
     assert_eq!(tally(&attempts).len(), 3, "every endpoint: {:?}", tally(&attempts));
     for (name, peer, _) in &seen {
         assert_eq!(peer_ip(peer), "192.168.100.11", "{name} saw {peer}, not the node");
     }
-    assert!(c.lab.counter_on(0, Counter::CtNew).unwrap() >= 90);
+    let new_flows = match mode {
+        Mode::Ebpf => c.lab.counter_on(0, Counter::CtNew).unwrap(),
+        Mode::Iptables => c.lab.rule_packets_on(0, "nat", "-A KUBE-NODEPORTS").unwrap(),
+    };
+    assert!(new_flows >= 90, "{new_flows}");
 }
 
-#[test]
-fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints() {
+fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(mode: Mode) {
     let local =
         PORTS_30080.replace("type: NodePort", "type: NodePort\n  externalTrafficPolicy: Local");
     let elsewhere = local.replace("30080", "30081").replace("30053", "30054");
     let manifest = service("web", "10.96.0.10", &local, &["a", "b", "c"])
         + &service("far", "10.96.0.11", &elsewhere, &["b", "c"]);
-    let c = cluster(&manifest);
+    let c = cluster(mode, &manifest);
 
     // Node 0 has only web-a; node 1 has web-b and web-c.
     for (node_ip, expect) in
@@ -132,7 +150,7 @@ fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(
     }
 
     // No local endpoint for "far" on node 0: dropped, not refused.
-    let dropped_before = c.lab.counter_on(0, Counter::Dropped).unwrap();
+    let dropped_before = c.lab.count_on(0, Counter::Dropped).unwrap();
     let attempts = c
         .lab
         .client_outside(&c.ext, &["--timeout-ms", "500", "tcp", "192.168.100.11:30081", "1"])
@@ -141,13 +159,12 @@ fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(
         matches!(&attempts[0], Attempt::Err { kind, .. } if kind == "TimedOut"),
         "{attempts:?}"
     );
-    assert!(c.lab.counter_on(0, Counter::Dropped).unwrap() > dropped_before);
+    assert!(c.lab.count_on(0, Counter::Dropped).unwrap() > dropped_before);
     // Node 1 serves it.
     ok_attempts(&c.lab.client_outside(&c.ext, &["tcp", "192.168.100.12:30081", "5"]).unwrap());
 }
 
-#[test]
-fn load_balancer_and_external_ips_with_source_ranges() {
+fn load_balancer_and_external_ips_with_source_ranges(mode: Mode) {
     let spec = "  type: LoadBalancer
   externalIPs: [10.200.0.11]
   loadBalancerSourceRanges: [192.168.100.101/32]
@@ -157,7 +174,7 @@ fn load_balancer_and_external_ips_with_source_ranges() {
 status:
   loadBalancer:
     ingress: [{ip: 10.200.0.10}]";
-    let c = cluster(&service("lb", "10.96.0.12", spec, &["a", "b", "c"]));
+    let c = cluster(mode, &service("lb", "10.96.0.12", spec, &["a", "b", "c"]));
 
     let admitted = c.lab.client_outside(&c.ext, &["tcp", "10.200.0.10:80", "30"]).unwrap();
     assert_eq!(tally(&admitted).len(), 3, "the LB IP reaches the service: {admitted:?}");
@@ -171,10 +188,9 @@ status:
     ok_attempts(&c.lab.client_outside(&c.ext2, &["tcp", "192.168.100.11:30090", "10"]).unwrap());
 }
 
-#[test]
-fn hairpin_a_pod_reaches_itself_through_its_cluster_ip() {
+fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(mode: Mode) {
     let ports = "  ports: [{name: http, port: 80, targetPort: 8080}]";
-    let c = cluster(&service("self", "10.96.0.20", ports, &["a"]));
+    let c = cluster(mode, &service("self", "10.96.0.20", ports, &["a"]));
     // web-a is outside the socket-LB cgroup: only tc sees its packets.
     let attempts = c.lab.client_outside(&c.pods[0], &["tcp", "10.96.0.20:80", "10"]).unwrap();
     for (name, peer, from) in ok_attempts(&attempts) {
@@ -184,12 +200,11 @@ fn hairpin_a_pod_reaches_itself_through_its_cluster_ip() {
     }
 }
 
-#[test]
-fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node() {
+fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node(mode: Mode) {
     let ports = "  ports:
   - {name: http, port: 80, targetPort: 8080}
   - {name: dns, port: 53, protocol: UDP, targetPort: 5353}";
-    let mut c = cluster(&service("far", "10.96.0.21", ports, &["b", "c"]));
+    let mut c = cluster(mode, &service("far", "10.96.0.21", ports, &["b", "c"]));
     let client = c.lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
     let attempts = c.lab.client_outside(&client, &["tcp", "10.96.0.21:80", "40"]).unwrap();
     assert_eq!(tally(&attempts).len(), 2);
@@ -204,9 +219,8 @@ fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node() {
     }
 }
 
-#[test]
-fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows() {
-    let mut lab = Lab::new().unwrap();
+fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows(mode: Mode) {
+    let mut lab = Lab::with_mode(mode).unwrap();
     let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
     lab.serve(&pod, &[8080], &[]).unwrap();
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
@@ -219,6 +233,11 @@ fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows() {
     assert_eq!(attempts.len(), 1000);
     let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
     assert!(failed.is_empty(), "{} failed, e.g. {:?}", failed.len(), failed.first());
+    if mode == Mode::Iptables {
+        // The kernel's conntrack holds these flows, not the agent.
+        assert!(lab.rule_packets_on(0, "nat", "-A KUBE-NODEPORTS").unwrap() >= 1000);
+        return;
+    }
     assert!(lab.counter(Counter::CtNew).unwrap() >= 1000);
 
     // Closed flows expire after 2 s and the agent collects them.
@@ -234,9 +253,8 @@ fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows() {
     assert_eq!(left, 0, "conntrack entries left behind");
 }
 
-#[test]
-fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint() {
-    let mut c = cluster(&service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(mode: Mode) {
+    let mut c = cluster(mode, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
     // One socket, one flow: 30 datagrams over 3 s.
     let mut client = c
         .lab
@@ -276,11 +294,14 @@ fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint() {
         1,
         "and sticks again"
     );
+    if mode == Mode::Iptables {
+        let log = c.lab.agent_log();
+        assert!(log.contains("stale UDP conntrack entries deleted"), "{log}");
+    }
 }
 
-#[test]
-fn fragmented_datagrams_through_a_node_port() {
-    let c = cluster(&service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+fn fragmented_datagrams_through_a_node_port(mode: Mode) {
+    let c = cluster(mode, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
     // 4000 bytes: three fragments on a 1500-byte MTU.
     let attempts = c
         .lab
@@ -292,9 +313,8 @@ fn fragmented_datagrams_through_a_node_port() {
     }
 }
 
-#[test]
-fn no_endpoints_are_refused_not_timed_out() {
-    let c = cluster(&service("empty", "10.96.0.30", PORTS_30080, &[]));
+fn no_endpoints_are_refused_not_timed_out(mode: Mode) {
+    let c = cluster(mode, &service("empty", "10.96.0.30", PORTS_30080, &[]));
     let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "3"]).unwrap();
     for attempt in &attempts {
         assert!(
@@ -305,11 +325,10 @@ fn no_endpoints_are_refused_not_timed_out() {
     let udp =
         c.lab.client_outside(&c.ext, &["udp", "192.168.100.11:30053", "1", "--connect"]).unwrap();
     assert!(matches!(&udp[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"), "{udp:?}");
-    assert!(c.lab.counter_on(0, Counter::Rejected).unwrap() >= 4);
+    assert!(c.lab.count_on(0, Counter::Rejected).unwrap() >= 4);
 }
 
-#[test]
-fn internal_local_policy_and_client_ip_affinity_per_packet() {
+fn internal_local_policy_and_client_ip_affinity_per_packet(mode: Mode) {
     let local =
         "  internalTrafficPolicy: Local\n  ports: [{name: http, port: 80, targetPort: 8080}]";
     let sticky = "  type: NodePort
@@ -318,7 +337,7 @@ fn internal_local_policy_and_client_ip_affinity_per_packet() {
   ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30085}]";
     let manifest = service("loc", "10.96.0.40", local, &["a", "b", "c"])
         + &service("sticky", "10.96.0.41", sticky, &["a", "b", "c"]);
-    let mut c = cluster(&manifest);
+    let mut c = cluster(mode, &manifest);
 
     // internalTrafficPolicy: Local keeps ClusterIP traffic on the node.
     let client0 = c.lab.add_pod_on(0, "client0", "10.244.1.100").unwrap();
@@ -348,7 +367,7 @@ fn internal_local_policy_and_client_ip_affinity_per_packet() {
         picks.extend(tally(&sticky).into_keys());
     }
     assert!(picks.len() > 1, "six clients, all on {picks:?}: is the client in the key?");
-    assert!(c.lab.counter_on(0, Counter::AffinityHit).unwrap() >= 6 * 19);
+    assert!(c.lab.count_on(0, Counter::AffinityHit).unwrap() >= 6 * 19);
 }
 
 #[test]
@@ -389,17 +408,12 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
 
     // `cleanup` (in the node's namespace) removes filters as it does pins.
     lab.kill_agent();
-    let agent = proxy_lab::target_bin("proxy-agent");
-    let pins = lab.pins.to_string_lossy().into_owned();
-    let netns = format!("--net=/run/netns/{}", lab.node);
-    proxy_lab::sh("nsenter", &[&netns, &agent.to_string_lossy(), "cleanup", "--bpffs-root", &pins])
-        .unwrap();
+    lab.cleanup_on(0).unwrap();
     assert_eq!(filters(), 0);
 }
 
-#[test]
-fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service() {
-    let mut lab = Lab::new().unwrap();
+fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service(mode: Mode) {
+    let mut lab = Lab::with_mode(mode).unwrap();
     // A host-network "pod": a server in the node's own namespace.
     let host = Pod { name: "host".into(), netns: lab.node.clone(), ip: "192.168.100.11".into() };
     lab.serve(&host, &[9090], &[]).unwrap();

@@ -165,10 +165,7 @@ fn a_service_without_endpoints_refuses_at_once(mode: Mode) {
             ok => panic!("connected to a service without endpoints: {ok:?}"),
         }
     }
-    let refused = match mode {
-        Mode::Ebpf => lab.counter(Counter::NoBackend).unwrap(),
-        Mode::Iptables => lab.rule_packets_on(0, "filter", "has no endpoints").unwrap(),
-    };
+    let refused = lab.count_on(0, Counter::NoBackend).unwrap();
     assert!(refused >= 5, "{refused} refusals counted");
 }
 

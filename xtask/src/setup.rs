@@ -12,6 +12,7 @@ const PACKAGES: &[&str] = &[
     "zlib1g-dev",
     "iproute2",
     "iptables",
+    "conntrack",
     "bpftool",
     "util-linux",
 ];

@@ -8,6 +8,11 @@
 //!   (otherwise a DNS client keeps talking to a dead pod);
 //! - a service without endpoints gets some: datagrams sent meanwhile made
 //!   entries without DNAT, which would keep them from reaching the new pods.
+//!
+//! And, beyond kube-proxy, when the rules were missing (at startup, or after
+//! someone flushed them): TCP and UDP entries to any service address made
+//! meanwhile were not translated, and a client retrying (a SYN resent from
+//! the same port) would stay untranslated until the entry expires.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -36,16 +41,109 @@ pub fn udp_services(model: &Model, node_ips: &[Ipv4Addr]) -> UdpServices {
         .iter()
         .filter(|p| p.protocol == Protocol::Udp)
         .map(|p| {
-            let service_ips = std::iter::once(&p.cluster_ip)
-                .chain(&p.external_ips)
-                .chain(&p.load_balancer_ips)
-                .map(|ip| (*ip, p.port));
-            let node_ports =
-                p.node_port.into_iter().flat_map(|np| node_ips.iter().map(move |ip| (*ip, np)));
-            let frontends = service_ips.chain(node_ports).collect();
+            let frontends = port_frontends(p, node_ips).collect();
             let endpoints = p.usable_endpoints(None).iter().map(|e| *e.addr.ip()).collect();
             (p.name.clone(), UdpService { frontends, endpoints })
         })
+        .collect()
+}
+
+/// Every address clients reach services on: cluster, external and
+/// load-balancer IPs with the port, node addresses with the NodePort.
+pub fn frontends(model: &Model, node_ips: &[Ipv4Addr]) -> BTreeSet<(Protocol, Ipv4Addr, u16)> {
+    model
+        .ports
+        .iter()
+        .flat_map(|p| port_frontends(p, node_ips).map(move |(ip, port)| (p.protocol, ip, port)))
+        .collect()
+}
+
+fn port_frontends<'a>(
+    p: &'a crate::model::ServicePort,
+    node_ips: &'a [Ipv4Addr],
+) -> impl Iterator<Item = (Ipv4Addr, u16)> + 'a {
+    let service_ips = std::iter::once(&p.cluster_ip)
+        .chain(&p.external_ips)
+        .chain(&p.load_balancer_ips)
+        .map(|ip| (*ip, p.port));
+    let node_ports =
+        p.node_port.into_iter().flat_map(|np| node_ips.iter().map(move |ip| (*ip, np)));
+    service_ips.chain(node_ports)
+}
+
+/// One entry of a `conntrack -L` listing: its original direction, and
+/// where its replies come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub protocol: Protocol,
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub sport: u16,
+    pub dport: u16,
+    pub reply_src: Ipv4Addr,
+    pub reply_sport: u16,
+}
+
+impl Entry {
+    /// Parses `tcp 6 117 SYN_SENT src=… dst=… sport=… dport=… [UNREPLIED]
+    /// src=… dst=… sport=… dport=… …`; `None` for other protocols.
+    pub fn parse(line: &str) -> Option<Self> {
+        let protocol = match line.split_whitespace().next()? {
+            "tcp" => Protocol::Tcp,
+            "udp" => Protocol::Udp,
+            _ => return None,
+        };
+        let values = |key: &'static str| {
+            line.split_whitespace().filter_map(move |w| w.strip_prefix(key)?.strip_prefix('='))
+        };
+        let (mut src, mut dst, mut sport, mut dport) =
+            (values("src"), values("dst"), values("sport"), values("dport"));
+        Some(Entry {
+            protocol,
+            src: src.next()?.parse().ok()?,
+            dst: dst.next()?.parse().ok()?,
+            sport: sport.next()?.parse().ok()?,
+            dport: dport.next()?.parse().ok()?,
+            reply_src: src.next()?.parse().ok()?,
+            reply_sport: sport.next()?.parse().ok()?,
+        })
+    }
+
+    fn translated(&self) -> bool {
+        self.reply_src != self.dst || self.reply_sport != self.dport
+    }
+
+    /// `conntrack` arguments deleting exactly this entry.
+    pub fn delete_args(&self) -> Vec<String> {
+        let proto = match self.protocol {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        };
+        [
+            "-D",
+            "-p",
+            proto,
+            "--orig-src",
+            &self.src.to_string(),
+            "--orig-dst",
+            &self.dst.to_string(),
+            "--orig-port-src",
+            &self.sport.to_string(),
+            "--orig-port-dst",
+            &self.dport.to_string(),
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+}
+
+/// The entries of a `conntrack -L` listing sent to one of `frontends` and
+/// never translated.
+pub fn untranslated(listing: &str, frontends: &BTreeSet<(Protocol, Ipv4Addr, u16)>) -> Vec<Entry> {
+    listing
+        .lines()
+        .filter_map(Entry::parse)
+        .filter(|e| !e.translated() && frontends.contains(&(e.protocol, e.dst, e.dport)))
         .collect()
 }
 
@@ -174,6 +272,22 @@ mod tests {
         // At startup every service is new: only untranslated flows go.
         assert_eq!(stale_flows(&UdpServices::new(), &new), stale.into_iter().collect());
         assert!(stale_flows(&new, &new).is_empty());
+    }
+
+    #[test]
+    fn untranslated_entries_to_frontends_are_found_in_a_listing() {
+        let listing = "tcp      6 117 SYN_SENT src=10.244.1.100 dst=10.96.0.10 sport=40000 dport=80 [UNREPLIED] src=10.96.0.10 dst=10.244.1.100 sport=80 dport=40000 mark=0 use=1
+tcp      6 431999 ESTABLISHED src=10.244.1.100 dst=10.96.0.10 sport=40002 dport=80 src=10.244.1.2 dst=10.244.1.100 sport=8080 dport=40002 [ASSURED] mark=0 use=1
+udp      17 29 src=10.244.1.100 dst=10.96.0.99 sport=5000 dport=53 [UNREPLIED] src=10.96.0.99 dst=10.244.1.100 sport=53 dport=5000 mark=0 use=1
+icmp     1 29 src=10.244.1.100 dst=10.96.0.10 type=8 code=0 id=7 src=10.96.0.10 dst=10.244.1.100 type=0 code=0 id=7 mark=0 use=1
+";
+        let frontends = BTreeSet::from([(Protocol::Tcp, VIP, 80)]);
+        let found = untranslated(listing, &frontends);
+        assert_eq!(found.len(), 1, "the DNATed flow and other addresses are kept: {found:?}");
+        assert_eq!(
+            found[0].delete_args().join(" "),
+            "-D -p tcp --orig-src 10.244.1.100 --orig-dst 10.96.0.10 --orig-port-src 40000 --orig-port-dst 80"
+        );
     }
 
     #[test]

@@ -22,7 +22,7 @@ use std::{
 
 use self::{
     chains::is_service_chain,
-    conntrack::{StaleFlows, UdpServices, stale_flows, udp_services},
+    conntrack::{StaleFlows, UdpServices, frontends, stale_flows, udp_services, untranslated},
     exec::{ExecError, Runner},
     render::{ChainRef, Digests, Options, Ruleset, Scope, jump_rules, render},
 };
@@ -61,6 +61,9 @@ pub struct SyncReport {
     pub chains_deleted: usize,
     /// UDP conntrack entry sets deleted (those that matched something).
     pub flows_flushed: usize,
+    /// Entries to service addresses made while the rules were missing,
+    /// deleted.
+    pub untranslated_deleted: usize,
     /// Deletions that failed; the rules are applied regardless.
     pub flow_errors: Vec<String>,
 }
@@ -73,11 +76,21 @@ pub struct IptablesBackend<R: Runner> {
     last_full: Option<Instant>,
     /// The UDP services the rules serve, for stale conntrack entries.
     udp: UdpServices,
+    /// The rules may have been missing (at startup, after a flush): flows
+    /// to services made meanwhile were not translated.
+    rules_were_missing: bool,
 }
 
 impl<R: Runner> IptablesBackend<R> {
     pub fn new(runner: R, options: Options) -> Self {
-        IptablesBackend { runner, options, applied: None, last_full: None, udp: UdpServices::new() }
+        IptablesBackend {
+            runner,
+            options,
+            applied: None,
+            last_full: None,
+            udp: UdpServices::new(),
+            rules_were_missing: true,
+        }
     }
 
     /// Whether the next sync will be a full one.
@@ -105,7 +118,30 @@ impl<R: Runner> IptablesBackend<R> {
         let stale = stale_flows(&self.udp, &udp);
         self.udp = udp;
         self.flush(&stale, &mut report);
+        if self.rules_were_missing {
+            self.delete_untranslated(model, &mut report);
+            self.rules_were_missing = false;
+        }
         Ok(report)
+    }
+
+    /// Deletes the entries to service addresses that were not translated.
+    fn delete_untranslated(&mut self, model: &Model, report: &mut SyncReport) {
+        let listing = match self.runner.run(CONNTRACK, &["-L"], None) {
+            Ok(listing) => listing,
+            Err(e) => return report.flow_errors.push(format!("listing conntrack: {e}")),
+        };
+        let frontends = frontends(model, &self.options.node_ips);
+        for entry in untranslated(&listing, &frontends) {
+            let args = entry.delete_args();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            match self.runner.run(CONNTRACK, &args, None) {
+                Ok(_) => report.untranslated_deleted += 1,
+                // Gone meanwhile.
+                Err(ExecError::Failed { stderr, .. }) if stderr.contains(" 0 flow entries") => {}
+                Err(e) => report.flow_errors.push(format!("{entry:?}: {e}")),
+            }
+        }
     }
 
     fn apply_full(&mut self, ruleset: &Ruleset) -> Result<SyncReport, IptablesError> {
@@ -200,6 +236,7 @@ impl<R: Runner> IptablesBackend<R> {
             self.runner.run(IPTABLES, &[WAIT[0], WAIT[1], "-t", table, "-S", CANARY], None).is_err()
         })?;
         self.applied = None;
+        self.rules_were_missing = true;
         Some(gone)
     }
 }
@@ -436,7 +473,10 @@ mod tests {
         backend.runner.chains.clear();
         assert_eq!(backend.canary_gone(), Some("mangle"));
         assert!(backend.full_sync_due());
+        backend.runner.log.clear();
         assert!(backend.sync(&web(&["10.244.1.2"])).unwrap().full);
+        // Flows made while the rules were missing are looked for.
+        assert!(backend.runner.log.contains(&"conntrack -L".to_string()));
         assert_eq!(backend.canary_gone(), None);
     }
 

@@ -1,0 +1,252 @@
+//! What only the iptables mode has: the rules are those `render iptables`
+//! prints, they come back after someone flushes them, a refused partial
+//! restore is followed by a full one, `cleanup` removes them, and switching
+//! modes removes the other mode's datapath.
+
+use std::time::{Duration, Instant};
+
+use proxy_lab::{Attempt, Lab, Mode, Pod, tally, target_bin};
+
+/// Service `web` (80/TCP → 8080) over `pods`, and an unrelated `other`.
+fn manifest(pods: &[&Pod]) -> String {
+    let endpoints: String =
+        pods.iter().map(|p| format!("\n- {{addresses: [{}], nodeName: lab-node}}", p.ip)).collect();
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: lab}}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.10
+  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: 30080}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: other, namespace: lab}}
+spec: {{clusterIP: 10.96.0.11, ports: [{{port: 80}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, namespace: lab, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints:{endpoints}
+"#
+    )
+}
+
+/// A lab with two web pods and a client pod, in `mode`.
+fn lab(mode: Mode) -> (Lab, Vec<Pod>, Pod) {
+    let mut lab = Lab::with_mode(mode).unwrap();
+    let pods: Vec<Pod> = (0..2)
+        .map(|i| {
+            let pod = lab.add_pod(&format!("web-{i}"), &format!("10.244.1.{}", 2 + i)).unwrap();
+            lab.serve(&pod, &[8080], &[]).unwrap();
+            pod
+        })
+        .collect();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    lab.write_manifest(&manifest(&pods.iter().collect::<Vec<_>>())).unwrap();
+    (lab, pods, client)
+}
+
+/// `count` connections to the service from `client` (outside the socket-LB
+/// cgroup), by the pods that answered.
+fn reach(lab: &Lab, client: &Pod, count: usize) -> std::collections::BTreeMap<String, usize> {
+    let attempts = lab
+        .client_outside(
+            client,
+            &["--timeout-ms", "500", "tcp", "10.96.0.10:80", &count.to_string()],
+        )
+        .unwrap();
+    let mut counts = tally(&attempts);
+    for attempt in &attempts {
+        if let Attempt::Err { kind, .. } = attempt {
+            *counts.entry(format!("<{kind}>")).or_default() += 1;
+        }
+    }
+    counts
+}
+
+/// The chains of `table` named `KUBE-…` in `iptables-save` output.
+fn kube_chains(saved: &str, table: &str) -> Vec<String> {
+    let mut in_table = false;
+    let mut chains = Vec::new();
+    for line in saved.lines() {
+        if let Some(t) = line.strip_prefix('*') {
+            in_table = t == table;
+        } else if let Some(chain) = line.strip_prefix(":KUBE-").filter(|_| in_table) {
+            chains.push(format!("KUBE-{}", chain.split(' ').next().unwrap()));
+        }
+    }
+    chains.sort();
+    chains
+}
+
+fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn metric(lab: &Lab, name: &str) -> u64 {
+    let metrics = lab.metrics().unwrap();
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"))
+}
+
+#[test]
+fn the_applied_rules_are_the_rendered_ones_and_cleanup_removes_them() {
+    let (mut lab, _pods, _client) = lab(Mode::Iptables);
+    lab.start_agent(&[]).unwrap();
+    let manifest = lab.dir.join("manifests.yaml");
+    let rendered = lab
+        .exec_on(
+            0,
+            &target_bin("proxy-agent").to_string_lossy(),
+            &[
+                "render",
+                "iptables",
+                "--manifests",
+                &manifest.to_string_lossy(),
+                "--hostname-override",
+                "lab-node",
+                "--node-ip",
+                &lab.nodes()[0].ip,
+                "--no-nfacct",
+            ],
+        )
+        .unwrap();
+    let saved = lab.iptables_save_on(0).unwrap();
+    for table in ["filter", "nat"] {
+        let mut applied = kube_chains(&saved, table);
+        applied.retain(|c| c != "KUBE-PROXY-CANARY");
+        assert_eq!(applied, kube_chains(&rendered, table), "{table}:\n{saved}");
+    }
+    // The same rules, as iptables-save prints them back.
+    let rules = |text: &str| text.lines().filter(|l| l.starts_with("-A KUBE-")).count();
+    assert_eq!(rules(&saved), rules(&rendered));
+    for jump in ["-A PREROUTING", "-A OUTPUT", "-A POSTROUTING", "-A INPUT", "-A FORWARD"] {
+        assert!(saved.contains(jump), "{jump} missing:\n{saved}");
+    }
+    assert_eq!(kube_chains(&saved, "mangle"), ["KUBE-PROXY-CANARY"]);
+
+    lab.kill_agent();
+    lab.cleanup_on(0).unwrap();
+    let saved = lab.iptables_save_on(0).unwrap();
+    assert!(!saved.contains("KUBE-"), "left after cleanup:\n{saved}");
+}
+
+#[test]
+fn rules_flushed_by_another_program_come_back() {
+    let (mut lab, _pods, client) = lab(Mode::Iptables);
+    lab.start_agent(&[]).unwrap();
+    assert_eq!(reach(&lab, &client, 20).len(), 2);
+
+    // What a firewall reload does: flush every chain, delete ours, put
+    // back its own rules (which keep conntrack on).
+    for table in ["filter", "nat", "mangle"] {
+        lab.exec_on(0, "iptables", &["-t", table, "-F"]).unwrap();
+        lab.exec_on(0, "iptables", &["-t", table, "-X"]).unwrap();
+    }
+    lab.drop_invalid_forwards(0).unwrap();
+    // A connection attempted meanwhile: its SYN makes an untranslated
+    // conntrack entry, which its retransmissions would keep matching.
+    let mut patient =
+        lab.spawn_outside(&client, &["--timeout-ms", "8000", "tcp", "10.96.0.10:80", "1"]).unwrap();
+    wait_for("the resync", Duration::from_secs(10), || {
+        reach(&lab, &client, 1).keys().all(|k| k.starts_with("web-"))
+    });
+    let counts = reach(&lab, &client, 20);
+    assert_eq!(counts.len(), 2, "{counts:?}\n{}", lab.agent_log());
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(patient.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    patient.wait().unwrap();
+    let attempt = Attempt::parse(&line).unwrap();
+    assert!(
+        attempt.pod().is_some(),
+        "the retried SYN was translated: {attempt:?}\n{}",
+        lab.agent_log()
+    );
+    assert!(attempt.ms() > 900.0, "it was sent before the rules came back: {attempt:?}");
+    assert!(lab.agent_log().contains("made while the rules were missing deleted"));
+    assert!(lab.agent_log().contains("KUBE-PROXY-CANARY is gone"), "{}", lab.agent_log());
+    assert_eq!(metric(&lab, "proxy_iptables_canary_resyncs_total"), 1);
+}
+
+#[test]
+fn a_refused_partial_restore_is_followed_by_a_full_one() {
+    let (mut lab, mut pods, client) = lab(Mode::Iptables);
+    lab.start_agent(&[]).unwrap();
+    let saved = lab.iptables_save_on(0).unwrap();
+    // Someone deletes web-0's endpoint chain (after emptying the service
+    // chain that jumps to it).
+    let svc = kube_chains(&saved, "nat").into_iter().find(|c| c.starts_with("KUBE-SVC-")).unwrap();
+    let sep = saved
+        .lines()
+        .find(|l| l.contains("DNAT") && l.contains("10.244.1.2:8080"))
+        .and_then(|l| l.split(' ').nth(1))
+        .unwrap()
+        .to_string();
+    lab.exec_on(0, "iptables", &["-t", "nat", "-F", &svc]).unwrap();
+    lab.exec_on(0, "iptables", &["-t", "nat", "-F", &sep]).unwrap();
+    lab.exec_on(0, "iptables", &["-t", "nat", "-X", &sep]).unwrap();
+
+    // A new endpoint: the partial restore rewrites the service chain, which
+    // jumps to the chain it believes is there, and iptables-restore refuses.
+    let extra = lab.add_pod("web-2", "10.244.1.4").unwrap();
+    lab.serve(&extra, &[8080], &[]).unwrap();
+    pods.push(extra);
+    lab.write_manifest(&manifest(&pods.iter().collect::<Vec<_>>())).unwrap();
+    wait_for("a full resync", Duration::from_secs(10), || {
+        lab.agent_log().matches("full=true").count() >= 2
+    });
+    assert!(lab.agent_log().contains("sync failed"), "{}", lab.agent_log());
+    assert!(metric(&lab, "kubeproxy_iptables_restore_failures_total") >= 1);
+    let counts = reach(&lab, &client, 60);
+    assert_eq!(counts.len(), 3, "every endpoint again: {counts:?}");
+}
+
+#[test]
+fn switching_modes_removes_the_other_modes_datapath() {
+    let (mut lab, _pods, client) = lab(Mode::Ebpf);
+    lab.start_agent(&[]).unwrap();
+    assert_eq!(reach(&lab, &client, 20).len(), 2);
+    let cgroup = lab.cgroup.to_string_lossy().into_owned();
+    let programs = || proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
+    assert!(programs().contains("connect4"));
+
+    // eBPF → iptables: once the rules are in, the programs and pins go.
+    lab.kill_agent();
+    lab.start_agent(&["--proxy-mode", "iptables"]).unwrap();
+    assert!(!programs().contains("connect4"), "{}", programs());
+    assert!(!lab.pins.join("links").exists(), "pins left");
+    let tc = lab.exec_on(0, "tc", &["filter", "show", "dev", "eth0", "ingress"]).unwrap();
+    assert!(!tc.contains("tc_ingress"), "{tc}");
+    assert_eq!(reach(&lab, &client, 20).len(), 2);
+    assert!(lab.iptables_save_on(0).unwrap().contains("KUBE-SERVICES"));
+
+    // iptables → eBPF: once the programs serve, the rules go.
+    lab.kill_agent();
+    lab.start_agent(&["--proxy-mode", "ebpf"]).unwrap();
+    let saved = lab.iptables_save_on(0).unwrap();
+    assert!(!saved.contains("KUBE-"), "{saved}");
+    assert!(lab.agent_log().contains("removed the iptables mode's rules"));
+    assert_eq!(reach(&lab, &client, 20).len(), 2);
+}
+
+#[test]
+fn auto_mode_runs_ebpf_on_this_kernel() {
+    let (mut lab, _pods, client) = lab(Mode::Ebpf);
+    lab.start_agent(&["--proxy-mode", "auto"]).unwrap();
+    assert!(lab.agent_log().contains("mode=\"ebpf\""), "{}", lab.agent_log());
+    assert_eq!(reach(&lab, &client, 20).len(), 2);
+}
