@@ -1,17 +1,17 @@
 //! The README's main command: the example manifest served in a lab.
 
 use anyhow::Context;
-use proxy_lab::{Attempt, Lab, sh, tally};
+use proxy_lab::{Attempt, Lab, Mode, sh, tally};
 
 const MANIFEST: &str = "deploy/examples/demo.yaml";
 /// Pods named and addressed as the example EndpointSlice lists them.
 const PODS: [(&str, &str); 3] =
     [("web-0", "10.244.1.2"), ("web-1", "10.244.1.3"), ("web-2", "10.244.1.4")];
 
-pub fn run() -> anyhow::Result<()> {
+pub fn run(mode: Mode) -> anyhow::Result<()> {
     let manifest =
         std::fs::read_to_string(MANIFEST).with_context(|| format!("reading {MANIFEST}"))?;
-    let mut lab = Lab::new()?;
+    let mut lab = Lab::with_mode(mode)?;
     println!("== lab: node namespace {}, test cgroup {}", lab.node, lab.cgroup.display());
     for (name, ip) in PODS {
         let pod = lab.add_pod(name, ip)?;
@@ -19,7 +19,14 @@ pub fn run() -> anyhow::Result<()> {
         println!("   pod {name:6} {ip:12} serves TCP 8080 and UDP 5353");
     }
     let client = lab.add_pod("client", "10.244.1.100")?;
-    println!("   pod client 10.244.1.100 (in the test cgroup: socket LB applies)");
+    match mode {
+        Mode::Ebpf => {
+            println!("   pod client 10.244.1.100 (in the test cgroup: socket LB applies)")
+        }
+        Mode::Iptables => {
+            println!("   pod client 10.244.1.100 (its packets meet the node's rules)")
+        }
+    }
     let ext = lab.add_external("ext", "192.168.100.101")?;
     println!(
         "   external client 192.168.100.101 on the node's network (the node is 192.168.100.11)"
@@ -28,7 +35,8 @@ pub fn run() -> anyhow::Result<()> {
     lab.write_manifest(&manifest)?;
     lab.start_agent(&[])?;
     println!(
-        "\n== proxy-agent run --manifests {MANIFEST} --cgroup-path {} --bpffs-root {}",
+        "\n== proxy-agent run --proxy-mode {} --manifests {MANIFEST} --cgroup-path {} --bpffs-root {}",
+        mode.as_arg(),
         lab.cgroup.display(),
         lab.pins.display()
     );
@@ -67,6 +75,22 @@ pub fn run() -> anyhow::Result<()> {
         }
     }
 
+    match mode {
+        Mode::Ebpf => show_maps(&lab)?,
+        Mode::Iptables => show_rules(&lab)?,
+    }
+    println!("\n== the agent's metrics (curl 127.0.0.1:10249/metrics in the node namespace)");
+    for line in lab.metrics()?.lines().filter(|l| !l.starts_with('#')) {
+        println!("   {line}");
+    }
+    println!("\n== tearing the lab down");
+    drop(lab);
+    println!("   done: namespaces (and their rules), cgroup, pins and processes removed");
+    Ok(())
+}
+
+/// What the BPF maps hold, and where the programs are attached.
+fn show_maps(lab: &Lab) -> anyhow::Result<()> {
     for map in ["SERVICES", "BACKENDS", "REV_NAT", "CONNTRACK"] {
         println!("\n== bpftool map dump pinned {}/maps/{map}", lab.pins.display());
         print!("{}", lab.dump_map(map)?);
@@ -83,12 +107,20 @@ pub fn run() -> anyhow::Result<()> {
         links.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
     names.sort();
     println!("   {}", names.join("  "));
-    println!("\n== the agent's metrics (curl 127.0.0.1:10249/metrics in the node namespace)");
-    for line in lab.metrics()?.lines().filter(|l| !l.starts_with('#')) {
+    Ok(())
+}
+
+/// The service rules in the nat table, and the kernel's conntrack entries.
+fn show_rules(lab: &Lab) -> anyhow::Result<()> {
+    println!("\n== iptables-save -t nat (the KUBE- rules; in the node namespace)");
+    for line in lab.exec_on(0, "iptables-save", &["-t", "nat"])?.lines() {
+        if line.contains("KUBE-") {
+            println!("   {line}");
+        }
+    }
+    println!("\n== conntrack -L (in the node namespace)");
+    for line in lab.exec_on(0, "conntrack", &["-L"])?.lines() {
         println!("   {line}");
     }
-    println!("\n== tearing the lab down");
-    drop(lab);
-    println!("   done: namespaces, cgroup, pins and processes removed");
     Ok(())
 }

@@ -22,8 +22,13 @@ enum Task {
     /// rust-src, bpf-linker); quick when everything is there.
     Setup,
     /// Build, start a lab with pods and the example manifest, send traffic
-    /// through the ClusterIP, show the maps, tear everything down.
-    Demo,
+    /// through the ClusterIP and the NodePort, show the maps (or rules),
+    /// tear everything down.
+    Demo {
+        /// The agent's --proxy-mode
+        #[arg(long, value_enum, default_value = "ebpf")]
+        mode: DemoMode,
+    },
     /// Setup, lint, build, and run every test (unit and lab; needs root).
     Test,
     /// Measure connection rates through a service VIP against a direct pod
@@ -38,6 +43,12 @@ enum Task {
     },
 }
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DemoMode {
+    Ebpf,
+    Iptables,
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // Run from the workspace root whatever the caller's directory.
@@ -45,10 +56,13 @@ fn main() -> anyhow::Result<()> {
     std::env::set_current_dir(&root).context("entering the workspace")?;
     match cli.task {
         Task::Setup => setup::run(),
-        Task::Demo => {
+        Task::Demo { mode } => {
             setup::run()?;
             build()?;
-            demo::run()
+            demo::run(match mode {
+                DemoMode::Ebpf => proxy_lab::Mode::Ebpf,
+                DemoMode::Iptables => proxy_lab::Mode::Iptables,
+            })
         }
         Task::Test => {
             setup::run()?;
