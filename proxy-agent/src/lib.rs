@@ -6,6 +6,8 @@
 pub mod agent;
 pub mod backend;
 pub mod cli;
+pub mod health;
+pub mod http;
 pub mod metrics;
 pub mod model;
 pub mod plan;

@@ -108,7 +108,7 @@ impl Metrics {
             &[(String::new(), self.kept_objects.load(Relaxed))],
         );
         metric(
-            "kubeproxy_iptables_restore_failures_total",
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
             "counter",
             "iptables mode: failed iptables-restore runs (each is retried as a full sync).",
             &[(String::new(), self.restore_failures.load(Relaxed))],

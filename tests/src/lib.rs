@@ -21,6 +21,8 @@ use std::{
 
 use anyhow::{Context, bail};
 
+pub mod apiserver;
+
 const GATEWAY: &str = "169.254.1.1";
 const PREFIX: &str = "pxl-";
 const CGROUP2: &str = "/sys/fs/cgroup/unified";

@@ -210,7 +210,7 @@ fn a_refused_partial_restore_is_followed_by_a_full_one() {
         lab.agent_log().matches("full=true").count() >= 2
     });
     assert!(lab.agent_log().contains("sync failed"), "{}", lab.agent_log());
-    assert!(metric(&lab, "kubeproxy_iptables_restore_failures_total") >= 1);
+    assert!(metric(&lab, "kubeproxy_sync_proxy_rules_iptables_restore_failures_total") >= 1);
     let counts = reach(&lab, &client, 60);
     assert_eq!(counts.len(), 3, "every endpoint again: {counts:?}");
 }

@@ -1,0 +1,360 @@
+//! kube-proxy's health surfaces: `/healthz` and `/livez` (is the datapath
+//! keeping up with the changes?), and the per-service health-check node
+//! ports load balancers probe for `externalTrafficPolicy: Local` services.
+//! Same JSON, headers and status rules as kube-proxy.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddr},
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use crate::{
+    http::{self, Reply},
+    model::{Model, ServiceName},
+};
+
+/// `2006-01-02T15:04:05.999999999Z`: Go's RFC3339Nano in UTC, as kube-proxy
+/// marshals times (trailing zeros of the fraction dropped).
+pub fn rfc3339_nano(t: SystemTime) -> String {
+    let since = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = since.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Howard Hinnant's civil-from-days.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let mut text = format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    );
+    let nanos = since.subsec_nanos();
+    if nanos > 0 {
+        text.push_str(format!(".{nanos:09}").trim_end_matches('0'));
+    }
+    text.push('Z');
+    text
+}
+
+/// Whether this node should receive load-balancer traffic, from its Node
+/// object (kube-proxy: it exists, is not being deleted, and has no
+/// `ToBeDeletedByClusterAutoscaler` taint). Without an API server there is
+/// no Node object, and the node is taken as eligible.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeEligibility {
+    NoApiServer,
+    Eligible,
+    Ineligible,
+}
+
+#[derive(Debug)]
+struct State {
+    /// The last successful sync.
+    last_updated: Option<SystemTime>,
+    /// The oldest change not yet synced.
+    oldest_queued: Option<SystemTime>,
+    node: NodeEligibility,
+}
+
+/// The proxier health kube-proxy serves on `--healthz-bind-address`.
+#[derive(Debug)]
+pub struct ProxyHealth {
+    state: Mutex<State>,
+    /// A change pending longer than this makes the proxy unhealthy
+    /// (kube-proxy: twice the sync period).
+    timeout: Duration,
+    pub healthz_200: std::sync::atomic::AtomicU64,
+    pub healthz_503: std::sync::atomic::AtomicU64,
+    pub livez_200: std::sync::atomic::AtomicU64,
+    pub livez_503: std::sync::atomic::AtomicU64,
+}
+
+impl ProxyHealth {
+    pub fn new(timeout: Duration, node: NodeEligibility) -> Self {
+        ProxyHealth {
+            state: Mutex::new(State { last_updated: None, oldest_queued: None, node }),
+            timeout,
+            healthz_200: Default::default(),
+            healthz_503: Default::default(),
+            livez_200: Default::default(),
+            livez_503: Default::default(),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A change is waiting to be synced (only the oldest counts).
+    pub fn queued(&self, now: SystemTime) {
+        self.state().oldest_queued.get_or_insert(now);
+    }
+
+    /// Everything queued is in the datapath.
+    pub fn updated(&self, now: SystemTime) {
+        let mut state = self.state();
+        state.oldest_queued = None;
+        state.last_updated = Some(now);
+    }
+
+    pub fn set_node(&self, node: NodeEligibility) {
+        self.state().node = node;
+    }
+
+    /// Healthy unless a change has waited for the timeout.
+    pub fn healthy(&self, now: SystemTime) -> bool {
+        let state = self.state();
+        state
+            .oldest_queued
+            .is_none_or(|queued| now.duration_since(queued).unwrap_or_default() < self.timeout)
+    }
+
+    /// `/healthz` (with the node's eligibility) or `/livez` (without).
+    pub fn reply(&self, healthz: bool, now: SystemTime) -> Reply {
+        use std::sync::atomic::Ordering::Relaxed;
+        let healthy = self.healthy(now);
+        let state = self.state();
+        let eligible = state.node != NodeEligibility::Ineligible;
+        let ok = healthy && (!healthz || eligible);
+        let zero = || "0001-01-01T00:00:00Z".to_string();
+        let last = state.last_updated.map_or_else(zero, rfc3339_nano);
+        // kube-proxy reports "now" as the last update when healthy.
+        let top_last = if ok { rfc3339_nano(now) } else { last.clone() };
+        let mut body =
+            format!("{{\"lastUpdated\":\"{top_last}\",\"currentTime\":\"{}\"", rfc3339_nano(now));
+        if healthz {
+            body.push_str(&format!(",\"nodeEligible\":{eligible}"));
+        }
+        body.push_str(&format!(",\"healthy\":{healthy}"));
+        if state.last_updated.is_some() {
+            body.push_str(&format!(
+                ",\"status\":{{\"IPv4\":{{\"lastUpdated\":\"{last}\",\"healthy\":{healthy}}}}}"
+            ));
+        }
+        body.push('}');
+        let counter = match (healthz, ok) {
+            (true, true) => &self.healthz_200,
+            (true, false) => &self.healthz_503,
+            (false, true) => &self.livez_200,
+            (false, false) => &self.livez_503,
+        };
+        counter.fetch_add(1, Relaxed);
+        let mut reply = Reply::new(if ok { 200 } else { 503 }, "application/json", body);
+        reply.headers.push(("X-Content-Type-Options", "nosniff".into()));
+        reply
+    }
+
+    /// Serves `/healthz` and `/livez` on `listener`.
+    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
+        let handler = Arc::new(move |_method: String, path: String| {
+            let health = self.clone();
+            async move {
+                match path.as_str() {
+                    "/healthz" => health.reply(true, SystemTime::now()),
+                    "/livez" => health.reply(false, SystemTime::now()),
+                    _ => Reply::not_found(),
+                }
+            }
+        });
+        http::serve(listener, handler).await
+    }
+}
+
+/// One service's health-check node port: its name and this node's ready
+/// endpoints (distinct addresses, over all its ports).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceCheck {
+    pub service: ServiceName,
+    pub local_endpoints: usize,
+}
+
+/// The health-check node ports `model` asks for on node `node_name`.
+pub fn service_checks(model: &Model, node_name: &str) -> BTreeMap<u16, ServiceCheck> {
+    let mut checks: BTreeMap<u16, (ServiceName, std::collections::BTreeSet<Ipv4Addr>)> =
+        BTreeMap::new();
+    for port in &model.ports {
+        let Some(hc) = port.health_check_node_port else { continue };
+        let (_, ips) =
+            checks.entry(hc).or_insert_with(|| (port.name.service.clone(), Default::default()));
+        // Ready only: a node with only terminating endpoints should lose
+        // its load-balancer traffic.
+        let local = port
+            .endpoints
+            .iter()
+            .filter(|e| e.ready && !e.terminating && e.node_name.as_deref() == Some(node_name));
+        ips.extend(local.map(|e| *e.addr.ip()));
+    }
+    checks
+        .into_iter()
+        .map(|(hc, (service, ips))| (hc, ServiceCheck { service, local_endpoints: ips.len() }))
+        .collect()
+}
+
+/// kube-proxy's answer on a health-check node port.
+pub fn service_check_reply(check: &ServiceCheck, proxy_healthy: bool) -> Reply {
+    let count = check.local_endpoints;
+    let body = format!(
+        "{{\n\t\"service\": {{\n\t\t\"namespace\": \"{}\",\n\t\t\"name\": \"{}\"\n\t}},\n\t\"localEndpoints\": {count},\n\t\"serviceProxyHealthy\": {proxy_healthy}\n}}",
+        check.service.namespace, check.service.name
+    );
+    let status = if count != 0 && proxy_healthy { 200 } else { 503 };
+    let mut reply = Reply::new(status, "application/json", body);
+    reply.headers.push(("X-Content-Type-Options", "nosniff".into()));
+    reply.headers.push(("X-Load-Balancing-Endpoint-Weight", count.to_string()));
+    reply
+}
+
+/// The listeners of the health-check node ports, kept in step with the
+/// services after each sync.
+pub struct ServiceChecks {
+    health: Arc<ProxyHealth>,
+    /// `--nodeport-addresses` matched against the node's addresses: the
+    /// addresses to listen on; empty means all (0.0.0.0).
+    addresses: Vec<Ipv4Addr>,
+    checks: Arc<Mutex<BTreeMap<u16, ServiceCheck>>>,
+    listeners: BTreeMap<u16, Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl ServiceChecks {
+    pub fn new(health: Arc<ProxyHealth>, addresses: Vec<Ipv4Addr>) -> Self {
+        ServiceChecks { health, addresses, checks: Default::default(), listeners: BTreeMap::new() }
+    }
+
+    /// Serves `wanted` from now on: opens new ports, closes gone ones.
+    /// Returns the ports that could not be opened, with why.
+    pub fn set(&mut self, wanted: BTreeMap<u16, ServiceCheck>) -> Vec<(u16, ServiceCheck, String)> {
+        let mut failed = Vec::new();
+        self.listeners.retain(|port, tasks| {
+            let keep = wanted.contains_key(port);
+            if !keep {
+                tasks.iter().for_each(|t| t.abort());
+            }
+            keep
+        });
+        for (port, check) in &wanted {
+            if self.listeners.contains_key(port) {
+                continue;
+            }
+            let addresses = if self.addresses.is_empty() {
+                vec![Ipv4Addr::UNSPECIFIED]
+            } else {
+                self.addresses.clone()
+            };
+            let mut tasks = Vec::new();
+            for ip in addresses {
+                match bind(SocketAddr::from((ip, *port))) {
+                    Ok(listener) => tasks.push(tokio::spawn(self.serve(listener, *port))),
+                    Err(e) => failed.push((*port, check.clone(), format!("{ip}:{port}: {e}"))),
+                }
+            }
+            if tasks.is_empty() {
+                continue;
+            }
+            self.listeners.insert(*port, tasks);
+        }
+        if let Ok(mut checks) = self.checks.lock() {
+            *checks = wanted;
+        }
+        failed
+    }
+
+    fn serve(
+        &self,
+        listener: tokio::net::TcpListener,
+        port: u16,
+    ) -> impl std::future::Future<Output = ()> + use<> {
+        let (checks, health) = (self.checks.clone(), self.health.clone());
+        let handler = Arc::new(move |_method: String, _path: String| {
+            let check = checks.lock().ok().and_then(|c| c.get(&port).cloned());
+            let healthy = health.healthy(SystemTime::now());
+            async move {
+                match check {
+                    Some(check) => service_check_reply(&check, healthy),
+                    None => Reply::not_found(),
+                }
+            }
+        });
+        http::serve(listener, handler)
+    }
+}
+
+fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(128)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(secs: u64, nanos: u32) -> SystemTime {
+        UNIX_EPOCH + Duration::new(secs, nanos)
+    }
+
+    #[test]
+    fn times_format_as_go_rfc3339_nano() {
+        assert_eq!(rfc3339_nano(at(0, 0)), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339_nano(at(1_748_772_000, 123_456_789)), "2025-06-01T10:00:00.123456789Z");
+        assert_eq!(rfc3339_nano(at(951_782_400, 500_000_000)), "2000-02-29T00:00:00.5Z");
+    }
+
+    #[test]
+    fn healthz_follows_pending_changes_and_the_node() {
+        let health = ProxyHealth::new(Duration::from_secs(60), NodeEligibility::Eligible);
+        let t0 = at(1_748_772_000, 0);
+        let reply = health.reply(true, t0);
+        assert_eq!(reply.status, 200);
+        assert_eq!(
+            reply.body,
+            "{\"lastUpdated\":\"2025-06-01T10:00:00Z\",\"currentTime\":\"2025-06-01T10:00:00Z\",\"nodeEligible\":true,\"healthy\":true}"
+        );
+        health.updated(t0);
+        health.queued(t0 + Duration::from_secs(1));
+        // Pending for 59 s: fine; for 60 s: unhealthy.
+        assert_eq!(health.reply(false, t0 + Duration::from_secs(60)).status, 200);
+        let late = health.reply(true, t0 + Duration::from_secs(61));
+        assert_eq!(late.status, 503);
+        assert_eq!(
+            late.body,
+            "{\"lastUpdated\":\"2025-06-01T10:00:00Z\",\"currentTime\":\"2025-06-01T10:01:01Z\",\"nodeEligible\":true,\"healthy\":false,\"status\":{\"IPv4\":{\"lastUpdated\":\"2025-06-01T10:00:00Z\",\"healthy\":false}}}"
+        );
+        health.updated(t0 + Duration::from_secs(62));
+        health.set_node(NodeEligibility::Ineligible);
+        assert_eq!(health.reply(true, t0 + Duration::from_secs(63)).status, 503);
+        let livez = health.reply(false, t0 + Duration::from_secs(63));
+        assert_eq!(livez.status, 200, "livez ignores the node");
+        assert!(!livez.body.contains("nodeEligible"));
+        assert_eq!(health.healthz_503.load(std::sync::atomic::Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn service_checks_count_ready_local_endpoint_addresses() {
+        let model = crate::source::model_from_yaml(
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: lab}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, externalTrafficPolicy: Local, healthCheckNodePort: 32000, ports: [{name: a, port: 80, nodePort: 30080}, {name: b, port: 81, nodePort: 30081}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: lab, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: a, port: 8080}, {name: b, port: 8081}]\nendpoints: [{addresses: [10.244.1.2], nodeName: n1}, {addresses: [10.244.1.3], nodeName: n1, conditions: {ready: false, serving: true, terminating: true}}, {addresses: [10.244.2.2], nodeName: n2}]\n",
+        );
+        let checks = service_checks(&model, "n1");
+        let check = &checks[&32000];
+        assert_eq!(check.local_endpoints, 1, "one address over two ports; terminating ones out");
+        let reply = service_check_reply(check, true);
+        assert_eq!(reply.status, 200);
+        assert_eq!(
+            reply.body,
+            "{\n\t\"service\": {\n\t\t\"namespace\": \"lab\",\n\t\t\"name\": \"web\"\n\t},\n\t\"localEndpoints\": 1,\n\t\"serviceProxyHealthy\": true\n}"
+        );
+        assert!(reply.headers.contains(&("X-Load-Balancing-Endpoint-Weight", "1".into())));
+        let none = service_checks(&model, "n3");
+        assert_eq!(service_check_reply(&none[&32000], true).status, 503);
+        assert_eq!(service_check_reply(check, false).status, 503);
+    }
+}
