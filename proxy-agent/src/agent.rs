@@ -18,7 +18,7 @@ use proxy_common::Config;
 use crate::{
     backend::{
         ebpf::{self, EbpfBackend, TcAttach},
-        iptables::{self, CANARY, IptablesBackend, exec::System, render},
+        iptables::{self, CANARY, IptablesBackend, IptablesError, exec::System, render},
     },
     cli::{NodeArgs, PinArgs, ProxyMode, RenderIptablesArgs, RunArgs, TcAttachArg},
     metrics::{self, Metrics},
@@ -38,8 +38,13 @@ const FIRST_RETRY: Duration = Duration::from_millis(200);
 const MAX_RETRY: Duration = Duration::from_secs(10);
 /// eBPF: expired conntrack entries are collected every this many polls.
 const GC_EVERY: u32 = 5;
-/// iptables: the canary chains are checked every this many polls.
+/// iptables: mangle's canary chain is checked every this many polls...
 const CANARY_EVERY: u32 = 10;
+/// ...and every canary once in this many checks.
+const THOROUGH_CANARY_EVERY: u32 = 15;
+/// Failed attachments and removals of the other mode's datapath are
+/// retried every this many polls.
+const RETRY_EVERY: u32 = 25;
 /// A TCP flow translated per packet that never saw a reply lives this long.
 const TCP_SYN_TIMEOUT_SECS: u32 = 60;
 /// What the agent logs once its datapath serves the source.
@@ -92,6 +97,8 @@ struct Agent {
     complete: bool,
     /// The datapath serves `desired` (programs attached, rules applied).
     serving: bool,
+    /// The other mode's datapath may still be there.
+    leftovers: bool,
     polls: u32,
 }
 
@@ -150,11 +157,7 @@ impl Agent {
         let result = match &mut self.datapath {
             Datapath::Ebpf(dp) => sync_ebpf(&mut dp.backend, plan),
             Datapath::Iptables(backend) => {
-                let result = sync_iptables(backend, &self.desired.model);
-                if result.is_err() {
-                    self.metrics.restore_failures.fetch_add(1, Relaxed);
-                }
-                result
+                sync_iptables(backend, &self.desired.model, &self.metrics)
             }
         };
         match result {
@@ -208,16 +211,53 @@ impl Agent {
                 if self.due.is_some() || !self.polls.is_multiple_of(CANARY_EVERY) {
                     return;
                 }
-                if let Some(table) = backend.canary_gone() {
-                    tracing::warn!(
-                        table,
-                        "{CANARY} is gone: another program flushed the rules; full resync"
-                    );
-                    self.metrics.canary_resyncs.fetch_add(1, Relaxed);
-                    self.due = Some(Instant::now());
-                } else if backend.full_sync_due() {
-                    self.due = Some(Instant::now());
+                // mangle's canary is cheap to check; nat's and filter's
+                // (a copy of the whole table with iptables-legacy) rarely.
+                let thorough = self.polls.is_multiple_of(CANARY_EVERY * THOROUGH_CANARY_EVERY);
+                match backend.canary_gone(thorough) {
+                    Ok(Some(table)) => {
+                        tracing::warn!(
+                            table,
+                            "{CANARY} is gone: another program flushed the rules; full resync"
+                        );
+                        self.metrics.canary_resyncs.fetch_add(1, Relaxed);
+                        self.due = Some(Instant::now());
+                    }
+                    Ok(None) if backend.full_sync_due() => self.due = Some(Instant::now()),
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!("could not check {CANARY}: {e}"),
                 }
+            }
+        }
+        if self.leftovers && self.polls.is_multiple_of(RETRY_EVERY) {
+            self.remove_other_modes_datapath();
+        }
+    }
+
+    /// Removes what the other mode left (eBPF programs keep translating in
+    /// front of the rules; rules would still catch host-network clients);
+    /// retried until it works.
+    fn remove_other_modes_datapath(&mut self) {
+        let result: anyhow::Result<()> = match &self.datapath {
+            // Socket LB and tc translate before netfilter sees a packet:
+            // the rules only go once the programs serve.
+            Datapath::Ebpf(_) => iptables::cleanup(&mut System).map_err(Into::into).map(|chains| {
+                if chains > 0 {
+                    tracing::info!(chains, "removed the iptables mode's rules");
+                }
+            }),
+            // The rules are in; the programs go.
+            Datapath::Iptables(_) => cleanup_ebpf(&self.pins).map(|(pins, filters)| {
+                if pins + filters > 0 {
+                    tracing::info!(pins, filters, "removed the eBPF mode's programs");
+                }
+            }),
+        };
+        match result {
+            Ok(()) => self.leftovers = false,
+            Err(e) => {
+                self.metrics.mode_cleanup_failures.fetch_add(1, Relaxed);
+                tracing::warn!("could not remove the other mode's datapath (will retry): {e:#}");
             }
         }
     }
@@ -249,34 +289,15 @@ impl Agent {
             }
             return Ok(());
         }
-        match &mut self.datapath {
-            Datapath::Ebpf(dp) => {
-                let interfaces = sys::interfaces().context("listing interfaces")?;
-                let wanted = tc_interfaces(&interfaces, &self.node.ips, &dp.pod_interfaces);
-                dp.backend.activate(&dp.cgroup, &wanted, &dp.root).with_context(|| {
-                    format!("attaching to {} and {wanted:?}", dp.cgroup.display())
-                })?;
-                self.metrics.set_datapath(ebpf::CounterReader::open(&dp.root)?);
-                // Socket LB and tc translate before netfilter sees a packet:
-                // the rules only go once the programs serve.
-                match iptables::cleanup(&mut System) {
-                    Ok(0) => {}
-                    Ok(chains) => tracing::info!(chains, "removed the iptables mode's rules"),
-                    Err(e) => tracing::warn!("could not remove the iptables mode's rules: {e}"),
-                }
-            }
-            Datapath::Iptables(_) => {
-                // The rules are in; a previous eBPF datapath would still
-                // translate in front of them.
-                match cleanup_ebpf(&self.pins) {
-                    Ok((0, 0)) => {}
-                    Ok((pins, filters)) => {
-                        tracing::info!(pins, filters, "removed the eBPF mode's programs")
-                    }
-                    Err(e) => tracing::warn!("could not remove the eBPF mode's programs: {e:#}"),
-                }
-            }
+        if let Datapath::Ebpf(dp) = &mut self.datapath {
+            let interfaces = sys::interfaces().context("listing interfaces")?;
+            let wanted = tc_interfaces(&interfaces, &self.node.ips, &dp.pod_interfaces);
+            dp.backend
+                .activate(&dp.cgroup, &wanted, &dp.root)
+                .with_context(|| format!("attaching to {} and {wanted:?}", dp.cgroup.display()))?;
+            self.metrics.set_datapath(ebpf::CounterReader::open(&dp.root)?);
         }
+        self.remove_other_modes_datapath();
         tracing::info!(mode = self.datapath.mode(), "{SERVING}");
         self.serving = true;
         Ok(())
@@ -300,8 +321,23 @@ fn sync_ebpf(backend: &mut EbpfBackend, plan: &Plan) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn sync_iptables(backend: &mut IptablesBackend<System>, model: &Model) -> anyhow::Result<()> {
-    let report = backend.sync(model)?;
+fn sync_iptables(
+    backend: &mut IptablesBackend<System>,
+    model: &Model,
+    metrics: &Metrics,
+) -> anyhow::Result<()> {
+    let report = match backend.sync(model) {
+        Ok(report) => report,
+        Err(err) => {
+            if let IptablesError::Restore { full, .. } = &err {
+                metrics.restore_failures.fetch_add(1, Relaxed);
+                if !full {
+                    metrics.partial_restore_failures.fetch_add(1, Relaxed);
+                }
+            }
+            return Err(err.into());
+        }
+    };
     tracing::info!(
         full = report.full,
         chains_written = report.chains_written,
@@ -318,7 +354,8 @@ fn sync_iptables(backend: &mut IptablesBackend<System>, model: &Model) -> anyhow
         );
     }
     for e in &report.flow_errors {
-        tracing::warn!("could not delete stale UDP conntrack entries: {e}");
+        metrics.conntrack_cleanup_failures.fetch_add(1, Relaxed);
+        tracing::warn!("could not delete stale conntrack entries (will retry): {e}");
     }
     Ok(())
 }
@@ -476,6 +513,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             retry_after: FIRST_RETRY,
             complete: false,
             serving: false,
+            leftovers: true,
             polls: 0,
         };
         let mut terminate = signal(SignalKind::terminate())?;
@@ -483,12 +521,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let mut poll = tokio::time::interval(POLL);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut waiting_since: Option<Instant> = None;
+        // Every poll until an attempt fails, then less often.
+        let mut retry_every = 1;
         loop {
             tokio::select! {
                 _ = poll.tick() => {
                     agent.tick();
-                    if !agent.serving {
-                        agent.serve_when_ready(&mut waiting_since)?;
+                    if !agent.serving
+                        && agent.polls.is_multiple_of(retry_every)
+                        && let Err(e) = agent.serve_when_ready(&mut waiting_since)
+                    {
+                        agent.metrics.activation_failures.fetch_add(1, Relaxed);
+                        tracing::error!("could not take over the datapath (will retry): {e:#}");
+                        retry_every = RETRY_EVERY;
                     }
                 }
                 _ = terminate.recv() => break,

@@ -26,8 +26,16 @@ pub struct Metrics {
     pub conntrack_entries: AtomicU64,
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
-    /// iptables mode: failed `iptables-restore` runs.
+    /// iptables mode: failed `iptables-restore` runs, and those of them
+    /// that were partial syncs.
     pub restore_failures: AtomicU64,
+    pub partial_restore_failures: AtomicU64,
+    /// iptables mode: stale conntrack entries that could not be deleted.
+    pub conntrack_cleanup_failures: AtomicU64,
+    /// Failed attempts to attach the programs (or take over the datapath).
+    pub activation_failures: AtomicU64,
+    /// Failed removals of the other mode's datapath.
+    pub mode_cleanup_failures: AtomicU64,
     /// iptables mode: full resyncs because the canary chain vanished.
     pub canary_resyncs: AtomicU64,
     invalid: Mutex<BTreeMap<String, u64>>,
@@ -112,6 +120,30 @@ impl Metrics {
             "counter",
             "iptables mode: failed iptables-restore runs (each is retried as a full sync).",
             &[(String::new(), self.restore_failures.load(Relaxed))],
+        );
+        metric(
+            "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+            "counter",
+            "Cumulative proxy iptables partial restore failures",
+            &[(String::new(), self.partial_restore_failures.load(Relaxed))],
+        );
+        metric(
+            "proxy_conntrack_cleanup_failures_total",
+            "counter",
+            "iptables mode: stale conntrack entry sets that could not be deleted (retried).",
+            &[(String::new(), self.conntrack_cleanup_failures.load(Relaxed))],
+        );
+        metric(
+            "proxy_activation_failures_total",
+            "counter",
+            "Failed attempts to take over the datapath (attach the programs); retried.",
+            &[(String::new(), self.activation_failures.load(Relaxed))],
+        );
+        metric(
+            "proxy_mode_cleanup_failures_total",
+            "counter",
+            "Failed removals of the other mode's datapath after a mode switch; retried.",
+            &[(String::new(), self.mode_cleanup_failures.load(Relaxed))],
         );
         metric(
             "proxy_iptables_canary_resyncs_total",

@@ -94,6 +94,14 @@ impl Protocol {
             Protocol::Udp => "UDP",
         }
     }
+
+    /// The name iptables, conntrack and kube-proxy's chain hashes use.
+    pub fn lower(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        }
+    }
 }
 
 /// One endpoint of a service port, with the EndpointSlice conditions.

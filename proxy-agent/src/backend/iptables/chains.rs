@@ -21,13 +21,6 @@ fn hash(text: &str) -> String {
     base32_16(&Sha256::digest(text.as_bytes()))
 }
 
-fn lower(protocol: Protocol) -> &'static str {
-    match protocol {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-    }
-}
-
 /// The per-service-port chains, which share one hash.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceChains {
@@ -43,7 +36,7 @@ pub struct ServiceChains {
 
 impl ServiceChains {
     pub fn new(name: &ServicePortName, protocol: Protocol) -> Self {
-        let h = hash(&format!("{name}{}", lower(protocol)));
+        let h = hash(&format!("{name}{}", protocol.lower()));
         ServiceChains {
             svc: format!("KUBE-SVC-{h}"),
             svl: format!("KUBE-SVL-{h}"),
@@ -55,7 +48,7 @@ impl ServiceChains {
 
 /// `KUBE-SEP-`: one endpoint of a service port (`endpoint` is `ip:port`).
 pub fn endpoint_chain(name: &ServicePortName, protocol: Protocol, endpoint: &str) -> String {
-    format!("KUBE-SEP-{}", hash(&format!("{name}{}{endpoint}", lower(protocol))))
+    format!("KUBE-SEP-{}", hash(&format!("{name}{}{endpoint}", protocol.lower())))
 }
 
 /// The prefixes of the chains kube-proxy writes per service port and

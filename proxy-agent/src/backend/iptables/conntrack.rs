@@ -1,18 +1,22 @@
-//! Which kernel conntrack entries go stale when UDP endpoints change. Pure
+//! Which kernel conntrack entries go stale when the rules change. Pure
 //! code; the agent deletes them with the `conntrack` tool.
 //!
 //! A UDP "connection" lives in conntrack for as long as datagrams keep
 //! coming, DNATed to the endpoint picked for its first one. As kube-proxy
-//! does, entries are deleted when:
-//! - their endpoint leaves the service: the next datagram picks again
-//!   (otherwise a DNS client keeps talking to a dead pod);
+//! does, UDP entries are deleted when:
+//! - their endpoint no longer serves the service (ready or serving, as
+//!   kube-proxy counts them: a terminating endpoint still serving keeps its
+//!   flows): the next datagram picks again, so a DNS client does not keep
+//!   talking to a dead pod. NodePort entries are matched by port alone,
+//!   whatever local address (127.0.0.1 included) they were sent to;
 //! - a service without endpoints gets some: datagrams sent meanwhile made
 //!   entries without DNAT, which would keep them from reaching the new pods.
 //!
-//! And, beyond kube-proxy, when the rules were missing (at startup, or after
-//! someone flushed them): TCP and UDP entries to any service address made
-//! meanwhile were not translated, and a client retrying (a SYN resent from
-//! the same port) would stay untranslated until the entry expires.
+//! And, beyond kube-proxy, when the rules were missing (someone flushed
+//! them): unanswered TCP and UDP entries to a service address made meanwhile
+//! were not translated, and a client retrying (a SYN resent from the same
+//! port) would keep matching them until they expire. Answered ones are left
+//! alone: something real answered them.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -20,15 +24,16 @@ use std::{
     net::Ipv4Addr,
 };
 
-use crate::model::{Model, Protocol, ServicePortName};
+use crate::model::{Model, Protocol, ServicePort, ServicePortName};
 
-/// The frontends (`ip:port`) of one UDP service port and the endpoints its
-/// rules send to.
+/// The frontends of one UDP service port and the endpoints it sends to.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UdpService {
-    /// Cluster IP, external IPs and load-balancer IPs with the port, and
-    /// the node addresses with the NodePort.
+    /// Cluster IP, external IPs and load-balancer IPs, with the port.
     pub frontends: Vec<(Ipv4Addr, u16)>,
+    pub node_port: Option<u16>,
+    /// This node's addresses (where untranslated NodePort flows went).
+    pub node_ips: Vec<Ipv4Addr>,
     pub endpoints: BTreeSet<Ipv4Addr>,
 }
 
@@ -41,11 +46,27 @@ pub fn udp_services(model: &Model, node_ips: &[Ipv4Addr]) -> UdpServices {
         .iter()
         .filter(|p| p.protocol == Protocol::Udp)
         .map(|p| {
-            let frontends = port_frontends(p, node_ips).collect();
-            let endpoints = p.usable_endpoints(None).iter().map(|e| *e.addr.ip()).collect();
-            (p.name.clone(), UdpService { frontends, endpoints })
+            let service = UdpService {
+                frontends: service_frontends(p).collect(),
+                node_port: p.node_port,
+                node_ips: node_ips.to_vec(),
+                endpoints: p
+                    .endpoints
+                    .iter()
+                    .filter(|e| e.ready || e.serving)
+                    .map(|e| *e.addr.ip())
+                    .collect(),
+            };
+            (p.name.clone(), service)
         })
         .collect()
+}
+
+fn service_frontends(p: &ServicePort) -> impl Iterator<Item = (Ipv4Addr, u16)> + '_ {
+    std::iter::once(&p.cluster_ip)
+        .chain(&p.external_ips)
+        .chain(&p.load_balancer_ips)
+        .map(|ip| (*ip, p.port))
 }
 
 /// Every address clients reach services on: cluster, external and
@@ -54,25 +75,16 @@ pub fn frontends(model: &Model, node_ips: &[Ipv4Addr]) -> BTreeSet<(Protocol, Ip
     model
         .ports
         .iter()
-        .flat_map(|p| port_frontends(p, node_ips).map(move |(ip, port)| (p.protocol, ip, port)))
+        .flat_map(|p| {
+            let node_ports =
+                p.node_port.into_iter().flat_map(|np| node_ips.iter().map(move |ip| (*ip, np)));
+            service_frontends(p).chain(node_ports).map(move |(ip, port)| (p.protocol, ip, port))
+        })
         .collect()
 }
 
-fn port_frontends<'a>(
-    p: &'a crate::model::ServicePort,
-    node_ips: &'a [Ipv4Addr],
-) -> impl Iterator<Item = (Ipv4Addr, u16)> + 'a {
-    let service_ips = std::iter::once(&p.cluster_ip)
-        .chain(&p.external_ips)
-        .chain(&p.load_balancer_ips)
-        .map(|ip| (*ip, p.port));
-    let node_ports =
-        p.node_port.into_iter().flat_map(|np| node_ips.iter().map(move |ip| (*ip, np)));
-    service_ips.chain(node_ports)
-}
-
-/// One entry of a `conntrack -L` listing: its original direction, and
-/// where its replies come from.
+/// One entry of a `conntrack -L` listing: its original direction, where
+/// its replies come from, and whether any came.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
     pub protocol: Protocol,
@@ -82,6 +94,7 @@ pub struct Entry {
     pub dport: u16,
     pub reply_src: Ipv4Addr,
     pub reply_sport: u16,
+    pub unreplied: bool,
 }
 
 impl Entry {
@@ -106,6 +119,7 @@ impl Entry {
             dport: dport.next()?.parse().ok()?,
             reply_src: src.next()?.parse().ok()?,
             reply_sport: sport.next()?.parse().ok()?,
+            unreplied: line.contains("[UNREPLIED]"),
         })
     }
 
@@ -115,14 +129,10 @@ impl Entry {
 
     /// `conntrack` arguments deleting exactly this entry.
     pub fn delete_args(&self) -> Vec<String> {
-        let proto = match self.protocol {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-        };
         [
             "-D",
             "-p",
-            proto,
+            self.protocol.lower(),
             "--orig-src",
             &self.src.to_string(),
             "--orig-dst",
@@ -137,13 +147,15 @@ impl Entry {
     }
 }
 
-/// The entries of a `conntrack -L` listing sent to one of `frontends` and
-/// never translated.
+/// The entries of a `conntrack -L` listing sent to one of `frontends`,
+/// never translated and never answered.
 pub fn untranslated(listing: &str, frontends: &BTreeSet<(Protocol, Ipv4Addr, u16)>) -> Vec<Entry> {
     listing
         .lines()
         .filter_map(Entry::parse)
-        .filter(|e| !e.translated() && frontends.contains(&(e.protocol, e.dst, e.dport)))
+        .filter(|e| {
+            e.unreplied && !e.translated() && frontends.contains(&(e.protocol, e.dst, e.dport))
+        })
         .collect()
 }
 
@@ -152,6 +164,8 @@ pub fn untranslated(listing: &str, frontends: &BTreeSet<(Protocol, Ipv4Addr, u16
 pub enum StaleFlows {
     /// Sent to `ip:port`, DNATed to `endpoint`.
     ToEndpoint { ip: Ipv4Addr, port: u16, endpoint: Ipv4Addr },
+    /// Sent to NodePort `port` on any local address, DNATed to `endpoint`.
+    NodePortToEndpoint { port: u16, endpoint: Ipv4Addr },
     /// Sent to `ip:port` and not translated (there was no endpoint): the
     /// reply would come from `ip` itself. Translated flows are kept.
     Untranslated { ip: Ipv4Addr, port: u16 },
@@ -160,15 +174,24 @@ pub enum StaleFlows {
 impl StaleFlows {
     /// `conntrack` arguments deleting these entries.
     pub fn args(&self) -> Vec<String> {
-        let (ip, port, reply_from, filter) = match *self {
-            StaleFlows::ToEndpoint { ip, port, endpoint } => (ip, port, endpoint, "--dst-nat"),
-            StaleFlows::Untranslated { ip, port } => (ip, port, ip, "--reply-src"),
-        };
-        ["-D", "-p", "udp", "--orig-dst", &ip.to_string(), "--orig-port-dst", &port.to_string()]
-            .into_iter()
-            .map(String::from)
-            .chain([filter.to_string(), reply_from.to_string()])
-            .collect()
+        let mut args: Vec<String> = ["-D", "-p", "udp"].map(String::from).to_vec();
+        let dst = |ip: &Ipv4Addr| ["--orig-dst".to_string(), ip.to_string()];
+        let port = |port: &u16| ["--orig-port-dst".to_string(), port.to_string()];
+        match self {
+            StaleFlows::ToEndpoint { ip, port: p, endpoint } => {
+                args.extend(dst(ip).into_iter().chain(port(p)));
+                args.extend(["--dst-nat".to_string(), endpoint.to_string()]);
+            }
+            StaleFlows::NodePortToEndpoint { port: p, endpoint } => {
+                args.extend(port(p));
+                args.extend(["--dst-nat".to_string(), endpoint.to_string()]);
+            }
+            StaleFlows::Untranslated { ip, port: p } => {
+                args.extend(dst(ip).into_iter().chain(port(p)));
+                args.extend(["--reply-src".to_string(), ip.to_string()]);
+            }
+        }
+        args
     }
 }
 
@@ -177,6 +200,9 @@ impl fmt::Display for StaleFlows {
         match self {
             StaleFlows::ToEndpoint { ip, port, endpoint } => {
                 write!(f, "UDP {ip}:{port} -> {endpoint}")
+            }
+            StaleFlows::NodePortToEndpoint { port, endpoint } => {
+                write!(f, "UDP NodePort {port} -> {endpoint}")
             }
             StaleFlows::Untranslated { ip, port } => write!(f, "UDP {ip}:{port} untranslated"),
         }
@@ -189,16 +215,23 @@ pub fn stale_flows(old: &UdpServices, new: &UdpServices) -> BTreeSet<StaleFlows>
     for (name, was) in old {
         let now = new.get(name);
         let kept = |endpoint: &Ipv4Addr| now.is_some_and(|n| n.endpoints.contains(endpoint));
-        for endpoint in was.endpoints.iter().filter(|e| !kept(e)) {
+        for &endpoint in was.endpoints.iter().filter(|e| !kept(e)) {
             for &(ip, port) in &was.frontends {
-                stale.insert(StaleFlows::ToEndpoint { ip, port, endpoint: *endpoint });
+                stale.insert(StaleFlows::ToEndpoint { ip, port, endpoint });
+            }
+            if let Some(port) = was.node_port {
+                stale.insert(StaleFlows::NodePortToEndpoint { port, endpoint });
             }
         }
     }
     for (name, now) in new {
         let had_none = old.get(name).is_none_or(|was| was.endpoints.is_empty());
         if had_none && !now.endpoints.is_empty() {
-            for &(ip, port) in &now.frontends {
+            let node_ports = now
+                .node_port
+                .into_iter()
+                .flat_map(|np| now.node_ips.iter().map(move |ip| (*ip, np)));
+            for (ip, port) in now.frontends.iter().copied().chain(node_ports) {
                 stale.insert(StaleFlows::Untranslated { ip, port });
             }
         }
@@ -223,7 +256,9 @@ mod tests {
 
     fn dns(endpoints: &[[u8; 4]]) -> UdpService {
         UdpService {
-            frontends: vec![(VIP, 53), (NODE, 30053)],
+            frontends: vec![(VIP, 53)],
+            node_port: Some(30053),
+            node_ips: vec![NODE],
             endpoints: endpoints.iter().map(|e| Ipv4Addr::from(*e)).collect(),
         }
     }
@@ -238,12 +273,17 @@ mod tests {
             stale,
             [
                 StaleFlows::ToEndpoint { ip: VIP, port: 53, endpoint: gone },
-                StaleFlows::ToEndpoint { ip: NODE, port: 30053, endpoint: gone },
+                StaleFlows::NodePortToEndpoint { port: 30053, endpoint: gone },
             ]
         );
         assert_eq!(
             stale[0].args().join(" "),
             "-D -p udp --orig-dst 10.96.0.10 --orig-port-dst 53 --dst-nat 10.244.1.2"
+        );
+        // Whatever local address the NodePort was reached on.
+        assert_eq!(
+            stale[1].args().join(" "),
+            "-D -p udp --orig-port-dst 30053 --dst-nat 10.244.1.2"
         );
     }
 
@@ -278,12 +318,13 @@ mod tests {
     fn untranslated_entries_to_frontends_are_found_in_a_listing() {
         let listing = "tcp      6 117 SYN_SENT src=10.244.1.100 dst=10.96.0.10 sport=40000 dport=80 [UNREPLIED] src=10.96.0.10 dst=10.244.1.100 sport=80 dport=40000 mark=0 use=1
 tcp      6 431999 ESTABLISHED src=10.244.1.100 dst=10.96.0.10 sport=40002 dport=80 src=10.244.1.2 dst=10.244.1.100 sport=8080 dport=40002 [ASSURED] mark=0 use=1
+tcp      6 431999 ESTABLISHED src=10.244.1.100 dst=10.96.0.10 sport=40004 dport=80 src=10.96.0.10 dst=10.244.1.100 sport=80 dport=40004 [ASSURED] mark=0 use=1
 udp      17 29 src=10.244.1.100 dst=10.96.0.99 sport=5000 dport=53 [UNREPLIED] src=10.96.0.99 dst=10.244.1.100 sport=53 dport=5000 mark=0 use=1
 icmp     1 29 src=10.244.1.100 dst=10.96.0.10 type=8 code=0 id=7 src=10.96.0.10 dst=10.244.1.100 type=0 code=0 id=7 mark=0 use=1
 ";
         let frontends = BTreeSet::from([(Protocol::Tcp, VIP, 80)]);
         let found = untranslated(listing, &frontends);
-        assert_eq!(found.len(), 1, "the DNATed flow and other addresses are kept: {found:?}");
+        assert_eq!(found.len(), 1, "answered, DNATed and other flows are kept: {found:?}");
         assert_eq!(
             found[0].delete_args().join(" "),
             "-D -p tcp --orig-src 10.244.1.100 --orig-dst 10.96.0.10 --orig-port-src 40000 --orig-port-dst 80"
@@ -291,15 +332,20 @@ icmp     1 29 src=10.244.1.100 dst=10.96.0.10 type=8 code=0 id=7 src=10.96.0.10 
     }
 
     #[test]
-    fn node_ports_are_frontends_on_every_node_address() {
+    fn node_ports_are_frontends_on_every_node_address_and_serving_endpoints_keep_flows() {
         let m = crate::source::model_from_yaml(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: dns}\nspec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{name: dns, port: 53, protocol: UDP, nodePort: 30053}, {name: tcp, port: 53}]}\n",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: dns}\nspec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{name: dns, port: 53, protocol: UDP, nodePort: 30053}, {name: tcp, port: 53}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: dns-1, labels: {kubernetes.io/service-name: dns}}\naddressType: IPv4\nports: [{name: dns, port: 5353, protocol: UDP}]\nendpoints: [{addresses: [10.244.1.2]}, {addresses: [10.244.1.3], conditions: {ready: false, serving: true, terminating: true}}, {addresses: [10.244.1.4], conditions: {ready: false, serving: false}}]\n",
         );
-        let udp = udp_services(&m, &[NODE, Ipv4Addr::new(172, 16, 0, 1)]);
+        let other = Ipv4Addr::new(172, 16, 0, 1);
+        let udp = udp_services(&m, &[NODE, other]);
         assert_eq!(udp.len(), 1);
-        assert_eq!(
-            udp.values().next().unwrap().frontends,
-            [(VIP, 53), (NODE, 30053), (Ipv4Addr::new(172, 16, 0, 1), 30053)]
-        );
+        // A terminating endpoint still serving keeps its flows, as kube-proxy.
+        let endpoints: Vec<_> = udp.values().next().unwrap().endpoints.iter().copied().collect();
+        assert_eq!(endpoints, [Ipv4Addr::new(10, 244, 1, 2), Ipv4Addr::new(10, 244, 1, 3)]);
+        let all = frontends(&m, &[NODE, other]);
+        assert!(all.contains(&(Protocol::Udp, other, 30053)));
+        assert!(all.contains(&(Protocol::Tcp, VIP, 53)));
+        let new = stale_flows(&UdpServices::new(), &udp);
+        assert!(new.contains(&StaleFlows::Untranslated { ip: other, port: 30053 }), "{new:?}");
     }
 }

@@ -13,7 +13,16 @@ pub enum ExecError {
     #[error("running {program}: {source}")]
     Io { program: String, source: io::Error },
     #[error("`{command}` failed ({status}): {stderr}")]
-    Failed { command: String, status: String, stderr: String },
+    Failed { command: String, status: String, code: Option<i32>, stderr: String },
+}
+
+impl ExecError {
+    /// The tool ran and exited 1: for iptables "no such chain or rule", for
+    /// conntrack "nothing matched". Other codes (4: resource problem, such
+    /// as the xtables lock) are real errors.
+    pub fn is_exit_1(&self) -> bool {
+        matches!(self, ExecError::Failed { code: Some(1), .. })
+    }
 }
 
 /// Runs a program with arguments and optional standard input.
@@ -58,6 +67,7 @@ impl Runner for System {
             return Err(ExecError::Failed {
                 command: format!("{program} {}", args.join(" ")),
                 status: out.status.to_string(),
+                code: out.status.code(),
                 stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
             });
         }

@@ -1,14 +1,15 @@
 //! The iptables fallback: the rules kube-proxy's iptables mode writes, from
 //! the same model as the BPF path, applied as kube-proxy applies them.
 //! `render` is pure (model → rules), `chains` names chains as kube-proxy
-//! does, `conntrack` finds stale UDP flows, `exec` runs the tools.
+//! does, `conntrack` finds stale conntrack entries, `exec` runs the tools.
 //!
-//! A sync writes one `iptables-restore --noflush` transaction. A full sync
-//! (the first, after any failure, when the canary chain vanished, and
-//! hourly) rewrites every chain, ensures the jumps from the built-in chains
-//! and deletes per-service chains left by anyone before; a partial sync
-//! rewrites the top-level chains and only the per-service chains whose rules
-//! changed, and deletes the ones no longer needed.
+//! A sync writes one `iptables-restore --noflush` run. A full sync (the
+//! first, after any failure, when the canary chain vanished, and hourly)
+//! rewrites every chain, ensures the jumps from the built-in chains and
+//! deletes the per-service chains the kernel holds that the rules no longer
+//! use (left by anyone); a partial sync rewrites the top-level chains and
+//! only the per-service chains whose rules changed, and deletes those it
+//! wrote before that are no longer used.
 
 pub mod chains;
 pub mod conntrack;
@@ -24,7 +25,7 @@ use self::{
     chains::is_service_chain,
     conntrack::{StaleFlows, UdpServices, frontends, stale_flows, udp_services, untranslated},
     exec::{ExecError, Runner},
-    render::{ChainRef, Digests, Options, Ruleset, Scope, jump_rules, render},
+    render::{ChainRef, Digests, KUBELET_FIREWALL, Options, Ruleset, Scope, jump_rules, render},
 };
 use crate::model::Model;
 
@@ -32,23 +33,29 @@ const IPTABLES: &str = "iptables";
 const RESTORE: &str = "iptables-restore";
 const SAVE: &str = "iptables-save";
 const CONNTRACK: &str = "conntrack";
-/// Wait up to 5 s for the xtables lock, as kube-proxy does.
-const WAIT: [&str; 2] = ["-w", "5"];
+/// Wait up to 5 s for the xtables lock, polling every 100 ms, as kube-proxy.
+const WAIT: [&str; 4] = ["-w", "5", "-W", "100000"];
 /// kube-proxy's canary: when it disappears, someone flushed the tables.
 pub const CANARY: &str = "KUBE-PROXY-CANARY";
-/// mangle first: it is the cheap table to list.
+/// Where the canary lives; mangle first: it is the cheap table to list.
 const CANARY_TABLES: [&str; 3] = ["mangle", "nat", "filter"];
+/// The tables holding chains of ours (cleanup looks in each).
+const OUR_TABLES: [&str; 3] = ["filter", "nat", "mangle"];
 /// A full sync at least this often, as kube-proxy does.
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
+/// Lines shown around the one iptables-restore refused.
+const CONTEXT_LINES: usize = 3;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IptablesError {
-    #[error("iptables-restore refused the rules: {0}")]
-    Restore(ExecError),
+    #[error("iptables-restore refused the rules ({} sync): {source}{context}", if *.full { "full" } else { "partial" })]
+    Restore { full: bool, source: ExecError, context: String },
     #[error("listing the {table} table: {source}")]
     List { table: &'static str, source: ExecError },
     #[error("ensuring {what}: {source}")]
     Ensure { what: String, source: ExecError },
+    #[error("removing the iptables mode's rules: {}", .0.join("; "))]
+    Cleanup(Vec<String>),
 }
 
 /// What a sync did.
@@ -59,13 +66,49 @@ pub struct SyncReport {
     pub chains_written: usize,
     /// Per-service chains deleted.
     pub chains_deleted: usize,
+    /// Rules written, per table.
+    pub rules_written: Vec<(&'static str, usize)>,
     /// UDP conntrack entry sets deleted (those that matched something).
     pub flows_flushed: usize,
     /// Entries to service addresses made while the rules were missing,
     /// deleted.
     pub untranslated_deleted: usize,
-    /// Deletions that failed; the rules are applied regardless.
+    /// Deletions that failed (retried at the next sync); the rules are
+    /// applied regardless.
     pub flow_errors: Vec<String>,
+}
+
+/// `-w 5 -W 100000 -t TABLE OP CHAIN ARGS…`.
+fn rule_args<'a>(table: &'a str, op: &'a str, chain: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+    let mut words = WAIT.to_vec();
+    words.extend(["-t", table, op, chain]);
+    words.extend(args);
+    words
+}
+
+/// conntrack exits 1 with "0 flow entries …" when nothing matched.
+fn nothing_matched(e: &ExecError) -> bool {
+    matches!(e, ExecError::Failed { stderr, .. } if stderr.contains(" 0 flow entries"))
+}
+
+/// The lines of `input` around the one iptables-restore names in `stderr`
+/// (`… line 7 failed`, `Error occurred at line: 7`).
+fn restore_context(input: &str, stderr: &str) -> String {
+    let line: Option<usize> = stderr.split("line").skip(1).find_map(|rest| {
+        let digits: String =
+            rest.trim_start_matches([':', ' ']).chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok()
+    });
+    let Some(line) = line.filter(|l| *l > 0) else { return String::new() };
+    let first = line.saturating_sub(CONTEXT_LINES).max(1);
+    let shown: Vec<String> = input
+        .lines()
+        .enumerate()
+        .skip(first - 1)
+        .take(line + CONTEXT_LINES + 1 - first)
+        .map(|(i, text)| format!("{}{:>6}: {text}", if i + 1 == line { ">" } else { " " }, i + 1))
+        .collect();
+    format!("\n{}", shown.join("\n"))
 }
 
 pub struct IptablesBackend<R: Runner> {
@@ -76,8 +119,10 @@ pub struct IptablesBackend<R: Runner> {
     last_full: Option<Instant>,
     /// The UDP services the rules serve, for stale conntrack entries.
     udp: UdpServices,
-    /// The rules may have been missing (at startup, after a flush): flows
-    /// to services made meanwhile were not translated.
+    /// Stale entries whose deletion failed, tried again at the next sync.
+    pending_flows: BTreeSet<StaleFlows>,
+    /// The rules were missing (someone flushed them, or nobody wrote them
+    /// yet): flows to services made meanwhile were not translated.
     rules_were_missing: bool,
 }
 
@@ -89,7 +134,8 @@ impl<R: Runner> IptablesBackend<R> {
             applied: None,
             last_full: None,
             udp: UdpServices::new(),
-            rules_were_missing: true,
+            pending_flows: BTreeSet::new(),
+            rules_were_missing: false,
         }
     }
 
@@ -98,11 +144,15 @@ impl<R: Runner> IptablesBackend<R> {
         self.applied.is_none() || self.last_full.is_none_or(|t| t.elapsed() >= FULL_SYNC_PERIOD)
     }
 
-    /// Makes the kernel's rules those of `model`. Each table is replaced
-    /// atomically; after any failure the next sync is a full one.
+    /// Makes the kernel's rules those of `model`. After any failure the
+    /// next sync is a full one.
     pub fn sync(&mut self, model: &Model) -> Result<SyncReport, IptablesError> {
         let ruleset = render(model, &self.options);
         let full = self.full_sync_due();
+        if self.last_full.is_none() {
+            // First sync: rules a previous agent left are serving.
+            self.rules_were_missing = self.canary_missing("mangle").unwrap_or(false);
+        }
         let applied = self.applied.take();
         let mut report = match (&applied, full) {
             (Some(applied), false) => {
@@ -115,9 +165,10 @@ impl<R: Runner> IptablesBackend<R> {
             self.last_full = Some(Instant::now());
         }
         let udp = udp_services(model, &self.options.node_ips);
-        let stale = stale_flows(&self.udp, &udp);
+        let mut stale = stale_flows(&self.udp, &udp);
+        stale.append(&mut self.pending_flows);
         self.udp = udp;
-        self.flush(&stale, &mut report);
+        self.flush(stale, &mut report);
         if self.rules_were_missing {
             self.delete_untranslated(model, &mut report);
             self.rules_were_missing = false;
@@ -125,35 +176,15 @@ impl<R: Runner> IptablesBackend<R> {
         Ok(report)
     }
 
-    /// Deletes the entries to service addresses that were not translated.
-    fn delete_untranslated(&mut self, model: &Model, report: &mut SyncReport) {
-        let listing = match self.runner.run(CONNTRACK, &["-L"], None) {
-            Ok(listing) => listing,
-            Err(e) => return report.flow_errors.push(format!("listing conntrack: {e}")),
-        };
-        let frontends = frontends(model, &self.options.node_ips);
-        for entry in untranslated(&listing, &frontends) {
-            let args = entry.delete_args();
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            match self.runner.run(CONNTRACK, &args, None) {
-                Ok(_) => report.untranslated_deleted += 1,
-                // Gone meanwhile.
-                Err(ExecError::Failed { stderr, .. }) if stderr.contains(" 0 flow entries") => {}
-                Err(e) => report.flow_errors.push(format!("{entry:?}: {e}")),
-            }
-        }
-    }
-
     fn apply_full(&mut self, ruleset: &Ruleset) -> Result<SyncReport, IptablesError> {
         self.ensure_chains_and_jumps()?;
-        let mut existing = Vec::new();
-        for table in ["filter", "nat"] {
-            let saved = self
-                .runner
-                .run(SAVE, &["-t", table], None)
-                .map_err(|source| IptablesError::List { table, source })?;
-            existing.extend(saved_chains(&saved).map(|c| (table, c.to_string())));
-        }
+        // Per-service chains only live in nat.
+        let saved = self
+            .runner
+            .run(SAVE, &["-t", "nat"], None)
+            .map_err(|source| IptablesError::List { table: "nat", source })?;
+        let existing: Vec<ChainRef> =
+            saved_chains(&saved).map(|c| ("nat", c.to_string())).collect();
         self.apply(ruleset, Scope::Full, &existing)
     }
 
@@ -167,18 +198,32 @@ impl<R: Runner> IptablesBackend<R> {
     ) -> Result<SyncReport, IptablesError> {
         let stale = ruleset.stale_chains(previous);
         let input = ruleset.restore_input(scope, &stale);
-        self.restore(&input)?;
+        let full = matches!(scope, Scope::Full);
+        let args = [WAIT[0], WAIT[1], WAIT[2], WAIT[3], "--noflush", "--counters"];
+        self.runner.run(RESTORE, &args, Some(&input)).map_err(|source| {
+            let context = match &source {
+                ExecError::Failed { stderr, .. } => restore_context(&input, stderr),
+                _ => String::new(),
+            };
+            IptablesError::Restore { full, source, context }
+        })?;
+        let mut rules_written = Vec::new();
+        for line in input.lines() {
+            if let Some(name) = line.strip_prefix('*') {
+                rules_written.push((if name == "filter" { "filter" } else { "nat" }, 0));
+            } else if line.starts_with("-A ")
+                && let Some((_, count)) = rules_written.last_mut()
+            {
+                *count += 1;
+            }
+        }
         Ok(SyncReport {
-            full: matches!(scope, Scope::Full),
+            full,
             chains_written: input.lines().filter(|l| l.starts_with(':')).count() - stale.len(),
             chains_deleted: stale.len(),
+            rules_written,
             ..SyncReport::default()
         })
-    }
-
-    fn restore(&mut self, input: &str) -> Result<(), IptablesError> {
-        let args = [WAIT[0], WAIT[1], "--noflush", "--counters"];
-        self.runner.run(RESTORE, &args, Some(input)).map(drop).map_err(IptablesError::Restore)
     }
 
     /// The canary chains, the chains the built-in chains jump to, and the
@@ -189,8 +234,8 @@ impl<R: Runner> IptablesBackend<R> {
         let jumps = jump_rules();
         chains.extend(jumps.iter().map(|(table, _, args)| (*table, *args.last().unwrap_or(&""))));
         for (table, chain) in chains {
-            match self.runner.run(IPTABLES, &[WAIT[0], WAIT[1], "-t", table, "-N", chain], None) {
-                Err(ExecError::Failed { stderr, .. }) if stderr.contains("already exists") => {}
+            match self.runner.run(IPTABLES, &rule_args(table, "-N", chain, &[]), None) {
+                Err(e) if e.is_exit_1() => {} // exists already
                 Err(source) => {
                     return Err(IptablesError::Ensure { what: format!("{table} {chain}"), source });
                 }
@@ -198,46 +243,78 @@ impl<R: Runner> IptablesBackend<R> {
             }
         }
         for (table, chain, args) in &jumps {
-            let rule = |op: &'static str| {
-                let mut words = vec![WAIT[0], WAIT[1], "-t", table, op, chain];
-                words.extend(args.iter().copied());
-                words
-            };
-            if self.runner.run(IPTABLES, &rule("-C"), None).is_err() {
-                self.runner.run(IPTABLES, &rule("-I"), None).map_err(|source| {
-                    IptablesError::Ensure {
-                        what: format!("{table} {chain} {}", args.join(" ")),
-                        source,
-                    }
-                })?;
+            let what = || format!("{table} {chain} {}", args.join(" "));
+            match self.runner.run(IPTABLES, &rule_args(table, "-C", chain, args), None) {
+                Ok(_) => continue,
+                Err(e) if e.is_exit_1() => {} // missing
+                Err(source) => return Err(IptablesError::Ensure { what: what(), source }),
             }
+            self.runner
+                .run(IPTABLES, &rule_args(table, "-I", chain, args), None)
+                .map_err(|source| IptablesError::Ensure { what: what(), source })?;
         }
         Ok(())
     }
 
-    /// Deletes stale UDP conntrack entries; failures are reported, not fatal.
-    fn flush(&mut self, stale: &BTreeSet<StaleFlows>, report: &mut SyncReport) {
+    /// Deletes stale UDP conntrack entries; failures are reported and kept
+    /// for the next sync, never fatal.
+    fn flush(&mut self, stale: BTreeSet<StaleFlows>, report: &mut SyncReport) {
         for flows in stale {
             let args = flows.args();
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             match self.runner.run(CONNTRACK, &args, None) {
                 Ok(_) => report.flows_flushed += 1,
-                // conntrack exits 1 when nothing matched.
-                Err(ExecError::Failed { stderr, .. }) if stderr.contains(" 0 flow entries") => {}
-                Err(e) => report.flow_errors.push(format!("{flows}: {e}")),
+                Err(e) if nothing_matched(&e) => {}
+                Err(e) => {
+                    report.flow_errors.push(format!("{flows}: {e}"));
+                    self.pending_flows.insert(flows);
+                }
             }
         }
     }
 
-    /// The first table whose canary chain is gone, if any: the rules were
-    /// flushed by someone else, and the next sync must be a full one.
-    pub fn canary_gone(&mut self) -> Option<&'static str> {
-        let gone = CANARY_TABLES.into_iter().find(|table| {
-            self.runner.run(IPTABLES, &[WAIT[0], WAIT[1], "-t", table, "-S", CANARY], None).is_err()
-        })?;
-        self.applied = None;
-        self.rules_were_missing = true;
-        Some(gone)
+    /// Deletes the unanswered entries to service addresses that were not
+    /// translated.
+    fn delete_untranslated(&mut self, model: &Model, report: &mut SyncReport) {
+        let listing = match self.runner.run(CONNTRACK, &["-L"], None) {
+            Ok(listing) => listing,
+            Err(e) => return report.flow_errors.push(format!("listing conntrack: {e}")),
+        };
+        let frontends = frontends(model, &self.options.node_ips);
+        for entry in untranslated(&listing, &frontends) {
+            let args = entry.delete_args();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            match self.runner.run(CONNTRACK, &args, None) {
+                Ok(_) => report.untranslated_deleted += 1,
+                Err(e) if nothing_matched(&e) => {} // gone meanwhile
+                Err(e) => report.flow_errors.push(format!("{entry:?}: {e}")),
+            }
+        }
+    }
+
+    /// Whether the canary is missing from `table` (iptables exits 1);
+    /// other failures (the lock held too long) are errors, not a verdict.
+    fn canary_missing(&mut self, table: &str) -> Result<bool, ExecError> {
+        match self.runner.run(IPTABLES, &rule_args(table, "-S", CANARY, &[]), None) {
+            Ok(_) => Ok(false),
+            Err(e) if e.is_exit_1() => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The first table whose canary chain is gone, if any (mangle only,
+    /// unless `thorough`): the rules were flushed by someone else, and the
+    /// next sync is a full one.
+    pub fn canary_gone(&mut self, thorough: bool) -> Result<Option<&'static str>, ExecError> {
+        let tables = if thorough { &CANARY_TABLES[..] } else { &CANARY_TABLES[..1] };
+        for table in tables {
+            if self.canary_missing(table)? {
+                self.applied = None;
+                self.rules_were_missing = true;
+                return Ok(Some(table));
+            }
+        }
+        Ok(None)
     }
 }
 
@@ -246,44 +323,55 @@ fn saved_chains(saved: &str) -> impl Iterator<Item = &str> {
     saved.lines().filter_map(|l| l.strip_prefix(':')?.split(' ').next())
 }
 
-/// The chains the iptables mode creates (not the built-in ones).
+/// The chains the iptables mode creates and removes: not the built-in ones,
+/// and not kubelet's `KUBE-FIREWALL`, which it only ensures.
 fn is_ours(chain: &str) -> bool {
     chain == CANARY
         || is_service_chain(chain)
-        || jump_rules().iter().any(|(_, _, args)| args.last() == Some(&chain))
         || chain == "KUBE-MARK-MASQ"
+        || (chain != KUBELET_FIREWALL
+            && jump_rules().iter().any(|(_, _, args)| args.last() == Some(&chain)))
 }
 
-/// Removes every rule and chain of the iptables mode: the jumps from the
-/// built-in chains, then our chains in every table. Nothing to do (`Ok(0)`)
-/// where iptables is not installed. Returns the number of chains deleted.
+/// Removes the iptables mode's rules: the jumps from the built-in chains
+/// (not kubelet's), then our chains, table by table. Nothing to do
+/// (`Ok(0)`) where iptables is not installed. Returns the number of chains
+/// deleted; every failure is reported, after trying the rest.
 pub fn cleanup(runner: &mut impl Runner) -> Result<usize, IptablesError> {
+    let mut errors = Vec::new();
     for (table, chain, args) in jump_rules() {
-        let mut words = vec![WAIT[0], WAIT[1], "-t", table, "-D", chain];
-        words.extend(args.iter().copied());
+        if args.last() == Some(&KUBELET_FIREWALL) {
+            continue;
+        }
         // A jump inserted twice (two agents racing) is deleted twice.
         for _ in 0..8 {
-            match runner.run(IPTABLES, &words, None) {
+            match runner.run(IPTABLES, &rule_args(table, "-D", chain, &args), None) {
                 Ok(_) => {}
                 Err(ExecError::Missing { .. }) => return Ok(0),
-                Err(_) => break,
+                Err(e) if e.is_exit_1() => break, // none left
+                Err(e) => {
+                    errors.push(e.to_string());
+                    break;
+                }
             }
         }
     }
-    let mut input = String::new();
     let mut deleted = 0;
-    for table in CANARY_TABLES {
+    for table in OUR_TABLES {
         let saved = match runner.run(SAVE, &["-t", table], None) {
             Ok(saved) => saved,
             Err(ExecError::Missing { .. }) => return Ok(0),
-            Err(source) => return Err(IptablesError::List { table, source }),
+            Err(e) => {
+                errors.push(format!("listing {table}: {e}"));
+                continue;
+            }
         };
         let ours: Vec<&str> = saved_chains(&saved).filter(|c| is_ours(c)).collect();
         if ours.is_empty() {
             continue;
         }
         // Flush them all first: they may jump to each other.
-        input.push_str(&format!("*{table}\n"));
+        let mut input = format!("*{table}\n");
         for chain in &ours {
             input.push_str(&format!(":{chain} - [0:0]\n"));
         }
@@ -291,13 +379,13 @@ pub fn cleanup(runner: &mut impl Runner) -> Result<usize, IptablesError> {
             input.push_str(&format!("-X {chain}\n"));
         }
         input.push_str("COMMIT\n");
-        deleted += ours.len();
+        match runner.run(RESTORE, &[WAIT[0], WAIT[1], WAIT[2], WAIT[3], "--noflush"], Some(&input))
+        {
+            Ok(_) => deleted += ours.len(),
+            Err(e) => errors.push(format!("{table}: {e}")),
+        }
     }
-    if deleted > 0 {
-        let args = [WAIT[0], WAIT[1], "--noflush"];
-        runner.run(RESTORE, &args, Some(&input)).map_err(IptablesError::Restore)?;
-    }
-    Ok(deleted)
+    if errors.is_empty() { Ok(deleted) } else { Err(IptablesError::Cleanup(errors)) }
 }
 
 #[cfg(test)]
@@ -316,6 +404,8 @@ mod tests {
         rules: BTreeSet<String>,
         /// Restores that must fail, counted down.
         failing_restores: usize,
+        /// Another program holds the xtables lock: iptables exits 4.
+        lock_held: bool,
     }
 
     impl Runner for Fake {
@@ -329,8 +419,17 @@ mod tests {
             let failed = |stderr: &str| ExecError::Failed {
                 command: program.to_string(),
                 status: "exit status: 1".into(),
+                code: Some(1),
                 stderr: stderr.into(),
             };
+            if self.lock_held && program == IPTABLES {
+                return Err(ExecError::Failed {
+                    command: program.to_string(),
+                    status: "exit status: 4".into(),
+                    code: Some(4),
+                    stderr: "Another app is currently holding the xtables lock.".into(),
+                });
+            }
             let table = |args: &[&str]| {
                 let t = args.iter().position(|a| *a == "-t").map(|i| args[i + 1]);
                 CANARY_TABLES.into_iter().find(|x| Some(*x) == t).unwrap_or("filter")
@@ -339,7 +438,7 @@ mod tests {
                 RESTORE => {
                     if self.failing_restores > 0 {
                         self.failing_restores -= 1;
-                        return Err(failed("line 7: Chain 'KUBE-SEP-X' does not exist"));
+                        return Err(failed("iptables-restore: line 3 failed"));
                     }
                     let mut current = "filter";
                     for line in stdin.unwrap_or_default().lines() {
@@ -375,10 +474,11 @@ mod tests {
                     }
                 }
                 IPTABLES => {
-                    // -w 5 -t TABLE OP CHAIN ARGS...
-                    let rule = format!("{} {}", args[3], args[5..].join(" "));
+                    // -w 5 -W 100000 -t TABLE OP CHAIN ARGS...
+                    let t = args.iter().position(|a| *a == "-t").unwrap();
+                    let rule = format!("{} {}", args[t + 1], args[t + 3..].join(" "));
                     let present = self.rules.contains(&rule);
-                    match (args[4], present) {
+                    match (args[t + 2], present) {
                         ("-C", true) => Ok(String::new()),
                         ("-I", _) => Ok(self.rules.insert(rule)).map(|_| String::new()),
                         ("-D", true) => Ok(self.rules.remove(&rule)).map(|_| String::new()),
@@ -422,8 +522,8 @@ mod tests {
         let report = backend.sync(&web(&["10.244.1.2", "10.244.1.3"])).unwrap();
         assert!(report.full);
         let log = backend.runner.log.join("\n");
-        assert!(log.contains("iptables -w 5 -t mangle -N KUBE-PROXY-CANARY"), "{log}");
-        assert!(log.contains("iptables -w 5 -t nat -I PREROUTING -m comment --comment kubernetes service portals -j KUBE-SERVICES"), "{log}");
+        assert!(log.contains("iptables -w 5 -W 100000 -t mangle -N KUBE-PROXY-CANARY"), "{log}");
+        assert!(log.contains("iptables -w 5 -W 100000 -t nat -I PREROUTING -m comment --comment kubernetes service portals -j KUBE-SERVICES"), "{log}");
         // Six top-level filter and four nat chains; web's SVC and two SEPs,
         // other's SVC and SEP.
         assert_eq!(report.chains_written, 6 + 4 + 3 + 2);
@@ -454,7 +554,9 @@ mod tests {
         backend.sync(&web(&["10.244.1.2"])).unwrap();
         backend.runner.failing_restores = 1;
         let err = backend.sync(&web(&["10.244.1.3"])).unwrap_err();
-        assert!(matches!(err, IptablesError::Restore(_)), "{err}");
+        assert!(matches!(err, IptablesError::Restore { full: false, .. }), "{err}");
+        // The refused line and its neighbours are in the message.
+        assert!(err.to_string().contains(">     3: "), "{err}");
         assert!(backend.full_sync_due());
         let report = backend.sync(&web(&["10.244.1.3"])).unwrap();
         assert!(report.full);
@@ -468,16 +570,21 @@ mod tests {
     fn a_vanished_canary_forces_a_full_sync() {
         let mut backend = IptablesBackend::new(Fake::default(), options());
         backend.sync(&web(&["10.244.1.2"])).unwrap();
-        assert_eq!(backend.canary_gone(), None);
+        assert_eq!(backend.canary_gone(true).unwrap(), None);
         assert!(!backend.full_sync_due());
+        // Held lock: no verdict, no resync.
+        backend.runner.lock_held = true;
+        assert!(backend.canary_gone(false).is_err());
+        assert!(!backend.full_sync_due());
+        backend.runner.lock_held = false;
         backend.runner.chains.clear();
-        assert_eq!(backend.canary_gone(), Some("mangle"));
+        assert_eq!(backend.canary_gone(false).unwrap(), Some("mangle"));
         assert!(backend.full_sync_due());
         backend.runner.log.clear();
         assert!(backend.sync(&web(&["10.244.1.2"])).unwrap().full);
         // Flows made while the rules were missing are looked for.
         assert!(backend.runner.log.contains(&"conntrack -L".to_string()));
-        assert_eq!(backend.canary_gone(), None);
+        assert_eq!(backend.canary_gone(true).unwrap(), None);
     }
 
     #[test]
@@ -489,10 +596,35 @@ mod tests {
         fake.chains.get_mut("filter").unwrap().insert("CUSTOM-CHAIN".into());
         fake.log.clear();
         let deleted = cleanup(&mut fake).unwrap();
-        assert_eq!(deleted, 3 + 6 + 4 + 4, "canaries, filter, nat and service chains");
-        assert_eq!(fake.chains["filter"].iter().collect::<Vec<_>>(), ["CUSTOM-CHAIN"]);
+        assert_eq!(deleted, 3 + 5 + 4 + 4, "canaries, filter, nat and service chains");
+        // kubelet's KUBE-FIREWALL and its jumps stay, as with kube-proxy.
+        assert_eq!(
+            fake.chains["filter"].iter().collect::<Vec<_>>(),
+            ["CUSTOM-CHAIN", KUBELET_FIREWALL]
+        );
         assert!(fake.chains["nat"].is_empty() && fake.chains["mangle"].is_empty());
-        assert!(fake.rules.is_empty(), "jumps left: {:?}", fake.rules);
+        assert_eq!(fake.rules.len(), 2, "{:?}", fake.rules);
+        assert!(fake.rules.iter().all(|r| r.ends_with(KUBELET_FIREWALL)), "{:?}", fake.rules);
+    }
+
+    #[test]
+    fn a_held_lock_never_doubles_a_jump() {
+        let mut backend = IptablesBackend::new(Fake::default(), options());
+        backend.runner.lock_held = true;
+        assert!(matches!(backend.sync(&web(&[])), Err(IptablesError::Ensure { .. })));
+        assert!(!backend.runner.log.iter().any(|l| l.contains(" -I ")));
+        backend.runner.lock_held = false;
+        backend.sync(&web(&[])).unwrap();
+        assert_eq!(backend.runner.rules.len(), 14);
+    }
+
+    #[test]
+    fn restore_errors_show_the_refused_line() {
+        let input = "*nat\n:A - [0:0]\n-A A -j B\n-A A -j C\nCOMMIT\n";
+        let context = restore_context(input, "iptables-restore: line 3 failed");
+        assert_eq!(context, "\n      1: *nat\n      2: :A - [0:0]\n>     3: -A A -j B\n      4: -A A -j C\n      5: COMMIT\n      6: ".trim_end_matches("\n      6: "));
+        assert!(restore_context(input, "Error occurred at line: 2").contains(">     2: :A"));
+        assert_eq!(restore_context(input, "unrelated"), "");
     }
 
     #[test]

@@ -8,14 +8,14 @@
 //! them with separate `iptables -C/-I` commands, listed by [`jump_rules`].
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashSet},
     fmt::{self, Write as _},
     hash::{DefaultHasher, Hasher as _},
     net::Ipv4Addr,
 };
 
 use super::chains::{ServiceChains, endpoint_chain, is_service_chain};
-use crate::model::{Cidr, Endpoint, Model, Protocol, ServicePort};
+use crate::model::{Cidr, Endpoint, Model, ServicePort};
 
 /// kube-proxy's masquerade mark (bit 14), as it formats it.
 const MARK: &str = "0x00004000";
@@ -61,9 +61,14 @@ impl Options {
     }
 }
 
+/// kubelet's chain dropping martian packets to 127.0.0.0/8 (which
+/// route_localnet would let in): kube-proxy ensures it and its jumps, and
+/// never removes them.
+pub const KUBELET_FIREWALL: &str = "KUBE-FIREWALL";
+
 /// The jumps from the built-in chains kube-proxy ensures outside the
 /// restore input: (table, chain, arguments), each checked with `-C` and
-/// inserted with `-I` when missing.
+/// inserted with `-I` when missing; kubelet's last.
 pub fn jump_rules() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
     let new = ["-m", "conntrack", "--ctstate", "NEW"];
     let jump = |table: &'static str,
@@ -94,8 +99,8 @@ pub fn jump_rules() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
         jump("nat", "OUTPUT", &[], portals, "KUBE-SERVICES"),
         jump("nat", "PREROUTING", &[], portals, "KUBE-SERVICES"),
         jump("nat", "POSTROUTING", &[], "kubernetes postrouting rules", "KUBE-POSTROUTING"),
-        jump("filter", "INPUT", &[], "", "KUBE-FIREWALL"),
-        jump("filter", "OUTPUT", &[], "", "KUBE-FIREWALL"),
+        jump("filter", "INPUT", &[], "", KUBELET_FIREWALL),
+        jump("filter", "OUTPUT", &[], "", KUBELET_FIREWALL),
     ]
 }
 
@@ -193,20 +198,20 @@ impl Ruleset {
             .collect()
     }
 
-    /// Whether a table holds a chain.
-    pub fn has_chain(&self, table: &str, chain: &str) -> bool {
-        self.tables().iter().any(|(name, t)| *name == table && t.chains.iter().any(|c| c == chain))
-    }
-
     /// The per-service chains among `existing` that this ruleset no longer
     /// has: a restore deletes them.
     pub fn stale_chains<'a>(
         &self,
         existing: impl IntoIterator<Item = &'a ChainRef>,
     ) -> Vec<ChainRef> {
+        let current: HashSet<(&str, &str)> = self
+            .tables()
+            .into_iter()
+            .flat_map(|(name, table)| table.chains.iter().map(move |c| (name, c.as_str())))
+            .collect();
         existing
             .into_iter()
-            .filter(|(table, chain)| is_service_chain(chain) && !self.has_chain(table, chain))
+            .filter(|(table, chain)| is_service_chain(chain) && !current.contains(&(*table, chain)))
             .cloned()
             .collect()
     }
@@ -243,13 +248,6 @@ impl fmt::Display for Ruleset {
 /// A comment as kube-proxy writes it: quoted when it has spaces.
 fn comment(text: &str) -> String {
     if text.contains(' ') { format!("\"{text}\"") } else { text.to_string() }
-}
-
-fn proto(protocol: Protocol) -> &'static str {
-    match protocol {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-    }
 }
 
 /// kube-proxy orders endpoints by their `ip:port` text.
@@ -411,7 +409,7 @@ impl<'a> ServiceRules<'a> {
             opts,
             large,
             name: port.name.to_string(),
-            proto: proto(port.protocol),
+            proto: port.protocol.lower(),
             chains: ServiceChains::new(&port.name, port.protocol),
             cluster: sorted(port.usable_endpoints(None)),
             local: sorted(port.usable_endpoints(Some(&opts.node_name))),
@@ -844,6 +842,7 @@ impl<'a> ServiceRules<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Protocol;
 
     fn model(yaml: &str) -> Model {
         crate::source::model_from_yaml(yaml)
