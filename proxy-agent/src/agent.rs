@@ -1,11 +1,9 @@
-//! The agent's loop: read the source, build the model and plan, sync the
-//! datapath (eBPF or iptables); log and count what was wrong, retry what
-//! failed.
+//! The agent's loop: read the source (manifests or the API server), build
+//! the model and plan, sync the datapath; serve health and metrics; log and
+//! count what was wrong, retry what failed.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{Arc, atomic::Ordering::Relaxed},
     time::{Duration, Instant, SystemTime},
 };
@@ -13,79 +11,78 @@ use std::{
 use anyhow::Context as _;
 use tokio::signal::unix::{SignalKind, signal};
 
-use proxy_common::Config;
-
 use crate::{
-    backend::{
-        ebpf::{self, EbpfBackend, TcAttach},
-        iptables::{self, CANARY, IptablesBackend, IptablesError, exec::System, render},
-    },
-    cli::{NodeArgs, PinArgs, ProxyMode, RenderIptablesArgs, RunArgs, TcAttachArg},
-    metrics::{self, Metrics},
+    backend::iptables::{self, exec::System, render},
+    cli::{PinArgs, ProxyMode, RenderIptablesArgs, RunArgs},
+    datapath::{self, Datapath, Desired},
+    health::{self, NodeEligibility, ProxyHealth, ServiceChecks},
+    metrics::Metrics,
     model::Model,
-    plan::{self, Node, Plan},
-    probe,
-    source::{Store, manifests::Manifests},
-    sys,
+    node::{self, NodeInfo},
+    plan::{self, Node},
+    source::{
+        Store,
+        kube::KubeSource,
+        manifests::{Manifests, Reload},
+    },
 };
 
-/// How often the manifests are checked. New bytes are taken on the second
-/// read that finds them, so a change reaches the kernel within two periods
-/// plus the sync.
+/// How often the manifests are checked (new bytes are taken on the second
+/// read that finds them), and the datapath looked after.
 const POLL: Duration = Duration::from_millis(200);
+/// After an API server event, further events this close are taken with it:
+/// a burst becomes one sync.
+const COALESCE: Duration = Duration::from_millis(10);
 /// Failed syncs are retried after this, doubling up to `MAX_RETRY`.
 const FIRST_RETRY: Duration = Duration::from_millis(200);
 const MAX_RETRY: Duration = Duration::from_secs(10);
-/// eBPF: expired conntrack entries are collected every this many polls.
-const GC_EVERY: u32 = 5;
-/// iptables: mangle's canary chain is checked every this many polls...
-const CANARY_EVERY: u32 = 10;
-/// ...and every canary once in this many checks.
-const THOROUGH_CANARY_EVERY: u32 = 15;
 /// Failed attachments and removals of the other mode's datapath are
 /// retried every this many polls.
 const RETRY_EVERY: u32 = 25;
-/// A TCP flow translated per packet that never saw a reply lives this long.
-const TCP_SYN_TIMEOUT_SECS: u32 = 60;
+/// How long to wait for this node's Node object for its addresses.
+const NODE_WAIT: Duration = Duration::from_secs(30);
 /// What the agent logs once its datapath serves the source.
 const SERVING: &str = "datapath ready; serving";
 
-/// What the datapath should hold: the model, and the plan (which also
-/// reports conflicting frontends, in either mode).
-#[derive(Default)]
-struct Desired {
-    model: Model,
-    plan: Plan,
+/// Where Services and EndpointSlices come from.
+enum Source {
+    Manifests(Manifests),
+    Kube(KubeSource),
 }
 
-/// The eBPF datapath and what looking after it needs.
-struct Ebpf {
-    backend: EbpfBackend,
-    cgroup: PathBuf,
-    root: PathBuf,
-    /// Name prefixes of pod-facing interfaces.
-    pod_interfaces: Vec<String>,
-}
-
-enum Datapath {
-    Ebpf(Box<Ebpf>),
-    Iptables(Box<IptablesBackend<System>>),
-}
-
-impl Datapath {
-    fn mode(&self) -> &'static str {
+impl Source {
+    fn reload(&mut self) -> Reload {
         match self {
-            Datapath::Ebpf(_) => "ebpf",
-            Datapath::Iptables(_) => "iptables",
+            Source::Manifests(manifests) => manifests.reload(),
+            Source::Kube(kube) => {
+                let (changed, complete) = kube.poll();
+                Reload { changed, complete, errors: Vec::new() }
+            }
+        }
+    }
+
+    fn snapshot(&self) -> crate::source::Snapshot {
+        match self {
+            Source::Manifests(manifests) => manifests.snapshot(),
+            Source::Kube(kube) => kube.snapshot(),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Source::Manifests(_) => "manifests",
+            Source::Kube(_) => "API server",
         }
     }
 }
 
 struct Agent {
-    manifests: Manifests,
+    source: Source,
     store: Store,
     datapath: Datapath,
     metrics: Arc<Metrics>,
+    health: Arc<ProxyHealth>,
+    service_checks: ServiceChecks,
     node: Node,
     /// `--bpffs-root`: the eBPF mode's pins (removed in iptables mode).
     pins: PathBuf,
@@ -93,44 +90,124 @@ struct Agent {
     /// When to sync `desired` into the datapath; `None`: it holds it.
     due: Option<Instant>,
     retry_after: Duration,
-    /// Every manifest has been read once: the datapath may be replaced.
+    /// Syncs are at least this far apart; and the datapath is resynced
+    /// (iptables) at least this often.
+    min_sync_period: Duration,
+    sync_period: Duration,
+    last_sync: Option<Instant>,
+    /// The source has been read whole once: the datapath may be replaced.
     complete: bool,
     /// The datapath serves `desired` (programs attached, rules applied).
     serving: bool,
     /// The other mode's datapath may still be there.
     leftovers: bool,
     polls: u32,
+    started: SystemTime,
+    /// When the changes not yet synced were triggered (EndpointSlice
+    /// annotations), for the network programming latency.
+    triggers: Vec<SystemTime>,
 }
 
 impl Agent {
+    /// Until SIGTERM or SIGINT: a round at every poll, at every API server
+    /// change (after a short coalescing wait), and when a sync falls due.
+    async fn run_loop(&mut self) -> anyhow::Result<()> {
+        let mut terminate = signal(SignalKind::terminate())?;
+        let mut interrupt = signal(SignalKind::interrupt())?;
+        let mut poll = tokio::time::interval(POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let notify = match &self.source {
+            Source::Kube(kube) => Some(kube.notify()),
+            Source::Manifests(_) => None,
+        };
+        let mut waiting_since = None;
+        // Every poll until an attempt to take over fails, then less often.
+        let mut retry_every = 1;
+        loop {
+            let due = self.due.filter(|_| self.may_sync());
+            let polled = tokio::select! {
+                _ = poll.tick() => true,
+                _ = changed(notify.as_deref()) => {
+                    tokio::time::sleep(COALESCE).await;
+                    false
+                }
+                _ = until(due) => false,
+                _ = terminate.recv() => break,
+                _ = interrupt.recv() => break,
+            };
+            self.tick(polled);
+            if polled
+                && !self.serving
+                && self.polls.is_multiple_of(retry_every)
+                && let Err(e) = self.serve_when_ready(&mut waiting_since)
+            {
+                self.metrics.activation_failures.fetch_add(1, Relaxed);
+                tracing::error!("could not take over the datapath (will retry): {e:#}");
+                retry_every = RETRY_EVERY;
+            }
+        }
+        tracing::info!("stopping; the datapath stays in place until `proxy-agent cleanup`");
+        Ok(())
+    }
+
+    /// Rules are live as soon as they are applied: they wait for the whole
+    /// source, so an unreadable file never replaces good rules with fewer
+    /// (a new agent's maps are private until its programs attach).
+    fn may_sync(&self) -> bool {
+        self.complete || !self.datapath.live_at_once()
+    }
+
     /// One round: reload; on a change, compute the desired state; sync it
-    /// when due; look after the datapath. Never fails: errors are logged,
-    /// counted and retried.
-    fn tick(&mut self) {
-        let reload = self.manifests.reload();
+    /// when due; at polls, look after the datapath. Never fails: errors are
+    /// logged, counted and retried.
+    fn tick(&mut self, polled: bool) {
+        let reload = self.source.reload();
         for err in &reload.errors {
             tracing::warn!(kind = err.kind(), "{err}");
             self.metrics.invalid(err.kind());
         }
         self.complete |= reload.complete;
         if reload.changed {
-            self.desired = self.desired();
-            self.due = Some(Instant::now());
-            self.retry_after = FIRST_RETRY;
+            self.changed();
         }
-        if self.due.is_some_and(|due| Instant::now() >= due) && self.may_sync() {
+        if self.may_sync() && self.due.is_some_and(|due| Instant::now() >= due) {
             self.sync();
         }
-        self.polls = self.polls.wrapping_add(1);
-        if self.serving {
-            self.look_after_datapath();
+        if polled {
+            self.polls = self.polls.wrapping_add(1);
+            if self.serving {
+                self.look_after_datapath();
+            }
         }
     }
 
-    /// Store, model and plan for the current manifests; each problem is
+    /// The source changed: a new desired state, synced as soon as the
+    /// minimum sync period allows.
+    fn changed(&mut self) {
+        if let Source::Kube(kube) = &self.source {
+            let info = NodeInfo::of(kube.node().as_ref());
+            self.health.set_node(info.eligibility);
+            if info.zone != self.node.zone {
+                tracing::info!(zone = ?info.zone, "this node's zone changed");
+                self.node.zone = info.zone.clone();
+                self.datapath.set_zone(info.zone);
+            }
+            self.metrics.set_apiserver_errors(kube.errors());
+        }
+        self.desired = self.desired();
+        let now = Instant::now();
+        let earliest = self.last_sync.map_or(now, |t| t + self.min_sync_period);
+        self.due = Some(earliest.max(now));
+        self.retry_after = FIRST_RETRY;
+        let wall = SystemTime::now();
+        self.health.queued(wall);
+        self.metrics.queued_at(wall);
+    }
+
+    /// Store, model and plan for the source's objects; each problem is
     /// logged and counted once per change.
     fn desired(&mut self) -> Desired {
-        let update = self.store.replace(self.manifests.snapshot());
+        let update = self.store.replace(self.source.snapshot());
         for err in &update.errors {
             tracing::warn!(kind = err.kind(), "invalid object skipped: {err}");
             self.metrics.invalid(err.kind());
@@ -139,6 +216,23 @@ impl Agent {
             tracing::warn!(kind = %kept.kind, name = %kept.name, "serving the last good version");
             self.metrics.kept_objects.fetch_add(1, Relaxed);
         }
+        for (total, pending, n) in [
+            (
+                &self.metrics.service_changes,
+                &self.metrics.service_changes_pending,
+                update.service_changes,
+            ),
+            (
+                &self.metrics.endpoint_changes,
+                &self.metrics.endpoint_changes_pending,
+                update.endpoint_changes,
+            ),
+        ] {
+            total.fetch_add(n as u64, Relaxed);
+            pending.fetch_add(n as u64, Relaxed);
+        }
+        // Only changes made while this agent watched measure its latency.
+        self.triggers.extend(update.trigger_times.into_iter().filter(|t| *t > self.started));
         let model = self.store.model();
         for err in &model.errors {
             tracing::warn!(kind = err.kind(), "{err}");
@@ -153,23 +247,19 @@ impl Agent {
     }
 
     fn sync(&mut self) {
-        let plan = &self.desired.plan;
-        let result = match &mut self.datapath {
-            Datapath::Ebpf(dp) => sync_ebpf(&mut dp.backend, plan),
-            Datapath::Iptables(backend) => {
-                sync_iptables(backend, &self.desired.model, &self.metrics)
-            }
-        };
+        let start = Instant::now();
+        self.last_sync = Some(start);
+        let result = self.datapath.sync(&self.desired, &self.metrics);
+        let took = start.elapsed();
+        self.metrics.sync_duration.observe(took);
         match result {
-            Ok(()) => {
-                self.due = None;
-                self.metrics.syncs_ok.fetch_add(1, Relaxed);
-                let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
-                self.metrics.last_sync_seconds.store(now.map_or(0, |d| d.as_secs()), Relaxed);
-                let backends: BTreeSet<_> =
-                    plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
-                self.metrics.frontends.store(plan.frontends.len() as u64, Relaxed);
-                self.metrics.backends.store(backends.len() as u64, Relaxed);
+            Ok(synced) => {
+                match synced.full {
+                    Some(true) => self.metrics.full_sync_duration.observe(took),
+                    Some(false) => self.metrics.partial_sync_duration.observe(took),
+                    None => {}
+                }
+                self.synced();
             }
             Err(err) => {
                 self.metrics.syncs_failed.fetch_add(1, Relaxed);
@@ -183,77 +273,54 @@ impl Agent {
         }
     }
 
-    /// eBPF: follows interfaces that come and go, and collects expired
-    /// flows. iptables: resyncs when someone flushed the rules, and hourly.
-    fn look_after_datapath(&mut self) {
-        match &mut self.datapath {
-            Datapath::Ebpf(dp) => {
-                match sys::interfaces() {
-                    Ok(interfaces) => {
-                        let wanted = tc_interfaces(&interfaces, &self.node.ips, &dp.pod_interfaces);
-                        dp.backend.set_tc_interfaces(&dp.root, &wanted);
-                    }
-                    Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
-                }
-                if self.polls.is_multiple_of(GC_EVERY) {
-                    match dp.backend.collect_conntrack() {
-                        Ok((deleted, left)) => {
-                            self.metrics.conntrack_entries.store(left as u64, Relaxed);
-                            if deleted > 0 {
-                                tracing::debug!(deleted, left, "expired flows collected");
-                            }
-                        }
-                        Err(e) => tracing::warn!(error = %e, "conntrack collection failed"),
-                    }
-                }
-            }
-            Datapath::Iptables(backend) => {
-                if self.due.is_some() || !self.polls.is_multiple_of(CANARY_EVERY) {
-                    return;
-                }
-                // mangle's canary is cheap to check; nat's and filter's
-                // (a copy of the whole table with iptables-legacy) rarely.
-                let thorough = self.polls.is_multiple_of(CANARY_EVERY * THOROUGH_CANARY_EVERY);
-                match backend.canary_gone(thorough) {
-                    Ok(Some(table)) => {
-                        tracing::warn!(
-                            table,
-                            "{CANARY} is gone: another program flushed the rules; full resync"
-                        );
-                        self.metrics.canary_resyncs.fetch_add(1, Relaxed);
-                        self.due = Some(Instant::now());
-                    }
-                    Ok(None) if backend.full_sync_due() => self.due = Some(Instant::now()),
-                    Ok(None) => {}
-                    Err(e) => tracing::warn!("could not check {CANARY}: {e}"),
-                }
-            }
+    /// After a successful sync: health, metrics, health-check node ports.
+    fn synced(&mut self) {
+        self.due = None;
+        let now = SystemTime::now();
+        self.health.updated(now);
+        let m = &self.metrics;
+        m.syncs_ok.fetch_add(1, Relaxed);
+        m.synced_at(now);
+        m.service_changes_pending.store(0, Relaxed);
+        m.endpoint_changes_pending.store(0, Relaxed);
+        for trigger in self.triggers.drain(..) {
+            m.network_programming.observe(now.duration_since(trigger).unwrap_or_default());
         }
-        if self.leftovers && self.polls.is_multiple_of(RETRY_EVERY) {
-            self.remove_other_modes_datapath();
+        let plan = &self.desired.plan;
+        let backends: std::collections::BTreeSet<_> =
+            plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
+        m.frontends.store(plan.frontends.len() as u64, Relaxed);
+        m.backends.store(backends.len() as u64, Relaxed);
+        let (internal, external) = no_local_endpoints(&self.desired.model, &self.node.name);
+        m.no_local_endpoints_internal.store(internal, Relaxed);
+        m.no_local_endpoints_external.store(external, Relaxed);
+        let checks = health::service_checks(&self.desired.model, &self.node.name);
+        for (port, check, why) in self.service_checks.set(checks) {
+            m.health_check_failures.fetch_add(1, Relaxed);
+            tracing::warn!(service = %check.service, port, "could not open the health-check node port (will retry): {why}");
+            // The next sync tries again.
+            self.due.get_or_insert(Instant::now() + MAX_RETRY);
         }
     }
 
-    /// Removes what the other mode left (eBPF programs keep translating in
-    /// front of the rules; rules would still catch host-network clients);
-    /// retried until it works.
-    fn remove_other_modes_datapath(&mut self) {
-        let result: anyhow::Result<()> = match &self.datapath {
-            // Socket LB and tc translate before netfilter sees a packet:
-            // the rules only go once the programs serve.
-            Datapath::Ebpf(_) => iptables::cleanup(&mut System).map_err(Into::into).map(|chains| {
-                if chains > 0 {
-                    tracing::info!(chains, "removed the iptables mode's rules");
-                }
-            }),
-            // The rules are in; the programs go.
-            Datapath::Iptables(_) => cleanup_ebpf(&self.pins).map(|(pins, filters)| {
-                if pins + filters > 0 {
-                    tracing::info!(pins, filters, "removed the eBPF mode's programs");
-                }
-            }),
-        };
-        match result {
+    /// Between syncs: the datapath's upkeep, the periodic resync (iptables),
+    /// and the other mode's leftovers.
+    fn look_after_datapath(&mut self) {
+        if self.datapath.look_after(&self.node.ips, self.polls, &self.metrics) {
+            self.due.get_or_insert_with(Instant::now);
+        }
+        let resync_due = self.last_sync.is_none_or(|t| t.elapsed() >= self.sync_period);
+        if self.datapath.live_at_once() && resync_due {
+            // As kube-proxy: rules someone changed come back within a period.
+            self.due.get_or_insert_with(Instant::now);
+        }
+        if self.leftovers && self.polls.is_multiple_of(RETRY_EVERY) {
+            self.remove_other_mode();
+        }
+    }
+
+    fn remove_other_mode(&mut self) {
+        match self.datapath.remove_other_mode(&self.pins) {
             Ok(()) => self.leftovers = false,
             Err(e) => {
                 self.metrics.mode_cleanup_failures.fetch_add(1, Relaxed);
@@ -262,305 +329,157 @@ impl Agent {
         }
     }
 
-    /// A new agent's maps are private until its programs attach, but rules
-    /// are live as soon as they are applied: they wait for every manifest,
-    /// so an unreadable file never replaces good rules with fewer.
-    fn may_sync(&self) -> bool {
-        self.complete || matches!(self.datapath, Datapath::Ebpf(_))
-    }
-
-    /// Whether the datapath holds the whole source: only then may it
-    /// replace a previous agent's (or the other mode's).
-    fn ready(&self) -> bool {
-        self.complete && self.due.is_none()
-    }
-
-    /// Once the datapath holds the whole source, makes it serve: attaches
-    /// the programs (eBPF; until then a previous agent's datapath keeps
-    /// serving), then removes what the other mode left.
+    /// Once the datapath holds the whole source, makes it serve (attaches
+    /// the programs; until then a previous agent's datapath keeps serving),
+    /// then removes what the other mode left.
     fn serve_when_ready(&mut self, waiting_since: &mut Option<Instant>) -> anyhow::Result<()> {
-        if !self.ready() {
+        if !(self.complete && self.due.is_none() && self.last_sync.is_some()) {
             let since = *waiting_since.get_or_insert_with(Instant::now);
             if since.elapsed() > Duration::from_secs(2) {
                 tracing::warn!(
-                    "waiting for every manifest to be readable before taking over the datapath"
+                    source = self.source.name(),
+                    "waiting for the whole source to be readable before taking over the datapath"
                 );
                 *waiting_since = Some(Instant::now());
             }
             return Ok(());
         }
-        if let Datapath::Ebpf(dp) = &mut self.datapath {
-            let interfaces = sys::interfaces().context("listing interfaces")?;
-            let wanted = tc_interfaces(&interfaces, &self.node.ips, &dp.pod_interfaces);
-            dp.backend
-                .activate(&dp.cgroup, &wanted, &dp.root)
-                .with_context(|| format!("attaching to {} and {wanted:?}", dp.cgroup.display()))?;
-            self.metrics.set_datapath(ebpf::CounterReader::open(&dp.root)?);
-        }
-        self.remove_other_modes_datapath();
-        tracing::info!(mode = self.datapath.mode(), "{SERVING}");
+        self.datapath.activate(&self.node.ips, &self.metrics)?;
+        self.remove_other_mode();
+        tracing::info!(mode = self.datapath.mode(), source = self.source.name(), "{SERVING}");
         self.serving = true;
         Ok(())
     }
 }
 
-fn sync_ebpf(backend: &mut EbpfBackend, plan: &Plan) -> anyhow::Result<()> {
-    let report = backend.sync(plan)?;
-    let state = backend.state();
-    tracing::info!(
-        frontends = state.frontend_count(),
-        backends = state.backend_count(),
-        writes = report.writes,
-        "datapath synced"
-    );
-    match backend.flush_udp_flows(&report.removed_backends) {
-        Ok(0) => {}
-        Ok(flushed) => tracing::info!(flushed, "UDP flows to removed endpoints deleted"),
-        Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
+/// kube-proxy's `no_local_endpoints` gauges: service ports with a Local
+/// policy and endpoints somewhere, but none usable on this node (internal,
+/// external).
+fn no_local_endpoints(model: &Model, node_name: &str) -> (u64, u64) {
+    let mut counts = (0, 0);
+    for port in model.ports.iter().filter(|p| p.has_endpoints()) {
+        let none_here = port.usable_endpoints(Some(node_name)).is_empty();
+        let external = port.node_port.is_some()
+            || !port.external_ips.is_empty()
+            || !port.load_balancer_ips.is_empty();
+        counts.0 += u64::from(port.internal_local && none_here);
+        counts.1 += u64::from(port.external_local && external && none_here);
     }
-    Ok(())
+    counts
 }
 
-fn sync_iptables(
-    backend: &mut IptablesBackend<System>,
-    model: &Model,
-    metrics: &Metrics,
-) -> anyhow::Result<()> {
-    let report = match backend.sync(model) {
-        Ok(report) => report,
-        Err(err) => {
-            if let IptablesError::Restore { full, .. } = &err {
-                metrics.restore_failures.fetch_add(1, Relaxed);
-                if !full {
-                    metrics.partial_restore_failures.fetch_add(1, Relaxed);
-                }
-            }
-            return Err(err.into());
+/// The source the flags ask for: `--manifests`, else the API server.
+async fn source(args: &RunArgs, node_name: &str) -> anyhow::Result<Source> {
+    if let Some(path) = &args.manifests {
+        return Ok(Source::Manifests(Manifests::new(path)));
+    }
+    let client = crate::source::kube::client(args.kubeconfig.as_deref()).await?;
+    Ok(Source::Kube(KubeSource::start(client, node_name)))
+}
+
+/// `--node-ip`; else the Node object's InternalIPs (waiting a while for
+/// it); else the interfaces' addresses.
+async fn node_ips(args: &RunArgs, source: &Source) -> anyhow::Result<Vec<std::net::Ipv4Addr>> {
+    if !args.node.node_ip.is_empty() {
+        return Ok(args.node.node_ip.clone());
+    }
+    if let Source::Kube(kube) = source {
+        let deadline = Instant::now() + NODE_WAIT;
+        while !kube.node_listed() && Instant::now() < deadline {
+            tokio::time::sleep(POLL).await;
         }
-    };
-    tracing::info!(
-        full = report.full,
-        chains_written = report.chains_written,
-        chains_deleted = report.chains_deleted,
-        "rules synced"
-    );
-    if report.flows_flushed > 0 {
-        tracing::info!(sets = report.flows_flushed, "stale UDP conntrack entries deleted");
-    }
-    if report.untranslated_deleted > 0 {
-        tracing::info!(
-            flows = report.untranslated_deleted,
-            "conntrack entries made while the rules were missing deleted"
-        );
-    }
-    for e in &report.flow_errors {
-        metrics.conntrack_cleanup_failures.fetch_add(1, Relaxed);
-        tracing::warn!("could not delete stale conntrack entries (will retry): {e}");
-    }
-    Ok(())
-}
-
-/// The interfaces whose ingress runs the per-packet program: those holding a
-/// node address, and pod-facing ones (by name prefix).
-fn tc_interfaces(
-    interfaces: &BTreeMap<String, Vec<Ipv4Addr>>,
-    node_ips: &[Ipv4Addr],
-    pod_prefixes: &[String],
-) -> BTreeSet<String> {
-    interfaces
-        .iter()
-        .filter(|(name, addrs)| {
-            pod_prefixes.iter().any(|p| !p.is_empty() && name.starts_with(p.as_str()))
-                || addrs.iter().any(|a| node_ips.contains(a))
-        })
-        .map(|(name, _)| name.clone())
-        .filter(|name| name != "lo")
-        .collect()
-}
-
-/// `--node-ip`, or the IPv4 addresses of the interfaces that are neither
-/// loopback nor pod-facing, those of the default route's interface first
-/// (the first is the SNAT address: replies must find their way back to it).
-fn node_ips(node_ip: &[Ipv4Addr], pod_interfaces: &[String]) -> anyhow::Result<Vec<Ipv4Addr>> {
-    if !node_ip.is_empty() {
-        return Ok(node_ip.to_vec());
-    }
-    let mut interfaces: Vec<(String, Vec<Ipv4Addr>)> =
-        sys::interfaces().context("listing interfaces")?.into_iter().collect();
-    let uplink = sys::default_route_interface();
-    interfaces.sort_by_key(|(name, _)| Some(name) != uplink.as_ref());
-    let is_pod =
-        |name: &str| pod_interfaces.iter().any(|p| !p.is_empty() && name.starts_with(p.as_str()));
-    let ips: Vec<Ipv4Addr> = interfaces
-        .iter()
-        .filter(|(name, _)| !is_pod(name))
-        .flat_map(|(_, addrs)| addrs.iter().copied())
-        .filter(|ip| !ip.is_loopback() && !ip.is_link_local())
-        .collect();
-    anyhow::ensure!(!ips.is_empty(), "no node address found: pass --node-ip");
-    Ok(ips)
-}
-
-fn datapath_config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
-    let (cidr, prefix) = args.node.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
-    let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
-    Config {
-        snat_addr: node_ips[0].octets(),
-        cluster_cidr: cidr,
-        cluster_cidr_prefix: prefix,
-        masquerade_all: args.node.masquerade_all as u8,
-        snat_port_min: args.snat_port_range.0,
-        snat_port_max: args.snat_port_range.1,
-        _pad: 0,
-        tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
-        tcp_established_timeout_secs: secs(args.conntrack_tcp_timeout_established),
-        tcp_close_wait_timeout_secs: secs(args.conntrack_tcp_timeout_close_wait),
-        tcp_time_wait_timeout_secs: secs(args.conntrack_tcp_timeout_time_wait),
-        udp_timeout_secs: secs(args.conntrack_udp_timeout),
-    }
-}
-
-fn node_name(hostname_override: &Option<String>) -> anyhow::Result<String> {
-    if let Some(name) = hostname_override {
-        return Ok(name.clone());
-    }
-    let name =
-        std::fs::read_to_string("/proc/sys/kernel/hostname").context("reading the hostname")?;
-    Ok(name.trim().to_lowercase())
-}
-
-/// The mode to run: as asked, or for `auto` what the kernel can run.
-fn choose_mode(asked: ProxyMode) -> ProxyMode {
-    if asked != ProxyMode::Auto {
-        return asked;
-    }
-    let features = probe::run();
-    match probe::decide(&features) {
-        probe::Decision::Ebpf => ProxyMode::Ebpf,
-        probe::Decision::Iptables { missing } => {
-            let detail = features.iter().find(|f| f.name == missing).map(|f| f.detail.as_str());
-            tracing::warn!(
-                "eBPF mode unavailable, this kernel lacks: {missing} ({}); running in iptables mode",
-                detail.unwrap_or_default()
-            );
-            ProxyMode::Iptables
+        let ips = NodeInfo::of(kube.node().as_ref()).internal_ips;
+        if !ips.is_empty() {
+            return Ok(ips);
         }
+        tracing::warn!("no InternalIP in this node's Node object: using the interfaces' addresses");
     }
+    node::interface_ips(&args.pod_interfaces)
 }
 
-fn ebpf_datapath(args: &RunArgs, node: &Node) -> anyhow::Result<Ebpf> {
-    let cgroup = match &args.cgroup_path {
-        Some(path) => path.clone(),
-        None => sys::cgroup2_root().context("finding the cgroup2 mount")?,
-    };
-    let root = args.pins.bpffs_root.clone();
-    sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
-    let tc_mode = match args.tc_attach {
-        TcAttachArg::Auto => TcAttach::for_this_kernel(),
-        TcAttachArg::Tcx => TcAttach::Tcx,
-        TcAttachArg::Netlink => TcAttach::Netlink,
-    };
-    let mut backend = EbpfBackend::load(tc_mode).context("loading the BPF programs")?;
-    backend
-        .configure(&datapath_config(args, &node.ips))
-        .context("writing the datapath settings")?;
-    let (min, max) = args.snat_port_range;
-    sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
-    tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), "BPF programs loaded");
-    Ok(Ebpf { backend, cgroup, root, pod_interfaces: args.pod_interfaces.clone() })
-}
-
-fn iptables_datapath(args: &RunArgs, node: &Node) -> IptablesBackend<System> {
-    let options = render_options(node, &args.node, false);
-    if options.localhost_nodeports() {
-        // As kube-proxy: NodePorts on 127.0.0.1 need DNAT of loopback traffic.
-        if let Err(e) = sys::set_sysctl("net/ipv4/conf/all/route_localnet", "1") {
-            tracing::warn!("could not enable route_localnet (localhost NodePorts): {e}");
-        }
-    }
-    IptablesBackend::new(System, options)
+async fn listen(addr: std::net::SocketAddr, what: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {what} to {addr}"))
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let node = Node {
-        name: node_name(&args.node.hostname_override)?,
-        ips: node_ips(&args.node.node_ip, &args.pod_interfaces)?,
-        nodeport_addresses: args.node.nodeport_addresses.clone(),
-    };
-    let datapath = match choose_mode(args.proxy_mode) {
-        ProxyMode::Iptables => Datapath::Iptables(Box::new(iptables_datapath(&args, &node))),
-        _ => Datapath::Ebpf(Box::new(ebpf_datapath(&args, &node)?)),
-    };
-    tracing::info!(mode = datapath.mode(), node = %node.name, node_ips = ?node.ips, "starting");
-
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
-        let metrics = Arc::new(Metrics::default());
-        let listener = tokio::net::TcpListener::bind(args.metrics_bind_address)
-            .await
-            .with_context(|| format!("binding metrics to {}", args.metrics_bind_address))?;
-        tokio::spawn(metrics::serve(listener, metrics.clone()));
+        let name = node::name(&args.node.hostname_override)?;
+        let source = source(&args, &name).await?;
+        let ips = node_ips(&args, &source).await?;
+        let mut node = Node {
+            name,
+            ips,
+            nodeport_addresses: args.node.nodeport_addresses.clone(),
+            zone: None,
+        };
+        let eligibility = match &source {
+            Source::Manifests(_) => NodeEligibility::NoApiServer,
+            Source::Kube(kube) => {
+                let info = NodeInfo::of(kube.node().as_ref());
+                node.zone = info.zone;
+                info.eligibility
+            }
+        };
+        let mode = Datapath::choose(args.proxy_mode);
+        let datapath = Datapath::new(mode, &args, &node)?;
+        tracing::info!(mode = datapath.mode(), source = source.name(), node = %node.name, node_ips = ?node.ips, zone = ?node.zone, "starting");
 
+        // kube-proxy: unhealthy once a change waits twice the sync period.
+        let health = Arc::new(ProxyHealth::new(2 * args.sync_period, eligibility));
+        let metrics = Arc::new(Metrics::new(health.clone(), datapath.mode()));
+        tokio::spawn(metrics.clone().serve(listen(args.metrics_bind_address, "metrics").await?));
+        tokio::spawn(health.clone().serve(listen(args.healthz_bind_address, "healthz").await?));
+        let check_addresses = if args.node.nodeport_addresses.is_empty() {
+            Vec::new()
+        } else {
+            let within = |ip: &std::net::Ipv4Addr| {
+                args.node.nodeport_addresses.iter().any(|c| c.contains(*ip))
+            };
+            node.ips.iter().copied().filter(within).collect()
+        };
+        let min_sync_period = args.min_sync_period.unwrap_or(match mode {
+            // iptables-restore is costly: kube-proxy's default.
+            ProxyMode::Iptables => Duration::from_secs(1),
+            _ => Duration::ZERO,
+        });
         let mut agent = Agent {
-            manifests: Manifests::new(&args.manifests),
+            source,
             store: Store::default(),
             datapath,
+            service_checks: ServiceChecks::new(health.clone(), check_addresses),
             metrics,
+            health,
             node,
             pins: args.pins.bpffs_root.clone(),
             desired: Desired::default(),
             due: None,
             retry_after: FIRST_RETRY,
+            min_sync_period,
+            sync_period: args.sync_period,
+            last_sync: None,
             complete: false,
             serving: false,
             leftovers: true,
             polls: 0,
+            started: SystemTime::now(),
+            triggers: Vec::new(),
         };
-        let mut terminate = signal(SignalKind::terminate())?;
-        let mut interrupt = signal(SignalKind::interrupt())?;
-        let mut poll = tokio::time::interval(POLL);
-        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut waiting_since: Option<Instant> = None;
-        // Every poll until an attempt fails, then less often.
-        let mut retry_every = 1;
-        loop {
-            tokio::select! {
-                _ = poll.tick() => {
-                    agent.tick();
-                    if !agent.serving
-                        && agent.polls.is_multiple_of(retry_every)
-                        && let Err(e) = agent.serve_when_ready(&mut waiting_since)
-                    {
-                        agent.metrics.activation_failures.fetch_add(1, Relaxed);
-                        tracing::error!("could not take over the datapath (will retry): {e:#}");
-                        retry_every = RETRY_EVERY;
-                    }
-                }
-                _ = terminate.recv() => break,
-                _ = interrupt.recv() => break,
-            }
-        }
-        tracing::info!("stopping; the datapath stays in place until `proxy-agent cleanup`");
-        Ok(())
+        agent.run_loop().await
     })
 }
 
-/// What the iptables rules depend on besides the services.
-fn render_options(node: &Node, args: &NodeArgs, nfacct: bool) -> render::Options {
-    render::Options {
-        node_name: node.name.clone(),
-        node_ips: node.ips.clone(),
-        nodeport_addresses: args.nodeport_addresses.clone(),
-        cluster_cidr: args.cluster_cidr,
-        masquerade_all: args.masquerade_all,
-        // What current kube-proxy writes with current iptables.
-        localhost_nodeports: true,
-        nfacct,
-        random_fully: true,
-        conntrack_tcp_liberal: std::fs::read_to_string(
-            "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",
-        )
-        .is_ok_and(|v| v.trim() != "0"),
+async fn changed(notify: Option<&tokio::sync::Notify>) {
+    match notify {
+        Some(notify) => notify.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn until(due: Option<Instant>) {
+    match due {
+        Some(due) => tokio::time::sleep_until(due.into()).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -585,12 +504,17 @@ pub fn render_iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
     let model = store.model();
     let pod_interfaces: Vec<String> =
         crate::cli::DEFAULT_POD_INTERFACES.split(',').map(String::from).collect();
-    let node = Node {
-        name: node_name(&args.node.hostname_override)?,
-        ips: node_ips(&args.node.node_ip, &pod_interfaces)?,
-        nodeport_addresses: args.node.nodeport_addresses.clone(),
+    let ips = match args.node.node_ip.as_slice() {
+        [] => node::interface_ips(&pod_interfaces)?,
+        ips => ips.to_vec(),
     };
-    let options = render_options(&node, &args.node, !args.no_nfacct);
+    let node = Node {
+        name: node::name(&args.node.hostname_override)?,
+        ips,
+        nodeport_addresses: args.node.nodeport_addresses.clone(),
+        zone: args.zone.clone(),
+    };
+    let options = datapath::render_options(&node, &args.node, !args.no_nfacct);
     print!("{}", render::render(&model, &options));
     Ok(())
 }
@@ -599,27 +523,10 @@ pub fn render_iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
 /// filters and iptables rules of the caller's network namespace.
 pub fn cleanup(args: &PinArgs) -> anyhow::Result<()> {
     let root = &args.bpffs_root;
-    let (pins, filters) = cleanup_ebpf(root)?;
+    let (pins, filters) = datapath::cleanup_ebpf(root)?;
     let chains = iptables::cleanup(&mut System).context("removing the iptables rules")?;
     tracing::info!(pins, filters, chains, root = %root.display(), "removed pinned links and maps, clsact filters and iptables chains");
     Ok(())
-}
-
-/// Removes the eBPF mode's pins under `root` and its clsact filters;
-/// returns how many of each.
-fn cleanup_ebpf(root: &Path) -> anyhow::Result<(usize, usize)> {
-    let removed = ebpf::remove_pins(root)?;
-    remove_empty_dir(root)?;
-    Ok((removed, ebpf::remove_tc_filters()))
-}
-
-fn remove_empty_dir(dir: &Path) -> anyhow::Result<()> {
-    match std::fs::remove_dir(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(e).with_context(|| format!("removing {}", dir.display()))
-        }
-        _ => Ok(()),
-    }
 }
 
 #[cfg(test)]
@@ -627,24 +534,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn per_packet_interfaces_are_node_and_pod_facing_ones() {
-        let interfaces: BTreeMap<String, Vec<Ipv4Addr>> = [
-            ("lo", vec![Ipv4Addr::LOCALHOST]),
-            ("eth0", vec![Ipv4Addr::new(192, 168, 100, 11)]),
-            ("eth1", vec![Ipv4Addr::new(172, 16, 0, 1)]),
-            ("veth1", vec![Ipv4Addr::new(169, 254, 1, 1)]),
-            ("lxc12", vec![]),
-            ("docker0", vec![Ipv4Addr::new(172, 17, 0, 1)]),
-        ]
-        .into_iter()
-        .map(|(n, a)| (n.to_string(), a))
-        .collect();
-        let wanted = tc_interfaces(
-            &interfaces,
-            &[Ipv4Addr::new(192, 168, 100, 11)],
-            &["veth".into(), "lxc".into()],
+    fn services_with_local_policies_and_no_endpoint_here_are_counted() {
+        let model = crate::source::model_from_yaml(
+            "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {type: NodePort, clusterIP: 10.96.0.1, externalTrafficPolicy: Local, internalTrafficPolicy: Local, ports: [{port: 80, nodePort: 30080}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: b}\nspec: {clusterIP: 10.96.0.2, internalTrafficPolicy: Local, ports: [{port: 80}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: a-1, labels: {kubernetes.io/service-name: a}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.244.2.2], nodeName: other}]\n",
         );
-        let names: Vec<&str> = wanted.iter().map(String::as_str).collect();
-        assert_eq!(names, ["eth0", "lxc12", "veth1"]);
+        // b has no endpoints at all: not counted, as kube-proxy.
+        assert_eq!(no_local_endpoints(&model, "here"), (1, 1));
+        assert_eq!(no_local_endpoints(&model, "other"), (0, 0));
     }
 }

@@ -51,6 +51,10 @@ pub struct RenderIptablesArgs {
     /// has nfnetlink_acct (the counters must exist before such rules apply)
     #[arg(long)]
     pub no_nfacct: bool,
+    /// This node's zone (`topology.kubernetes.io/zone`), for EndpointSlice
+    /// hints
+    #[arg(long, value_name = "ZONE")]
+    pub zone: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -112,9 +116,14 @@ pub struct PinArgs {
 
 #[derive(Args, Clone, Debug)]
 pub struct RunArgs {
-    /// A YAML file or directory of Services and EndpointSlices, re-read on change
+    /// A YAML file or directory of Services and EndpointSlices, re-read on
+    /// change [default: watch the API server]
+    #[arg(long, value_name = "PATH", conflicts_with = "kubeconfig")]
+    pub manifests: Option<PathBuf>,
+    /// The API server's kubeconfig [default: $KUBECONFIG, ~/.kube/config,
+    /// or the in-cluster service account]
     #[arg(long, value_name = "PATH")]
-    pub manifests: PathBuf,
+    pub kubeconfig: Option<PathBuf>,
     /// Which datapath to program
     #[arg(long, value_enum, default_value = "auto")]
     pub proxy_mode: ProxyMode,
@@ -123,9 +132,20 @@ pub struct RunArgs {
     /// cgroup v2 the socket programs attach to [default: the cgroup2 mount root]
     #[arg(long, value_name = "PATH")]
     pub cgroup_path: Option<PathBuf>,
-    /// Where /metrics and /healthz are served
+    /// Where /metrics (and /healthz, /proxyMode) are served
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:10249")]
     pub metrics_bind_address: SocketAddr,
+    /// Where kube-proxy's /healthz and /livez are served
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: SocketAddr,
+    /// A change not synced after twice this makes /healthz fail; the
+    /// iptables rules are rewritten at least this often
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub sync_period: Duration,
+    /// Syncs are at least this far apart (changes meanwhile are taken
+    /// together) [default: 1s in iptables mode, 0s in eBPF mode]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration_or_zero)]
+    pub min_sync_period: Option<Duration>,
     /// Name prefixes of pod-facing interfaces; their ingress (and that of the
     /// interfaces holding a node IP) runs the per-packet program, also on
     /// interfaces that appear later
@@ -177,8 +197,16 @@ fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
     }
 }
 
+/// A duration, zero allowed.
+fn parse_duration_or_zero(text: &str) -> Result<Duration, String> {
+    if text.trim_end_matches(['s', 'm', 'h']).chars().all(|c| c == '0') && !text.is_empty() {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration(text)
+}
+
 /// `90`, `90s`, `15m`, `24h`, or Go-style combinations such as `1h30m`.
-fn parse_duration(text: &str) -> Result<Duration, String> {
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let bad = || format!("expected a duration such as 30s, 15m or 24h, not {text:?}");
     if let Ok(secs) = text.parse::<u64>() {
         return Ok(Duration::from_secs(secs));

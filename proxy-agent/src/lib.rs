@@ -6,10 +6,12 @@
 pub mod agent;
 pub mod backend;
 pub mod cli;
+pub mod datapath;
 pub mod health;
 pub mod http;
 pub mod metrics;
 pub mod model;
+pub mod node;
 pub mod plan;
 pub mod probe;
 pub mod source;

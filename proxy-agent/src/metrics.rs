@@ -1,35 +1,116 @@
-//! Prometheus text metrics on `--metrics-bind-address` (`/metrics`, and
-//! `/healthz` for probes).
+//! Prometheus text metrics on `--metrics-bind-address`: kube-proxy's names
+//! where the concept is the same (`kubeproxy_…`, with its help strings,
+//! labels and buckets), ours (`proxy_…`) for the rest.
 
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
     sync::{
-        Mutex,
+        Arc, Mutex,
         atomic::{AtomicU64, Ordering::Relaxed},
     },
+    time::{Duration, SystemTime},
 };
 
-use crate::backend::ebpf::CounterReader;
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
+use crate::{
+    backend::ebpf::CounterReader,
+    health::ProxyHealth,
+    http::{self, Reply},
 };
 
-#[derive(Default)]
+/// kube-proxy's `ip_family` label: this proxy is IPv4 only.
+const FAMILY: &str = r#"ip_family="IPv4""#;
+
+/// A Prometheus histogram.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: Vec<f64>,
+    state: Mutex<(Vec<u64>, f64, u64)>,
+}
+
+impl Histogram {
+    fn new(bounds: Vec<f64>) -> Self {
+        let buckets = vec![0; bounds.len()];
+        Histogram { bounds, state: Mutex::new((buckets, 0.0, 0)) }
+    }
+
+    /// kube-proxy's sync latency buckets: 1 ms doubling 15 times.
+    fn sync_latency() -> Self {
+        Histogram::new((0..15).map(|i| 0.001 * f64::from(1u32 << i)).collect())
+    }
+
+    /// kube-proxy's network programming buckets: 0.25 s to 300 s.
+    fn programming_latency() -> Self {
+        let mut bounds = vec![0.25, 0.5];
+        bounds.extend((1..60).map(f64::from));
+        bounds.extend((0..12).map(|i| f64::from(60 + 5 * i)));
+        bounds.extend((0..7).map(|i| f64::from(120 + 30 * i)));
+        Histogram::new(bounds)
+    }
+
+    pub fn observe(&self, value: Duration) {
+        let secs = value.as_secs_f64();
+        if let Ok(mut state) = self.state.lock() {
+            let (buckets, sum, count) = &mut *state;
+            for (bucket, bound) in buckets.iter_mut().zip(&self.bounds) {
+                if secs <= *bound {
+                    *bucket += 1;
+                }
+            }
+            *sum += secs;
+            *count += 1;
+        }
+    }
+
+    fn write(&self, out: &mut String, name: &str, labels: &str) {
+        let Ok(state) = self.state.lock() else { return };
+        let (buckets, sum, count) = &*state;
+        for (bound, n) in self.bounds.iter().zip(buckets) {
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {n}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    }
+}
+
+/// Seconds since the epoch, for timestamp gauges.
+fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
 pub struct Metrics {
     pub syncs_ok: AtomicU64,
     pub syncs_failed: AtomicU64,
-    pub last_sync_seconds: AtomicU64,
+    /// Unix time (as f64 bits) of the last successful and last queued sync.
+    last_sync: AtomicU64,
+    last_queued: AtomicU64,
+    pub sync_duration: Histogram,
+    pub full_sync_duration: Histogram,
+    pub partial_sync_duration: Histogram,
+    pub network_programming: Histogram,
+    pub service_changes: AtomicU64,
+    pub service_changes_pending: AtomicU64,
+    pub endpoint_changes: AtomicU64,
+    pub endpoint_changes_pending: AtomicU64,
+    /// Service ports with a Local policy and endpoints, none of them here.
+    pub no_local_endpoints_internal: AtomicU64,
+    pub no_local_endpoints_external: AtomicU64,
     pub frontends: AtomicU64,
     pub backends: AtomicU64,
     pub conntrack_entries: AtomicU64,
+    /// Entries of each BPF map the agent writes.
+    map_entries: Mutex<BTreeMap<&'static str, u64>>,
+    /// BPF map writes the kernel refused.
+    pub map_update_failures: AtomicU64,
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
     /// iptables mode: failed `iptables-restore` runs, and those of them
     /// that were partial syncs.
     pub restore_failures: AtomicU64,
     pub partial_restore_failures: AtomicU64,
+    /// iptables mode: rules written per table by the last sync.
+    iptables_rules_last: Mutex<Vec<(&'static str, usize)>>,
     /// iptables mode: stale conntrack entries that could not be deleted.
     pub conntrack_cleanup_failures: AtomicU64,
     /// Failed attempts to attach the programs (or take over the datapath).
@@ -38,12 +119,56 @@ pub struct Metrics {
     pub mode_cleanup_failures: AtomicU64,
     /// iptables mode: full resyncs because the canary chain vanished.
     pub canary_resyncs: AtomicU64,
+    /// Health-check node ports that could not be opened.
+    pub health_check_failures: AtomicU64,
+    /// API server watch failures, by kind.
+    apiserver_errors: Mutex<BTreeMap<&'static str, u64>>,
     invalid: Mutex<BTreeMap<String, u64>>,
     /// Read at each scrape, once the datapath is pinned.
     datapath: Mutex<Option<CounterReader>>,
+    health: Arc<ProxyHealth>,
+    mode: &'static str,
 }
 
 impl Metrics {
+    pub fn new(health: Arc<ProxyHealth>, mode: &'static str) -> Self {
+        Metrics {
+            syncs_ok: AtomicU64::new(0),
+            syncs_failed: AtomicU64::new(0),
+            last_sync: AtomicU64::new(0),
+            last_queued: AtomicU64::new(0),
+            sync_duration: Histogram::sync_latency(),
+            full_sync_duration: Histogram::sync_latency(),
+            partial_sync_duration: Histogram::sync_latency(),
+            network_programming: Histogram::programming_latency(),
+            service_changes: AtomicU64::new(0),
+            service_changes_pending: AtomicU64::new(0),
+            endpoint_changes: AtomicU64::new(0),
+            endpoint_changes_pending: AtomicU64::new(0),
+            no_local_endpoints_internal: AtomicU64::new(0),
+            no_local_endpoints_external: AtomicU64::new(0),
+            frontends: AtomicU64::new(0),
+            backends: AtomicU64::new(0),
+            conntrack_entries: AtomicU64::new(0),
+            map_entries: Mutex::default(),
+            map_update_failures: AtomicU64::new(0),
+            kept_objects: AtomicU64::new(0),
+            restore_failures: AtomicU64::new(0),
+            partial_restore_failures: AtomicU64::new(0),
+            iptables_rules_last: Mutex::default(),
+            conntrack_cleanup_failures: AtomicU64::new(0),
+            activation_failures: AtomicU64::new(0),
+            mode_cleanup_failures: AtomicU64::new(0),
+            canary_resyncs: AtomicU64::new(0),
+            health_check_failures: AtomicU64::new(0),
+            apiserver_errors: Mutex::default(),
+            invalid: Mutex::default(),
+            datapath: Mutex::default(),
+            health,
+            mode,
+        }
+    }
+
     /// Counts one invalid object (or unreadable file) of `kind`.
     pub fn invalid(&self, kind: &str) {
         if let Ok(mut invalid) = self.invalid.lock() {
@@ -57,107 +182,319 @@ impl Metrics {
         }
     }
 
+    pub fn set_map_entries(&self, entries: &[(&'static str, usize)]) {
+        if let Ok(mut map) = self.map_entries.lock() {
+            map.extend(entries.iter().map(|(name, n)| (*name, *n as u64)));
+        }
+    }
+
+    pub fn set_iptables_rules(&self, rules: &[(&'static str, usize)]) {
+        if let Ok(mut last) = self.iptables_rules_last.lock() {
+            *last = rules.to_vec();
+        }
+    }
+
+    pub fn set_apiserver_errors(&self, errors: BTreeMap<&'static str, u64>) {
+        if let Ok(mut map) = self.apiserver_errors.lock() {
+            *map = errors;
+        }
+    }
+
+    pub fn synced_at(&self, t: SystemTime) {
+        self.last_sync.store(unix_seconds(t).to_bits(), Relaxed);
+    }
+
+    pub fn queued_at(&self, t: SystemTime) {
+        self.last_queued.store(unix_seconds(t).to_bits(), Relaxed);
+    }
+
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, u64)]| {
+        let header = |out: &mut String, name: &str, kind: &str, help: &str| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for (labels, value) in samples {
-                let _ = writeln!(out, "{name}{labels} {value}");
-            }
         };
-        metric(
+        let samples =
+            |out: &mut String, name: &str, kind: &str, help: &str, values: &[(String, String)]| {
+                header(out, name, kind, help);
+                for (labels, value) in values {
+                    let _ = writeln!(out, "{name}{labels} {value}");
+                }
+            };
+        let one = |v: u64| vec![(String::new(), v.to_string())];
+        let family = |v: String| vec![(format!("{{{FAMILY}}}"), v)];
+
+        // kube-proxy's.
+        for (name, help, histogram) in [
+            (
+                "kubeproxy_sync_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds",
+                &self.sync_duration,
+            ),
+            (
+                "kubeproxy_network_programming_duration_seconds",
+                "In Cluster Network Programming Latency in seconds",
+                &self.network_programming,
+            ),
+        ] {
+            header(&mut out, name, "histogram", &format!("[ALPHA] {help}"));
+            histogram.write(&mut out, name, FAMILY);
+        }
+        if self.mode == "iptables" {
+            for (name, help, histogram) in [
+                (
+                    "kubeproxy_sync_full_proxy_rules_duration_seconds",
+                    "SyncProxyRules latency in seconds for full resyncs",
+                    &self.full_sync_duration,
+                ),
+                (
+                    "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+                    "SyncProxyRules latency in seconds for partial resyncs",
+                    &self.partial_sync_duration,
+                ),
+            ] {
+                header(&mut out, name, "histogram", &format!("[ALPHA] {help}"));
+                histogram.write(&mut out, name, FAMILY);
+            }
+        }
+        let f = |bits: &AtomicU64| f64::from_bits(bits.load(Relaxed)).to_string();
+        samples(
+            &mut out,
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "gauge",
+            "[ALPHA] The last time proxy rules were successfully synced",
+            &family(f(&self.last_sync)),
+        );
+        samples(
+            &mut out,
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "gauge",
+            "[ALPHA] The last time a sync of proxy rules was queued",
+            &family(f(&self.last_queued)),
+        );
+        samples(
+            &mut out,
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "counter",
+            "[ALPHA] Cumulative proxy rules Endpoint changes",
+            &one(self.endpoint_changes.load(Relaxed)),
+        );
+        samples(
+            &mut out,
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "gauge",
+            "[ALPHA] Pending proxy rules Endpoint changes",
+            &one(self.endpoint_changes_pending.load(Relaxed)),
+        );
+        samples(
+            &mut out,
+            "kubeproxy_sync_proxy_rules_service_changes_total",
+            "counter",
+            "[ALPHA] Cumulative proxy rules Service changes",
+            &one(self.service_changes.load(Relaxed)),
+        );
+        samples(
+            &mut out,
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "gauge",
+            "[ALPHA] Pending proxy rules Service changes",
+            &one(self.service_changes_pending.load(Relaxed)),
+        );
+        samples(
+            &mut out,
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "gauge",
+            "[ALPHA] Number of services with a Local traffic policy and no endpoints",
+            &[
+                (
+                    format!("{{{FAMILY},traffic_policy=\"external\"}}"),
+                    self.no_local_endpoints_external.load(Relaxed).to_string(),
+                ),
+                (
+                    format!("{{{FAMILY},traffic_policy=\"internal\"}}"),
+                    self.no_local_endpoints_internal.load(Relaxed).to_string(),
+                ),
+            ],
+        );
+        for (name, help, codes) in [
+            (
+                "kubeproxy_proxy_healthz_total",
+                "Cumulative proxy healthz HTTP status",
+                [&self.health.healthz_200, &self.health.healthz_503],
+            ),
+            (
+                "kubeproxy_proxy_livez_total",
+                "Cumulative proxy livez HTTP status",
+                [&self.health.livez_200, &self.health.livez_503],
+            ),
+        ] {
+            let values: Vec<(String, String)> = ["200", "503"]
+                .iter()
+                .zip(codes)
+                .map(|(code, n)| (format!("{{code=\"{code}\"}}"), n.load(Relaxed).to_string()))
+                .collect();
+            samples(&mut out, name, "counter", &format!("[ALPHA] {help}"), &values);
+        }
+        if self.mode == "iptables" {
+            samples(
+                &mut out,
+                "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+                "counter",
+                "[ALPHA] Cumulative proxy iptables restore failures",
+                &family(self.restore_failures.load(Relaxed).to_string()),
+            );
+            samples(
+                &mut out,
+                "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+                "counter",
+                "[ALPHA] Cumulative proxy iptables partial restore failures",
+                &family(self.partial_restore_failures.load(Relaxed).to_string()),
+            );
+            let last: Vec<(String, String)> = self
+                .iptables_rules_last
+                .lock()
+                .map(|l| {
+                    l.iter()
+                        .map(|(t, n)| (format!("{{{FAMILY},table=\"{t}\"}}"), n.to_string()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            samples(
+                &mut out,
+                "kubeproxy_sync_proxy_rules_iptables_last",
+                "gauge",
+                "[ALPHA] Number of iptables rules written by kube-proxy in last sync",
+                &last,
+            );
+        }
+
+        // Ours.
+        samples(
+            &mut out,
             "proxy_sync_total",
             "counter",
             "Syncs of the datapath with the desired state, by result.",
             &[
-                (r#"{result="ok"}"#.into(), self.syncs_ok.load(Relaxed)),
-                (r#"{result="error"}"#.into(), self.syncs_failed.load(Relaxed)),
+                (r#"{result="ok"}"#.into(), self.syncs_ok.load(Relaxed).to_string()),
+                (r#"{result="error"}"#.into(), self.syncs_failed.load(Relaxed).to_string()),
             ],
         );
-        metric(
-            "proxy_last_sync_timestamp_seconds",
-            "gauge",
-            "Unix time of the last successful sync.",
-            &[(String::new(), self.last_sync_seconds.load(Relaxed))],
-        );
-        metric(
+        samples(
+            &mut out,
             "proxy_frontends",
             "gauge",
-            "Service frontends (address, port, protocol) in the datapath.",
-            &[(String::new(), self.frontends.load(Relaxed))],
+            "Service frontends (address, port, protocol) the datapath serves.",
+            &one(self.frontends.load(Relaxed)),
         );
-        metric(
+        samples(
+            &mut out,
             "proxy_backends",
             "gauge",
-            "Distinct backends in the datapath.",
-            &[(String::new(), self.backends.load(Relaxed))],
-        );
-        metric(
-            "proxy_conntrack_entries",
-            "gauge",
-            "Entries of the per-packet conntrack map (two per flow), at the last collection.",
-            &[(String::new(), self.conntrack_entries.load(Relaxed))],
+            "Distinct backends the datapath serves.",
+            &one(self.backends.load(Relaxed)),
         );
         let invalid: Vec<_> = self
             .invalid
             .lock()
-            .map(|m| m.iter().map(|(k, v)| (format!(r#"{{kind="{k}"}}"#), *v)).collect())
+            .map(|m| m.iter().map(|(k, v)| (format!(r#"{{kind="{k}"}}"#), v.to_string())).collect())
             .unwrap_or_default();
-        metric(
+        samples(
+            &mut out,
             "proxy_invalid_objects_total",
             "counter",
             "Objects (or manifest files) rejected as invalid, by kind.",
             &invalid,
         );
-        metric(
+        samples(
+            &mut out,
             "proxy_kept_objects_total",
             "counter",
             "Times an invalid update was ignored and the last good object kept.",
-            &[(String::new(), self.kept_objects.load(Relaxed))],
+            &one(self.kept_objects.load(Relaxed)),
         );
-        metric(
-            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+        let apiserver: Vec<_> = self
+            .apiserver_errors
+            .lock()
+            .map(|m| m.iter().map(|(k, v)| (format!(r#"{{kind="{k}"}}"#), v.to_string())).collect())
+            .unwrap_or_default();
+        samples(
+            &mut out,
+            "proxy_apiserver_watch_errors_total",
             "counter",
-            "iptables mode: failed iptables-restore runs (each is retried as a full sync).",
-            &[(String::new(), self.restore_failures.load(Relaxed))],
+            "API server watches that failed (and were retried), by kind.",
+            &apiserver,
         );
-        metric(
-            "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
-            "counter",
-            "Cumulative proxy iptables partial restore failures",
-            &[(String::new(), self.partial_restore_failures.load(Relaxed))],
-        );
-        metric(
-            "proxy_conntrack_cleanup_failures_total",
-            "counter",
-            "iptables mode: stale conntrack entry sets that could not be deleted (retried).",
-            &[(String::new(), self.conntrack_cleanup_failures.load(Relaxed))],
-        );
-        metric(
+        samples(
+            &mut out,
             "proxy_activation_failures_total",
             "counter",
             "Failed attempts to take over the datapath (attach the programs); retried.",
-            &[(String::new(), self.activation_failures.load(Relaxed))],
+            &one(self.activation_failures.load(Relaxed)),
         );
-        metric(
+        samples(
+            &mut out,
             "proxy_mode_cleanup_failures_total",
             "counter",
             "Failed removals of the other mode's datapath after a mode switch; retried.",
-            &[(String::new(), self.mode_cleanup_failures.load(Relaxed))],
+            &one(self.mode_cleanup_failures.load(Relaxed)),
         );
-        metric(
-            "proxy_iptables_canary_resyncs_total",
+        samples(
+            &mut out,
+            "proxy_health_check_node_port_failures_total",
             "counter",
-            "iptables mode: full resyncs after KUBE-PROXY-CANARY vanished (rules flushed by another program).",
-            &[(String::new(), self.canary_resyncs.load(Relaxed))],
+            "Health-check node ports that could not be opened; retried at the next sync.",
+            &one(self.health_check_failures.load(Relaxed)),
+        );
+        if self.mode == "iptables" {
+            samples(
+                &mut out,
+                "proxy_conntrack_cleanup_failures_total",
+                "counter",
+                "Stale conntrack entry sets that could not be deleted (retried).",
+                &one(self.conntrack_cleanup_failures.load(Relaxed)),
+            );
+            samples(
+                &mut out,
+                "proxy_iptables_canary_resyncs_total",
+                "counter",
+                "Full resyncs after KUBE-PROXY-CANARY vanished (rules flushed by another program).",
+                &one(self.canary_resyncs.load(Relaxed)),
+            );
+            return out;
+        }
+        let maps: Vec<_> = self
+            .map_entries
+            .lock()
+            .map(|m| m.iter().map(|(k, v)| (format!(r#"{{map="{k}"}}"#), v.to_string())).collect())
+            .unwrap_or_default();
+        samples(
+            &mut out,
+            "proxy_map_entries",
+            "gauge",
+            "Entries of each BPF map (CONNTRACK at the last collection).",
+            &maps,
+        );
+        samples(
+            &mut out,
+            "proxy_map_update_failures_total",
+            "counter",
+            "BPF map writes the kernel refused (the sync is retried).",
+            &one(self.map_update_failures.load(Relaxed)),
+        );
+        samples(
+            &mut out,
+            "proxy_conntrack_entries",
+            "gauge",
+            "Entries of the per-packet conntrack map (two per flow), at the last collection.",
+            &one(self.conntrack_entries.load(Relaxed)),
         );
         let counters = self.datapath.lock().ok().and_then(|d| d.as_ref().map(CounterReader::read));
         let datapath: Vec<_> = counters
             .unwrap_or_default()
             .into_iter()
-            .map(|(c, v)| (format!(r#"{{event="{}"}}"#, c.name()), v))
+            .map(|(c, v)| (format!(r#"{{event="{}"}}"#, c.name()), v.to_string()))
             .collect();
-        metric(
+        samples(
+            &mut out,
             "proxy_datapath_events_total",
             "counter",
             "Events counted by the BPF programs, summed over CPUs.",
@@ -165,50 +502,80 @@ impl Metrics {
         );
         out
     }
-}
 
-/// Serves the metrics until the listener fails.
-pub async fn serve(listener: TcpListener, metrics: std::sync::Arc<Metrics>) {
-    loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
-            // Out of file descriptors, say: back off instead of spinning.
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-            continue;
-        };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut request = [0u8; 1024];
-            let n = stream.read(&mut request).await.unwrap_or(0);
-            let line = String::from_utf8_lossy(&request[..n]);
-            let path = line.split_whitespace().nth(1).unwrap_or("");
-            let (status, body) = match path {
-                "/metrics" => ("200 OK", metrics.render()),
-                "/healthz" => ("200 OK", "ok\n".to_string()),
-                _ => ("404 Not Found", "not found\n".to_string()),
-            };
-            let response = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = stream.write_all(response.as_bytes()).await;
+    /// Serves `/metrics`, `/healthz` (`ok`, as kube-proxy's metrics port)
+    /// and `/proxyMode` until the task is dropped.
+    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
+        let handler = Arc::new(move |_method: String, path: String| {
+            let metrics = self.clone();
+            async move {
+                let text = |body: String| Reply::new(200, "text/plain; charset=utf-8", body);
+                match path.as_str() {
+                    "/metrics" => Reply::new(200, "text/plain; version=0.0.4", metrics.render()),
+                    "/healthz" => text("ok".into()),
+                    "/proxyMode" => text(metrics.mode.into()),
+                    _ => Reply::not_found(),
+                }
+            }
         });
+        http::serve(listener, handler).await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::health::NodeEligibility;
+
+    fn metrics(mode: &'static str) -> Metrics {
+        Metrics::new(
+            Arc::new(ProxyHealth::new(Duration::from_secs(60), NodeEligibility::Eligible)),
+            mode,
+        )
+    }
 
     #[test]
-    fn renders_prometheus_text() {
-        let metrics = Metrics::default();
-        metrics.invalid("Service");
-        metrics.invalid("Service");
-        metrics.syncs_ok.store(3, Relaxed);
-        let text = metrics.render();
+    fn renders_prometheus_text_with_kube_proxys_names() {
+        let m = metrics("ebpf");
+        m.invalid("Service");
+        m.invalid("Service");
+        m.syncs_ok.store(3, Relaxed);
+        m.sync_duration.observe(Duration::from_millis(3));
+        m.synced_at(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+        let text = m.render();
         assert!(text.contains("proxy_invalid_objects_total{kind=\"Service\"} 2\n"), "{text}");
         assert!(text.contains("proxy_sync_total{result=\"ok\"} 3\n"));
+        assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n"));
+        assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.002\"} 0\n"), "{text}");
+        assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.004\"} 1\n"));
+        assert!(
+            text.contains(
+                "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1\n"
+            )
+        );
+        assert!(
+            text.contains(
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 1700000000\n"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("kubeproxy_network_programming_duration_seconds_bucket{ip_family=\"IPv4\",le=\"300\"} 0\n"));
+        assert!(text.contains("kubeproxy_proxy_healthz_total{code=\"503\"} 0\n"));
         assert!(text.contains("# TYPE proxy_datapath_events_total counter\n"));
-        assert!(text.contains("# TYPE proxy_frontends gauge\n"));
+        assert!(!text.contains("iptables"), "no iptables metrics in eBPF mode");
+        let text = metrics("iptables").render();
+        assert!(text.contains(
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv4\"} 0\n"
+        ));
+        assert!(!text.contains("proxy_datapath_events_total"));
+    }
+
+    #[test]
+    fn programming_buckets_are_kube_proxys() {
+        let h = Histogram::programming_latency();
+        assert_eq!(h.bounds.len(), 2 + 59 + 12 + 7);
+        assert_eq!(&h.bounds[..4], &[0.25, 0.5, 1.0, 2.0]);
+        assert_eq!(h.bounds[61], 60.0);
+        assert_eq!(*h.bounds.last().unwrap(), 300.0);
     }
 }

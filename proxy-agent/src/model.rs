@@ -112,6 +112,10 @@ pub struct Endpoint {
     pub serving: bool,
     pub terminating: bool,
     pub node_name: Option<String>,
+    /// EndpointSlice hints: the zones (`forZones`) and nodes (`forNodes`)
+    /// this endpoint should serve.
+    pub zone_hints: Vec<String>,
+    pub node_hints: Vec<String>,
 }
 
 /// One proxied port of a service: what kube-proxy calls a ServicePort.
@@ -156,6 +160,31 @@ impl ServicePort {
             return ready;
         }
         candidates().filter(|e| e.serving && e.terminating).collect()
+    }
+
+    /// The endpoints Cluster-policy traffic from `node_name` (in `zone`)
+    /// goes to, as kube-proxy picks them: the ready ones, narrowed by the
+    /// EndpointSlice hints when every ready endpoint has one and some name
+    /// this node (`forNodes`, trafficDistribution PreferSameNode) or else
+    /// its zone (`forZones`: PreferClose/PreferSameZone, topology-mode
+    /// Auto); when none is ready, the serving and terminating ones, hints
+    /// ignored.
+    pub fn cluster_endpoints(&self, node_name: &str, zone: Option<&str>) -> Vec<&Endpoint> {
+        let ready: Vec<&Endpoint> = self.endpoints.iter().filter(|e| e.ready).collect();
+        if ready.is_empty() {
+            return self.usable_endpoints(None);
+        }
+        let narrowed = |hints: fn(&Endpoint) -> &[String], to: &str| -> Option<Vec<&Endpoint>> {
+            if !ready.iter().all(|e| !hints(e).is_empty()) {
+                return None;
+            }
+            let hinted: Vec<&Endpoint> =
+                ready.iter().copied().filter(|e| hints(e).iter().any(|h| h == to)).collect();
+            (!hinted.is_empty()).then_some(hinted)
+        };
+        narrowed(|e| &e.node_hints, node_name)
+            .or_else(|| zone.and_then(|zone| narrowed(|e| &e.zone_hints, zone)))
+            .unwrap_or(ready)
     }
 
     /// Whether the service has an endpoint traffic could use, anywhere.
@@ -345,6 +374,11 @@ fn index_slices(slices: &[EndpointSlice], errors: &mut Vec<ModelError>) -> Endpo
             let ready = conditions.ready.unwrap_or(true);
             let serving = conditions.serving.unwrap_or(true);
             let terminating = conditions.terminating.unwrap_or(false);
+            let hints = endpoint.hints.clone().unwrap_or_default();
+            let zone_hints: Vec<String> =
+                hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect();
+            let node_hints: Vec<String> =
+                hints.for_nodes.iter().flatten().map(|n| n.name.clone()).collect();
             for (key, number) in &ports {
                 let addr = SocketAddrV4::new(ip, *number);
                 let candidate = Endpoint {
@@ -353,6 +387,8 @@ fn index_slices(slices: &[EndpointSlice], errors: &mut Vec<ModelError>) -> Endpo
                     serving,
                     terminating,
                     node_name: endpoint.node_name.clone(),
+                    zone_hints: zone_hints.clone(),
+                    node_hints: node_hints.clone(),
                 };
                 // The same endpoint in two slices (during a slice rebalance):
                 // keep the one in the better state.
@@ -607,6 +643,42 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn hinted(endpoints: &str) -> ServicePort {
+        let model = crate::source::model_from_yaml(&format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: 10.96.0.10, ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{endpoints}]\n"
+        ));
+        model.ports.into_iter().next().unwrap()
+    }
+
+    fn ips(endpoints: Vec<&Endpoint>) -> Vec<String> {
+        endpoints.iter().map(|e| e.addr.ip().to_string()).collect()
+    }
+
+    #[test]
+    fn topology_hints_narrow_cluster_endpoints_as_kube_proxy() {
+        let port = hinted(
+            "{addresses: [10.0.0.1], hints: {forZones: [{name: a}], forNodes: [{name: n1}]}}, {addresses: [10.0.0.2], hints: {forZones: [{name: a}], forNodes: [{name: n2}]}}, {addresses: [10.0.0.3], hints: {forZones: [{name: b}], forNodes: [{name: n3}]}}",
+        );
+        // Node hints first (PreferSameNode), then zone hints.
+        assert_eq!(ips(port.cluster_endpoints("n1", Some("a"))), ["10.0.0.1"]);
+        assert_eq!(ips(port.cluster_endpoints("n9", Some("a"))), ["10.0.0.1", "10.0.0.2"]);
+        // A zone no endpoint is hinted for, or no zone: all of them.
+        assert_eq!(port.cluster_endpoints("n9", Some("c")).len(), 3);
+        assert_eq!(port.cluster_endpoints("n9", None).len(), 3);
+
+        // One endpoint without hints: hints are ignored.
+        let partial = hinted(
+            "{addresses: [10.0.0.1], hints: {forZones: [{name: a}]}}, {addresses: [10.0.0.2]}",
+        );
+        assert_eq!(partial.cluster_endpoints("n1", Some("a")).len(), 2);
+
+        // Only terminating endpoints left: those, hints ignored.
+        let terminating = hinted(
+            "{addresses: [10.0.0.1], conditions: {ready: false, serving: true, terminating: true}, hints: {forZones: [{name: b}]}}",
+        );
+        assert_eq!(ips(terminating.cluster_endpoints("n1", Some("a"))), ["10.0.0.1"]);
+    }
 
     fn service(yaml: &str) -> Service {
         serde_yaml::from_str(yaml).unwrap()

@@ -64,6 +64,8 @@ pub struct Node {
     pub ips: Vec<Ipv4Addr>,
     /// `--nodeport-addresses`; empty means every node address.
     pub nodeport_addresses: Vec<Cidr>,
+    /// Its `topology.kubernetes.io/zone`, for EndpointSlice hints.
+    pub zone: Option<String>,
 }
 
 impl Node {
@@ -112,9 +114,12 @@ pub fn plan(model: &Model, node: &Node) -> (Plan, Vec<ConflictError>) {
 fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, FrontendPlan)> {
     let at = |ip, number| Frontend { ip, port: number, protocol: port.protocol };
     let for_policy = |external: bool, local: bool, source_ranges: Vec<Cidr>| {
-        let node_name = local.then_some(node.name.as_str());
-        let mut backends: Vec<_> = port
-            .usable_endpoints(node_name)
+        let endpoints = if local {
+            port.usable_endpoints(Some(&node.name))
+        } else {
+            port.cluster_endpoints(&node.name, node.zone.as_deref())
+        };
+        let mut backends: Vec<_> = endpoints
             .iter()
             .map(|e| BackendPlan {
                 addr: e.addr,
@@ -176,6 +181,8 @@ mod tests {
                     serving: *ready,
                     terminating: false,
                     node_name: Some(node.to_string()),
+                    zone_hints: vec![],
+                    node_hints: vec![],
                 })
                 .collect(),
         }
@@ -186,6 +193,7 @@ mod tests {
             name: "node-a".into(),
             ips: vec![Ipv4Addr::new(192, 168, 100, 11), Ipv4Addr::new(172, 16, 0, 11)],
             nodeport_addresses: vec![],
+            zone: None,
         }
     }
 

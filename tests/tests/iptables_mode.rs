@@ -101,7 +101,8 @@ fn metric(lab: &Lab, name: &str) -> u64 {
     let metrics = lab.metrics().unwrap();
     metrics
         .lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with([' ', '{'])))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
         .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"))
 }
 

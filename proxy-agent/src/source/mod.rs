@@ -1,9 +1,13 @@
 //! Where Services and EndpointSlices come from, and the store that keeps the
 //! last good version of each.
 
+pub mod kube;
 pub mod manifests;
 
-use std::collections::BTreeMap;
+use std::{
+    collections::BTreeMap,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
@@ -33,12 +37,61 @@ pub struct Store {
     slices: BTreeMap<ServiceName, EndpointSlice>,
 }
 
-/// What replacing the store's contents found wrong.
+/// What replacing the store's contents changed, and found wrong.
 #[derive(Debug, Default)]
 pub struct StoreUpdate {
     pub errors: Vec<ModelError>,
     /// Objects served from their last good version.
     pub kept: Vec<ObjectRef>,
+    /// Services and EndpointSlices added, changed or removed.
+    pub service_changes: usize,
+    pub endpoint_changes: usize,
+    /// `endpoints.kubernetes.io/last-change-trigger-time` of the slices
+    /// added or changed: when the change that led to them happened.
+    pub trigger_times: Vec<SystemTime>,
+}
+
+/// The annotation the EndpointSlice controller sets to the time of the
+/// change (a pod, a service) that led to the slice's current state.
+const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// How many keys of two maps have different (or no) values.
+fn differences<K: Ord, V: PartialEq>(old: &BTreeMap<K, V>, new: &BTreeMap<K, V>) -> usize {
+    let changed = new.iter().filter(|(k, v)| old.get(k) != Some(v)).count();
+    changed + old.keys().filter(|k| !new.contains_key(k)).count()
+}
+
+/// Parses RFC 3339 (`2025-06-01T10:00:00Z`, with optional fraction and
+/// offset), as the EndpointSlice controller writes times.
+pub fn parse_rfc3339(text: &str) -> Option<SystemTime> {
+    let (date, time) = text.split_once(['T', 't'])?;
+    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (year, month, day) = (d.next()??, d.next()??, d.next()??);
+    let (clock, offset_secs) = if let Some(clock) = time.strip_suffix(['Z', 'z']) {
+        (clock, 0)
+    } else {
+        let at = time.rfind(['+', '-'])?;
+        let (clock, offset) = time.split_at(at);
+        let sign = if offset.starts_with('-') { -1 } else { 1 };
+        let (h, m) = offset[1..].split_once(':')?;
+        (clock, sign * (h.parse::<i64>().ok()? * 3600 + m.parse::<i64>().ok()? * 60))
+    };
+    let (hms, fraction) = clock.split_once('.').unwrap_or((clock, ""));
+    let mut t = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (hour, minute, second) = (t.next()??, t.next()??, t.next()??);
+    let nanos: u32 =
+        if fraction.is_empty() { 0 } else { format!("{fraction:0<9}").get(..9)?.parse().ok()? };
+    // Days from civil (Howard Hinnant).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + hour * 3600 + minute * 60 + second - offset_secs;
+    let secs = u64::try_from(secs).ok()?;
+    Some(UNIX_EPOCH + Duration::new(secs, nanos))
 }
 
 impl Store {
@@ -86,6 +139,16 @@ impl Store {
                 _ => {}
             }
         }
+        update.service_changes = differences(&self.services, &services);
+        update.endpoint_changes = differences(&self.slices, &slices);
+        update.trigger_times = slices
+            .iter()
+            .filter(|(name, slice)| self.slices.get(*name) != Some(*slice))
+            .filter_map(|(_, slice)| {
+                let annotations = slice.metadata.annotations.as_ref()?;
+                parse_rfc3339(annotations.get(TRIGGER_TIME)?)
+            })
+            .collect();
         self.services = services;
         self.slices = slices;
         update
@@ -155,6 +218,38 @@ mod tests {
         // Deleting it for real removes it.
         store.replace(Snapshot::default());
         assert!(store.model().ports.is_empty());
+    }
+
+    #[test]
+    fn changes_are_counted_with_their_trigger_times() {
+        let slice = |ip: &str, at: &str| -> EndpointSlice {
+            serde_yaml::from_str(&format!(
+                "{{metadata: {{name: web-1, annotations: {{endpoints.kubernetes.io/last-change-trigger-time: \"{at}\"}}, labels: {{kubernetes.io/service-name: web}}}}, addressType: IPv4, endpoints: [{{addresses: [{ip}]}}]}}"
+            ))
+            .unwrap()
+        };
+        let web =
+            service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
+        let mut store = Store::default();
+        let first = Snapshot {
+            services: vec![web.clone()],
+            slices: vec![slice("10.244.1.2", "2025-06-01T10:00:00Z")],
+            ..Default::default()
+        };
+        let update = store.replace(first.clone());
+        assert_eq!((update.service_changes, update.endpoint_changes), (1, 1));
+        assert_eq!(update.trigger_times, [UNIX_EPOCH + Duration::from_secs(1_748_772_000)]);
+        let update = store.replace(first);
+        assert_eq!((update.service_changes, update.endpoint_changes), (0, 0));
+        assert!(update.trigger_times.is_empty());
+        let update = store.replace(Snapshot {
+            services: vec![web],
+            slices: vec![slice("10.244.1.3", "2025-06-01T12:00:01.5+02:00")],
+            ..Default::default()
+        });
+        assert_eq!((update.service_changes, update.endpoint_changes), (0, 1));
+        assert_eq!(update.trigger_times, [UNIX_EPOCH + Duration::new(1_748_772_001, 500_000_000)]);
+        assert_eq!(store.replace(Snapshot::default()).service_changes, 1);
     }
 
     #[test]

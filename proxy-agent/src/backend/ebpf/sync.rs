@@ -120,6 +120,18 @@ impl SyncState {
         self.backends.len()
     }
 
+    /// Entries of the maps the agent writes, by map name.
+    pub fn map_entries(&self) -> [(&'static str, usize); 4] {
+        let slots: usize = self.frontends.values().map(|f| 1 + f.slots.len()).sum();
+        let ranges: usize = self.frontends.values().map(|f| f.source_ranges.len()).sum();
+        [
+            ("SERVICES", slots),
+            ("BACKENDS", self.backends.len()),
+            ("REV_NAT", self.rev_nat.len()),
+            ("SOURCE_RANGES", ranges),
+        ]
+    }
+
     /// Brings the maps to `plan`, writing only what differs.
     pub fn sync(
         &mut self,

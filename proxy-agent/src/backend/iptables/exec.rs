@@ -23,6 +23,13 @@ impl ExecError {
     pub fn is_exit_1(&self) -> bool {
         matches!(self, ExecError::Failed { code: Some(1), .. })
     }
+
+    /// A rule or its target chain does not exist: exit 1, or exit 2 naming
+    /// a missing chain (`-D … -j CHAIN` where CHAIN was never made).
+    pub fn is_absent(&self) -> bool {
+        self.is_exit_1()
+            || matches!(self, ExecError::Failed { code: Some(2), stderr, .. } if stderr.contains("does not exist"))
+    }
 }
 
 /// Runs a program with arguments and optional standard input.

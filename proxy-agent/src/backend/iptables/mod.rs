@@ -139,6 +139,11 @@ impl<R: Runner> IptablesBackend<R> {
         }
     }
 
+    /// This node's zone changed: the next sync renders for the new one.
+    pub fn set_zone(&mut self, zone: Option<String>) {
+        self.options.zone = zone;
+    }
+
     /// Whether the next sync will be a full one.
     pub fn full_sync_due(&self) -> bool {
         self.applied.is_none() || self.last_full.is_none_or(|t| t.elapsed() >= FULL_SYNC_PERIOD)
@@ -348,7 +353,7 @@ pub fn cleanup(runner: &mut impl Runner) -> Result<usize, IptablesError> {
             match runner.run(IPTABLES, &rule_args(table, "-D", chain, &args), None) {
                 Ok(_) => {}
                 Err(ExecError::Missing { .. }) => return Ok(0),
-                Err(e) if e.is_exit_1() => break, // none left
+                Err(e) if e.is_absent() => break, // none left
                 Err(e) => {
                     errors.push(e.to_string());
                     break;
@@ -476,6 +481,20 @@ mod tests {
                 IPTABLES => {
                     // -w 5 -W 100000 -t TABLE OP CHAIN ARGS...
                     let t = args.iter().position(|a| *a == "-t").unwrap();
+                    let target = *args.last().unwrap();
+                    let table_chains = self.chains.get(args[t + 1]);
+                    if target.starts_with("KUBE-")
+                        && !table_chains.is_some_and(|c| c.contains(target))
+                    {
+                        return Err(ExecError::Failed {
+                            command: program.to_string(),
+                            status: "exit status: 2".into(),
+                            code: Some(2),
+                            stderr: format!(
+                                "iptables v1.8.9 (nf_tables): Chain '{target}' does not exist"
+                            ),
+                        });
+                    }
                     let rule = format!("{} {}", args[t + 1], args[t + 3..].join(" "));
                     let present = self.rules.contains(&rule);
                     match (args[t + 2], present) {
@@ -493,6 +512,7 @@ mod tests {
     fn options() -> Options {
         Options {
             node_name: "node-a".into(),
+            zone: None,
             node_ips: vec![Ipv4Addr::new(192, 168, 100, 11)],
             nodeport_addresses: vec![],
             cluster_cidr: None,
@@ -605,6 +625,11 @@ mod tests {
         assert!(fake.chains["nat"].is_empty() && fake.chains["mangle"].is_empty());
         assert_eq!(fake.rules.len(), 2, "{:?}", fake.rules);
         assert!(fake.rules.iter().all(|r| r.ends_with(KUBELET_FIREWALL)), "{:?}", fake.rules);
+    }
+
+    #[test]
+    fn cleanup_of_a_clean_node_is_a_no_op() {
+        assert_eq!(cleanup(&mut Fake::default()).unwrap(), 0);
     }
 
     #[test]

@@ -27,6 +27,8 @@ const LARGE_CLUSTER_ENDPOINTS: usize = 1000;
 pub struct Options {
     /// This node's name: endpoints with this `nodeName` are local.
     pub node_name: String,
+    /// Its zone, for EndpointSlice hints.
+    pub zone: Option<String>,
     /// This node's addresses (for loadBalancerSourceRanges that admit the
     /// node, and `--nodeport-addresses`).
     pub node_ips: Vec<Ipv4Addr>,
@@ -411,7 +413,7 @@ impl<'a> ServiceRules<'a> {
             name: port.name.to_string(),
             proto: port.protocol.lower(),
             chains: ServiceChains::new(&port.name, port.protocol),
-            cluster: sorted(port.usable_endpoints(None)),
+            cluster: sorted(port.cluster_endpoints(&opts.node_name, opts.zone.as_deref())),
             local: sorted(port.usable_endpoints(Some(&opts.node_name))),
         }
     }
@@ -851,6 +853,7 @@ mod tests {
     fn options() -> Options {
         Options {
             node_name: "node-a".into(),
+            zone: None,
             node_ips: vec![Ipv4Addr::new(192, 168, 100, 11)],
             nodeport_addresses: vec![],
             cluster_cidr: Cidr::parse("10.244.0.0/16").unwrap(),

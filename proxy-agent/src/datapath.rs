@@ -1,0 +1,347 @@
+//! The two datapaths behind one face: what the agent syncs the desired
+//! state into, looks after between syncs, attaches, and switches from.
+
+use std::{
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+    sync::atomic::Ordering::Relaxed,
+    time::Duration,
+};
+
+use anyhow::Context as _;
+
+use proxy_common::Config;
+
+use crate::{
+    backend::{
+        ebpf::{self, EbpfBackend, TcAttach},
+        iptables::{self, CANARY, IptablesBackend, IptablesError, exec::System, render},
+    },
+    cli::{NodeArgs, ProxyMode, RunArgs, TcAttachArg},
+    metrics::Metrics,
+    model::Model,
+    node,
+    plan::{Node, Plan},
+    probe, sys,
+};
+
+/// A TCP flow translated per packet that never saw a reply lives this long.
+const TCP_SYN_TIMEOUT_SECS: u32 = 60;
+/// eBPF: expired conntrack entries are collected every this many looks.
+const GC_EVERY: u32 = 5;
+/// iptables: mangle's canary chain is checked every this many looks...
+const CANARY_EVERY: u32 = 10;
+/// ...and every canary once in this many checks.
+const THOROUGH_CANARY_EVERY: u32 = 15;
+
+/// What the datapath should hold: the model, and the plan (which also
+/// reports conflicting frontends, in either mode).
+#[derive(Default)]
+pub struct Desired {
+    pub model: Model,
+    pub plan: Plan,
+}
+
+/// The eBPF datapath and what looking after it needs.
+pub struct Ebpf {
+    backend: EbpfBackend,
+    cgroup: PathBuf,
+    root: PathBuf,
+    /// Name prefixes of pod-facing interfaces.
+    pod_interfaces: Vec<String>,
+}
+
+pub enum Datapath {
+    Ebpf(Box<Ebpf>),
+    Iptables(Box<IptablesBackend<System>>),
+}
+
+/// What a successful sync did, for the metrics.
+#[derive(Debug, Default)]
+pub struct Synced {
+    /// iptables mode: whether it was a full sync.
+    pub full: Option<bool>,
+}
+
+impl Datapath {
+    /// The mode to run: as asked, or for `auto` what the kernel can run.
+    pub fn choose(asked: ProxyMode) -> ProxyMode {
+        if asked != ProxyMode::Auto {
+            return asked;
+        }
+        let features = probe::run();
+        match probe::decide(&features) {
+            probe::Decision::Ebpf => ProxyMode::Ebpf,
+            probe::Decision::Iptables { missing } => {
+                let detail = features.iter().find(|f| f.name == missing).map(|f| f.detail.as_str());
+                tracing::warn!(
+                    "eBPF mode unavailable, this kernel lacks: {missing} ({}); running in iptables mode",
+                    detail.unwrap_or_default()
+                );
+                ProxyMode::Iptables
+            }
+        }
+    }
+
+    /// Loads (eBPF) or prepares (iptables) the datapath of `mode`.
+    pub fn new(mode: ProxyMode, args: &RunArgs, node: &Node) -> anyhow::Result<Self> {
+        Ok(match mode {
+            ProxyMode::Iptables => Datapath::Iptables(Box::new(iptables_datapath(args, node))),
+            _ => Datapath::Ebpf(Box::new(ebpf_datapath(args, node)?)),
+        })
+    }
+
+    pub fn mode(&self) -> &'static str {
+        match self {
+            Datapath::Ebpf(_) => "ebpf",
+            Datapath::Iptables(_) => "iptables",
+        }
+    }
+
+    /// A new agent's maps are private until its programs attach, but rules
+    /// are live as soon as they are applied: those wait for the whole source.
+    pub fn live_at_once(&self) -> bool {
+        matches!(self, Datapath::Iptables(_))
+    }
+
+    /// This node's zone changed (topology hints).
+    pub fn set_zone(&mut self, zone: Option<String>) {
+        if let Datapath::Iptables(backend) = self {
+            backend.set_zone(zone);
+        }
+    }
+
+    /// Brings the datapath to `desired`; counts what went wrong.
+    pub fn sync(&mut self, desired: &Desired, metrics: &Metrics) -> anyhow::Result<Synced> {
+        match self {
+            Datapath::Ebpf(dp) => {
+                let report = dp.backend.sync(&desired.plan).inspect_err(|_| {
+                    metrics.map_update_failures.fetch_add(1, Relaxed);
+                })?;
+                let state = dp.backend.state();
+                metrics.set_map_entries(&state.map_entries());
+                tracing::info!(
+                    frontends = state.frontend_count(),
+                    backends = state.backend_count(),
+                    writes = report.writes,
+                    "datapath synced"
+                );
+                match dp.backend.flush_udp_flows(&report.removed_backends) {
+                    Ok(0) => {}
+                    Ok(flushed) => {
+                        tracing::info!(flushed, "UDP flows to removed endpoints deleted")
+                    }
+                    Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
+                }
+                Ok(Synced { full: None })
+            }
+            Datapath::Iptables(backend) => {
+                let report = backend.sync(&desired.model).inspect_err(|err| {
+                    if let IptablesError::Restore { full, .. } = err {
+                        metrics.restore_failures.fetch_add(1, Relaxed);
+                        if !full {
+                            metrics.partial_restore_failures.fetch_add(1, Relaxed);
+                        }
+                    }
+                })?;
+                tracing::info!(
+                    full = report.full,
+                    chains_written = report.chains_written,
+                    chains_deleted = report.chains_deleted,
+                    "rules synced"
+                );
+                metrics.set_iptables_rules(&report.rules_written);
+                if report.flows_flushed > 0 {
+                    tracing::info!(
+                        sets = report.flows_flushed,
+                        "stale UDP conntrack entries deleted"
+                    );
+                }
+                if report.untranslated_deleted > 0 {
+                    tracing::info!(
+                        flows = report.untranslated_deleted,
+                        "conntrack entries made while the rules were missing deleted"
+                    );
+                }
+                for e in &report.flow_errors {
+                    metrics.conntrack_cleanup_failures.fetch_add(1, Relaxed);
+                    tracing::warn!("could not delete stale conntrack entries (will retry): {e}");
+                }
+                Ok(Synced { full: Some(report.full) })
+            }
+        }
+    }
+
+    /// Between syncs, at every poll (`polls` counts them). eBPF: follows
+    /// interfaces that come and go, collects expired flows. iptables:
+    /// checks the canary. Returns whether a (full) resync is due.
+    pub fn look_after(&mut self, node_ips: &[Ipv4Addr], polls: u32, metrics: &Metrics) -> bool {
+        match self {
+            Datapath::Ebpf(dp) => {
+                match sys::interfaces() {
+                    Ok(interfaces) => {
+                        let wanted = node::tc_interfaces(&interfaces, node_ips, &dp.pod_interfaces);
+                        dp.backend.set_tc_interfaces(&dp.root, &wanted);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
+                }
+                if polls.is_multiple_of(GC_EVERY) {
+                    match dp.backend.collect_conntrack() {
+                        Ok((deleted, left)) => {
+                            metrics.conntrack_entries.store(left as u64, Relaxed);
+                            metrics.set_map_entries(&[("CONNTRACK", left)]);
+                            if deleted > 0 {
+                                tracing::debug!(deleted, left, "expired flows collected");
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "conntrack collection failed"),
+                    }
+                }
+                false
+            }
+            Datapath::Iptables(backend) => {
+                if !polls.is_multiple_of(CANARY_EVERY) {
+                    return false;
+                }
+                // mangle's canary is cheap to check; nat's and filter's
+                // (a copy of the whole table with iptables-legacy) rarely.
+                let thorough = polls.is_multiple_of(CANARY_EVERY * THOROUGH_CANARY_EVERY);
+                match backend.canary_gone(thorough) {
+                    Ok(Some(table)) => {
+                        tracing::warn!(
+                            table,
+                            "{CANARY} is gone: another program flushed the rules; full resync"
+                        );
+                        metrics.canary_resyncs.fetch_add(1, Relaxed);
+                        true
+                    }
+                    Ok(None) => backend.full_sync_due(),
+                    Err(e) => {
+                        tracing::warn!("could not check {CANARY}: {e}");
+                        false
+                    }
+                }
+            }
+        }
+    }
+
+    /// Makes the datapath serve: attaches the programs (eBPF; rules serve
+    /// as soon as they are applied).
+    pub fn activate(&mut self, node_ips: &[Ipv4Addr], metrics: &Metrics) -> anyhow::Result<()> {
+        if let Datapath::Ebpf(dp) = self {
+            let interfaces = sys::interfaces().context("listing interfaces")?;
+            let wanted = node::tc_interfaces(&interfaces, node_ips, &dp.pod_interfaces);
+            dp.backend
+                .activate(&dp.cgroup, &wanted, &dp.root)
+                .with_context(|| format!("attaching to {} and {wanted:?}", dp.cgroup.display()))?;
+            metrics.set_datapath(ebpf::CounterReader::open(&dp.root)?);
+        }
+        Ok(())
+    }
+
+    /// Removes what the other mode left: eBPF programs translate in front
+    /// of the rules (so they go once the rules are in); rules would still
+    /// catch host-network clients (so they go once the programs serve).
+    pub fn remove_other_mode(&self, pins: &Path) -> anyhow::Result<()> {
+        match self {
+            Datapath::Ebpf(_) => {
+                let chains = iptables::cleanup(&mut System)?;
+                if chains > 0 {
+                    tracing::info!(chains, "removed the iptables mode's rules");
+                }
+            }
+            Datapath::Iptables(_) => {
+                let (pins, filters) = cleanup_ebpf(pins)?;
+                if pins + filters > 0 {
+                    tracing::info!(pins, filters, "removed the eBPF mode's programs");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn ebpf_datapath(args: &RunArgs, node: &Node) -> anyhow::Result<Ebpf> {
+    let cgroup = match &args.cgroup_path {
+        Some(path) => path.clone(),
+        None => sys::cgroup2_root().context("finding the cgroup2 mount")?,
+    };
+    let root = args.pins.bpffs_root.clone();
+    sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
+    let tc_mode = match args.tc_attach {
+        TcAttachArg::Auto => TcAttach::for_this_kernel(),
+        TcAttachArg::Tcx => TcAttach::Tcx,
+        TcAttachArg::Netlink => TcAttach::Netlink,
+    };
+    let mut backend = EbpfBackend::load(tc_mode).context("loading the BPF programs")?;
+    backend
+        .configure(&datapath_config(args, &node.ips))
+        .context("writing the datapath settings")?;
+    let (min, max) = args.snat_port_range;
+    sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
+    tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), "BPF programs loaded");
+    Ok(Ebpf { backend, cgroup, root, pod_interfaces: args.pod_interfaces.clone() })
+}
+
+fn iptables_datapath(args: &RunArgs, node: &Node) -> IptablesBackend<System> {
+    let options = render_options(node, &args.node, false);
+    if options.localhost_nodeports() {
+        // As kube-proxy: NodePorts on 127.0.0.1 need DNAT of loopback traffic.
+        if let Err(e) = sys::set_sysctl("net/ipv4/conf/all/route_localnet", "1") {
+            tracing::warn!("could not enable route_localnet (localhost NodePorts): {e}");
+        }
+    }
+    IptablesBackend::new(System, options)
+}
+
+fn datapath_config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
+    let (cidr, prefix) = args.node.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
+    let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
+    Config {
+        snat_addr: node_ips[0].octets(),
+        cluster_cidr: cidr,
+        cluster_cidr_prefix: prefix,
+        masquerade_all: args.node.masquerade_all as u8,
+        snat_port_min: args.snat_port_range.0,
+        snat_port_max: args.snat_port_range.1,
+        _pad: 0,
+        tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
+        tcp_established_timeout_secs: secs(args.conntrack_tcp_timeout_established),
+        tcp_close_wait_timeout_secs: secs(args.conntrack_tcp_timeout_close_wait),
+        tcp_time_wait_timeout_secs: secs(args.conntrack_tcp_timeout_time_wait),
+        udp_timeout_secs: secs(args.conntrack_udp_timeout),
+    }
+}
+
+/// What the iptables rules depend on besides the services.
+pub fn render_options(node: &Node, args: &NodeArgs, nfacct: bool) -> render::Options {
+    render::Options {
+        node_name: node.name.clone(),
+        zone: node.zone.clone(),
+        node_ips: node.ips.clone(),
+        nodeport_addresses: args.nodeport_addresses.clone(),
+        cluster_cidr: args.cluster_cidr,
+        masquerade_all: args.masquerade_all,
+        // What current kube-proxy writes with current iptables.
+        localhost_nodeports: true,
+        nfacct,
+        random_fully: true,
+        conntrack_tcp_liberal: std::fs::read_to_string(
+            "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",
+        )
+        .is_ok_and(|v| v.trim() != "0"),
+    }
+}
+
+/// Removes the eBPF mode's pins under `root` and its clsact filters;
+/// returns how many of each.
+pub fn cleanup_ebpf(root: &Path) -> anyhow::Result<(usize, usize)> {
+    let removed = ebpf::remove_pins(root)?;
+    match std::fs::remove_dir(root) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("removing {}", root.display()));
+        }
+        _ => {}
+    }
+    Ok((removed, ebpf::remove_tc_filters()))
+}

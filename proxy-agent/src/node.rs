@@ -1,0 +1,156 @@
+//! This node: its name, its addresses, and what its Node object says (zone
+//! for topology hints, whether load balancers should still send it traffic).
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
+
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::Node;
+
+use crate::{health::NodeEligibility, sys};
+
+/// The node label naming its zone.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+/// The taint the cluster autoscaler puts on a node it is about to remove.
+const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// `--hostname-override`, else the hostname, lowercased (kube-proxy's rule).
+pub fn name(hostname_override: &Option<String>) -> anyhow::Result<String> {
+    if let Some(name) = hostname_override {
+        return Ok(name.clone());
+    }
+    let name =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").context("reading the hostname")?;
+    Ok(name.trim().to_lowercase())
+}
+
+/// The IPv4 addresses of the interfaces that are neither loopback nor
+/// pod-facing, those of the default route's interface first (the first is
+/// the SNAT address: replies must find their way back to it).
+pub fn interface_ips(pod_interfaces: &[String]) -> anyhow::Result<Vec<Ipv4Addr>> {
+    let mut interfaces: Vec<(String, Vec<Ipv4Addr>)> =
+        sys::interfaces().context("listing interfaces")?.into_iter().collect();
+    let uplink = sys::default_route_interface();
+    interfaces.sort_by_key(|(name, _)| Some(name) != uplink.as_ref());
+    let ips: Vec<Ipv4Addr> = interfaces
+        .iter()
+        .filter(|(name, _)| !is_pod_facing(name, pod_interfaces))
+        .flat_map(|(_, addrs)| addrs.iter().copied())
+        .filter(|ip| !ip.is_loopback() && !ip.is_link_local())
+        .collect();
+    anyhow::ensure!(!ips.is_empty(), "no node address found: pass --node-ip");
+    Ok(ips)
+}
+
+fn is_pod_facing(name: &str, prefixes: &[String]) -> bool {
+    prefixes.iter().any(|p| !p.is_empty() && name.starts_with(p.as_str()))
+}
+
+/// The interfaces whose ingress runs the per-packet program: those holding a
+/// node address, and pod-facing ones (by name prefix).
+pub fn tc_interfaces(
+    interfaces: &BTreeMap<String, Vec<Ipv4Addr>>,
+    node_ips: &[Ipv4Addr],
+    pod_prefixes: &[String],
+) -> BTreeSet<String> {
+    interfaces
+        .iter()
+        .filter(|(name, addrs)| {
+            is_pod_facing(name, pod_prefixes) || addrs.iter().any(|a| node_ips.contains(a))
+        })
+        .map(|(name, _)| name.clone())
+        .filter(|name| name != "lo")
+        .collect()
+}
+
+/// What the Node object says about this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub zone: Option<String>,
+    pub eligibility: NodeEligibility,
+    /// `status.addresses` of type InternalIP (IPv4), in order.
+    pub internal_ips: Vec<Ipv4Addr>,
+}
+
+impl NodeInfo {
+    /// From the Node object; `None` (not found) means ineligible, as for
+    /// kube-proxy.
+    pub fn of(node: Option<&Node>) -> Self {
+        let Some(node) = node else {
+            return NodeInfo {
+                zone: None,
+                eligibility: NodeEligibility::Ineligible,
+                internal_ips: Vec::new(),
+            };
+        };
+        let zone = node.metadata.labels.as_ref().and_then(|l| l.get(ZONE_LABEL)).cloned();
+        let deleting = node.metadata.deletion_timestamp.is_some();
+        let tainted = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|taints| taints.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+        let eligibility = if deleting || tainted {
+            NodeEligibility::Ineligible
+        } else {
+            NodeEligibility::Eligible
+        };
+        let internal_ips = node
+            .status
+            .as_ref()
+            .and_then(|s| s.addresses.as_ref())
+            .into_iter()
+            .flatten()
+            .filter(|a| a.type_ == "InternalIP")
+            .filter_map(|a| a.address.parse().ok())
+            .collect();
+        NodeInfo { zone, eligibility, internal_ips }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_packet_interfaces_are_node_and_pod_facing_ones() {
+        let interfaces: BTreeMap<String, Vec<Ipv4Addr>> = [
+            ("lo", vec![Ipv4Addr::LOCALHOST]),
+            ("eth0", vec![Ipv4Addr::new(192, 168, 100, 11)]),
+            ("eth1", vec![Ipv4Addr::new(172, 16, 0, 1)]),
+            ("veth1", vec![Ipv4Addr::new(169, 254, 1, 1)]),
+            ("lxc12", vec![]),
+            ("docker0", vec![Ipv4Addr::new(172, 17, 0, 1)]),
+        ]
+        .into_iter()
+        .map(|(n, a)| (n.to_string(), a))
+        .collect();
+        let wanted = tc_interfaces(
+            &interfaces,
+            &[Ipv4Addr::new(192, 168, 100, 11)],
+            &["veth".into(), "lxc".into()],
+        );
+        let names: Vec<&str> = wanted.iter().map(String::as_str).collect();
+        assert_eq!(names, ["eth0", "lxc12", "veth1"]);
+    }
+
+    #[test]
+    fn node_objects_give_zone_addresses_and_eligibility() {
+        let node: Node = serde_yaml::from_str(
+            "metadata: {name: n1, labels: {topology.kubernetes.io/zone: zone-a}}\nstatus: {addresses: [{type: Hostname, address: n1}, {type: InternalIP, address: 192.168.100.11}, {type: InternalIP, address: 'fd00::1'}]}",
+        )
+        .unwrap();
+        let info = NodeInfo::of(Some(&node));
+        assert_eq!(info.zone.as_deref(), Some("zone-a"));
+        assert_eq!(info.internal_ips, [Ipv4Addr::new(192, 168, 100, 11)]);
+        assert_eq!(info.eligibility, NodeEligibility::Eligible);
+        let tainted: Node = serde_yaml::from_str(
+            "metadata: {name: n1}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}",
+        )
+        .unwrap();
+        assert_eq!(NodeInfo::of(Some(&tainted)).eligibility, NodeEligibility::Ineligible);
+        assert_eq!(NodeInfo::of(None).eligibility, NodeEligibility::Ineligible);
+    }
+}
