@@ -311,6 +311,24 @@ impl State {
     }
 }
 
+/// Whether a stored object and a manifest's say the same (ignoring what the
+/// server sets).
+fn same(stored: &Value, object: &Value) -> bool {
+    let strip = |v: &Value| {
+        let mut v = v.clone();
+        if let Some(meta) = v["metadata"].as_object_mut() {
+            for field in ["resourceVersion", "uid", "creationTimestamp", "namespace"] {
+                meta.remove(field);
+            }
+        }
+        if let Some(map) = v.as_object_mut() {
+            map.remove("apiVersion");
+        }
+        v
+    };
+    strip(stored) == strip(object)
+}
+
 /// The event a watch of `kind` with `selector` sees for `change`, if any.
 fn watch_event(kind: Kind, selector: &Selector, change: &Change) -> Option<Bytes> {
     if change.kind != kind {
@@ -375,6 +393,40 @@ impl ApiServer {
                 continue;
             }
             state.apply(serde_json::to_value(value)?)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the Services and EndpointSlices those of a YAML stream: applies
+    /// the new and changed ones, deletes the others (Nodes are left alone).
+    pub fn replace_services(&self, yaml: &str) -> anyhow::Result<()> {
+        use serde::Deserialize as _;
+        let mut wanted = BTreeMap::new();
+        for doc in serde_yaml::Deserializer::from_str(yaml) {
+            let value = serde_json::to_value(serde_yaml::Value::deserialize(doc)?)?;
+            let Some(kind) = value["kind"].as_str().and_then(Kind::parse) else { continue };
+            if kind == Kind::Node {
+                continue;
+            }
+            let name = value["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            let ns = value["metadata"]["namespace"].as_str().unwrap_or("default").to_string();
+            wanted.insert((kind, ns, name), value);
+        }
+        let mut state = self.state();
+        let gone: Vec<Key> = state
+            .objects
+            .keys()
+            .filter(|k| k.0 != Kind::Node && !wanted.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            state.delete(&key);
+        }
+        for (key, object) in wanted {
+            let unchanged = state.objects.get(&key).is_some_and(|old| same(old, &object));
+            if !unchanged {
+                state.apply(object)?;
+            }
         }
         Ok(())
     }

@@ -164,19 +164,46 @@ impl Mode {
     }
 }
 
-/// Generates `mod <scenario> { fn ebpf(); fn iptables(); }`, each test
-/// calling `<scenario>(Mode)`: one definition, both modes.
+/// Where the agents read Services and EndpointSlices from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The lab's manifest file (`--manifests`).
+    Manifests,
+    /// The test API server, fed the same manifest (`--kubeconfig`).
+    ApiServer,
+}
+
+/// How a lab runs its agents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Setup {
+    pub mode: Mode,
+    pub source: Source,
+}
+
+impl Setup {
+    pub const EBPF: Setup = Setup { mode: Mode::Ebpf, source: Source::Manifests };
+    pub const IPTABLES: Setup = Setup { mode: Mode::Iptables, source: Source::Manifests };
+    pub const API: Setup = Setup { mode: Mode::Ebpf, source: Source::ApiServer };
+}
+
+/// Generates `mod <scenario> { fn ebpf(); fn iptables(); fn api(); }`, each
+/// test calling `<scenario>(Setup)`: one definition, both modes, and the
+/// API server as the source.
 #[macro_export]
 macro_rules! both_modes {
     ($($scenario:ident),* $(,)?) => {$(
         mod $scenario {
             #[test]
             fn ebpf() {
-                super::$scenario($crate::Mode::Ebpf)
+                super::$scenario($crate::Setup::EBPF)
             }
             #[test]
             fn iptables() {
-                super::$scenario($crate::Mode::Iptables)
+                super::$scenario($crate::Setup::IPTABLES)
+            }
+            #[test]
+            fn api() {
+                super::$scenario($crate::Setup::API)
             }
         }
     )*};
@@ -221,6 +248,8 @@ pub struct Lab {
     id: String,
     /// The mode agents are started in.
     pub mode: Mode,
+    /// The test API server, when it is the agents' source.
+    api: Option<apiserver::ApiServer>,
     /// Node 0, which the single-node tests use.
     pub node: String,
     pub cgroup: PathBuf,
@@ -239,18 +268,33 @@ pub struct Lab {
 /// clients route to node 0.
 pub const FABRIC_PREFIX: &str = "192.168.100";
 pub const EXTERNAL_SERVICE_RANGE: &str = "10.200.0.0/24";
+/// The test API server's address on the fabric.
+const API_ADDR: &str = "192.168.100.1";
 /// Cluster IPs.
 pub const SERVICE_RANGE: &str = "10.96.0.0/12";
 
 impl Lab {
-    /// A lab whose agents run in eBPF mode.
+    /// A lab whose agents run in eBPF mode on the manifest.
     pub fn new() -> anyhow::Result<Self> {
-        Self::with_mode(Mode::Ebpf)
+        Self::with(Setup::EBPF)
     }
 
-    /// A node (namespace, uplink to the fabric, test cgroup, pin directory)
-    /// and a scratch dir; agents run in `mode`.
+    /// A lab whose agents run in `mode` on the manifest.
     pub fn with_mode(mode: Mode) -> anyhow::Result<Self> {
+        Self::with(Setup { mode, source: Source::Manifests })
+    }
+
+    /// A node (namespace, uplink to the fabric, test cgroup, pin directory),
+    /// a scratch dir, and with `Source::ApiServer` the test API server.
+    pub fn with(setup: Setup) -> anyhow::Result<Self> {
+        let mut lab = Self::bare(setup.mode)?;
+        if setup.source == Source::ApiServer {
+            lab.start_apiserver()?;
+        }
+        Ok(lab)
+    }
+
+    fn bare(mode: Mode) -> anyhow::Result<Self> {
         if unsafe { libc::geteuid() } != 0 {
             bail!("the lab needs root (network namespaces, cgroups, BPF)");
         }
@@ -258,6 +302,7 @@ impl Lab {
         let id = format!("{PREFIX}{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let mut lab = Lab {
             mode,
+            api: None,
             node: String::new(),
             cgroup: PathBuf::new(),
             pins: PathBuf::new(),
@@ -351,7 +396,28 @@ impl Lab {
             agent: None,
             veths: 0,
         });
+        if let Some(api) = &self.api {
+            api.apply(&node_object(&self.nodes[index]))?;
+        }
         Ok(index)
+    }
+
+    /// The test API server on the fabric (192.168.100.1:6443), holding a
+    /// Node object per lab node; agents started from now on watch it.
+    pub fn start_apiserver(&mut self) -> anyhow::Result<&apiserver::ApiServer> {
+        ip(&["-n", &self.fabric, "addr", "add", &format!("{API_ADDR}/24"), "dev", "br0"])?;
+        let api =
+            apiserver::ApiServer::start_in(&self.fabric, format!("{API_ADDR}:6443").parse()?)?;
+        for node in &self.nodes {
+            api.apply(&node_object(node))?;
+        }
+        std::fs::write(self.dir.join("kubeconfig"), api.kubeconfig())?;
+        Ok(self.api.insert(api))
+    }
+
+    /// The test API server, if the agents watch it.
+    pub fn api(&self) -> Option<&apiserver::ApiServer> {
+        self.api.as_ref()
     }
 
     pub fn nodes(&self) -> &[Node] {
@@ -477,12 +543,17 @@ impl Lab {
         Ok(())
     }
 
-    /// Writes the manifest file the agents watch, atomically.
+    /// Writes the manifest file the agents watch, atomically; with the API
+    /// server as the source, makes its Services and EndpointSlices those of
+    /// the manifest too.
     pub fn write_manifest(&self, yaml: &str) -> anyhow::Result<PathBuf> {
         let path = self.dir.join("manifests.yaml");
         let tmp = self.dir.join(".manifests.yaml.tmp");
         std::fs::write(&tmp, yaml)?;
         std::fs::rename(&tmp, &path)?;
+        if let Some(api) = &self.api {
+            api.replace_services(yaml)?;
+        }
         Ok(path)
     }
 
@@ -524,7 +595,10 @@ impl Lab {
     /// Starts `proxy-agent run` on a node without waiting for it to serve;
     /// a `--proxy-mode` in `extra` overrides the lab's.
     pub fn spawn_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
-        let manifest = self.dir.join("manifests.yaml");
+        let source = match &self.api {
+            Some(_) => ["--kubeconfig".into(), self.dir.join("kubeconfig")],
+            None => ["--manifests".into(), self.dir.join("manifests.yaml")],
+        };
         let mode = ["--proxy-mode", self.mode.as_arg()];
         let mode: &[&str] = if extra.contains(&"--proxy-mode") { &[] } else { &mode };
         let host = &mut self.nodes[node];
@@ -533,8 +607,7 @@ impl Lab {
             .arg(format!("--net=/run/netns/{}", host.netns))
             .arg(target_bin("proxy-agent"))
             .arg("run")
-            .arg("--manifests")
-            .arg(&manifest)
+            .args(&source)
             .arg("--cgroup-path")
             .arg(&host.cgroup)
             .arg("--bpffs-root")
@@ -744,6 +817,15 @@ fn wait_link_up(netns: &str, dev: &str) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// A lab node's Node object: its name, address and zone `zone-<index>`.
+fn node_object(node: &Node) -> String {
+    let index = node.ip.rsplit('.').next().and_then(|i| i.parse::<u32>().ok()).unwrap_or(11) - 11;
+    format!(
+        "apiVersion: v1\nkind: Node\nmetadata: {{name: {}, labels: {{topology.kubernetes.io/zone: zone-{index}}}}}\nstatus: {{addresses: [{{type: InternalIP, address: {}}}, {{type: Hostname, address: {}}}]}}\n",
+        node.name, node.ip, node.name
+    )
 }
 
 /// Kills what is left in a cgroup and removes it.

@@ -11,7 +11,7 @@ use std::{
 };
 
 use proxy_common::Counter;
-use proxy_lab::{Attempt, Lab, Mode, Pod, both_modes, tally};
+use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, both_modes, tally};
 
 both_modes!(
     node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node,
@@ -38,8 +38,8 @@ struct Cluster {
     ext2: Pod,
 }
 
-fn cluster(mode: Mode, manifest: &str) -> Cluster {
-    let mut lab = Lab::with_mode(mode).unwrap();
+fn cluster(setup: Setup, manifest: &str) -> Cluster {
+    let mut lab = Lab::with(setup).unwrap();
     lab.add_node().unwrap();
     let mut pods = Vec::new();
     for (node, name, ip) in
@@ -113,28 +113,28 @@ fn peer_ip(peer: &str) -> &str {
     peer.split(':').next().unwrap()
 }
 
-fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node(mode: Mode) {
-    let c = cluster(mode, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node(setup: Setup) {
+    let c = cluster(setup, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
     let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "90"]).unwrap();
     let seen = ok_attempts(&attempts);
     assert_eq!(tally(&attempts).len(), 3, "every endpoint: {:?}", tally(&attempts));
     for (name, peer, _) in &seen {
         assert_eq!(peer_ip(peer), "192.168.100.11", "{name} saw {peer}, not the node");
     }
-    let new_flows = match mode {
+    let new_flows = match setup.mode {
         Mode::Ebpf => c.lab.counter_on(0, Counter::CtNew).unwrap(),
         Mode::Iptables => c.lab.rule_packets_on(0, "nat", "-A KUBE-NODEPORTS").unwrap(),
     };
     assert!(new_flows >= 90, "{new_flows}");
 }
 
-fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(mode: Mode) {
+fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(setup: Setup) {
     let local =
         PORTS_30080.replace("type: NodePort", "type: NodePort\n  externalTrafficPolicy: Local");
     let elsewhere = local.replace("30080", "30081").replace("30053", "30054");
     let manifest = service("web", "10.96.0.10", &local, &["a", "b", "c"])
         + &service("far", "10.96.0.11", &elsewhere, &["b", "c"]);
-    let c = cluster(mode, &manifest);
+    let c = cluster(setup, &manifest);
 
     // Node 0 has only web-a; node 1 has web-b and web-c.
     for (node_ip, expect) in
@@ -164,7 +164,7 @@ fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(
     ok_attempts(&c.lab.client_outside(&c.ext, &["tcp", "192.168.100.12:30081", "5"]).unwrap());
 }
 
-fn load_balancer_and_external_ips_with_source_ranges(mode: Mode) {
+fn load_balancer_and_external_ips_with_source_ranges(setup: Setup) {
     let spec = "  type: LoadBalancer
   externalIPs: [10.200.0.11]
   loadBalancerSourceRanges: [192.168.100.101/32]
@@ -174,7 +174,7 @@ fn load_balancer_and_external_ips_with_source_ranges(mode: Mode) {
 status:
   loadBalancer:
     ingress: [{ip: 10.200.0.10}]";
-    let c = cluster(mode, &service("lb", "10.96.0.12", spec, &["a", "b", "c"]));
+    let c = cluster(setup, &service("lb", "10.96.0.12", spec, &["a", "b", "c"]));
 
     let admitted = c.lab.client_outside(&c.ext, &["tcp", "10.200.0.10:80", "30"]).unwrap();
     assert_eq!(tally(&admitted).len(), 3, "the LB IP reaches the service: {admitted:?}");
@@ -188,9 +188,9 @@ status:
     ok_attempts(&c.lab.client_outside(&c.ext2, &["tcp", "192.168.100.11:30090", "10"]).unwrap());
 }
 
-fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(mode: Mode) {
+fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {
     let ports = "  ports: [{name: http, port: 80, targetPort: 8080}]";
-    let c = cluster(mode, &service("self", "10.96.0.20", ports, &["a"]));
+    let c = cluster(setup, &service("self", "10.96.0.20", ports, &["a"]));
     // web-a is outside the socket-LB cgroup: only tc sees its packets.
     let attempts = c.lab.client_outside(&c.pods[0], &["tcp", "10.96.0.20:80", "10"]).unwrap();
     for (name, peer, from) in ok_attempts(&attempts) {
@@ -200,11 +200,11 @@ fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(mode: Mode) {
     }
 }
 
-fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node(mode: Mode) {
+fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node(setup: Setup) {
     let ports = "  ports:
   - {name: http, port: 80, targetPort: 8080}
   - {name: dns, port: 53, protocol: UDP, targetPort: 5353}";
-    let mut c = cluster(mode, &service("far", "10.96.0.21", ports, &["b", "c"]));
+    let mut c = cluster(setup, &service("far", "10.96.0.21", ports, &["b", "c"]));
     let client = c.lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
     let attempts = c.lab.client_outside(&client, &["tcp", "10.96.0.21:80", "40"]).unwrap();
     assert_eq!(tally(&attempts).len(), 2);
@@ -219,8 +219,8 @@ fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node(mode: Mode) {
     }
 }
 
-fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows(mode: Mode) {
-    let mut lab = Lab::with_mode(mode).unwrap();
+fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows(setup: Setup) {
+    let mut lab = Lab::with(setup).unwrap();
     let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
     lab.serve(&pod, &[8080], &[]).unwrap();
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
@@ -233,7 +233,7 @@ fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows(mode: Mode) {
     assert_eq!(attempts.len(), 1000);
     let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
     assert!(failed.is_empty(), "{} failed, e.g. {:?}", failed.len(), failed.first());
-    if mode == Mode::Iptables {
+    if setup.mode == Mode::Iptables {
         // The kernel's conntrack holds these flows, not the agent.
         assert!(lab.rule_packets_on(0, "nat", "-A KUBE-NODEPORTS").unwrap() >= 1000);
         return;
@@ -253,8 +253,8 @@ fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows(mode: Mode) {
     assert_eq!(left, 0, "conntrack entries left behind");
 }
 
-fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(mode: Mode) {
-    let mut c = cluster(mode, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(setup: Setup) {
+    let mut c = cluster(setup, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
     // One socket, one flow: 30 datagrams over 3 s.
     let mut client = c
         .lab
@@ -294,14 +294,14 @@ fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(mode: Mode) {
         1,
         "and sticks again"
     );
-    if mode == Mode::Iptables {
+    if setup.mode == Mode::Iptables {
         let log = c.lab.agent_log();
         assert!(log.contains("stale UDP conntrack entries deleted"), "{log}");
     }
 }
 
-fn fragmented_datagrams_through_a_node_port(mode: Mode) {
-    let c = cluster(mode, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+fn fragmented_datagrams_through_a_node_port(setup: Setup) {
+    let c = cluster(setup, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
     // 4000 bytes: three fragments on a 1500-byte MTU.
     let attempts = c
         .lab
@@ -313,8 +313,8 @@ fn fragmented_datagrams_through_a_node_port(mode: Mode) {
     }
 }
 
-fn no_endpoints_are_refused_not_timed_out(mode: Mode) {
-    let c = cluster(mode, &service("empty", "10.96.0.30", PORTS_30080, &[]));
+fn no_endpoints_are_refused_not_timed_out(setup: Setup) {
+    let c = cluster(setup, &service("empty", "10.96.0.30", PORTS_30080, &[]));
     let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "3"]).unwrap();
     for attempt in &attempts {
         assert!(
@@ -328,7 +328,7 @@ fn no_endpoints_are_refused_not_timed_out(mode: Mode) {
     assert!(c.lab.count_on(0, Counter::Rejected).unwrap() >= 4);
 }
 
-fn internal_local_policy_and_client_ip_affinity_per_packet(mode: Mode) {
+fn internal_local_policy_and_client_ip_affinity_per_packet(setup: Setup) {
     let local =
         "  internalTrafficPolicy: Local\n  ports: [{name: http, port: 80, targetPort: 8080}]";
     let sticky = "  type: NodePort
@@ -337,7 +337,7 @@ fn internal_local_policy_and_client_ip_affinity_per_packet(mode: Mode) {
   ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30085}]";
     let manifest = service("loc", "10.96.0.40", local, &["a", "b", "c"])
         + &service("sticky", "10.96.0.41", sticky, &["a", "b", "c"]);
-    let mut c = cluster(mode, &manifest);
+    let mut c = cluster(setup, &manifest);
 
     // internalTrafficPolicy: Local keeps ClusterIP traffic on the node.
     let client0 = c.lab.add_pod_on(0, "client0", "10.244.1.100").unwrap();
@@ -412,8 +412,8 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     assert_eq!(filters(), 0);
 }
 
-fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service(mode: Mode) {
-    let mut lab = Lab::with_mode(mode).unwrap();
+fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service(setup: Setup) {
+    let mut lab = Lab::with(setup).unwrap();
     // A host-network "pod": a server in the node's own namespace.
     let host = Pod { name: "host".into(), netns: lab.node.clone(), ip: "192.168.100.11".into() };
     lab.serve(&host, &[9090], &[]).unwrap();

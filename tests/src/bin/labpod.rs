@@ -18,7 +18,7 @@ use anyhow::{Context, bail};
 const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS] \
     (serve --name NAME [--tcp PORT]... [--udp PORT]... \
     | tcp ADDR COUNT | tcp-concurrent ADDR COUNT \
-    | udp ADDR COUNT [--interval-ms MS] [--connect] [--size BYTES] | http ADDR PATH)";
+    | udp ADDR COUNT [--interval-ms MS] [--connect] [--size BYTES] | http ADDR PATH [--full])";
 
 fn main() -> anyhow::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
@@ -149,9 +149,15 @@ fn tcp_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
     let (addr, count) = target(args)?;
     for _ in 0..count {
         let start = Instant::now();
-        report(start, tcp_request(addr, "/", timeout));
+        let answer = tcp_request(addr, "/", timeout).map(|(from, r)| (from, body(&r).into()));
+        report(start, answer);
     }
     Ok(())
+}
+
+/// The body of an HTTP response.
+fn body(response: &str) -> &str {
+    response.split_once("\r\n\r\n").map_or(response, |(_, b)| b)
 }
 
 fn tcp_request(
@@ -165,8 +171,7 @@ fn tcp_request(
     stream.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
-    let body = response.split_once("\r\n\r\n").map_or(response.as_str(), |(_, b)| b);
-    Ok((peer, body.to_string()))
+    Ok((peer, response))
 }
 
 /// COUNT connections held open at once: all are connected first, then each
@@ -226,10 +231,16 @@ fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
 }
 
 /// GET PATH from ADDR and print the body (used for the agent's /metrics).
+/// Prints the body, or with `--full` the whole response (status line and
+/// headers too).
 fn http_get(args: &[String], timeout: Duration) -> anyhow::Result<()> {
     let addr = args.get(1).context(USAGE)?.parse()?;
     let path = args.get(2).context(USAGE)?;
-    let (_, body) = tcp_request(addr, path, timeout)?;
-    print!("{body}");
+    let (_, response) = tcp_request(addr, path, timeout)?;
+    if args.iter().any(|a| a == "--full") {
+        print!("{response}");
+    } else {
+        print!("{}", body(&response));
+    }
     Ok(())
 }
