@@ -30,9 +30,11 @@ use crate::{
 /// How often the manifests are checked (new bytes are taken on the second
 /// read that finds them), and the datapath looked after.
 const POLL: Duration = Duration::from_millis(200);
-/// After an API server event, further events this close are taken with it:
-/// a burst becomes one sync.
-const COALESCE: Duration = Duration::from_millis(10);
+/// After an API server event, the events that follow within this much of
+/// each other are taken with it (a burst becomes one sync)...
+const QUIET: Duration = Duration::from_millis(3);
+/// ...up to this long after the first.
+const MAX_COALESCE: Duration = Duration::from_millis(250);
 /// Failed syncs are retried after this, doubling up to `MAX_RETRY`.
 const FIRST_RETRY: Duration = Duration::from_millis(200);
 const MAX_RETRY: Duration = Duration::from_secs(10);
@@ -128,7 +130,7 @@ impl Agent {
             let polled = tokio::select! {
                 _ = poll.tick() => true,
                 _ = changed(notify.as_deref()) => {
-                    tokio::time::sleep(COALESCE).await;
+                    coalesce(notify.as_deref()).await;
                     false
                 }
                 _ = until(due) => false,
@@ -174,6 +176,9 @@ impl Agent {
             self.sync();
         }
         if polled {
+            if let Source::Kube(kube) = &self.source {
+                self.metrics.set_apiserver_errors(kube.errors());
+            }
             self.polls = self.polls.wrapping_add(1);
             if self.serving {
                 self.look_after_datapath();
@@ -192,7 +197,6 @@ impl Agent {
                 self.node.zone = info.zone.clone();
                 self.datapath.set_zone(info.zone);
             }
-            self.metrics.set_apiserver_errors(kube.errors());
         }
         self.desired = self.desired();
         let now = Instant::now();
@@ -473,6 +477,18 @@ async fn changed(notify: Option<&tokio::sync::Notify>) {
     match notify {
         Some(notify) => notify.notified().await,
         None => std::future::pending().await,
+    }
+}
+
+/// Waits until the events stop coming for `QUIET`, or `MAX_COALESCE`.
+async fn coalesce(notify: Option<&tokio::sync::Notify>) {
+    let deadline = tokio::time::Instant::now() + MAX_COALESCE;
+    loop {
+        tokio::select! {
+            _ = changed(notify) => {}
+            _ = tokio::time::sleep(QUIET) => return,
+            _ = tokio::time::sleep_until(deadline) => return,
+        }
     }
 }
 

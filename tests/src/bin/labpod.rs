@@ -17,7 +17,7 @@ use anyhow::{Context, bail};
 
 const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS] \
     (serve --name NAME [--tcp PORT]... [--udp PORT]... \
-    | tcp ADDR COUNT | tcp-concurrent ADDR COUNT \
+    | tcp ADDR COUNT [--interval-ms MS] | tcp-concurrent ADDR COUNT \
     | udp ADDR COUNT [--interval-ms MS] [--connect] [--size BYTES] | http ADDR PATH [--full])";
 
 fn main() -> anyhow::Result<()> {
@@ -34,7 +34,7 @@ fn main() -> anyhow::Result<()> {
         Duration::from_millis(take_opt(&mut args, "--timeout-ms").map_or(Ok(2000), |t| t.parse())?);
     match args.first().map(String::as_str) {
         Some("serve") => serve(&mut args),
-        Some("tcp") => tcp_client(&args, timeout),
+        Some("tcp") => tcp_client(&mut args, timeout),
         Some("tcp-concurrent") => tcp_concurrent(&args, timeout),
         Some("udp") => udp_client(&mut args, timeout),
         Some("http") => http_get(&args, timeout),
@@ -144,10 +144,15 @@ fn report(start: Instant, result: std::io::Result<(SocketAddr, String)>) {
     }
 }
 
-/// COUNT sequential connections; `from` is what getpeername returned.
-fn tcp_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
+/// COUNT sequential connections, `--interval-ms` apart; `from` is what
+/// getpeername returned. Each line is flushed as it is printed.
+fn tcp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
+    let interval = take_opt(args, "--interval-ms").map_or(Ok(0), |t| t.parse())?;
     let (addr, count) = target(args)?;
-    for _ in 0..count {
+    for i in 0..count {
+        if i > 0 {
+            std::thread::sleep(Duration::from_millis(interval));
+        }
         let start = Instant::now();
         let answer = tcp_request(addr, "/", timeout).map(|(from, r)| (from, body(&r).into()));
         report(start, answer);
