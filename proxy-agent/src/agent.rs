@@ -13,7 +13,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::{
     backend::iptables::{self, exec::System, render},
-    cli::{PinArgs, ProxyMode, RenderIptablesArgs, RunArgs},
+    cli::{PinArgs, PrepareArgs, ProxyMode, RenderIptablesArgs, RunArgs},
     datapath::{self, Datapath, Desired},
     health::{self, NodeEligibility, ProxyHealth, ServiceChecks},
     metrics::Metrics,
@@ -25,6 +25,7 @@ use crate::{
         kube::KubeSource,
         manifests::{Manifests, Reload},
     },
+    sys,
 };
 
 /// How often the manifests are checked (new bytes are taken on the second
@@ -532,6 +533,20 @@ pub fn render_iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
     };
     let options = datapath::render_options(&node, &args.node, !args.no_nfacct);
     print!("{}", render::render(&model, &options));
+    Ok(())
+}
+
+/// `prepare-node`: the node settings `run` needs and checks, made as root.
+pub fn prepare_node(args: &PrepareArgs) -> anyhow::Result<()> {
+    let root = &args.pins.bpffs_root;
+    sys::ensure_bpffs_dir(root).with_context(|| format!("preparing {}", root.display()))?;
+    let (min, max) = args.snat_port_range;
+    sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
+    if args.iptables_localhost_nodeports {
+        sys::set_sysctl("net/ipv4/conf/all/route_localnet", "1")
+            .context("enabling route_localnet")?;
+    }
+    tracing::info!(bpffs = %root.display(), min, max, "node prepared");
     Ok(())
 }
 

@@ -20,17 +20,36 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
-    /// Serve the services of the manifests until SIGTERM; the datapath stays
-    /// pinned after exit (as Cilium's does) until `cleanup`.
+    /// Serve the services of the manifests or the API server until SIGTERM;
+    /// the datapath stays in place after exit (as Cilium's does) until
+    /// `cleanup`.
     Run(Box<RunArgs>),
-    /// Remove every program, link and pin the agent installed.
+    /// Remove both modes' datapaths: pins, links, clsact filters, iptables
+    /// chains and jumps (in the current network namespace).
     Cleanup(PinArgs),
+    /// What `run` needs from the node and cannot do unprivileged: bpffs
+    /// mounted, the SNAT port range reserved, route_localnet for localhost
+    /// NodePorts (a privileged init container runs it; `run` then finds
+    /// them done)
+    PrepareNode(PrepareArgs),
     /// Print what a mode would program, without applying anything.
     #[command(subcommand)]
     Render(RenderCommand),
     /// Check the kernel features the eBPF mode needs and print the mode
     /// `--proxy-mode auto` would pick (loads, never attaches, the programs).
     Probe,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct PrepareArgs {
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// As `run --snat-port-range`
+    #[arg(long, value_name = "MIN-MAX", default_value = "10000-29999", value_parser = parse_port_range)]
+    pub snat_port_range: (u16, u16),
+    /// As `run --iptables-localhost-nodeports`
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub iptables_localhost_nodeports: bool,
 }
 
 #[derive(Subcommand)]
@@ -103,6 +122,10 @@ pub struct NodeArgs {
     /// Masquerade all ClusterIP traffic (translated per packet, or by iptables)
     #[arg(long)]
     pub masquerade_all: bool,
+    /// iptables mode: NodePorts also answer on 127.0.0.0/8 (kube-proxy's
+    /// default; sets net.ipv4.conf.all.route_localnet)
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub iptables_localhost_nodeports: bool,
 }
 
 /// Where the datapath is pinned; shared by `run` and `cleanup`.
@@ -116,6 +139,10 @@ pub struct PinArgs {
 
 #[derive(Args, Clone, Debug)]
 pub struct RunArgs {
+    /// A KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) file; the
+    /// fields that apply are honoured, flags given here win over it
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// A YAML file or directory of Services and EndpointSlices, re-read on
     /// change [default: watch the API server]
     #[arg(long, value_name = "PATH", conflicts_with = "kubeconfig")]

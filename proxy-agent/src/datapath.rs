@@ -322,8 +322,7 @@ pub fn render_options(node: &Node, args: &NodeArgs, nfacct: bool) -> render::Opt
         nodeport_addresses: args.nodeport_addresses.clone(),
         cluster_cidr: args.cluster_cidr,
         masquerade_all: args.masquerade_all,
-        // What current kube-proxy writes with current iptables.
-        localhost_nodeports: true,
+        localhost_nodeports: args.iptables_localhost_nodeports,
         nfacct,
         random_fully: true,
         conntrack_tcp_liberal: std::fs::read_to_string(

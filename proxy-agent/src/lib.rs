@@ -6,6 +6,7 @@
 pub mod agent;
 pub mod backend;
 pub mod cli;
+pub mod config;
 pub mod datapath;
 pub mod health;
 pub mod http;

@@ -1,0 +1,414 @@
+//! `--config FILE`: kube-proxy's `KubeProxyConfiguration`
+//! (`kubeproxy.config.k8s.io/v1alpha1`). The fields that mean something
+//! here are honoured, those that do not are named in a warning, unknown
+//! ones too; a flag given on the command line wins over the file.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use serde::Deserialize;
+use serde_yaml::Value;
+
+use crate::{
+    cli::{ProxyMode, RunArgs, parse_duration},
+    model::Cidr,
+};
+
+pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+pub const KIND: &str = "KubeProxyConfiguration";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not a KubeProxyConfiguration: {source}")]
+    Yaml { path: PathBuf, source: serde_yaml::Error },
+    #[error("{path}: expected apiVersion {API_VERSION} and kind {KIND}, found {found:?}")]
+    Kind { path: PathBuf, found: String },
+    #[error("{path}: {field}: {why}")]
+    Field { path: PathBuf, field: &'static str, why: String },
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct File {
+    api_version: Option<String>,
+    kind: Option<String>,
+    client_connection: Option<ClientConnection>,
+    hostname_override: Option<String>,
+    healthz_bind_address: Option<String>,
+    metrics_bind_address: Option<String>,
+    mode: Option<String>,
+    #[serde(rename = "clusterCIDR")]
+    cluster_cidr: Option<String>,
+    node_port_addresses: Option<Vec<String>>,
+    iptables: Option<Iptables>,
+    conntrack: Option<Conntrack>,
+    detect_local_mode: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ClientConnection {
+    kubeconfig: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Iptables {
+    masquerade_all: Option<bool>,
+    masquerade_bit: Option<i32>,
+    sync_period: Option<String>,
+    min_sync_period: Option<String>,
+    localhost_node_ports: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Conntrack {
+    tcp_established_timeout: Option<String>,
+    tcp_close_wait_timeout: Option<String>,
+    udp_timeout: Option<String>,
+}
+
+/// The fields honoured, as `section.field` (and their sections).
+const HONOURED: &[&str] = &[
+    "apiVersion",
+    "kind",
+    "clientConnection",
+    "clientConnection.kubeconfig",
+    "hostnameOverride",
+    "healthzBindAddress",
+    "metricsBindAddress",
+    "mode",
+    "clusterCIDR",
+    "nodePortAddresses",
+    "iptables",
+    "iptables.masqueradeAll",
+    "iptables.masqueradeBit",
+    "iptables.syncPeriod",
+    "iptables.minSyncPeriod",
+    "iptables.localhostNodePorts",
+    "conntrack",
+    "conntrack.tcpEstablishedTimeout",
+    "conntrack.tcpCloseWaitTimeout",
+    "conntrack.udpTimeout",
+    "detectLocalMode",
+];
+
+/// kube-proxy's fields that do not apply to this proxy.
+const NOT_APPLICABLE: &[&str] = &[
+    "featureGates",
+    "clientConnection.acceptContentTypes",
+    "clientConnection.contentType",
+    "clientConnection.qps",
+    "clientConnection.burst",
+    "logging",
+    "bindAddress",
+    "bindAddressHardFail",
+    "enableProfiling",
+    "showHiddenMetricsForVersion",
+    "ipvs",
+    "nftables",
+    "winkernel",
+    "detectLocal",
+    "oomScoreAdj",
+    "conntrack.maxPerCore",
+    "conntrack.min",
+    "conntrack.tcpBeLiberal",
+    "conntrack.udpStreamTimeout",
+    "configSyncPeriod",
+    "portRange",
+    "windowsRunAsService",
+];
+
+/// The settings a file gives, each with the flag (clap id) it stands for.
+#[derive(Debug, Default, PartialEq)]
+pub struct Settings {
+    pub kubeconfig: Option<PathBuf>,
+    pub hostname_override: Option<String>,
+    pub healthz_bind_address: Option<SocketAddr>,
+    pub metrics_bind_address: Option<SocketAddr>,
+    pub proxy_mode: Option<ProxyMode>,
+    pub cluster_cidr: Option<Cidr>,
+    pub nodeport_addresses: Option<Vec<Cidr>>,
+    pub masquerade_all: Option<bool>,
+    pub sync_period: Option<Duration>,
+    pub min_sync_period: Option<Duration>,
+    pub localhost_nodeports: Option<bool>,
+    pub conntrack_tcp_timeout_established: Option<Duration>,
+    pub conntrack_tcp_timeout_close_wait: Option<Duration>,
+    pub conntrack_udp_timeout: Option<Duration>,
+}
+
+/// Appends kube-proxy's default port to an address given without one.
+fn bind_address(text: &str, default_port: u16) -> Result<SocketAddr, String> {
+    text.parse()
+        .or_else(|_| format!("{text}:{default_port}").parse())
+        .map_err(|_| format!("{text:?} is not an IPv4 address with an optional port"))
+}
+
+/// A Go duration; `None` for zero (kube-proxy: leave as is).
+fn duration(text: &str) -> Result<Option<Duration>, String> {
+    if text.trim_end_matches(['s', 'm', 'h']).chars().all(|c| c == '0' || c == '.') {
+        return Ok(None);
+    }
+    // kube-proxy writes `1h0m0s`: the zero units are fine.
+    parse_duration(text).map(Some)
+}
+
+fn cidr(text: &str) -> Result<Option<Cidr>, String> {
+    Cidr::parse(text).map_err(|e| e.to_string())
+}
+
+/// Parses a configuration; returns its settings and warnings (fields that
+/// do not apply here, unknown fields, values this proxy cannot follow).
+pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String>), ConfigError> {
+    let yaml_err = |source| ConfigError::Yaml { path: path.to_path_buf(), source };
+    let value: Value = serde_yaml::from_str(text).map_err(yaml_err)?;
+    let file: File = serde_yaml::from_value(value.clone()).map_err(yaml_err)?;
+    let found = format!(
+        "{}/{}",
+        file.api_version.as_deref().unwrap_or(""),
+        file.kind.as_deref().unwrap_or("")
+    );
+    if file.api_version.as_deref() != Some(API_VERSION) || file.kind.as_deref() != Some(KIND) {
+        return Err(ConfigError::Kind { path: path.to_path_buf(), found });
+    }
+    let mut warnings = Vec::new();
+    for field in fields(&value) {
+        let known =
+            |list: &[&str]| list.iter().any(|k| *k == field || field.starts_with(&format!("{k}.")));
+        if known(NOT_APPLICABLE) {
+            warnings.push(format!("{field} does not apply to this proxy; ignored"));
+        } else if !HONOURED.contains(&field.as_str()) {
+            warnings.push(format!("unknown field {field}; ignored"));
+        }
+    }
+    let bad = |field: &'static str| {
+        move |why: String| ConfigError::Field { path: path.to_path_buf(), field, why }
+    };
+    let mut s = Settings {
+        kubeconfig: file
+            .client_connection
+            .and_then(|c| c.kubeconfig)
+            .filter(|k| !k.is_empty())
+            .map(PathBuf::from),
+        hostname_override: file.hostname_override.filter(|h| !h.is_empty()),
+        ..Settings::default()
+    };
+    if let Some(a) = file.healthz_bind_address.filter(|a| !a.is_empty()) {
+        s.healthz_bind_address = Some(bind_address(&a, 10256).map_err(bad("healthzBindAddress"))?);
+    }
+    if let Some(a) = file.metrics_bind_address.filter(|a| !a.is_empty()) {
+        s.metrics_bind_address = Some(bind_address(&a, 10249).map_err(bad("metricsBindAddress"))?);
+    }
+    s.proxy_mode = match file.mode.as_deref().unwrap_or("") {
+        "" | "auto" => None,
+        "ebpf" => Some(ProxyMode::Ebpf),
+        "iptables" => Some(ProxyMode::Iptables),
+        other => {
+            warnings.push(format!("mode {other:?} is not supported: auto instead"));
+            None
+        }
+    };
+    if let Some(cidrs) = file.cluster_cidr.filter(|c| !c.is_empty()) {
+        // Dual-stack "v4,v6": the IPv4 one.
+        for text in cidrs.split(',') {
+            if let Some(c) = cidr(text).map_err(bad("clusterCIDR"))? {
+                s.cluster_cidr.get_or_insert(c);
+            }
+        }
+    }
+    if let Some(list) = file.node_port_addresses {
+        let mut cidrs = Vec::new();
+        for text in &list {
+            if text == "primary" {
+                warnings.push("nodePortAddresses \"primary\": use --node-ip instead".into());
+                continue;
+            }
+            cidrs.extend(cidr(text).map_err(bad("nodePortAddresses"))?);
+        }
+        s.nodeport_addresses = Some(cidrs);
+    }
+    if let Some(ipt) = file.iptables {
+        s.masquerade_all = ipt.masquerade_all;
+        s.localhost_nodeports = ipt.localhost_node_ports;
+        if ipt.masquerade_bit.is_some_and(|b| b != 14) {
+            warnings.push("iptables.masqueradeBit: only 14 (kube-proxy's default) is used".into());
+        }
+        if let Some(d) = ipt.sync_period {
+            s.sync_period = duration(&d).map_err(bad("iptables.syncPeriod"))?;
+        }
+        if let Some(d) = ipt.min_sync_period {
+            s.min_sync_period =
+                Some(duration(&d).map_err(bad("iptables.minSyncPeriod"))?.unwrap_or_default());
+        }
+    }
+    if let Some(ct) = file.conntrack {
+        if let Some(d) = ct.tcp_established_timeout {
+            s.conntrack_tcp_timeout_established =
+                duration(&d).map_err(bad("conntrack.tcpEstablishedTimeout"))?;
+        }
+        if let Some(d) = ct.tcp_close_wait_timeout {
+            s.conntrack_tcp_timeout_close_wait =
+                duration(&d).map_err(bad("conntrack.tcpCloseWaitTimeout"))?;
+        }
+        if let Some(d) = ct.udp_timeout {
+            s.conntrack_udp_timeout = duration(&d).map_err(bad("conntrack.udpTimeout"))?;
+        }
+    }
+    if let Some(mode) = file.detect_local_mode.filter(|m| !m.is_empty() && m != "ClusterCIDR") {
+        warnings.push(format!("detectLocalMode {mode}: only ClusterCIDR is supported"));
+    }
+    Ok((s, warnings))
+}
+
+/// Every field path of a mapping, two levels deep (`iptables.syncPeriod`).
+fn fields(value: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    let Value::Mapping(top) = value else { return out };
+    for (key, inner) in top {
+        let Some(key) = key.as_str() else { continue };
+        out.push(key.to_string());
+        if let Value::Mapping(section) = inner {
+            out.extend(section.keys().filter_map(Value::as_str).map(|k| format!("{key}.{k}")));
+        }
+    }
+    out
+}
+
+/// Applies `settings` to `args`, except where `explicit(id)` says the flag
+/// was given on the command line.
+pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> bool) {
+    macro_rules! set {
+        ($id:literal, $field:expr, $value:expr) => {
+            if let Some(value) = $value {
+                if !explicit($id) {
+                    $field = value;
+                }
+            }
+        };
+    }
+    set!("kubeconfig", args.kubeconfig, settings.kubeconfig.map(Some));
+    set!("hostname_override", args.node.hostname_override, settings.hostname_override.map(Some));
+    set!("healthz_bind_address", args.healthz_bind_address, settings.healthz_bind_address);
+    set!("metrics_bind_address", args.metrics_bind_address, settings.metrics_bind_address);
+    set!("proxy_mode", args.proxy_mode, settings.proxy_mode);
+    set!("cluster_cidr", args.node.cluster_cidr, settings.cluster_cidr.map(Some));
+    set!("nodeport_addresses", args.node.nodeport_addresses, settings.nodeport_addresses);
+    set!("masquerade_all", args.node.masquerade_all, settings.masquerade_all);
+    set!("sync_period", args.sync_period, settings.sync_period);
+    set!("min_sync_period", args.min_sync_period, settings.min_sync_period.map(Some));
+    set!(
+        "iptables_localhost_nodeports",
+        args.node.iptables_localhost_nodeports,
+        settings.localhost_nodeports
+    );
+    set!(
+        "conntrack_tcp_timeout_established",
+        args.conntrack_tcp_timeout_established,
+        settings.conntrack_tcp_timeout_established
+    );
+    set!(
+        "conntrack_tcp_timeout_close_wait",
+        args.conntrack_tcp_timeout_close_wait,
+        settings.conntrack_tcp_timeout_close_wait
+    );
+    set!("conntrack_udp_timeout", args.conntrack_udp_timeout, settings.conntrack_udp_timeout);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KUBEADM: &str = r#"apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+bindAddress: 0.0.0.0
+bindAddressHardFail: false
+clientConnection:
+  acceptContentTypes: ""
+  burst: 0
+  contentType: ""
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+  qps: 0
+clusterCIDR: 10.244.0.0/16,fd00:10:244::/56
+configSyncPeriod: 0s
+conntrack:
+  maxPerCore: null
+  min: null
+  tcpCloseWaitTimeout: null
+  tcpEstablishedTimeout: 12h0m0s
+  udpTimeout: 0s
+detectLocalMode: ""
+enableProfiling: false
+healthzBindAddress: 0.0.0.0
+hostnameOverride: ""
+iptables:
+  localhostNodePorts: null
+  masqueradeAll: true
+  masqueradeBit: null
+  minSyncPeriod: 2s
+  syncPeriod: 1m0s
+metricsBindAddress: 127.0.0.1:10249
+mode: iptables
+nodePortAddresses: [192.168.100.0/24]
+oomScoreAdj: null
+someFutureField: true
+"#;
+
+    fn run_args(flags: &[&str]) -> (RunArgs, clap::ArgMatches) {
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let mut argv = vec!["proxy-agent", "run"];
+        argv.extend(flags);
+        let matches = crate::cli::Cli::command().get_matches_from(&argv);
+        let run = matches.subcommand_matches("run").unwrap().clone();
+        let cli = crate::cli::Cli::from_arg_matches(&matches).unwrap();
+        let crate::cli::Command::Run(args) = cli.command else { unreachable!() };
+        (*args, run)
+    }
+
+    #[test]
+    fn a_kubeadm_configuration_is_read_and_flags_win() {
+        let (settings, warnings) = parse(std::path::Path::new("config.conf"), KUBEADM).unwrap();
+        assert_eq!(settings.kubeconfig, Some("/var/lib/kube-proxy/kubeconfig.conf".into()));
+        assert_eq!(settings.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
+        assert_eq!(settings.proxy_mode, Some(ProxyMode::Iptables));
+        assert_eq!(settings.cluster_cidr.unwrap().to_string(), "10.244.0.0/16");
+        assert_eq!(settings.sync_period, Some(Duration::from_secs(60)));
+        assert_eq!(settings.min_sync_period, Some(Duration::from_secs(2)));
+        assert_eq!(settings.conntrack_tcp_timeout_established, Some(Duration::from_secs(43_200)));
+        assert_eq!(settings.conntrack_udp_timeout, None, "0s: leave as is");
+        assert!(
+            warnings.iter().any(|w| w == "unknown field someFutureField; ignored"),
+            "{warnings:?}"
+        );
+        assert!(
+            warnings.iter().any(|w| w.starts_with("oomScoreAdj does not apply")),
+            "{warnings:?}"
+        );
+        assert!(!warnings.iter().any(|w| w.contains("syncPeriod")), "{warnings:?}");
+
+        let (mut args, matches) = run_args(&["--sync-period", "5s", "--manifests", "/m"]);
+        let explicit =
+            |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        apply(settings, &mut args, explicit);
+        assert_eq!(args.sync_period, Duration::from_secs(5), "the flag wins");
+        assert_eq!(args.proxy_mode, ProxyMode::Iptables, "the file beats the default");
+        assert!(args.node.masquerade_all);
+        assert_eq!(args.node.nodeport_addresses.len(), 1);
+        assert_eq!(args.min_sync_period, Some(Duration::from_secs(2)));
+    }
+
+    #[test]
+    fn other_documents_are_refused() {
+        let err =
+            parse(std::path::Path::new("c"), "apiVersion: v1\nkind: ConfigMap\n").unwrap_err();
+        assert!(err.to_string().contains("expected apiVersion kubeproxy.config.k8s.io/v1alpha1"));
+        let err = parse(
+            std::path::Path::new("c"),
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables: {syncPeriod: soon}\n",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("iptables.syncPeriod"), "{err}");
+    }
+}
