@@ -186,6 +186,10 @@ pub struct RunArgs {
     /// How the per-packet program is attached to interfaces
     #[arg(long, value_enum, default_value = "auto")]
     pub tc_attach: TcAttachArg,
+    /// Entries of the SERVICES map (a frontend plus one per backend of it)
+    /// and of the BACKENDS map; plans that do not fit are refused
+    #[arg(long, value_name = "N", default_value_t = proxy_common::MAX_SERVICE_ENTRIES)]
+    pub bpf_lb_map_max: u32,
     /// Source ports SNAT allocates from (below the NodePort and ephemeral
     /// ranges); reserved in the node's net.ipv4.ip_local_reserved_ports
     #[arg(long, value_name = "MIN-MAX", default_value = "10000-29999", value_parser = parse_port_range)]

@@ -14,7 +14,7 @@ use proxy_common::Config;
 
 use crate::{
     backend::{
-        ebpf::{self, EbpfBackend, TcAttach},
+        ebpf::{self, EbpfBackend, MapSizes, TcAttach},
         iptables::{self, CANARY, IptablesBackend, IptablesError, exec::System, render},
     },
     cli::{NodeArgs, ProxyMode, RunArgs, TcAttachArg},
@@ -273,7 +273,8 @@ fn ebpf_datapath(args: &RunArgs, node: &Node) -> anyhow::Result<Ebpf> {
         TcAttachArg::Tcx => TcAttach::Tcx,
         TcAttachArg::Netlink => TcAttach::Netlink,
     };
-    let mut backend = EbpfBackend::load(tc_mode).context("loading the BPF programs")?;
+    let sizes = MapSizes { services: args.bpf_lb_map_max, backends: args.bpf_lb_map_max };
+    let mut backend = EbpfBackend::load_with(tc_mode, sizes).context("loading the BPF programs")?;
     backend
         .configure(&datapath_config(args, &node.ips))
         .context("writing the datapath settings")?;

@@ -37,8 +37,9 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP, RevNat,
-    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SourceRangeKey, map_names,
+    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP,
+    MAX_BACKENDS, MAX_SERVICE_ENTRIES, RevNat, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue,
+    SourceRangeKey, map_names,
 };
 
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
@@ -217,11 +218,33 @@ pub struct EbpfBackend {
     tc_links: BTreeMap<String, Vec<TcLink>>,
 }
 
+/// How many entries the service maps hold (`--bpf-lb-map-max`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    /// SERVICES: one entry per frontend plus one per backend slot.
+    pub services: u32,
+    pub backends: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        MapSizes { services: MAX_SERVICE_ENTRIES, backends: MAX_BACKENDS }
+    }
+}
+
 impl EbpfBackend {
-    /// Loads and verifies the programs; nothing is attached yet.
+    /// Loads and verifies the programs with the default map sizes.
     pub fn load(tc_mode: TcAttach) -> Result<Self, EbpfError> {
+        Self::load_with(tc_mode, MapSizes::default())
+    }
+
+    /// Loads and verifies the programs; nothing is attached yet.
+    pub fn load_with(tc_mode: TcAttach, sizes: MapSizes) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
-        let mut ebpf = Ebpf::load(OBJECT)?;
+        let mut ebpf = aya::EbpfLoader::new()
+            .map_max_entries(map_names::SERVICES, sizes.services)
+            .map_max_entries(map_names::BACKENDS, sizes.backends)
+            .load(OBJECT)?;
         for name in PROGRAMS {
             program::<CgroupSockAddr>(&mut ebpf, name)?
                 .load()
@@ -233,7 +256,8 @@ impl EbpfBackend {
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
         let maps = Maps::take(&mut ebpf)?;
-        Ok(Self { ebpf, maps, state: SyncState::default(), tc_mode, tc_links: BTreeMap::new() })
+        let state = SyncState::with_capacity(sizes);
+        Ok(Self { ebpf, maps, state, tc_mode, tc_links: BTreeMap::new() })
     }
 
     /// Writes the datapath settings (before the programs see traffic).

@@ -18,10 +18,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
-    BACKEND_FLAG_HOST, BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_BACKENDS,
-    MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOURCE_RANGES, RevNat, SVC_FLAG_AFFINITY,
-    SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, ServiceKey,
-    ServiceValue,
+    BACKEND_FLAG_HOST, BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_REV_NAT,
+    MAX_SOURCE_RANGES, RevNat, SVC_FLAG_AFFINITY, SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL,
+    SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
 };
 
 use crate::{
@@ -88,6 +87,8 @@ pub struct SyncState {
     last_rev_nat_id: u16,
     /// Affinity cleanups owed, kept across failed syncs until done.
     pending_purge: AffinityPurge,
+    /// The service maps' sizes.
+    capacity: super::MapSizes,
 }
 
 fn proto(protocol: Protocol) -> u8 {
@@ -112,6 +113,11 @@ fn next_free<T: Copy + Ord>(last: T, used: impl Fn(T) -> bool, succ: impl Fn(T) 
 }
 
 impl SyncState {
+    /// Nothing installed yet, in maps of these sizes.
+    pub fn with_capacity(capacity: super::MapSizes) -> Self {
+        SyncState { capacity, ..SyncState::default() }
+    }
+
     pub fn frontend_count(&self) -> usize {
         self.frontends.len()
     }
@@ -177,9 +183,10 @@ impl SyncState {
         let new_entries: usize = plan
             .frontends
             .iter()
-            .map(|(f, p)| {
-                let installed = self.frontends.get(f).map_or(0, |i| i.slots.len());
-                (1 + p.backends.len()).saturating_sub(1 + installed)
+            .map(|(f, p)| match self.frontends.get(f) {
+                // More slots than installed (fewer are deleted last).
+                Some(installed) => p.backends.len().saturating_sub(installed.slots.len()),
+                None => 1 + p.backends.len(),
             })
             .sum();
         let new_frontends =
@@ -187,8 +194,8 @@ impl SyncState {
         let ranges: usize = self.frontends.values().map(|f| f.source_ranges.len()).sum::<usize>()
             + plan.frontends.values().map(|f| f.source_ranges.len()).sum::<usize>();
         let checks = [
-            ("backend", backends, MAX_BACKENDS),
-            ("service", installed_entries + new_entries, MAX_SERVICE_ENTRIES),
+            ("backend", backends, self.capacity.backends),
+            ("service", installed_entries + new_entries, self.capacity.services),
             ("reverse-NAT", self.rev_nat.len() + new_frontends, MAX_REV_NAT - 1),
             ("source-range", ranges, MAX_SOURCE_RANGES),
         ];
@@ -717,6 +724,14 @@ mod tests {
         let mut maps = Maps::default();
         let err = SyncState::default().sync(&big, &mut maps).unwrap_err();
         assert!(matches!(err, SyncError::Capacity { what: "reverse-NAT", .. }), "{err}");
+        assert_eq!(maps.writes, 0);
+
+        // Smaller service maps (--bpf-lb-map-max) refuse sooner.
+        let small = super::super::MapSizes { services: 100, backends: 100 };
+        let mut first_hundred = Plan::default();
+        first_hundred.frontends.extend(big.frontends.into_iter().take(101));
+        let err = SyncState::with_capacity(small).sync(&first_hundred, &mut maps).unwrap_err();
+        assert!(matches!(err, SyncError::Capacity { what: "service", capacity: 100, .. }), "{err}");
         assert_eq!(maps.writes, 0);
     }
 }
