@@ -98,8 +98,19 @@ struct Agent {
     min_sync_period: Duration,
     sync_period: Duration,
     last_sync: Option<Instant>,
-    /// The source has been read whole once: the datapath may be replaced.
+    /// The source has been read whole once.
     complete: bool,
+    /// A sync of the whole source succeeded: the datapath may take over.
+    synced_whole: bool,
+    /// Health-check node ports that could not be opened are retried.
+    checks_failed: bool,
+    /// The problems reported for the current objects (each is logged and
+    /// counted once, not again at every change).
+    reported: std::collections::BTreeSet<String>,
+    /// The node addresses came from the Node object: if they change, the
+    /// agent must restart (as kube-proxy does).
+    ips_from_node: bool,
+    restart: Option<String>,
     /// The datapath serves `desired` (programs attached, rules applied).
     serving: bool,
     /// The other mode's datapath may still be there.
@@ -126,7 +137,12 @@ impl Agent {
         let mut waiting_since = None;
         // Every poll until an attempt to take over fails, then less often.
         let mut retry_every = 1;
+        // As kube-proxy at the start of its sync loop: nothing is late yet.
+        self.health.updated(SystemTime::now());
         loop {
+            if let Some(why) = self.restart.take() {
+                anyhow::bail!("{why}: restarting to use them (as kube-proxy does)");
+            }
             let due = self.due.filter(|_| self.may_sync());
             let polled = tokio::select! {
                 _ = poll.tick() => true,
@@ -193,6 +209,15 @@ impl Agent {
         if let Source::Kube(kube) = &self.source {
             let info = NodeInfo::of(kube.node().as_ref());
             self.health.set_node(info.eligibility);
+            if self.ips_from_node
+                && !info.internal_ips.is_empty()
+                && info.internal_ips != self.node.ips
+            {
+                self.restart = Some(format!(
+                    "this node's addresses changed from {:?} to {:?}",
+                    self.node.ips, info.internal_ips
+                ));
+            }
             if info.zone != self.node.zone {
                 tracing::info!(zone = ?info.zone, "this node's zone changed");
                 self.node.zone = info.zone.clone();
@@ -204,22 +229,28 @@ impl Agent {
         let earliest = self.last_sync.map_or(now, |t| t + self.min_sync_period);
         self.due = Some(earliest.max(now));
         self.retry_after = FIRST_RETRY;
-        let wall = SystemTime::now();
-        self.health.queued(wall);
-        self.metrics.queued_at(wall);
+        // As kube-proxy, nothing is queued before the source is whole (a
+        // slow first list must not fail /livez).
+        if self.may_sync() {
+            let wall = SystemTime::now();
+            self.health.queued(wall);
+            self.metrics.queued_at(wall);
+        }
     }
 
     /// Store, model and plan for the source's objects; each problem is
     /// logged and counted once per change.
     fn desired(&mut self) -> Desired {
         let update = self.store.replace(self.source.snapshot());
+        let mut problems: Vec<(String, String)> = Vec::new();
         for err in &update.errors {
-            tracing::warn!(kind = err.kind(), "invalid object skipped: {err}");
-            self.metrics.invalid(err.kind());
+            problems.push((err.kind().into(), format!("invalid object skipped: {err}")));
         }
         for kept in &update.kept {
-            tracing::warn!(kind = %kept.kind, name = %kept.name, "serving the last good version");
-            self.metrics.kept_objects.fetch_add(1, Relaxed);
+            problems.push((
+                "kept".into(),
+                format!("{} {}: serving the last good version", kept.kind, kept.name),
+            ));
         }
         for (total, pending, n) in [
             (
@@ -240,14 +271,26 @@ impl Agent {
         self.triggers.extend(update.trigger_times.into_iter().filter(|t| *t > self.started));
         let model = self.store.model();
         for err in &model.errors {
-            tracing::warn!(kind = err.kind(), "{err}");
-            self.metrics.invalid(err.kind());
+            problems.push((err.kind().into(), err.to_string()));
         }
         let (plan, conflicts) = plan::plan(&model, &self.node);
         for conflict in &conflicts {
-            tracing::warn!("{conflict}");
-            self.metrics.invalid("Service");
+            problems.push(("Service".into(), conflict.to_string()));
         }
+        // Each problem once, for as long as it lasts.
+        let current: std::collections::BTreeSet<String> =
+            problems.iter().map(|(_, message)| message.clone()).collect();
+        for (kind, message) in &problems {
+            if self.reported.contains(message) {
+                continue;
+            }
+            tracing::warn!(kind = %kind, "{message}");
+            match kind.as_str() {
+                "kept" => drop(self.metrics.kept_objects.fetch_add(1, Relaxed)),
+                kind => self.metrics.invalid(kind),
+            }
+        }
+        self.reported = current;
         Desired { model, plan }
     }
 
@@ -281,6 +324,7 @@ impl Agent {
     /// After a successful sync: health, metrics, health-check node ports.
     fn synced(&mut self) {
         self.due = None;
+        self.synced_whole |= self.complete;
         let now = SystemTime::now();
         self.health.updated(now);
         let m = &self.metrics;
@@ -299,12 +343,17 @@ impl Agent {
         let (internal, external) = no_local_endpoints(&self.desired.model, &self.node.name);
         m.no_local_endpoints_internal.store(internal, Relaxed);
         m.no_local_endpoints_external.store(external, Relaxed);
+        self.update_service_checks();
+    }
+
+    /// Opens and closes health-check node ports to match the services.
+    fn update_service_checks(&mut self) {
         let checks = health::service_checks(&self.desired.model, &self.node.name);
-        for (port, check, why) in self.service_checks.set(checks) {
-            m.health_check_failures.fetch_add(1, Relaxed);
+        let failed = self.service_checks.set(checks);
+        self.checks_failed = !failed.is_empty();
+        for (port, check, why) in failed {
+            self.metrics.health_check_failures.fetch_add(1, Relaxed);
             tracing::warn!(service = %check.service, port, "could not open the health-check node port (will retry): {why}");
-            // The next sync tries again.
-            self.due.get_or_insert(Instant::now() + MAX_RETRY);
         }
     }
 
@@ -319,8 +368,13 @@ impl Agent {
             // As kube-proxy: rules someone changed come back within a period.
             self.due.get_or_insert_with(Instant::now);
         }
-        if self.leftovers && self.polls.is_multiple_of(RETRY_EVERY) {
-            self.remove_other_mode();
+        if self.polls.is_multiple_of(RETRY_EVERY) {
+            if self.leftovers {
+                self.remove_other_mode();
+            }
+            if self.checks_failed {
+                self.update_service_checks();
+            }
         }
     }
 
@@ -338,7 +392,7 @@ impl Agent {
     /// the programs; until then a previous agent's datapath keeps serving),
     /// then removes what the other mode left.
     fn serve_when_ready(&mut self, waiting_since: &mut Option<Instant>) -> anyhow::Result<()> {
-        if !(self.complete && self.due.is_none() && self.last_sync.is_some()) {
+        if !self.synced_whole {
             let since = *waiting_since.get_or_insert_with(Instant::now);
             if since.elapsed() > Duration::from_secs(2) {
                 tracing::warn!(
@@ -402,16 +456,14 @@ async fn node_ips(args: &RunArgs, source: &Source) -> anyhow::Result<Vec<std::ne
     node::interface_ips(&args.pod_interfaces)
 }
 
-async fn listen(addr: std::net::SocketAddr, what: &str) -> anyhow::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {what} to {addr}"))
-}
-
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let name = node::name(&args.node.hostname_override)?;
         let source = source(&args, &name).await?;
         let ips = node_ips(&args, &source).await?;
+        let ips_from_node = args.node.node_ip.is_empty()
+            && matches!(&source, Source::Kube(k) if NodeInfo::of(k.node().as_ref()).internal_ips == ips);
         let mut node = Node {
             name,
             ips,
@@ -433,8 +485,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         // kube-proxy: unhealthy once a change waits twice the sync period.
         let health = Arc::new(ProxyHealth::new(2 * args.sync_period, eligibility));
         let metrics = Arc::new(Metrics::new(health.clone(), datapath.mode()));
-        tokio::spawn(metrics.clone().serve(listen(args.metrics_bind_address, "metrics").await?));
-        tokio::spawn(health.clone().serve(listen(args.healthz_bind_address, "healthz").await?));
+        let http = crate::http::server_thread().context("starting the endpoints' thread")?;
+        metrics.clone().serve(&http, args.metrics_bind_address);
+        health.clone().serve(&http, args.healthz_bind_address);
         let check_addresses = if args.node.nodeport_addresses.is_empty() {
             Vec::new()
         } else {
@@ -452,7 +505,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             source,
             store: Store::default(),
             datapath,
-            service_checks: ServiceChecks::new(health.clone(), check_addresses),
+            service_checks: ServiceChecks::new(health.clone(), http, check_addresses),
             metrics,
             health,
             node,
@@ -464,6 +517,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             sync_period: args.sync_period,
             last_sync: None,
             complete: false,
+            synced_whole: false,
+            checks_failed: false,
+            reported: Default::default(),
+            ips_from_node,
+            restart: None,
             serving: false,
             leftovers: true,
             polls: 0,

@@ -47,8 +47,9 @@ pub struct PrepareArgs {
     /// As `run --snat-port-range`
     #[arg(long, value_name = "MIN-MAX", default_value = "10000-29999", value_parser = parse_port_range)]
     pub snat_port_range: (u16, u16),
-    /// As `run --iptables-localhost-nodeports`
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    /// Set route_localnet, as `run --iptables-localhost-nodeports` needs
+    /// (it lets martian packets to 127.0.0.0/8 in: only for that)
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub iptables_localhost_nodeports: bool,
 }
 
@@ -230,38 +231,65 @@ fn parse_port_range(text: &str) -> Result<(u16, u16), String> {
 
 /// A duration, zero allowed.
 fn parse_duration_or_zero(text: &str) -> Result<Duration, String> {
-    if text.trim_end_matches(['s', 'm', 'h']).chars().all(|c| c == '0') && !text.is_empty() {
-        return Ok(Duration::ZERO);
-    }
-    parse_duration(text)
+    parse_go_duration(text)
 }
 
-/// `90`, `90s`, `15m`, `24h`, or Go-style combinations such as `1h30m`.
+/// A duration greater than zero.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let bad = || format!("expected a duration such as 30s, 15m or 24h, not {text:?}");
+    match parse_go_duration(text)? {
+        Duration::ZERO => Err(format!("{text:?}: must be more than zero")),
+        d => Ok(d),
+    }
+}
+
+/// Go's `time.ParseDuration` (what kube-proxy's flags and configuration
+/// take): `300ms`, `1.5h`, `2h45m`, `1h0m0s`, units ns, us, µs, ms, s, m, h;
+/// and, as a convenience, a bare number of seconds. Negative durations and
+/// overflows are refused.
+pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
+    let bad = || format!("expected a duration such as 500ms, 30s, 1h30m, not {text:?}");
     if let Ok(secs) = text.parse::<u64>() {
         return Ok(Duration::from_secs(secs));
     }
-    let mut total = 0u64;
-    let mut number = String::new();
-    for c in text.chars() {
-        if c.is_ascii_digit() {
-            number.push(c);
-            continue;
-        }
-        let unit = match c {
-            'h' => 3600,
-            'm' => 60,
-            's' => 1,
-            _ => return Err(bad()),
-        };
-        total += number.parse::<u64>().map_err(|_| bad())? * unit;
-        number.clear();
+    if text == "0" {
+        return Ok(Duration::ZERO);
     }
-    if !number.is_empty() || total == 0 {
+    let mut rest = text.strip_prefix('+').unwrap_or(text);
+    if rest.is_empty() {
         return Err(bad());
     }
-    Ok(Duration::from_secs(total))
+    let mut total_ns: u128 = 0;
+    while !rest.is_empty() {
+        let number_len = rest.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(rest.len());
+        let (number, after) = rest.split_at(number_len);
+        let unit_len = after.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(after.len());
+        let (unit, after) = after.split_at(unit_len);
+        let unit_ns: u128 = match unit {
+            "ns" => 1,
+            "us" | "µs" | "μs" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            _ => return Err(bad()),
+        };
+        let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+        if whole.is_empty() && fraction.is_empty() {
+            return Err(bad());
+        }
+        let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| bad())? };
+        let mut part = whole.checked_mul(unit_ns).ok_or_else(bad)?;
+        // Fractions to the nanosecond, as Go.
+        let mut scale = unit_ns;
+        for digit in fraction.chars() {
+            scale /= 10;
+            part += u128::from(digit.to_digit(10).ok_or_else(bad)?) * scale;
+        }
+        total_ns = total_ns.checked_add(part).ok_or_else(bad)?;
+        rest = after;
+    }
+    let secs = u64::try_from(total_ns / 1_000_000_000).map_err(|_| bad())?;
+    Ok(Duration::new(secs, (total_ns % 1_000_000_000) as u32))
 }
 
 #[cfg(test)]
@@ -274,6 +302,12 @@ mod tests {
         assert_eq!(parse_duration("1h30m0s"), Ok(Duration::from_secs(5_400)));
         assert_eq!(parse_duration("45"), Ok(Duration::from_secs(45)));
         assert!(parse_duration("10x").is_err() && parse_duration("0s").is_err());
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("1h0m0.25s"), Ok(Duration::from_millis(3_600_250)));
+        assert_eq!(parse_go_duration("0h0m0s"), Ok(Duration::ZERO));
+        assert!(parse_go_duration("-1s").is_err() && parse_go_duration("1s2").is_err());
+        assert!(parse_go_duration("99999999999999999999h").is_err(), "overflow is refused");
         assert_eq!(parse_port_range("61000-65000"), Ok((61000, 65000)));
         assert!(parse_port_range("65000-61000").is_err());
         assert_eq!(parse_cidr("10.244.0.0/16").unwrap().to_string(), "10.244.0.0/16");

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_yaml::Value;
 
 use crate::{
-    cli::{ProxyMode, RunArgs, parse_duration},
+    cli::{ProxyMode, RunArgs, parse_go_duration},
     model::Cidr,
 };
 
@@ -149,11 +149,7 @@ fn bind_address(text: &str, default_port: u16) -> Result<SocketAddr, String> {
 
 /// A Go duration; `None` for zero (kube-proxy: leave as is).
 fn duration(text: &str) -> Result<Option<Duration>, String> {
-    if text.trim_end_matches(['s', 'm', 'h']).chars().all(|c| c == '0' || c == '.') {
-        return Ok(None);
-    }
-    // kube-proxy writes `1h0m0s`: the zero units are fine.
-    parse_duration(text).map(Some)
+    parse_go_duration(text).map(|d| Some(d).filter(|d| !d.is_zero()))
 }
 
 fn cidr(text: &str) -> Result<Option<Cidr>, String> {

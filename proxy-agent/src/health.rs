@@ -7,43 +7,14 @@ use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddr},
     sync::{Arc, Mutex},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime},
 };
 
 use crate::{
     http::{self, Reply},
     model::{Model, ServiceName},
+    time,
 };
-
-/// `2006-01-02T15:04:05.999999999Z`: Go's RFC3339Nano in UTC, as kube-proxy
-/// marshals times (trailing zeros of the fraction dropped).
-pub fn rfc3339_nano(t: SystemTime) -> String {
-    let since = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = since.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Howard Hinnant's civil-from-days.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let mut text = format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    );
-    let nanos = since.subsec_nanos();
-    if nanos > 0 {
-        text.push_str(format!(".{nanos:09}").trim_end_matches('0'));
-    }
-    text.push('Z');
-    text
-}
 
 /// Whether this node should receive load-balancer traffic, from its Node
 /// object (kube-proxy: it exists, is not being deleted, and has no
@@ -126,11 +97,13 @@ impl ProxyHealth {
         let eligible = state.node != NodeEligibility::Ineligible;
         let ok = healthy && (!healthz || eligible);
         let zero = || "0001-01-01T00:00:00Z".to_string();
-        let last = state.last_updated.map_or_else(zero, rfc3339_nano);
+        let last = state.last_updated.map_or_else(zero, time::rfc3339_nano);
         // kube-proxy reports "now" as the last update when healthy.
-        let top_last = if ok { rfc3339_nano(now) } else { last.clone() };
-        let mut body =
-            format!("{{\"lastUpdated\":\"{top_last}\",\"currentTime\":\"{}\"", rfc3339_nano(now));
+        let top_last = if ok { time::rfc3339_nano(now) } else { last.clone() };
+        let mut body = format!(
+            "{{\"lastUpdated\":\"{top_last}\",\"currentTime\":\"{}\"",
+            time::rfc3339_nano(now)
+        );
         if healthz {
             body.push_str(&format!(",\"nodeEligible\":{eligible}"));
         }
@@ -153,8 +126,8 @@ impl ProxyHealth {
         reply
     }
 
-    /// Serves `/healthz` and `/livez` on `listener`.
-    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
+    /// Serves `/healthz` and `/livez` on `addr`, from `runtime`.
+    pub fn serve(self: Arc<Self>, runtime: &tokio::runtime::Handle, addr: SocketAddr) {
         let handler = Arc::new(move |_method: String, path: String| {
             let health = self.clone();
             async move {
@@ -165,7 +138,7 @@ impl ProxyHealth {
                 }
             }
         });
-        http::serve(listener, handler).await
+        http::serve_on(runtime, addr, "healthz", handler);
     }
 }
 
@@ -217,6 +190,8 @@ pub fn service_check_reply(check: &ServiceCheck, proxy_healthy: bool) -> Reply {
 /// services after each sync.
 pub struct ServiceChecks {
     health: Arc<ProxyHealth>,
+    /// The endpoints' runtime, where the listeners run.
+    runtime: tokio::runtime::Handle,
     /// `--nodeport-addresses` matched against the node's addresses: the
     /// addresses to listen on; empty means all (0.0.0.0).
     addresses: Vec<Ipv4Addr>,
@@ -225,8 +200,18 @@ pub struct ServiceChecks {
 }
 
 impl ServiceChecks {
-    pub fn new(health: Arc<ProxyHealth>, addresses: Vec<Ipv4Addr>) -> Self {
-        ServiceChecks { health, addresses, checks: Default::default(), listeners: BTreeMap::new() }
+    pub fn new(
+        health: Arc<ProxyHealth>,
+        runtime: tokio::runtime::Handle,
+        addresses: Vec<Ipv4Addr>,
+    ) -> Self {
+        ServiceChecks {
+            health,
+            runtime,
+            addresses,
+            checks: Default::default(),
+            listeners: BTreeMap::new(),
+        }
     }
 
     /// Serves `wanted` from now on: opens new ports, closes gone ones.
@@ -249,17 +234,20 @@ impl ServiceChecks {
             } else {
                 self.addresses.clone()
             };
-            let mut tasks = Vec::new();
-            for ip in addresses {
-                match bind(SocketAddr::from((ip, *port))) {
-                    Ok(listener) => tasks.push(tokio::spawn(self.serve(listener, *port))),
-                    Err(e) => failed.push((*port, check.clone(), format!("{ip}:{port}: {e}"))),
+            // All of a port's addresses, or none: a port is retried whole.
+            let bound: Result<Vec<_>, String> = addresses
+                .iter()
+                .map(|ip| {
+                    bind(SocketAddr::from((*ip, *port))).map_err(|e| format!("{ip}:{port}: {e}"))
+                })
+                .collect();
+            match bound {
+                Ok(listeners) => {
+                    let tasks = listeners.into_iter().map(|l| self.serve(l, *port)).collect();
+                    self.listeners.insert(*port, tasks);
                 }
+                Err(why) => failed.push((*port, check.clone(), why)),
             }
-            if tasks.is_empty() {
-                continue;
-            }
-            self.listeners.insert(*port, tasks);
         }
         if let Ok(mut checks) = self.checks.lock() {
             *checks = wanted;
@@ -267,11 +255,7 @@ impl ServiceChecks {
         failed
     }
 
-    fn serve(
-        &self,
-        listener: tokio::net::TcpListener,
-        port: u16,
-    ) -> impl std::future::Future<Output = ()> + use<> {
+    fn serve(&self, listener: std::net::TcpListener, port: u16) -> tokio::task::JoinHandle<()> {
         let (checks, health) = (self.checks.clone(), self.health.clone());
         let handler = Arc::new(move |_method: String, _path: String| {
             let check = checks.lock().ok().and_then(|c| c.get(&port).cloned());
@@ -283,30 +267,30 @@ impl ServiceChecks {
                 }
             }
         });
-        http::serve(listener, handler)
+        self.runtime.spawn(async move {
+            match tokio::net::TcpListener::from_std(listener) {
+                Ok(listener) => http::serve(listener, handler).await,
+                Err(e) => tracing::error!(port, "health-check node port: {e}"),
+            }
+        })
     }
 }
 
-fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = tokio::net::TcpSocket::new_v4()?;
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(128)
+/// A listening socket, bound here (so failures are known at once) and
+/// served from the endpoints' runtime.
+fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
 
     fn at(secs: u64, nanos: u32) -> SystemTime {
         UNIX_EPOCH + Duration::new(secs, nanos)
-    }
-
-    #[test]
-    fn times_format_as_go_rfc3339_nano() {
-        assert_eq!(rfc3339_nano(at(0, 0)), "1970-01-01T00:00:00Z");
-        assert_eq!(rfc3339_nano(at(1_748_772_000, 123_456_789)), "2025-06-01T10:00:00.123456789Z");
-        assert_eq!(rfc3339_nano(at(951_782_400, 500_000_000)), "2000-02-29T00:00:00.5Z");
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! A small HTTP/1.1 responder for the agent's endpoints (metrics, health,
 //! per-service health checks): one request per connection, answered from a
-//! handler of (method, path).
+//! handler of (method, path). They run on a thread of their own, so a long
+//! sync (an `iptables-restore` waiting for the xtables lock) never keeps a
+//! probe waiting.
 
 use std::{future::Future, sync::Arc, time::Duration};
 
@@ -90,6 +92,41 @@ where
             let _ = stream.write_all(&reply.to_bytes()).await;
         });
     }
+}
+
+/// The endpoints' thread: a runtime of its own, serving until the process
+/// ends. Spawn onto the handle.
+pub fn server_thread() -> std::io::Result<tokio::runtime::Handle> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let handle = runtime.handle().clone();
+    std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || runtime.block_on(std::future::pending::<()>()))?;
+    Ok(handle)
+}
+
+/// Serves `handler` on `addr` from `runtime`, binding again every 5 s while
+/// the address is taken (as kube-proxy does).
+pub fn serve_on<H, F>(
+    runtime: &tokio::runtime::Handle,
+    addr: std::net::SocketAddr,
+    what: &'static str,
+    handler: Arc<H>,
+) where
+    H: Fn(String, String) -> F + Send + Sync + 'static,
+    F: Future<Output = Reply> + Send,
+{
+    runtime.spawn(async move {
+        loop {
+            match TcpListener::bind(addr).await {
+                Ok(listener) => return serve(listener, handler).await,
+                Err(e) => {
+                    tracing::error!(%addr, "could not serve {what} (retrying in 5 s): {e}");
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+            }
+        }
+    });
 }
 
 #[cfg(test)]

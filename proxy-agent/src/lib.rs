@@ -17,3 +17,4 @@ pub mod plan;
 pub mod probe;
 pub mod source;
 pub mod sys;
+pub mod time;

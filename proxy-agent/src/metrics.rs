@@ -504,8 +504,8 @@ impl Metrics {
     }
 
     /// Serves `/metrics`, `/healthz` (`ok`, as kube-proxy's metrics port)
-    /// and `/proxyMode` until the task is dropped.
-    pub async fn serve(self: Arc<Self>, listener: tokio::net::TcpListener) {
+    /// and `/proxyMode` on `addr`, from `runtime`.
+    pub fn serve(self: Arc<Self>, runtime: &tokio::runtime::Handle, addr: std::net::SocketAddr) {
         let handler = Arc::new(move |_method: String, path: String| {
             let metrics = self.clone();
             async move {
@@ -518,7 +518,7 @@ impl Metrics {
                 }
             }
         });
-        http::serve(listener, handler).await
+        http::serve_on(runtime, addr, "metrics", handler);
     }
 }
 

@@ -112,6 +112,10 @@ fn the_deployment_manifests_decode_and_fit_the_agent() {
     assert!(mounted(args.config.as_ref().unwrap()), "the config file is mounted");
     assert!(mounted(args.cgroup_path.as_ref().unwrap()), "the host cgroup is mounted");
     assert!(mounted(&args.pins.bpffs_root), "bpffs is mounted");
+    // The API server is reached directly, not through a ClusterIP this very
+    // agent provides.
+    let env: Vec<&str> = agent.env.iter().flatten().map(|e| e.name.as_str()).collect();
+    assert!(env.contains(&"KUBERNETES_SERVICE_HOST") && env.contains(&"KUBERNETES_SERVICE_PORT"));
     let caps = agent.security_context.as_ref().unwrap().capabilities.as_ref().unwrap();
     assert!(caps.add.iter().flatten().any(|c| c == "BPF"));
     assert_ne!(agent.security_context.as_ref().unwrap().privileged, Some(true));

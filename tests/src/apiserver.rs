@@ -122,7 +122,22 @@ enum Requirement {
     NotIn(String, Vec<String>),
 }
 
+/// The field selectors the server answers (others get 400, as the real
+/// server for an unsupported field label).
+const FIELDS: [&str; 3] = ["metadata.name", "metadata.namespace", "spec.clusterIP"];
+
 impl Requirement {
+    fn key(&self) -> &str {
+        match self {
+            Requirement::Exists(k)
+            | Requirement::NotExists(k)
+            | Requirement::Equals(k, _)
+            | Requirement::NotEquals(k, _)
+            | Requirement::In(k, _)
+            | Requirement::NotIn(k, _) => k,
+        }
+    }
+
     fn matches(&self, get: &dyn Fn(&str) -> Option<String>) -> bool {
         match self {
             Requirement::Exists(k) => get(k).is_some(),
@@ -217,6 +232,7 @@ impl Selector {
 type Sink = mpsc::UnboundedSender<Result<Bytes, std::io::Error>>;
 
 struct Watcher {
+    id: u64,
     kind: Kind,
     selector: Selector,
     sink: Sink,
@@ -233,6 +249,7 @@ struct State {
     /// Every request, `METHOD path?query`, for assertions.
     requests: Vec<String>,
     next_uid: u64,
+    next_watch: u64,
 }
 
 fn event(kind: &str, object: &Value) -> Bytes {
@@ -545,7 +562,7 @@ async fn serve(
         tokio::spawn(async move {
             let service = service_fn(move |req| {
                 let state = state.clone();
-                async move { Ok::<_, Infallible>(handle(&state, req)) }
+                async move { Ok::<_, Infallible>(handle(state, req)) }
             });
             let connection = http1::Builder::new()
                 .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
@@ -608,7 +625,7 @@ fn decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn handle(state: &Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body> {
+fn handle(shared: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let query: BTreeMap<String, String> = req
         .uri()
@@ -621,7 +638,7 @@ fn handle(state: &Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body> {
             (decode(k), decode(v))
         })
         .collect();
-    let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+    let mut state = shared.lock().unwrap_or_else(|e| e.into_inner());
     state.requests.push(format!("{} {}", req.method(), req.uri()));
     if req.method() != hyper::Method::GET {
         let body = status(405, "MethodNotAllowed", "the lab API server only reads");
@@ -638,7 +655,13 @@ fn handle(state: &Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body> {
         parse_selector(query.get("labelSelector").map_or("", String::as_str)),
         parse_selector(query.get("fieldSelector").map_or("", String::as_str)),
     ) {
-        (Ok(labels), Ok(fields)) => Selector { namespace, labels, fields },
+        (Ok(labels), Ok(fields)) if fields.iter().all(|f| FIELDS.contains(&f.key())) => {
+            Selector { namespace, labels, fields }
+        }
+        (Ok(_), Ok(_)) => {
+            let message = "field label not supported";
+            return json_response(StatusCode::BAD_REQUEST, &status(400, "BadRequest", message));
+        }
         (Err(e), _) | (_, Err(e)) => {
             return json_response(
                 StatusCode::BAD_REQUEST,
@@ -657,7 +680,7 @@ fn handle(state: &Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body> {
         };
     }
     if matches!(query.get("watch").map(String::as_str), Some("true" | "1")) {
-        watch_response(&mut state, kind, selector, &query)
+        watch_response(&shared, &mut state, kind, selector, &query)
     } else {
         list_response(&state, kind, &selector, &query)
     }
@@ -708,6 +731,7 @@ fn list_response(
 }
 
 fn watch_response(
+    shared: &Arc<Mutex<State>>,
     state: &mut State,
     kind: Kind,
     selector: Selector,
@@ -757,27 +781,37 @@ fn watch_response(
         .get("timeoutSeconds")
         .and_then(|t| t.parse().ok())
         .map_or(Duration::from_secs(1800), Duration::from_secs);
-    spawn_watch_timers(sink.clone(), kind, bookmarks, timeout, state.rv);
-    state.watchers.push(Watcher { kind, selector, sink });
+    state.next_watch += 1;
+    let id = state.next_watch;
+    spawn_watch_timers(shared.clone(), id, sink.clone(), kind, bookmarks, timeout);
+    state.watchers.push(Watcher { id, kind, selector, sink });
     streaming(rx)
 }
 
-/// Bookmarks while the watch lasts, and its end at `timeoutSeconds`.
-fn spawn_watch_timers(sink: Sink, kind: Kind, bookmarks: bool, timeout: Duration, rv: u64) {
+/// Bookmarks while the watch lasts, and its end at `timeoutSeconds` (the
+/// stream closes cleanly, as the real server's).
+fn spawn_watch_timers(
+    shared: Arc<Mutex<State>>,
+    id: u64,
+    sink: Sink,
+    kind: Kind,
+    bookmarks: bool,
+    timeout: Duration,
+) {
     tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut tick = tokio::time::interval(BOOKMARK_EVERY);
         tick.tick().await;
         loop {
             tokio::select! {
-                _ = tokio::time::sleep_until(deadline) => return,
+                _ = tokio::time::sleep_until(deadline) => break,
                 _ = tick.tick() => {}
                 _ = sink.closed() => return,
             }
             if bookmarks {
-                // The version a resumed watch may start from: the server's
-                // version when the watch began (watchers get every later
-                // change, so any of them is also safe).
+                // Every change so far went to this watch as it happened:
+                // the current version is where it may resume.
+                let rv = shared.lock().map(|s| s.rv).unwrap_or_default();
                 let mark = json!({
                     "kind": kind.name(),
                     "apiVersion": kind.api_version(),
@@ -787,6 +821,10 @@ fn spawn_watch_timers(sink: Sink, kind: Kind, bookmarks: bool, timeout: Duration
                     return;
                 }
             }
+        }
+        // Dropping every sender ends the body.
+        if let Ok(mut state) = shared.lock() {
+            state.watchers.retain(|w| w.id != id);
         }
     });
 }

@@ -2,9 +2,10 @@
 //! kube-rs watchers (list, then watch from the list's resource version;
 //! relist after `410 Gone`; back off while the server is unreachable).
 //!
-//! As kube-proxy, Services labelled `service.kubernetes.io/service-proxy-name`
-//! or headless (`spec.clusterIP=None`) and EndpointSlices labelled
-//! `service.kubernetes.io/headless` are filtered out by the server.
+//! As kube-proxy, Services and EndpointSlices labelled
+//! `service.kubernetes.io/service-proxy-name` (another proxy's) or
+//! `service.kubernetes.io/headless`, and headless Services
+//! (`spec.clusterIP=None`), are filtered out by the server.
 //!
 //! Each kind keeps its last complete list: a relist replaces it only once
 //! complete (`InitDone`), so a connection lost halfway never removes
@@ -32,10 +33,9 @@ use tokio::sync::Notify;
 
 use super::Snapshot;
 
-/// kube-proxy's selectors.
-const SERVICE_LABELS: &str = "!service.kubernetes.io/service-proxy-name";
+/// kube-proxy's selectors (the labels for both kinds).
+const LABELS: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 const SERVICE_FIELDS: &str = "spec.clusterIP!=None";
-const SLICE_LABELS: &str = "!service.kubernetes.io/headless";
 
 /// The objects of one kind, by namespace and name.
 struct Collection<K> {
@@ -130,8 +130,8 @@ impl KubeSource {
     pub fn start(client: Client, node_name: &str) -> Self {
         let shared = Arc::new(Mutex::new(Shared::default()));
         let changed = Arc::new(Notify::new());
-        let services = watcher::Config::default().labels(SERVICE_LABELS).fields(SERVICE_FIELDS);
-        let slices = watcher::Config::default().labels(SLICE_LABELS);
+        let services = watcher::Config::default().labels(LABELS).fields(SERVICE_FIELDS);
+        let slices = watcher::Config::default().labels(LABELS);
         let node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
         let tasks = vec![
             spawn_watch(Api::<Service>::all(client.clone()), services, &shared, &changed, |s| {
@@ -213,11 +213,12 @@ where
 {
     let (shared, changed) = (shared.clone(), changed.clone());
     tokio::spawn(async move {
-        let kind = K::kind(&K::DynamicType::default()).to_string();
-        let kind: &'static str = match kind.as_str() {
+        // The metric label: one of the three kinds watched.
+        let kind: &'static str = match K::kind(&K::DynamicType::default()).as_ref() {
             "Service" => "Service",
             "EndpointSlice" => "EndpointSlice",
-            _ => "Node",
+            "Node" => "Node",
+            _ => "other",
         };
         let mut events = std::pin::pin!(watcher(api, config).default_backoff());
         while let Some(event) = events.next().await {

@@ -4,10 +4,7 @@
 pub mod kube;
 pub mod manifests;
 
-use std::{
-    collections::BTreeMap,
-    time::{Duration, SystemTime, UNIX_EPOCH},
-};
+use std::{collections::BTreeMap, time::SystemTime};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
@@ -59,39 +56,6 @@ const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 fn differences<K: Ord, V: PartialEq>(old: &BTreeMap<K, V>, new: &BTreeMap<K, V>) -> usize {
     let changed = new.iter().filter(|(k, v)| old.get(k) != Some(v)).count();
     changed + old.keys().filter(|k| !new.contains_key(k)).count()
-}
-
-/// Parses RFC 3339 (`2025-06-01T10:00:00Z`, with optional fraction and
-/// offset), as the EndpointSlice controller writes times.
-pub fn parse_rfc3339(text: &str) -> Option<SystemTime> {
-    let (date, time) = text.split_once(['T', 't'])?;
-    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
-    let (year, month, day) = (d.next()??, d.next()??, d.next()??);
-    let (clock, offset_secs) = if let Some(clock) = time.strip_suffix(['Z', 'z']) {
-        (clock, 0)
-    } else {
-        let at = time.rfind(['+', '-'])?;
-        let (clock, offset) = time.split_at(at);
-        let sign = if offset.starts_with('-') { -1 } else { 1 };
-        let (h, m) = offset[1..].split_once(':')?;
-        (clock, sign * (h.parse::<i64>().ok()? * 3600 + m.parse::<i64>().ok()? * 60))
-    };
-    let (hms, fraction) = clock.split_once('.').unwrap_or((clock, ""));
-    let mut t = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
-    let (hour, minute, second) = (t.next()??, t.next()??, t.next()??);
-    let nanos: u32 =
-        if fraction.is_empty() { 0 } else { format!("{fraction:0<9}").get(..9)?.parse().ok()? };
-    // Days from civil (Howard Hinnant).
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + hour * 3600 + minute * 60 + second - offset_secs;
-    let secs = u64::try_from(secs).ok()?;
-    Some(UNIX_EPOCH + Duration::new(secs, nanos))
 }
 
 impl Store {
@@ -146,7 +110,7 @@ impl Store {
             .filter(|(name, slice)| self.slices.get(*name) != Some(*slice))
             .filter_map(|(_, slice)| {
                 let annotations = slice.metadata.annotations.as_ref()?;
-                parse_rfc3339(annotations.get(TRIGGER_TIME)?)
+                crate::time::parse_rfc3339(annotations.get(TRIGGER_TIME)?)
             })
             .collect();
         self.services = services;
@@ -185,6 +149,7 @@ pub(crate) fn model_from_yaml(yaml: &str) -> model::Model {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
 
     fn service(yaml: &str) -> Service {
         serde_yaml::from_str(yaml).unwrap()
