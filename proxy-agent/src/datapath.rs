@@ -279,6 +279,14 @@ fn ebpf_datapath(args: &RunArgs, node: &Node) -> anyhow::Result<Ebpf> {
         .configure(&datapath_config(args, &node.ips))
         .context("writing the datapath settings")?;
     let (min, max) = args.snat_port_range;
+    if let Some((low, high)) = sys::ephemeral_ports()
+        && min <= high
+        && low <= max
+    {
+        tracing::warn!(
+            "--snat-port-range {min}-{max} overlaps the node's ephemeral ports {low}-{high}: reserving them leaves fewer (or none) for the node's own connections, this agent's to the API server included"
+        );
+    }
     sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
     tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), "BPF programs loaded");
     Ok(Ebpf { backend, cgroup, root, pod_interfaces: args.pod_interfaces.clone() })

@@ -173,6 +173,14 @@ pub fn reserve_ports(min: u16, max: u16) -> io::Result<()> {
     std::fs::write(PATH, value)
 }
 
+/// `net.ipv4.ip_local_port_range`: where the node's own connections take
+/// their source ports.
+pub fn ephemeral_ports() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut ports = text.split_whitespace().map(|p| p.parse().ok());
+    Some((ports.next()??, ports.next()??))
+}
+
 /// Sets a sysctl (`net/ipv4/...`, relative to /proc/sys) of the agent's
 /// network namespace, if it is not set already.
 pub fn set_sysctl(key: &str, value: &str) -> io::Result<()> {

@@ -209,6 +209,38 @@ fn node_port_flow_is_translated_both_ways_with_valid_checksums() {
 }
 
 #[test]
+fn a_direct_connection_reusing_a_closed_flows_tuple_is_left_alone() {
+    const FIN: u8 = 0x01;
+    let vip = ([10, 96, 0, 10], 80);
+    let mut dp = datapath(vec![(
+        frontend(vip.0, vip.1, Protocol::Tcp),
+        frontend_plan(&[(POD, 8080)], false, &[]),
+    )]);
+    // A pod's flow through the ClusterIP, opened and closed both ways.
+    let client = ([10, 244, 1, 5], 40000);
+    for (from, to, flags) in [
+        (client, vip, SYN),
+        ((POD, 8080), client, SYN | ACK),
+        (client, vip, ACK),
+        (client, vip, FIN | ACK),
+        ((POD, 8080), client, FIN | ACK),
+        (client, vip, ACK),
+    ] {
+        let out = run(&mut dp, &tcp(from, to, flags));
+        let expected = if to == vip { (client, (POD, 8080)) } else { (vip, client) };
+        assert_eq!(tuple(&out.packet), expected, "flags {flags:#x}");
+    }
+    // The same pod port now connects to the backend directly (socket LB, or
+    // its own choice): the backend's SYN-ACK and what follows are its own.
+    for flags in [SYN | ACK, ACK] {
+        let direct = tcp((POD, 8080), client, flags);
+        let out = run(&mut dp, &direct);
+        assert_eq!(out.verdict, NEXT, "flags {flags:#x}");
+        assert_eq!(out.packet, direct, "not rewritten for the closed flow");
+    }
+}
+
+#[test]
 fn udp_checksums_stay_valid_and_zero_stays_zero() {
     let mut dp = datapath(vec![(
         frontend([10, 96, 0, 10], 53, Protocol::Udp),

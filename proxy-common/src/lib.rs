@@ -260,11 +260,28 @@ pub mod ct {
         }
     }
 
-    /// A client SYN (no ACK) on the original-direction entry of a closed flow
-    /// opens a new flow, as netfilter restarts a TIME_WAIT entry.
-    pub const fn restarts(flags: u8, tcp_flags: u8) -> bool {
-        tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-            && flags & (CT_FLAG_CLOSED | CT_FLAG_REPLY) == CT_FLAG_CLOSED
+    /// What a SYN on a closed flow's entry means: on the client's entry, a
+    /// new flow through the service from the same port (it restarts, as
+    /// netfilter restarts a TIME_WAIT entry); on the backend's entry, a
+    /// connection that never went through the service (the client reaching
+    /// the backend directly from the same port), for which the closed
+    /// flow's entries are stale.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Closed {
+        /// The entry applies.
+        Applies,
+        Restarts,
+        Stale,
+    }
+
+    pub const fn on_closed(flags: u8, tcp_flags: u8) -> Closed {
+        if tcp_flags & TCP_SYN == 0 || flags & CT_FLAG_CLOSED == 0 {
+            Closed::Applies
+        } else if flags & CT_FLAG_REPLY == 0 {
+            Closed::Restarts
+        } else {
+            Closed::Stale
+        }
     }
 
     /// Whether the SNAT port held by a reply entry may go to a new flow: the
@@ -496,11 +513,14 @@ mod tests {
         // One FIN: half-closed; both: closed.
         let f = next_flags(f, TCP_FIN | TCP_ACK);
         assert_eq!(life(f), 3_600);
-        assert!(!restarts(f, TCP_SYN));
+        assert_eq!(on_closed(f, TCP_SYN), Closed::Applies);
         let r = next_flags(rev | (f & CT_STATE_FLAGS), TCP_FIN | TCP_ACK);
         assert_eq!(life(r), 120);
-        assert!(restarts(fwd | (r & CT_STATE_FLAGS), TCP_SYN));
-        assert!(!restarts(r, TCP_SYN), "only the client's entry restarts");
+        assert_eq!(on_closed(fwd | (r & CT_STATE_FLAGS), TCP_SYN), Closed::Restarts);
+        assert_eq!(on_closed(fwd | (r & CT_STATE_FLAGS), TCP_ACK), Closed::Applies);
+        // The backend answering a SYN the service never saw: a direct
+        // connection from the same client port; the closed flow is stale.
+        assert_eq!(on_closed(r, TCP_SYN | TCP_ACK), Closed::Stale);
         // An RST closes at once.
         assert_eq!(life(next_flags(fwd | CT_FLAG_ESTABLISHED, TCP_RST)), 120);
         assert_eq!(lifetime_secs(&cfg(), IPPROTO_UDP, CT_FLAG_ESTABLISHED), 30);

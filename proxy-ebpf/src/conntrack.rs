@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     CT_FLAG_REPLY, CT_FLAG_SNAT, CT_STATE_FLAGS, Config, CtEntry, CtKey,
-    ct::{lifetime_secs, next_flags, port_reusable, restarts},
+    ct::{Closed, lifetime_secs, next_flags, on_closed, port_reusable},
 };
 
 use crate::{maps::CONNTRACK, packet::Packet};
@@ -31,8 +31,20 @@ pub fn lookup(pkt: &Packet, cfg: &Config, now: u64) -> Option<CtEntry> {
     let entry = CONNTRACK.get_ptr_mut(pkt.tuple)?;
     // SAFETY: LRU values may be recycled under us; we copy and re-check.
     let current = unsafe { *entry };
-    if current.expires_ns < now || restarts(current.flags, pkt.tcp_flags) {
+    if current.expires_ns < now {
         return None;
+    }
+    match on_closed(current.flags, pkt.tcp_flags) {
+        Closed::Applies => {}
+        // The caller makes a new flow (overwriting both entries).
+        Closed::Restarts => return None,
+        // A connection that bypassed the service reuses the closed flow's
+        // tuple: its packets must not be rewritten for the closed flow.
+        Closed::Stale => {
+            let _ = CONNTRACK.remove(&current.rewritten(pkt.tuple.proto).reversed());
+            let _ = CONNTRACK.remove(&pkt.tuple);
+            return None;
+        }
     }
     let flags = next_flags(current.flags, pkt.tcp_flags);
     let expires_ns = now + lifetime_ns(cfg, pkt.tuple.proto, flags);

@@ -543,6 +543,52 @@ impl Lab {
         Ok(())
     }
 
+    /// Starts a long-running program in a namespace; it is killed when the
+    /// lab goes. Returns its pid.
+    pub fn spawn_in(&mut self, netns: &str, program: &str, args: &[&str]) -> anyhow::Result<u32> {
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{netns}"))
+            .arg(program)
+            .args(args)
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {program} in {netns}"))?;
+        let pid = child.id();
+        self.children.push(child);
+        Ok(pid)
+    }
+
+    /// Runs a program to its end in a namespace, optionally in `cgroup`;
+    /// its standard output.
+    pub fn run_in(
+        &self,
+        netns: &str,
+        cgroup: Option<&Path>,
+        program: &str,
+        args: &[&str],
+    ) -> anyhow::Result<String> {
+        let net = format!("--net=/run/netns/{netns}");
+        let out = match cgroup {
+            None => Command::new("nsenter").arg(&net).arg(program).args(args).output()?,
+            Some(cgroup) => Command::new("sh")
+                .args(["-c", r#"cg=$1; shift; echo $$ > "$cg/cgroup.procs" && exec nsenter "$@""#, "sh"])
+                .arg(cgroup)
+                .arg(&net)
+                .arg(program)
+                .args(args)
+                .output()?,
+        };
+        if !out.status.success() {
+            bail!("{program} {args:?} in {netns}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The pid of a node's agent, while it runs.
+    pub fn agent_pid_on(&self, node: usize) -> Option<u32> {
+        self.nodes[node].agent.as_ref().map(Child::id)
+    }
+
     /// Writes the manifest file the agents watch, atomically; with the API
     /// server as the source, makes its Services and EndpointSlices those of
     /// the manifest too.

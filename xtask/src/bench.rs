@@ -1,130 +1,362 @@
-//! Connection rates through a ClusterIP (socket LB) and a NodePort (per
-//! packet) against direct connections to the pod, measured in one lab run so
-//! the ratios hold on a noisy machine; then the per-packet program's
-//! nanoseconds per packet (`proxy-agent/examples/packet_bench.rs`).
+//! `cargo xtask bench`: what a Service costs, side by side, in one lab run
+//! per size so machine noise cancels in the ratios.
+//!
+//! For N installed services (quick: 1, 1,000, 10,000; `--full` adds
+//! 100,000), in eBPF and iptables mode:
+//! - connection rate (wrk, HTTP with `Connection: close`, to nginx) from a
+//!   client pod: straight to the pod with no agent at all (the baseline),
+//!   straight to the pod with the agent and N services installed, through a
+//!   ClusterIP (eBPF: from inside the socket-LB cgroup, and from outside it,
+//!   per packet), and through a NodePort from an external client; the
+//!   direct runs use another backend port than the service runs, so
+//!   conntrack TIME_WAIT entries of one never meet the other;
+//! - programming time: N services × 10 endpoints from a manifest to the
+//!   datapath serving, and the agent's first sync;
+//! - the latency of one endpoint change (from the test API server) to the
+//!   end of the sync that programs it, p50 and p99;
+//! - the agent's peak RSS and the BPF maps' memory.
+//!
+//! Results go to `target/bench/results.json`, a report and SVG plots next
+//! to it; `--docs` copies them into docs/.
 
-use proxy_lab::{Attempt, BIN_DIR_ENV, Lab, Pod, sh};
+use std::{
+    fmt::Write as _,
+    path::Path,
+    time::{Duration, Instant, SystemTime},
+};
 
-const MANIFEST: &str = r#"apiVersion: v1
-kind: Service
-metadata: {name: bench, namespace: bench}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.10
-  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30080}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: bench-1, namespace: bench, labels: {kubernetes.io/service-name: bench}}
-addressType: IPv4
-ports: [{name: http, port: 8080}]
-endpoints: [{addresses: [10.244.1.2]}]
-"#;
+use anyhow::Context as _;
+use proxy_lab::{BIN_DIR_ENV, Lab, Mode, Pod, Setup, Source, sh};
+use serde_json::{Value, json};
 
-struct Round {
-    /// Connections per second over the summed per-connection times.
-    rate: f64,
-    median_us: f64,
+const OUT: &str = "target/bench";
+/// nginx in the backend pod: 8080 behind the services, 8081 for direct runs.
+const SERVICE_PORT: u16 = 8080;
+const DIRECT_PORT: u16 = 8081;
+const POD: &str = "10.244.1.2";
+/// Endpoint changes timed per size.
+const CHANGES: usize = 100;
+/// iptables programming runs give up after this long.
+const IPTABLES_LIMIT: Duration = Duration::from_secs(600);
+
+pub struct Options {
+    pub full: bool,
+    /// Seconds per wrk run.
+    pub seconds: u64,
+    pub rounds: usize,
+    pub docs: bool,
 }
 
-fn measure(lab: &Lab, client: &Pod, addr: &str, n: usize) -> anyhow::Result<Round> {
-    // Pods run in the socket-LB cgroup, external clients outside it.
-    let args = ["tcp", addr, &n.to_string()];
-    let attempts = if client.name == "ext" {
-        lab.client_outside(client, &args)?
-    } else {
-        lab.client(client, &args)?
-    };
-    let mut times: Vec<f64> = attempts
-        .iter()
-        .filter_map(|a| match a {
-            Attempt::Ok { ms, .. } => Some(*ms),
-            Attempt::Err { .. } => None,
-        })
-        .collect();
-    let failures: Vec<&Attempt> =
-        attempts.iter().filter(|a| matches!(a, Attempt::Err { .. })).collect();
-    anyhow::ensure!(
-        failures.is_empty(),
-        "{} of {n} connections to {addr} failed, e.g. {:?}",
-        failures.len(),
-        &failures[..failures.len().min(3)]
-    );
-    times.sort_by(f64::total_cmp);
-    let total_s: f64 = times.iter().sum::<f64>() / 1000.0;
-    Ok(Round { rate: n as f64 / total_s, median_us: times[n / 2] * 1000.0 })
+fn sizes(full: bool) -> Vec<usize> {
+    if full { vec![1, 1_000, 10_000, 100_000] } else { vec![1, 1_000, 10_000] }
 }
 
-/// Alternates `direct` and `via` rounds and prints their rates and ratio.
-fn compare(
-    lab: &Lab,
-    client: &Pod,
-    title: &str,
-    direct: &str,
-    via: &str,
-    connections: usize,
-    rounds: usize,
-) -> anyhow::Result<()> {
-    // Warm up both paths (ARP, page cache, first map lookups).
-    measure(lab, client, direct, 100)?;
-    measure(lab, client, via, 100)?;
-    println!(
-        "\n{title}: sequential TCP connect+request+close, {connections} connections per round"
-    );
-    println!(
-        "{:>5} {:>14} {:>14} {:>8} {:>12} {:>12}",
-        "round", "direct conn/s", "via conn/s", "ratio", "direct p50", "via p50"
-    );
-    let mut ratios = Vec::new();
-    for round in 1..=rounds {
-        let d = measure(lab, client, direct, connections)?;
-        let v = measure(lab, client, via, connections)?;
-        let ratio = v.rate / d.rate;
-        ratios.push(ratio);
-        println!(
-            "{round:>5} {:>14.0} {:>14.0} {:>8.3} {:>10.1}us {:>10.1}us",
-            d.rate, v.rate, ratio, d.median_us, v.median_us
+/// `N` services: `s0` (NodePort 30080) and N-1 others, each with
+/// `endpoints` endpoints (the first on the backend pod, the others
+/// addresses nothing answers, which only the programming benchmark uses).
+fn manifest(n: usize, endpoints: usize) -> String {
+    let mut out = String::with_capacity(n * 600);
+    for i in 0..n {
+        let ip = 0x0a60_0000u32 + 10 + i as u32;
+        let ip = std::net::Ipv4Addr::from(ip);
+        let node_port = if i == 0 { ", type: NodePort" } else { "" };
+        let np = if i == 0 { ", nodePort: 30080" } else { "" };
+        let _ = write!(
+            out,
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: bench}}\nspec: {{clusterIP: {ip}{node_port}, ports: [{{name: http, port: 80, targetPort: {SERVICE_PORT}{np}}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: bench, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: {SERVICE_PORT}}}]\nendpoints: ["
         );
+        for e in 0..endpoints {
+            let addr = if e == 0 && i == 0 {
+                POD.to_string()
+            } else {
+                let k = i * endpoints + e;
+                format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)
+            };
+            let _ = write!(out, "{}{{addresses: [{addr}]}}", if e > 0 { ", " } else { "" });
+        }
+        out.push_str("]\n");
     }
-    ratios.sort_by(f64::total_cmp);
-    println!("median via/direct connection-rate ratio: {:.3}", ratios[ratios.len() / 2]);
+    out
+}
+
+/// `--bpf-lb-map-max` for N services of `endpoints` endpoints.
+fn map_max(n: usize, endpoints: usize) -> String {
+    (n * (endpoints + 1) + 1024).max(65_536).to_string()
+}
+
+/// A lab: nginx in a pod, two client pods (one for the runs through the
+/// socket-LB cgroup and direct, one for the per-packet runs: a 4-tuple the
+/// backend holds in TIME_WAIT after one kind of run would refuse the other
+/// kind's SYN, as with any NAT), an external client that can also reach the
+/// pod directly; client ports opened up.
+fn lab(setup: Setup) -> anyhow::Result<(Lab, Pod, Pod, Pod)> {
+    let mut lab = Lab::with(setup)?;
+    let web = lab.add_pod("web-0", POD)?;
+    let conf = lab.dir.join("nginx.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "daemon off; worker_processes 1; pid {dir}/nginx.pid; error_log {dir}/nginx.log;\nevents {{ worker_connections 4096; }}\nhttp {{ access_log off; keepalive_timeout 0;\n  server {{ listen {SERVICE_PORT} reuseport; listen {DIRECT_PORT} reuseport; location / {{ return 200 \"ok\\n\"; }} }} }}\n",
+            dir = lab.dir.display()
+        ),
+    )?;
+    lab.spawn_in(&web.netns, "nginx", &["-c", &conf.to_string_lossy()])?;
+    let client = lab.add_pod("client", "10.244.1.100")?;
+    let per_packet = lab.add_pod("client-pp", "10.244.1.101")?;
+    let ext = lab.add_external("ext", "192.168.100.101")?;
+    sh("ip", &["-n", &ext.netns, "route", "add", "10.244.1.0/24", "via", "192.168.100.11"])?;
+    for netns in [&client.netns, &per_packet.netns, &ext.netns] {
+        sh("ip", &["netns", "exec", netns, "sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
+        sh("ip", &["netns", "exec", netns, "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"])?;
+    }
+    // nginx is up when it answers.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while lab.labpod(&client.netns, None, &["http", &format!("{POD}:{DIRECT_PORT}"), "/"]).is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "nginx did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok((lab, client, per_packet, ext))
+}
+
+/// Connections per second wrk makes to `addr` from `client`.
+fn rate(lab: &Lab, client: &Pod, in_cgroup: bool, addr: &str, seconds: u64) -> anyhow::Result<f64> {
+    let url = format!("http://{addr}/");
+    let duration = format!("{seconds}s");
+    let args = ["-t1", "-c8", "-d", &duration, "-H", "Connection: close", &url];
+    let cgroup = in_cgroup.then_some(lab.cgroup.as_path());
+    let out = lab.run_in(&client.netns, cgroup, "wrk", &args)?;
+    let rate = out
+        .lines()
+        .find_map(|l| l.strip_prefix("Requests/sec:")?.trim().parse().ok())
+        .with_context(|| format!("no rate from wrk:\n{out}"))?;
+    if let Some(errors) = out.lines().find(|l| l.contains("Socket errors") || l.contains("Non-2xx")) {
+        eprintln!("  wrk to {addr}: {}", errors.trim());
+    }
+    Ok(rate)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Peak RSS (VmHWM) of a process, in MiB.
+fn peak_rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| l.strip_prefix("VmHWM:")?.trim().strip_suffix("kB")?.trim().parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+/// The memory the node's pinned maps lock, in MiB (bpftool's memlock).
+fn map_memory_mib(lab: &Lab) -> f64 {
+    let Ok(entries) = std::fs::read_dir(lab.pins.join("maps")) else { return 0.0 };
+    entries
+        .flatten()
+        .filter_map(|e| sh("bpftool", &["-j", "map", "show", "pinned", &e.path().to_string_lossy()]).ok())
+        .filter_map(|out| serde_json::from_str::<Value>(&out).ok()?["bytes_memlock"].as_f64())
+        .sum::<f64>()
+        / (1024.0 * 1024.0)
+}
+
+fn metric(lab: &Lab, name: &str) -> anyhow::Result<f64> {
+    let metrics = lab.metrics()?;
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .with_context(|| format!("{name} missing"))
+}
+
+fn mode_flags(mode: Mode) -> &'static [&'static str] {
+    match mode {
+        // A closed flow's SNAT port rests 60 s: the NodePort runs need the
+        // node's whole port space.
+        Mode::Ebpf => &["--snat-port-range", "1024-65000"],
+        Mode::Iptables => &[],
+    }
+}
+
+/// Connection rates at size `n` in `mode`, `rounds` alternating rounds.
+fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Value> {
+    let (mut lab, client, per_packet, ext) = lab(Setup { mode, source: Source::Manifests })?;
+    let s = opts.seconds;
+    let direct = format!("{POD}:{DIRECT_PORT}");
+    let warm = |lab: &Lab| rate(lab, &client, false, &direct, 1);
+    warm(&lab)?;
+    let baseline = median((0..opts.rounds).map(|_| rate(&lab, &client, false, &direct, s)).collect::<anyhow::Result<_>>()?);
+    lab.write_manifest(&manifest(n, 1))?;
+    let max = map_max(n, 1);
+    let mut flags = vec!["--bpf-lb-map-max", &max];
+    flags.extend(mode_flags(mode));
+    lab.start_agent(&flags)?;
+    let vip = "10.96.0.10:80";
+    let node_port = "192.168.100.11:30080";
+    let mut runs: Vec<(&str, Vec<f64>)> = vec![("direct", vec![]), ("vip", vec![]), ("node_port", vec![])];
+    if mode == Mode::Ebpf {
+        runs.push(("vip_per_packet", vec![]));
+    }
+    for _ in 0..opts.rounds {
+        for (name, values) in runs.iter_mut() {
+            let r = match *name {
+                "direct" => rate(&lab, &client, false, &direct, s)?,
+                // In eBPF mode from the socket-LB cgroup; in iptables mode
+                // the cgroup changes nothing.
+                "vip" => rate(&lab, &client, true, vip, s)?,
+                "vip_per_packet" => rate(&lab, &per_packet, false, vip, s)?,
+                _ => rate(&lab, &ext, false, node_port, s)?,
+            };
+            values.push(r);
+        }
+    }
+    let mut result = json!({
+        "mode": mode.as_arg(),
+        "services": n,
+        "baseline_per_s": baseline,
+        "agent_peak_rss_mib": lab.agent_pid_on(0).map_or(f64::NAN, peak_rss_mib),
+        "map_memory_mib": map_memory_mib(&lab),
+    });
+    for (name, values) in runs {
+        let m = median(values);
+        result[format!("{name}_per_s")] = json!(m);
+        result[format!("{name}_ratio")] = json!(m / baseline);
+    }
+    eprintln!("  {}", result);
+    Ok(result)
+}
+
+/// From starting the agent on N services × 10 endpoints to its datapath
+/// serving; and its first sync.
+fn programming(mode: Mode, n: usize) -> anyhow::Result<Value> {
+    let mut lab = Lab::with_mode(mode)?;
+    let written = manifest(n, 10);
+    lab.write_manifest(&written)?;
+    let max = map_max(n, 10);
+    let flags = ["--bpf-lb-map-max", max.as_str()];
+    let start = Instant::now();
+    lab.spawn_agent_on(0, &flags)?;
+    let limit = if mode == Mode::Iptables { IPTABLES_LIMIT } else { Duration::from_secs(600) };
+    let outcome = loop {
+        let log = lab.agent_log();
+        if log.contains("datapath ready; serving") {
+            break None;
+        }
+        if let Some(line) = log.lines().find(|l| l.contains("sync failed") || l.contains("ERROR")) {
+            break Some(line.to_string());
+        }
+        if start.elapsed() > limit {
+            break Some(format!("not serving after {limit:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let serving = start.elapsed().as_secs_f64();
+    let mut result = json!({"mode": mode.as_arg(), "services": n, "endpoints": n * 10});
+    match outcome {
+        None => {
+            result["to_serving_s"] = json!(serving);
+            let first_sync = metric(&lab, "kubeproxy_sync_proxy_rules_duration_seconds_sum");
+            if let Err(e) = &first_sync {
+                eprintln!("  no sync duration: {e:#}");
+            }
+            result["first_sync_s"] = json!(first_sync.unwrap_or(f64::NAN));
+            result["agent_peak_rss_mib"] = json!(lab.agent_pid_on(0).map_or(f64::NAN, peak_rss_mib));
+            result["map_memory_mib"] = json!(map_memory_mib(&lab));
+        }
+        Some(why) => result["failed"] = json!(why),
+    }
+    eprintln!("  {}", result);
+    Ok(result)
+}
+
+/// One endpoint change at a time through the test API server, `CHANGES`
+/// times: from the change to the end of the sync that programmed it.
+fn change_latency(mode: Mode, n: usize) -> anyhow::Result<Value> {
+    let mut lab = Lab::with(Setup { mode, source: Source::ApiServer })?;
+    lab.write_manifest(&manifest(n, 10))?;
+    let max = map_max(n, 10);
+    // The wide SNAT range of the rate runs would leave the agent no port to
+    // reach the API server from.
+    lab.start_agent(&["--bpf-lb-map-max", &max, "--min-sync-period", "0s"])?;
+    let api = lab.api().context("API server")?;
+    let mut latencies = Vec::with_capacity(CHANGES);
+    for i in 0..CHANGES {
+        let endpoint = format!("10.127.{}.{}", i / 250, i % 250 + 1);
+        let slice = format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s0-1, namespace: bench, labels: {{kubernetes.io/service-name: s0}}}}\naddressType: IPv4\nports: [{{name: http, port: {SERVICE_PORT}}}]\nendpoints: [{{addresses: [{POD}]}}, {{addresses: [{endpoint}]}}]\n"
+        );
+        let before = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH)?.as_secs_f64();
+        api.apply(&slice)?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let synced = metric(&lab, "kubeproxy_sync_proxy_rules_last_timestamp_seconds")?;
+            if synced > before {
+                latencies.push(synced - before);
+                break;
+            }
+            anyhow::ensure!(Instant::now() < deadline, "change {i} was not synced");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    latencies.sort_by(f64::total_cmp);
+    let at = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)] * 1000.0;
+    let result = json!({"mode": mode.as_arg(), "services": n, "p50_ms": at(0.5), "p99_ms": at(0.99)});
+    eprintln!("  {}", result);
+    Ok(result)
+}
+
+pub fn run(opts: Options) -> anyhow::Result<()> {
+    // SAFETY: single-threaded here; the lab reads it when starting binaries.
+    unsafe { std::env::set_var(BIN_DIR_ENV, "target/release") };
+    std::fs::create_dir_all(OUT)?;
+    let started = Instant::now();
+    let mut results = json!({
+        "command": format!("cargo xtask bench{}", if opts.full { " --full" } else { "" }),
+        "machine": machine(),
+        "connection_rates": [], "programming": [], "change_latency": [],
+    });
+    for mode in [Mode::Ebpf, Mode::Iptables] {
+        for &n in &sizes(opts.full) {
+            eprintln!("connection rates: {} mode, {n} services", mode.as_arg());
+            push(&mut results, "connection_rates", connection_rates(mode, n, &opts)?);
+        }
+    }
+    for mode in [Mode::Ebpf, Mode::Iptables] {
+        for &n in &sizes(opts.full) {
+            eprintln!("programming: {} mode, {n} services x 10 endpoints", mode.as_arg());
+            let result = programming(mode, n)?;
+            let failed = result.get("failed").is_some();
+            push(&mut results, "programming", result);
+            if failed {
+                break;
+            }
+            eprintln!("change latency: {} mode, {n} services", mode.as_arg());
+            push(&mut results, "change_latency", change_latency(mode, n)?);
+        }
+    }
+    results["duration_s"] = json!(started.elapsed().as_secs_f64());
+    std::fs::write(Path::new(OUT).join("results.json"), serde_json::to_string_pretty(&results)?)?;
+    let report = crate::report::markdown(&results);
+    std::fs::write(Path::new(OUT).join("report.md"), &report)?;
+    crate::report::plots(&results, Path::new(OUT))?;
+    println!("{report}");
+    println!("per-packet program:");
+    crate::cargo(&["run", "--quiet", "--release", "-p", "proxy-agent", "--example", "packet_bench"])?;
+    if opts.docs {
+        crate::report::to_docs(Path::new(OUT))?;
+    }
     Ok(())
 }
 
-pub fn run(connections: usize, rounds: usize) -> anyhow::Result<()> {
-    // SAFETY: single-threaded here; the lab reads it when starting binaries.
-    unsafe { std::env::set_var(BIN_DIR_ENV, "target/release") };
-    let mut lab = Lab::new()?;
-    let pod = lab.add_pod("web-0", "10.244.1.2")?;
-    lab.serve(&pod, &[8080], &[])?;
-    let client = lab.add_pod("client", "10.244.1.100")?;
-    let ext = lab.add_external("ext", "192.168.100.101")?;
-    // The external client may also reach the pod directly, routed by the node.
-    sh("ip", &["-n", &ext.netns, "route", "add", "10.244.1.0/24", "via", "192.168.100.11"])?;
-    lab.write_manifest(MANIFEST)?;
-    // A closed flow's SNAT port rests 60 s (the backend's TIME_WAIT), so one
-    // backend takes at most range/60 s new SNATed flows per second: the
-    // benchmark's rate needs the lab node's whole port space.
-    lab.start_agent(&["--snat-port-range", "1024-65000"])?;
-    compare(
-        &lab,
-        &client,
-        "ClusterIP, socket LB (pod in the cgroup)",
-        "10.244.1.2:8080",
-        "10.96.0.10:80",
-        connections,
-        rounds,
-    )?;
-    compare(
-        &lab,
-        &ext,
-        "NodePort, per packet (external client, SNAT)",
-        "10.244.1.2:8080",
-        "192.168.100.11:30080",
-        connections,
-        rounds,
-    )?;
-    drop(lab);
-    println!();
-    crate::cargo(&["run", "--quiet", "--release", "-p", "proxy-agent", "--example", "packet_bench"])
+fn push(results: &mut Value, key: &str, value: Value) {
+    if let Some(list) = results[key].as_array_mut() {
+        list.push(value);
+    }
+}
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let kernel = sh("uname", &["-r"]).unwrap_or_default();
+    format!("Linux {}, {cpus} CPUs", kernel.trim())
 }

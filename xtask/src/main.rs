@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod report;
 mod setup;
 
 use std::process::Command;
@@ -31,15 +32,23 @@ enum Task {
     },
     /// Setup, lint, build, and run every test (unit and lab; needs root).
     Test,
-    /// Measure connection rates through a service VIP against a direct pod
-    /// connection, in one lab run.
+    /// What a Service costs: connection rates against a direct connection,
+    /// programming time, change latency and memory, for 1, 1,000 and 10,000
+    /// services (and 100,000 with --full), in eBPF and iptables mode; writes
+    /// target/bench/ (results.json, report.md, plots).
     Bench {
-        /// Connections per measurement round
-        #[arg(long, default_value_t = 2000)]
-        connections: usize,
-        /// Rounds, alternating VIP and direct
-        #[arg(long, default_value_t = 5)]
+        /// Add 100,000 services
+        #[arg(long)]
+        full: bool,
+        /// Seconds per wrk run
+        #[arg(long, default_value_t = 2)]
+        seconds: u64,
+        /// Rounds per measurement (the median is reported)
+        #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Also copy the report and plots into docs/
+        #[arg(long)]
+        docs: bool,
     },
 }
 
@@ -74,11 +83,12 @@ fn main() -> anyhow::Result<()> {
             build()?;
             cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])
         }
-        Task::Bench { connections, rounds } => {
+        Task::Bench { full, seconds, rounds, docs } => {
             setup::run()?;
+            setup::bench_packages()?;
             require_root()?;
             cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])?;
-            bench::run(connections, rounds)
+            bench::run(bench::Options { full, seconds, rounds, docs })
         }
     }
 }

@@ -44,18 +44,46 @@ fn installed(package: &str) -> bool {
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
 }
 
+/// What `cargo xtask bench` adds: nginx as the backend, wrk as the client.
+const BENCH_PACKAGES: &[&str] = &["nginx-light", "wrk"];
+
+/// The benchmark's tools, installed without starting nginx on the host
+/// (the bench runs its own, inside the lab).
+pub fn bench_packages() -> anyhow::Result<()> {
+    const POLICY: &str = "/usr/sbin/policy-rc.d";
+    let missing: Vec<&str> = BENCH_PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    // Debian starts services it installs unless policy-rc.d says no.
+    let ours = !std::path::Path::new(POLICY).exists();
+    if ours {
+        std::fs::write(POLICY, "#!/bin/sh\nexit 101\n")?;
+        std::fs::set_permissions(POLICY, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    }
+    let result = install(&missing);
+    if ours {
+        let _ = std::fs::remove_file(POLICY);
+    }
+    result
+}
+
 fn apt_packages() -> anyhow::Result<()> {
     let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
     if missing.is_empty() {
         return Ok(());
     }
+    install(&missing)
+}
+
+fn install(missing: &[&str]) -> anyhow::Result<()> {
     eprintln!("setup: installing {}", missing.join(" "));
     // A fresh machine's package lists may be empty or old.
     run_cmd(Command::new("apt-get").args(["update", "-q"]))?;
     run_cmd(
         Command::new("apt-get")
             .args(["install", "-y", "-q", "--no-install-recommends"])
-            .args(&missing)
+            .args(missing)
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )
 }

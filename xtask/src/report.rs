@@ -1,0 +1,200 @@
+//! The benchmark's report: markdown tables and SVG plots from
+//! `results.json`, and their copy into docs/.
+
+use std::{fmt::Write as _, path::Path};
+
+use plotters::prelude::*;
+use serde_json::Value;
+
+fn num(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or(f64::NAN)
+}
+
+fn rows<'a>(results: &'a Value, key: &str) -> impl Iterator<Item = &'a Value> {
+    results[key].as_array().into_iter().flatten()
+}
+
+pub fn markdown(results: &Value) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "Machine: {}. Command: `{}` ({:.0} s).\n",
+        results["machine"].as_str().unwrap_or(""),
+        results["command"].as_str().unwrap_or(""),
+        num(results, "duration_s")
+    );
+    let _ = writeln!(
+        out,
+        "### Connection rate (wrk, `Connection: close`), as a ratio to a direct connection without any proxy\n"
+    );
+    let _ = writeln!(
+        out,
+        "| mode | services | baseline conn/s | direct, N installed | ClusterIP | ClusterIP per packet | NodePort | agent peak RSS MiB | BPF maps MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for r in rows(results, "connection_rates") {
+        let ratio = |k: &str| match r[k].as_f64() {
+            Some(v) => format!("{v:.3}"),
+            None => "–".into(),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.0} | {} | {} | {} | {} | {:.1} | {:.1} |",
+            r["mode"].as_str().unwrap_or(""),
+            r["services"],
+            num(r, "baseline_per_s"),
+            ratio("direct_ratio"),
+            ratio("vip_ratio"),
+            ratio("vip_per_packet_ratio"),
+            ratio("node_port_ratio"),
+            num(r, "agent_peak_rss_mib"),
+            num(r, "map_memory_mib"),
+        );
+    }
+    let _ = writeln!(out, "\n### Programming N services × 10 endpoints, and one endpoint change\n");
+    let _ = writeln!(
+        out,
+        "| mode | services | to serving (s) | first sync (s) | change p50 (ms) | change p99 (ms) | agent peak RSS MiB | BPF maps MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for r in rows(results, "programming") {
+        let change = rows(results, "change_latency")
+            .find(|c| c["mode"] == r["mode"] && c["services"] == r["services"]);
+        let latency = |k: &str| change.map_or("–".into(), |c| format!("{:.1}", num(c, k)));
+        match r["failed"].as_str() {
+            Some(why) => {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | failed: {why} | | | | | |",
+                    r["mode"].as_str().unwrap_or(""),
+                    r["services"]
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {:.2} | {:.3} | {} | {} | {:.1} | {:.1} |",
+                    r["mode"].as_str().unwrap_or(""),
+                    r["services"],
+                    num(r, "to_serving_s"),
+                    num(r, "first_sync_s"),
+                    latency("p50_ms"),
+                    latency("p99_ms"),
+                    num(r, "agent_peak_rss_mib"),
+                    num(r, "map_memory_mib"),
+                );
+            }
+        }
+    }
+    out
+}
+
+type Series = (String, Vec<(f64, f64)>);
+
+fn series(results: &Value, key: &str, fields: &[(&str, &str, &str)]) -> Vec<Series> {
+    fields
+        .iter()
+        .map(|(mode, field, label)| {
+            let points = rows(results, key)
+                .filter(|r| r["mode"] == *mode)
+                .filter_map(|r| Some((r["services"].as_f64()?, r[*field].as_f64()?)))
+                .collect();
+            (label.to_string(), points)
+        })
+        .filter(|(_, points): &Series| !points.is_empty())
+        .collect()
+}
+
+/// Each series as a line with its points, and a legend entry.
+fn draw<'a, Y>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, Cartesian2d<LogCoord<f64>, Y>>,
+    data: &[Series],
+) -> anyhow::Result<()>
+where
+    Y: Ranged<ValueType = f64>,
+{
+    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    for (i, (label, points)) in data.iter().enumerate() {
+        let color = colors[i % colors.len()];
+        chart
+            .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
+        chart.draw_series(points.iter().map(|p| Circle::new(*p, 3, color.filled())))?;
+    }
+    chart.configure_series_labels().background_style(WHITE).border_style(BLACK).draw()?;
+    Ok(())
+}
+
+fn plot(path: &Path, title: &str, y_label: &str, data: &[Series], y_log: bool) -> anyhow::Result<()> {
+    let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let points = data.iter().flat_map(|(_, p)| p.iter());
+    let (x_max, y_max) = points.clone().fold((1.0f64, 0.0f64), |(x, y), (px, py)| (x.max(*px), y.max(*py)));
+    let y_min = points.map(|(_, y)| *y).filter(|y| *y > 0.0).fold(f64::INFINITY, f64::min);
+    let x_range = (1.0f64..x_max * 2.0).log_scale();
+    let mut builder = ChartBuilder::on(&root);
+    builder.caption(title, ("sans-serif", 18)).margin(12).x_label_area_size(36).y_label_area_size(56);
+    if y_log {
+        let mut chart = builder.build_cartesian_2d(x_range, (y_min / 2.0..y_max * 2.0).log_scale())?;
+        chart.configure_mesh().x_desc("services installed").y_desc(y_label).draw()?;
+        draw(&mut chart, data)?;
+    } else {
+        let mut chart = builder.build_cartesian_2d(x_range, 0.0..(y_max * 1.15).max(1.1))?;
+        chart.configure_mesh().x_desc("services installed").y_desc(y_label).draw()?;
+        draw(&mut chart, data)?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+pub fn plots(results: &Value, dir: &Path) -> anyhow::Result<()> {
+    let rates = series(
+        results,
+        "connection_rates",
+        &[
+            ("ebpf", "vip_ratio", "eBPF socket LB (ClusterIP)"),
+            ("ebpf", "vip_per_packet_ratio", "eBPF per packet (ClusterIP)"),
+            ("iptables", "vip_ratio", "iptables (ClusterIP)"),
+            ("ebpf", "node_port_ratio", "eBPF NodePort"),
+            ("iptables", "node_port_ratio", "iptables NodePort"),
+            ("iptables", "direct_ratio", "iptables, direct to the pod"),
+        ],
+    );
+    plot(
+        &dir.join("connection-rate.svg"),
+        "Connection rate vs. a direct connection without a proxy",
+        "ratio to the baseline",
+        &rates,
+        false,
+    )?;
+    let programming = series(
+        results,
+        "programming",
+        &[("ebpf", "to_serving_s", "eBPF"), ("iptables", "to_serving_s", "iptables")],
+    );
+    plot(
+        &dir.join("programming-time.svg"),
+        "From a manifest of N services × 10 endpoints to serving",
+        "seconds",
+        &programming,
+        true,
+    )?;
+    Ok(())
+}
+
+/// Copies the plots to docs/bench/ and the report into docs/benchmarks.md
+/// (between its `bench:begin`/`bench:end` markers).
+pub fn to_docs(dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all("docs/bench")?;
+    for plot in ["connection-rate.svg", "programming-time.svg"] {
+        std::fs::copy(dir.join(plot), Path::new("docs/bench").join(plot))?;
+    }
+    let report = std::fs::read_to_string(dir.join("report.md"))?;
+    let doc = std::fs::read_to_string("docs/benchmarks.md")?;
+    let (begin, end) = ("<!-- bench:begin -->", "<!-- bench:end -->");
+    let (Some(a), Some(b)) = (doc.find(begin), doc.find(end)) else {
+        anyhow::bail!("docs/benchmarks.md lacks the {begin} … {end} markers");
+    };
+    let updated = format!("{}{begin}\n{report}\n{}", &doc[..a], &doc[b..]);
+    std::fs::write("docs/benchmarks.md", updated)?;
+    Ok(())
+}
