@@ -13,6 +13,7 @@
 
 use std::{
     io::{BufRead, BufReader},
+    os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     sync::atomic::{AtomicUsize, Ordering},
@@ -571,7 +572,11 @@ impl Lab {
         let out = match cgroup {
             None => Command::new("nsenter").arg(&net).arg(program).args(args).output()?,
             Some(cgroup) => Command::new("sh")
-                .args(["-c", r#"cg=$1; shift; echo $$ > "$cg/cgroup.procs" && exec nsenter "$@""#, "sh"])
+                .args([
+                    "-c",
+                    r#"cg=$1; shift; echo $$ > "$cg/cgroup.procs" && exec nsenter "$@""#,
+                    "sh",
+                ])
                 .arg(cgroup)
                 .arg(&net)
                 .arg(program)
@@ -664,6 +669,8 @@ impl Lab {
             .env("RUST_LOG", "info")
             .stdout(log.try_clone()?)
             .stderr(log)
+            // Its own process group: stopping it stops what it runs too.
+            .process_group(0)
             .spawn()?;
         host.agent = Some(child);
         Ok(())
@@ -676,8 +683,7 @@ impl Lab {
 
     pub fn kill_agent_on(&mut self, node: usize) {
         if let Some(mut agent) = self.nodes[node].agent.take() {
-            let _ = agent.kill();
-            let _ = agent.wait();
+            stop(&mut agent, libc::SIGKILL);
         }
     }
 
@@ -823,9 +829,9 @@ impl Lab {
         }
         for node in &mut self.nodes {
             if let Some(mut agent) = node.agent.take() {
-                // SIGTERM: the agent's clean stop path.
-                unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
-                let _ = agent.wait();
+                // SIGTERM: the agent's clean stop path (SIGKILL if a long
+                // sync keeps it from answering).
+                stop(&mut agent, libc::SIGTERM);
             }
             // Rules die with the namespace; pins live in the lab's bpffs.
             let _ = node.cleanup();
@@ -845,6 +851,21 @@ impl Drop for Lab {
     fn drop(&mut self) {
         self.teardown();
     }
+}
+
+/// Signals an agent's process group (it and the tools it runs), and kills
+/// it after 5 s if it has not stopped.
+fn stop(agent: &mut Child, signal: i32) {
+    let group = -(agent.id() as i32);
+    // SAFETY: signals to a process group this lab created.
+    unsafe { libc::kill(group, signal) };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while matches!(agent.try_wait(), Ok(None)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: as above; the group may be gone already.
+    unsafe { libc::kill(group, libc::SIGKILL) };
+    let _ = agent.wait();
 }
 
 fn sysctl(netns: &str, key: &str, value: &str) -> anyhow::Result<()> {

@@ -7,7 +7,8 @@
 //!   client pod: straight to the pod with no agent at all (the baseline),
 //!   straight to the pod with the agent and N services installed, through a
 //!   ClusterIP (eBPF: from inside the socket-LB cgroup, and from outside it,
-//!   per packet), and through a NodePort from an external client; the
+//!   per packet), and through a NodePort (policy Local: no SNAT) from an
+//!   external client; the
 //!   direct runs use another backend port than the service runs, so
 //!   conntrack TIME_WAIT entries of one never meet the other;
 //! - programming time: N services × 10 endpoints from a manifest to the
@@ -34,10 +35,14 @@ const OUT: &str = "target/bench";
 const SERVICE_PORT: u16 = 8080;
 const DIRECT_PORT: u16 = 8081;
 const POD: &str = "10.244.1.2";
-/// Endpoint changes timed per size.
+/// Endpoint changes timed per size (fewer in iptables mode in the quick
+/// profile: each rewrites the large top-level chains).
 const CHANGES: usize = 100;
-/// iptables programming runs give up after this long.
-const IPTABLES_LIMIT: Duration = Duration::from_secs(600);
+const QUICK_IPTABLES_CHANGES: usize = 20;
+/// Programming runs give up after this long (the quick profile's budget is
+/// ten minutes in all).
+const LIMIT: Duration = Duration::from_secs(600);
+const QUICK_IPTABLES_LIMIT: Duration = Duration::from_secs(60);
 
 pub struct Options {
     pub full: bool,
@@ -59,7 +64,10 @@ fn manifest(n: usize, endpoints: usize) -> String {
     for i in 0..n {
         let ip = 0x0a60_0000u32 + 10 + i as u32;
         let ip = std::net::Ipv4Addr::from(ip);
-        let node_port = if i == 0 { ", type: NodePort" } else { "" };
+        // NodePort with policy Local: the client is kept, no SNAT, so the
+        // rate measures translation rather than SNAT port capacity (a closed
+        // flow's SNAT port rests 60 s: range / 60 s flows per second).
+        let node_port = if i == 0 { ", type: NodePort, externalTrafficPolicy: Local" } else { "" };
         let np = if i == 0 { ", nodePort: 30080" } else { "" };
         let _ = write!(
             out,
@@ -72,7 +80,11 @@ fn manifest(n: usize, endpoints: usize) -> String {
                 let k = i * endpoints + e;
                 format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)
             };
-            let _ = write!(out, "{}{{addresses: [{addr}]}}", if e > 0 { ", " } else { "" });
+            let _ = write!(
+                out,
+                "{}{{addresses: [{addr}], nodeName: lab-node}}",
+                if e > 0 { ", " } else { "" }
+            );
         }
         out.push_str("]\n");
     }
@@ -106,12 +118,16 @@ fn lab(setup: Setup) -> anyhow::Result<(Lab, Pod, Pod, Pod)> {
     let ext = lab.add_external("ext", "192.168.100.101")?;
     sh("ip", &["-n", &ext.netns, "route", "add", "10.244.1.0/24", "via", "192.168.100.11"])?;
     for netns in [&client.netns, &per_packet.netns, &ext.netns] {
-        sh("ip", &["netns", "exec", netns, "sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
+        sh(
+            "ip",
+            &["netns", "exec", netns, "sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"],
+        )?;
         sh("ip", &["netns", "exec", netns, "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"])?;
     }
     // nginx is up when it answers.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while lab.labpod(&client.netns, None, &["http", &format!("{POD}:{DIRECT_PORT}"), "/"]).is_err() {
+    while lab.labpod(&client.netns, None, &["http", &format!("{POD}:{DIRECT_PORT}"), "/"]).is_err()
+    {
         anyhow::ensure!(Instant::now() < deadline, "nginx did not start");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -129,7 +145,8 @@ fn rate(lab: &Lab, client: &Pod, in_cgroup: bool, addr: &str, seconds: u64) -> a
         .lines()
         .find_map(|l| l.strip_prefix("Requests/sec:")?.trim().parse().ok())
         .with_context(|| format!("no rate from wrk:\n{out}"))?;
-    if let Some(errors) = out.lines().find(|l| l.contains("Socket errors") || l.contains("Non-2xx")) {
+    if let Some(errors) = out.lines().find(|l| l.contains("Socket errors") || l.contains("Non-2xx"))
+    {
         eprintln!("  wrk to {addr}: {}", errors.trim());
     }
     Ok(rate)
@@ -145,7 +162,9 @@ fn peak_rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
-            s.lines().find_map(|l| l.strip_prefix("VmHWM:")?.trim().strip_suffix("kB")?.trim().parse::<f64>().ok())
+            s.lines().find_map(|l| {
+                l.strip_prefix("VmHWM:")?.trim().strip_suffix("kB")?.trim().parse::<f64>().ok()
+            })
         })
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
@@ -155,7 +174,9 @@ fn map_memory_mib(lab: &Lab) -> f64 {
     let Ok(entries) = std::fs::read_dir(lab.pins.join("maps")) else { return 0.0 };
     entries
         .flatten()
-        .filter_map(|e| sh("bpftool", &["-j", "map", "show", "pinned", &e.path().to_string_lossy()]).ok())
+        .filter_map(|e| {
+            sh("bpftool", &["-j", "map", "show", "pinned", &e.path().to_string_lossy()]).ok()
+        })
         .filter_map(|out| serde_json::from_str::<Value>(&out).ok()?["bytes_memlock"].as_f64())
         .sum::<f64>()
         / (1024.0 * 1024.0)
@@ -170,15 +191,6 @@ fn metric(lab: &Lab, name: &str) -> anyhow::Result<f64> {
         .with_context(|| format!("{name} missing"))
 }
 
-fn mode_flags(mode: Mode) -> &'static [&'static str] {
-    match mode {
-        // A closed flow's SNAT port rests 60 s: the NodePort runs need the
-        // node's whole port space.
-        Mode::Ebpf => &["--snat-port-range", "1024-65000"],
-        Mode::Iptables => &[],
-    }
-}
-
 /// Connection rates at size `n` in `mode`, `rounds` alternating rounds.
 fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Value> {
     let (mut lab, client, per_packet, ext) = lab(Setup { mode, source: Source::Manifests })?;
@@ -186,15 +198,18 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     let direct = format!("{POD}:{DIRECT_PORT}");
     let warm = |lab: &Lab| rate(lab, &client, false, &direct, 1);
     warm(&lab)?;
-    let baseline = median((0..opts.rounds).map(|_| rate(&lab, &client, false, &direct, s)).collect::<anyhow::Result<_>>()?);
+    let baseline = median(
+        (0..opts.rounds)
+            .map(|_| rate(&lab, &client, false, &direct, s))
+            .collect::<anyhow::Result<_>>()?,
+    );
     lab.write_manifest(&manifest(n, 1))?;
     let max = map_max(n, 1);
-    let mut flags = vec!["--bpf-lb-map-max", &max];
-    flags.extend(mode_flags(mode));
-    lab.start_agent(&flags)?;
+    lab.start_agent(&["--bpf-lb-map-max", &max])?;
     let vip = "10.96.0.10:80";
     let node_port = "192.168.100.11:30080";
-    let mut runs: Vec<(&str, Vec<f64>)> = vec![("direct", vec![]), ("vip", vec![]), ("node_port", vec![])];
+    let mut runs: Vec<(&str, Vec<f64>)> =
+        vec![("direct", vec![]), ("vip", vec![]), ("node_port", vec![])];
     if mode == Mode::Ebpf {
         runs.push(("vip_per_packet", vec![]));
     }
@@ -229,7 +244,7 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
 
 /// From starting the agent on N services × 10 endpoints to its datapath
 /// serving; and its first sync.
-fn programming(mode: Mode, n: usize) -> anyhow::Result<Value> {
+fn programming(mode: Mode, n: usize, full: bool) -> anyhow::Result<Value> {
     let mut lab = Lab::with_mode(mode)?;
     let written = manifest(n, 10);
     lab.write_manifest(&written)?;
@@ -237,7 +252,7 @@ fn programming(mode: Mode, n: usize) -> anyhow::Result<Value> {
     let flags = ["--bpf-lb-map-max", max.as_str()];
     let start = Instant::now();
     lab.spawn_agent_on(0, &flags)?;
-    let limit = if mode == Mode::Iptables { IPTABLES_LIMIT } else { Duration::from_secs(600) };
+    let limit = if mode == Mode::Iptables && !full { QUICK_IPTABLES_LIMIT } else { LIMIT };
     let outcome = loop {
         let log = lab.agent_log();
         if log.contains("datapath ready; serving") {
@@ -261,7 +276,8 @@ fn programming(mode: Mode, n: usize) -> anyhow::Result<Value> {
                 eprintln!("  no sync duration: {e:#}");
             }
             result["first_sync_s"] = json!(first_sync.unwrap_or(f64::NAN));
-            result["agent_peak_rss_mib"] = json!(lab.agent_pid_on(0).map_or(f64::NAN, peak_rss_mib));
+            result["agent_peak_rss_mib"] =
+                json!(lab.agent_pid_on(0).map_or(f64::NAN, peak_rss_mib));
             result["map_memory_mib"] = json!(map_memory_mib(&lab));
         }
         Some(why) => result["failed"] = json!(why),
@@ -272,16 +288,15 @@ fn programming(mode: Mode, n: usize) -> anyhow::Result<Value> {
 
 /// One endpoint change at a time through the test API server, `CHANGES`
 /// times: from the change to the end of the sync that programmed it.
-fn change_latency(mode: Mode, n: usize) -> anyhow::Result<Value> {
+fn change_latency(mode: Mode, n: usize, full: bool) -> anyhow::Result<Value> {
+    let changes = if mode == Mode::Iptables && !full { QUICK_IPTABLES_CHANGES } else { CHANGES };
     let mut lab = Lab::with(Setup { mode, source: Source::ApiServer })?;
     lab.write_manifest(&manifest(n, 10))?;
     let max = map_max(n, 10);
-    // The wide SNAT range of the rate runs would leave the agent no port to
-    // reach the API server from.
     lab.start_agent(&["--bpf-lb-map-max", &max, "--min-sync-period", "0s"])?;
     let api = lab.api().context("API server")?;
-    let mut latencies = Vec::with_capacity(CHANGES);
-    for i in 0..CHANGES {
+    let mut latencies = Vec::with_capacity(changes);
+    for i in 0..changes {
         let endpoint = format!("10.127.{}.{}", i / 250, i % 250 + 1);
         let slice = format!(
             "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s0-1, namespace: bench, labels: {{kubernetes.io/service-name: s0}}}}\naddressType: IPv4\nports: [{{name: http, port: {SERVICE_PORT}}}]\nendpoints: [{{addresses: [{POD}]}}, {{addresses: [{endpoint}]}}]\n"
@@ -300,8 +315,12 @@ fn change_latency(mode: Mode, n: usize) -> anyhow::Result<Value> {
         }
     }
     latencies.sort_by(f64::total_cmp);
-    let at = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)] * 1000.0;
-    let result = json!({"mode": mode.as_arg(), "services": n, "p50_ms": at(0.5), "p99_ms": at(0.99)});
+    let at = |q: f64| {
+        latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)] * 1000.0
+    };
+    let result = json!({
+        "mode": mode.as_arg(), "services": n, "changes": changes, "p50_ms": at(0.5), "p99_ms": at(0.99),
+    });
     eprintln!("  {}", result);
     Ok(result)
 }
@@ -325,14 +344,14 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     for mode in [Mode::Ebpf, Mode::Iptables] {
         for &n in &sizes(opts.full) {
             eprintln!("programming: {} mode, {n} services x 10 endpoints", mode.as_arg());
-            let result = programming(mode, n)?;
+            let result = programming(mode, n, opts.full)?;
             let failed = result.get("failed").is_some();
             push(&mut results, "programming", result);
             if failed {
                 break;
             }
             eprintln!("change latency: {} mode, {n} services", mode.as_arg());
-            push(&mut results, "change_latency", change_latency(mode, n)?);
+            push(&mut results, "change_latency", change_latency(mode, n, opts.full)?);
         }
     }
     results["duration_s"] = json!(started.elapsed().as_secs_f64());
@@ -342,7 +361,15 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     crate::report::plots(&results, Path::new(OUT))?;
     println!("{report}");
     println!("per-packet program:");
-    crate::cargo(&["run", "--quiet", "--release", "-p", "proxy-agent", "--example", "packet_bench"])?;
+    crate::cargo(&[
+        "run",
+        "--quiet",
+        "--release",
+        "-p",
+        "proxy-agent",
+        "--example",
+        "packet_bench",
+    ])?;
     if opts.docs {
         crate::report::to_docs(Path::new(OUT))?;
     }

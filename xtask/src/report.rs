@@ -124,17 +124,29 @@ where
     Ok(())
 }
 
-fn plot(path: &Path, title: &str, y_label: &str, data: &[Series], y_log: bool) -> anyhow::Result<()> {
+fn plot(
+    path: &Path,
+    title: &str,
+    y_label: &str,
+    data: &[Series],
+    y_log: bool,
+) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
     root.fill(&WHITE)?;
     let points = data.iter().flat_map(|(_, p)| p.iter());
-    let (x_max, y_max) = points.clone().fold((1.0f64, 0.0f64), |(x, y), (px, py)| (x.max(*px), y.max(*py)));
+    let (x_max, y_max) =
+        points.clone().fold((1.0f64, 0.0f64), |(x, y), (px, py)| (x.max(*px), y.max(*py)));
     let y_min = points.map(|(_, y)| *y).filter(|y| *y > 0.0).fold(f64::INFINITY, f64::min);
     let x_range = (1.0f64..x_max * 2.0).log_scale();
     let mut builder = ChartBuilder::on(&root);
-    builder.caption(title, ("sans-serif", 18)).margin(12).x_label_area_size(36).y_label_area_size(56);
+    builder
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(56);
     if y_log {
-        let mut chart = builder.build_cartesian_2d(x_range, (y_min / 2.0..y_max * 2.0).log_scale())?;
+        let mut chart =
+            builder.build_cartesian_2d(x_range, (y_min / 2.0..y_max * 2.0).log_scale())?;
         chart.configure_mesh().x_desc("services installed").y_desc(y_label).draw()?;
         draw(&mut chart, data)?;
     } else {
