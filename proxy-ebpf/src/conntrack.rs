@@ -41,8 +41,8 @@ pub fn lookup(pkt: &Packet, cfg: &Config, now: u64) -> Option<CtEntry> {
         // A connection that bypassed the service reuses the closed flow's
         // tuple: its packets must not be rewritten for the closed flow.
         Closed::Stale => {
-            let _ = CONNTRACK.remove(&current.rewritten(pkt.tuple.proto).reversed());
-            let _ = CONNTRACK.remove(&pkt.tuple);
+            let _ = CONNTRACK.remove(current.rewritten(pkt.tuple.proto).reversed());
+            let _ = CONNTRACK.remove(pkt.tuple);
             return None;
         }
     }
