@@ -1,13 +1,15 @@
 //! Nanoseconds per packet of the per-packet program, measured by the kernel
 //! with `BPF_PROG_TEST_RUN` (nothing is sent), for the paths a packet can
-//! take: not a service, a new NodePort flow (backend pick, SNAT port, two
-//! conntrack inserts), and a packet of a tracked flow. Runs in a network
-//! namespace of its own. Needs root. `cargo xtask bench` runs it.
+//! take: not a service (a miss), a new NodePort flow (backend pick, SNAT
+//! port, two conntrack inserts), a new ClusterIP flow, and a packet of a
+//! tracked flow; with `--services N` installed (one is the NodePort's).
+//! Runs in a network namespace of its own. Needs root. `cargo xtask bench`
+//! runs it at several N and reads its `name ns` lines.
 
 use std::{net::SocketAddrV4, time::Duration};
 
 use proxy_agent::{
-    backend::ebpf::{EbpfBackend, TcAttach},
+    backend::ebpf::{EbpfBackend, MapSizes, TcAttach},
     model::{Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendPlan, Plan},
 };
@@ -30,11 +32,24 @@ fn mean(runs: &[Duration]) -> f64 {
     runs.iter().map(|d| d.as_nanos() as f64).sum::<f64>() / runs.len() as f64
 }
 
+/// ClusterIP number `i`: 10.96.0.0/12 from 10.96.0.10 on.
+fn cluster_ip(i: u32) -> [u8; 4] {
+    (0x0a60_000a + i).to_be_bytes()
+}
+
 fn main() -> anyhow::Result<()> {
     anyhow::ensure!(unsafe { libc::geteuid() } == 0, "needs root");
+    let args: Vec<String> = std::env::args().collect();
+    let services: u32 = match args.iter().position(|a| a == "--services") {
+        Some(i) => args.get(i + 1).map_or(Ok(1), |n| n.parse())?,
+        None => 1,
+    };
+    anyhow::ensure!(services >= 1, "--services N: at least 1");
     // SAFETY: single-threaded here; the namespace is this process's alone.
     anyhow::ensure!(unsafe { libc::unshare(libc::CLONE_NEWNET) } == 0, "unshare");
-    let mut dp = EbpfBackend::load(TcAttach::Tcx)?;
+    let entries = (services * 2 + 1024).max(proxy_common::MAX_SERVICE_ENTRIES);
+    let mut dp =
+        EbpfBackend::load_with(TcAttach::Tcx, MapSizes { services: entries, backends: entries })?;
     dp.configure(&Config {
         snat_addr: NODE,
         snat_port_min: 1024,
@@ -53,24 +68,34 @@ fn main() -> anyhow::Result<()> {
             host: false,
         })
         .collect();
-    let plan = Plan {
-        frontends: [(
-            Frontend { ip: NODE.into(), port: 30080, protocol: Protocol::Tcp },
-            FrontendPlan {
-                service: ServicePortName {
-                    service: ServiceName { namespace: "bench".into(), name: "web".into() },
-                    port: String::new(),
-                },
-                backends,
-                affinity_timeout_secs: None,
-                external: true,
-                local: false,
-                drop_when_empty: false,
-                source_ranges: vec![],
-            },
-        )]
-        .into(),
+    let frontend = |name: String, backends: Vec<BackendPlan>, external: bool| FrontendPlan {
+        service: ServicePortName {
+            service: ServiceName { namespace: "bench".into(), name },
+            port: String::new(),
+        },
+        backends,
+        affinity_timeout_secs: None,
+        external,
+        local: false,
+        drop_when_empty: false,
+        source_ranges: vec![],
     };
+    let mut plan = Plan::default();
+    plan.frontends.insert(
+        Frontend { ip: NODE.into(), port: 30080, protocol: Protocol::Tcp },
+        frontend("web".into(), backends, true),
+    );
+    for i in 1..services {
+        let backend = BackendPlan {
+            addr: SocketAddrV4::new([10, 245, (i / 250) as u8, (i % 250) as u8 + 1].into(), 8080),
+            local: false,
+            host: false,
+        };
+        plan.frontends.insert(
+            Frontend { ip: cluster_ip(i).into(), port: 80, protocol: Protocol::Tcp },
+            frontend(format!("s{i}"), vec![backend], false),
+        );
+    }
     dp.sync(&plan)?;
 
     let rounds = 20_000u16;
@@ -83,15 +108,25 @@ fn main() -> anyhow::Result<()> {
     for port in 0..rounds {
         tracked.push(dp.run_tc(&syn(10_000 + port, NODE, 30080), 1)?.duration);
     }
-    println!("per-packet program (tc ingress), ns per packet, kernel-measured:");
-    println!("  not a service (1M repeats)             {pass:>6}");
+    // A new flow to the last ClusterIP installed (the first with one).
+    let vip = cluster_ip(services.saturating_sub(1).max(1));
+    let mut cluster = Vec::new();
+    if services > 1 {
+        for port in 0..rounds {
+            cluster.push(dp.run_tc(&syn(30_000 + port, vip, 80), 1)?.duration);
+        }
+    }
     println!(
-        "  new NodePort flow, 100 backends, SNAT  {:>6.0}  (mean of {rounds} single runs)",
+        "per-packet program (tc ingress), {services} services, ns per packet, kernel-measured:"
+    );
+    println!("miss {pass}  (not a service, 1M repeats)");
+    println!(
+        "node_port_new {:.0}  (new NodePort flow, 100 backends, SNAT; mean of {rounds})",
         mean(&new)
     );
-    println!(
-        "  packet of a tracked flow               {:>6.0}  (mean of {rounds} single runs)",
-        mean(&tracked)
-    );
+    if !cluster.is_empty() {
+        println!("cluster_ip_new {:.0}  (new ClusterIP flow; mean of {rounds})", mean(&cluster));
+    }
+    println!("tracked {:.0}  (packet of a tracked flow; mean of {rounds})", mean(&tracked));
     Ok(())
 }

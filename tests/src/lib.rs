@@ -624,10 +624,21 @@ impl Lab {
     /// the node's cgroup, pins and address, in the lab's mode; returns once
     /// its datapath serves.
     pub fn start_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
+        self.start_agent_within(node, extra, Duration::from_secs(20))
+    }
+
+    /// As `start_agent_on`, allowing `timeout` for the first sync (a large
+    /// ruleset takes a while).
+    pub fn start_agent_within(
+        &mut self,
+        node: usize,
+        extra: &[&str],
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
         // The log is appended to across restarts: wait for one more line.
         let attached_before = self.agent_log_on(node).matches(SERVING).count();
         self.spawn_agent_on(node, extra)?;
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + timeout;
         while self.agent_log_on(node).matches(SERVING).count() == attached_before {
             let agent = self.nodes[node].agent.as_mut().context("agent")?;
             if let Some(status) = agent.try_wait()? {

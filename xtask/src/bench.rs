@@ -15,7 +15,10 @@
 //!   datapath serving, and the agent's first sync;
 //! - the latency of one endpoint change (from the test API server) to the
 //!   end of the sync that programs it, p50 and p99;
-//! - the agent's peak RSS and the BPF maps' memory.
+//! - the agent's peak RSS and the BPF maps' memory;
+//! - the per-packet program's nanoseconds per packet (`BPF_PROG_TEST_RUN`)
+//!   at 2 and 60,000 services: a miss, new NodePort and ClusterIP flows, a
+//!   tracked flow.
 //!
 //! Results go to `target/bench/results.json`, a report and SVG plots next
 //! to it; `--docs` copies them into docs/.
@@ -205,7 +208,7 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     );
     lab.write_manifest(&manifest(n, 1))?;
     let max = map_max(n, 1);
-    lab.start_agent(&["--bpf-lb-map-max", &max])?;
+    lab.start_agent_within(0, &["--bpf-lb-map-max", &max], LIMIT)?;
     let vip = "10.96.0.10:80";
     let node_port = "192.168.100.11:30080";
     let mut runs: Vec<(&str, Vec<f64>)> =
@@ -293,7 +296,7 @@ fn change_latency(mode: Mode, n: usize, full: bool) -> anyhow::Result<Value> {
     let mut lab = Lab::with(Setup { mode, source: Source::ApiServer })?;
     lab.write_manifest(&manifest(n, 10))?;
     let max = map_max(n, 10);
-    lab.start_agent(&["--bpf-lb-map-max", &max, "--min-sync-period", "0s"])?;
+    lab.start_agent_within(0, &["--bpf-lb-map-max", &max, "--min-sync-period", "0s"], LIMIT)?;
     let api = lab.api().context("API server")?;
     let mut latencies = Vec::with_capacity(changes);
     for i in 0..changes {
@@ -333,7 +336,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let mut results = json!({
         "command": format!("cargo xtask bench{}", if opts.full { " --full" } else { "" }),
         "machine": machine(),
-        "connection_rates": [], "programming": [], "change_latency": [],
+        "connection_rates": [], "programming": [], "change_latency": [], "per_packet": [],
     });
     for mode in [Mode::Ebpf, Mode::Iptables] {
         for &n in &sizes(opts.full) {
@@ -353,6 +356,21 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
             eprintln!("change latency: {} mode, {n} services", mode.as_arg());
             push(&mut results, "change_latency", change_latency(mode, n, opts.full)?);
         }
+    }
+    // The per-packet program at 2 services and at the most frontends a
+    // node holds (65,535: the reverse-NAT index is 16 bits).
+    crate::cargo(&[
+        "build",
+        "--quiet",
+        "--release",
+        "-p",
+        "proxy-agent",
+        "--example",
+        "packet_bench",
+    ])?;
+    for n in [2, 60_000] {
+        eprintln!("per-packet program: {n} services");
+        push(&mut results, "per_packet", per_packet(n)?);
     }
     results["duration_s"] = json!(started.elapsed().as_secs_f64());
     std::fs::write(Path::new(OUT).join("results.json"), serde_json::to_string_pretty(&results)?)?;
@@ -374,6 +392,21 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         crate::report::to_docs(Path::new(OUT))?;
     }
     Ok(())
+}
+
+/// `packet_bench --services n`: nanoseconds per packet by path, from its
+/// `name ns` lines.
+fn per_packet(n: usize) -> anyhow::Result<Value> {
+    let out = sh("target/release/examples/packet_bench", &["--services", &n.to_string()])?;
+    let mut result = json!({"services": n});
+    for line in out.lines() {
+        let mut words = line.split_whitespace();
+        if let (Some(name), Some(Ok(ns))) = (words.next(), words.next().map(str::parse::<f64>)) {
+            result[format!("{name}_ns")] = json!(ns);
+        }
+    }
+    eprintln!("  {result}");
+    Ok(result)
 }
 
 fn push(results: &mut Value, key: &str, value: Value) {

@@ -84,6 +84,22 @@ pub fn markdown(results: &Value) -> String {
             }
         }
     }
+    let _ = writeln!(out, "\n### Per-packet program, ns per packet (`BPF_PROG_TEST_RUN`)\n");
+    let _ = writeln!(
+        out,
+        "| services | miss (not a service) | new NodePort flow (SNAT, 100 backends) | new ClusterIP flow | tracked flow |\n|---:|---:|---:|---:|---:|"
+    );
+    for r in rows(results, "per_packet") {
+        let _ = writeln!(
+            out,
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            r["services"],
+            num(r, "miss_ns"),
+            num(r, "node_port_new_ns"),
+            num(r, "cluster_ip_new_ns"),
+            num(r, "tracked_ns")
+        );
+    }
     out
 }
 
