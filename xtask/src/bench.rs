@@ -378,16 +378,6 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     std::fs::write(Path::new(OUT).join("report.md"), &report)?;
     crate::report::plots(&results, Path::new(OUT))?;
     println!("{report}");
-    println!("per-packet program:");
-    crate::cargo(&[
-        "run",
-        "--quiet",
-        "--release",
-        "-p",
-        "proxy-agent",
-        "--example",
-        "packet_bench",
-    ])?;
     if opts.docs {
         crate::report::to_docs(Path::new(OUT))?;
     }

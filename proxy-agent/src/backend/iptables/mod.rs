@@ -395,7 +395,7 @@ pub fn cleanup(runner: &mut impl Runner) -> Result<usize, IptablesError> {
 
 #[cfg(test)]
 mod tests {
-    use std::{collections::BTreeMap, net::Ipv4Addr};
+    use std::collections::BTreeMap;
 
     use super::*;
 
@@ -510,18 +510,7 @@ mod tests {
     }
 
     fn options() -> Options {
-        Options {
-            node_name: "node-a".into(),
-            zone: None,
-            node_ips: vec![Ipv4Addr::new(192, 168, 100, 11)],
-            nodeport_addresses: vec![],
-            cluster_cidr: None,
-            masquerade_all: false,
-            localhost_nodeports: true,
-            nfacct: false,
-            random_fully: true,
-            conntrack_tcp_liberal: false,
-        }
+        Options { cluster_cidr: None, nfacct: false, ..render::tests::options() }
     }
 
     fn web(endpoints: &[&str]) -> Model {

@@ -740,38 +740,13 @@ impl<'a> ServiceRules<'a> {
             let why = format!("\"pod traffic for {s} external destinations\"");
             nat.rule(&c.ext, &["-m", "comment", "--comment", &why, "-s", &cidr, "-j", &c.svc]);
         }
-        let why = format!("\"masquerade LOCAL traffic for {s} external destinations\"");
-        nat.rule(
-            &c.ext,
-            &[
-                "-m",
-                "comment",
-                "--comment",
-                &why,
-                "-m",
-                "addrtype",
-                "--src-type",
-                "LOCAL",
-                "-j",
-                "KUBE-MARK-MASQ",
-            ],
-        );
-        let why = format!("\"route LOCAL traffic for {s} external destinations\"");
-        nat.rule(
-            &c.ext,
-            &[
-                "-m",
-                "comment",
-                "--comment",
-                &why,
-                "-m",
-                "addrtype",
-                "--src-type",
-                "LOCAL",
-                "-j",
-                &c.svc,
-            ],
-        );
+        // kube-proxy's pair for traffic from the node itself: masquerade,
+        // then the cluster-wide chain.
+        for (what, target) in [("masquerade", "KUBE-MARK-MASQ"), ("route", c.svc.as_str())] {
+            let why = format!("\"{what} LOCAL traffic for {s} external destinations\"");
+            let words = ["-m", "comment", "--comment", &why, "-m", "addrtype", "--src-type"];
+            nat.rule(&c.ext, &[&words[..], &["LOCAL", "-j", target]].concat());
+        }
         if self.has_external() {
             nat.rule(&c.ext, &["-j", &c.svl]);
         }
@@ -842,7 +817,7 @@ impl<'a> ServiceRules<'a> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::Protocol;
 
@@ -850,7 +825,9 @@ mod tests {
         crate::source::model_from_yaml(yaml)
     }
 
-    fn options() -> Options {
+    /// Options for a node `node-a` at 192.168.100.11, cluster CIDR
+    /// 10.244.0.0/16; the iptables backend's tests use them too.
+    pub(crate) fn options() -> Options {
         Options {
             node_name: "node-a".into(),
             zone: None,
