@@ -48,8 +48,10 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: single-threaded here; the namespace is this process's alone.
     anyhow::ensure!(unsafe { libc::unshare(libc::CLONE_NEWNET) } == 0, "unshare");
     let entries = (services * 2 + 1024).max(proxy_common::MAX_SERVICE_ENTRIES);
-    let mut dp =
-        EbpfBackend::load_with(TcAttach::Tcx, MapSizes { services: entries, backends: entries })?;
+    let mut dp = EbpfBackend::load_with(
+        TcAttach::Tcx,
+        MapSizes { services: entries, backends: entries, rev_nat: entries },
+    )?;
     dp.configure(&Config {
         snat_addr: NODE,
         snat_port_min: 1024,
@@ -87,7 +89,7 @@ fn main() -> anyhow::Result<()> {
     );
     for i in 1..services {
         let backend = BackendPlan {
-            addr: SocketAddrV4::new([10, 245, (i / 250) as u8, (i % 250) as u8 + 1].into(), 8080),
+            addr: SocketAddrV4::new((0x0af5_0000 + i).into(), 8080),
             local: false,
             host: false,
         };

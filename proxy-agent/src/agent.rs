@@ -416,7 +416,7 @@ impl Agent {
 /// external).
 fn no_local_endpoints(model: &Model, node_name: &str) -> (u64, u64) {
     let mut counts = (0, 0);
-    for port in model.ports.iter().filter(|p| p.has_endpoints()) {
+    for port in model.ports().filter(|p| p.has_endpoints()) {
         let none_here = port.usable_endpoints(Some(node_name)).is_empty();
         let external = port.node_port.is_some()
             || !port.external_ips.is_empty()

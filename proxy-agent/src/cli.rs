@@ -187,8 +187,9 @@ pub struct RunArgs {
     /// How the per-packet program is attached to interfaces
     #[arg(long, value_enum, default_value = "auto")]
     pub tc_attach: TcAttachArg,
-    /// Entries of the SERVICES map (a frontend plus one per backend of it)
-    /// and of the BACKENDS map; plans that do not fit are refused
+    /// Entries of the SERVICES map (a frontend plus one per backend of it),
+    /// the BACKENDS map and the REV_NAT map (one per frontend); plans that
+    /// do not fit are refused
     #[arg(long, value_name = "N", default_value_t = proxy_common::MAX_SERVICE_ENTRIES)]
     pub bpf_lb_map_max: u32,
     /// Source ports SNAT allocates from (below the NodePort and ephemeral

@@ -273,7 +273,8 @@ fn ebpf_datapath(args: &RunArgs, node: &Node) -> anyhow::Result<Ebpf> {
         TcAttachArg::Tcx => TcAttach::Tcx,
         TcAttachArg::Netlink => TcAttach::Netlink,
     };
-    let sizes = MapSizes { services: args.bpf_lb_map_max, backends: args.bpf_lb_map_max };
+    let max = args.bpf_lb_map_max;
+    let sizes = MapSizes { services: max, backends: max, rev_nat: max };
     let mut backend = EbpfBackend::load_with(tc_mode, sizes).context("loading the BPF programs")?;
     backend
         .configure(&datapath_config(args, &node.ips))

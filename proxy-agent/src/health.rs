@@ -154,7 +154,7 @@ pub struct ServiceCheck {
 pub fn service_checks(model: &Model, node_name: &str) -> BTreeMap<u16, ServiceCheck> {
     let mut checks: BTreeMap<u16, (ServiceName, std::collections::BTreeSet<Ipv4Addr>)> =
         BTreeMap::new();
-    for port in &model.ports {
+    for port in model.ports() {
         let Some(hc) = port.health_check_node_port else { continue };
         let (_, ips) =
             checks.entry(hc).or_insert_with(|| (port.name.service.clone(), Default::default()));

@@ -277,25 +277,65 @@ impl ModelError {
     }
 }
 
-/// The proxied service ports, plus what was wrong with the input.
+/// The proxied service ports, by service, plus what was wrong with the
+/// input. Kept up to date one service at a time.
 #[derive(Debug, Default)]
 pub struct Model {
-    pub ports: Vec<ServicePort>,
+    services: BTreeMap<ServiceName, Vec<ServicePort>>,
     pub errors: Vec<ModelError>,
+}
+
+impl Model {
+    /// A model of these ports (tests, tools).
+    pub fn from_ports(ports: impl IntoIterator<Item = ServicePort>) -> Model {
+        let mut by_service: BTreeMap<ServiceName, Vec<ServicePort>> = BTreeMap::new();
+        for port in ports {
+            by_service.entry(port.name.service.clone()).or_default().push(port);
+        }
+        let mut model = Model::default();
+        for (name, ports) in by_service {
+            model.set_service(name, ports);
+        }
+        model
+    }
+
+    /// Every port, by service name, port name and protocol.
+    pub fn ports(&self) -> impl Iterator<Item = &ServicePort> {
+        self.services.values().flatten()
+    }
+
+    /// The ports of one service (none if it is not proxied).
+    pub fn service(&self, name: &ServiceName) -> &[ServicePort] {
+        self.services.get(name).map_or(&[], Vec::as_slice)
+    }
+
+    pub fn service_names(&self) -> impl Iterator<Item = &ServiceName> {
+        self.services.keys()
+    }
+
+    /// Replaces a service's ports; none removes it.
+    pub fn set_service(&mut self, name: ServiceName, mut ports: Vec<ServicePort>) {
+        if ports.is_empty() {
+            self.services.remove(&name);
+        } else {
+            ports.sort_by(|a, b| a.name.cmp(&b.name).then(a.protocol.cmp(&b.protocol)));
+            self.services.insert(name, ports);
+        }
+    }
 }
 
 /// Applies kube-proxy's semantics to a snapshot of Services and EndpointSlices.
 pub fn build(services: &[Service], slices: &[EndpointSlice]) -> Model {
     let mut model = Model::default();
     let endpoints = index_slices(slices, &mut model.errors);
+    let mut ports = Vec::new();
     for service in services {
         match service_ports(service, &endpoints) {
-            Ok(ports) => model.ports.extend(ports),
+            Ok(p) => ports.extend(p),
             Err(err) => model.errors.push(err),
         }
     }
-    model.ports.sort_by(|a, b| a.name.cmp(&b.name).then(a.protocol.cmp(&b.protocol)));
-    model
+    Model { errors: model.errors, ..Model::from_ports(ports) }
 }
 
 /// Key of one slice port: (port name, protocol).
@@ -648,7 +688,7 @@ mod tests {
         let model = crate::source::model_from_yaml(&format!(
             "apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: 10.96.0.10, ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{endpoints}]\n"
         ));
-        model.ports.into_iter().next().unwrap()
+        model.ports().next().unwrap().clone()
     }
 
     fn ips(endpoints: Vec<&Endpoint>) -> Vec<String> {
@@ -718,7 +758,7 @@ endpoints: {endpoints}
     }
 
     fn http(model: &Model) -> &ServicePort {
-        model.ports.iter().find(|p| p.name.port == "http").expect("the http port")
+        model.ports().find(|p| p.name.port == "http").expect("the http port")
     }
 
     fn addrs(port: &ServicePort) -> Vec<String> {
@@ -733,12 +773,12 @@ endpoints: {endpoints}
         ];
         let model = build(&[service(WEB)], &slices);
         assert!(model.errors.is_empty(), "{:?}", model.errors);
-        let http = model.ports.iter().find(|p| p.name.port == "http").unwrap();
+        let http = model.ports().find(|p| p.name.port == "http").unwrap();
         assert_eq!(
             addrs(http),
             ["10.244.0.2:8080", "10.244.0.2:9090", "10.244.0.3:8080", "10.244.0.4:9090"]
         );
-        let dns = model.ports.iter().find(|p| p.name.port == "dns").unwrap();
+        let dns = model.ports().find(|p| p.name.port == "dns").unwrap();
         assert_eq!(dns.protocol, Protocol::Udp);
         assert_eq!(addrs(dns), ["10.244.0.2:5353", "10.244.0.3:5353", "10.244.0.4:5353"]);
         assert_eq!(http.name.to_string(), "shop/web:http");
@@ -751,7 +791,7 @@ endpoints: {endpoints}
             web_slice("b", 8080, "[{addresses: [10.244.0.2], conditions: {ready: true}}]"),
         ];
         let model = build(&[service(WEB)], &slices);
-        let http = model.ports.iter().find(|p| p.name.port == "http").unwrap();
+        let http = model.ports().find(|p| p.name.port == "http").unwrap();
         assert_eq!(http.endpoints.len(), 1);
         assert!(http.endpoints[0].ready);
     }
@@ -794,12 +834,15 @@ endpoints: {endpoints}
         let sctp = "{metadata: {name: a}, spec: {clusterIP: 10.96.0.3, ports: [{name: x, port: 80}, {name: y, port: 90, protocol: SCTP}]}}";
         let model = build(&[service(sctp)], &[]);
         assert!(model.errors.is_empty());
-        assert_eq!(model.ports.len(), 1, "the TCP port is still served");
+        assert_eq!(model.ports().count(), 1, "the TCP port is still served");
         let v6 = "{metadata: {name: b}, spec: {clusterIP: 'fd00::10', clusterIPs: ['fd00::10'], ports: [{port: 80}]}}";
         let model = build(&[service(v6)], &[]);
-        assert!(model.errors.is_empty() && model.ports.is_empty());
+        assert!(model.errors.is_empty() && model.ports().next().is_none());
         let dual = "{metadata: {name: c}, spec: {clusterIP: 'fd00::10', clusterIPs: ['fd00::10', 10.96.0.4], ports: [{port: 80}]}}";
-        assert_eq!(build(&[service(dual)], &[]).ports[0].cluster_ip, Ipv4Addr::new(10, 96, 0, 4));
+        assert_eq!(
+            build(&[service(dual)], &[]).ports().next().unwrap().cluster_ip,
+            Ipv4Addr::new(10, 96, 0, 4)
+        );
         let sctp_slice = slice(
             "{metadata: {name: s, labels: {kubernetes.io/service-name: a}}, addressType: IPv4, ports: [{name: y, port: 90, protocol: SCTP}], endpoints: [{addresses: [10.244.0.2]}]}",
         );
@@ -809,11 +852,15 @@ endpoints: {endpoints}
     #[test]
     fn load_balancer_ips_in_proxy_mode_and_stray_health_check_ports_are_ignored() {
         let lb = "{metadata: {name: a}, spec: {type: LoadBalancer, clusterIP: 10.96.0.3, externalTrafficPolicy: Local, healthCheckNodePort: 32000, ports: [{port: 80, nodePort: 30080}]}, status: {loadBalancer: {ingress: [{ip: 10.200.0.1}, {ip: 10.200.0.2, ipMode: Proxy}, {hostname: lb.example}]}}}";
-        let port = &build(&[service(lb)], &[]).ports[0];
+        let model = build(&[service(lb)], &[]);
+        let port = model.ports().next().unwrap();
         assert_eq!(port.load_balancer_ips, vec![Ipv4Addr::new(10, 200, 0, 1)]);
         assert_eq!(port.health_check_node_port, Some(32000));
         let cluster = lb.replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster");
-        assert_eq!(build(&[service(&cluster)], &[]).ports[0].health_check_node_port, None);
+        assert_eq!(
+            build(&[service(&cluster)], &[]).ports().next().unwrap().health_check_node_port,
+            None
+        );
     }
 
     #[test]
@@ -825,7 +872,7 @@ endpoints: {endpoints}
         ];
         for yaml in skipped {
             let model = build(&[service(yaml)], &[]);
-            assert!(model.ports.is_empty() && model.errors.is_empty(), "{yaml}");
+            assert!(model.ports().next().is_none() && model.errors.is_empty(), "{yaml}");
         }
     }
 
@@ -834,7 +881,7 @@ endpoints: {endpoints}
         let mut other = web_slice("x", 8080, "[{addresses: [10.244.0.9]}]");
         other.metadata.namespace = Some("default".into());
         let model = build(&[service(WEB)], &[other]);
-        assert!(model.ports.iter().all(|p| p.endpoints.is_empty()));
+        assert!(model.ports().all(|p| p.endpoints.is_empty()));
     }
 
     #[test]
@@ -864,7 +911,7 @@ endpoints: {endpoints}
         ];
         for (yaml, name) in bad {
             let model = build(&[service(yaml), service(WEB)], &[]);
-            assert_eq!(model.ports.len(), 2, "{yaml}: the good service is still served");
+            assert_eq!(model.ports().count(), 2, "{yaml}: the good service is still served");
             assert_eq!(model.errors.len(), 1, "{yaml}");
             let message = model.errors[0].to_string();
             assert!(message.contains(&format!("default/{name}")), "{message}");
@@ -885,14 +932,20 @@ endpoints: {endpoints}
     fn session_affinity_timeout_defaults_and_overrides() {
         let default = "{metadata: {name: a}, spec: {clusterIP: 10.96.0.3, sessionAffinity: ClientIP, ports: [{port: 80}]}}";
         let set = "{metadata: {name: a}, spec: {clusterIP: 10.96.0.3, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 5}}, ports: [{port: 80}]}}";
-        assert_eq!(build(&[service(default)], &[]).ports[0].affinity_timeout_secs, Some(10_800));
-        assert_eq!(build(&[service(set)], &[]).ports[0].affinity_timeout_secs, Some(5));
-        assert_eq!(build(&[service(WEB)], &[]).ports[0].affinity_timeout_secs, None);
+        assert_eq!(
+            build(&[service(default)], &[]).ports().next().unwrap().affinity_timeout_secs,
+            Some(10_800)
+        );
+        assert_eq!(
+            build(&[service(set)], &[]).ports().next().unwrap().affinity_timeout_secs,
+            Some(5)
+        );
+        assert_eq!(build(&[service(WEB)], &[]).ports().next().unwrap().affinity_timeout_secs, None);
     }
 
     #[test]
     fn unnamed_port_name_is_namespace_and_name() {
         let s = "{metadata: {name: a, namespace: n}, spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}}";
-        assert_eq!(build(&[service(s)], &[]).ports[0].name.to_string(), "n/a");
+        assert_eq!(build(&[service(s)], &[]).ports().next().unwrap().name.to_string(), "n/a");
     }
 }

@@ -90,7 +90,7 @@ pub struct ConflictError {
 pub fn plan(model: &Model, node: &Node) -> (Plan, Vec<ConflictError>) {
     let mut plan = Plan::default();
     let mut conflicts = Vec::new();
-    for port in &model.ports {
+    for port in model.ports() {
         for (frontend, fp) in frontends(port, node) {
             if let Some(existing) = plan.frontends.get(&frontend) {
                 // The same address listed twice by one service port: the
@@ -198,7 +198,7 @@ mod tests {
     }
 
     fn one(ports: Vec<ServicePort>) -> Plan {
-        let (plan, conflicts) = plan(&model::Model { ports, errors: vec![] }, &node());
+        let (plan, conflicts) = plan(&model::Model::from_ports(ports), &node());
         assert!(conflicts.is_empty());
         plan
     }
@@ -246,7 +246,7 @@ mod tests {
         // --nodeport-addresses narrows the node ports.
         let mut n = node();
         n.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap().unwrap()];
-        let (narrowed, _) = super::plan(&model::Model { ports: vec![p], errors: vec![] }, &n);
+        let (narrowed, _) = super::plan(&model::Model::from_ports([p]), &n);
         assert_eq!(narrowed.frontends.len(), 4);
     }
 
@@ -279,10 +279,10 @@ mod tests {
 
     #[test]
     fn conflicting_frontends_keep_the_first_and_report_the_second() {
-        let model = model::Model {
-            ports: vec![port("a", [10, 96, 0, 1], &[]), port("b", [10, 96, 0, 1], &[])],
-            errors: vec![],
-        };
+        let model = model::Model::from_ports([
+            port("a", [10, 96, 0, 1], &[]),
+            port("b", [10, 96, 0, 1], &[]),
+        ]);
         let (plan, conflicts) = plan(&model, &node());
         assert_eq!(plan.frontends.len(), 1);
         assert_eq!(conflicts.len(), 1);

@@ -89,11 +89,10 @@ impl ServiceKey {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ServiceValue {
     pub backend_id: u32,
-    pub count: u16,
-    pub rev_nat_id: u16,
+    pub rev_nat_id: u32,
     pub affinity_timeout_secs: u32,
+    pub count: u16,
     pub flags: u16,
-    pub _pad: u16,
 }
 
 /// Value of the backends map, keyed by a `u32` backend id.
@@ -106,7 +105,7 @@ pub struct Backend {
     pub flags: u8,
 }
 
-/// Value of the reverse-NAT map, keyed by a `u16` reverse-NAT id: the
+/// Value of the reverse-NAT map, keyed by a `u32` reverse-NAT id: the
 /// service address replies must appear to come from.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -134,7 +133,8 @@ pub struct SockRevNatKey {
 pub struct SockRevNat {
     pub address: [u8; 4],
     pub port: u16,
-    pub rev_nat_id: u16,
+    pub _pad: u16,
+    pub rev_nat_id: u32,
 }
 
 /// `AffinityKey::kind`: the client is a network-namespace cookie (socket LB:
@@ -148,9 +148,9 @@ pub const AFFINITY_CLIENT_IPV4: u8 = 1;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct AffinityKey {
     pub client: u64,
-    pub rev_nat_id: u16,
+    pub rev_nat_id: u32,
     pub kind: u8,
-    pub _pad: [u8; 5],
+    pub _pad: [u8; 3],
 }
 
 /// Value of the session-affinity map.
@@ -306,9 +306,9 @@ pub struct CtEntry {
     pub daddr: [u8; 4],
     pub sport: u16,
     pub dport: u16,
-    pub rev_nat_id: u16,
+    pub rev_nat_id: u32,
     pub flags: u8,
-    pub _pad: u8,
+    pub _pad: [u8; 7],
 }
 
 impl CtEntry {
@@ -346,13 +346,12 @@ pub struct FragRewrite {
 }
 
 /// Data part of the `SOURCE_RANGES` LPM key: a frontend (by reverse-NAT id)
-/// and a source address. The prefix length covers the 32 bits of id and
-/// padding, then the address bits.
+/// and a source address. The prefix length covers the 32 bits of the id,
+/// then the address bits.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SourceRangeKey {
-    pub rev_nat_id: u16,
-    pub _pad: u16,
+    pub rev_nat_id: u32,
     pub address: [u8; 4],
 }
 
@@ -476,11 +475,11 @@ mod tests {
         assert_eq!(size_of::<Backend>(), 8);
         assert_eq!(size_of::<RevNat>(), 8);
         assert_eq!(size_of::<SockRevNatKey>(), 16);
-        assert_eq!(size_of::<SockRevNat>(), 8);
+        assert_eq!(size_of::<SockRevNat>(), 12);
         assert_eq!(size_of::<AffinityKey>(), 16);
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<CtKey>(), 16);
-        assert_eq!(size_of::<CtEntry>(), 24);
+        assert_eq!(size_of::<CtEntry>(), 32);
         assert_eq!(size_of::<SourceRangeKey>(), 8);
         assert_eq!(size_of::<FragKey>(), 12);
         assert_eq!(size_of::<FragRewrite>(), 8);

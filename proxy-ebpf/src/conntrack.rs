@@ -82,7 +82,7 @@ fn port_free(key: &CtKey, cfg: &Config, now: u64) -> bool {
 pub fn create(
     orig: &CtKey,
     mut xlated: CtKey,
-    rev_nat_id: u16,
+    rev_nat_id: u32,
     snat: bool,
     cfg: &Config,
     now: u64,
@@ -98,7 +98,7 @@ pub fn create(
         dport: back.dport,
         rev_nat_id,
         flags: flags | CT_FLAG_REPLY,
-        _pad: 0,
+        _pad: [0; 7],
     };
     if snat {
         let span = (cfg.snat_port_max.saturating_sub(cfg.snat_port_min)) as u32 + 1;
@@ -128,7 +128,7 @@ pub fn create(
         dport: xlated.dport,
         rev_nat_id,
         flags,
-        _pad: 0,
+        _pad: [0; 7],
     };
     if CONNTRACK.insert(orig, forward, BPF_ANY as u64).is_err() {
         let _ = CONNTRACK.remove(xlated.reversed());

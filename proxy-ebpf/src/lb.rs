@@ -14,7 +14,7 @@ pub enum Verdict {
     /// A service with no backend: refuse.
     NoBackend,
     /// Send to this backend; replies must look like they come from the service.
-    Backend { backend: Backend, rev_nat_id: u16 },
+    Backend { backend: Backend, rev_nat_id: u32 },
 }
 
 #[inline(always)]
@@ -47,7 +47,7 @@ pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Ve
         count(Counter::NoBackend);
         return Verdict::NoBackend;
     }
-    let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, kind, _pad: [0; 5] };
+    let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, kind, _pad: [0; 3] };
     let affine = svc.flags & SVC_FLAG_AFFINITY != 0;
     let now = unsafe { bpf_ktime_get_ns() };
     if affine && let Some((_, backend)) = affine_backend(&affinity_key, svc, now) {

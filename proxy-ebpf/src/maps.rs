@@ -20,7 +20,7 @@ pub static SERVICES: HashMap<ServiceKey, ServiceValue, { MAX_SERVICE_ENTRIES as 
 pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }> = HashMap::new();
 
 #[btf_map]
-pub static REV_NAT: HashMap<u16, RevNat, { MAX_REV_NAT as usize }> = HashMap::new();
+pub static REV_NAT: HashMap<u32, RevNat, { MAX_REV_NAT as usize }> = HashMap::new();
 
 #[btf_map]
 pub static SOCK_REV_NAT: LruHashMap<SockRevNatKey, SockRevNat, { MAX_SOCK_REV_NAT as usize }> =

@@ -68,7 +68,7 @@ pub fn try_translate(ctx: &SockAddrContext) -> i32 {
             let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
             let rev_key =
                 SockRevNatKey { cookie, address: backend.address, port: backend.port, _pad: 0 };
-            let rev = SockRevNat { address: key.address, port: key.port, rev_nat_id };
+            let rev = SockRevNat { address: key.address, port: key.port, _pad: 0, rev_nat_id };
             let _ = SOCK_REV_NAT.insert(rev_key, rev, 0);
             set_user_addr(ctx, backend.address, backend.port);
             ALLOW

@@ -122,7 +122,7 @@ fn in_prefix(addr: [u8; 4], prefix: [u8; 4], len: u8) -> bool {
 fn source_allowed(svc: &ServiceValue, saddr: [u8; 4]) -> bool {
     let key = Key::new(
         SOURCE_RANGE_PREFIX_BITS + 32,
-        SourceRangeKey { rev_nat_id: svc.rev_nat_id, _pad: 0, address: saddr },
+        SourceRangeKey { rev_nat_id: svc.rev_nat_id, address: saddr },
     );
     SOURCE_RANGES.get(&key).is_some()
 }

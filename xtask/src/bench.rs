@@ -17,7 +17,7 @@
 //!   end of the sync that programs it, p50 and p99;
 //! - the agent's peak RSS and the BPF maps' memory;
 //! - the per-packet program's nanoseconds per packet (`BPF_PROG_TEST_RUN`)
-//!   at 2 and 60,000 services: a miss, new NodePort and ClusterIP flows, a
+//!   at 2 and 100,000 services: a miss, new NodePort and ClusterIP flows, a
 //!   tracked flow.
 //!
 //! Results go to `target/bench/results.json`, a report and SVG plots next
@@ -357,8 +357,8 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
             push(&mut results, "change_latency", change_latency(mode, n, opts.full)?);
         }
     }
-    // The per-packet program at 2 services and at the most frontends a
-    // node holds (65,535: the reverse-NAT index is 16 bits).
+    // The per-packet program at 2 services (a NodePort and a ClusterIP)
+    // and at 100,000.
     crate::cargo(&[
         "build",
         "--quiet",
@@ -368,7 +368,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         "--example",
         "packet_bench",
     ])?;
-    for n in [2, 60_000] {
+    for n in [2, 100_000] {
         eprintln!("per-packet program: {n} services");
         push(&mut results, "per_packet", per_packet(n)?);
     }

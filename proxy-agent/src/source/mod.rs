@@ -177,12 +177,12 @@ mod tests {
             }]
         );
         let model = store.model();
-        assert_eq!(model.ports.len(), 1);
-        assert_eq!(model.ports[0].port, 80);
+        assert_eq!(model.ports().count(), 1);
+        assert_eq!(model.ports().next().unwrap().port, 80);
 
         // Deleting it for real removes it.
         store.replace(Snapshot::default());
-        assert!(store.model().ports.is_empty());
+        assert!(store.model().ports().next().is_none());
     }
 
     #[test]
@@ -229,6 +229,6 @@ mod tests {
         };
         let update = store.replace(Snapshot { rejected: vec![rejected], ..Default::default() });
         assert_eq!(update.kept.len(), 1);
-        assert_eq!(store.model().ports.len(), 1);
+        assert_eq!(store.model().ports().count(), 1);
     }
 }

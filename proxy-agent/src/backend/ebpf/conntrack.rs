@@ -79,7 +79,7 @@ mod tests {
             dport: to.dport,
             rev_nat_id: 1,
             flags,
-            _pad: 0,
+            _pad: [0; 7],
         };
         [
             (orig, entry(xlated, expires[0], CT_FLAG_SNAT)),

@@ -38,8 +38,8 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP,
-    MAX_BACKENDS, MAX_SERVICE_ENTRIES, RevNat, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue,
-    SourceRangeKey, map_names,
+    MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat, SOURCE_RANGE_PREFIX_BITS, ServiceKey,
+    ServiceValue, SourceRangeKey, map_names,
 };
 
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
@@ -142,10 +142,10 @@ impl MapWriter for Maps {
                     HashMap::<_, u32, Backend>::try_from(&mut self.backends)?.remove(id)
                 }
                 MapOp::PutRevNat { id, value, .. } => {
-                    HashMap::<_, u16, RevNat>::try_from(&mut self.rev_nat)?.insert(id, value, 0)
+                    HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?.insert(id, value, 0)
                 }
                 MapOp::DeleteRevNat { id, .. } => {
-                    HashMap::<_, u16, RevNat>::try_from(&mut self.rev_nat)?.remove(id)
+                    HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?.remove(id)
                 }
                 MapOp::PutService { key, value } => {
                     HashMap::<_, ServiceKey, ServiceValue>::try_from(&mut self.services)?
@@ -172,10 +172,10 @@ impl MapWriter for Maps {
     }
 }
 
-fn source_range_key(rev_nat_id: u16, cidr: &crate::model::Cidr) -> Key<SourceRangeKey> {
+fn source_range_key(rev_nat_id: u32, cidr: &crate::model::Cidr) -> Key<SourceRangeKey> {
     Key::new(
         SOURCE_RANGE_PREFIX_BITS + cidr.len as u32,
-        SourceRangeKey { rev_nat_id, _pad: 0, address: cidr.addr.octets() },
+        SourceRangeKey { rev_nat_id, address: cidr.addr.octets() },
     )
 }
 
@@ -224,11 +224,13 @@ pub struct MapSizes {
     /// SERVICES: one entry per frontend plus one per backend slot.
     pub services: u32,
     pub backends: u32,
+    /// REV_NAT: one entry per frontend.
+    pub rev_nat: u32,
 }
 
 impl Default for MapSizes {
     fn default() -> Self {
-        MapSizes { services: MAX_SERVICE_ENTRIES, backends: MAX_BACKENDS }
+        MapSizes { services: MAX_SERVICE_ENTRIES, backends: MAX_BACKENDS, rev_nat: MAX_REV_NAT }
     }
 }
 
@@ -244,6 +246,7 @@ impl EbpfBackend {
         let mut ebpf = aya::EbpfLoader::new()
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
+            .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
             .load(OBJECT)?;
         for name in PROGRAMS {
             program::<CgroupSockAddr>(&mut ebpf, name)?

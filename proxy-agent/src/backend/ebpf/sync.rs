@@ -18,9 +18,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use proxy_common::{
-    BACKEND_FLAG_HOST, BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_REV_NAT,
-    MAX_SOURCE_RANGES, RevNat, SVC_FLAG_AFFINITY, SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL,
-    SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
+    BACKEND_FLAG_HOST, BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_SOURCE_RANGES,
+    RevNat, SVC_FLAG_AFFINITY, SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL,
+    SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
 };
 
 use crate::{
@@ -32,12 +32,12 @@ use crate::{
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MapOp {
     PutBackend { id: u32, backend: Backend },
-    PutRevNat { frontend: Frontend, id: u16, value: RevNat },
+    PutRevNat { frontend: Frontend, id: u32, value: RevNat },
     PutService { key: ServiceKey, value: ServiceValue },
     DeleteService { key: ServiceKey },
-    DeleteRevNat { frontend: Frontend, id: u16 },
-    PutSourceRange { frontend: Frontend, rev_nat_id: u16, cidr: Cidr },
-    DeleteSourceRange { frontend: Frontend, rev_nat_id: u16, cidr: Cidr },
+    DeleteRevNat { frontend: Frontend, id: u32 },
+    PutSourceRange { frontend: Frontend, rev_nat_id: u32, cidr: Cidr },
+    DeleteSourceRange { frontend: Frontend, rev_nat_id: u32, cidr: Cidr },
     DeleteBackend { id: u32 },
 }
 
@@ -66,11 +66,11 @@ pub struct SyncReport {
 
 /// Services (by reverse-NAT id) whose affinity entries may name a backend
 /// they no longer have, with the backends they keep.
-pub type AffinityPurge = BTreeMap<u16, BTreeSet<u32>>;
+pub type AffinityPurge = BTreeMap<u32, BTreeSet<u32>>;
 
 #[derive(Clone, Debug, Default)]
 struct InstalledFrontend {
-    rev_nat_id: u16,
+    rev_nat_id: u32,
     value: Option<ServiceValue>,
     slots: BTreeMap<u16, u32>,
     source_ranges: BTreeSet<Cidr>,
@@ -82,9 +82,9 @@ pub struct SyncState {
     backends: BTreeMap<Backend, u32>,
     backend_by_id: BTreeMap<u32, Backend>,
     frontends: BTreeMap<Frontend, InstalledFrontend>,
-    rev_nat: BTreeSet<u16>,
+    rev_nat: BTreeSet<u32>,
     last_backend_id: u32,
-    last_rev_nat_id: u16,
+    last_rev_nat_id: u32,
     /// Affinity cleanups owed, kept across failed syncs until done.
     pending_purge: AffinityPurge,
     /// The service maps' sizes.
@@ -196,7 +196,7 @@ impl SyncState {
         let checks = [
             ("backend", backends, self.capacity.backends),
             ("service", installed_entries + new_entries, self.capacity.services),
-            ("reverse-NAT", self.rev_nat.len() + new_frontends, MAX_REV_NAT - 1),
+            ("reverse-NAT", self.rev_nat.len() + new_frontends, self.capacity.rev_nat),
             ("source-range", ranges, MAX_SOURCE_RANGES),
         ];
         for (what, needed, capacity) in checks {
@@ -269,7 +269,6 @@ impl SyncState {
                 rev_nat_id,
                 affinity_timeout_secs: fp.affinity_timeout_secs.unwrap_or(0),
                 flags: flags(fp),
-                _pad: 0,
             };
             if installed.value != Some(value) {
                 ops.push(MapOp::PutService { key: service_key(frontend, 0), value });
@@ -451,8 +450,8 @@ mod tests {
     struct Maps {
         services: BTreeMap<ServiceKey, ServiceValue>,
         backends: BTreeMap<u32, Backend>,
-        rev_nat: BTreeMap<u16, RevNat>,
-        source_ranges: BTreeSet<(u16, Cidr)>,
+        rev_nat: BTreeMap<u32, RevNat>,
+        source_ranges: BTreeSet<(u32, Cidr)>,
         writes: usize,
         fail_at: Option<usize>,
     }
@@ -702,7 +701,7 @@ mod tests {
     #[test]
     fn plans_that_do_not_fit_are_refused_before_any_write() {
         let mut big = Plan::default();
-        for i in 0..MAX_REV_NAT {
+        for i in 0..101 {
             let frontend =
                 Frontend { ip: Ipv4Addr::from(0x0a60_0000 + i), port: 80, protocol: Protocol::Tcp };
             big.frontends.insert(
@@ -722,15 +721,12 @@ mod tests {
             );
         }
         let mut maps = Maps::default();
-        let err = SyncState::default().sync(&big, &mut maps).unwrap_err();
+        let sizes = |services, rev_nat| super::super::MapSizes { services, backends: 100, rev_nat };
+        let err = SyncState::with_capacity(sizes(1000, 100)).sync(&big, &mut maps).unwrap_err();
         assert!(matches!(err, SyncError::Capacity { what: "reverse-NAT", .. }), "{err}");
         assert_eq!(maps.writes, 0);
 
-        // Smaller service maps (--bpf-lb-map-max) refuse sooner.
-        let small = super::super::MapSizes { services: 100, backends: 100 };
-        let mut first_hundred = Plan::default();
-        first_hundred.frontends.extend(big.frontends.into_iter().take(101));
-        let err = SyncState::with_capacity(small).sync(&first_hundred, &mut maps).unwrap_err();
+        let err = SyncState::with_capacity(sizes(100, 1000)).sync(&big, &mut maps).unwrap_err();
         assert!(matches!(err, SyncError::Capacity { what: "service", capacity: 100, .. }), "{err}");
         assert_eq!(maps.writes, 0);
     }

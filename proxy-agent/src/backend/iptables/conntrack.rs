@@ -42,8 +42,7 @@ pub type UdpServices = BTreeMap<ServicePortName, UdpService>;
 /// The UDP service ports of `model` on a node with `node_ips`.
 pub fn udp_services(model: &Model, node_ips: &[Ipv4Addr]) -> UdpServices {
     model
-        .ports
-        .iter()
+        .ports()
         .filter(|p| p.protocol == Protocol::Udp)
         .map(|p| {
             let service = UdpService {
@@ -73,8 +72,7 @@ fn service_frontends(p: &ServicePort) -> impl Iterator<Item = (Ipv4Addr, u16)> +
 /// load-balancer IPs with the port, node addresses with the NodePort.
 pub fn frontends(model: &Model, node_ips: &[Ipv4Addr]) -> BTreeSet<(Protocol, Ipv4Addr, u16)> {
     model
-        .ports
-        .iter()
+        .ports()
         .flat_map(|p| {
             let node_ports =
                 p.node_port.into_iter().flat_map(|np| node_ips.iter().map(move |ip| (*ip, np)));

@@ -265,8 +265,7 @@ fn probability(left: usize) -> String {
 
 /// The rules for `model`.
 pub fn render(model: &Model, opts: &Options) -> Ruleset {
-    let large =
-        model.ports.iter().map(|p| p.endpoints.len()).sum::<usize>() > LARGE_CLUSTER_ENDPOINTS;
+    let large = model.ports().map(|p| p.endpoints.len()).sum::<usize>() > LARGE_CLUSTER_ENDPOINTS;
     let mut filter = Table::default();
     let mut nat = Table::default();
     for chain in [
@@ -322,7 +321,7 @@ pub fn render(model: &Model, opts: &Options) -> Ruleset {
     nat.rule("KUBE-POSTROUTING", &masquerade);
     nat.rule("KUBE-MARK-MASQ", &["-j", "MARK", "--or-mark", MARK]);
 
-    for port in &model.ports {
+    for port in model.ports() {
         ServiceRules::new(port, opts, large).write(&mut filter, &mut nat);
     }
 
@@ -1043,7 +1042,11 @@ COMMIT
             "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.50, ports: [{name: http, port: 80}]}\n",
         ) + &slice("web", &format!("[{}]", endpoints.trim_end_matches(',')));
         let l = lines(&yaml, &options());
-        let sep = endpoint_chain(&model(&yaml).ports[0].name, Protocol::Tcp, "10.245.0.1:8080");
+        let sep = endpoint_chain(
+            &model(&yaml).ports().next().unwrap().name,
+            Protocol::Tcp,
+            "10.245.0.1:8080",
+        );
         has(&l, &format!("-A {sep} -s 10.245.0.1 -j KUBE-MARK-MASQ"));
         has(&l, &format!("-A {sep} -m tcp -p tcp -j DNAT --to-destination 10.245.0.1:8080"));
         assert!(l.iter().any(|x| x.starts_with("-A KUBE-SVC-CDGGSHYLG3RE2FKL -m statistic")));
