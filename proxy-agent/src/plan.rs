@@ -9,11 +9,11 @@
 //! while a service without any endpoint refuses (TCP RST, ICMP unreachable).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet, btree_map::Entry},
     net::{Ipv4Addr, SocketAddrV4},
 };
 
-use crate::model::{Cidr, Model, Protocol, ServicePort, ServicePortName};
+use crate::model::{Cidr, Model, Protocol, ServiceName, ServicePort, ServicePortName};
 
 /// An address clients connect to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -88,27 +88,172 @@ pub struct ConflictError {
 /// Builds the plan for `node`. Two service ports claiming one frontend is a
 /// conflict: the first by name keeps it, the other is reported.
 pub fn plan(model: &Model, node: &Node) -> (Plan, Vec<ConflictError>) {
-    let mut plan = Plan::default();
-    let mut conflicts = Vec::new();
-    for port in model.ports() {
-        for (frontend, fp) in frontends(port, node) {
-            if let Some(existing) = plan.frontends.get(&frontend) {
-                // The same address listed twice by one service port: the
-                // first (a load-balancer IP, with its source ranges) stands.
-                if existing.service == port.name {
-                    continue;
-                }
-                conflicts.push(ConflictError {
-                    frontend,
-                    winner: existing.service.clone(),
-                    loser: port.name.clone(),
-                });
-                continue;
+    let mut planner = Planner::new(node.clone());
+    planner.rebuild(model);
+    let conflicts = planner.conflicts();
+    (planner.plan, conflicts)
+}
+
+/// Keeps the plan of a model up to date one service at a time.
+///
+/// Every service port claims its frontends. Of the claims on one frontend
+/// the smallest `ServicePortName` wins (the first in the model's order, as
+/// a full pass would decide) and is in the plan; the others wait in
+/// `losers`, ready to take over when the winner goes away. Replanning a
+/// service withdraws its claims and makes its new ones, touching only its
+/// own frontends: O(its frontends × log N).
+#[derive(Clone, Debug)]
+pub struct Planner {
+    node: Node,
+    plan: Plan,
+    /// Per service, the frontends its ports claim (won or lost), one claim
+    /// per frontend and port name.
+    claims: BTreeMap<ServiceName, Vec<(Frontend, ServicePortName)>>,
+    /// Per contested frontend, the claims that did not win it.
+    losers: BTreeMap<Frontend, BTreeMap<ServicePortName, FrontendPlan>>,
+}
+
+impl Planner {
+    pub fn new(node: Node) -> Self {
+        Planner { node, plan: Plan::default(), claims: BTreeMap::new(), losers: BTreeMap::new() }
+    }
+
+    pub fn node(&self) -> &Node {
+        &self.node
+    }
+
+    /// This node's zone changed: every plan may change (call rebuild after).
+    pub fn set_zone(&mut self, zone: Option<String>) {
+        self.node.zone = zone;
+    }
+
+    /// Replans every service of `model` (first plan, node changes). Returns
+    /// the frontends whose plan changed (added, removed or different).
+    pub fn rebuild(&mut self, model: &Model) -> BTreeSet<Frontend> {
+        let services: BTreeSet<ServiceName> =
+            self.claims.keys().chain(model.service_names()).cloned().collect();
+        self.update(model, &services)
+    }
+
+    /// Replans the services named (their ports as `model` now has them; a
+    /// name absent from the model was deleted). Returns the frontends whose
+    /// plan changed.
+    pub fn update(
+        &mut self,
+        model: &Model,
+        services: &BTreeSet<ServiceName>,
+    ) -> BTreeSet<Frontend> {
+        // The plans of the frontends touched, as they were.
+        let mut before: BTreeMap<Frontend, Option<FrontendPlan>> = BTreeMap::new();
+        for name in services {
+            for (frontend, port) in self.claims.remove(name).unwrap_or_default() {
+                before
+                    .entry(frontend)
+                    .or_insert_with(|| self.plan.frontends.get(&frontend).cloned());
+                self.withdraw(frontend, &port);
             }
-            plan.frontends.insert(frontend, fp);
+        }
+        for name in services {
+            let ports = model.service(name);
+            let mut claimed = BTreeSet::new();
+            let mut claims = Vec::new();
+            for port in ports {
+                for (frontend, fp) in frontends(port, &self.node) {
+                    // The same address listed twice by one service port:
+                    // the first (a load-balancer IP, with its source ranges)
+                    // stands.
+                    if !claimed.insert((frontend, &port.name)) {
+                        continue;
+                    }
+                    before
+                        .entry(frontend)
+                        .or_insert_with(|| self.plan.frontends.get(&frontend).cloned());
+                    claims.push((frontend, port.name.clone()));
+                    self.claim(frontend, fp);
+                }
+            }
+            if !claims.is_empty() {
+                self.claims.insert(name.clone(), claims);
+            }
+        }
+        let mut changed = BTreeSet::new();
+        for (frontend, old) in before {
+            self.settle(frontend);
+            if self.plan.frontends.get(&frontend) != old.as_ref() {
+                changed.insert(frontend);
+            }
+        }
+        changed
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The conflicts as they stand (loser, winner, frontend), in a stable
+    /// order: by loser, then frontend.
+    pub fn conflicts(&self) -> Vec<ConflictError> {
+        let mut conflicts: Vec<ConflictError> = self
+            .losers
+            .iter()
+            .flat_map(|(frontend, losers)| {
+                let winner = &self.plan.frontends[frontend].service;
+                losers.keys().map(move |loser| ConflictError {
+                    frontend: *frontend,
+                    winner: winner.clone(),
+                    loser: loser.clone(),
+                })
+            })
+            .collect();
+        conflicts.sort_by(|a, b| a.loser.cmp(&b.loser).then(a.frontend.cmp(&b.frontend)));
+        conflicts
+    }
+
+    /// Takes back the claim of `port` on `frontend`, won or lost.
+    fn withdraw(&mut self, frontend: Frontend, port: &ServicePortName) {
+        if self.plan.frontends.get(&frontend).is_some_and(|fp| fp.service == *port) {
+            self.plan.frontends.remove(&frontend);
+        } else if let Entry::Occupied(mut losers) = self.losers.entry(frontend) {
+            losers.get_mut().remove(port);
+            if losers.get().is_empty() {
+                losers.remove();
+            }
         }
     }
-    (plan, conflicts)
+
+    /// Claims a frontend: it is won if free, else waits (`settle` orders).
+    fn claim(&mut self, frontend: Frontend, fp: FrontendPlan) {
+        match self.plan.frontends.entry(frontend) {
+            Entry::Vacant(free) => {
+                free.insert(fp);
+            }
+            Entry::Occupied(_) => {
+                self.losers.entry(frontend).or_default().insert(fp.service.clone(), fp);
+            }
+        }
+    }
+
+    /// Gives `frontend` to its smallest claimant.
+    fn settle(&mut self, frontend: Frontend) {
+        let Entry::Occupied(mut losers) = self.losers.entry(frontend) else { return };
+        let waiting = losers.get_mut();
+        match self.plan.frontends.entry(frontend) {
+            Entry::Vacant(free) => {
+                let (_, first) = waiting.pop_first().expect("no empty loser sets");
+                free.insert(first);
+            }
+            Entry::Occupied(mut winner) => {
+                if waiting.first_key_value().is_some_and(|(name, _)| *name < winner.get().service) {
+                    let (_, first) = waiting.pop_first().expect("checked");
+                    let lost = std::mem::replace(winner.get_mut(), first);
+                    waiting.insert(lost.service.clone(), lost);
+                }
+            }
+        }
+        if losers.get().is_empty() {
+            losers.remove();
+        }
+    }
 }
 
 fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, FrontendPlan)> {
@@ -154,7 +299,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, FrontendPlan)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{self, Endpoint, ServiceName};
+    use crate::model::{self, Endpoint};
 
     fn port(name: &str, ip: [u8; 4], endpoints: &[(&str, bool, &str)]) -> ServicePort {
         ServicePort {
@@ -288,5 +433,256 @@ mod tests {
         assert_eq!(conflicts.len(), 1);
         assert_eq!(conflicts[0].loser.to_string(), "default/b");
         assert!(conflicts[0].to_string().contains("default/a"));
+    }
+
+    #[test]
+    fn a_zone_change_applies_topology_hints_on_rebuild() {
+        let mut hinted = port(
+            "a",
+            [10, 96, 0, 1],
+            &[("10.0.0.1:80", true, "node-b"), ("10.0.0.2:80", true, "node-c")],
+        );
+        hinted.endpoints[0].zone_hints = vec!["za".into()];
+        hinted.endpoints[1].zone_hints = vec!["zb".into()];
+        hinted.node_port = Some(30080);
+        let plain = port("b", [10, 96, 0, 2], &[("10.0.0.3:80", true, "node-b")]);
+        let model = model::Model::from_ports([hinted, plain]);
+        let mut planner = Planner::new(node());
+        assert_eq!(planner.rebuild(&model).len(), 4, "two ClusterIPs, two NodePorts");
+        assert_eq!(at(planner.plan(), [10, 96, 0, 1], 80).backends.len(), 2, "no zone: all");
+
+        planner.set_zone(Some("za".into()));
+        assert_eq!(planner.node().zone.as_deref(), Some("za"));
+        let changed = planner.rebuild(&model);
+        let tcp = |ip: [u8; 4], port| Frontend { ip: ip.into(), port, protocol: Protocol::Tcp };
+        assert_eq!(
+            changed,
+            BTreeSet::from([
+                tcp([10, 96, 0, 1], 80),
+                tcp([192, 168, 100, 11], 30080),
+                tcp([172, 16, 0, 11], 30080)
+            ]),
+            "the hinted service's frontends only"
+        );
+        for (ip, number) in [([10, 96, 0, 1], 80), ([192, 168, 100, 11], 30080)] {
+            let backends = &at(planner.plan(), ip, number).backends;
+            assert_eq!(backends.len(), 1);
+            assert_eq!(backends[0].addr, "10.0.0.1:80".parse().unwrap());
+        }
+        let mut zoned = node();
+        zoned.zone = Some("za".into());
+        assert_eq!(planner.plan(), &plan(&model, &zoned).0);
+
+        assert!(planner.rebuild(&model).is_empty(), "nothing changed");
+        planner.set_zone(None);
+        assert_eq!(planner.rebuild(&model), changed, "back to every endpoint");
+        assert_eq!(planner.plan(), &plan(&model, &node()).0);
+    }
+
+    /// The plan as a single pass over the model decides it: the first claim
+    /// wins; each later one is a conflict (a port repeating its own claim
+    /// aside).
+    fn first_claim_wins(model: &model::Model, node: &Node) -> (Plan, Vec<ConflictError>) {
+        let mut plan = Plan::default();
+        let mut conflicts = Vec::new();
+        for port in model.ports() {
+            for (frontend, fp) in frontends(port, node) {
+                match plan.frontends.get(&frontend) {
+                    Some(existing) if existing.service == port.name => {}
+                    Some(existing) => conflicts.push(ConflictError {
+                        frontend,
+                        winner: existing.service.clone(),
+                        loser: port.name.clone(),
+                    }),
+                    None => drop(plan.frontends.insert(frontend, fp)),
+                }
+            }
+        }
+        (plan, conflicts)
+    }
+
+    type ConflictKey = (Frontend, ServicePortName, ServicePortName);
+
+    fn conflict_set(conflicts: &[ConflictError]) -> BTreeSet<ConflictKey> {
+        conflicts.iter().map(|c| (c.frontend, c.winner.clone(), c.loser.clone())).collect()
+    }
+
+    /// A linear congruential generator: the same changes on every run.
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 = self
+                .0
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (self.0 >> 33) as usize % n
+        }
+
+        fn chance(&mut self, percent: usize) -> bool {
+            self.below(100) < percent
+        }
+
+        fn pick<T: Clone>(&mut self, items: &[T]) -> T {
+            items[self.below(items.len())].clone()
+        }
+    }
+
+    const ZONES: [&str; 2] = ["za", "zb"];
+
+    fn random_endpoints(rng: &mut Lcg) -> Vec<Endpoint> {
+        let hinted = rng.chance(40);
+        (0..rng.below(5))
+            .map(|_| {
+                let ready = rng.chance(70);
+                Endpoint {
+                    addr: SocketAddrV4::new(
+                        Ipv4Addr::new(10, 244, 0, 1 + rng.below(8) as u8),
+                        8080,
+                    ),
+                    ready,
+                    serving: ready || rng.chance(50),
+                    terminating: !ready && rng.chance(50),
+                    node_name: Some(rng.pick(&["node-a", "node-b"]).to_string()),
+                    zone_hints: if hinted { vec![rng.pick(&ZONES).to_string()] } else { vec![] },
+                    node_hints: if hinted && rng.chance(20) {
+                        vec!["node-a".into()]
+                    } else {
+                        vec![]
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// A service from small pools of addresses and ports, so that services
+    /// collide with each other (and a port with itself).
+    fn random_service(rng: &mut Lcg, name: &ServiceName) -> Vec<ServicePort> {
+        let cluster_ip = Ipv4Addr::new(10, 96, 0, 1 + rng.below(6) as u8);
+        let some_ips = |rng: &mut Lcg| -> Vec<Ipv4Addr> {
+            (0..rng.below(3)).map(|_| Ipv4Addr::new(10, 200, 0, 1 + rng.below(4) as u8)).collect()
+        };
+        (0..1 + rng.below(3))
+            .map(|_| ServicePort {
+                name: ServicePortName {
+                    service: name.clone(),
+                    port: rng.pick(&["", "http", "dns"]).to_string(),
+                },
+                protocol: rng.pick(&[Protocol::Tcp, Protocol::Udp]),
+                port: rng.pick(&[80, 443]),
+                cluster_ip,
+                node_port: rng.chance(30).then(|| 30_000 + rng.below(4) as u16),
+                external_ips: some_ips(rng),
+                load_balancer_ips: some_ips(rng),
+                source_ranges: if rng.chance(30) {
+                    vec![Cidr::parse("192.168.100.0/24").unwrap().unwrap()]
+                } else {
+                    vec![]
+                },
+                external_local: rng.chance(30),
+                health_check_node_port: None,
+                internal_local: rng.chance(20),
+                affinity_timeout_secs: rng.chance(20).then_some(10_800),
+                endpoints: random_endpoints(rng),
+            })
+            .collect()
+    }
+
+    fn renamed(ports: &[ServicePort], name: &ServiceName) -> Vec<ServicePort> {
+        let mut ports = ports.to_vec();
+        for port in &mut ports {
+            port.name.service = name.clone();
+        }
+        ports
+    }
+
+    #[test]
+    fn incremental_updates_match_the_full_plan() {
+        let mut rng = Lcg(0x5eed);
+        let names: Vec<ServiceName> = (0..40)
+            .map(|i| ServiceName { namespace: format!("ns{}", i % 3), name: format!("svc{i:02}") })
+            .collect();
+        let mut node = node();
+        let mut model = model::Model::default();
+        for name in &names[..30] {
+            let ports = random_service(&mut rng, name);
+            model.set_service(name.clone(), ports);
+        }
+        let mut planner = Planner::new(node.clone());
+        let mut before = Plan::default();
+        let (mut conflicts_seen, mut winners_changed, mut zone_changes) = (0, 0, 0);
+        for step in 0..300 {
+            let changed = if step > 0 && step % 40 == 0 {
+                // The node moves to another zone (or none).
+                let zone = [None, Some("za"), Some("zb")][rng.below(3)].map(str::to_string);
+                node.zone = zone.clone();
+                planner.set_zone(zone);
+                let changed = planner.rebuild(&model);
+                zone_changes += usize::from(!changed.is_empty());
+                changed
+            } else if step == 0 {
+                planner.rebuild(&model)
+            } else {
+                let mut touched = BTreeSet::new();
+                for _ in 0..1 + rng.below(3) {
+                    let name = rng.pick(&names);
+                    match rng.below(10) {
+                        // Deleted.
+                        0 | 1 => model.set_service(name.clone(), vec![]),
+                        // Its endpoints change.
+                        2..=4 if !model.service(&name).is_empty() => {
+                            let mut ports = model.service(&name).to_vec();
+                            for port in &mut ports {
+                                port.endpoints = random_endpoints(&mut rng);
+                            }
+                            model.set_service(name.clone(), ports);
+                        }
+                        // Renamed: its frontends move to a name sorting
+                        // elsewhere among their claimants.
+                        5 | 6 if !model.service(&name).is_empty() => {
+                            let to = rng.pick(&names);
+                            let ports = renamed(model.service(&name), &to);
+                            model.set_service(name.clone(), vec![]);
+                            model.set_service(to.clone(), ports);
+                            touched.insert(to);
+                        }
+                        // Added or changed whole.
+                        _ => {
+                            let ports = random_service(&mut rng, &name);
+                            model.set_service(name.clone(), ports);
+                        }
+                    }
+                    touched.insert(name);
+                }
+                planner.update(&model, &touched)
+            };
+
+            let (full, conflicts) = plan(&model, &node);
+            let (reference, reference_conflicts) = first_claim_wins(&model, &node);
+            assert_eq!(full, reference, "step {step}: plan() decides as one pass would");
+            assert_eq!(conflict_set(&conflicts), conflict_set(&reference_conflicts), "step {step}");
+            assert_eq!(planner.plan(), &full, "step {step}");
+            assert_eq!(conflict_set(&planner.conflicts()), conflict_set(&conflicts), "step {step}");
+            let differ: BTreeSet<Frontend> = before
+                .frontends
+                .keys()
+                .chain(full.frontends.keys())
+                .filter(|f| before.frontends.get(f) != full.frontends.get(f))
+                .copied()
+                .collect();
+            assert_eq!(changed, differ, "step {step}: exactly the frontends whose plan changed");
+            conflicts_seen += conflicts.len();
+            winners_changed += changed
+                .iter()
+                .filter(|f| {
+                    let service = |p: &Plan| p.frontends.get(f).map(|fp| fp.service.clone());
+                    matches!((service(&before), service(&full)), (Some(a), Some(b)) if a != b)
+                })
+                .count();
+            before = full;
+        }
+        assert!(conflicts_seen > 300, "conflicts happen: {conflicts_seen}");
+        assert!(winners_changed > 20, "contested frontends change hands: {winners_changed}");
+        assert!(zone_changes > 0, "zone changes replan hinted services");
     }
 }
