@@ -98,7 +98,7 @@ fn main() -> anyhow::Result<()> {
             frontend(format!("s{i}"), vec![backend], false),
         );
     }
-    dp.sync(&plan)?;
+    dp.sync(&plan, None)?;
 
     let rounds = 20_000u16;
     let pass = dp.run_tc(&syn(40000, NODE, 22), 1_000_000)?.duration.as_nanos();

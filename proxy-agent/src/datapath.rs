@@ -115,7 +115,7 @@ impl Datapath {
     pub fn sync(&mut self, desired: &Desired, metrics: &Metrics) -> anyhow::Result<Synced> {
         match self {
             Datapath::Ebpf(dp) => {
-                let report = dp.backend.sync(&desired.plan).inspect_err(|_| {
+                let report = dp.backend.sync(&desired.plan, None).inspect_err(|_| {
                     metrics.map_update_failures.fetch_add(1, Relaxed);
                 })?;
                 let state = dp.backend.state();

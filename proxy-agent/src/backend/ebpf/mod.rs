@@ -45,7 +45,7 @@ use proxy_common::{
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
 use sync::{MapOp, MapWriter};
 
-use crate::plan::Plan;
+use crate::plan::{Frontend, Plan};
 
 /// The socket-LB programs, by their function names in proxy-ebpf.
 pub const PROGRAMS: [&str; 4] = ["connect4", "sendmsg4", "recvmsg4", "getpeername4"];
@@ -275,8 +275,14 @@ impl EbpfBackend {
 
     /// Brings the maps to `plan` (see [`sync`] for the write order), then
     /// drops affinity entries that name backends their service lost.
-    pub fn sync(&mut self, plan: &Plan) -> Result<SyncReport, SyncError> {
-        let result = self.state.sync(plan, &mut self.maps);
+    /// `dirty`: the frontends that may have changed, `None` for all (see
+    /// [`SyncState::sync`]).
+    pub fn sync(
+        &mut self,
+        plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
+    ) -> Result<SyncReport, SyncError> {
+        let result = self.state.sync(plan, dirty, &mut self.maps);
         // Also after a failed sync: slots may have changed before the failure.
         let purge = self.state.take_affinity_purge();
         if !purge.is_empty()

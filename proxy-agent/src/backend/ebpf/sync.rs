@@ -8,14 +8,19 @@
 //!    beyond the new count and source ranges it no longer has;
 //! 3. removed frontends: the frontend slot first, then its slots, source
 //!    ranges and reverse-NAT entry;
-//! 4. backends no frontend uses any more.
+//! 4. backends no slot names any more.
 //!
 //! So a program that read a frontend count always finds slots `1..=count`,
 //! and every slot names a backend that exists. `SyncState` records each
 //! write only once the kernel accepted it: after a failed write it still
 //! describes the maps exactly, and the next sync resumes from there.
+//!
+//! A sync may be told which frontends changed: it then looks at those only
+//! (and at their backends), so one endpoint change costs the same at 10 or
+//! 100,000 services. Backends are collected by reference count (how many
+//! installed slots name each), and map sizes are kept as running counts.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, btree_map::Entry};
 
 use proxy_common::{
     BACKEND_FLAG_HOST, BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_SOURCE_RANGES,
@@ -76,19 +81,51 @@ struct InstalledFrontend {
     source_ranges: BTreeSet<Cidr>,
 }
 
+/// What a frontend the maps do not hold is diffed against.
+static NOT_INSTALLED: InstalledFrontend = InstalledFrontend {
+    rev_nat_id: 0,
+    value: None,
+    slots: BTreeMap::new(),
+    source_ranges: BTreeSet::new(),
+};
+
 /// What the maps hold, as far as the agent wrote them.
 #[derive(Debug, Default)]
 pub struct SyncState {
     backends: BTreeMap<Backend, u32>,
     backend_by_id: BTreeMap<u32, Backend>,
+    /// How many installed slots name each backend id (absent: none).
+    refs: BTreeMap<u32, u32>,
+    /// Installed backends no slot names (left by a failed sync, or whose
+    /// last slot went in this one): deleted by the next sync.
+    unreferenced: BTreeSet<u32>,
     frontends: BTreeMap<Frontend, InstalledFrontend>,
     rev_nat: BTreeSet<u32>,
+    /// Service map entries: frontend slots (0) and backend slots.
+    service_entries: usize,
+    source_range_entries: usize,
     last_backend_id: u32,
     last_rev_nat_id: u32,
     /// Affinity cleanups owed, kept across failed syncs until done.
     pending_purge: AffinityPurge,
     /// The service maps' sizes.
     capacity: super::MapSizes,
+}
+
+/// The writes a sync needs, worked out before the first one.
+struct Changes {
+    ops: Vec<MapOp>,
+    purge: AffinityPurge,
+    /// Entries the writes add per map, before any is deleted.
+    added: Added,
+}
+
+#[derive(Default)]
+struct Added {
+    backends: usize,
+    services: usize,
+    rev_nat: usize,
+    source_ranges: usize,
 }
 
 fn proto(protocol: Protocol) -> u8 {
@@ -128,24 +165,29 @@ impl SyncState {
 
     /// Entries of the maps the agent writes, by map name.
     pub fn map_entries(&self) -> [(&'static str, usize); 4] {
-        let slots: usize = self.frontends.values().map(|f| 1 + f.slots.len()).sum();
-        let ranges: usize = self.frontends.values().map(|f| f.source_ranges.len()).sum();
         [
-            ("SERVICES", slots),
+            ("SERVICES", self.service_entries),
             ("BACKENDS", self.backends.len()),
             ("REV_NAT", self.rev_nat.len()),
-            ("SOURCE_RANGES", ranges),
+            ("SOURCE_RANGES", self.source_range_entries),
         ]
     }
 
     /// Brings the maps to `plan`, writing only what differs.
+    ///
+    /// `dirty: None` compares every frontend of the plan and of the maps (at
+    /// startup, after a failure). `Some(frontends)` promises that only these
+    /// may differ between `plan` and the maps (one the plan lacks is
+    /// removed): the sync then costs in proportion to them and their
+    /// backends, not to the plan.
     pub fn sync(
         &mut self,
         plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
         writer: &mut impl MapWriter,
     ) -> Result<SyncReport, SyncError> {
-        self.check_capacity(plan)?;
-        let (ops, purge) = self.ops(plan);
+        let Changes { ops, purge, added } = self.changes(plan, dirty);
+        self.check_capacity(&added)?;
         // Owed from now on: a write below may fail after slots changed.
         self.pending_purge.extend(purge);
         let mut report = SyncReport { writes: ops.len(), removed_backends: Vec::new() };
@@ -172,32 +214,12 @@ impl SyncState {
 
     /// Refuses a plan whose peak (old and new entries side by side during the
     /// make-before-break window) would not fit in the maps.
-    fn check_capacity(&self, plan: &Plan) -> Result<(), SyncError> {
-        let desired: BTreeSet<Backend> = plan
-            .frontends
-            .iter()
-            .flat_map(|(f, p)| p.backends.iter().map(|b| backend(f, b)))
-            .collect();
-        let backends = self.backends.keys().chain(&desired).collect::<BTreeSet<_>>().len();
-        let installed_entries: usize = self.frontends.values().map(|f| 1 + f.slots.len()).sum();
-        let new_entries: usize = plan
-            .frontends
-            .iter()
-            .map(|(f, p)| match self.frontends.get(f) {
-                // More slots than installed (fewer are deleted last).
-                Some(installed) => p.backends.len().saturating_sub(installed.slots.len()),
-                None => 1 + p.backends.len(),
-            })
-            .sum();
-        let new_frontends =
-            plan.frontends.keys().filter(|f| !self.frontends.contains_key(f)).count();
-        let ranges: usize = self.frontends.values().map(|f| f.source_ranges.len()).sum::<usize>()
-            + plan.frontends.values().map(|f| f.source_ranges.len()).sum::<usize>();
+    fn check_capacity(&self, added: &Added) -> Result<(), SyncError> {
         let checks = [
-            ("backend", backends, self.capacity.backends),
-            ("service", installed_entries + new_entries, self.capacity.services),
-            ("reverse-NAT", self.rev_nat.len() + new_frontends, self.capacity.rev_nat),
-            ("source-range", ranges, MAX_SOURCE_RANGES),
+            ("backend", self.backends.len() + added.backends, self.capacity.backends),
+            ("service", self.service_entries + added.services, self.capacity.services),
+            ("reverse-NAT", self.rev_nat.len() + added.rev_nat, self.capacity.rev_nat),
+            ("source-range", self.source_range_entries + added.source_ranges, MAX_SOURCE_RANGES),
         ];
         for (what, needed, capacity) in checks {
             if needed > capacity as usize {
@@ -207,17 +229,37 @@ impl SyncState {
         Ok(())
     }
 
-    fn ops(&self, plan: &Plan) -> (Vec<MapOp>, AffinityPurge) {
+    fn changes(&self, plan: &Plan, dirty: Option<&BTreeSet<Frontend>>) -> Changes {
+        // The frontends to bring to the plan, and those to remove.
+        type Kept<'a> = Vec<(&'a Frontend, &'a FrontendPlan)>;
+        type Removed<'a> = Vec<(&'a Frontend, &'a InstalledFrontend)>;
+        let (kept, removed): (Kept, Removed) = match dirty {
+            None => (
+                plan.frontends.iter().collect(),
+                self.frontends.iter().filter(|(f, _)| !plan.frontends.contains_key(f)).collect(),
+            ),
+            Some(dirty) => (
+                dirty.iter().filter_map(|f| plan.frontends.get_key_value(f)).collect(),
+                dirty
+                    .iter()
+                    .filter(|f| !plan.frontends.contains_key(f))
+                    .filter_map(|f| self.frontends.get_key_value(f))
+                    .collect(),
+            ),
+        };
         let mut ops = Vec::new();
         let mut purge = AffinityPurge::new();
+        let mut added = Added::default();
+        // Slots naming each backend id gained (+) or lost (-) by the writes.
+        let mut refs_delta: BTreeMap<u32, i64> = BTreeMap::new();
 
         // 1. Backends, with ids for the new ones.
-        let mut ids = self.backends.clone();
+        let mut new_ids = BTreeMap::new();
         let mut last_id = self.last_backend_id;
-        for (frontend, fp) in &plan.frontends {
+        for (frontend, fp) in &kept {
             for addr in &fp.backends {
                 let backend = backend(frontend, addr);
-                if ids.contains_key(&backend) {
+                if self.backends.contains_key(&backend) || new_ids.contains_key(&backend) {
                     continue;
                 }
                 let id = next_free(
@@ -226,16 +268,18 @@ impl SyncState {
                     |id| id.checked_add(1).unwrap_or(1),
                 );
                 last_id = id;
-                ids.insert(backend, id);
+                new_ids.insert(backend, id);
                 ops.push(MapOp::PutBackend { id, backend });
             }
         }
+        added.backends = new_ids.len();
+        let id_of = |backend: &Backend| self.backends.get(backend).or(new_ids.get(backend));
 
         // 2. Frontends to create or update.
         let mut last_rev = self.last_rev_nat_id;
         let mut new_revs = BTreeSet::new();
-        for (frontend, fp) in &plan.frontends {
-            let installed = self.frontends.get(frontend).cloned().unwrap_or_default();
+        for (frontend, fp) in &kept {
+            let installed = self.frontends.get(*frontend).unwrap_or(&NOT_INSTALLED);
             let rev_nat_id = if installed.rev_nat_id != 0 {
                 installed.rev_nat_id
             } else {
@@ -246,22 +290,33 @@ impl SyncState {
                 );
                 last_rev = id;
                 new_revs.insert(id);
+                added.rev_nat += 1;
                 let value = RevNat { address: frontend.ip.octets(), port: frontend.port, _pad: 0 };
-                ops.push(MapOp::PutRevNat { frontend: *frontend, id, value });
+                ops.push(MapOp::PutRevNat { frontend: **frontend, id, value });
                 id
             };
-            let backend_ids: Vec<u32> =
-                fp.backends.iter().map(|b| ids[&backend(frontend, b)]).collect();
+            let backend_ids: Vec<u32> = fp
+                .backends
+                .iter()
+                .map(|b| *id_of(&backend(frontend, b)).expect("every planned backend has an id"))
+                .collect();
             let slots = assign_slots(&installed.slots, &backend_ids);
             for (slot, id) in &slots {
-                if installed.slots.get(slot) != Some(id) {
+                let old = installed.slots.get(slot);
+                if old != Some(id) {
                     let value = ServiceValue { backend_id: *id, rev_nat_id, ..Default::default() };
                     ops.push(MapOp::PutService { key: service_key(frontend, *slot), value });
+                    *refs_delta.entry(*id).or_default() += 1;
+                    match old {
+                        Some(old) => *refs_delta.entry(*old).or_default() -= 1,
+                        None => added.services += 1,
+                    }
                 }
             }
             let wanted: BTreeSet<Cidr> = fp.source_ranges.iter().copied().collect();
             for cidr in wanted.difference(&installed.source_ranges) {
-                ops.push(MapOp::PutSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
+                ops.push(MapOp::PutSourceRange { frontend: **frontend, rev_nat_id, cidr: *cidr });
+                added.source_ranges += 1;
             }
             let value = ServiceValue {
                 backend_id: 0,
@@ -272,12 +327,16 @@ impl SyncState {
             };
             if installed.value != Some(value) {
                 ops.push(MapOp::PutService { key: service_key(frontend, 0), value });
+                added.services += usize::from(installed.value.is_none());
             }
-            for slot in installed.slots.keys().filter(|s| **s as usize > backend_ids.len()) {
+            let beyond = installed.slots.iter().filter(|(s, _)| **s as usize > backend_ids.len());
+            for (slot, id) in beyond {
                 ops.push(MapOp::DeleteService { key: service_key(frontend, *slot) });
+                *refs_delta.entry(*id).or_default() -= 1;
             }
             for cidr in installed.source_ranges.difference(&wanted) {
-                ops.push(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
+                let (frontend, cidr) = (**frontend, *cidr);
+                ops.push(MapOp::DeleteSourceRange { frontend, rev_nat_id, cidr });
             }
             let kept: BTreeSet<u32> = backend_ids.iter().copied().collect();
             let had_affinity = installed.value.is_some_and(|v| v.flags & SVC_FLAG_AFFINITY != 0);
@@ -292,38 +351,63 @@ impl SyncState {
         }
 
         // 3. Frontends that are gone: frontend slot first.
-        for (frontend, installed) in &self.frontends {
-            if plan.frontends.contains_key(frontend) {
-                continue;
-            }
+        for (frontend, installed) in &removed {
             if installed.value.is_some() {
                 ops.push(MapOp::DeleteService { key: service_key(frontend, 0) });
             }
-            for slot in installed.slots.keys() {
+            for (slot, id) in &installed.slots {
                 ops.push(MapOp::DeleteService { key: service_key(frontend, *slot) });
+                *refs_delta.entry(*id).or_default() -= 1;
             }
             for cidr in &installed.source_ranges {
                 let rev_nat_id = installed.rev_nat_id;
-                ops.push(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
+                ops.push(MapOp::DeleteSourceRange {
+                    frontend: **frontend,
+                    rev_nat_id,
+                    cidr: *cidr,
+                });
             }
-            ops.push(MapOp::DeleteRevNat { frontend: *frontend, id: installed.rev_nat_id });
+            ops.push(MapOp::DeleteRevNat { frontend: **frontend, id: installed.rev_nat_id });
             if installed.value.is_some_and(|v| v.flags & SVC_FLAG_AFFINITY != 0) {
                 purge.insert(installed.rev_nat_id, BTreeSet::new());
             }
         }
 
-        // 4. Backends nobody uses.
-        let used: BTreeSet<Backend> = plan
-            .frontends
-            .iter()
-            .flat_map(|(f, fp)| fp.backends.iter().map(|b| backend(f, b)))
-            .collect();
-        for (backend, id) in &self.backends {
-            if !used.contains(backend) {
-                ops.push(MapOp::DeleteBackend { id: *id });
+        // 4. Backends no slot will name: those losing their last one, and
+        // those no slot named already.
+        let candidates: BTreeSet<u32> =
+            refs_delta.keys().chain(&self.unreferenced).copied().collect();
+        for id in candidates {
+            let refs = i64::from(self.refs.get(&id).copied().unwrap_or(0))
+                + refs_delta.get(&id).copied().unwrap_or(0);
+            debug_assert!(refs >= 0, "backend {id}: {refs} references");
+            if refs == 0 && self.backend_by_id.contains_key(&id) {
+                ops.push(MapOp::DeleteBackend { id });
             }
         }
-        (ops, purge)
+        Changes { ops, purge, added }
+    }
+
+    /// One more installed slot names backend `id`.
+    fn add_ref(&mut self, id: u32) {
+        let refs = self.refs.entry(id).or_insert(0);
+        *refs += 1;
+        if *refs == 1 {
+            self.unreferenced.remove(&id);
+        }
+    }
+
+    /// One installed slot less names backend `id`.
+    fn drop_ref(&mut self, id: u32) {
+        if let Entry::Occupied(mut refs) = self.refs.entry(id) {
+            *refs.get_mut() -= 1;
+            if *refs.get() == 0 {
+                refs.remove();
+                if self.backend_by_id.contains_key(&id) {
+                    self.unreferenced.insert(id);
+                }
+            }
+        }
     }
 
     /// Records a write the kernel accepted.
@@ -333,11 +417,15 @@ impl SyncState {
                 self.backends.insert(*backend, *id);
                 self.backend_by_id.insert(*id, *backend);
                 self.last_backend_id = *id;
+                if !self.refs.contains_key(id) {
+                    self.unreferenced.insert(*id);
+                }
             }
             MapOp::DeleteBackend { id } => {
                 if let Some(backend) = self.backend_by_id.remove(id) {
                     self.backends.remove(&backend);
                 }
+                self.unreferenced.remove(id);
             }
             MapOp::PutRevNat { frontend, id, .. } => {
                 self.rev_nat.insert(*id);
@@ -346,34 +434,73 @@ impl SyncState {
             }
             MapOp::DeleteRevNat { frontend, id } => {
                 self.rev_nat.remove(id);
-                self.frontends.remove(frontend);
+                // Its entries went first; forget any left all the same.
+                if let Some(gone) = self.frontends.remove(frontend) {
+                    self.service_entries -= usize::from(gone.value.is_some()) + gone.slots.len();
+                    self.source_range_entries -= gone.source_ranges.len();
+                    for id in gone.slots.values() {
+                        self.drop_ref(*id);
+                    }
+                }
             }
             MapOp::PutSourceRange { frontend, cidr, .. } => {
-                self.frontends.entry(*frontend).or_default().source_ranges.insert(*cidr);
+                if self.frontends.entry(*frontend).or_default().source_ranges.insert(*cidr) {
+                    self.source_range_entries += 1;
+                }
             }
             MapOp::DeleteSourceRange { frontend, cidr, .. } => {
-                if let Some(entry) = self.frontends.get_mut(frontend) {
-                    entry.source_ranges.remove(cidr);
+                if let Some(entry) = self.frontends.get_mut(frontend)
+                    && entry.source_ranges.remove(cidr)
+                {
+                    self.source_range_entries -= 1;
                 }
             }
             MapOp::PutService { key, value } => {
                 let entry = self.frontends.entry(frontend_of_key(key)).or_default();
                 if key.slot == 0 {
-                    entry.value = Some(*value);
+                    if entry.value.replace(*value).is_none() {
+                        self.service_entries += 1;
+                    }
                 } else {
-                    entry.slots.insert(key.slot, value.backend_id);
-                }
-            }
-            MapOp::DeleteService { key } => {
-                if let Some(entry) = self.frontends.get_mut(&frontend_of_key(key)) {
-                    if key.slot == 0 {
-                        entry.value = None;
-                    } else {
-                        entry.slots.remove(&key.slot);
+                    let old = entry.slots.insert(key.slot, value.backend_id);
+                    self.add_ref(value.backend_id);
+                    match old {
+                        Some(old) => self.drop_ref(old),
+                        None => self.service_entries += 1,
                     }
                 }
             }
+            MapOp::DeleteService { key } => {
+                let Some(entry) = self.frontends.get_mut(&frontend_of_key(key)) else { return };
+                if key.slot == 0 {
+                    if entry.value.take().is_some() {
+                        self.service_entries -= 1;
+                    }
+                } else if let Some(old) = entry.slots.remove(&key.slot) {
+                    self.service_entries -= 1;
+                    self.drop_ref(old);
+                }
+            }
         }
+    }
+
+    /// The running counts and references agree with what is recorded.
+    #[cfg(test)]
+    fn assert_consistent(&self) {
+        let mut refs = BTreeMap::new();
+        for id in self.frontends.values().flat_map(|f| f.slots.values()) {
+            *refs.entry(*id).or_insert(0) += 1;
+        }
+        assert_eq!(refs, self.refs, "references");
+        let unreferenced: BTreeSet<u32> =
+            self.backend_by_id.keys().filter(|id| !refs.contains_key(id)).copied().collect();
+        assert_eq!(unreferenced, self.unreferenced, "unreferenced backends");
+        let services: usize =
+            self.frontends.values().map(|f| usize::from(f.value.is_some()) + f.slots.len()).sum();
+        assert_eq!(services, self.service_entries, "service entries");
+        let ranges: usize = self.frontends.values().map(|f| f.source_ranges.len()).sum();
+        assert_eq!(ranges, self.source_range_entries, "source-range entries");
+        assert_eq!(self.backends.len(), self.backend_by_id.len());
     }
 }
 
@@ -454,6 +581,8 @@ mod tests {
         source_ranges: BTreeSet<(u32, Cidr)>,
         writes: usize,
         fail_at: Option<usize>,
+        /// Skips the check after every write (it is slow on large maps).
+        unchecked: bool,
     }
 
     impl Maps {
@@ -498,7 +627,9 @@ mod tests {
                     let _ = self.source_ranges.remove(&(*rev_nat_id, *cidr));
                 }
             }
-            self.check();
+            if !self.unchecked {
+                self.check();
+            }
             Ok(())
         }
     }
@@ -588,7 +719,7 @@ mod tests {
         let mut maps = Maps::default();
         let mut state = SyncState::default();
         for step in &steps {
-            state.sync(step, &mut maps).unwrap();
+            state.sync(step, None, &mut maps).unwrap();
             assert_eq!(view(&maps).len(), step.frontends.len());
             for (f, fp) in &step.frontends {
                 let key = service_key(f, 0);
@@ -600,7 +731,7 @@ mod tests {
             let used: BTreeSet<u32> = maps.services.values().map(|v| v.backend_id).collect();
             assert!(maps.backends.keys().all(|id| used.contains(id)), "no orphan backends");
             // A second sync of the same plan writes nothing.
-            assert_eq!(state.sync(step, &mut maps).unwrap().writes, 0);
+            assert_eq!(state.sync(step, None, &mut maps).unwrap().writes, 0);
         }
         assert!(maps.services.is_empty() && maps.backends.is_empty() && maps.rev_nat.is_empty());
         assert!(maps.source_ranges.is_empty());
@@ -612,16 +743,16 @@ mod tests {
         let mut maps = Maps::default();
         let mut state = SyncState::default();
         let many: Vec<u8> = (10..60).collect();
-        state.sync(&plan(&[(tcp, &many, None)]), &mut maps).unwrap();
+        state.sync(&plan(&[(tcp, &many, None)]), None, &mut maps).unwrap();
         let before = maps.writes;
         let mut more = many.clone();
         more.insert(0, 2);
         // One backend, one slot, the frontend count.
-        assert_eq!(state.sync(&plan(&[(tcp, &more, None)]), &mut maps).unwrap().writes, 3);
+        assert_eq!(state.sync(&plan(&[(tcp, &more, None)]), None, &mut maps).unwrap().writes, 3);
         assert_eq!(maps.writes - before, 3);
         // Removing one in the middle: its slot is refilled by the last one.
         more.remove(20);
-        let report = state.sync(&plan(&[(tcp, &more, None)]), &mut maps).unwrap();
+        let report = state.sync(&plan(&[(tcp, &more, None)]), None, &mut maps).unwrap();
         assert_eq!(report.writes, 4, "slot refill, count, slot delete, backend delete");
     }
 
@@ -630,11 +761,11 @@ mod tests {
         let tcp = frontend(1, Protocol::Tcp);
         let mut maps = Maps::default();
         let mut state = SyncState::default();
-        state.sync(&plan(&[(tcp, &[2, 3, 4], None)]), &mut maps).unwrap();
+        state.sync(&plan(&[(tcp, &[2, 3, 4], None)]), None, &mut maps).unwrap();
         let before = maps.writes;
         // 4 -> 5: one new backend, one slot, one backend deletion; the
         // frontend (same count) and the other slots are untouched.
-        state.sync(&plan(&[(tcp, &[2, 3, 5], None)]), &mut maps).unwrap();
+        state.sync(&plan(&[(tcp, &[2, 3, 5], None)]), None, &mut maps).unwrap();
         assert_eq!(maps.writes - before, 3);
     }
 
@@ -646,16 +777,16 @@ mod tests {
         // How many writes the step takes, to fail each one in turn.
         let mut maps = Maps::default();
         let mut state = SyncState::default();
-        state.sync(&start, &mut maps).unwrap();
-        let writes = state.sync(&target, &mut maps).unwrap().writes;
+        state.sync(&start, None, &mut maps).unwrap();
+        let writes = state.sync(&target, None, &mut maps).unwrap().writes;
         assert!(writes >= 8, "the step adds, rewrites and removes: {writes} writes");
         for fail_at in 0..writes {
             let mut maps = Maps::default();
             let mut state = SyncState::default();
-            state.sync(&start, &mut maps).unwrap();
+            state.sync(&start, None, &mut maps).unwrap();
             maps.fail_at = Some(maps.writes + fail_at);
-            assert!(state.sync(&target, &mut maps).is_err(), "failure {fail_at} injected");
-            state.sync(&target, &mut maps).unwrap();
+            assert!(state.sync(&target, None, &mut maps).is_err(), "failure {fail_at} injected");
+            state.sync(&target, None, &mut maps).unwrap();
             let (_, mut backends) = view(&maps).into_iter().next().unwrap();
             backends.sort();
             assert_eq!(backends, vec![[10, 244, 0, 2], [10, 244, 0, 3], [10, 244, 0, 6]]);
@@ -673,16 +804,16 @@ mod tests {
         let tcp = frontend(1, Protocol::Tcp);
         let mut maps = Maps::default();
         let mut state = SyncState::default();
-        state.sync(&plan(&[(tcp, &[2, 3], Some(10))]), &mut maps).unwrap();
+        state.sync(&plan(&[(tcp, &[2, 3], Some(10))]), None, &mut maps).unwrap();
         assert!(state.take_affinity_purge().is_empty());
-        state.sync(&plan(&[(tcp, &[2, 3, 4], Some(10))]), &mut maps).unwrap();
+        state.sync(&plan(&[(tcp, &[2, 3, 4], Some(10))]), None, &mut maps).unwrap();
         assert!(state.take_affinity_purge().is_empty(), "adding a backend keeps affinity");
-        state.sync(&plan(&[(tcp, &[3, 4], Some(10))]), &mut maps).unwrap();
+        state.sync(&plan(&[(tcp, &[3, 4], Some(10))]), None, &mut maps).unwrap();
         let purge = state.take_affinity_purge();
         assert_eq!(purge.len(), 1);
         assert_eq!(purge.values().next().unwrap().len(), 2);
         // Switching affinity off forgets every entry of the service.
-        state.sync(&plan(&[(tcp, &[3, 4], None)]), &mut maps).unwrap();
+        state.sync(&plan(&[(tcp, &[3, 4], None)]), None, &mut maps).unwrap();
         let purge = state.take_affinity_purge();
         assert!(purge.values().next().unwrap().is_empty());
     }
@@ -692,9 +823,9 @@ mod tests {
         let tcp = frontend(1, Protocol::Tcp);
         let mut maps = Maps::default();
         let mut state = SyncState::default();
-        state.sync(&plan(&[(tcp, &[2], None)]), &mut maps).unwrap();
+        state.sync(&plan(&[(tcp, &[2], None)]), None, &mut maps).unwrap();
         let first: Vec<u32> = maps.backends.keys().copied().collect();
-        state.sync(&plan(&[(tcp, &[3], None)]), &mut maps).unwrap();
+        state.sync(&plan(&[(tcp, &[3], None)]), None, &mut maps).unwrap();
         assert!(maps.backends.keys().all(|id| !first.contains(id)));
     }
 
@@ -722,12 +853,371 @@ mod tests {
         }
         let mut maps = Maps::default();
         let sizes = |services, rev_nat| super::super::MapSizes { services, backends: 100, rev_nat };
-        let err = SyncState::with_capacity(sizes(1000, 100)).sync(&big, &mut maps).unwrap_err();
+        let err =
+            SyncState::with_capacity(sizes(1000, 100)).sync(&big, None, &mut maps).unwrap_err();
         assert!(matches!(err, SyncError::Capacity { what: "reverse-NAT", .. }), "{err}");
         assert_eq!(maps.writes, 0);
 
-        let err = SyncState::with_capacity(sizes(100, 1000)).sync(&big, &mut maps).unwrap_err();
+        let err =
+            SyncState::with_capacity(sizes(100, 1000)).sync(&big, None, &mut maps).unwrap_err();
         assert!(matches!(err, SyncError::Capacity { what: "service", capacity: 100, .. }), "{err}");
         assert_eq!(maps.writes, 0);
+    }
+
+    /// The maps' content up to backend and reverse-NAT id renaming: per
+    /// frontend its flags, affinity, backends, reverse-NAT entry and source
+    /// ranges; the backends map; every map's size (no stale entries).
+    type Content = (
+        BTreeMap<ServiceKey, (u16, u16, u32, Vec<Backend>, [u8; 4], u16, Vec<Cidr>)>,
+        Vec<Backend>,
+        [usize; 4],
+    );
+
+    fn content(maps: &Maps) -> Content {
+        let frontends = maps
+            .services
+            .iter()
+            .filter(|(k, _)| k.slot == 0)
+            .map(|(k, v)| {
+                let mut backends: Vec<Backend> = (1..=v.count)
+                    .map(|s| maps.backends[&maps.services[&k.with_slot(s)].backend_id])
+                    .collect();
+                backends.sort();
+                let rev = maps.rev_nat[&v.rev_nat_id];
+                let ranges = maps.source_ranges.iter().filter(|(r, _)| *r == v.rev_nat_id);
+                let ranges = ranges.map(|(_, c)| *c).collect();
+                let value = (v.count, v.flags, v.affinity_timeout_secs, backends);
+                (*k, (value.0, value.1, value.2, value.3, rev.address, rev.port, ranges))
+            })
+            .collect();
+        let mut backends: Vec<Backend> = maps.backends.values().copied().collect();
+        backends.sort();
+        let sizes = [
+            maps.services.len(),
+            maps.backends.len(),
+            maps.rev_nat.len(),
+            maps.source_ranges.len(),
+        ];
+        (frontends, backends, sizes)
+    }
+
+    /// What a fresh state writes for `plan` with a full sync.
+    fn fresh(plan: &Plan) -> Content {
+        let mut maps = Maps { unchecked: true, ..Maps::default() };
+        SyncState::default().sync(plan, None, &mut maps).unwrap();
+        content(&maps)
+    }
+
+    /// The state's counts are those of the maps.
+    fn assert_counts(state: &SyncState, maps: &Maps) {
+        state.assert_consistent();
+        let counts = state.map_entries().map(|(_, n)| n);
+        let sizes = [
+            maps.services.len(),
+            maps.backends.len(),
+            maps.rev_nat.len(),
+            maps.source_ranges.len(),
+        ];
+        assert_eq!(counts, sizes);
+    }
+
+    /// A deterministic pseudo-random sequence (Knuth's MMIX LCG).
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (self.0 >> 33) % n
+        }
+    }
+
+    /// A service as the random test changes it; its frontends share backends.
+    #[derive(Clone, Default)]
+    struct Svc {
+        endpoints: BTreeSet<u8>,
+        affinity: Option<u32>,
+        ranges: BTreeSet<u8>,
+        /// Which of its three frontends exist (ClusterIP TCP, NodePort TCP,
+        /// ClusterIP UDP).
+        frontends: [bool; 3],
+    }
+
+    fn svc_frontends(s: u8) -> [Frontend; 3] {
+        let cluster = Ipv4Addr::new(10, 96, 1, s);
+        [
+            Frontend { ip: cluster, port: 80, protocol: Protocol::Tcp },
+            Frontend {
+                ip: Ipv4Addr::new(192, 168, 1, 1),
+                port: 30000 + s as u16,
+                protocol: Protocol::Tcp,
+            },
+            Frontend { ip: cluster, port: 53, protocol: Protocol::Udp },
+        ]
+    }
+
+    fn endpoint(e: u8) -> BackendPlan {
+        BackendPlan {
+            addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, e), 8080),
+            local: e.is_multiple_of(3),
+            host: e.is_multiple_of(5),
+        }
+    }
+
+    fn frontend_plan(
+        backends: Vec<BackendPlan>,
+        affinity: Option<u32>,
+        ranges: Vec<Cidr>,
+    ) -> FrontendPlan {
+        FrontendPlan {
+            service: ServicePortName {
+                service: ServiceName { namespace: "ns".into(), name: "svc".into() },
+                port: String::new(),
+            },
+            backends,
+            affinity_timeout_secs: affinity,
+            external: !ranges.is_empty(),
+            local: false,
+            drop_when_empty: false,
+            source_ranges: ranges,
+        }
+    }
+
+    fn svc_plan(services: &[Svc]) -> Plan {
+        let mut plan = Plan::default();
+        for (s, svc) in services.iter().enumerate() {
+            let ranges: Vec<Cidr> = svc
+                .ranges
+                .iter()
+                .map(|r| Cidr { addr: Ipv4Addr::new(172, 16, *r, 0), len: 24 })
+                .collect();
+            let frontends = svc_frontends(s as u8);
+            for (i, frontend) in frontends.iter().enumerate().filter(|(i, _)| svc.frontends[*i]) {
+                let backends = svc.endpoints.iter().map(|e| endpoint(*e)).collect();
+                // Source ranges on the NodePort only.
+                let ranges = if i == 1 { ranges.clone() } else { vec![] };
+                plan.frontends.insert(*frontend, frontend_plan(backends, svc.affinity, ranges));
+            }
+        }
+        plan
+    }
+
+    /// Changes a few services at random; returns the frontends it may have changed.
+    fn churn(rng: &mut Lcg, services: &mut [Svc]) -> BTreeSet<Frontend> {
+        let mut dirty = BTreeSet::new();
+        for _ in 0..=rng.below(3) {
+            let s = rng.below(services.len() as u64) as usize;
+            let svc = &mut services[s];
+            let random_endpoint = |rng: &mut Lcg| 1 + rng.below(30) as u8;
+            match rng.below(9) {
+                0 | 1 => {
+                    svc.endpoints.insert(random_endpoint(rng));
+                }
+                2 => {
+                    let gone = svc.endpoints.iter().nth(rng.below(8) as usize).copied();
+                    if let Some(e) = gone {
+                        svc.endpoints.remove(&e);
+                    }
+                }
+                3 => {
+                    let gone = svc.endpoints.iter().nth(rng.below(8) as usize).copied();
+                    if let Some(e) = gone {
+                        svc.endpoints.remove(&e);
+                    }
+                    svc.endpoints.insert(random_endpoint(rng));
+                }
+                4 => {
+                    svc.affinity = match svc.affinity {
+                        Some(_) => None,
+                        None => Some(10 + rng.below(3) as u32),
+                    }
+                }
+                5 => {
+                    let r = rng.below(3) as u8;
+                    if !svc.ranges.remove(&r) {
+                        svc.ranges.insert(r);
+                    }
+                }
+                6 => {
+                    let i = rng.below(3) as usize;
+                    svc.frontends[i] = !svc.frontends[i];
+                }
+                7 => {
+                    // Gone, or back with fresh endpoints.
+                    if svc.frontends.iter().any(|f| *f) {
+                        svc.frontends = [false; 3];
+                    } else {
+                        svc.frontends = [true, rng.below(2) == 0, rng.below(2) == 0];
+                        svc.endpoints = (0..rng.below(6)).map(|_| random_endpoint(rng)).collect();
+                    }
+                }
+                _ => svc.endpoints = (0..rng.below(12)).map(|_| random_endpoint(rng)).collect(),
+            }
+            dirty.extend(svc_frontends(s as u8));
+        }
+        // A frontend named though unchanged is fine.
+        if rng.below(4) == 0 {
+            dirty.extend(svc_frontends(rng.below(services.len() as u64) as u8));
+        }
+        dirty
+    }
+
+    #[test]
+    fn incremental_syncs_match_a_full_sync_of_the_same_plan() {
+        let mut rng = Lcg(7);
+        let mut services = vec![Svc::default(); 10];
+        let mut maps = Maps::default();
+        let mut state = SyncState::default();
+        let (mut failures, mut writes) = (0, 0);
+        for step in 0..600 {
+            let dirty = churn(&mut rng, &mut services);
+            let plan = svc_plan(&services);
+            // Now and then a write fails; the agent then syncs in full.
+            if step % 7 == 3 {
+                maps.fail_at = Some(maps.writes + rng.below(6) as usize);
+            }
+            match state.sync(&plan, Some(&dirty), &mut maps) {
+                Ok(report) => writes += report.writes,
+                Err(SyncError::Write { .. }) => {
+                    failures += 1;
+                    assert_counts(&state, &maps);
+                    state.sync(&plan, None, &mut maps).unwrap();
+                }
+                Err(err) => panic!("step {step}: {err}"),
+            }
+            maps.fail_at = None;
+            assert_counts(&state, &maps);
+            assert_eq!(content(&maps), fresh(&plan), "step {step}");
+            for (f, fp) in &plan.frontends {
+                assert_eq!(maps.services[&service_key(f, 0)].count as usize, fp.backends.len());
+            }
+            assert_eq!(state.sync(&plan, None, &mut maps).unwrap().writes, 0, "step {step}");
+            state.take_affinity_purge();
+        }
+        assert!(failures > 20 && writes > 1000, "{failures} failures, {writes} writes");
+    }
+
+    #[test]
+    fn a_failed_incremental_sync_is_finished_by_a_full_one() {
+        let (cluster, nodeport, udp) =
+            (svc_frontends(1)[0], svc_frontends(1)[1], svc_frontends(2)[2]);
+        let eps = |es: &[u8]| es.iter().map(|e| endpoint(*e)).collect::<Vec<_>>();
+        let start: Plan = Plan {
+            frontends: [
+                (cluster, frontend_plan(eps(&[1, 2, 3]), Some(5), vec![])),
+                (nodeport, frontend_plan(eps(&[1, 2, 3]), Some(5), vec![])),
+                (udp, frontend_plan(eps(&[1, 4]), None, vec![])),
+            ]
+            .into(),
+        };
+        let range = Cidr { addr: Ipv4Addr::new(172, 16, 0, 0), len: 12 };
+        let target: Plan = Plan {
+            frontends: [
+                (cluster, frontend_plan(eps(&[2, 3, 6, 7]), Some(5), vec![])),
+                (nodeport, frontend_plan(eps(&[2, 3, 6, 7]), None, vec![range])),
+            ]
+            .into(),
+        };
+        let dirty: BTreeSet<Frontend> = [cluster, nodeport, udp].into();
+        let mut maps = Maps::default();
+        let mut state = SyncState::default();
+        state.sync(&start, None, &mut maps).unwrap();
+        let writes = state.sync(&target, Some(&dirty), &mut maps).unwrap().writes;
+        assert!(writes >= 15, "{writes} writes");
+        assert_eq!(content(&maps), fresh(&target));
+        for fail_at in 0..writes {
+            let mut maps = Maps::default();
+            let mut state = SyncState::default();
+            state.sync(&start, None, &mut maps).unwrap();
+            maps.fail_at = Some(maps.writes + fail_at);
+            assert!(state.sync(&target, Some(&dirty), &mut maps).is_err(), "failure {fail_at}");
+            assert_counts(&state, &maps);
+            state.sync(&target, None, &mut maps).unwrap();
+            assert_counts(&state, &maps);
+            assert_eq!(content(&maps), fresh(&target), "failure at {fail_at}");
+            // Affinity: the ClusterIP lost a backend, the NodePort its affinity.
+            let purge = state.take_affinity_purge();
+            let kept: Vec<usize> = purge.values().map(BTreeSet::len).collect();
+            assert_eq!(kept, vec![4, 0], "failure at {fail_at}: {purge:?}");
+        }
+    }
+
+    #[test]
+    fn one_frontend_of_ten_thousand_costs_its_own_writes_and_shared_backends_stay() {
+        // 5,000 services, each a ClusterIP and a NodePort on the same 3 endpoints.
+        let frontends = |s: u32| {
+            let cluster = Ipv4Addr::from(0x0a60_0000 + s);
+            [
+                Frontend { ip: cluster, port: 80, protocol: Protocol::Tcp },
+                Frontend {
+                    ip: Ipv4Addr::new(192, 168, 1, 1),
+                    port: 1000 + s as u16,
+                    protocol: Protocol::Tcp,
+                },
+            ]
+        };
+        let endpoints = |s: u32, extra: &[u32]| -> Vec<BackendPlan> {
+            (0..3)
+                .chain(extra.iter().copied())
+                .map(|i| BackendPlan {
+                    addr: SocketAddrV4::new(Ipv4Addr::from(0x0af4_0000 + s * 16 + i), 8080),
+                    local: false,
+                    host: false,
+                })
+                .collect()
+        };
+        let mut plan = Plan::default();
+        for s in 0..5000 {
+            for f in frontends(s) {
+                plan.frontends.insert(f, frontend_plan(endpoints(s, &[]), None, vec![]));
+            }
+        }
+        let sizes =
+            super::super::MapSizes { services: 100_000, backends: 100_000, rev_nat: 100_000 };
+        let mut state = SyncState::with_capacity(sizes);
+        // The maps' check after every write is quadratic here: off for setup.
+        let mut maps = Maps { unchecked: true, ..Maps::default() };
+        state.sync(&plan, None, &mut maps).unwrap();
+        maps.unchecked = false;
+        assert_eq!(state.frontend_count(), 10_000);
+        assert_eq!(state.backend_count(), 15_000);
+        let [cluster, nodeport] = frontends(7);
+        let step = |state: &mut SyncState, plan: &Plan, dirty: &[Frontend], maps: &mut Maps| {
+            let dirty: BTreeSet<Frontend> = dirty.iter().copied().collect();
+            let report = state.sync(plan, Some(&dirty), maps).unwrap();
+            assert_counts(state, maps);
+            report
+        };
+
+        // A fourth endpoint on both frontends: one backend, a slot and a
+        // count each.
+        for f in [cluster, nodeport] {
+            plan.frontends.get_mut(&f).unwrap().backends = endpoints(7, &[3]);
+        }
+        let report = step(&mut state, &plan, &[cluster, nodeport], &mut maps);
+        assert_eq!(report.writes, 5);
+        // Gone from the ClusterIP only: the NodePort still uses it.
+        plan.frontends.get_mut(&cluster).unwrap().backends = endpoints(7, &[]);
+        let report = step(&mut state, &plan, &[cluster], &mut maps);
+        assert_eq!((report.writes, report.removed_backends.len()), (2, 0), "count, slot");
+        assert_eq!(state.backend_count(), 15_001);
+        // The NodePort goes: its slot 0, 4 slots, its reverse NAT, and the
+        // one backend only it used.
+        plan.frontends.remove(&nodeport);
+        let report = step(&mut state, &plan, &[nodeport], &mut maps);
+        assert_eq!((report.writes, report.removed_backends.len()), (7, 1));
+        assert_eq!(state.backend_count(), 15_000);
+        // Replacing an endpoint of the ClusterIP, now their only user.
+        plan.frontends.get_mut(&cluster).unwrap().backends = endpoints(7, &[4])[1..].to_vec();
+        let report = step(&mut state, &plan, &[cluster], &mut maps);
+        assert_eq!((report.writes, report.removed_backends.len()), (3, 1));
+        // The NodePort comes back: slot 0, 3 slots, reverse NAT; no backend.
+        plan.frontends
+            .insert(nodeport, frontend_plan(endpoints(7, &[4])[1..].to_vec(), None, vec![]));
+        let report = step(&mut state, &plan, &[nodeport], &mut maps);
+        assert_eq!(report.writes, 5);
+
+        maps.check();
+        assert_eq!(content(&maps), fresh(&plan));
+        assert_eq!(state.sync(&plan, None, &mut maps).unwrap().writes, 0);
     }
 }
