@@ -3,6 +3,7 @@
 //! count what was wrong, retry what failed.
 
 use std::{
+    collections::{BTreeMap, BTreeSet},
     path::PathBuf,
     sync::{Arc, atomic::Ordering::Relaxed},
     time::{Duration, Instant, SystemTime},
@@ -14,14 +15,14 @@ use tokio::signal::unix::{SignalKind, signal};
 use crate::{
     backend::iptables::{self, exec::System, render},
     cli::{PinArgs, PrepareArgs, ProxyMode, RenderIptablesArgs, RunArgs},
-    datapath::{self, Datapath, Desired},
-    health::{self, NodeEligibility, ProxyHealth, ServiceChecks},
+    datapath::{self, Datapath},
+    health::{self, NodeEligibility, ProxyHealth, ServiceCheck, ServiceChecks},
     metrics::Metrics,
-    model::Model,
+    model::{Model, ServiceName, ServicePort},
     node::{self, NodeInfo},
-    plan::{self, Node},
+    plan::{Frontend, Node, Planner},
     source::{
-        Store,
+        Store, StoreUpdate,
         kube::KubeSource,
         manifests::{Manifests, Reload},
     },
@@ -64,10 +65,11 @@ impl Source {
         }
     }
 
-    fn snapshot(&self) -> crate::source::Snapshot {
+    /// Brings `store` up to date with the source.
+    fn update(&self, store: &mut Store) -> StoreUpdate {
         match self {
-            Source::Manifests(manifests) => manifests.snapshot(),
-            Source::Kube(kube) => kube.snapshot(),
+            Source::Manifests(manifests) => store.replace(manifests.snapshot()),
+            Source::Kube(kube) => store.apply(kube.take_changes()),
         }
     }
 
@@ -89,8 +91,15 @@ struct Agent {
     node: Node,
     /// `--bpffs-root`: the eBPF mode's pins (removed in iptables mode).
     pins: PathBuf,
-    desired: Desired,
-    /// When to sync `desired` into the datapath; `None`: it holds it.
+    /// The plan of the store's model, kept up to date service by service.
+    planner: Planner,
+    /// Whether the planner has planned the whole model once.
+    planned: bool,
+    /// The frontends whose plan changed since the last successful sync;
+    /// `None`: any may have (the next sync compares them all).
+    dirty: Option<BTreeSet<Frontend>>,
+    stats: ServiceStats,
+    /// When to sync the plan into the datapath; `None`: it holds it.
     due: Option<Instant>,
     retry_after: Duration,
     /// Syncs are at least this far apart; and the datapath is resynced
@@ -135,6 +144,7 @@ impl Agent {
             Source::Manifests(_) => None,
         };
         let mut waiting_since = None;
+        let mut last_change: Option<Instant> = None;
         // Every poll until an attempt to take over fails, then less often.
         let mut retry_every = 1;
         // As kube-proxy at the start of its sync loop: nothing is late yet.
@@ -147,7 +157,12 @@ impl Agent {
             let polled = tokio::select! {
                 _ = poll.tick() => true,
                 _ = changed(notify.as_deref()) => {
-                    coalesce(notify.as_deref()).await;
+                    // A change after a quiet spell is taken at once; those
+                    // that follow it closely are coalesced.
+                    if last_change.is_some_and(|t| t.elapsed() < MAX_COALESCE) {
+                        coalesce(notify.as_deref()).await;
+                    }
+                    last_change = Some(Instant::now());
                     false
                 }
                 _ = until(due) => false,
@@ -203,9 +218,11 @@ impl Agent {
         }
     }
 
-    /// The source changed: a new desired state, synced as soon as the
+    /// The source changed: the store, model and plan follow (only the
+    /// services touched are replanned), and a sync is due as soon as the
     /// minimum sync period allows.
     fn changed(&mut self) {
+        let mut replan_all = !self.planned;
         if let Source::Kube(kube) = &self.source {
             let info = NodeInfo::of(kube.node().as_ref());
             self.health.set_node(info.eligibility);
@@ -221,10 +238,29 @@ impl Agent {
             if info.zone != self.node.zone {
                 tracing::info!(zone = ?info.zone, "this node's zone changed");
                 self.node.zone = info.zone.clone();
+                self.planner.set_zone(info.zone.clone());
                 self.datapath.set_zone(info.zone);
+                replan_all = true;
             }
         }
-        self.desired = self.desired();
+        let update = self.source.update(&mut self.store);
+        self.count_changes(&update);
+        let model = self.store.model();
+        let replanned = if replan_all {
+            self.planned = true;
+            self.stats.update(model, model.service_names(), &self.node.name);
+            self.planner.rebuild(model)
+        } else {
+            self.stats.update(model, update.touched.iter(), &self.node.name);
+            self.planner.update(model, &update.touched)
+        };
+        if let Some(dirty) = &mut self.dirty {
+            dirty.extend(replanned);
+        }
+        self.report_problems(&update);
+        if update.touched.is_empty() && !replan_all && self.synced_whole {
+            return;
+        }
         let now = Instant::now();
         let earliest = self.last_sync.map_or(now, |t| t + self.min_sync_period);
         self.due = Some(earliest.max(now));
@@ -238,20 +274,8 @@ impl Agent {
         }
     }
 
-    /// Store, model and plan for the source's objects; each problem is
-    /// logged and counted once per change.
-    fn desired(&mut self) -> Desired {
-        let update = self.store.replace(self.source.snapshot());
-        let mut problems: Vec<(String, String)> = Vec::new();
-        for err in &update.errors {
-            problems.push((err.kind().into(), format!("invalid object skipped: {err}")));
-        }
-        for kept in &update.kept {
-            problems.push((
-                "kept".into(),
-                format!("{} {}: serving the last good version", kept.kind, kept.name),
-            ));
-        }
+    /// The change counters and the trigger times of the changes.
+    fn count_changes(&mut self, update: &StoreUpdate) {
         for (total, pending, n) in [
             (
                 &self.metrics.service_changes,
@@ -268,36 +292,39 @@ impl Agent {
             pending.fetch_add(n as u64, Relaxed);
         }
         // Only changes made while this agent watched measure its latency.
-        self.triggers.extend(update.trigger_times.into_iter().filter(|t| *t > self.started));
-        let model = self.store.model();
-        for err in &model.errors {
-            problems.push((err.kind().into(), err.to_string()));
+        let started = self.started;
+        self.triggers.extend(update.trigger_times.iter().filter(|t| **t > started));
+    }
+
+    /// Logs and counts each problem with the objects once, for as long as
+    /// it lasts.
+    fn report_problems(&mut self, update: &StoreUpdate) {
+        let mut problems = self.store.problems();
+        for err in &update.unnamed {
+            problems.push((err.kind(), format!("invalid object skipped: {err}")));
         }
-        let (plan, conflicts) = plan::plan(&model, &self.node);
-        for conflict in &conflicts {
-            problems.push(("Service".into(), conflict.to_string()));
+        for conflict in self.planner.conflicts() {
+            problems.push(("Service", conflict.to_string()));
         }
-        // Each problem once, for as long as it lasts.
-        let current: std::collections::BTreeSet<String> =
-            problems.iter().map(|(_, message)| message.clone()).collect();
+        let current: BTreeSet<String> = problems.iter().map(|(_, m)| m.clone()).collect();
         for (kind, message) in &problems {
             if self.reported.contains(message) {
                 continue;
             }
             tracing::warn!(kind = %kind, "{message}");
-            match kind.as_str() {
+            match *kind {
                 "kept" => drop(self.metrics.kept_objects.fetch_add(1, Relaxed)),
                 kind => self.metrics.invalid(kind),
             }
         }
         self.reported = current;
-        Desired { model, plan }
     }
 
     fn sync(&mut self) {
         let start = Instant::now();
         self.last_sync = Some(start);
-        let result = self.datapath.sync(&self.desired, &self.metrics);
+        let (model, plan) = (self.store.model(), self.planner.plan());
+        let result = self.datapath.sync(model, plan, self.dirty.as_ref(), &self.metrics);
         let took = start.elapsed();
         self.metrics.sync_duration.observe(took);
         match result {
@@ -307,9 +334,13 @@ impl Agent {
                     Some(false) => self.metrics.partial_sync_duration.observe(took),
                     None => {}
                 }
-                self.synced();
+                self.dirty = Some(BTreeSet::new());
+                self.synced(synced.backends);
             }
             Err(err) => {
+                // Where it stopped is known to the datapath: the next sync
+                // compares every frontend.
+                self.dirty = None;
                 self.metrics.syncs_failed.fetch_add(1, Relaxed);
                 tracing::error!(
                     retry_in = ?self.retry_after,
@@ -322,7 +353,7 @@ impl Agent {
     }
 
     /// After a successful sync: health, metrics, health-check node ports.
-    fn synced(&mut self) {
+    fn synced(&mut self, backends: usize) {
         self.due = None;
         self.synced_whole |= self.complete;
         let now = SystemTime::now();
@@ -335,12 +366,9 @@ impl Agent {
         for trigger in self.triggers.drain(..) {
             m.network_programming.observe(now.duration_since(trigger).unwrap_or_default());
         }
-        let plan = &self.desired.plan;
-        let backends: std::collections::BTreeSet<_> =
-            plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
-        m.frontends.store(plan.frontends.len() as u64, Relaxed);
-        m.backends.store(backends.len() as u64, Relaxed);
-        let (internal, external) = no_local_endpoints(&self.desired.model, &self.node.name);
+        m.frontends.store(self.planner.plan().frontends.len() as u64, Relaxed);
+        m.backends.store(backends as u64, Relaxed);
+        let (internal, external) = self.stats.no_local_endpoints();
         m.no_local_endpoints_internal.store(internal, Relaxed);
         m.no_local_endpoints_external.store(external, Relaxed);
         self.update_service_checks();
@@ -348,8 +376,7 @@ impl Agent {
 
     /// Opens and closes health-check node ports to match the services.
     fn update_service_checks(&mut self) {
-        let checks = health::service_checks(&self.desired.model, &self.node.name);
-        let failed = self.service_checks.set(checks);
+        let failed = self.service_checks.set(self.stats.service_checks());
         self.checks_failed = !failed.is_empty();
         for (port, check, why) in failed {
             self.metrics.health_check_failures.fetch_add(1, Relaxed);
@@ -361,6 +388,7 @@ impl Agent {
     /// and the other mode's leftovers.
     fn look_after_datapath(&mut self) {
         if self.datapath.look_after(&self.node.ips, self.polls, &self.metrics) {
+            self.dirty = None;
             self.due.get_or_insert_with(Instant::now);
         }
         let resync_due = self.last_sync.is_none_or(|t| t.elapsed() >= self.sync_period);
@@ -411,12 +439,54 @@ impl Agent {
     }
 }
 
-/// kube-proxy's `no_local_endpoints` gauges: service ports with a Local
-/// policy and endpoints somewhere, but none usable on this node (internal,
-/// external).
-fn no_local_endpoints(model: &Model, node_name: &str) -> (u64, u64) {
+/// What the metrics and health checks need from each service, kept up to
+/// date with the services a change touches (only services with something
+/// to count are held).
+#[derive(Debug, Default)]
+struct ServiceStats {
+    /// Services with a Local policy and endpoints, but none usable here:
+    /// (internal, external).
+    no_local: BTreeMap<ServiceName, (u64, u64)>,
+    /// Health-check node ports, by service.
+    checks: BTreeMap<ServiceName, BTreeMap<u16, ServiceCheck>>,
+}
+
+impl ServiceStats {
+    fn update<'a>(
+        &mut self,
+        model: &Model,
+        names: impl Iterator<Item = &'a ServiceName>,
+        node_name: &str,
+    ) {
+        for name in names {
+            let ports = model.service(name);
+            match no_local_endpoints(ports, node_name) {
+                (0, 0) => self.no_local.remove(name),
+                counts => self.no_local.insert(name.clone(), counts),
+            };
+            let checks = health::service_checks(ports, node_name);
+            match checks.is_empty() {
+                true => self.checks.remove(name),
+                false => self.checks.insert(name.clone(), checks),
+            };
+        }
+    }
+
+    /// kube-proxy's `no_local_endpoints` gauges (internal, external).
+    fn no_local_endpoints(&self) -> (u64, u64) {
+        self.no_local.values().fold((0, 0), |(i, e), (di, de)| (i + di, e + de))
+    }
+
+    fn service_checks(&self) -> BTreeMap<u16, ServiceCheck> {
+        self.checks.values().flat_map(|c| c.iter().map(|(p, c)| (*p, c.clone()))).collect()
+    }
+}
+
+/// Service ports with a Local policy and endpoints somewhere, but none
+/// usable on this node (internal, external).
+fn no_local_endpoints(ports: &[ServicePort], node_name: &str) -> (u64, u64) {
     let mut counts = (0, 0);
-    for port in model.ports().filter(|p| p.has_endpoints()) {
+    for port in ports.iter().filter(|p| p.has_endpoints()) {
         let none_here = port.usable_endpoints(Some(node_name)).is_empty();
         let external = port.node_port.is_some()
             || !port.external_ips.is_empty()
@@ -508,9 +578,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             service_checks: ServiceChecks::new(health.clone(), http, check_addresses),
             metrics,
             health,
+            planner: Planner::new(node.clone()),
             node,
             pins: args.pins.bpffs_root.clone(),
-            desired: Desired::default(),
+            planned: false,
+            dirty: None,
+            stats: ServiceStats::default(),
             due: None,
             retry_after: FIRST_RETRY,
             min_sync_period,
@@ -573,10 +646,13 @@ pub fn render_iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
         args.manifests.display()
     );
     let mut store = Store::default();
-    for err in store.replace(manifests.snapshot()).errors {
+    for err in store.replace(manifests.snapshot()).unnamed {
         tracing::warn!("invalid object skipped: {err}");
     }
-    let model = store.model();
+    for (_, problem) in store.problems() {
+        tracing::warn!("{problem}");
+    }
+    let model = store.into_model();
     let pod_interfaces: Vec<String> =
         crate::cli::DEFAULT_POD_INTERFACES.split(',').map(String::from).collect();
     let ips = match args.node.node_ip.as_slice() {
@@ -628,7 +704,10 @@ mod tests {
             "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {type: NodePort, clusterIP: 10.96.0.1, externalTrafficPolicy: Local, internalTrafficPolicy: Local, ports: [{port: 80, nodePort: 30080}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: b}\nspec: {clusterIP: 10.96.0.2, internalTrafficPolicy: Local, ports: [{port: 80}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: a-1, labels: {kubernetes.io/service-name: a}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.244.2.2], nodeName: other}]\n",
         );
         // b has no endpoints at all: not counted, as kube-proxy.
-        assert_eq!(no_local_endpoints(&model, "here"), (1, 1));
-        assert_eq!(no_local_endpoints(&model, "other"), (0, 0));
+        let mut stats = ServiceStats::default();
+        stats.update(&model, model.service_names(), "here");
+        assert_eq!(stats.no_local_endpoints(), (1, 1));
+        stats.update(&model, model.service_names(), "other");
+        assert_eq!(stats.no_local_endpoints(), (0, 0));
     }
 }

@@ -2,6 +2,7 @@
 //! state into, looks after between syncs, attaches, and switches from.
 
 use std::{
+    collections::BTreeSet,
     net::Ipv4Addr,
     path::{Path, PathBuf},
     sync::atomic::Ordering::Relaxed,
@@ -21,7 +22,7 @@ use crate::{
     metrics::Metrics,
     model::Model,
     node,
-    plan::{Node, Plan},
+    plan::{Frontend, Node, Plan},
     probe, sys,
 };
 
@@ -33,14 +34,6 @@ const GC_EVERY: u32 = 5;
 const CANARY_EVERY: u32 = 10;
 /// ...and every canary once in this many checks.
 const THOROUGH_CANARY_EVERY: u32 = 15;
-
-/// What the datapath should hold: the model, and the plan (which also
-/// reports conflicting frontends, in either mode).
-#[derive(Default)]
-pub struct Desired {
-    pub model: Model,
-    pub plan: Plan,
-}
 
 /// The eBPF datapath and what looking after it needs.
 pub struct Ebpf {
@@ -61,6 +54,8 @@ pub enum Datapath {
 pub struct Synced {
     /// iptables mode: whether it was a full sync.
     pub full: Option<bool>,
+    /// Distinct backends served.
+    pub backends: usize,
 }
 
 impl Datapath {
@@ -111,14 +106,24 @@ impl Datapath {
         }
     }
 
-    /// Brings the datapath to `desired`; counts what went wrong.
-    pub fn sync(&mut self, desired: &Desired, metrics: &Metrics) -> anyhow::Result<Synced> {
+    /// Brings the datapath to `plan` (eBPF) or `model` (iptables, which
+    /// renders kube-proxy's rules from it); only the frontends in `dirty`
+    /// may differ from the last successful sync (`None`: any may). Counts
+    /// what went wrong.
+    pub fn sync(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
+        metrics: &Metrics,
+    ) -> anyhow::Result<Synced> {
         match self {
             Datapath::Ebpf(dp) => {
-                let report = dp.backend.sync(&desired.plan, None).inspect_err(|_| {
+                let report = dp.backend.sync(plan, dirty).inspect_err(|_| {
                     metrics.map_update_failures.fetch_add(1, Relaxed);
                 })?;
                 let state = dp.backend.state();
+                let backends = state.backend_count();
                 metrics.set_map_entries(&state.map_entries());
                 tracing::info!(
                     frontends = state.frontend_count(),
@@ -133,10 +138,10 @@ impl Datapath {
                     }
                     Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
                 }
-                Ok(Synced { full: None })
+                Ok(Synced { full: None, backends })
             }
             Datapath::Iptables(backend) => {
-                let report = backend.sync(&desired.model).inspect_err(|err| {
+                let report = backend.sync(model).inspect_err(|err| {
                     if let IptablesError::Restore { full, .. } = err {
                         metrics.restore_failures.fetch_add(1, Relaxed);
                         if !full {
@@ -167,7 +172,9 @@ impl Datapath {
                     metrics.conntrack_cleanup_failures.fetch_add(1, Relaxed);
                     tracing::warn!("could not delete stale conntrack entries (will retry): {e}");
                 }
-                Ok(Synced { full: Some(report.full) })
+                let backends: BTreeSet<_> =
+                    plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
+                Ok(Synced { full: Some(report.full), backends: backends.len() })
             }
         }
     }

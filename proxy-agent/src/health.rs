@@ -12,7 +12,7 @@ use std::{
 
 use crate::{
     http::{self, Reply},
-    model::{Model, ServiceName},
+    model::{ServiceName, ServicePort},
     time,
 };
 
@@ -150,11 +150,11 @@ pub struct ServiceCheck {
     pub local_endpoints: usize,
 }
 
-/// The health-check node ports `model` asks for on node `node_name`.
-pub fn service_checks(model: &Model, node_name: &str) -> BTreeMap<u16, ServiceCheck> {
+/// The health-check node ports service `ports` ask for on node `node_name`.
+pub fn service_checks(ports: &[ServicePort], node_name: &str) -> BTreeMap<u16, ServiceCheck> {
     let mut checks: BTreeMap<u16, (ServiceName, std::collections::BTreeSet<Ipv4Addr>)> =
         BTreeMap::new();
-    for port in model.ports() {
+    for port in ports {
         let Some(hc) = port.health_check_node_port else { continue };
         let (_, ips) =
             checks.entry(hc).or_insert_with(|| (port.name.service.clone(), Default::default()));
@@ -327,7 +327,8 @@ mod tests {
         let model = crate::source::model_from_yaml(
             "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: lab}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, externalTrafficPolicy: Local, healthCheckNodePort: 32000, ports: [{name: a, port: 80, nodePort: 30080}, {name: b, port: 81, nodePort: 30081}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: lab, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: a, port: 8080}, {name: b, port: 8081}]\nendpoints: [{addresses: [10.244.1.2], nodeName: n1}, {addresses: [10.244.1.3], nodeName: n1, conditions: {ready: false, serving: true, terminating: true}}, {addresses: [10.244.2.2], nodeName: n2}]\n",
         );
-        let checks = service_checks(&model, "n1");
+        let ports: Vec<ServicePort> = model.ports().cloned().collect();
+        let checks = service_checks(&ports, "n1");
         let check = &checks[&32000];
         assert_eq!(check.local_endpoints, 1, "one address over two ports; terminating ones out");
         let reply = service_check_reply(check, true);
@@ -337,7 +338,7 @@ mod tests {
             "{\n\t\"service\": {\n\t\t\"namespace\": \"lab\",\n\t\t\"name\": \"web\"\n\t},\n\t\"localEndpoints\": 1,\n\t\"serviceProxyHealthy\": true\n}"
         );
         assert!(reply.headers.contains(&("X-Load-Balancing-Endpoint-Weight", "1".into())));
-        let none = service_checks(&model, "n3");
+        let none = service_checks(&ports, "n3");
         assert_eq!(service_check_reply(&none[&32000], true).status, 503);
         assert_eq!(service_check_reply(check, false).status, 503);
     }

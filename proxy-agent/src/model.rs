@@ -17,6 +17,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::{IpAddr, Ipv4Addr, SocketAddrV4},
+    time::SystemTime,
 };
 
 use k8s_openapi::api::{
@@ -326,23 +327,35 @@ impl Model {
 
 /// Applies kube-proxy's semantics to a snapshot of Services and EndpointSlices.
 pub fn build(services: &[Service], slices: &[EndpointSlice]) -> Model {
-    let mut model = Model::default();
-    let endpoints = index_slices(slices, &mut model.errors);
-    let mut ports = Vec::new();
-    for service in services {
-        match service_ports(service, &endpoints) {
-            Ok(p) => ports.extend(p),
-            Err(err) => model.errors.push(err),
+    let mut errors = Vec::new();
+    let mut by_service: BTreeMap<ServiceName, Vec<ParsedSlice>> = BTreeMap::new();
+    for slice in slices {
+        match parse_slice(slice) {
+            Ok((_, parsed)) => {
+                errors.extend(parsed.errors.iter().cloned());
+                if let Some(service) = parsed.service.clone() {
+                    by_service.entry(service).or_default().push(parsed);
+                }
+            }
+            Err(err) => errors.push(err),
         }
     }
-    Model { errors: model.errors, ..Model::from_ports(ports) }
+    let mut ports = Vec::new();
+    for service in services {
+        match parse_service(service) {
+            Ok(templates) => {
+                let Some(first) = templates.first() else { continue };
+                let slices = by_service.get(&first.name.service).into_iter().flatten();
+                ports.extend(with_endpoints(&templates, slices));
+            }
+            Err(err) => errors.push(err),
+        }
+    }
+    Model { errors, ..Model::from_ports(ports) }
 }
 
 /// Key of one slice port: (port name, protocol).
 type SlicePortKey = (String, Protocol);
-/// Per service, per slice port, the endpoints by address.
-type EndpointIndex =
-    BTreeMap<ServiceName, BTreeMap<SlicePortKey, BTreeMap<SocketAddrV4, Endpoint>>>;
 
 fn object_name(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -351,107 +364,125 @@ fn object_name(
     ServiceName::of(meta).ok_or(ModelError::Unnamed { kind })
 }
 
-fn index_slices(slices: &[EndpointSlice], errors: &mut Vec<ModelError>) -> EndpointIndex {
-    let mut index = EndpointIndex::new();
-    for slice in slices {
-        // IPv6 and FQDN slices are not proxied (IPv4-only datapath).
-        if slice.address_type != "IPv4" {
-            continue;
-        }
-        let slice_name = match object_name(&slice.metadata, "EndpointSlice") {
-            Ok(name) => name,
-            Err(err) => {
-                errors.push(err);
+/// The annotation the EndpointSlice controller sets to the time of the
+/// change (a pod, a service) that led to the slice's current state.
+const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// An EndpointSlice as the proxy reads it: all it keeps of one.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ParsedSlice {
+    /// The service it belongs to (`kubernetes.io/service-name`, in its
+    /// namespace); `None` when the proxy has no use for it (IPv6, FQDN,
+    /// unlabelled).
+    pub service: Option<ServiceName>,
+    ports: Vec<(SlicePortKey, u16)>,
+    /// Its endpoints, with port 0: each slice port gives them its number.
+    endpoints: Vec<Endpoint>,
+    /// Addresses and ports that were skipped.
+    pub errors: Vec<ModelError>,
+    /// `endpoints.kubernetes.io/last-change-trigger-time`.
+    pub trigger_time: Option<SystemTime>,
+}
+
+/// Reads an EndpointSlice; its name and what the proxy keeps of it.
+pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), ModelError> {
+    let slice_name = object_name(&slice.metadata, "EndpointSlice")?;
+    let annotations = slice.metadata.annotations.as_ref();
+    let trigger_time = annotations.and_then(|a| crate::time::parse_rfc3339(a.get(TRIGGER_TIME)?));
+    let mut parsed = ParsedSlice { trigger_time, ..ParsedSlice::default() };
+    // IPv6 and FQDN slices are not proxied (IPv4-only datapath).
+    let label = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
+    let Some(service) = label.filter(|_| slice.address_type == "IPv4") else {
+        return Ok((slice_name, parsed));
+    };
+    parsed.service =
+        Some(ServiceName { namespace: slice_name.namespace.clone(), name: service.clone() });
+    for port in slice.ports.iter().flatten() {
+        let port_name = port.name.clone().unwrap_or_default();
+        let protocol = match Protocol::parse(port.protocol.as_deref()) {
+            Ok(Some(protocol)) => protocol,
+            Ok(None) => continue,
+            Err(protocol) => {
+                parsed.errors.push(ModelError::UnsupportedSlicePortProtocol {
+                    slice: slice_name.clone(),
+                    port_name,
+                    protocol,
+                });
                 continue;
             }
         };
-        let Some(service) = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL))
-        else {
+        let number = port.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0);
+        let Some(number) = number else {
+            parsed.errors.push(ModelError::InvalidEndpointPort {
+                slice: slice_name.clone(),
+                port_name,
+                port: port.port,
+            });
             continue;
         };
-        let service =
-            ServiceName { namespace: slice_name.namespace.clone(), name: service.clone() };
-        let mut ports = Vec::new();
-        for port in slice.ports.iter().flatten() {
-            let port_name = port.name.clone().unwrap_or_default();
-            let protocol = match Protocol::parse(port.protocol.as_deref()) {
-                Ok(Some(protocol)) => protocol,
-                Ok(None) => continue,
-                Err(protocol) => {
-                    errors.push(ModelError::UnsupportedSlicePortProtocol {
-                        slice: slice_name.clone(),
-                        port_name,
-                        protocol,
-                    });
-                    continue;
-                }
-            };
-            let number = port.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0);
-            let Some(number) = number else {
-                errors.push(ModelError::InvalidEndpointPort {
-                    slice: slice_name.clone(),
-                    port_name,
-                    port: port.port,
-                });
-                continue;
-            };
-            ports.push(((port_name, protocol), number));
-        }
-        let by_port = index.entry(service).or_default();
-        for endpoint in &slice.endpoints {
-            // kube-proxy uses the first address of an endpoint.
-            let Some(address) = endpoint.addresses.first() else { continue };
-            let Ok(ip) = address.parse::<Ipv4Addr>() else {
-                errors.push(ModelError::InvalidEndpointAddress {
-                    slice: slice_name.clone(),
-                    value: address.clone(),
-                });
-                continue;
-            };
-            let conditions = endpoint.conditions.clone().unwrap_or_default();
+        parsed.ports.push(((port_name, protocol), number));
+    }
+    for endpoint in &slice.endpoints {
+        // kube-proxy uses the first address of an endpoint.
+        let Some(address) = endpoint.addresses.first() else { continue };
+        let Ok(ip) = address.parse::<Ipv4Addr>() else {
+            parsed.errors.push(ModelError::InvalidEndpointAddress {
+                slice: slice_name.clone(),
+                value: address.clone(),
+            });
+            continue;
+        };
+        let conditions = endpoint.conditions.clone().unwrap_or_default();
+        let hints = endpoint.hints.clone().unwrap_or_default();
+        parsed.endpoints.push(Endpoint {
+            addr: SocketAddrV4::new(ip, 0),
             // Unset conditions mean ready, serving, not terminating (as
             // kube-proxy reads them).
-            let ready = conditions.ready.unwrap_or(true);
-            let serving = conditions.serving.unwrap_or(true);
-            let terminating = conditions.terminating.unwrap_or(false);
-            let hints = endpoint.hints.clone().unwrap_or_default();
-            let zone_hints: Vec<String> =
-                hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect();
-            let node_hints: Vec<String> =
-                hints.for_nodes.iter().flatten().map(|n| n.name.clone()).collect();
-            for (key, number) in &ports {
-                let addr = SocketAddrV4::new(ip, *number);
-                let candidate = Endpoint {
-                    addr,
-                    ready,
-                    serving,
-                    terminating,
-                    node_name: endpoint.node_name.clone(),
-                    zone_hints: zone_hints.clone(),
-                    node_hints: node_hints.clone(),
-                };
+            ready: conditions.ready.unwrap_or(true),
+            serving: conditions.serving.unwrap_or(true),
+            terminating: conditions.terminating.unwrap_or(false),
+            node_name: endpoint.node_name.clone(),
+            zone_hints: hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect(),
+            node_hints: hints.for_nodes.iter().flatten().map(|n| n.name.clone()).collect(),
+        });
+    }
+    Ok((slice_name, parsed))
+}
+
+/// A service's ports (from [`parse_service`]) with the endpoints of its
+/// slices: merged, one per address; a service port takes the number of the
+/// slice port with its name and protocol.
+pub fn with_endpoints<'a>(
+    ports: &[ServicePort],
+    slices: impl IntoIterator<Item = &'a ParsedSlice>,
+) -> Vec<ServicePort> {
+    let mut merged: BTreeMap<&SlicePortKey, BTreeMap<SocketAddrV4, Endpoint>> = BTreeMap::new();
+    for slice in slices {
+        for (key, number) in &slice.ports {
+            let by_addr = merged.entry(key).or_default();
+            for endpoint in &slice.endpoints {
+                let addr = SocketAddrV4::new(*endpoint.addr.ip(), *number);
                 // The same endpoint in two slices (during a slice rebalance):
                 // keep the one in the better state.
-                by_port
-                    .entry(key.clone())
-                    .or_default()
+                by_addr
                     .entry(addr)
                     .and_modify(|e| {
-                        if (candidate.ready, candidate.serving) > (e.ready, e.serving) {
-                            *e = candidate.clone();
+                        if (endpoint.ready, endpoint.serving) > (e.ready, e.serving) {
+                            *e = Endpoint { addr, ..endpoint.clone() };
                         }
                     })
-                    .or_insert(candidate);
+                    .or_insert_with(|| Endpoint { addr, ..endpoint.clone() });
             }
         }
     }
-    index
-}
-
-/// Checks a Service as the API server would have: Ok when it can be proxied
-/// (or is deliberately not proxied), the reason otherwise.
-pub fn check_service(service: &Service) -> Result<(), ModelError> {
-    service_ports(service, &EndpointIndex::new()).map(drop)
+    ports
+        .iter()
+        .map(|port| {
+            let key = (port.name.port.clone(), port.protocol);
+            let endpoints = merged.get(&key).map(|e| e.values().cloned().collect());
+            ServicePort { endpoints: endpoints.unwrap_or_default(), ..port.clone() }
+        })
+        .collect()
 }
 
 fn is_proxied(service: &Service, spec: &ServiceSpec) -> bool {
@@ -592,7 +623,10 @@ fn ipv4_cluster_ip(name: &ServiceName, spec: &ServiceSpec) -> Result<Option<Ipv4
     Ok(first_v4)
 }
 
-fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<ServicePort>, ModelError> {
+/// Reads a Service as the API server would have validated it: its proxied
+/// ports, without endpoints (none when it is not proxied), or why it
+/// cannot be used.
+pub fn parse_service(service: &Service) -> Result<Vec<ServicePort>, ModelError> {
     let name = object_name(&service.metadata, "Service")?;
     let Some(spec) = service.spec.as_ref() else { return Ok(Vec::new()) };
     if !is_proxied(service, spec) {
@@ -604,8 +638,6 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
     };
     let affinity_timeout_secs = affinity_timeout(&name, spec)?;
     let externals = Externals::of(&name, service, spec)?;
-    let no_endpoints = BTreeMap::new();
-    let endpoints = index.get(&name).unwrap_or(&no_endpoints);
 
     let mut seen = BTreeSet::new();
     let mut ports = Vec::new();
@@ -636,10 +668,6 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
                 protocol,
             });
         }
-        let endpoints = endpoints
-            .get(&(port_name.clone(), protocol))
-            .map(|by_addr| by_addr.values().cloned().collect())
-            .unwrap_or_default();
         let node_port = match (externals.has_node_ports, port.node_port) {
             (true, Some(n)) if n != 0 => {
                 Some(u16::try_from(n).ok().filter(|n| *n != 0).ok_or_else(|| {
@@ -674,7 +702,7 @@ fn service_ports(service: &Service, index: &EndpointIndex) -> Result<Vec<Service
                 }),
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout_secs,
-            endpoints,
+            endpoints: Vec::new(),
         });
     }
     Ok(ports)

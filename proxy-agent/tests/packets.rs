@@ -79,7 +79,7 @@ fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
             udp_timeout_secs: 30,
         })
         .unwrap();
-    backend.sync(&Plan { frontends: frontends.into_iter().collect() }).unwrap();
+    backend.sync(&Plan { frontends: frontends.into_iter().collect() }, None).unwrap();
     backend
 }
 

@@ -14,6 +14,7 @@ use std::{
     collections::{BTreeMap, VecDeque},
     convert::Infallible,
     net::SocketAddr,
+    ops::Bound,
     os::fd::AsRawFd,
     pin::Pin,
     sync::{Arc, Mutex},
@@ -692,34 +693,35 @@ fn list_response(
     selector: &Selector,
     query: &BTreeMap<String, String>,
 ) -> Response<Body> {
-    let matching: Vec<&Value> = state
-        .objects
-        .iter()
-        .filter(|(key, object)| key.0 == kind && selector.matches(object))
-        .map(|(_, object)| object)
-        .collect();
-    let offset: usize = query.get("continue").and_then(|c| c.parse().ok()).unwrap_or(0);
+    // The continue token names the last object listed, so a page costs
+    // its own size, not a scan of what came before.
+    let after = query.get("continue").and_then(|c| c.split_once('/'));
+    let start = match after {
+        Some((ns, name)) => Bound::Excluded((kind, ns.to_string(), name.to_string())),
+        None => Bound::Included((kind, String::new(), String::new())),
+    };
     let limit: usize =
         query.get("limit").and_then(|l| l.parse().ok()).filter(|l| *l > 0).unwrap_or(usize::MAX);
-    let page: Vec<Value> = matching
-        .iter()
-        .skip(offset)
-        .take(limit)
-        .map(|object| {
-            // Items of a list carry no kind or apiVersion.
-            let mut item = (*object).clone();
-            if let Some(map) = item.as_object_mut() {
-                map.remove("kind");
-                map.remove("apiVersion");
-            }
-            item
-        })
-        .collect();
-    let next = offset.saturating_add(page.len());
+    let mut matching = state
+        .objects
+        .range((start, Bound::Unbounded))
+        .take_while(|(key, _)| key.0 == kind)
+        .filter(|(_, object)| selector.matches(object));
+    let mut page = Vec::new();
+    let mut last = None;
+    for (key, object) in matching.by_ref().take(limit) {
+        // Items of a list carry no kind or apiVersion.
+        let mut item = object.clone();
+        if let Some(map) = item.as_object_mut() {
+            map.remove("kind");
+            map.remove("apiVersion");
+        }
+        page.push(item);
+        last = Some(key);
+    }
     let mut metadata = json!({ "resourceVersion": state.rv.to_string() });
-    if next < matching.len() {
-        metadata["continue"] = json!(next.to_string());
-        metadata["remainingItemCount"] = json!(matching.len() - next);
+    if let Some((_, ns, name)) = last.filter(|_| matching.next().is_some()) {
+        metadata["continue"] = json!(format!("{ns}/{name}"));
     }
     let list = json!({
         "kind": format!("{}List", kind.name()),

@@ -46,6 +46,12 @@ enum Task {
         /// Rounds per measurement (the median is reported)
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Only these sizes (e.g. `--sizes 100000`), instead of the profile's
+        #[arg(long, value_delimiter = ',')]
+        sizes: Vec<usize>,
+        /// Only these modes
+        #[arg(long, value_enum, value_delimiter = ',', default_values = ["ebpf", "iptables"])]
+        modes: Vec<DemoMode>,
         /// Also copy the report and plots into docs/
         #[arg(long)]
         docs: bool,
@@ -58,6 +64,15 @@ enum DemoMode {
     Iptables,
 }
 
+impl DemoMode {
+    fn lab(self) -> proxy_lab::Mode {
+        match self {
+            DemoMode::Ebpf => proxy_lab::Mode::Ebpf,
+            DemoMode::Iptables => proxy_lab::Mode::Iptables,
+        }
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // Run from the workspace root whatever the caller's directory.
@@ -68,10 +83,7 @@ fn main() -> anyhow::Result<()> {
         Task::Demo { mode } => {
             setup::run()?;
             build()?;
-            demo::run(match mode {
-                DemoMode::Ebpf => proxy_lab::Mode::Ebpf,
-                DemoMode::Iptables => proxy_lab::Mode::Iptables,
-            })
+            demo::run(mode.lab())
         }
         Task::Test => {
             setup::run()?;
@@ -83,12 +95,13 @@ fn main() -> anyhow::Result<()> {
             build()?;
             cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])
         }
-        Task::Bench { full, seconds, rounds, docs } => {
+        Task::Bench { full, seconds, rounds, sizes, modes, docs } => {
             setup::run()?;
             setup::bench_packages()?;
             require_root()?;
             cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])?;
-            bench::run(bench::Options { full, seconds, rounds, docs })
+            let modes = modes.into_iter().map(DemoMode::lab).collect();
+            bench::run(bench::Options { full, seconds, rounds, sizes, modes, docs })
         }
     }
 }

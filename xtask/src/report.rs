@@ -32,6 +32,11 @@ pub fn markdown(results: &Value) -> String {
         "| mode | services | baseline conn/s | direct, N installed | ClusterIP | ClusterIP per packet | NodePort | agent peak RSS MiB | BPF maps MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in rows(results, "connection_rates") {
+        if let Some(why) = r["failed"].as_str() {
+            let (mode, n) = (r["mode"].as_str().unwrap_or(""), &r["services"]);
+            let _ = writeln!(out, "| {mode} | {n} | failed: {why} | | | | | | |");
+            continue;
+        }
         let ratio = |k: &str| match r[k].as_f64() {
             Some(v) => format!("{v:.3}"),
             None => "–".into(),

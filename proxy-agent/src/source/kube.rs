@@ -7,13 +7,14 @@
 //! `service.kubernetes.io/headless`, and headless Services
 //! (`spec.clusterIP=None`), are filtered out by the server.
 //!
-//! Each kind keeps its last complete list: a relist replaces it only once
+//! Objects are read into what the proxy keeps of them as they arrive (the
+//! store never holds whole API objects), and handed over as changes. Each
+//! kind keeps its last complete list: a relist replaces it only once
 //! complete (`InitDone`), so a connection lost halfway never removes
-//! anything, and the snapshot is not complete until every kind has been
-//! listed once.
+//! anything, and nothing is complete until every kind has been listed once.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     path::Path,
     sync::{Arc, Mutex},
 };
@@ -31,63 +32,118 @@ use kube::{
 };
 use tokio::sync::Notify;
 
-use super::Snapshot;
+use super::{Changes, ParsedService};
+use crate::model::{self, ParsedSlice, ServiceName};
 
 /// kube-proxy's selectors (the labels for both kinds).
 const LABELS: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 const SERVICE_FIELDS: &str = "spec.clusterIP!=None";
 
-/// The objects of one kind, by namespace and name.
-struct Collection<K> {
-    objects: BTreeMap<(String, String), K>,
-    /// A list in progress: replaces `objects` once complete.
-    relist: Option<BTreeMap<(String, String), K>>,
+/// One kind's objects, as changes not yet taken. Only the names of the
+/// objects are kept, to tell what a relist dropped.
+struct Collection<P> {
+    names: BTreeSet<ServiceName>,
+    /// A list in progress: replaces the objects once complete.
+    relist: Option<BTreeMap<ServiceName, P>>,
+    /// Changes not yet taken; `None`: deleted.
+    pending: BTreeMap<ServiceName, Option<P>>,
     /// Listed completely at least once.
     complete: bool,
 }
 
-impl<K> Default for Collection<K> {
+impl<P> Default for Collection<P> {
     fn default() -> Self {
-        Collection { objects: BTreeMap::new(), relist: None, complete: false }
+        Collection {
+            names: BTreeSet::new(),
+            relist: None,
+            pending: BTreeMap::new(),
+            complete: false,
+        }
     }
 }
 
-fn key<K: ResourceExt>(object: &K) -> (String, String) {
-    (object.namespace().unwrap_or_default(), object.name_any())
+fn name_of<K: ResourceExt>(object: &K) -> ServiceName {
+    ServiceName { namespace: object.namespace().unwrap_or_default(), name: object.name_any() }
 }
 
-impl<K: ResourceExt + Clone + PartialEq> Collection<K> {
-    /// Applies one watcher event; whether what the source serves changed.
-    fn apply(&mut self, event: watcher::Event<K>) -> bool {
+impl<P> Collection<P> {
+    /// Applies one watcher event, reading objects with `parse`; whether
+    /// there are changes to take.
+    fn apply<K: ResourceExt>(&mut self, event: watcher::Event<K>, parse: fn(&K) -> P) -> bool {
         match event {
             watcher::Event::Init => {
                 self.relist = Some(BTreeMap::new());
                 false
             }
             watcher::Event::InitApply(object) => {
-                self.relist.get_or_insert_with(BTreeMap::new).insert(key(&object), object);
+                let relist = self.relist.get_or_insert_with(BTreeMap::new);
+                relist.insert(name_of(&object), parse(&object));
                 false
             }
             watcher::Event::InitDone => {
                 let listed = self.relist.take().unwrap_or_default();
-                let changed = !self.complete || listed != self.objects;
-                self.objects = listed;
+                for gone in self.names.iter().filter(|n| !listed.contains_key(*n)) {
+                    self.pending.insert(gone.clone(), None);
+                }
+                self.names = listed.keys().cloned().collect();
+                self.pending.extend(listed.into_iter().map(|(name, p)| (name, Some(p))));
                 self.complete = true;
-                changed
+                true
             }
             watcher::Event::Apply(object) => {
-                self.objects.insert(key(&object), object.clone()).as_ref() != Some(&object)
+                let name = name_of(&object);
+                self.names.insert(name.clone());
+                self.pending.insert(name, Some(parse(&object)));
+                true
             }
-            watcher::Event::Delete(object) => self.objects.remove(&key(&object)).is_some(),
+            watcher::Event::Delete(object) => {
+                let name = name_of(&object);
+                self.names.remove(&name);
+                self.pending.insert(name, None);
+                true
+            }
         }
     }
 }
 
+/// This node's Node object.
+#[derive(Default)]
+struct NodeWatch {
+    node: Option<Node>,
+    relist: Option<Option<Node>>,
+    listed: bool,
+}
+
+impl NodeWatch {
+    fn apply(&mut self, event: watcher::Event<Node>) -> bool {
+        match event {
+            watcher::Event::Init => self.relist = Some(None),
+            watcher::Event::InitApply(node) => self.relist = Some(Some(node)),
+            watcher::Event::InitDone => {
+                self.node = self.relist.take().flatten();
+                self.listed = true;
+            }
+            watcher::Event::Apply(node) => self.node = Some(node),
+            watcher::Event::Delete(_) => self.node = None,
+        }
+        true
+    }
+}
+
+fn parse_service(service: &Service) -> ParsedService {
+    model::parse_service(service)
+}
+
+/// A slice without a name cannot come from the API server.
+fn parse_slice(slice: &EndpointSlice) -> ParsedSlice {
+    model::parse_slice(slice).map(|(_, parsed)| parsed).unwrap_or_default()
+}
+
 #[derive(Default)]
 struct Shared {
-    services: Collection<Service>,
-    slices: Collection<EndpointSlice>,
-    nodes: Collection<Node>,
+    services: Collection<ParsedService>,
+    slices: Collection<ParsedSlice>,
+    node: NodeWatch,
     /// Bumped at every change of what the source serves.
     generation: u64,
     /// Watch failures (connection lost, 410 Gone, …), by kind.
@@ -99,7 +155,6 @@ pub struct KubeSource {
     shared: Arc<Mutex<Shared>>,
     changed: Arc<Notify>,
     seen: u64,
-    node_name: String,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -126,7 +181,7 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
 }
 
 impl KubeSource {
-    /// Starts watching; the snapshot is complete once every kind is listed.
+    /// Starts watching; the source is complete once every kind is listed.
     pub fn start(client: Client, node_name: &str) -> Self {
         let shared = Arc::new(Mutex::new(Shared::default()));
         let changed = Arc::new(Notify::new());
@@ -134,19 +189,23 @@ impl KubeSource {
         let slices = watcher::Config::default().labels(LABELS);
         let node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
         let tasks = vec![
-            spawn_watch(Api::<Service>::all(client.clone()), services, &shared, &changed, |s| {
-                &mut s.services
-            }),
+            spawn_watch(
+                Api::<Service>::all(client.clone()),
+                services,
+                &shared,
+                &changed,
+                |s, e| s.services.apply(e, parse_service),
+            ),
             spawn_watch(
                 Api::<EndpointSlice>::all(client.clone()),
                 slices,
                 &shared,
                 &changed,
-                |s| &mut s.slices,
+                |s, e| s.slices.apply(e, parse_slice),
             ),
-            spawn_watch(Api::<Node>::all(client), node, &shared, &changed, |s| &mut s.nodes),
+            spawn_watch(Api::<Node>::all(client), node, &shared, &changed, |s, e| s.node.apply(e)),
         ];
-        KubeSource { shared, changed, seen: 0, node_name: node_name.to_string(), tasks }
+        KubeSource { shared, changed, seen: 0, tasks }
     }
 
     fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
@@ -159,7 +218,7 @@ impl KubeSource {
         let shared = self.shared();
         let (generation, complete) = (
             shared.generation,
-            shared.services.complete && shared.slices.complete && shared.nodes.complete,
+            shared.services.complete && shared.slices.complete && shared.node.listed,
         );
         drop(shared);
         let changed = generation != self.seen;
@@ -172,23 +231,23 @@ impl KubeSource {
         self.changed.clone()
     }
 
-    pub fn snapshot(&self) -> Snapshot {
-        let shared = self.shared();
-        Snapshot {
-            services: shared.services.objects.values().cloned().collect(),
-            slices: shared.slices.objects.values().cloned().collect(),
-            rejected: Vec::new(),
+    /// The changes since the last call.
+    pub fn take_changes(&self) -> Changes {
+        let mut shared = self.shared();
+        Changes {
+            services: std::mem::take(&mut shared.services.pending),
+            slices: std::mem::take(&mut shared.slices.pending),
         }
     }
 
     /// This node's Node object, once listed (`None` if it does not exist).
     pub fn node(&self) -> Option<Node> {
-        self.shared().nodes.objects.get(&(String::new(), self.node_name.clone())).cloned()
+        self.shared().node.node.clone()
     }
 
     /// Whether the Node list came in.
     pub fn node_listed(&self) -> bool {
-        self.shared().nodes.complete
+        self.shared().node.listed
     }
 
     /// Watch failures so far, by kind.
@@ -204,7 +263,7 @@ fn spawn_watch<K>(
     config: watcher::Config,
     shared: &Arc<Mutex<Shared>>,
     changed: &Arc<Notify>,
-    collection: fn(&mut Shared) -> &mut Collection<K>,
+    apply: fn(&mut Shared, watcher::Event<K>) -> bool,
 ) -> tokio::task::JoinHandle<()>
 where
     K: Resource + ResourceExt + Clone + PartialEq + std::fmt::Debug + Send + Sync + 'static,
@@ -225,7 +284,7 @@ where
             let mut shared = shared.lock().unwrap_or_else(|e| e.into_inner());
             match event {
                 Ok(event) => {
-                    if collection(&mut shared).apply(event) {
+                    if apply(&mut shared, event) {
                         shared.generation += 1;
                         changed.notify_one();
                     }
@@ -253,30 +312,37 @@ mod tests {
         .unwrap()
     }
 
+    fn port_of(change: &Option<ParsedService>) -> Option<u16> {
+        change.as_ref().map(|parsed| parsed.as_ref().unwrap()[0].port)
+    }
+
+    fn taken(services: &mut Collection<ParsedService>) -> Vec<(String, Option<u16>)> {
+        let pending = std::mem::take(&mut services.pending);
+        pending.iter().map(|(name, change)| (name.name.clone(), port_of(change))).collect()
+    }
+
     #[test]
     fn a_relist_replaces_the_objects_only_once_complete() {
         let mut services = Collection::default();
-        assert!(!services.apply(watcher::Event::Init));
-        assert!(!services.apply(watcher::Event::InitApply(service("a", 80))));
-        assert!(!services.complete);
-        assert!(services.apply(watcher::Event::InitDone), "the first list is a change");
-        assert!(services.apply(watcher::Event::Apply(service("b", 80))));
-        assert!(!services.apply(watcher::Event::Apply(service("b", 80))), "the same object again");
-        assert!(services.apply(watcher::Event::Apply(service("b", 81))));
+        assert!(!services.apply(watcher::Event::Init, parse_service));
+        assert!(!services.apply(watcher::Event::InitApply(service("a", 80)), parse_service));
+        assert!(!services.complete && services.pending.is_empty());
+        assert!(services.apply(watcher::Event::InitDone, parse_service));
+        assert!(services.apply(watcher::Event::Apply(service("b", 80)), parse_service));
+        assert!(services.apply(watcher::Event::Apply(service("b", 81)), parse_service));
+        assert_eq!(taken(&mut services), [("a".into(), Some(80)), ("b".into(), Some(81))]);
 
         // A relist that is cut short changes nothing; a complete one that
-        // lacks `a` removes it.
-        services.apply(watcher::Event::Init);
-        services.apply(watcher::Event::InitApply(service("b", 81)));
-        assert_eq!(services.objects.len(), 2);
-        services.apply(watcher::Event::Init);
-        services.apply(watcher::Event::InitApply(service("b", 81)));
-        assert!(services.apply(watcher::Event::InitDone));
-        assert_eq!(services.objects.keys().collect::<Vec<_>>(), [&("lab".into(), "b".into())]);
-        // The same list again is no change.
-        services.apply(watcher::Event::Init);
-        services.apply(watcher::Event::InitApply(service("b", 81)));
-        assert!(!services.apply(watcher::Event::InitDone));
-        assert!(services.apply(watcher::Event::Delete(service("b", 81))));
+        // lacks `a` deletes it.
+        services.apply(watcher::Event::Init, parse_service);
+        services.apply(watcher::Event::InitApply(service("b", 81)), parse_service);
+        assert!(services.pending.is_empty());
+        services.apply(watcher::Event::Init, parse_service);
+        services.apply(watcher::Event::InitApply(service("b", 81)), parse_service);
+        assert!(services.apply(watcher::Event::InitDone, parse_service));
+        assert_eq!(taken(&mut services), [("a".into(), None), ("b".into(), Some(81))]);
+        assert!(services.apply(watcher::Event::Delete(service("b", 81)), parse_service));
+        assert_eq!(taken(&mut services), [("b".into(), None)]);
+        assert!(services.names.is_empty());
     }
 }

@@ -41,10 +41,11 @@ impl ManifestError {
 
 #[derive(Debug, Default)]
 struct CachedFile {
-    /// The bytes `snapshot` came from (or that failed to parse).
-    contents: Vec<u8>,
-    /// New bytes seen once, used if the next read finds them again.
-    candidate: Option<Vec<u8>>,
+    /// A digest of the bytes `snapshot` came from (or that failed to parse).
+    contents: u64,
+    /// New bytes seen once (their digest), used if the next read finds
+    /// them again.
+    candidate: Option<u64>,
     /// Parsed at least once.
     loaded: bool,
     snapshot: Snapshot,
@@ -93,18 +94,19 @@ impl Manifests {
                     continue;
                 }
             };
+            let digest = digest(&contents);
             let cached = self.files.entry(path.clone()).or_default();
-            if cached.loaded && cached.contents == contents {
+            if cached.loaded && cached.contents == digest {
                 cached.candidate = None;
                 continue;
             }
-            if cached.candidate.as_ref() != Some(&contents) {
-                cached.candidate = Some(contents);
+            if cached.candidate != Some(digest) {
+                cached.candidate = Some(digest);
                 continue;
             }
             cached.candidate = None;
-            cached.contents = contents;
-            match parse(&path, &cached.contents) {
+            cached.contents = digest;
+            match parse(&path, &contents) {
                 Ok((snapshot, errors)) => {
                     cached.snapshot = snapshot;
                     cached.loaded = true;
@@ -125,9 +127,18 @@ impl Manifests {
             all.services.extend(file.snapshot.services.iter().cloned());
             all.slices.extend(file.snapshot.slices.iter().cloned());
             all.rejected.extend(file.snapshot.rejected.iter().cloned());
+            all.unnamed.extend(file.snapshot.unnamed.iter().cloned());
         }
         all
     }
+}
+
+/// Files are compared by digest: their bytes are not kept.
+fn digest(contents: &[u8]) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    contents.hash(&mut hasher);
+    hasher.finish()
 }
 
 fn list(path: &Path) -> std::io::Result<Vec<PathBuf>> {
@@ -174,9 +185,9 @@ fn parse(
         let kind = value.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
         let name = object_name(&value);
         let decoded = match (api_version, kind.as_str()) {
-            ("v1", "Service") => serde_yaml::from_value(value).map(|s| snapshot.services.push(s)),
+            ("v1", "Service") => serde_yaml::from_value(value).map(|s| snapshot.add_service(&s)),
             ("discovery.k8s.io/v1", "EndpointSlice") => {
-                serde_yaml::from_value(value).map(|s| snapshot.slices.push(s))
+                serde_yaml::from_value(value).map(|s| snapshot.add_slice(&s))
             }
             _ => {
                 tracing::debug!(path = %path.display(), index, api_version, kind, "ignoring object");

@@ -1,128 +1,252 @@
 //! Where Services and EndpointSlices come from, and the store that keeps the
-//! last good version of each.
+//! last good version of each and the model built from them, one service at
+//! a time.
 
 pub mod kube;
 pub mod manifests;
 
-use std::{collections::BTreeMap, time::SystemTime};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::SystemTime,
+};
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
-use crate::model::{self, ModelError, ServiceName};
+use crate::model::{self, Model, ModelError, ParsedSlice, ServiceName, ServicePort};
 
 /// An object a source saw but could not decode.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ObjectRef {
     pub kind: String,
     pub name: ServiceName,
 }
 
-/// Everything a source holds at one moment.
+/// A Service as read: its ports without endpoints, or why it is invalid.
+pub type ParsedService = Result<Vec<ServicePort>, ModelError>;
+
+/// Everything a source holds at one moment, as read (what the proxy keeps
+/// of each object, not the objects).
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
+    pub services: Vec<(ServiceName, ParsedService)>,
+    pub slices: Vec<(ServiceName, ParsedSlice)>,
+    /// Objects that did not decode.
     pub rejected: Vec<ObjectRef>,
+    /// Objects without a name.
+    pub unnamed: Vec<ModelError>,
 }
 
-/// The objects the proxy works from. A Service that becomes invalid (or an
-/// object that stops decoding) keeps its last good version: bad input never
-/// takes down what was being served.
+impl Snapshot {
+    pub fn add_service(&mut self, service: &Service) {
+        match ServiceName::of(&service.metadata) {
+            Some(name) => self.services.push((name, model::parse_service(service))),
+            None => self.unnamed.push(ModelError::Unnamed { kind: "Service" }),
+        }
+    }
+
+    pub fn add_slice(&mut self, slice: &EndpointSlice) {
+        match model::parse_slice(slice) {
+            Ok(named) => self.slices.push(named),
+            Err(err) => self.unnamed.push(err),
+        }
+    }
+}
+
+/// What changed in a source since it was last asked, by object name;
+/// `None` means deleted.
+#[derive(Debug, Default)]
+pub struct Changes {
+    pub services: BTreeMap<ServiceName, Option<ParsedService>>,
+    pub slices: BTreeMap<ServiceName, Option<ParsedSlice>>,
+}
+
+/// The objects the proxy works from and the model of them. A Service that
+/// becomes invalid (or an object that stops decoding) keeps its last good
+/// version: bad input never takes down what was being served.
 #[derive(Debug, Default)]
 pub struct Store {
-    services: BTreeMap<ServiceName, Service>,
-    slices: BTreeMap<ServiceName, EndpointSlice>,
+    /// The last good version of each Service.
+    services: BTreeMap<ServiceName, Vec<ServicePort>>,
+    /// EndpointSlices by name, and the names of each service's slices.
+    slices: BTreeMap<ServiceName, ParsedSlice>,
+    slices_of: BTreeMap<ServiceName, BTreeSet<ServiceName>>,
+    /// Services whose latest version is invalid, and why.
+    invalid: BTreeMap<ServiceName, ModelError>,
+    /// Slices with skipped parts.
+    slice_errors: BTreeMap<ServiceName, Vec<ModelError>>,
+    /// Objects whose latest version does not decode (manifests).
+    rejected: BTreeSet<ObjectRef>,
+    model: Model,
 }
 
-/// What replacing the store's contents changed, and found wrong.
+/// What applying changes did.
 #[derive(Debug, Default)]
 pub struct StoreUpdate {
-    pub errors: Vec<ModelError>,
-    /// Objects served from their last good version.
-    pub kept: Vec<ObjectRef>,
     /// Services and EndpointSlices added, changed or removed.
     pub service_changes: usize,
     pub endpoint_changes: usize,
     /// `endpoints.kubernetes.io/last-change-trigger-time` of the slices
     /// added or changed: when the change that led to them happened.
     pub trigger_times: Vec<SystemTime>,
-}
-
-/// The annotation the EndpointSlice controller sets to the time of the
-/// change (a pod, a service) that led to the slice's current state.
-const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
-
-/// How many keys of two maps have different (or no) values.
-fn differences<K: Ord, V: PartialEq>(old: &BTreeMap<K, V>, new: &BTreeMap<K, V>) -> usize {
-    let changed = new.iter().filter(|(k, v)| old.get(k) != Some(v)).count();
-    changed + old.keys().filter(|k| !new.contains_key(k)).count()
+    /// The services whose ports or endpoints may have changed.
+    pub touched: BTreeSet<ServiceName>,
+    /// Objects without a name, which no store can hold.
+    pub unnamed: Vec<ModelError>,
 }
 
 impl Store {
-    /// Replaces the contents with `snapshot`, keeping last good versions.
-    pub fn replace(&mut self, snapshot: Snapshot) -> StoreUpdate {
+    /// Applies a source's changes and rebuilds the model of the services
+    /// they touch.
+    pub fn apply(&mut self, changes: Changes) -> StoreUpdate {
         let mut update = StoreUpdate::default();
-        let mut services = BTreeMap::new();
-        let keep_service =
-            |name: &ServiceName, update: &mut StoreUpdate, services: &mut BTreeMap<_, _>| {
-                if let Some(old) = self.services.get(name) {
-                    services.insert(name.clone(), old.clone());
-                    update.kept.push(ObjectRef { kind: "Service".into(), name: name.clone() });
+        for (name, service) in changes.services {
+            match service {
+                Some(Err(err)) => {
+                    self.invalid.insert(name, err);
+                }
+                Some(Ok(ports)) => {
+                    self.invalid.remove(&name);
+                    if self.services.get(&name) != Some(&ports) {
+                        self.services.insert(name.clone(), ports);
+                        update.service_changes += 1;
+                        update.touched.insert(name);
+                    }
+                }
+                None => {
+                    self.invalid.remove(&name);
+                    if self.services.remove(&name).is_some() {
+                        update.service_changes += 1;
+                        update.touched.insert(name);
+                    }
+                }
+            }
+        }
+        for (name, slice) in changes.slices {
+            let old = match slice {
+                Some(slice) if self.slices.get(&name) == Some(&slice) => continue,
+                Some(slice) => {
+                    update.trigger_times.extend(slice.trigger_time);
+                    self.link(&name, slice.service.as_ref(), &mut update.touched);
+                    match slice.errors.is_empty() {
+                        true => self.slice_errors.remove(&name),
+                        false => self.slice_errors.insert(name.clone(), slice.errors.clone()),
+                    };
+                    self.slices.insert(name.clone(), slice)
+                }
+                None => {
+                    self.slice_errors.remove(&name);
+                    self.slices.remove(&name)
                 }
             };
-        for service in snapshot.services {
-            match (model::check_service(&service), ServiceName::of(&service.metadata)) {
-                (Ok(()), Some(name)) => {
-                    if services.insert(name.clone(), service).is_some() {
-                        tracing::warn!(service = %name, "Service defined twice; the last definition wins");
+            match old {
+                Some(old) => {
+                    update.endpoint_changes += 1;
+                    if let Some(service) = old.service {
+                        self.unlink_if_moved(&name, service, &mut update.touched);
                     }
                 }
-                (Err(err), name) => {
-                    update.errors.push(err);
-                    if let Some(name) = name {
-                        keep_service(&name, &mut update, &mut services);
-                    }
-                }
-                (Ok(()), None) => {}
+                None => update.endpoint_changes += usize::from(self.slices.contains_key(&name)),
             }
         }
-        let mut slices: BTreeMap<_, _> = snapshot
-            .slices
-            .into_iter()
-            .filter_map(|s| Some((ServiceName::of(&s.metadata)?, s)))
-            .collect();
-        for rejected in snapshot.rejected {
-            match rejected.kind.as_str() {
-                "Service" => keep_service(&rejected.name, &mut update, &mut services),
-                "EndpointSlice" => {
-                    if let Some(old) = self.slices.get(&rejected.name) {
-                        slices.insert(rejected.name.clone(), old.clone());
-                        update.kept.push(rejected);
-                    }
-                }
-                _ => {}
-            }
+        for name in &update.touched {
+            let ports = self.services.get(name).map(Vec::as_slice).unwrap_or_default();
+            let slices = self.slices_of.get(name).into_iter().flatten();
+            let ports = model::with_endpoints(ports, slices.filter_map(|s| self.slices.get(s)));
+            self.model.set_service(name.clone(), ports);
         }
-        update.service_changes = differences(&self.services, &services);
-        update.endpoint_changes = differences(&self.slices, &slices);
-        update.trigger_times = slices
-            .iter()
-            .filter(|(name, slice)| self.slices.get(*name) != Some(*slice))
-            .filter_map(|(_, slice)| {
-                let annotations = slice.metadata.annotations.as_ref()?;
-                crate::time::parse_rfc3339(annotations.get(TRIGGER_TIME)?)
-            })
-            .collect();
-        self.services = services;
-        self.slices = slices;
         update
     }
 
-    /// kube-proxy's view of the stored objects.
-    pub fn model(&self) -> model::Model {
-        let services: Vec<_> = self.services.values().cloned().collect();
-        let slices: Vec<_> = self.slices.values().cloned().collect();
-        model::build(&services, &slices)
+    /// Records that slice `name` belongs to `service`.
+    fn link(
+        &mut self,
+        name: &ServiceName,
+        service: Option<&ServiceName>,
+        touched: &mut BTreeSet<ServiceName>,
+    ) {
+        if let Some(service) = service {
+            self.slices_of.entry(service.clone()).or_default().insert(name.clone());
+            touched.insert(service.clone());
+        }
+    }
+
+    /// Slice `name` was `service`'s: unlinks it unless it still is.
+    fn unlink_if_moved(
+        &mut self,
+        name: &ServiceName,
+        service: ServiceName,
+        touched: &mut BTreeSet<ServiceName>,
+    ) {
+        let still = self.slices.get(name).and_then(|s| s.service.as_ref()) == Some(&service);
+        if !still && let Some(names) = self.slices_of.get_mut(&service) {
+            names.remove(name);
+            if names.is_empty() {
+                self.slices_of.remove(&service);
+            }
+        }
+        touched.insert(service);
+    }
+
+    /// Replaces the contents with a whole snapshot (the manifests source):
+    /// what it lacks is deleted, except objects it could not decode.
+    pub fn replace(&mut self, snapshot: Snapshot) -> StoreUpdate {
+        let mut changes = Changes::default();
+        for (name, parsed) in snapshot.services {
+            if changes.services.insert(name.clone(), Some(parsed)).is_some() {
+                tracing::warn!(service = %name, "Service defined twice; the last definition wins");
+            }
+        }
+        for (name, parsed) in snapshot.slices {
+            changes.slices.insert(name, Some(parsed));
+        }
+        self.rejected = snapshot.rejected.into_iter().collect();
+        let rejected = |kind: &str, name: &ServiceName| {
+            self.rejected.contains(&ObjectRef { kind: kind.into(), name: name.clone() })
+        };
+        for name in self.services.keys().chain(self.invalid.keys()) {
+            if !rejected("Service", name) {
+                changes.services.entry(name.clone()).or_insert(None);
+            }
+        }
+        for name in self.slices.keys() {
+            if !rejected("EndpointSlice", name) {
+                changes.slices.entry(name.clone()).or_insert(None);
+            }
+        }
+        let mut update = self.apply(changes);
+        update.unnamed = snapshot.unnamed;
+        update
+    }
+
+    /// The model of the stored objects.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn into_model(self) -> Model {
+        self.model
+    }
+
+    /// What is wrong with the stored objects as they stand, as (metric
+    /// kind, message): invalid Services, skipped parts of slices, and
+    /// objects served from their last good version.
+    pub fn problems(&self) -> Vec<(&'static str, String)> {
+        let mut problems = Vec::new();
+        for err in self.invalid.values().chain(self.slice_errors.values().flatten()) {
+            problems.push((err.kind(), format!("invalid object skipped: {err}")));
+        }
+        let kept_services = self.invalid.keys().filter(|name| self.services.contains_key(name));
+        let kept_services = kept_services.map(|name| ("Service", name));
+        let kept_rejected = self.rejected.iter().filter(|r| match r.kind.as_str() {
+            "Service" => self.services.contains_key(&r.name),
+            "EndpointSlice" => self.slices.contains_key(&r.name),
+            _ => false,
+        });
+        let kept = kept_services.chain(kept_rejected.map(|r| (r.kind.as_str(), &r.name)));
+        for (kind, name) in kept {
+            problems.push(("kept", format!("{kind} {name}: serving the last good version")));
+        }
+        problems
     }
 }
 
@@ -134,16 +258,15 @@ pub(crate) fn model_from_yaml(yaml: &str) -> model::Model {
     for doc in serde_yaml::Deserializer::from_str(yaml) {
         let value = serde_yaml::Value::deserialize(doc).unwrap();
         match value.get("kind").and_then(|k| k.as_str()) {
-            Some("Service") => snapshot.services.push(serde_yaml::from_value(value).unwrap()),
-            Some("EndpointSlice") => snapshot.slices.push(serde_yaml::from_value(value).unwrap()),
+            Some("Service") => snapshot.add_service(&serde_yaml::from_value(value).unwrap()),
+            Some("EndpointSlice") => snapshot.add_slice(&serde_yaml::from_value(value).unwrap()),
             _ => {}
         }
     }
     let mut store = Store::default();
     store.replace(snapshot);
-    let model = store.model();
-    assert!(model.errors.is_empty(), "{:?}", model.errors);
-    model
+    assert!(store.problems().is_empty(), "{:?}", store.problems());
+    store.into_model()
 }
 
 #[cfg(test)]
@@ -155,6 +278,21 @@ mod tests {
         serde_yaml::from_str(yaml).unwrap()
     }
 
+    fn snapshot(services: &[Service], slices: &[EndpointSlice]) -> Snapshot {
+        let mut snapshot = Snapshot::default();
+        services.iter().for_each(|s| snapshot.add_service(s));
+        slices.iter().for_each(|s| snapshot.add_slice(s));
+        snapshot
+    }
+
+    fn slice(yaml: &str) -> EndpointSlice {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    fn web(name: &str) -> ServiceName {
+        ServiceName { namespace: "default".into(), name: name.into() }
+    }
+
     #[test]
     fn an_invalid_update_keeps_the_last_good_service() {
         let good =
@@ -164,54 +302,53 @@ mod tests {
         let new_bad =
             service("{metadata: {name: other}, spec: {clusterIP: bogus, ports: [{port: 80}]}}");
         let mut store = Store::default();
-        let update = store.replace(Snapshot { services: vec![good], ..Default::default() });
-        assert!(update.errors.is_empty());
+        store.replace(snapshot(&[good], &[]));
+        assert!(store.problems().is_empty());
 
-        let update = store.replace(Snapshot { services: vec![bad, new_bad], ..Default::default() });
-        assert_eq!(update.errors.len(), 2);
-        assert_eq!(
-            update.kept,
-            vec![ObjectRef {
-                kind: "Service".into(),
-                name: ServiceName { namespace: "default".into(), name: "web".into() }
-            }]
+        let update = store.replace(snapshot(&[bad, new_bad], &[]));
+        assert!(update.touched.is_empty(), "nothing served changed");
+        let problems = store.problems();
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(
+            problems.contains(&(
+                "kept",
+                "Service default/web: serving the last good version".to_string()
+            ))
         );
-        let model = store.model();
-        assert_eq!(model.ports().count(), 1);
-        assert_eq!(model.ports().next().unwrap().port, 80);
+        assert_eq!(store.model().ports().count(), 1);
+        assert_eq!(store.model().ports().next().unwrap().port, 80);
 
-        // Deleting it for real removes it.
+        // Deleting it for real removes it, and its problems.
         store.replace(Snapshot::default());
         assert!(store.model().ports().next().is_none());
+        assert!(store.problems().is_empty());
     }
 
     #[test]
     fn changes_are_counted_with_their_trigger_times() {
         let slice = |ip: &str, at: &str| -> EndpointSlice {
-            serde_yaml::from_str(&format!(
+            slice(&format!(
                 "{{metadata: {{name: web-1, annotations: {{endpoints.kubernetes.io/last-change-trigger-time: \"{at}\"}}, labels: {{kubernetes.io/service-name: web}}}}, addressType: IPv4, endpoints: [{{addresses: [{ip}]}}]}}"
             ))
-            .unwrap()
         };
-        let web =
+        let web_service =
             service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
         let mut store = Store::default();
-        let first = Snapshot {
-            services: vec![web.clone()],
-            slices: vec![slice("10.244.1.2", "2025-06-01T10:00:00Z")],
-            ..Default::default()
-        };
+        let first = snapshot(
+            std::slice::from_ref(&web_service),
+            &[slice("10.244.1.2", "2025-06-01T10:00:00Z")],
+        );
         let update = store.replace(first.clone());
         assert_eq!((update.service_changes, update.endpoint_changes), (1, 1));
         assert_eq!(update.trigger_times, [UNIX_EPOCH + Duration::from_secs(1_748_772_000)]);
+        assert_eq!(update.touched, BTreeSet::from([web("web")]));
         let update = store.replace(first);
         assert_eq!((update.service_changes, update.endpoint_changes), (0, 0));
-        assert!(update.trigger_times.is_empty());
-        let update = store.replace(Snapshot {
-            services: vec![web],
-            slices: vec![slice("10.244.1.3", "2025-06-01T12:00:01.5+02:00")],
-            ..Default::default()
-        });
+        assert!(update.trigger_times.is_empty() && update.touched.is_empty());
+        let update = store.replace(snapshot(
+            &[web_service],
+            &[slice("10.244.1.3", "2025-06-01T12:00:01.5+02:00")],
+        ));
         assert_eq!((update.service_changes, update.endpoint_changes), (0, 1));
         assert_eq!(update.trigger_times, [UNIX_EPOCH + Duration::new(1_748_772_001, 500_000_000)]);
         assert_eq!(store.replace(Snapshot::default()).service_changes, 1);
@@ -222,13 +359,47 @@ mod tests {
         let good =
             service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
         let mut store = Store::default();
-        store.replace(Snapshot { services: vec![good], ..Default::default() });
-        let rejected = ObjectRef {
-            kind: "Service".into(),
-            name: ServiceName { namespace: "default".into(), name: "web".into() },
-        };
-        let update = store.replace(Snapshot { rejected: vec![rejected], ..Default::default() });
-        assert_eq!(update.kept.len(), 1);
+        store.replace(snapshot(&[good], &[]));
+        let rejected = ObjectRef { kind: "Service".into(), name: web("web") };
+        store.replace(Snapshot { rejected: vec![rejected], ..Default::default() });
+        assert_eq!(store.problems().len(), 1);
         assert_eq!(store.model().ports().count(), 1);
+    }
+
+    #[test]
+    fn only_the_touched_services_are_rebuilt_and_slices_follow_their_label() {
+        let mut store = Store::default();
+        let mut changes = Changes::default();
+        for name in ["a", "b"] {
+            let svc = service(&format!(
+                "{{metadata: {{name: {name}}}, spec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}]}}}}"
+            ));
+            changes.services.insert(web(name), Some(model::parse_service(&svc)));
+        }
+        let labelled = |service: &str| {
+            let s = slice(&format!(
+                "{{metadata: {{name: s-1, labels: {{kubernetes.io/service-name: {service}}}}}, addressType: IPv4, ports: [{{port: 8080}}], endpoints: [{{addresses: [10.244.1.2]}}]}}"
+            ));
+            Some(model::parse_slice(&s).unwrap().1)
+        };
+        changes.slices.insert(web("s-1"), labelled("a"));
+        store.apply(changes);
+        let endpoints = |store: &Store, name| store.model().service(&web(name))[0].endpoints.len();
+        assert_eq!((endpoints(&store, "a"), endpoints(&store, "b")), (1, 0));
+
+        // Relabelled: it moves from a to b, and both are rebuilt.
+        let mut changes = Changes::default();
+        changes.slices.insert(web("s-1"), labelled("b"));
+        let update = store.apply(changes);
+        assert_eq!(update.touched, BTreeSet::from([web("a"), web("b")]));
+        assert_eq!((endpoints(&store, "a"), endpoints(&store, "b")), (0, 1));
+
+        // Deleted: b loses it.
+        let mut changes = Changes::default();
+        changes.slices.insert(web("s-1"), None);
+        let update = store.apply(changes);
+        assert_eq!(update.touched, BTreeSet::from([web("b")]));
+        assert_eq!(endpoints(&store, "b"), 0);
+        assert!(store.slices_of.is_empty());
     }
 }
