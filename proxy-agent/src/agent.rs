@@ -200,9 +200,14 @@ impl Agent {
             tracing::warn!(kind = err.kind(), "{err}");
             self.metrics.invalid(err.kind());
         }
+        let whole_now = reload.complete && !self.complete;
         self.complete |= reload.complete;
         if reload.changed {
             self.changed();
+        }
+        if whole_now {
+            let services = self.store.model().service_names().count();
+            tracing::info!(source = self.source.name(), services, "source read whole");
         }
         if self.may_sync() && self.due.is_some_and(|due| Instant::now() >= due) {
             self.sync();

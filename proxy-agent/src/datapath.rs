@@ -6,7 +6,7 @@ use std::{
     net::Ipv4Addr,
     path::{Path, PathBuf},
     sync::atomic::Ordering::Relaxed,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
@@ -28,8 +28,21 @@ use crate::{
 
 /// A TCP flow translated per packet that never saw a reply lives this long.
 const TCP_SYN_TIMEOUT_SECS: u32 = 60;
-/// eBPF: expired conntrack entries are collected every this many looks.
-const GC_EVERY: u32 = 5;
+/// eBPF: expired conntrack entries are collected at least this often...
+const GC_MIN: Duration = Duration::from_secs(1);
+/// ...and at most this rarely.
+const GC_MAX: Duration = Duration::from_secs(30);
+/// Entries walked per second of interval: a collection reads the whole map
+/// (two syscalls an entry), so its interval grows with the map and the
+/// agent's share of a CPU stays small under heavy traffic. The programs
+/// ignore expired entries, and the LRU map evicts under pressure: the
+/// collection only frees room early.
+const GC_ENTRIES_PER_SEC: usize = 10_000;
+
+/// When to collect again, after a collection that left `entries`.
+fn gc_interval(entries: usize) -> Duration {
+    Duration::from_secs((entries / GC_ENTRIES_PER_SEC) as u64).clamp(GC_MIN, GC_MAX)
+}
 /// iptables: mangle's canary chain is checked every this many looks...
 const CANARY_EVERY: u32 = 10;
 /// ...and every canary once in this many checks.
@@ -42,6 +55,8 @@ pub struct Ebpf {
     root: PathBuf,
     /// Name prefixes of pod-facing interfaces.
     pod_interfaces: Vec<String>,
+    /// When expired conntrack entries are next collected.
+    next_gc: Instant,
 }
 
 pub enum Datapath {
@@ -192,8 +207,11 @@ impl Datapath {
                     }
                     Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
                 }
-                if polls.is_multiple_of(GC_EVERY) {
-                    match dp.backend.collect_conntrack() {
+                if Instant::now() >= dp.next_gc {
+                    let collected = dp.backend.collect_conntrack();
+                    let left = collected.as_ref().map_or(0, |(_, left)| *left);
+                    dp.next_gc = Instant::now() + gc_interval(left);
+                    match collected {
                         Ok((deleted, left)) => {
                             metrics.conntrack_entries.store(left as u64, Relaxed);
                             metrics.set_map_entries(&[("CONNTRACK", left)]);
@@ -297,7 +315,8 @@ fn ebpf_datapath(args: &RunArgs, node: &Node) -> anyhow::Result<Ebpf> {
     }
     sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
     tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), "BPF programs loaded");
-    Ok(Ebpf { backend, cgroup, root, pod_interfaces: args.pod_interfaces.clone() })
+    let pod_interfaces = args.pod_interfaces.clone();
+    Ok(Ebpf { backend, cgroup, root, pod_interfaces, next_gc: Instant::now() })
 }
 
 fn iptables_datapath(args: &RunArgs, node: &Node) -> IptablesBackend<System> {
@@ -360,4 +379,17 @@ pub fn cleanup_ebpf(root: &Path) -> anyhow::Result<(usize, usize)> {
         _ => {}
     }
     Ok((removed, ebpf::remove_tc_filters()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conntrack_collection_slows_down_as_the_map_fills() {
+        assert_eq!(gc_interval(0), GC_MIN);
+        assert_eq!(gc_interval(2_000), GC_MIN, "a small map is collected every second");
+        assert_eq!(gc_interval(100_000), Duration::from_secs(10));
+        assert_eq!(gc_interval(1_000_000), GC_MAX);
+    }
 }

@@ -17,6 +17,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::{IpAddr, Ipv4Addr, SocketAddrV4},
+    sync::Arc,
     time::SystemTime,
 };
 
@@ -112,11 +113,35 @@ pub struct Endpoint {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
-    /// EndpointSlice hints: the zones (`forZones`) and nodes (`forNodes`)
-    /// this endpoint should serve.
-    pub zone_hints: Vec<String>,
-    pub node_hints: Vec<String>,
+    /// Shared by the endpoints of a slice on one node: a cluster has
+    /// millions of endpoints and few nodes.
+    pub node_name: Option<Arc<str>>,
+    /// EndpointSlice hints, boxed: most endpoints have none.
+    pub hints: Option<Box<Hints>>,
+}
+
+/// The zones (`forZones`) and nodes (`forNodes`) an endpoint should serve.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Hints {
+    pub zones: Vec<String>,
+    pub nodes: Vec<String>,
+}
+
+impl Hints {
+    /// `None` when there are no hints.
+    pub fn new(zones: Vec<String>, nodes: Vec<String>) -> Option<Box<Hints>> {
+        (!zones.is_empty() || !nodes.is_empty()).then(|| Box::new(Hints { zones, nodes }))
+    }
+}
+
+impl Endpoint {
+    pub fn zone_hints(&self) -> &[String] {
+        self.hints.as_ref().map_or(&[], |h| &h.zones)
+    }
+
+    pub fn node_hints(&self) -> &[String] {
+        self.hints.as_ref().map_or(&[], |h| &h.nodes)
+    }
 }
 
 /// One proxied port of a service: what kube-proxy calls a ServicePort.
@@ -183,8 +208,8 @@ impl ServicePort {
                 ready.iter().copied().filter(|e| hints(e).iter().any(|h| h == to)).collect();
             (!hinted.is_empty()).then_some(hinted)
         };
-        narrowed(|e| &e.node_hints, node_name)
-            .or_else(|| zone.and_then(|zone| narrowed(|e| &e.zone_hints, zone)))
+        narrowed(Endpoint::node_hints, node_name)
+            .or_else(|| zone.and_then(|zone| narrowed(Endpoint::zone_hints, zone)))
             .unwrap_or(ready)
     }
 
@@ -422,6 +447,7 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
         };
         parsed.ports.push(((port_name, protocol), number));
     }
+    let mut nodes = Vec::new();
     for endpoint in &slice.endpoints {
         // kube-proxy uses the first address of an endpoint.
         let Some(address) = endpoint.addresses.first() else { continue };
@@ -441,12 +467,26 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
             ready: conditions.ready.unwrap_or(true),
             serving: conditions.serving.unwrap_or(true),
             terminating: conditions.terminating.unwrap_or(false),
-            node_name: endpoint.node_name.clone(),
-            zone_hints: hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect(),
-            node_hints: hints.for_nodes.iter().flatten().map(|n| n.name.clone()).collect(),
+            node_name: endpoint.node_name.as_deref().map(|n| intern(&mut nodes, n)),
+            hints: Hints::new(
+                hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect(),
+                hints.for_nodes.iter().flatten().map(|n| n.name.clone()).collect(),
+            ),
         });
     }
     Ok((slice_name, parsed))
+}
+
+/// One allocation per node name and slice, not per endpoint.
+fn intern(names: &mut Vec<Arc<str>>, name: &str) -> Arc<str> {
+    match names.iter().find(|n| &***n == name) {
+        Some(known) => known.clone(),
+        None => {
+            let new: Arc<str> = name.into();
+            names.push(new.clone());
+            new
+        }
+    }
 }
 
 /// A service's ports (from [`parse_service`]) with the endpoints of its

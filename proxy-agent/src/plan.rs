@@ -299,7 +299,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, FrontendPlan)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{self, Endpoint};
+    use crate::model::{self, Endpoint, Hints};
 
     fn port(name: &str, ip: [u8; 4], endpoints: &[(&str, bool, &str)]) -> ServicePort {
         ServicePort {
@@ -325,9 +325,8 @@ mod tests {
                     ready: *ready,
                     serving: *ready,
                     terminating: false,
-                    node_name: Some(node.to_string()),
-                    zone_hints: vec![],
-                    node_hints: vec![],
+                    node_name: Some((*node).into()),
+                    hints: None,
                 })
                 .collect(),
         }
@@ -442,8 +441,8 @@ mod tests {
             [10, 96, 0, 1],
             &[("10.0.0.1:80", true, "node-b"), ("10.0.0.2:80", true, "node-c")],
         );
-        hinted.endpoints[0].zone_hints = vec!["za".into()];
-        hinted.endpoints[1].zone_hints = vec!["zb".into()];
+        hinted.endpoints[0].hints = Hints::new(vec!["za".into()], vec![]);
+        hinted.endpoints[1].hints = Hints::new(vec!["zb".into()], vec![]);
         hinted.node_port = Some(30080);
         let plain = port("b", [10, 96, 0, 2], &[("10.0.0.3:80", true, "node-b")]);
         let model = model::Model::from_ports([hinted, plain]);
@@ -543,13 +542,11 @@ mod tests {
                     ready,
                     serving: ready || rng.chance(50),
                     terminating: !ready && rng.chance(50),
-                    node_name: Some(rng.pick(&["node-a", "node-b"]).to_string()),
-                    zone_hints: if hinted { vec![rng.pick(&ZONES).to_string()] } else { vec![] },
-                    node_hints: if hinted && rng.chance(20) {
-                        vec!["node-a".into()]
-                    } else {
-                        vec![]
-                    },
+                    node_name: Some((*rng.pick(&["node-a", "node-b"])).into()),
+                    hints: Hints::new(
+                        if hinted { vec![rng.pick(&ZONES).to_string()] } else { vec![] },
+                        if hinted && rng.chance(20) { vec!["node-a".into()] } else { vec![] },
+                    ),
                 }
             })
             .collect()

@@ -99,6 +99,14 @@ fn main() -> anyhow::Result<()> {
             setup::run()?;
             setup::bench_packages()?;
             require_root()?;
+            // The bench hosts the test API server and loads large manifests
+            // into it: it runs optimized, as the agent does.
+            if cfg!(debug_assertions) {
+                let args: Vec<String> = std::env::args().skip(1).collect();
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                let run = ["run", "--quiet", "--release", "--package", "xtask", "--"];
+                return cargo(&[&run[..], &args].concat());
+            }
             cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])?;
             let modes = modes.into_iter().map(DemoMode::lab).collect();
             bench::run(bench::Options { full, seconds, rounds, sizes, modes, docs })

@@ -58,7 +58,7 @@ pub fn markdown(results: &Value) -> String {
     let _ = writeln!(out, "\n### Programming N services × 10 endpoints, and one endpoint change\n");
     let _ = writeln!(
         out,
-        "| mode | services | to serving (s) | first sync (s) | change p50 (ms) | change p99 (ms) | agent peak RSS MiB | BPF maps MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+        "| mode | services | listed (s) | to serving (s) | first sync (s) | change p50 (ms) | change p99 (ms) | agent peak RSS MiB | BPF maps MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in rows(results, "programming") {
         let change = rows(results, "change_latency")
@@ -68,7 +68,7 @@ pub fn markdown(results: &Value) -> String {
             Some(why) => {
                 let _ = writeln!(
                     out,
-                    "| {} | {} | failed: {why} | | | | | |",
+                    "| {} | {} | failed: {why} | | | | | | |",
                     r["mode"].as_str().unwrap_or(""),
                     r["services"]
                 );
@@ -76,9 +76,10 @@ pub fn markdown(results: &Value) -> String {
             None => {
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {:.2} | {:.3} | {} | {} | {:.1} | {:.1} |",
+                    "| {} | {} | {:.2} | {:.2} | {:.3} | {} | {} | {:.1} | {:.1} |",
                     r["mode"].as_str().unwrap_or(""),
                     r["services"],
+                    num(r, "listed_s"),
                     num(r, "to_serving_s"),
                     num(r, "first_sync_s"),
                     latency("p50_ms"),

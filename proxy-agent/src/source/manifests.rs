@@ -46,6 +46,10 @@ struct CachedFile {
     /// New bytes seen once (their digest), used if the next read finds
     /// them again.
     candidate: Option<u64>,
+    /// The file's size, modification time and inode when `contents` was
+    /// taken: while they stay, the file is not read again (a large
+    /// manifest is not re-read at every poll).
+    stamp: Option<Stamp>,
     /// Parsed at least once.
     loaded: bool,
     snapshot: Snapshot,
@@ -86,6 +90,15 @@ impl Manifests {
         self.files.retain(|path, _| paths.contains(path));
         reload.changed |= self.files.len() != before;
         for path in paths {
+            let stamp = Stamp::of(&path);
+            if let Some(cached) = self.files.get_mut(&path)
+                && cached.loaded
+                && stamp.is_some()
+                && cached.stamp == stamp
+            {
+                cached.candidate = None;
+                continue;
+            }
             let contents = match std::fs::read(&path) {
                 Ok(contents) => contents,
                 // Vanished between listing and reading: the next tick sees it gone.
@@ -98,6 +111,7 @@ impl Manifests {
             let cached = self.files.entry(path.clone()).or_default();
             if cached.loaded && cached.contents == digest {
                 cached.candidate = None;
+                cached.stamp = stamp;
                 continue;
             }
             if cached.candidate != Some(digest) {
@@ -106,6 +120,7 @@ impl Manifests {
             }
             cached.candidate = None;
             cached.contents = digest;
+            cached.stamp = stamp;
             match parse(&path, &contents) {
                 Ok((snapshot, errors)) => {
                     cached.snapshot = snapshot;
@@ -130,6 +145,22 @@ impl Manifests {
             all.unnamed.extend(file.snapshot.unnamed.iter().cloned());
         }
         all
+    }
+}
+
+/// What tells a file changed without reading it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    len: u64,
+    modified: std::time::SystemTime,
+    inode: u64,
+}
+
+impl Stamp {
+    fn of(path: &Path) -> Option<Stamp> {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = std::fs::metadata(path).ok()?;
+        Some(Stamp { len: meta.len(), modified: meta.modified().ok()?, inode: meta.ino() })
     }
 }
 
@@ -166,49 +197,64 @@ fn parse(
     path: &Path,
     contents: &[u8],
 ) -> Result<(Snapshot, Vec<ManifestError>), serde_yaml::Error> {
-    let mut documents = Vec::new();
-    for document in serde_yaml::Deserializer::from_slice(contents) {
-        let value = Value::deserialize(document)?;
-        match value.get("kind").and_then(Value::as_str) {
-            Some("List") => {
-                let items = value.get("items").and_then(Value::as_sequence).cloned();
-                documents.extend(items.unwrap_or_default());
-            }
-            _ if value.is_null() => {}
-            _ => documents.push(value),
-        }
-    }
     let mut snapshot = Snapshot::default();
     let mut errors = Vec::new();
-    for (index, value) in documents.into_iter().enumerate() {
-        let api_version = value.get("apiVersion").and_then(Value::as_str).unwrap_or("");
-        let kind = value.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
-        let name = object_name(&value);
-        let decoded = match (api_version, kind.as_str()) {
-            ("v1", "Service") => serde_yaml::from_value(value).map(|s| snapshot.add_service(&s)),
-            ("discovery.k8s.io/v1", "EndpointSlice") => {
-                serde_yaml::from_value(value).map(|s| snapshot.add_slice(&s))
-            }
-            _ => {
-                tracing::debug!(path = %path.display(), index, api_version, kind, "ignoring object");
-                Ok(())
-            }
+    let mut index = 0;
+    // Each document is read into what the proxy keeps of it before the
+    // next is parsed: a large manifest is never held whole as YAML values.
+    for document in serde_yaml::Deserializer::from_slice(contents) {
+        let value = Value::deserialize(document)?;
+        let items = match value.get("kind").and_then(Value::as_str) {
+            Some("List") => match value.get("items") {
+                Some(Value::Sequence(items)) => items.clone(),
+                _ => Vec::new(),
+            },
+            _ if value.is_null() => Vec::new(),
+            _ => vec![value],
         };
-        if let Err(source) = decoded {
-            let display = name.as_ref().map_or_else(|| "<unnamed>".to_string(), |n| n.to_string());
-            if let Some(name) = name {
-                snapshot.rejected.push(ObjectRef { kind: kind.clone(), name });
-            }
-            errors.push(ManifestError::Decode {
-                path: path.to_path_buf(),
-                index,
-                kind,
-                name: display,
-                source,
-            });
+        for value in items {
+            decode(path, index, value, &mut snapshot, &mut errors);
+            index += 1;
         }
     }
     Ok((snapshot, errors))
+}
+
+/// Adds one object to `snapshot`; one that does not decode is reported and
+/// listed as rejected.
+fn decode(
+    path: &Path,
+    index: usize,
+    value: Value,
+    snapshot: &mut Snapshot,
+    errors: &mut Vec<ManifestError>,
+) {
+    let api_version = value.get("apiVersion").and_then(Value::as_str).unwrap_or("");
+    let kind = value.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
+    let name = object_name(&value);
+    let decoded = match (api_version, kind.as_str()) {
+        ("v1", "Service") => serde_yaml::from_value(value).map(|s| snapshot.add_service(&s)),
+        ("discovery.k8s.io/v1", "EndpointSlice") => {
+            serde_yaml::from_value(value).map(|s| snapshot.add_slice(&s))
+        }
+        _ => {
+            tracing::debug!(path = %path.display(), index, api_version, kind, "ignoring object");
+            Ok(())
+        }
+    };
+    if let Err(source) = decoded {
+        let display = name.as_ref().map_or_else(|| "<unnamed>".to_string(), |n| n.to_string());
+        if let Some(name) = name {
+            snapshot.rejected.push(ObjectRef { kind: kind.clone(), name });
+        }
+        errors.push(ManifestError::Decode {
+            path: path.to_path_buf(),
+            index,
+            kind,
+            name: display,
+            source,
+        });
+    }
 }
 
 fn object_name(value: &Value) -> Option<ServiceName> {
