@@ -32,8 +32,12 @@ use crate::{
 /// How often the manifests are checked (new bytes are taken on the second
 /// read that finds them), and the datapath looked after.
 const POLL: Duration = Duration::from_millis(200);
-/// After an API server event, the events that follow within this much of
-/// each other are taken with it (a burst becomes one sync)...
+/// API server changes are taken as they come (with whatever else arrived
+/// meanwhile), up to this many in `BURST_WINDOW`...
+const BURST_TAKES: usize = 20;
+const BURST_WINDOW: Duration = Duration::from_millis(100);
+/// ...beyond that, in a burst, the events that follow within this much of
+/// each other are taken together...
 const QUIET: Duration = Duration::from_millis(3);
 /// ...up to this long after the first.
 const MAX_COALESCE: Duration = Duration::from_millis(250);
@@ -144,7 +148,7 @@ impl Agent {
             Source::Manifests(_) => None,
         };
         let mut waiting_since = None;
-        let mut last_change: Option<Instant> = None;
+        let mut pace = Pace::default();
         // Every poll until an attempt to take over fails, then less often.
         let mut retry_every = 1;
         // As kube-proxy at the start of its sync loop: nothing is late yet.
@@ -157,12 +161,9 @@ impl Agent {
             let polled = tokio::select! {
                 _ = poll.tick() => true,
                 _ = changed(notify.as_deref()) => {
-                    // A change after a quiet spell is taken at once; those
-                    // that follow it closely are coalesced.
-                    if last_change.is_some_and(|t| t.elapsed() < MAX_COALESCE) {
+                    if pace.coalesce(Instant::now()) {
                         coalesce(notify.as_deref()).await;
                     }
-                    last_change = Some(Instant::now());
                     false
                 }
                 _ = until(due) => false,
@@ -617,6 +618,27 @@ async fn changed(notify: Option<&tokio::sync::Notify>) {
     }
 }
 
+/// When to take a change at once and when to wait for more: at most
+/// `BURST_TAKES` changes go at once in any `BURST_WINDOW`.
+#[derive(Debug, Default)]
+struct Pace {
+    taken: std::collections::VecDeque<Instant>,
+}
+
+impl Pace {
+    /// Whether a change arriving at `now` should wait for those following.
+    fn coalesce(&mut self, now: Instant) -> bool {
+        while self.taken.front().is_some_and(|t| now.duration_since(*t) >= BURST_WINDOW) {
+            self.taken.pop_front();
+        }
+        if self.taken.len() >= BURST_TAKES {
+            return true;
+        }
+        self.taken.push_back(now);
+        false
+    }
+}
+
 /// Waits until the events stop coming for `QUIET`, or `MAX_COALESCE`.
 async fn coalesce(notify: Option<&tokio::sync::Notify>) {
     let deadline = tokio::time::Instant::now() + MAX_COALESCE;
@@ -702,6 +724,18 @@ pub fn cleanup(args: &PinArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn changes_go_at_once_until_a_burst_then_wait() {
+        let mut pace = Pace::default();
+        let start = Instant::now();
+        let at = |ms| start + Duration::from_millis(ms);
+        assert!((0..BURST_TAKES as u64).all(|i| !pace.coalesce(at(i))));
+        assert!(pace.coalesce(at(50)), "the 21st within 100 ms waits");
+        assert!(!pace.coalesce(at(100)), "the first has left the window");
+        assert!(pace.coalesce(at(100)), "and only the first");
+        assert!(!pace.coalesce(at(300)));
+    }
 
     #[test]
     fn services_with_local_policies_and_no_endpoint_here_are_counted() {
