@@ -252,12 +252,13 @@ impl Agent {
         let update = self.source.update(&mut self.store);
         self.count_changes(&update);
         let model = self.store.model();
+        // Deleted services are among the touched ones, not the model's.
+        self.stats.update(model, update.touched.iter(), &self.node.name);
         let replanned = if replan_all {
             self.planned = true;
             self.stats.update(model, model.service_names(), &self.node.name);
             self.planner.rebuild(model)
         } else {
-            self.stats.update(model, update.touched.iter(), &self.node.name);
             self.planner.update(model, &update.touched)
         };
         if let Some(dirty) = &mut self.dirty {

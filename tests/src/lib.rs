@@ -522,6 +522,18 @@ impl Lab {
         Ok(())
     }
 
+    /// `n` pods `web-<i>` at 10.244.1.2, .3, … on node 0, each serving the
+    /// given ports.
+    pub fn add_web_pods(&mut self, n: usize, tcp: &[u16], udp: &[u16]) -> anyhow::Result<Vec<Pod>> {
+        (0..n)
+            .map(|i| {
+                let pod = self.add_pod(&format!("web-{i}"), &format!("10.244.1.{}", 2 + i))?;
+                self.serve(&pod, tcp, udp)?;
+                Ok(pod)
+            })
+            .collect()
+    }
+
     /// Starts a server in `pod` answering on the given ports; returns once it
     /// listens.
     pub fn serve(&mut self, pod: &Pod, tcp: &[u16], udp: &[u16]) -> anyhow::Result<()> {

@@ -45,13 +45,7 @@ endpoints:{endpoints}
 /// A lab on the API server with `n` web pods on node 0 and a client pod.
 fn lab(setup: Setup, n: usize) -> (Lab, Vec<Pod>, Pod) {
     let mut lab = Lab::with(setup).unwrap();
-    let pods: Vec<Pod> = (0..n)
-        .map(|i| {
-            let pod = lab.add_pod(&format!("web-{i}"), &format!("10.244.1.{}", 2 + i)).unwrap();
-            lab.serve(&pod, &[8080], &[]).unwrap();
-            pod
-        })
-        .collect();
+    let pods = lab.add_web_pods(n, &[8080], &[]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
     (lab, pods, client)
 }

@@ -38,13 +38,7 @@ endpoints:{endpoints}
 /// A lab with two web pods and a client pod, in `mode`.
 fn lab(mode: Mode) -> (Lab, Vec<Pod>, Pod) {
     let mut lab = Lab::with_mode(mode).unwrap();
-    let pods: Vec<Pod> = (0..2)
-        .map(|i| {
-            let pod = lab.add_pod(&format!("web-{i}"), &format!("10.244.1.{}", 2 + i)).unwrap();
-            lab.serve(&pod, &[8080], &[]).unwrap();
-            pod
-        })
-        .collect();
+    let pods = lab.add_web_pods(2, &[8080], &[]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
     lab.write_manifest(&manifest(&pods.iter().collect::<Vec<_>>())).unwrap();
     (lab, pods, client)

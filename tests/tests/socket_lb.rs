@@ -24,12 +24,7 @@ const VIP: &str = "10.96.0.10";
 /// A lab with `n` web pods (TCP 8080, UDP 5353) and a client pod.
 fn web_lab(setup: Setup, n: usize) -> (Lab, Vec<Pod>, Pod) {
     let mut lab = Lab::with(setup).expect("lab");
-    let mut pods = Vec::new();
-    for i in 0..n {
-        let pod = lab.add_pod(&format!("web-{i}"), &format!("10.244.1.{}", 2 + i)).unwrap();
-        lab.serve(&pod, &[8080], &[5353]).unwrap();
-        pods.push(pod);
-    }
+    let pods = lab.add_web_pods(n, &[8080], &[5353]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
     (lab, pods, client)
 }
