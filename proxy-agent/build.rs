@@ -4,8 +4,14 @@ fn main() -> anyhow::Result<()> {
     // aya-build watches the BPF crate; its shared map types live next door.
     println!("cargo:rerun-if-changed=../proxy-common/src");
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../proxy-ebpf");
+    // The BPF crate gets the agent's features that change the map layouts.
+    let features: &[&str] = if std::env::var_os("CARGO_FEATURE_CT_ACCOUNTING").is_some() {
+        &["ct-accounting"]
+    } else {
+        &[]
+    };
     aya_build::build_ebpf(
-        [aya_build::Package { name: "proxy-ebpf", root_dir: root, ..Default::default() }],
+        [aya_build::Package { name: "proxy-ebpf", root_dir: root, features, ..Default::default() }],
         aya_build::Toolchain::default(),
     )
 }

@@ -260,6 +260,8 @@ impl Datapath {
                 .activate(&dp.cgroup, &wanted, &dp.root)
                 .with_context(|| format!("attaching to {} and {wanted:?}", dp.cgroup.display()))?;
             metrics.set_datapath(ebpf::CounterReader::open(&dp.root)?);
+            let carried = dp.backend.carried().iter().map(|(m, c)| (*m, c.as_str())).collect();
+            metrics.set_carried(carried);
         }
         Ok(())
     }
@@ -300,7 +302,8 @@ fn ebpf_datapath(args: &RunArgs, node: &Node) -> anyhow::Result<Ebpf> {
     };
     let max = args.bpf_lb_map_max;
     let sizes = MapSizes { services: max, backends: max, rev_nat: max };
-    let mut backend = EbpfBackend::load_with(tc_mode, sizes).context("loading the BPF programs")?;
+    let mut backend =
+        EbpfBackend::load_with(tc_mode, sizes, Some(&root)).context("loading the BPF programs")?;
     backend
         .configure(&datapath_config(args, &node.ips))
         .context("writing the datapath settings")?;

@@ -101,6 +101,8 @@ pub struct Metrics {
     pub conntrack_entries: AtomicU64,
     /// Entries of each BPF map the agent writes.
     map_entries: Mutex<BTreeMap<&'static str, u64>>,
+    /// What became of each state map of the previous agent.
+    carried: Mutex<Vec<(&'static str, &'static str)>>,
     /// BPF map writes the kernel refused.
     pub map_update_failures: AtomicU64,
     /// Served from their last good version after a bad update.
@@ -151,6 +153,7 @@ impl Metrics {
             backends: AtomicU64::new(0),
             conntrack_entries: AtomicU64::new(0),
             map_entries: Mutex::default(),
+            carried: Mutex::default(),
             map_update_failures: AtomicU64::new(0),
             kept_objects: AtomicU64::new(0),
             restore_failures: AtomicU64::new(0),
@@ -185,6 +188,13 @@ impl Metrics {
     pub fn set_map_entries(&self, entries: &[(&'static str, usize)]) {
         if let Ok(mut map) = self.map_entries.lock() {
             map.extend(entries.iter().map(|(name, n)| (*name, *n as u64)));
+        }
+    }
+
+    /// (map, outcome) per state map at this agent's start.
+    pub fn set_carried(&self, carried: Vec<(&'static str, &'static str)>) {
+        if let Ok(mut last) = self.carried.lock() {
+            *last = carried;
         }
     }
 
@@ -472,6 +482,22 @@ impl Metrics {
             "gauge",
             "Entries of each BPF map (CONNTRACK at the last collection).",
             &maps,
+        );
+        let carried: Vec<_> = self
+            .carried
+            .lock()
+            .map(|c| {
+                c.iter()
+                    .map(|(map, how)| (format!(r#"{{map="{map}",outcome="{how}"}}"#), "1".into()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        samples(
+            &mut out,
+            "proxy_state_map_carried",
+            "gauge",
+            "What became of the previous agent's state maps at this agent's start: reused, converted (another layout), reset (a layout this build cannot read) or none.",
+            &carried,
         );
         samples(
             &mut out,

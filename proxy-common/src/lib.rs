@@ -18,6 +18,61 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const CONFIG: &str = "CONFIG";
     pub const FRAGMENTS: &str = "FRAGMENTS";
+    pub const LAYOUT: &str = "LAYOUT";
+}
+
+/// Layout versions of the maps, so a new agent can tell whether a previous
+/// agent's pinned maps hold entries it can read: the same version is reused
+/// as it is, a known older (or newer) one is converted, an unknown one is
+/// started afresh. Bump a map's version whenever its key or value changes.
+pub mod layout {
+    pub const SERVICES: u32 = 1;
+    pub const BACKENDS: u32 = 1;
+    /// 2: `CtEntryV2`, the flow-accounting build (`ct-accounting`).
+    pub const CONNTRACK: u32 = if cfg!(feature = "ct-accounting") { 2 } else { 1 };
+    pub const AFFINITY: u32 = 1;
+    pub const SOCK_REV_NAT: u32 = 1;
+    pub const FRAGMENTS: u32 = 1;
+}
+
+/// Value of the one-element `LAYOUT` map: the layout version of each map as
+/// the agent that pinned them wrote them. Its own layout never changes:
+/// maps added later take the reserved words, in order. Pins without a
+/// `LAYOUT` map are those of the first release, whose layouts are version 1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Layouts {
+    pub services: u32,
+    pub backends: u32,
+    pub conntrack: u32,
+    pub affinity: u32,
+    pub sock_rev_nat: u32,
+    pub fragments: u32,
+    pub _reserved: [u32; 10],
+}
+
+impl Layouts {
+    /// This build's layouts.
+    pub const CURRENT: Layouts = Layouts {
+        services: layout::SERVICES,
+        backends: layout::BACKENDS,
+        conntrack: layout::CONNTRACK,
+        affinity: layout::AFFINITY,
+        sock_rev_nat: layout::SOCK_REV_NAT,
+        fragments: layout::FRAGMENTS,
+        _reserved: [0; 10],
+    };
+
+    /// What unversioned pins (the first release) hold.
+    pub const FIRST: Layouts = Layouts {
+        services: 1,
+        backends: 1,
+        conntrack: 1,
+        affinity: 1,
+        sock_rev_nat: 1,
+        fragments: 1,
+        _reserved: [0; 10],
+    };
 }
 
 /// Capacities, shared so the agent can refuse a plan that would not fit.
@@ -294,34 +349,104 @@ pub mod ct {
     }
 }
 
-/// Value of the conntrack map: what a packet with the key's tuple becomes,
-/// and until when the entry lives. Each flow has two entries, one per
-/// direction; each names the other by its rewritten tuple reversed.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct CtEntry {
-    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) after which the entry is stale.
-    pub expires_ns: u64,
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
-    pub sport: u16,
-    pub dport: u16,
-    pub rev_nat_id: u32,
-    pub flags: u8,
-    pub _pad: [u8; 7],
+/// Declares a conntrack value layout: the fields every version has, then
+/// the version's own (zero in a new entry).
+macro_rules! ct_entry {
+    ($(#[$doc:meta])* $name:ident { $($(#[$fdoc:meta])* $field:ident: $ty:ty),* $(,)? }) => {
+        $(#[$doc])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+        pub struct $name {
+            /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) after which the entry is stale.
+            pub expires_ns: u64,
+            pub saddr: [u8; 4],
+            pub daddr: [u8; 4],
+            pub sport: u16,
+            pub dport: u16,
+            pub rev_nat_id: u32,
+            pub flags: u8,
+            pub _pad: [u8; 7],
+            $($(#[$fdoc])* pub $field: $ty,)*
+        }
+
+        impl $name {
+            /// An entry rewriting packets to `to`.
+            pub const fn new(expires_ns: u64, to: &CtKey, rev_nat_id: u32, flags: u8) -> Self {
+                Self {
+                    expires_ns,
+                    saddr: to.saddr,
+                    daddr: to.daddr,
+                    sport: to.sport,
+                    dport: to.dport,
+                    rev_nat_id,
+                    flags,
+                    _pad: [0; 7],
+                    $($field: 0,)*
+                }
+            }
+
+            /// The tuple this entry rewrites packets to.
+            pub const fn rewritten(&self, proto: u8) -> CtKey {
+                CtKey {
+                    saddr: self.saddr,
+                    daddr: self.daddr,
+                    sport: self.sport,
+                    dport: self.dport,
+                    proto,
+                    _pad: [0; 3],
+                }
+            }
+        }
+    };
 }
 
-impl CtEntry {
-    /// The tuple this entry rewrites packets to.
-    pub const fn rewritten(&self, proto: u8) -> CtKey {
-        CtKey {
-            saddr: self.saddr,
-            daddr: self.daddr,
-            sport: self.sport,
-            dport: self.dport,
-            proto,
-            _pad: [0; 3],
+ct_entry!(
+    /// Value of the conntrack map, layout 1: what a packet with the key's
+    /// tuple becomes, and until when the entry lives. Each flow has two
+    /// entries, one per direction; each names the other by its rewritten
+    /// tuple reversed.
+    CtEntryV1 {}
+);
+
+ct_entry!(
+    /// Conntrack layout 2 (`ct-accounting`): layout 1 and what the entry's
+    /// direction carried, as netfilter's `nf_conntrack_acct` counts.
+    CtEntryV2 {
+        packets: u64,
+        bytes: u64,
+    }
+);
+
+/// The conntrack value of this build.
+#[cfg(not(feature = "ct-accounting"))]
+pub type CtEntry = CtEntryV1;
+#[cfg(feature = "ct-accounting")]
+pub type CtEntry = CtEntryV2;
+
+impl From<CtEntryV1> for CtEntryV2 {
+    /// Counting starts at the upgrade.
+    fn from(v1: CtEntryV1) -> Self {
+        let CtEntryV1 { expires_ns, saddr, daddr, sport, dport, rev_nat_id, flags, _pad } = v1;
+        CtEntryV2 {
+            expires_ns,
+            saddr,
+            daddr,
+            sport,
+            dport,
+            rev_nat_id,
+            flags,
+            _pad,
+            packets: 0,
+            bytes: 0,
         }
+    }
+}
+
+impl From<CtEntryV2> for CtEntryV1 {
+    /// A rollback drops the counts, not the flow.
+    fn from(v2: CtEntryV2) -> Self {
+        let CtEntryV2 { expires_ns, saddr, daddr, sport, dport, rev_nat_id, flags, _pad, .. } = v2;
+        CtEntryV1 { expires_ns, saddr, daddr, sport, dport, rev_nat_id, flags, _pad }
     }
 }
 
@@ -456,7 +581,9 @@ mod pod {
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for CtKey {}
-    unsafe impl aya::Pod for CtEntry {}
+    unsafe impl aya::Pod for CtEntryV1 {}
+    unsafe impl aya::Pod for CtEntryV2 {}
+    unsafe impl aya::Pod for Layouts {}
     unsafe impl aya::Pod for SourceRangeKey {}
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for FragKey {}
@@ -479,7 +606,9 @@ mod tests {
         assert_eq!(size_of::<AffinityKey>(), 16);
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<CtKey>(), 16);
-        assert_eq!(size_of::<CtEntry>(), 32);
+        assert_eq!(size_of::<CtEntryV1>(), 32);
+        assert_eq!(size_of::<CtEntryV2>(), 48);
+        assert_eq!(size_of::<Layouts>(), 64);
         assert_eq!(size_of::<SourceRangeKey>(), 8);
         assert_eq!(size_of::<FragKey>(), 12);
         assert_eq!(size_of::<FragRewrite>(), 8);
@@ -535,6 +664,26 @@ mod tests {
         assert!(!port_reusable(&cfg(), now + 10 * s, CT_FLAG_ESTABLISHED, now), "live");
         assert!(!port_reusable(&cfg(), closed_at(now - 59 * s), CT_FLAG_CLOSED, now));
         assert!(port_reusable(&cfg(), closed_at(now - 60 * s), CT_FLAG_CLOSED, now));
+    }
+
+    #[test]
+    fn conntrack_layouts_convert_both_ways_keeping_the_flow() {
+        let to = CtKey {
+            saddr: [1, 2, 3, 4],
+            daddr: [5, 6, 7, 8],
+            sport: 9,
+            dport: 10,
+            ..Default::default()
+        };
+        let v1 = CtEntryV1::new(42, &to, 7, CT_FLAG_REPLY | CT_FLAG_ESTABLISHED);
+        let v2 = CtEntryV2::from(v1);
+        assert_eq!(
+            (v2.expires_ns, v2.rewritten(IPPROTO_TCP), v2.rev_nat_id),
+            (42, CtKey { proto: IPPROTO_TCP, ..to }, 7)
+        );
+        assert_eq!((v2.packets, v2.bytes), (0, 0));
+        let counted = CtEntryV2 { packets: 3, bytes: 300, ..v2 };
+        assert_eq!(CtEntryV1::from(counted), v1);
     }
 
     #[test]

@@ -26,14 +26,16 @@ fn lifetime_ns(cfg: &Config, proto: u8, flags: u8) -> u64 {
 
 /// The live entry for `pkt`'s tuple, its state and lifetime refreshed on
 /// both directions (so a one-way flow keeps its silent side alive too).
+/// `len`: the packet's length, for the flow-accounting build.
 #[inline(always)]
-pub fn lookup(pkt: &Packet, cfg: &Config, now: u64) -> Option<CtEntry> {
+pub fn lookup(pkt: &Packet, len: u32, cfg: &Config, now: u64) -> Option<CtEntry> {
     let entry = CONNTRACK.get_ptr_mut(pkt.tuple)?;
     // SAFETY: LRU values may be recycled under us; we copy and re-check.
     let current = unsafe { *entry };
     if current.expires_ns < now {
         return None;
     }
+    account(entry, len);
     match on_closed(current.flags, pkt.tcp_flags) {
         Closed::Applies => {}
         // The caller makes a new flow (overwriting both entries).
@@ -65,6 +67,22 @@ pub fn lookup(pkt: &Packet, cfg: &Config, now: u64) -> Option<CtEntry> {
     Some(current)
 }
 
+/// Counts a packet of the entry's direction (`ct-accounting` builds).
+#[cfg(feature = "ct-accounting")]
+#[inline(always)]
+fn account(entry: *mut CtEntry, len: u32) {
+    // SAFETY: a live map value. The BPF target has no atomic add in `core`:
+    // two CPUs counting one flow at the same instant may lose a count.
+    unsafe {
+        (*entry).packets += 1;
+        (*entry).bytes += len as u64;
+    }
+}
+
+#[cfg(not(feature = "ct-accounting"))]
+#[inline(always)]
+fn account(_entry: *mut CtEntry, _len: u32) {}
+
 /// Whether the reply entry at `key` no longer holds its SNAT port.
 #[inline(always)]
 fn port_free(key: &CtKey, cfg: &Config, now: u64) -> bool {
@@ -90,16 +108,7 @@ pub fn create(
     let flags = if snat { CT_FLAG_SNAT } else { 0 };
     let expires_ns = now + lifetime_ns(cfg, orig.proto, 0);
     let back = orig.reversed();
-    let reply = CtEntry {
-        expires_ns,
-        saddr: back.saddr,
-        daddr: back.daddr,
-        sport: back.sport,
-        dport: back.dport,
-        rev_nat_id,
-        flags: flags | CT_FLAG_REPLY,
-        _pad: [0; 7],
-    };
+    let reply = CtEntry::new(expires_ns, &back, rev_nat_id, flags | CT_FLAG_REPLY);
     if snat {
         let span = (cfg.snat_port_max.saturating_sub(cfg.snat_port_min)) as u32 + 1;
         let mut found = false;
@@ -120,16 +129,7 @@ pub fn create(
     } else if CONNTRACK.insert(xlated.reversed(), reply, BPF_ANY as u64).is_err() {
         return None;
     }
-    let forward = CtEntry {
-        expires_ns,
-        saddr: xlated.saddr,
-        daddr: xlated.daddr,
-        sport: xlated.sport,
-        dport: xlated.dport,
-        rev_nat_id,
-        flags,
-        _pad: [0; 7],
-    };
+    let forward = CtEntry::new(expires_ns, &xlated, rev_nat_id, flags);
     if CONNTRACK.insert(orig, forward, BPF_ANY as u64).is_err() {
         let _ = CONNTRACK.remove(xlated.reversed());
         return None;

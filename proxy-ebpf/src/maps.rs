@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey, FragKey,
-    FragRewrite, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_REV_NAT,
+    FragRewrite, Layouts, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_REV_NAT,
     MAX_SERVICE_ENTRIES, MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue,
     SockRevNat, SockRevNatKey, SourceRangeKey,
 };
@@ -47,6 +47,11 @@ pub static CONFIG: Array<Config, 1> = Array::new();
 #[btf_map]
 pub static FRAGMENTS: LruHashMap<FragKey, FragRewrite, { MAX_FRAGMENTS as usize }> =
     LruHashMap::new();
+
+/// The layout version of each map, written by the agent: the next agent
+/// reads it to tell which pinned maps it can carry over.
+#[btf_map]
+pub static LAYOUT: Array<Layouts, 1> = Array::new();
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();

@@ -51,7 +51,7 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
 
-    if let Some(entry) = conntrack::lookup(&pkt, cfg, now) {
+    if let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) {
         count(Counter::CtHit);
         return forward(ctx, &pkt, &entry.rewritten(pkt.tuple.proto));
     }
@@ -136,7 +136,7 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
     let Some(Parsed::Packet(pkt)) = packet::parse(ctx) else { return NEXT };
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some(entry) = conntrack::lookup(&pkt, cfg, now) else { return NEXT };
+    let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) else { return NEXT };
     count(Counter::CtHit);
     match packet::rewrite(ctx, &pkt, &entry.rewritten(pkt.tuple.proto)) {
         Ok(()) => NEXT,

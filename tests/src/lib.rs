@@ -223,6 +223,8 @@ pub struct Node {
     pub pins: PathBuf,
     log: PathBuf,
     agent: Option<Child>,
+    /// The agent binary, when not this workspace's `proxy-agent`.
+    agent_bin: Option<PathBuf>,
     veths: usize,
 }
 
@@ -395,6 +397,7 @@ impl Lab {
             pins: self.dir.join(BPFFS_DIR).join(&node_id),
             log: self.dir.join(format!("agent-{index}.log")),
             agent: None,
+            agent_bin: None,
             veths: 0,
         });
         if let Some(api) = &self.api {
@@ -537,14 +540,24 @@ impl Lab {
     /// Starts a server in `pod` answering on the given ports; returns once it
     /// listens.
     pub fn serve(&mut self, pod: &Pod, tcp: &[u16], udp: &[u16]) -> anyhow::Result<()> {
+        let mut args = Vec::new();
+        for (flag, ports) in [("--tcp", tcp), ("--udp", udp)] {
+            for port in ports {
+                args.extend([flag.to_string(), port.to_string()]);
+            }
+        }
+        self.start_server(pod, &args)
+    }
+
+    /// Starts a server in `pod` answering each line received on `port` with
+    /// its answer line (long-lived connections).
+    pub fn serve_echo(&mut self, pod: &Pod, port: u16) -> anyhow::Result<()> {
+        self.start_server(pod, &["--echo".into(), port.to_string()])
+    }
+
+    fn start_server(&mut self, pod: &Pod, args: &[String]) -> anyhow::Result<()> {
         let mut cmd = Command::new(target_bin("labpod"));
-        cmd.args(["--netns", &pod.netns, "serve", "--name", &pod.name]);
-        for port in tcp {
-            cmd.args(["--tcp", &port.to_string()]);
-        }
-        for port in udp {
-            cmd.args(["--udp", &port.to_string()]);
-        }
+        cmd.args(["--netns", &pod.netns, "serve", "--name", &pod.name]).args(args);
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
         let stdout = child.stdout.take().context("server stdout")?;
         self.children.push(child);
@@ -677,9 +690,10 @@ impl Lab {
         let mode: &[&str] = if extra.contains(&"--proxy-mode") { &[] } else { &mode };
         let host = &mut self.nodes[node];
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&host.log)?;
+        let agent = host.agent_bin.clone().unwrap_or_else(|| target_bin("proxy-agent"));
         let child = Command::new("nsenter")
             .arg(format!("--net=/run/netns/{}", host.netns))
-            .arg(target_bin("proxy-agent"))
+            .arg(agent)
             .arg("run")
             .args(&source)
             .arg("--cgroup-path")
@@ -697,6 +711,19 @@ impl Lab {
             .spawn()?;
         host.agent = Some(child);
         Ok(())
+    }
+
+    /// Agents started on `node` from now on run `binary` (another build of
+    /// the agent, for upgrades), or this workspace's with `None`.
+    pub fn set_agent_binary(&mut self, node: usize, binary: Option<PathBuf>) {
+        self.nodes[node].agent_bin = binary;
+    }
+
+    /// Stops a node's agent as an orchestrator does (SIGTERM).
+    pub fn stop_agent_on(&mut self, node: usize) {
+        if let Some(mut agent) = self.nodes[node].agent.take() {
+            stop(&mut agent, libc::SIGTERM);
+        }
     }
 
     /// Kills node 0's agent without letting it clean up, as a crash would.
@@ -736,6 +763,14 @@ impl Lab {
             .args(args)
             .stdout(Stdio::piped())
             .spawn()?)
+    }
+
+    /// As `spawn_outside`, inside node 0's test cgroup (socket LB).
+    pub fn spawn_client(&mut self, pod: &Pod, args: &[&str]) -> anyhow::Result<Child> {
+        let cgroup = self.nodes[0].cgroup.to_string_lossy().into_owned();
+        let args: Vec<&str> =
+            ["--cgroup", cgroup.as_str()].into_iter().chain(args.iter().copied()).collect();
+        self.spawn_outside(pod, &args)
     }
 
     /// Runs labpod in a namespace, optionally in a cgroup; its stdout.

@@ -92,6 +92,7 @@ fn main() -> anyhow::Result<()> {
             let clippy = ["clippy", "--workspace", "--exclude", "proxy-ebpf", "--all-targets"];
             cargo(&[&clippy[..], &["--", "-D", "warnings"]].concat())?;
             clippy_bpf()?;
+            build_other_layout()?;
             build()?;
             cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])
         }
@@ -117,6 +118,17 @@ fn main() -> anyhow::Result<()> {
 /// The agent and the lab's pod binary, which the demo and lab tests run.
 fn build() -> anyhow::Result<()> {
     cargo(&["build", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])
+}
+
+/// The agent with the other conntrack layout (`ct-accounting`), as
+/// `target/debug/proxy-agent-ct-accounting`: the upgrade tests move flows
+/// between it and the default build.
+fn build_other_layout() -> anyhow::Result<()> {
+    cargo(&["build", "-p", "proxy-agent", "--features", "ct-accounting"])?;
+    let dir = std::path::Path::new("target/debug");
+    std::fs::copy(dir.join("proxy-agent"), dir.join("proxy-agent-ct-accounting"))
+        .context("keeping the ct-accounting build")?;
+    Ok(())
 }
 
 /// Lints the BPF crate for its own target, as the build compiles it.

@@ -8,7 +8,7 @@
 //! `err ms=<elapsed> kind=<io::ErrorKind>`.
 
 use std::{
-    io::{Read, Write},
+    io::{BufRead, BufReader, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
     time::{Duration, Instant},
 };
@@ -16,8 +16,9 @@ use std::{
 use anyhow::{Context, bail};
 
 const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS] \
-    (serve --name NAME [--tcp PORT]... [--udp PORT]... \
+    (serve --name NAME [--tcp PORT]... [--udp PORT]... [--echo PORT]... \
     | tcp ADDR COUNT [--interval-ms MS] | tcp-concurrent ADDR COUNT \
+    | stream ADDR COUNT [--interval-ms MS] \
     | udp ADDR COUNT [--interval-ms MS] [--connect] [--size BYTES] | http ADDR PATH [--full])";
 
 fn main() -> anyhow::Result<()> {
@@ -36,6 +37,7 @@ fn main() -> anyhow::Result<()> {
         Some("serve") => serve(&mut args),
         Some("tcp") => tcp_client(&mut args, timeout),
         Some("tcp-concurrent") => tcp_concurrent(&args, timeout),
+        Some("stream") => stream_client(&mut args, timeout),
         Some("udp") => udp_client(&mut args, timeout),
         Some("http") => http_get(&args, timeout),
         _ => bail!(USAGE),
@@ -91,6 +93,16 @@ fn serve(args: &mut Vec<String>) -> anyhow::Result<()> {
             }
         }));
     }
+    for port in take_all(args, "--echo") {
+        let listener = TcpListener::bind(format!("0.0.0.0:{port}"))?;
+        let name = name.clone();
+        threads.push(std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let name = name.clone();
+                std::thread::spawn(move || serve_echo(&name, stream));
+            }
+        }));
+    }
     for port in take_all(args, "--udp") {
         let socket = UdpSocket::bind(format!("0.0.0.0:{port}"))?;
         let name = name.clone();
@@ -128,6 +140,19 @@ fn serve_tcp(name: &str, mut stream: TcpStream) {
     let body = answer(name, local, peer);
     let response = format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
     let _ = stream.write_all(response.as_bytes());
+}
+
+/// A long-lived connection: one answer line per line received, until the
+/// client closes.
+fn serve_echo(name: &str, stream: TcpStream) {
+    let (Ok(local), Ok(peer)) = (stream.local_addr(), stream.peer_addr()) else { return };
+    let Ok(mut writer) = stream.try_clone() else { return };
+    let answer = format!("{}\n", answer(name, local, peer));
+    for line in BufReader::new(stream).lines() {
+        if line.is_err() || writer.write_all(answer.as_bytes()).is_err() {
+            return;
+        }
+    }
 }
 
 fn target(args: &[String]) -> anyhow::Result<(SocketAddr, usize)> {
@@ -177,6 +202,46 @@ fn tcp_request(
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
     Ok((peer, response))
+}
+
+/// One connection, COUNT exchanges `--interval-ms` apart (a line out, an
+/// answer line back), a line printed per exchange as it completes; the
+/// first failure ends it.
+fn stream_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
+    let interval = take_opt(args, "--interval-ms").map_or(Ok(50), |t| t.parse())?;
+    let (addr, count) = target(args)?;
+    let start = Instant::now();
+    let connected = TcpStream::connect_timeout(&addr, timeout).and_then(|s| {
+        s.set_read_timeout(Some(timeout))?;
+        Ok((s.peer_addr()?, s.try_clone()?, s))
+    });
+    let (peer, mut writer, reader) = match connected {
+        Ok(parts) => parts,
+        Err(e) => {
+            report(start, Err(e));
+            return Ok(());
+        }
+    };
+    let mut lines = BufReader::new(reader).lines();
+    for i in 0..count {
+        if i > 0 {
+            std::thread::sleep(Duration::from_millis(interval));
+        }
+        let start = Instant::now();
+        let answer = writer.write_all(format!("{i}\n").as_bytes()).and_then(|()| {
+            let line = lines.next().unwrap_or_else(|| {
+                Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed"))
+            })?;
+            Ok((peer, line))
+        });
+        let failed = answer.is_err();
+        report(start, answer);
+        std::io::stdout().flush()?;
+        if failed {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// COUNT connections held open at once: all are connected first, then each

@@ -5,16 +5,18 @@
 //!
 //! Pin layout (`--bpffs-root`, default `/sys/fs/bpf/proxy`):
 //! `maps/<MAP>` for every map, `links/<program>` for the cgroup attachments
-//! and `links/tc-<interface>` for the tc ones, so the datapath keeps serving
-//! while the agent restarts and `bpftool` can inspect it. A new agent
-//! attaches its programs beside the old ones, then retires the old pins;
-//! `cleanup` removes them all.
+//! and `links/tc-<interface>` for the TCX ones, so the datapath keeps serving
+//! while the agent restarts and `bpftool` can inspect it (clsact filters
+//! live in the kernel on their own). A new agent carries the state maps over
+//! ([`carry`]), attaches its programs beside the old ones (or in place of the
+//! old filters), then retires the old pins; `cleanup` removes them all.
 
+pub mod carry;
 pub mod conntrack;
 pub mod sync;
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     fs::File,
     io,
     path::{Path, PathBuf},
@@ -27,21 +29,23 @@ use aya::{
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
-        CgroupAttachMode, CgroupSockAddr, LinkOrder, ProgramError, SchedClassifier, TcAttachType,
-        TestRun, TestRunOptions,
+        CgroupAttachMode, CgroupSockAddr, Link, LinkOrder, ProgramError, SchedClassifier,
+        TcAttachType, TestRun, TestRunOptions,
         links::FdLink,
         tc::{
-            NlOptions, SchedClassifierLink, TcAttachOptions, qdisc_add_clsact, qdisc_detach_program,
+            NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle, qdisc_add_clsact,
+            qdisc_detach_program,
         },
     },
     util::KernelVersion,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP,
+    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP, Layouts,
     MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat, SOURCE_RANGE_PREFIX_BITS, ServiceKey,
     ServiceValue, SourceRangeKey, map_names,
 };
 
+use carry::{Carry, Conversion, Pinned, STATE_MAPS};
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
 use sync::{MapOp, MapWriter};
 
@@ -94,6 +98,7 @@ struct Maps {
     config: Map,
     fragments: Map,
     counters: Map,
+    layout: Map,
 }
 
 impl Maps {
@@ -112,10 +117,21 @@ impl Maps {
             config: take(map_names::CONFIG)?,
             fragments: take(map_names::FRAGMENTS)?,
             counters: take(map_names::COUNTERS)?,
+            layout: take(map_names::LAYOUT)?,
         })
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 10] {
+    /// A map whose entries outlive the agent, by name.
+    fn state_map(&mut self, name: &str) -> &mut Map {
+        match name {
+            map_names::CONNTRACK => &mut self.conntrack,
+            map_names::AFFINITY => &mut self.affinity,
+            map_names::SOCK_REV_NAT => &mut self.sock_rev_nat,
+            _ => &mut self.fragments,
+        }
+    }
+
+    fn by_name(&self) -> [(&'static str, &Map); 11] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
@@ -127,6 +143,7 @@ impl Maps {
             (map_names::CONFIG, &self.config),
             (map_names::FRAGMENTS, &self.fragments),
             (map_names::COUNTERS, &self.counters),
+            (map_names::LAYOUT, &self.layout),
         ]
     }
 }
@@ -185,10 +202,16 @@ pub enum TcAttach {
     /// A TCX link (kernel 6.6+), pinned: it outlives the agent and runs
     /// beside other programs.
     Tcx,
-    /// A classic clsact filter (any kernel with clsact): it lives as long as
-    /// the agent, which removes it when it stops.
+    /// A classic clsact filter (any kernel with clsact), at a priority and
+    /// handle of its own: it lives in the kernel, serving while no agent
+    /// runs; the next agent replaces its program in place.
     Netlink,
 }
+
+/// Our clsact filters' place on each hook: the next agent finds and replaces
+/// them there, atomically (no packet meets a hook without the program).
+const FILTER_PRIORITY: u16 = 1;
+const FILTER_HANDLE: TcHandle = TcHandle::new(0, 0x7078);
 
 impl TcAttach {
     /// TCX where the kernel has it, clsact filters elsewhere.
@@ -200,22 +223,20 @@ impl TcAttach {
     }
 }
 
-/// One attachment of the per-packet program.
-enum TcLink {
-    /// Held by its pin under `links/`.
-    Pinned,
-    /// Held by us: dropping it removes the filter.
-    Filter { _link: SchedClassifierLink },
-}
-
 /// Loaded programs and their maps.
 pub struct EbpfBackend {
     ebpf: Ebpf,
     maps: Maps,
     state: SyncState,
     tc_mode: TcAttach,
-    /// Interfaces running the per-packet programs, one link per hook.
-    tc_links: BTreeMap<String, Vec<TcLink>>,
+    /// Interfaces running the per-packet programs (held by pins or, as
+    /// filters, by the kernel).
+    tc_interfaces: BTreeSet<String>,
+    /// What became of each state map of the previous agent.
+    carried: Vec<(&'static str, Carry)>,
+    /// Previous maps whose entries are converted into ours: once more after
+    /// the takeover, for the flows the old programs made meanwhile.
+    conversions: Vec<Conversion>,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).
@@ -235,19 +256,41 @@ impl Default for MapSizes {
 }
 
 impl EbpfBackend {
-    /// Loads and verifies the programs with the default map sizes.
+    /// Loads and verifies the programs with the default map sizes, carrying
+    /// nothing over.
     pub fn load(tc_mode: TcAttach) -> Result<Self, EbpfError> {
-        Self::load_with(tc_mode, MapSizes::default())
+        Self::load_with(tc_mode, MapSizes::default(), None)
     }
 
-    /// Loads and verifies the programs; nothing is attached yet.
-    pub fn load_with(tc_mode: TcAttach, sizes: MapSizes) -> Result<Self, EbpfError> {
+    /// Loads and verifies the programs; nothing is attached yet. With the
+    /// bpffs `root` of a previous agent, its state maps are carried over
+    /// and its ids reserved (see [`carry`]).
+    pub fn load_with(
+        tc_mode: TcAttach,
+        sizes: MapSizes,
+        root: Option<&Path>,
+    ) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
-        let mut ebpf = aya::EbpfLoader::new()
+        let mut loader = aya::EbpfLoader::new();
+        loader
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
-            .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
-            .load(OBJECT)?;
+            .map_max_entries(map_names::REV_NAT, sizes.rev_nat);
+        let pinned = root.map(Pinned::open).transpose().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "could not read the previous agent's map layouts; starting afresh");
+            None
+        });
+        let mut carried = Vec::new();
+        let mut conversions = Vec::new();
+        for map in &STATE_MAPS {
+            let Some(pinned) = &pinned else { break };
+            let carry = pinned.carry(map);
+            if let Some(conversion) = carry_over(pinned, map, carry, &mut loader) {
+                conversions.push(conversion);
+            }
+            carried.push((map.name, carry));
+        }
+        let mut ebpf = loader.load(OBJECT)?;
         for name in PROGRAMS {
             program::<CgroupSockAddr>(&mut ebpf, name)?
                 .load()
@@ -258,18 +301,46 @@ impl EbpfBackend {
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
-        let maps = Maps::take(&mut ebpf)?;
-        let state = SyncState::with_capacity(sizes);
-        Ok(Self { ebpf, maps, state, tc_mode, tc_links: BTreeMap::new() })
+        let mut maps = Maps::take(&mut ebpf)?;
+        let mut state = SyncState::with_capacity(sizes);
+        if let Some(pinned) = &pinned {
+            match pinned.reserved() {
+                Ok(reserved) => state.reserve(reserved),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the previous agent's ids; frontends and backends get new ones")
+                }
+            }
+        }
+        for conversion in &conversions {
+            let name = conversion.map.name;
+            let copied = conversion
+                .copy_into(maps.state_map(name), false)
+                .map_err(|source| EbpfError::Map { name, source })?;
+            tracing::info!(map = name, entries = copied, "converted the previous agent's entries");
+        }
+        let tc_interfaces = BTreeSet::new();
+        Ok(Self { ebpf, maps, state, tc_mode, tc_interfaces, carried, conversions })
     }
 
-    /// Writes the datapath settings (before the programs see traffic).
+    /// What became of each state map of the previous agent.
+    pub fn carried(&self) -> &[(&'static str, Carry)] {
+        &self.carried
+    }
+
+    /// Writes the datapath settings (before the programs see traffic), and
+    /// the maps' layouts for the next agent.
     pub fn configure(&mut self, config: &Config) -> Result<(), EbpfError> {
         let name = map_names::CONFIG;
         let err = |source| EbpfError::Map { name, source };
         Array::<_, Config>::try_from(&mut self.maps.config)
             .map_err(err)?
             .set(0, config, 0)
+            .map_err(err)?;
+        let name = map_names::LAYOUT;
+        let err = |source| EbpfError::Map { name, source };
+        Array::<_, Layouts>::try_from(&mut self.maps.layout)
+            .map_err(err)?
+            .set(0, Layouts::CURRENT, 0)
             .map_err(err)
     }
 
@@ -366,7 +437,44 @@ impl EbpfBackend {
         for (interface, link) in tc_links {
             self.keep_tc(root, &interface, link)?;
         }
+        self.finish_takeover();
         Ok(())
+    }
+
+    /// Once the old programs are gone: the entries they made since the
+    /// conversion, then what the previous agent named and this one does not
+    /// serve (UDP flows to such backends go, as at any endpoint removal;
+    /// affinity entries of such frontends too).
+    fn finish_takeover(&mut self) {
+        for conversion in std::mem::take(&mut self.conversions) {
+            let name = conversion.map.name;
+            match conversion.copy_into(self.maps.state_map(name), true) {
+                Ok(0) => {}
+                Ok(entries) => tracing::info!(
+                    map = name,
+                    entries,
+                    "converted entries made during the takeover"
+                ),
+                Err(e) => {
+                    tracing::warn!(map = name, error = %e, "could not convert the entries made during the takeover")
+                }
+            }
+        }
+        let released = self.state.release_reserved();
+        match self.flush_udp_flows(&released.backends) {
+            Ok(0) => {}
+            Ok(flushed) => {
+                tracing::info!(flushed, "UDP flows to endpoints removed while no agent ran deleted")
+            }
+            Err(e) => tracing::warn!(error = %e, "could not flush UDP flows to removed endpoints"),
+        }
+        let purge: AffinityPurge =
+            released.rev_nat_ids.into_iter().map(|id| (id, BTreeSet::new())).collect();
+        if !purge.is_empty()
+            && let Err(e) = self.purge_affinity(&purge)
+        {
+            tracing::warn!(error = %e, "could not purge the affinity entries of removed services");
+        }
     }
 
     /// Attaches the per-packet programs to both hooks of `interface`.
@@ -386,13 +494,32 @@ impl EbpfBackend {
                     Attached::Tcx(link, prefix)
                 }
                 TcAttach::Netlink => {
-                    // Present already on most interfaces; a real failure
-                    // shows in the attach below.
-                    let _ = qdisc_add_clsact(interface);
-                    // Filters of an agent that died are still there.
-                    let _ = qdisc_detach_program(interface, hook, name);
-                    let options = TcAttachOptions::Netlink(NlOptions::default());
-                    let id = prog.attach_with_options(interface, hook, options).map_err(err)?;
+                    let ours = |priority, handle| {
+                        SchedClassifierLink::attached(interface, hook, priority, handle, None)
+                    };
+                    // A previous agent's filter: its program is replaced in
+                    // place, so no packet meets the hook without one.
+                    let id = match ours(FILTER_PRIORITY, FILTER_HANDLE) {
+                        Ok(link) => prog.attach_to_link(link).ok(),
+                        Err(_) => None,
+                    };
+                    let id = match id {
+                        Some(id) => id,
+                        None => {
+                            // Present already on most interfaces; a real
+                            // failure shows in the attach below.
+                            let _ = qdisc_add_clsact(interface);
+                            // Filters of releases that let the kernel choose
+                            // their place are not replaceable: they go.
+                            let _ = qdisc_detach_program(interface, hook, name);
+                            let options = TcAttachOptions::Netlink(NlOptions {
+                                priority: FILTER_PRIORITY,
+                                handle: FILTER_HANDLE,
+                                ..NlOptions::default()
+                            });
+                            prog.attach_with_options(interface, hook, options).map_err(err)?
+                        }
+                    };
                     Attached::Filter(prog.take_link(id).map_err(err)?)
                 }
             };
@@ -401,48 +528,56 @@ impl EbpfBackend {
         Ok(attached)
     }
 
-    /// Keeps new attachments: pins TCX links, holds filters.
+    /// Keeps new attachments: pins TCX links, leaves filters to the kernel.
     fn keep_tc(
         &mut self,
         root: &Path,
         interface: &str,
         links: Vec<Attached>,
     ) -> Result<(), EbpfError> {
-        let mut kept = Vec::new();
         for link in links {
-            kept.push(match link {
+            match link {
                 Attached::Tcx(link, prefix) => {
                     let path = root.join("links").join(format!("{prefix}-{interface}"));
                     link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
-                    TcLink::Pinned
                 }
-                Attached::Filter(link) => TcLink::Filter { _link: link },
-            });
+                // Dropping the handle would remove the filter; it holds no
+                // fd, so forgetting it leaks nothing.
+                Attached::Filter(link) => std::mem::forget(link),
+            }
         }
-        self.tc_links.insert(interface.to_string(), kept);
+        self.tc_interfaces.insert(interface.to_string());
         Ok(())
     }
 
     /// Attaches the per-packet program to interfaces that appeared, and
     /// detaches it from those that are gone or no longer wanted.
     pub fn set_tc_interfaces(&mut self, root: &Path, wanted: &BTreeSet<String>) {
-        let stale: Vec<String> =
-            self.tc_links.keys().filter(|i| !wanted.contains(*i)).cloned().collect();
+        let stale: Vec<String> = self.tc_interfaces.difference(wanted).cloned().collect();
         for interface in stale {
-            // Filters go when their links drop; pinned links with their pins.
-            self.tc_links.remove(&interface);
-            for (_, _, prefix) in TC_HOOKS {
+            self.tc_interfaces.remove(&interface);
+            for (_, hook, prefix) in TC_HOOKS {
                 let path = root.join("links").join(format!("{prefix}-{interface}"));
                 match std::fs::remove_file(&path) {
                     Ok(()) => {}
                     Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                     Err(e) => tracing::warn!(%interface, error = %e, "could not unpin"),
                 }
+                if self.tc_mode == TcAttach::Netlink {
+                    // Gone with its interface, most often.
+                    let filter = SchedClassifierLink::attached(
+                        &interface,
+                        hook,
+                        FILTER_PRIORITY,
+                        FILTER_HANDLE,
+                        None,
+                    );
+                    let _ = filter.map(Link::detach);
+                }
             }
             tracing::info!(%interface, "per-packet programs detached");
         }
-        let new: Vec<String> =
-            wanted.iter().filter(|i| !self.tc_links.contains_key(*i)).cloned().collect();
+        let new: Vec<String> = wanted.difference(&self.tc_interfaces).cloned().collect();
         for interface in new {
             match self.attach_tc(&interface).and_then(|link| self.keep_tc(root, &interface, link)) {
                 Ok(()) => tracing::info!(%interface, "per-packet programs attached"),
@@ -505,6 +640,41 @@ impl EbpfBackend {
     }
 }
 
+/// Prepares carrying `map` over as `carry` says: the loader reuses the
+/// pinned map, or a conversion reads it.
+fn carry_over(
+    pinned: &Pinned,
+    map: &'static carry::StateMap,
+    carry: Carry,
+    loader: &mut aya::EbpfLoader<'_>,
+) -> Option<Conversion> {
+    let name = map.name;
+    match carry {
+        Carry::Nothing => None,
+        Carry::Reuse => {
+            tracing::info!(map = name, "carrying the previous agent's map over");
+            loader.map_pin_path(name, pinned.path(name));
+            None
+        }
+        Carry::Convert { from } => match Conversion::open(pinned, map, from) {
+            Ok(conversion) => Some(conversion),
+            Err(e) => {
+                tracing::warn!(map = name, error = %e, "could not open the previous map; its entries are lost");
+                None
+            }
+        },
+        Carry::Reset { version } => {
+            tracing::warn!(
+                map = name,
+                version,
+                ours = ?Layouts::CURRENT,
+                "the previous agent's map has a layout this build cannot read; its entries are lost"
+            );
+            None
+        }
+    }
+}
+
 /// A fresh attachment of a per-packet program: a TCX link (with its pin
 /// prefix) or a clsact filter.
 enum Attached {
@@ -514,7 +684,8 @@ enum Attached {
 
 /// Removes the per-packet programs' clsact filters from every interface of
 /// the caller's network namespace (TCX links go with their pins); returns
-/// how many hooks had one.
+/// how many hooks had one. Filters outlive the agents that attach them:
+/// this is how they go.
 pub fn remove_tc_filters() -> usize {
     let Ok(interfaces) = crate::sys::interfaces() else { return 0 };
     interfaces

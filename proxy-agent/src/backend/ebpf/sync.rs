@@ -28,6 +28,7 @@ use proxy_common::{
     SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
 };
 
+use super::carry::Reserved;
 use crate::{
     model::{Cidr, Protocol},
     plan::{BackendPlan, Frontend, FrontendPlan, Plan},
@@ -108,8 +109,27 @@ pub struct SyncState {
     last_rev_nat_id: u32,
     /// Affinity cleanups owed, kept across failed syncs until done.
     pending_purge: AffinityPurge,
+    /// Ids a previous agent gave, kept for what they named until this agent
+    /// takes over (see [`SyncState::reserve`]).
+    reserved: Reserved,
+    reserved_ids: ReservedIds,
     /// The service maps' sizes.
     capacity: super::MapSizes,
+}
+
+/// The reserved ids themselves, which new frontends and backends skip.
+#[derive(Debug, Default)]
+struct ReservedIds {
+    rev_nat: BTreeSet<u32>,
+    backends: BTreeSet<u32>,
+}
+
+/// What the previous agent named that this one did not install: its flows
+/// and affinity entries are stale.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    pub backends: Vec<Backend>,
+    pub rev_nat_ids: Vec<u32>,
 }
 
 /// The writes a sync needs, worked out before the first one.
@@ -153,6 +173,55 @@ impl SyncState {
     /// Nothing installed yet, in maps of these sizes.
     pub fn with_capacity(capacity: super::MapSizes) -> Self {
         SyncState { capacity, ..SyncState::default() }
+    }
+
+    /// Gives frontends and backends the ids a previous agent gave them, so
+    /// the flows and affinity entries it left (which name them by id) keep
+    /// meaning the same thing; new ones get ids no reservation holds.
+    pub fn reserve(&mut self, reserved: Reserved) {
+        self.reserved_ids = ReservedIds {
+            rev_nat: reserved.frontends.values().copied().collect(),
+            backends: reserved.backends.values().copied().collect(),
+        };
+        // Round-robin resumes past the previous agent's ids.
+        self.last_rev_nat_id = self.reserved_ids.rev_nat.last().copied().unwrap_or(0);
+        self.last_backend_id = self.reserved_ids.backends.last().copied().unwrap_or(0);
+        self.reserved = reserved;
+    }
+
+    /// Ends the reservations (once this agent serves the whole source):
+    /// returns what the previous agent had and this one did not install.
+    pub fn release_reserved(&mut self) -> Released {
+        let Reserved { frontends, backends } = std::mem::take(&mut self.reserved);
+        self.reserved_ids = ReservedIds::default();
+        Released {
+            backends: backends.into_keys().filter(|b| !self.backends.contains_key(b)).collect(),
+            rev_nat_ids: frontends
+                .into_iter()
+                .filter(|(f, id)| self.frontends.get(f).is_none_or(|i| i.rev_nat_id != *id))
+                .map(|(_, id)| id)
+                .collect(),
+        }
+    }
+
+    /// The id for a new backend or frontend: its reserved one if free, else
+    /// the next one round-robin that is neither used nor reserved.
+    fn new_id(
+        reserved: Option<&u32>,
+        last: &mut u32,
+        used: impl Fn(u32) -> bool,
+        reserved_ids: &BTreeSet<u32>,
+    ) -> u32 {
+        if let Some(id) = reserved.filter(|id| !used(**id)) {
+            return *id;
+        }
+        let id = next_free(
+            *last,
+            |id| used(id) || reserved_ids.contains(&id),
+            |id| id.checked_add(1).unwrap_or(1),
+        );
+        *last = id;
+        id
     }
 
     pub fn frontend_count(&self) -> usize {
@@ -255,6 +324,7 @@ impl SyncState {
 
         // 1. Backends, with ids for the new ones.
         let mut new_ids = BTreeMap::new();
+        let mut taken = BTreeSet::new();
         let mut last_id = self.last_backend_id;
         for (frontend, fp) in &kept {
             for addr in &fp.backends {
@@ -262,13 +332,14 @@ impl SyncState {
                 if self.backends.contains_key(&backend) || new_ids.contains_key(&backend) {
                     continue;
                 }
-                let id = next_free(
-                    last_id,
-                    |id| self.backend_by_id.contains_key(&id),
-                    |id| id.checked_add(1).unwrap_or(1),
+                let id = Self::new_id(
+                    self.reserved.backends.get(&backend),
+                    &mut last_id,
+                    |id| self.backend_by_id.contains_key(&id) || taken.contains(&id),
+                    &self.reserved_ids.backends,
                 );
-                last_id = id;
                 new_ids.insert(backend, id);
+                taken.insert(id);
                 ops.push(MapOp::PutBackend { id, backend });
             }
         }
@@ -283,12 +354,12 @@ impl SyncState {
             let rev_nat_id = if installed.rev_nat_id != 0 {
                 installed.rev_nat_id
             } else {
-                let id = next_free(
-                    last_rev,
+                let id = Self::new_id(
+                    self.reserved.frontends.get(*frontend),
+                    &mut last_rev,
                     |id| self.rev_nat.contains(&id) || new_revs.contains(&id),
-                    |id| id.checked_add(1).unwrap_or(1),
+                    &self.reserved_ids.rev_nat,
                 );
-                last_rev = id;
                 new_revs.insert(id);
                 added.rev_nat += 1;
                 let value = RevNat { address: frontend.ip.octets(), port: frontend.port, _pad: 0 };
@@ -416,7 +487,9 @@ impl SyncState {
             MapOp::PutBackend { id, backend } => {
                 self.backends.insert(*backend, *id);
                 self.backend_by_id.insert(*id, *backend);
-                self.last_backend_id = *id;
+                if !self.reserved_ids.backends.contains(id) {
+                    self.last_backend_id = *id;
+                }
                 if !self.refs.contains_key(id) {
                     self.unreferenced.insert(*id);
                 }
@@ -429,7 +502,9 @@ impl SyncState {
             }
             MapOp::PutRevNat { frontend, id, .. } => {
                 self.rev_nat.insert(*id);
-                self.last_rev_nat_id = *id;
+                if !self.reserved_ids.rev_nat.contains(id) {
+                    self.last_rev_nat_id = *id;
+                }
                 self.frontends.entry(*frontend).or_default().rev_nat_id = *id;
             }
             MapOp::DeleteRevNat { frontend, id } => {
@@ -543,7 +618,7 @@ fn assign_slots(installed: &BTreeMap<u16, u32>, backend_ids: &[u32]) -> BTreeMap
     slots
 }
 
-fn frontend_of_key(key: &ServiceKey) -> Frontend {
+pub(crate) fn frontend_of_key(key: &ServiceKey) -> Frontend {
     let protocol = if key.proto == IPPROTO_UDP { Protocol::Udp } else { Protocol::Tcp };
     Frontend { ip: key.address.into(), port: key.port, protocol }
 }
@@ -816,6 +891,54 @@ mod tests {
         state.sync(&plan(&[(tcp, &[3, 4], None)]), None, &mut maps).unwrap();
         let purge = state.take_affinity_purge();
         assert!(purge.values().next().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_new_agent_gives_frontends_and_backends_their_previous_ids() {
+        let (tcp, udp) = (Protocol::Tcp, Protocol::Udp);
+        // The previous agent's maps.
+        let mut before = SyncState::default();
+        let mut old = Maps::default();
+        let earlier =
+            plan(&[(frontend(1, tcp), &[1, 2], Some(30)), (frontend(3, udp), &[3], None)]);
+        before.sync(&earlier, None, &mut old).unwrap();
+        let reserved = Reserved {
+            frontends: old
+                .services
+                .iter()
+                .filter(|(k, _)| k.slot == 0)
+                .map(|(k, v)| (frontend_of_key(k), v.rev_nat_id))
+                .collect(),
+            backends: old.backends.iter().map(|(id, b)| (*b, *id)).collect(),
+        };
+
+        // The new one, on fresh maps, with a frontend and a backend more
+        // and one of each less.
+        let mut after = SyncState::default();
+        after.reserve(reserved.clone());
+        let mut new = Maps::default();
+        let now = plan(&[(frontend(4, tcp), &[4], None), (frontend(1, tcp), &[4, 2, 1], Some(30))]);
+        after.sync(&now, None, &mut new).unwrap();
+        let rev_of = |maps: &Maps, f: &Frontend| maps.services[&service_key(f, 0)].rev_nat_id;
+        assert_eq!(rev_of(&new, &frontend(1, tcp)), rev_of(&old, &frontend(1, tcp)));
+        for (backend, id) in &reserved.backends {
+            if new.backends.values().any(|b| b == backend) {
+                assert_eq!(new.backends[id], *backend, "backend {backend:?} kept its id");
+            }
+        }
+        let new_rev = rev_of(&new, &frontend(4, tcp));
+        assert!(
+            !reserved.frontends.values().any(|id| *id == new_rev),
+            "no reserved id is handed out"
+        );
+        let new_backend = new.backends.iter().find(|(_, b)| b.address == [10, 244, 0, 4]).unwrap();
+        assert!(!reserved.backends.values().any(|id| id == new_backend.0));
+
+        let released = after.release_reserved();
+        let udp_backend = reserved.backends.keys().find(|b| b.address == [10, 244, 0, 3]).unwrap();
+        assert_eq!(released.backends, vec![*udp_backend], "its flows are stale");
+        assert_eq!(released.rev_nat_ids, vec![reserved.frontends[&frontend(3, udp)]]);
+        after.assert_consistent();
     }
 
     #[test]

@@ -1,0 +1,328 @@
+//! State that outlives an agent. Flows, affinity and socket reverse-NAT
+//! entries live in the pinned maps; a new agent's programs use those very
+//! maps when their layout (`proxy_common::layout`) and shape match, and get
+//! converted copies when this build reads the pinned layout but another
+//! shape (an upgrade or rollback that changed a value). Only what it cannot
+//! read starts empty, logged and counted.
+//!
+//! Those entries name frontends and backends by id, so the ids the previous
+//! agent gave them are kept too ([`Reserved`]): the service maps are rebuilt,
+//! but each frontend and backend gets its old id back.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Pod,
+    maps::{Array, HashMap, Map, MapData, MapError, MapType},
+};
+use proxy_common::{
+    AffinityKey, AffinityValue, Backend, CtEntry, CtEntryV1, CtEntryV2, CtKey, FragKey,
+    FragRewrite, Layouts, MAX_AFFINITY, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_SOCK_REV_NAT, ServiceKey,
+    ServiceValue, SockRevNat, SockRevNatKey, map_names,
+};
+
+use super::sync::frontend_of_key;
+use crate::plan::Frontend;
+
+/// What a map looks like to the kernel: a pinned map is used as it is only
+/// if it has exactly the shape this build would create.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub lru: bool,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+}
+
+/// A map whose entries outlive the agent.
+#[derive(Clone, Copy, Debug)]
+pub struct StateMap {
+    pub name: &'static str,
+    /// Its version in a `Layouts`.
+    version: fn(&Layouts) -> u32,
+    /// The layouts this build converts from (its own included).
+    reads: &'static [u32],
+    shape: Shape,
+}
+
+const fn lru<K, V>(max_entries: u32) -> Shape {
+    Shape {
+        lru: true,
+        key_size: size_of::<K>() as u32,
+        value_size: size_of::<V>() as u32,
+        max_entries,
+    }
+}
+
+/// The state maps, in the order they are carried.
+pub const STATE_MAPS: [StateMap; 4] = [
+    StateMap {
+        name: map_names::CONNTRACK,
+        version: |l| l.conntrack,
+        reads: &[1, 2],
+        shape: lru::<CtKey, CtEntry>(MAX_CONNTRACK),
+    },
+    StateMap {
+        name: map_names::AFFINITY,
+        version: |l| l.affinity,
+        reads: &[1],
+        shape: lru::<AffinityKey, AffinityValue>(MAX_AFFINITY),
+    },
+    StateMap {
+        name: map_names::SOCK_REV_NAT,
+        version: |l| l.sock_rev_nat,
+        reads: &[1],
+        shape: lru::<SockRevNatKey, SockRevNat>(MAX_SOCK_REV_NAT),
+    },
+    StateMap {
+        name: map_names::FRAGMENTS,
+        version: |l| l.fragments,
+        reads: &[1],
+        shape: lru::<FragKey, FragRewrite>(MAX_FRAGMENTS),
+    },
+];
+
+/// What becomes of a previous agent's state map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Carry {
+    /// There is none: start empty.
+    Nothing,
+    /// Same layout, same shape: the new programs use the pinned map itself.
+    Reuse,
+    /// A layout this build reads, in another shape: its entries are
+    /// converted into the new map.
+    Convert { from: u32 },
+    /// A layout this build cannot read: start empty.
+    Reset { version: u32 },
+}
+
+impl Carry {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Carry::Nothing => "none",
+            Carry::Reuse => "reused",
+            Carry::Convert { .. } => "converted",
+            Carry::Reset { .. } => "reset",
+        }
+    }
+}
+
+/// The decision for one map, from its pinned layout version and shape.
+pub fn decide(map: &StateMap, pinned: Option<(&Layouts, Shape)>) -> Carry {
+    let Some((layouts, shape)) = pinned else { return Carry::Nothing };
+    let version = (map.version)(layouts);
+    let ours = (map.version)(&Layouts::CURRENT);
+    let same_kind = shape.lru == map.shape.lru && shape.key_size == map.shape.key_size;
+    if version == ours && shape == map.shape {
+        Carry::Reuse
+    } else if same_kind
+        && map.reads.contains(&version)
+        && value_size(map, version) == Some(shape.value_size)
+    {
+        Carry::Convert { from: version }
+    } else {
+        Carry::Reset { version }
+    }
+}
+
+/// The value size of `map` in layout `version`, where this build knows it.
+fn value_size(map: &StateMap, version: u32) -> Option<u32> {
+    match (map.name, version) {
+        (map_names::CONNTRACK, 1) => Some(size_of::<CtEntryV1>() as u32),
+        (map_names::CONNTRACK, 2) => Some(size_of::<CtEntryV2>() as u32),
+        _ if version == (map.version)(&Layouts::CURRENT) => Some(map.shape.value_size),
+        _ => None,
+    }
+}
+
+/// A previous agent's pins under `--bpffs-root`.
+pub struct Pinned {
+    maps: PathBuf,
+    /// Its layouts; `None` when there are no pins.
+    layouts: Option<Layouts>,
+}
+
+impl Pinned {
+    /// Reads the layouts of the maps pinned under `root` (pins without a
+    /// `LAYOUT` map are the first release's: version 1 throughout).
+    pub fn open(root: &Path) -> Result<Self, MapError> {
+        let maps = root.join("maps");
+        let layouts = match open(&maps, map_names::LAYOUT) {
+            Ok(map) => Some(Array::<_, Layouts>::try_from(map)?.get(&0, 0)?),
+            Err(_) if maps.join(map_names::CONNTRACK).exists() => Some(Layouts::FIRST),
+            Err(_) => None,
+        };
+        Ok(Pinned { maps, layouts })
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.maps.join(name)
+    }
+
+    /// What becomes of `map`.
+    pub fn carry(&self, map: &StateMap) -> Carry {
+        let pinned = self.layouts.as_ref().and_then(|layouts| {
+            let data = MapData::from_pin(self.path(map.name)).ok()?;
+            let info = data.info().ok()?;
+            let lru = matches!(info.map_type(), Ok(MapType::LruHash));
+            let shape = Shape {
+                lru,
+                key_size: info.key_size(),
+                value_size: info.value_size(),
+                max_entries: info.max_entries(),
+            };
+            Some((layouts, shape))
+        });
+        decide(map, pinned)
+    }
+
+    /// The ids the previous agent gave frontends and backends, if its
+    /// service maps are in a layout this build reads.
+    pub fn reserved(&self) -> Result<Reserved, MapError> {
+        let Some(layouts) = self.layouts else { return Ok(Reserved::default()) };
+        if layouts.services != Layouts::CURRENT.services
+            || layouts.backends != Layouts::CURRENT.backends
+        {
+            tracing::warn!(
+                services = layouts.services,
+                backends = layouts.backends,
+                "the previous agent's service maps have a layout this build cannot read: frontends and backends get new ids (affinity is forgotten)"
+            );
+            return Ok(Reserved::default());
+        }
+        let services = open(&self.maps, map_names::SERVICES)?;
+        let services = HashMap::<_, ServiceKey, ServiceValue>::try_from(&services)?;
+        let frontends = services
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, _)| key.slot == 0)
+            .map(|(key, value)| (frontend_of_key(&key), value.rev_nat_id))
+            .collect();
+        let backends = open(&self.maps, map_names::BACKENDS)?;
+        let backends = HashMap::<_, u32, Backend>::try_from(&backends)?;
+        let backends = backends.iter().filter_map(Result::ok).map(|(id, b)| (b, id)).collect();
+        Ok(Reserved { frontends, backends })
+    }
+}
+
+fn open(dir: &Path, name: &str) -> Result<Map, MapError> {
+    Map::from_map_data(MapData::from_pin(dir.join(name))?)
+}
+
+/// Ids a previous agent gave, by what they name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reserved {
+    pub frontends: BTreeMap<Frontend, u32>,
+    pub backends: BTreeMap<Backend, u32>,
+}
+
+/// A previous agent's state map whose entries are converted into ours.
+pub struct Conversion {
+    pub map: &'static StateMap,
+    from: u32,
+    old: Map,
+}
+
+impl Conversion {
+    pub fn open(pinned: &Pinned, map: &'static StateMap, from: u32) -> Result<Self, MapError> {
+        Ok(Conversion { map, from, old: open(&pinned.maps, map.name)? })
+    }
+
+    /// Copies the old map's entries into `new`; with `only_missing`, those
+    /// `new` lacks (the programs' own entries win). Returns how many.
+    pub fn copy_into(&self, new: &mut Map, only_missing: bool) -> Result<usize, MapError> {
+        let flags = if only_missing { BPF_NOEXIST } else { 0 };
+        match (self.map.name, self.from) {
+            (map_names::CONNTRACK, 1) => copy::<CtKey, CtEntryV1, CtEntry>(&self.old, new, flags),
+            (map_names::CONNTRACK, _) => copy::<CtKey, CtEntryV2, CtEntry>(&self.old, new, flags),
+            (map_names::AFFINITY, _) => {
+                copy::<AffinityKey, AffinityValue, AffinityValue>(&self.old, new, flags)
+            }
+            (map_names::SOCK_REV_NAT, _) => {
+                copy::<SockRevNatKey, SockRevNat, SockRevNat>(&self.old, new, flags)
+            }
+            _ => copy::<FragKey, FragRewrite, FragRewrite>(&self.old, new, flags),
+        }
+    }
+}
+
+/// `bpf_map_update_elem` flag: only if the key is absent.
+const BPF_NOEXIST: u64 = 1;
+
+fn copy<K: Pod, Old: Pod, New: Pod + From<Old>>(
+    old: &Map,
+    new: &mut Map,
+    flags: u64,
+) -> Result<usize, MapError> {
+    let old = HashMap::<_, K, Old>::try_from(old)?;
+    let mut new = HashMap::<_, K, New>::try_from(new)?;
+    let mut copied = 0;
+    for (key, value) in old.iter().filter_map(Result::ok) {
+        // EEXIST (only missing ones) or a full map: the entry is not carried.
+        if new.insert(key, New::from(value), flags).is_ok() {
+            copied += 1;
+        }
+    }
+    Ok(copied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conntrack() -> &'static StateMap {
+        &STATE_MAPS[0]
+    }
+
+    fn with_conntrack(version: u32) -> Layouts {
+        Layouts { conntrack: version, ..Layouts::CURRENT }
+    }
+
+    fn shape_of(value: usize) -> Shape {
+        Shape { value_size: value as u32, ..conntrack().shape }
+    }
+
+    #[test]
+    fn the_same_layout_and_shape_is_reused() {
+        let ours = conntrack().shape;
+        assert_eq!(decide(conntrack(), Some((&Layouts::CURRENT, ours))), Carry::Reuse);
+        assert_eq!(decide(conntrack(), None), Carry::Nothing);
+        let other_size = Shape { max_entries: 1024, ..ours };
+        let from = Layouts::CURRENT.conntrack;
+        assert_eq!(
+            decide(conntrack(), Some((&Layouts::CURRENT, other_size))),
+            Carry::Convert { from }
+        );
+    }
+
+    #[test]
+    fn conntrack_layouts_convert_across_upgrades_and_rollbacks() {
+        for (version, size) in [(1, size_of::<CtEntryV1>()), (2, size_of::<CtEntryV2>())] {
+            let carry = decide(conntrack(), Some((&with_conntrack(version), shape_of(size))));
+            let expect = if version == Layouts::CURRENT.conntrack {
+                Carry::Reuse
+            } else {
+                Carry::Convert { from: version }
+            };
+            assert_eq!(carry, expect, "from layout {version}");
+        }
+    }
+
+    #[test]
+    fn unreadable_layouts_start_afresh() {
+        let future = decide(conntrack(), Some((&with_conntrack(9), shape_of(64))));
+        assert_eq!(future, Carry::Reset { version: 9 });
+        // A layout we know, but not the size it should have: not trusted.
+        let v1 = decide(conntrack(), Some((&with_conntrack(1), shape_of(40))));
+        assert_eq!(v1, Carry::Reset { version: 1 });
+        let hash = Shape { lru: false, ..conntrack().shape };
+        let current = Layouts::CURRENT.conntrack;
+        assert_eq!(
+            decide(conntrack(), Some((&Layouts::CURRENT, hash))),
+            Carry::Reset { version: current }
+        );
+    }
+}

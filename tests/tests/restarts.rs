@@ -1,0 +1,433 @@
+//! Agent restarts and upgrades: what is in flight keeps going. Long-lived
+//! TCP connections exchange a line every 50 ms through a NodePort (policies
+//! Cluster and Local), a load-balancer IP and a per-packet ClusterIP, and
+//! connected UDP sockets talk to a ClusterIP (socket LB) and a NodePort (per
+//! packet), while node 0's agent is killed and started again: no exchange
+//! fails, none moves to another pod, UDP replies still come from the
+//! service. The same with the manifest changed meanwhile, with clsact
+//! filters, across an upgrade to a build with another conntrack layout, for
+//! session affinity, and for short connections through five restarts.
+
+use std::{
+    io::{BufRead, BufReader},
+    process::Child,
+    sync::{Arc, Mutex},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, both_modes, tally, target_bin};
+
+both_modes!(
+    flows_survive_an_agent_crash_and_restart,
+    flows_survive_a_restart_while_the_services_changed,
+    session_affinity_survives_a_restart,
+    short_connections_never_fail_through_five_restarts,
+);
+
+mod ebpf_only {
+    use super::*;
+
+    #[test]
+    fn clsact_filters_serve_while_no_agent_runs_and_are_replaced_in_place() {
+        let mut c = Cluster::start(Setup::EBPF, &["--tc-attach", "netlink"]);
+        // The programs on eth0's ingress: one filter line each.
+        let filters = |lab: &Lab| -> Vec<String> {
+            let shown = lab.exec_on(0, "tc", &["filter", "show", "dev", "eth0", "ingress"]);
+            shown.unwrap().lines().filter(|l| l.contains(" id ")).map(str::to_string).collect()
+        };
+        let first = filters(&c.lab);
+        assert_eq!(first.len(), 1, "{first:?}");
+        let flows = c.open_flows();
+        // A clean stop, then a crash: the filters stay and keep serving.
+        c.lab.stop_agent_on(0);
+        std::thread::sleep(Duration::from_secs(2));
+        assert_eq!(filters(&c.lab), first, "the filter outlives its agent");
+        c.lab.start_agent_on(0, &c.args).unwrap();
+        c.crash_and_restart();
+        flows.check(&c.lab, &c.lab.agent_log());
+        let last = filters(&c.lab);
+        assert_eq!(last.len(), 1, "replaced in place: {last:?}");
+        assert!(last[0].contains("handle 0x7078") && last != first, "a new program: {last:?}");
+    }
+
+    #[test]
+    fn flows_survive_an_upgrade_to_a_build_with_another_conntrack_layout_and_back() {
+        let accounting = target_bin("proxy-agent-ct-accounting");
+        let mut c = Cluster::start(Setup::EBPF, &[]);
+        let flows = c.open_flows();
+        c.lab.set_agent_binary(0, Some(accounting));
+        c.crash_and_restart();
+        let log = c.lab.agent_log();
+        assert!(log.contains("converted the previous agent's entries"), "{log}");
+        let conntrack = c.lab.dump_map("CONNTRACK").unwrap();
+        assert!(conntrack.contains("\"packets\""), "layout 2 in use: {conntrack}");
+        let metrics = c.lab.metrics().unwrap();
+        assert!(
+            metrics.contains(r#"proxy_state_map_carried{map="CONNTRACK",outcome="converted"} 1"#),
+            "{metrics}"
+        );
+        // And the rollback.
+        c.lab.set_agent_binary(0, None);
+        c.crash_and_restart();
+        flows.check(&c.lab, &c.lab.agent_log());
+        assert!(!c.lab.dump_map("CONNTRACK").unwrap().contains("\"packets\""));
+    }
+}
+
+const CLUSTER_CIDR: &str = "10.244.0.0/16";
+/// Each long-lived flow's exchanges, `INTERVAL_MS` apart: at most a minute
+/// and a half, whatever happens to the test (the checks stop them earlier).
+const INTERVAL_MS: &str = "50";
+const EXCHANGES: &str = "1800";
+
+/// Two nodes with agents, pods web-a (node 0), web-b and web-c (node 1)
+/// serving HTTP on 8080, a line-echo on 9000 and UDP on 5353; a client pod
+/// on node 0 and an external client.
+struct Cluster {
+    lab: Lab,
+    client: Pod,
+    ext: Pod,
+    /// The agents' extra arguments.
+    args: Vec<&'static str>,
+}
+
+fn endpoints(pods: &[&str]) -> String {
+    pods.iter()
+        .map(|p| match *p {
+            "a" => "\n- {addresses: [10.244.1.2], nodeName: lab-node}",
+            "b" => "\n- {addresses: [10.244.2.2], nodeName: lab-node2}",
+            "c" => "\n- {addresses: [10.244.2.3], nodeName: lab-node2}",
+            other => panic!("no pod {other}"),
+        })
+        .collect()
+}
+
+/// A service of the lab's pods, with its HTTP, echo and DNS ports.
+fn service(name: &str, spec: &str, pods: &[&str]) -> String {
+    format!(
+        r#"---
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: lab}}
+spec:
+{spec}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: lab, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080, protocol: TCP}}, {{name: echo, port: 9000, protocol: TCP}}, {{name: dns, port: 5353, protocol: UDP}}]
+endpoints:{}
+"#,
+        endpoints(pods)
+    )
+}
+
+/// The services the restart scenarios use.
+fn manifest() -> String {
+    [
+        service(
+            "web",
+            "  clusterIP: 10.96.0.10
+  type: NodePort
+  ports:
+  - {name: http, port: 80, targetPort: 8080, nodePort: 30080}
+  - {name: echo, port: 90, targetPort: 9000, nodePort: 30090}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}",
+            &["a", "b", "c"],
+        ),
+        service(
+            "local",
+            "  clusterIP: 10.96.0.11
+  type: NodePort
+  externalTrafficPolicy: Local
+  ports: [{name: echo, port: 90, targetPort: 9000, nodePort: 30091}]",
+            &["a", "b", "c"],
+        ),
+        service(
+            "lb",
+            "  clusterIP: 10.96.0.12
+  type: LoadBalancer
+  ports: [{name: echo, port: 90, targetPort: 9000, nodePort: 30092}]
+status: {loadBalancer: {ingress: [{ip: 10.200.0.10}]}}",
+            &["a", "b", "c"],
+        ),
+        service(
+            "far",
+            "  clusterIP: 10.96.0.21
+  ports:
+  - {name: echo, port: 90, targetPort: 9000}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353}",
+            &["b", "c"],
+        ),
+    ]
+    .concat()
+}
+
+impl Cluster {
+    fn start(setup: Setup, extra: &[&'static str]) -> Self {
+        let mut lab = Lab::with(setup).unwrap();
+        lab.add_node().unwrap();
+        for (node, name, ip) in
+            [(0, "web-a", "10.244.1.2"), (1, "web-b", "10.244.2.2"), (1, "web-c", "10.244.2.3")]
+        {
+            let pod = lab.add_pod_on(node, name, ip).unwrap();
+            lab.serve(&pod, &[8080], &[5353]).unwrap();
+            lab.serve_echo(&pod, 9000).unwrap();
+        }
+        let client = lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
+        let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+        lab.write_manifest(&manifest()).unwrap();
+        let mut args = vec!["--cluster-cidr", CLUSTER_CIDR];
+        args.extend(extra);
+        for node in 0..2 {
+            lab.drop_invalid_forwards(node).unwrap();
+            lab.start_agent_on(node, &args).unwrap();
+        }
+        Cluster { lab, client, ext, args }
+    }
+
+    /// Every kind of long-lived flow, exchanging until checked.
+    fn open_flows(&mut self) -> Flows {
+        let (ext, client) = (self.ext.clone(), self.client.clone());
+        let stream = |addr: &'static str| ["stream", addr, EXCHANGES, "--interval-ms", INTERVAL_MS];
+        let udp = |addr: &'static str| {
+            ["udp", addr, EXCHANGES, "--interval-ms", INTERVAL_MS, "--connect"]
+        };
+        let mut flows = Flows::default();
+        for (what, pod, addr) in [
+            ("NodePort, policy Cluster", &ext, "192.168.100.11:30090"),
+            ("NodePort, policy Local", &ext, "192.168.100.11:30091"),
+            ("load-balancer IP", &ext, "10.200.0.10:90"),
+            ("per-packet ClusterIP", &client, "10.96.0.21:90"),
+        ] {
+            flows.add(what, self.lab.spawn_outside(pod, &stream(addr)).unwrap());
+        }
+        flows.add(
+            "UDP NodePort",
+            self.lab.spawn_outside(&ext, &udp("192.168.100.11:30053")).unwrap(),
+        );
+        flows.add("UDP socket LB", self.lab.spawn_client(&client, &udp("10.96.0.21:53")).unwrap());
+        flows.wait_for(10, &self.lab);
+        flows
+    }
+
+    /// `kill -9` on node 0's agent, 2 s without one, a new one; returns
+    /// once it serves.
+    fn crash_and_restart(&mut self) {
+        self.lab.kill_agent_on(0);
+        std::thread::sleep(Duration::from_secs(2));
+        self.lab.start_agent_on(0, &self.args).unwrap();
+    }
+}
+
+/// A client running, what it is for, its lines so far and their reader.
+type Running = (&'static str, Child, Arc<Mutex<Vec<String>>>, JoinHandle<()>);
+
+/// Long-lived clients, their output collected as it comes.
+#[derive(Default)]
+struct Flows {
+    running: Vec<Running>,
+}
+
+impl Flows {
+    fn add(&mut self, what: &'static str, mut child: Child) {
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let stdout = child.stdout.take().expect("piped");
+        let sink = lines.clone();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        self.running.push((what, child, lines, reader));
+    }
+
+    /// Stops the clients; what each reported.
+    fn stop(mut self) -> Vec<(&'static str, Vec<Attempt>)> {
+        let mut reported = Vec::new();
+        for (what, mut child, lines, reader) in std::mem::take(&mut self.running) {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = reader.join();
+            let lines = lines.lock().unwrap();
+            reported.push((what, lines.iter().filter_map(|l| Attempt::parse(l)).collect()));
+        }
+        reported
+    }
+
+    fn counts(&self) -> Vec<usize> {
+        self.running.iter().map(|(_, _, lines, _)| lines.lock().unwrap().len()).collect()
+    }
+
+    /// Until every flow has `more` exchanges beyond now (15 s at most).
+    fn wait_for(&self, more: usize, lab: &Lab) {
+        let target: Vec<usize> = self.counts().iter().map(|n| n + more).collect();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.counts().iter().zip(&target).any(|(n, t)| n < t) {
+            assert!(
+                Instant::now() < deadline,
+                "flows stalled at {:?}:\n{}",
+                self.counts(),
+                lab.agent_log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// After 20 more exchanges each, stops the clients: every exchange
+    /// succeeded, on one pod per flow; UDP replies came from the service.
+    fn check(self, lab: &Lab, log: &str) {
+        self.wait_for(20, lab);
+        for (what, attempts) in self.stop() {
+            let failed: Vec<&Attempt> = attempts.iter().filter(|a| a.pod().is_none()).collect();
+            assert!(
+                failed.is_empty(),
+                "{what}: {failed:?} after {} exchanges\n{log}",
+                attempts.len()
+            );
+            assert_eq!(
+                tally(&attempts).len(),
+                1,
+                "{what} stayed on one pod: {:?}",
+                tally(&attempts)
+            );
+            if what.starts_with("UDP") {
+                for attempt in &attempts {
+                    let Attempt::Ok { from, .. } = attempt else { unreachable!() };
+                    assert!(from.ends_with(":53") || from.ends_with(":30053"), "{what}: {from}");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Flows {
+    /// A failed test stops its clients too.
+    fn drop(&mut self) {
+        for (_, child, _, _) in &mut self.running {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn flows_survive_an_agent_crash_and_restart(setup: Setup) {
+    let mut c = Cluster::start(setup, &[]);
+    let flows = c.open_flows();
+    c.crash_and_restart();
+    flows.check(&c.lab, &c.lab.agent_log());
+    if setup.mode == Mode::Ebpf {
+        let metrics = c.lab.metrics().unwrap();
+        for map in ["CONNTRACK", "AFFINITY", "SOCK_REV_NAT", "FRAGMENTS"] {
+            let line = format!(r#"proxy_state_map_carried{{map="{map}",outcome="reused"}} 1"#);
+            assert!(metrics.contains(&line), "{line} in\n{metrics}");
+        }
+    }
+}
+
+fn flows_survive_a_restart_while_the_services_changed(setup: Setup) {
+    let mut c = Cluster::start(setup, &[]);
+    let gone = service(
+        "gone",
+        "  clusterIP: 10.96.0.30\n  type: NodePort\n  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30099}]",
+        &["a"],
+    );
+    c.lab.write_manifest(&(manifest() + &gone)).unwrap();
+    let served = |lab: &Lab, ext: &Pod, addr: &str| {
+        lab.client_outside(ext, &["--timeout-ms", "1000", "tcp", addr, "1"]).unwrap()
+    };
+    // Serves the new service (the agent is still the first one).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while served(&c.lab, &c.ext, "192.168.100.11:30099")[0].pod().is_none() {
+        assert!(Instant::now() < deadline, "gone never served");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let flows = c.open_flows();
+    c.lab.kill_agent_on(0);
+    let added = service(
+        "added",
+        "  clusterIP: 10.96.0.31\n  type: NodePort\n  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30098}]",
+        &["b", "c"],
+    );
+    c.lab.write_manifest(&(manifest() + &added)).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    c.lab.start_agent_on(0, &c.args).unwrap();
+    flows.check(&c.lab, &c.lab.agent_log());
+    let added = served(&c.lab, &c.ext, "192.168.100.11:30098");
+    assert!(added[0].pod().is_some(), "the added service serves: {added:?}");
+    let gone = served(&c.lab, &c.ext, "192.168.100.11:30099");
+    assert!(
+        matches!(&gone[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"),
+        "the removed NodePort refuses: {gone:?}"
+    );
+}
+
+fn session_affinity_survives_a_restart(setup: Setup) {
+    let mut lab = Lab::with(setup).unwrap();
+    lab.add_web_pods(6, &[8080], &[]).unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let endpoints: String = (0..6)
+        .map(|i| format!("\n- {{addresses: [10.244.1.{}], nodeName: lab-node}}", 2 + i))
+        .collect();
+    lab.write_manifest(&format!(
+        r#"---
+apiVersion: v1
+kind: Service
+metadata: {{name: sticky, namespace: lab}}
+spec:
+  clusterIP: 10.96.0.40
+  type: NodePort
+  sessionAffinity: ClientIP
+  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: 30040}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: sticky-1, namespace: lab, labels: {{kubernetes.io/service-name: sticky}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080, protocol: TCP}}]
+endpoints:{endpoints}
+"#
+    ))
+    .unwrap();
+    lab.start_agent(&[]).unwrap();
+    let pods = |lab: &Lab| {
+        let socket = lab.client(&client, &["tcp", "10.96.0.40:80", "5"]).unwrap();
+        let packet = lab.client_outside(&ext, &["tcp", "192.168.100.11:30040", "5"]).unwrap();
+        [tally(&socket), tally(&packet)]
+    };
+    let before = pods(&lab);
+    for counts in &before {
+        assert_eq!(counts.len(), 1, "affinity holds before the restart: {counts:?}");
+    }
+    lab.kill_agent();
+    std::thread::sleep(Duration::from_secs(2));
+    lab.start_agent(&[]).unwrap();
+    assert_eq!(pods(&lab), before, "each client keeps its pod across the restart");
+}
+
+fn short_connections_never_fail_through_five_restarts(setup: Setup) {
+    let mut c = Cluster::start(setup, &[]);
+    let (ext, client) = (c.ext.clone(), c.client.clone());
+    let mut load = Flows::default();
+    // At most a minute or so, whatever happens to the test.
+    let args = |addr: &'static str| ["tcp", addr, "6000", "--interval-ms", "5"];
+    load.add("socket LB", c.lab.spawn_client(&client, &args("10.96.0.10:80")).unwrap());
+    load.add("NodePort", c.lab.spawn_outside(&ext, &args("192.168.100.11:30080")).unwrap());
+    load.wait_for(20, &c.lab);
+    for _ in 0..5 {
+        c.lab.kill_agent_on(0);
+        c.lab.start_agent_on(0, &c.args).unwrap();
+    }
+    load.wait_for(20, &c.lab);
+    let mut total = 0;
+    for (what, attempts) in load.stop() {
+        let failed = attempts.iter().filter(|a| a.pod().is_none()).count();
+        println!("{:?} {what}: {} connections, {failed} failed", setup, attempts.len());
+        assert_eq!(failed, 0, "{what}: {failed} of {} failed", attempts.len());
+        total += attempts.len();
+    }
+    assert!(total > 100, "{total} connections");
+}
