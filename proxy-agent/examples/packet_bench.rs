@@ -51,6 +51,7 @@ fn main() -> anyhow::Result<()> {
     let mut dp = EbpfBackend::load_with(
         TcAttach::Tcx,
         MapSizes { services: entries, backends: entries, rev_nat: entries },
+        None,
     )?;
     dp.configure(&Config {
         snat_addr: NODE,
