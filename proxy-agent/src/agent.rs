@@ -17,6 +17,7 @@ use crate::{
     cli::{PinArgs, PrepareArgs, ProxyMode, RenderIptablesArgs, RunArgs},
     datapath::{self, Datapath},
     health::{self, NodeEligibility, ProxyHealth, ServiceCheck, ServiceChecks},
+    link_events::{LinkEvents, Rescan},
     metrics::Metrics,
     model::{Model, ServiceName, ServicePort},
     node::{self, NodeInfo},
@@ -126,6 +127,8 @@ struct Agent {
     restart: Option<String>,
     /// The datapath serves `desired` (programs attached, rules applied).
     serving: bool,
+    /// When the interfaces are scanned again (eBPF).
+    rescan: Rescan,
     /// The other mode's datapath may still be there.
     leftovers: bool,
     polls: u32,
@@ -137,7 +140,8 @@ struct Agent {
 
 impl Agent {
     /// Until SIGTERM or SIGINT: a round at every poll, at every API server
-    /// change (after a short coalescing wait), and when a sync falls due.
+    /// change (after a short coalescing wait), when a sync falls due, and
+    /// soon after an interface or address changed.
     async fn run_loop(&mut self) -> anyhow::Result<()> {
         let mut terminate = signal(SignalKind::terminate())?;
         let mut interrupt = signal(SignalKind::interrupt())?;
@@ -147,6 +151,7 @@ impl Agent {
             Source::Kube(kube) => Some(kube.notify()),
             Source::Manifests(_) => None,
         };
+        let mut links = self.link_events();
         let mut waiting_since = None;
         let mut pace = Pace::default();
         // Every poll until an attempt to take over fails, then less often.
@@ -158,6 +163,8 @@ impl Agent {
                 anyhow::bail!("{why}: restarting to use them (as kube-proxy does)");
             }
             let due = self.due.filter(|_| self.may_sync());
+            let scan_at = self.rescan.wake_at();
+            let mut lost = None;
             let polled = tokio::select! {
                 _ = poll.tick() => true,
                 _ = changed(notify.as_deref()) => {
@@ -167,9 +174,23 @@ impl Agent {
                     false
                 }
                 _ = until(due) => false,
+                _ = until(scan_at) => false,
+                event = link_change(links.as_ref()) => {
+                    match event {
+                        // Before serving, activation lists the interfaces.
+                        Ok(()) if self.serving => self.rescan.changed(Instant::now()),
+                        Ok(()) => {}
+                        Err(e) => lost = Some(e),
+                    }
+                    false
+                }
                 _ = terminate.recv() => break,
                 _ = interrupt.recv() => break,
             };
+            if let Some(e) = lost {
+                self.notifications_lost("failed", &e);
+                links = None;
+            }
             self.tick(polled);
             if polled
                 && !self.serving
@@ -183,6 +204,25 @@ impl Agent {
         }
         tracing::info!("stopping; the datapath stays in place until `proxy-agent cleanup`");
         Ok(())
+    }
+
+    /// The notifications of interface and address changes, if the datapath
+    /// follows interfaces.
+    fn link_events(&mut self) -> Option<LinkEvents> {
+        if !self.datapath.follows_interfaces() {
+            return None;
+        }
+        LinkEvents::open().inspect_err(|e| self.notifications_lost("unavailable", e)).ok()
+    }
+
+    /// Without notifications the interfaces are scanned at every poll, as
+    /// before they existed (logged once: the socket is not retried).
+    fn notifications_lost(&mut self, how: &str, e: &std::io::Error) {
+        tracing::warn!(
+            error = %e,
+            "interface notifications {how}: scanning the interfaces every {POLL:?} instead"
+        );
+        self.rescan.every_poll();
     }
 
     /// Rules are live as soon as they are applied: they wait for the whole
@@ -221,6 +261,10 @@ impl Agent {
             if self.serving {
                 self.look_after_datapath();
             }
+        }
+        if self.serving && self.rescan.due(Instant::now(), polled) {
+            self.datapath.scan_interfaces(&self.node.ips);
+            self.rescan.scanned(Instant::now());
         }
     }
 
@@ -394,7 +438,7 @@ impl Agent {
     /// Between syncs: the datapath's upkeep, the periodic resync (iptables),
     /// and the other mode's leftovers.
     fn look_after_datapath(&mut self) {
-        if self.datapath.look_after(&self.node.ips, self.polls, &self.metrics) {
+        if self.datapath.look_after(self.polls, &self.metrics) {
             self.dirty = None;
             self.due.get_or_insert_with(Instant::now);
         }
@@ -439,6 +483,8 @@ impl Agent {
             return Ok(());
         }
         self.datapath.activate(&self.node.ips, &self.metrics)?;
+        // Activation attached to the interfaces of now.
+        self.rescan.scanned(Instant::now());
         self.remove_other_mode();
         tracing::info!(mode = self.datapath.mode(), source = self.source.name(), "{SERVING}");
         self.serving = true;
@@ -603,6 +649,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             ips_from_node,
             restart: None,
             serving: false,
+            rescan: Rescan::new(args.interface_rescan_period, Instant::now()),
             leftovers: true,
             polls: 0,
             started: SystemTime::now(),
@@ -649,6 +696,13 @@ async fn coalesce(notify: Option<&tokio::sync::Notify>) {
             _ = tokio::time::sleep(QUIET) => return,
             _ = tokio::time::sleep_until(deadline) => return,
         }
+    }
+}
+
+async fn link_change(links: Option<&LinkEvents>) -> std::io::Result<()> {
+    match links {
+        Some(links) => links.changed().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -187,6 +187,10 @@ pub struct RunArgs {
     /// How the per-packet program is attached to interfaces
     #[arg(long, value_enum, default_value = "auto")]
     pub tc_attach: TcAttachArg,
+    /// Interfaces are followed through the kernel's netlink notifications;
+    /// they are also scanned at least this often, in case one was missed
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub interface_rescan_period: Duration,
     /// Entries of the SERVICES map (a frontend plus one per backend of it),
     /// the BACKENDS map and the REV_NAT map (one per frontend); plans that
     /// do not fit are refused

@@ -194,19 +194,12 @@ impl Datapath {
         }
     }
 
-    /// Between syncs, at every poll (`polls` counts them). eBPF: follows
-    /// interfaces that come and go, collects expired flows. iptables:
-    /// checks the canary. Returns whether a (full) resync is due.
-    pub fn look_after(&mut self, node_ips: &[Ipv4Addr], polls: u32, metrics: &Metrics) -> bool {
+    /// Between syncs, at every poll (`polls` counts them). eBPF: collects
+    /// expired flows. iptables: checks the canary. Returns whether a (full)
+    /// resync is due.
+    pub fn look_after(&mut self, polls: u32, metrics: &Metrics) -> bool {
         match self {
             Datapath::Ebpf(dp) => {
-                match sys::interfaces() {
-                    Ok(interfaces) => {
-                        let wanted = node::tc_interfaces(&interfaces, node_ips, &dp.pod_interfaces);
-                        dp.backend.set_tc_interfaces(&dp.root, &wanted);
-                    }
-                    Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
-                }
                 if Instant::now() >= dp.next_gc {
                     let collected = dp.backend.collect_conntrack();
                     let left = collected.as_ref().map_or(0, |(_, left)| *left);
@@ -246,6 +239,26 @@ impl Datapath {
                         false
                     }
                 }
+            }
+        }
+    }
+
+    /// Whether the datapath follows interfaces as they come and go (eBPF:
+    /// the per-packet programs go on node- and pod-facing ones).
+    pub fn follows_interfaces(&self) -> bool {
+        matches!(self, Datapath::Ebpf(_))
+    }
+
+    /// eBPF: attaches the per-packet programs to the interfaces wanted now
+    /// and detaches them from those no longer wanted (or gone).
+    pub fn scan_interfaces(&mut self, node_ips: &[Ipv4Addr]) {
+        if let Datapath::Ebpf(dp) = self {
+            match sys::interfaces() {
+                Ok(interfaces) => {
+                    let wanted = node::tc_interfaces(&interfaces, node_ips, &dp.pod_interfaces);
+                    dp.backend.set_tc_interfaces(&dp.root, &wanted);
+                }
+                Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
             }
         }
     }

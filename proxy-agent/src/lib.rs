@@ -10,6 +10,7 @@ pub mod config;
 pub mod datapath;
 pub mod health;
 pub mod http;
+pub mod link_events;
 pub mod metrics;
 pub mod model;
 pub mod node;

@@ -506,8 +506,8 @@ impl Lab {
     }
 
     /// With an agent running on `node`, waits until it has attached its
-    /// per-packet program to the new interface (it looks every 200 ms), as a
-    /// CNI would wait before starting the pod.
+    /// per-packet program to the new interface (it follows netlink
+    /// notifications), as a CNI would wait before starting the pod.
     fn wait_tc_attached(&mut self, node: usize, interface: &str) -> anyhow::Result<()> {
         let host = &mut self.nodes[node];
         let running = host.agent.as_mut().is_some_and(|a| matches!(a.try_wait(), Ok(None)));

@@ -412,6 +412,51 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     assert_eq!(filters(), 0);
 }
 
+/// eBPF only: the iptables mode follows no interfaces.
+#[test]
+fn ebpf_pods_created_after_the_agent_are_served_per_packet_through_link_notifications() {
+    let mut lab = Lab::new().unwrap();
+    let ports = "  ports: [{name: http, port: 80, targetPort: 8080}]";
+    lab.write_manifest(&service("web", "10.96.0.10", ports, &["a"])).unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    // The safety-net scan effectively off: only notifications attach in time.
+    lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR, "--interface-rescan-period", "1h"]).unwrap();
+    let links = lab.pins.join("links");
+    let tc_pins = || -> std::collections::BTreeSet<String> {
+        let entries = std::fs::read_dir(&links).unwrap();
+        entries.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect()
+    };
+
+    // Each waits (5 s at most) for the agent to attach to its veth, as a
+    // CNI would before starting the pod.
+    let web = lab.add_pod("web-a", "10.244.1.2").unwrap();
+    lab.serve(&web, &[8080], &[]).unwrap();
+    let before = tc_pins();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    let client_pins: Vec<String> = tc_pins().difference(&before).cloned().collect();
+    assert!(!client_pins.is_empty(), "the client's veth has its pins");
+    // Outside the cgroup: translated on the client's veth, reverse-translated
+    // on web-a's.
+    for (name, peer, from) in
+        ok_attempts(&lab.client_outside(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
+    {
+        assert_eq!(name, "web-a");
+        assert_eq!(peer_ip(&peer), "10.244.1.100");
+        assert_eq!(from, "10.96.0.10:80");
+    }
+
+    // Deleting the client's veth pair: the agent lets go of it.
+    proxy_lab::sh("ip", &["-n", &client.netns, "link", "del", "eth0"]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while client_pins.iter().any(|pin| links.join(pin).exists()) {
+        assert!(Instant::now() < deadline, "still pinned: {:?}", tc_pins());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = lab.agent_log();
+    assert!(log.contains("per-packet programs detached"), "{log}");
+    assert!(!log.contains("interface notifications"), "no fallback to scans: {log}");
+}
+
 fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service(setup: Setup) {
     let mut lab = Lab::with(setup).unwrap();
     // A host-network "pod": a server in the node's own namespace.
