@@ -389,3 +389,155 @@ fn masquerade_of_sources_outside_the_cluster_cidr() {
     let from_outside = run(&mut dp, &tcp((CLIENT, 40000), ([10, 96, 0, 30], 80), SYN));
     assert_eq!(tuple(&from_outside.packet).0.0, NODE, "off-cluster source masqueraded");
 }
+
+const ICMP: u8 = 1;
+const ROUTER: [u8; 4] = [192, 168, 100, 2];
+
+/// An ICMP error from `from` to `to` quoting `quoted` (a frame built above)
+/// from its IP header on, `quote` bytes of it; `rest` is the header's second
+/// word (the next-hop MTU of a "fragmentation needed").
+fn icmp_error(
+    from: [u8; 4],
+    to: [u8; 4],
+    (kind, code): (u8, u8),
+    rest: [u8; 4],
+    quoted: &[u8],
+    quote: usize,
+) -> Vec<u8> {
+    let mut msg = vec![kind, code, 0, 0];
+    msg.extend_from_slice(&rest);
+    msg.extend_from_slice(&quoted[14..14 + quote]);
+    let sum = fold(sum16(&msg));
+    msg[2..4].copy_from_slice(&sum.to_be_bytes());
+    let word = |i: usize| u16::from_be_bytes([msg[i], msg[i + 1]]);
+    packet(ICMP, (from, word(0)), (to, word(2)), &msg[4..])
+}
+
+type Endpoint = ([u8; 4], u16);
+
+/// What an ICMP error says: its addresses and the tuple it quotes.
+fn icmp_tuples(p: &[u8]) -> (([u8; 4], [u8; 4]), (Endpoint, Endpoint)) {
+    let outer = ((p[26..30].try_into().unwrap()), (p[30..34].try_into().unwrap()));
+    // The quoted packet, as a frame of its own (checksum helpers and
+    // `tuple` read frames).
+    let mut quoted = p[..14].to_vec();
+    quoted.extend_from_slice(&p[42..]);
+    (outer, tuple(&quoted))
+}
+
+/// All three checksums of an ICMP error: the IP header, the ICMP message,
+/// and the quoted IP header (with no options).
+fn assert_icmp_checksums(p: &[u8]) {
+    assert_checksums(p);
+    assert_eq!(fold(sum16(&p[42..62])), 0, "quoted IPv4 header checksum of {p:02x?}");
+}
+
+const FRAG_NEEDED: (u8, u8) = (3, 4);
+const MTU_1280: [u8; 4] = [0, 0, 0x05, 0x00];
+
+#[test]
+fn fragmentation_needed_about_a_node_port_reply_reaches_the_backend() {
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD, 8080)], true, &[]),
+    )]);
+    let out = run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30080), SYN));
+    let ((_, snat_port), _) = tuple(&out.packet);
+    // A router towards the client cannot forward the (translated) reply.
+    let reply = tcp((NODE, 30080), (CLIENT, 40000), SYN | ACK);
+    let error = icmp_error(ROUTER, NODE, FRAG_NEEDED, MTU_1280, &reply, reply.len() - 14);
+    assert_icmp_checksums(&error);
+
+    let out = run(&mut dp, &error);
+    assert_eq!(out.verdict, STACK, "sent on as translated packets are (no route here)");
+    let p = &out.packet;
+    assert_eq!(p.len(), error.len());
+    assert_eq!(
+        icmp_tuples(p),
+        ((NODE, POD), ((POD, 8080), (NODE, snat_port))),
+        "to the backend, from the node (as netfilter's masquerade), quoting its own packet"
+    );
+    assert_eq!(p[34..36], [3, 4], "fragmentation needed");
+    assert_eq!(p[38..42], MTU_1280, "next-hop MTU");
+    assert_icmp_checksums(p);
+    assert_eq!(p[66..], error[66..], "the rest of the quote (its TCP checksum) untouched");
+    assert_eq!(out.packet[22], 64, "TTL: not decremented when handed to the stack");
+
+    // An error is not the flow's traffic, and it may come again.
+    let again = run(&mut dp, &error);
+    assert_eq!(again.packet, out.packet);
+}
+
+#[test]
+fn time_exceeded_about_a_cluster_ip_flow_reaches_the_client_pod_from_the_service() {
+    let vip = ([10, 96, 0, 10], 80);
+    let mut dp = datapath(vec![(
+        frontend(vip.0, vip.1, Protocol::Tcp),
+        frontend_plan(&[(POD, 8080)], false, &[]),
+    )]);
+    let client = ([10, 244, 1, 5], 40000);
+    let out = run(&mut dp, &tcp(client, vip, SYN));
+    assert_eq!(tuple(&out.packet), (client, (POD, 8080)), "a pod's flow: not SNATed");
+    // A router towards the backend: the client's packet, as translated.
+    let error = icmp_error(ROUTER, client.0, (11, 0), [0; 4], &out.packet, 28);
+
+    let out = run(&mut dp, &error);
+    assert_eq!(out.verdict, STACK);
+    assert_eq!(
+        icmp_tuples(&out.packet),
+        ((vip.0, client.0), (client, vip)),
+        "the client learns of its packet to the service, from the service"
+    );
+    assert_icmp_checksums(&out.packet);
+}
+
+#[test]
+fn port_unreachable_from_a_udp_backend_reaches_the_external_client() {
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30053, Protocol::Udp),
+        frontend_plan(&[(POD, 5353)], true, &[]),
+    )]);
+    let out = run(&mut dp, &udp((CLIENT, 40000), (NODE, 30053), true));
+    // The backend's own error about the datagram it got.
+    let error = icmp_error(POD, NODE, (3, 3), [0; 4], &out.packet, 28);
+    let back = run(&mut dp, &error);
+    assert_eq!(icmp_tuples(&back.packet), ((NODE, CLIENT), ((CLIENT, 40000), (NODE, 30053))));
+    assert_icmp_checksums(&back.packet);
+    assert_eq!(back.packet[68..70], error[68..70], "quoted UDP checksum left as it was");
+}
+
+#[test]
+fn port_unreachable_the_stack_sends_for_a_host_network_backend_names_the_node_port() {
+    let mut plan = frontend_plan(&[(NODE, 9090)], true, &[]);
+    plan.backends[0].host = true;
+    let mut dp = datapath(vec![(frontend(NODE, 30099, Protocol::Udp), plan)]);
+    let out = run(&mut dp, &udp((CLIENT, 40000), (NODE, 30099), true));
+    assert_eq!(tuple(&out.packet), ((CLIENT, 40000), (NODE, 9090)));
+    // Nothing listens on 9090: the node's stack answers on its way out.
+    let error = icmp_error(NODE, CLIENT, (3, 3), [0; 4], &out.packet, 28);
+    let sent = dp.run_tc_egress(&error, 1).unwrap();
+    assert_eq!(sent.verdict, NEXT, "the stack routed it already");
+    assert_eq!(icmp_tuples(&sent.packet), ((NODE, CLIENT), ((CLIENT, 40000), (NODE, 30099))));
+    assert_icmp_checksums(&sent.packet);
+}
+
+#[test]
+fn icmp_errors_about_no_translated_flow_pass_untouched() {
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD, 8080)], true, &[]),
+    )]);
+    run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30080), SYN));
+    let other_port = tcp((NODE, 30080), (CLIENT, 40001), SYN | ACK);
+    let not_a_flow = icmp_error(ROUTER, NODE, FRAG_NEEDED, MTU_1280, &other_port, 28);
+    // A redirect (type 5) about a translated packet is not translated.
+    let reply = tcp((NODE, 30080), (CLIENT, 40000), SYN | ACK);
+    let redirect = icmp_error(ROUTER, NODE, (5, 1), ROUTER, &reply, 28);
+    // A quote cut short before the ports.
+    let short = icmp_error(ROUTER, NODE, FRAG_NEEDED, MTU_1280, &reply, 22);
+    for p in [not_a_flow, redirect, short] {
+        let out = run(&mut dp, &p);
+        assert_eq!(out.verdict, NEXT, "{p:02x?}");
+        assert_eq!(out.packet, p);
+    }
+}

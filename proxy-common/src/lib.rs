@@ -483,6 +483,43 @@ pub struct SourceRangeKey {
 /// Bits of `SourceRangeKey` before the address.
 pub const SOURCE_RANGE_PREFIX_BITS: u32 = 32;
 
+/// ICMP errors about flows translated per packet: which flow an error is
+/// about and what it becomes, as netfilter's NAT translates RELATED errors.
+/// Shared by the programs and the host's tests.
+pub mod icmp {
+    use super::CtKey;
+
+    pub const DEST_UNREACH: u8 = 3;
+    pub const TIME_EXCEEDED: u8 = 11;
+
+    /// An ICMP error's addresses and the tuple of the packet it quotes.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct ErrorTuple {
+        pub saddr: [u8; 4],
+        pub daddr: [u8; 4],
+        pub quoted: CtKey,
+    }
+
+    /// The conntrack key of the flow the quoted packet belongs to. That
+    /// packet left translated, and translated tuples are no keys; a packet
+    /// going the other way is one, whose entry names the flow's tuples.
+    pub const fn flow_key(quoted: &CtKey) -> CtKey {
+        quoted.reversed()
+    }
+
+    /// `err` as the sender of the quoted packet must see it, given the tuple
+    /// the flow rewrites packets of `flow_key` to: the quoted packet as that
+    /// sender sent it, and the error addressed to it. Where the flow rewrites
+    /// the source of packets going the error's way, the error comes from that
+    /// source too (the node, a service address), as with netfilter; otherwise
+    /// from whoever sent it.
+    pub fn translate(err: &ErrorTuple, rewritten: &CtKey) -> ErrorTuple {
+        let quoted = rewritten.reversed();
+        let saddr = if quoted.daddr != err.quoted.daddr { quoted.daddr } else { err.saddr };
+        ErrorTuple { saddr, daddr: quoted.saddr, quoted }
+    }
+}
+
 /// The datapath's settings, in a one-element array written by the agent.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -533,9 +570,11 @@ pub enum Counter {
     /// A packet was dropped (policy Local without a local endpoint, a source
     /// outside loadBalancerSourceRanges, no SNAT port, a full conntrack map).
     Dropped,
+    /// An ICMP error about a translated flow was translated back.
+    IcmpRevNat,
 }
 
-pub const COUNTER_COUNT: u32 = 10;
+pub const COUNTER_COUNT: u32 = 11;
 
 impl Counter {
     pub const ALL: [Counter; COUNTER_COUNT as usize] = [
@@ -549,6 +588,7 @@ impl Counter {
         Counter::CtNew,
         Counter::Rejected,
         Counter::Dropped,
+        Counter::IcmpRevNat,
     ];
 
     /// The Prometheus-style name the agent exports it under.
@@ -564,6 +604,7 @@ impl Counter {
             Counter::CtNew => "ct_new",
             Counter::Rejected => "rejected",
             Counter::Dropped => "dropped",
+            Counter::IcmpRevNat => "icmp_rev_nat",
         }
     }
 }
@@ -684,6 +725,55 @@ mod tests {
         assert_eq!((v2.packets, v2.bytes), (0, 0));
         let counted = CtEntryV2 { packets: 3, bytes: 300, ..v2 };
         assert_eq!(CtEntryV1::from(counted), v1);
+    }
+
+    #[test]
+    fn icmp_errors_reach_the_sender_of_the_quoted_packet() {
+        use icmp::*;
+        let key = |s: [u8; 4], sp, d: [u8; 4], dp| CtKey {
+            saddr: s,
+            daddr: d,
+            sport: sp,
+            dport: dp,
+            proto: IPPROTO_TCP,
+            _pad: [0; 3],
+        };
+        let (client, node, pod, vip) =
+            ([192, 168, 200, 2], [192, 168, 100, 11], [10, 244, 2, 2], [10, 96, 0, 10]);
+        let router = [192, 168, 100, 2];
+        let through = |err: &ErrorTuple, forward: CtKey, rewritten: CtKey| {
+            assert_eq!(flow_key(&err.quoted), forward);
+            translate(err, &rewritten)
+        };
+
+        // A NodePort flow SNATed to the node: a router towards the client
+        // quotes the reply as the node sent it; the error goes to the pod.
+        let err =
+            ErrorTuple { saddr: router, daddr: node, quoted: key(node, 30080, client, 40000) };
+        let back = through(&err, key(client, 40000, node, 30080), key(node, 20000, pod, 8080));
+        let expect = ErrorTuple { saddr: node, daddr: pod, quoted: key(pod, 8080, node, 20000) };
+        assert_eq!(back, expect, "from the node, as netfilter's masquerade makes it");
+
+        // Without SNAT (policy Local): only the destination moves.
+        let back = through(&err, key(client, 40000, node, 30080), key(client, 40000, pod, 8080));
+        assert_eq!(back.saddr, router);
+        assert_eq!(back.daddr, pod);
+        assert_eq!(back.quoted, key(pod, 8080, client, 40000));
+
+        // A ClusterIP flow from a pod, not SNATed: a router towards the
+        // backend quotes the client's packet; the client learns of its
+        // packet to the service address, from the service address.
+        let client_pod = [10, 244, 1, 5];
+        let err = ErrorTuple {
+            saddr: router,
+            daddr: client_pod,
+            quoted: key(client_pod, 40000, pod, 8080),
+        };
+        let back =
+            through(&err, key(pod, 8080, client_pod, 40000), key(vip, 80, client_pod, 40000));
+        let expect =
+            ErrorTuple { saddr: vip, daddr: client_pod, quoted: key(client_pod, 40000, vip, 80) };
+        assert_eq!(back, expect);
     }
 
     #[test]

@@ -136,3 +136,13 @@ pub fn create(
     }
     Some(xlated)
 }
+
+/// What packets with `key` are rewritten to, if a live flow has that entry.
+/// Nothing is refreshed: for packets that are about a flow but not of it
+/// (ICMP errors quoting one of its packets).
+#[inline(always)]
+pub fn peek(key: &CtKey, now: u64) -> Option<CtKey> {
+    // SAFETY: copied out at once.
+    let entry = unsafe { CONNTRACK.get(key).copied() }?;
+    (entry.expires_ns >= now).then(|| entry.rewritten(key.proto))
+}

@@ -4,6 +4,7 @@
 #![no_main]
 
 mod conntrack;
+mod icmp;
 mod lb;
 mod maps;
 mod packet;

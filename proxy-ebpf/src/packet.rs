@@ -1,6 +1,7 @@
 //! IPv4 TCP/UDP packet access for tc programs: parsing, rewriting addresses
 //! and ports with incremental checksum updates, and plain checksums for the
-//! packets we build (RST, ICMP).
+//! packets we build (RST, ICMP). ICMP messages are only located here; the
+//! errors among them are read by `icmp`.
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
@@ -10,6 +11,7 @@ use proxy_common::{CtKey, FragKey, FragRewrite, IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
+pub const IPPROTO_ICMP: u8 = 1;
 const IP_OFF: usize = ETH_HLEN;
 const IP_CSUM_OFF: usize = IP_OFF + 10;
 const IP_SADDR_OFF: usize = IP_OFF + 12;
@@ -33,12 +35,22 @@ pub struct Packet {
     pub first_fragment: Option<FragKey>,
 }
 
+/// An unfragmented ICMP message: its IP addresses and where it starts.
+#[derive(Clone, Copy)]
+pub struct IcmpMessage {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub icmp_off: usize,
+}
+
 /// What a tc program sees.
 pub enum Parsed {
     /// A TCP or UDP packet, or the first fragment of a datagram.
     Packet(Packet),
     /// A later fragment: IP header only.
     Fragment(FragKey),
+    /// An ICMP message (an error may quote a translated flow's packet).
+    Icmp(IcmpMessage),
 }
 
 impl Packet {
@@ -72,11 +84,15 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     }
     let frag = u16::from_be_bytes([ip[6], ip[7]]);
     let proto = ip[9];
+    let saddr = [ip[12], ip[13], ip[14], ip[15]];
+    let daddr = [ip[16], ip[17], ip[18], ip[19]];
+    // ICMP errors are small (RFC 1812: at most 576 bytes), never fragmented.
+    if proto == IPPROTO_ICMP && frag & (IP_MORE_FRAGMENTS | IP_FRAGMENT_OFFSET) == 0 {
+        return Some(Parsed::Icmp(IcmpMessage { saddr, daddr, icmp_off: IP_OFF + ihl }));
+    }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return None;
     }
-    let saddr = [ip[12], ip[13], ip[14], ip[15]];
-    let daddr = [ip[16], ip[17], ip[18], ip[19]];
     let id = u16::from_be_bytes([ip[4], ip[5]]);
     let frag_key = FragKey { saddr, daddr, id, proto, _pad: 0 };
     if frag & IP_FRAGMENT_OFFSET != 0 {
@@ -144,8 +160,15 @@ pub fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> Result<(), i64> {
 /// Rewrites the addresses of a later fragment (IP header only).
 #[inline(always)]
 pub fn rewrite_fragment(ctx: &TcContext, from: &FragKey, to: &FragRewrite) -> Result<(), i64> {
-    set_addr(ctx, None, IP_SADDR_OFF, from.saddr, to.saddr)?;
-    set_addr(ctx, None, IP_DADDR_OFF, from.daddr, to.daddr)
+    rewrite_addrs(ctx, [from.saddr, from.daddr], [to.saddr, to.daddr])
+}
+
+/// Rewrites source and destination of a packet whose L4 checksum does not
+/// cover them (a later fragment, an ICMP message): the IP header only.
+#[inline(always)]
+pub fn rewrite_addrs(ctx: &TcContext, from: [[u8; 4]; 2], to: [[u8; 4]; 2]) -> Result<(), i64> {
+    set_addr(ctx, None, IP_SADDR_OFF, from[0], to[0])?;
+    set_addr(ctx, None, IP_DADDR_OFF, from[1], to[1])
 }
 
 /// Decrements the TTL of a packet we forward ourselves; false when it ran out.

@@ -14,12 +14,11 @@ use proxy_common::{
 
 use crate::{
     maps::count,
-    packet::{self, ETH_HLEN, Packet},
+    packet::{self, ETH_HLEN, IPPROTO_ICMP, Packet},
     tc_lb::SHOT,
 };
 
 const IP_OFF: usize = ETH_HLEN;
-const IPPROTO_ICMP: u8 = 1;
 /// What an ICMP error quotes of the offending datagram: its IP header and 8 bytes.
 const QUOTE_LEN: usize = 28;
 const ICMP_LEN: usize = 8 + QUOTE_LEN;

@@ -25,10 +25,10 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack,
+    conntrack, icmp,
     lb::{self, Verdict},
     maps::{CONFIG, FRAGMENTS, SOURCE_RANGES, count},
-    packet::{self, Packet, Parsed},
+    packet::{self, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
     reject,
 };
 
@@ -46,6 +46,7 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
     let pkt = match packet::parse(ctx) {
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Fragment(key)) => return later_fragment(ctx, &key),
+        Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, true),
         None => return NEXT,
     };
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
@@ -133,7 +134,11 @@ fn source_allowed(svc: &ServiceValue, saddr: [u8; 4]) -> bool {
 /// translated already; their tuples are no conntrack keys.
 #[inline(always)]
 pub fn try_egress(ctx: &TcContext) -> i32 {
-    let Some(Parsed::Packet(pkt)) = packet::parse(ctx) else { return NEXT };
+    let pkt = match packet::parse(ctx) {
+        Some(Parsed::Packet(pkt)) => pkt,
+        Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, false),
+        _ => return NEXT,
+    };
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
     let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) else { return NEXT };
@@ -145,6 +150,31 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
             SHOT
         }
     }
+}
+
+/// An ICMP error quoting a packet of a translated flow is translated back
+/// for the packet's sender (`icmp`). On ingress it is then sent on like a
+/// translated packet. On egress (errors the node's stack sends, e.g. about
+/// a packet for a host-network backend) the stack routed it already: it is
+/// translated only where its destination stays.
+#[inline(always)]
+fn icmp_error(ctx: &TcContext, msg: &IcmpMessage, ingress: bool) -> i32 {
+    let Some(err) = icmp::parse(ctx, msg) else { return NEXT };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some(to) = icmp::translation(&err, now) else { return NEXT };
+    if !ingress && to.daddr != msg.daddr {
+        return NEXT;
+    }
+    if icmp::rewrite(ctx, &err, &to).is_err() {
+        count(Counter::Dropped);
+        return SHOT;
+    }
+    count(Counter::IcmpRevNat);
+    if !ingress {
+        return NEXT;
+    }
+    let outer = CtKey { saddr: to.saddr, daddr: to.daddr, proto: IPPROTO_ICMP, ..CtKey::default() };
+    send(ctx, &outer)
 }
 
 /// A fragment after the first: it follows the first fragment's translation,

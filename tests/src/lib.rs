@@ -94,13 +94,15 @@ pub struct Pod {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Attempt {
     /// `from` is the peer (TCP, getpeername) or reply source (UDP, recvmsg);
-    /// `name`, `local`, `peer` are what the server saw.
+    /// `name`, `local`, `peer` are what the server saw; `bytes` is the
+    /// padding a bulk transfer received.
     Ok {
         ms: f64,
         from: String,
         name: String,
         local: String,
         peer: String,
+        bytes: Option<usize>,
     },
     Err {
         ms: f64,
@@ -124,6 +126,7 @@ impl Attempt {
                 name: field("name=")?,
                 local: field("local=")?,
                 peer: field("peer=")?,
+                bytes: field("bytes=").and_then(|b| b.parse().ok()),
             })
         })();
         // Connected, but the server's answer is missing or cut short.
@@ -275,6 +278,10 @@ pub const EXTERNAL_SERVICE_RANGE: &str = "10.200.0.0/24";
 const API_ADDR: &str = "192.168.100.1";
 /// Cluster IPs.
 pub const SERVICE_RANGE: &str = "10.96.0.0/12";
+/// The router of [`Lab::add_far_external`] on the fabric, and the subnet
+/// behind it.
+pub const FAR_ROUTER: &str = "192.168.100.254";
+pub const FAR_PREFIX: &str = "192.168.200";
 
 impl Lab {
     /// A lab whose agents run in eBPF mode on the manifest.
@@ -437,6 +444,76 @@ impl Lab {
         self.uplink(&netns, &format!("x{}", self.externals), addr)?;
         ip(&["-n", &netns, "route", "add", EXTERNAL_SERVICE_RANGE, "via", &self.nodes[0].ip])?;
         Ok(Pod { name: name.to_string(), netns, ip: addr.to_string() })
+    }
+
+    /// An external client behind a router, at `FAR_PREFIX`.2 on a subnet of
+    /// its own: the router (`FAR_ROUTER` on the fabric, `FAR_PREFIX`.1 on
+    /// that subnet) sends towards the client over a link of `link_mtu`,
+    /// while the client's side keeps 1500 (so it advertises an MSS packets
+    /// towards it cannot carry: the router answers those with "fragmentation
+    /// needed"). The client routes the fabric and the service ranges via the
+    /// router, the router routes the service ranges via node 0, and the
+    /// lab's nodes (those added so far) route the client's subnet via the
+    /// router. One per lab.
+    pub fn add_far_external(&mut self, name: &str, link_mtu: u32) -> anyhow::Result<Pod> {
+        let router = format!("{}-router", self.id);
+        self.add_netns(&router)?;
+        sysctl(&router, "net.ipv4.ip_forward", "1")?;
+        // Every "fragmentation needed" at once, not one a second.
+        sysctl(&router, "net.ipv4.icmp_ratelimit", "0")?;
+        self.uplink(&router, "r0", FAR_ROUTER)?;
+        let netns = format!("{}-{name}", self.id);
+        self.add_netns(&netns)?;
+        ip(&[
+            "-n",
+            &router,
+            "link",
+            "add",
+            "far0",
+            "mtu",
+            &link_mtu.to_string(),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &netns,
+        ])?;
+        let (gateway, addr) = (format!("{FAR_PREFIX}.1"), format!("{FAR_PREFIX}.2"));
+        ip(&["-n", &router, "addr", "add", &format!("{gateway}/24"), "dev", "far0"])?;
+        ip(&["-n", &router, "link", "set", "far0", "up"])?;
+        ip(&["-n", &netns, "addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
+        ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+        wait_link_up(&netns, "eth0")?;
+        wait_link_up(&router, "far0")?;
+        for range in [&format!("{FABRIC_PREFIX}.0/24"), SERVICE_RANGE, EXTERNAL_SERVICE_RANGE] {
+            ip(&["-n", &netns, "route", "add", range, "via", &gateway])?;
+        }
+        for range in [SERVICE_RANGE, EXTERNAL_SERVICE_RANGE] {
+            ip(&["-n", &router, "route", "add", range, "via", &self.nodes[0].ip])?;
+        }
+        let far = format!("{FAR_PREFIX}.0/24");
+        for node in &self.nodes {
+            ip(&["-n", &node.netns, "route", "add", &far, "via", FAR_ROUTER])?;
+        }
+        Ok(Pod { name: name.to_string(), netns, ip: addr })
+    }
+
+    /// How many destination-unreachable errors ("fragmentation needed") the
+    /// router of [`Lab::add_far_external`] has sent.
+    pub fn far_router_unreachables(&self) -> anyhow::Result<u64> {
+        let router = format!("{}-router", self.id);
+        let snmp = self.run_in(&router, None, "cat", &["/proc/net/snmp"])?;
+        // Two "Icmp:" lines: field names, then values.
+        let mut icmp = snmp.lines().filter(|l| l.starts_with("Icmp:"));
+        let (names, values) = (icmp.next().context("Icmp names")?, icmp.next().context("values")?);
+        let (_, value) = names
+            .split_whitespace()
+            .zip(values.split_whitespace())
+            .find(|(name, _)| *name == "OutDestUnreachs")
+            .context("no OutDestUnreachs")?;
+        Ok(value.parse()?)
     }
 
     /// Installs kube-proxy's `KUBE-FORWARD` drop of conntrack-INVALID packets
@@ -1046,6 +1123,10 @@ mod tests {
         assert_eq!(ok.as_ref().and_then(|a| a.pod()), Some("web-0"));
         let err = Attempt::parse("err ms=0.101 kind=ConnectionRefused");
         assert_eq!(err, Some(Attempt::Err { ms: 0.101, kind: "ConnectionRefused".into() }));
+        let bulk = Attempt::parse(
+            "ok ms=3.5 from=10.96.0.10:80 bytes=200000 name=web-0 local=10.244.1.2:8080 peer=10.244.1.10:4242",
+        );
+        assert!(matches!(bulk, Some(Attempt::Ok { bytes: Some(200_000), .. })), "{bulk:?}");
         let cut = Attempt::parse("ok ms=0.2 from=10.96.0.10:80 ");
         assert_eq!(cut, Some(Attempt::Err { ms: 0.2, kind: "NoAnswer".into() }));
     }

@@ -25,6 +25,8 @@ both_modes!(
     no_endpoints_are_refused_not_timed_out,
     internal_local_policy_and_client_ip_affinity_per_packet,
     host_network_backends_are_reached_through_the_stack_and_answer_as_the_service,
+    path_mtu_discovery_through_a_node_port_and_a_cluster_ip,
+    the_stacks_refusal_for_a_host_network_backend_names_the_node_port,
 );
 
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
@@ -499,4 +501,63 @@ endpoints: [{addresses: [192.168.100.11], nodeName: lab-node}]
         assert_eq!(peer_ip(&peer), "10.244.1.100");
         assert_eq!(from, "10.96.0.50:80");
     }
+}
+
+/// A client behind a router whose link towards it is narrower (1280) than
+/// the MSS it advertises (1460): a large download only completes if the
+/// router's "fragmentation needed", which quotes the reply as translated,
+/// reaches the backend translated back. Both paths SNAT to node 0 (a
+/// NodePort with policy Cluster, a ClusterIP from outside the cluster CIDR)
+/// towards web-b on node 1.
+fn path_mtu_discovery_through_a_node_port_and_a_cluster_ip(setup: Setup) {
+    let mut c = cluster(setup, &service("web", "10.96.0.10", PORTS_30080, &["b"]));
+    let far = c.lab.add_far_external("far", 1280).unwrap();
+    for target in ["192.168.100.11:30080", "10.96.0.10:80"] {
+        // A stalled transfer fails at its first read of more than 5 s.
+        let attempts = c
+            .lab
+            .client_outside(&far, &["--timeout-ms", "5000", "bulk", target, "200000"])
+            .unwrap();
+        let [Attempt::Ok { bytes: Some(bytes), name, peer, from, .. }] = &attempts[..] else {
+            panic!("{target}: {attempts:?}");
+        };
+        assert_eq!(*bytes, 200_000, "{target}: the whole download");
+        assert_eq!((name.as_str(), from.as_str()), ("web-b", target));
+        assert_eq!(peer_ip(peer), "192.168.100.11", "masqueraded to node 0");
+    }
+    assert!(c.lab.far_router_unreachables().unwrap() >= 2, "the narrow link was met");
+    if setup.mode == Mode::Ebpf {
+        assert!(c.lab.counter_on(0, Counter::IcmpRevNat).unwrap() >= 2);
+    }
+}
+
+/// A datagram for a host-network backend with nothing listening: the node's
+/// stack refuses it with an ICMP port unreachable about the translated
+/// datagram, which must name the node port the client used (translated on
+/// its way out) for the client's connected socket to take it.
+fn the_stacks_refusal_for_a_host_network_backend_names_the_node_port(setup: Setup) {
+    let mut lab = Lab::with(setup).unwrap();
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    lab.write_manifest(
+        r#"apiVersion: v1
+kind: Service
+metadata: {name: hostnet, namespace: lab}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.50
+  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 9053, nodePort: 30098}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: hostnet-1, namespace: lab, labels: {kubernetes.io/service-name: hostnet}}
+addressType: IPv4
+ports: [{name: dns, port: 9053, protocol: UDP}]
+endpoints: [{addresses: [192.168.100.11], nodeName: lab-node}]
+"#,
+    )
+    .unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
+    let udp = lab.client_outside(&ext, &["udp", "192.168.100.11:30098", "1", "--connect"]).unwrap();
+    assert!(matches!(&udp[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"), "{udp:?}");
 }

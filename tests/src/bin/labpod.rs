@@ -5,7 +5,10 @@
 //! Every answer line is `name=<pod> local=<ip:port> peer=<ip:port>`, as the
 //! server saw the connection; clients print one line per attempt:
 //! `ok ms=<elapsed> from=<reply source or peer> <answer>` or
-//! `err ms=<elapsed> kind=<io::ErrorKind>`.
+//! `err ms=<elapsed> kind=<io::ErrorKind>`. A request for `/bytes/N` is
+//! answered with the answer line and N bytes of padding after it (bulk
+//! transfers); the `bulk` client reports how many arrived as `bytes=N`
+//! before the answer.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -19,7 +22,8 @@ const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS]
     (serve --name NAME [--tcp PORT]... [--udp PORT]... [--echo PORT]... \
     | tcp ADDR COUNT [--interval-ms MS] | tcp-concurrent ADDR COUNT \
     | stream ADDR COUNT [--interval-ms MS] \
-    | udp ADDR COUNT [--interval-ms MS] [--connect] [--size BYTES] | http ADDR PATH [--full])";
+    | udp ADDR COUNT [--interval-ms MS] [--connect] [--size BYTES] | http ADDR PATH [--full] \
+    | bulk ADDR BYTES)";
 
 fn main() -> anyhow::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
@@ -40,6 +44,7 @@ fn main() -> anyhow::Result<()> {
         Some("stream") => stream_client(&mut args, timeout),
         Some("udp") => udp_client(&mut args, timeout),
         Some("http") => http_get(&args, timeout),
+        Some("bulk") => bulk_client(&args, timeout),
         _ => bail!(USAGE),
     }
 }
@@ -137,7 +142,11 @@ fn serve_tcp(name: &str, mut stream: TcpStream) {
         }
     }
     let (Ok(local), Ok(peer)) = (stream.local_addr(), stream.peer_addr()) else { return };
-    let body = answer(name, local, peer);
+    let mut body = answer(name, local, peer);
+    if let Some(size) = padding_requested(&request) {
+        body.push('\n');
+        body.extend(std::iter::repeat_n('x', size));
+    }
     let response = format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
     let _ = stream.write_all(response.as_bytes());
 }
@@ -153,6 +162,12 @@ fn serve_echo(name: &str, stream: TcpStream) {
             return;
         }
     }
+}
+
+/// N for a request of `/bytes/N`.
+fn padding_requested(request: &[u8]) -> Option<usize> {
+    let line = String::from_utf8_lossy(request.split(|b| *b == b'\n').next()?);
+    line.split_whitespace().nth(1)?.strip_prefix("/bytes/")?.parse().ok()
 }
 
 fn target(args: &[String]) -> anyhow::Result<(SocketAddr, usize)> {
@@ -297,6 +312,22 @@ fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
         });
         report(start, result);
     }
+    Ok(())
+}
+
+/// One download of BYTES bytes of padding (after the answer line): reports
+/// `bytes=<padding received>` before the answer. Each read may take up to
+/// the timeout.
+fn bulk_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
+    let addr = args.get(1).context(USAGE)?.parse()?;
+    let size: usize = args.get(2).context(USAGE)?.parse()?;
+    let start = Instant::now();
+    let result = tcp_request(addr, &format!("/bytes/{size}"), timeout).map(|(from, response)| {
+        let body = body(&response);
+        let (answer, padding) = body.split_once('\n').unwrap_or((body, ""));
+        (from, format!("bytes={} {answer}", padding.len()))
+    });
+    report(start, result);
     Ok(())
 }
 

@@ -710,7 +710,20 @@ impl EbpfBackend {
     /// Runs the per-packet program on `packet` `repeat` times in the kernel
     /// without sending anything (packet-level tests and benchmarks).
     pub fn run_tc(&mut self, packet: &[u8], repeat: u32) -> Result<PacketRun, EbpfError> {
-        let name = TC_INGRESS;
+        self.run_program(TC_INGRESS, packet, repeat)
+    }
+
+    /// As `run_tc`, with the egress program (packets the node's stack sends).
+    pub fn run_tc_egress(&mut self, packet: &[u8], repeat: u32) -> Result<PacketRun, EbpfError> {
+        self.run_program(TC_EGRESS, packet, repeat)
+    }
+
+    fn run_program(
+        &mut self,
+        name: &'static str,
+        packet: &[u8],
+        repeat: u32,
+    ) -> Result<PacketRun, EbpfError> {
         let err = |source| EbpfError::Program { name, source };
         let prog: &SchedClassifier = self
             .ebpf
