@@ -82,10 +82,11 @@ fn main() -> anyhow::Result<()> {
         local: false,
         drop_when_empty: false,
         source_ranges: vec![],
+        two_scopes: false,
     };
     let mut plan = Plan::default();
     plan.frontends.insert(
-        Frontend { ip: NODE.into(), port: 30080, protocol: Protocol::Tcp },
+        Frontend::new(NODE.into(), 30080, Protocol::Tcp),
         frontend("web".into(), backends, true),
     );
     for i in 1..services {
@@ -95,7 +96,7 @@ fn main() -> anyhow::Result<()> {
             host: false,
         };
         plan.frontends.insert(
-            Frontend { ip: cluster_ip(i).into(), port: 80, protocol: Protocol::Tcp },
+            Frontend::new(cluster_ip(i).into(), 80, Protocol::Tcp),
             frontend(format!("s{i}"), vec![backend], false),
         );
     }

@@ -392,7 +392,7 @@ impl Metrics {
             &mut out,
             "proxy_frontends",
             "gauge",
-            "Service frontends (address, port, protocol) the datapath serves.",
+            "Service frontends (address, port, protocol, scope) the datapath serves.",
             &one(self.frontends.load(Relaxed)),
         );
         samples(

@@ -7,6 +7,10 @@
 //! kube-proxy, a traffic policy of Local narrows a frontend to this node's
 //! endpoints; with none here but some elsewhere its traffic is dropped,
 //! while a service without any endpoint refuses (TCP RST, ICMP unreachable).
+//! In-cluster clients of an external address with the Local policy (pods,
+//! the node) get every endpoint instead, as kube-proxy short-circuits them
+//! to the service's cluster-wide chain: the plan holds for them a second
+//! frontend at that address, of internal scope.
 
 use std::{
     collections::{BTreeMap, BTreeSet, btree_map::Entry},
@@ -15,12 +19,35 @@ use std::{
 
 use crate::model::{Cidr, Model, Protocol, ServiceName, ServicePort, ServicePortName};
 
-/// An address clients connect to.
+/// An address clients connect to, and which of its clients it serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Frontend {
     pub ip: Ipv4Addr,
     pub port: u16,
     pub protocol: Protocol,
+    pub scope: Scope,
+}
+
+/// Which clients of an address a frontend serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Scope {
+    /// Every client, unless an internal-scope frontend shares the address.
+    External,
+    /// In-cluster clients (pods, the node) of an external address whose
+    /// frontend has `two_scopes`.
+    Internal,
+}
+
+impl Frontend {
+    /// A frontend of external scope: every one but the in-cluster twins.
+    pub fn new(ip: Ipv4Addr, port: u16, protocol: Protocol) -> Self {
+        Frontend { ip, port, protocol, scope: Scope::External }
+    }
+
+    /// The internal-scope frontend at the same address.
+    pub fn internal(self) -> Self {
+        Frontend { scope: Scope::Internal, ..self }
+    }
 }
 
 /// One backend of a frontend.
@@ -49,11 +76,42 @@ pub struct FrontendPlan {
     /// Only these sources may connect (load-balancer IPs with
     /// loadBalancerSourceRanges); empty means anyone.
     pub source_ranges: Vec<Cidr>,
+    /// In-cluster clients get the internal-scope frontend at this address
+    /// (an external frontend with the Local policy).
+    pub two_scopes: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
     pub frontends: BTreeMap<Frontend, FrontendPlan>,
+}
+
+/// What a service port claims at an address: its frontend and, when that
+/// one has two scopes, the internal-scope twin. The two are won and lost
+/// together, so a conflict is decided (and reported) once per address.
+#[derive(Clone, Debug)]
+struct Claim {
+    plan: FrontendPlan,
+    internal: Option<FrontendPlan>,
+}
+
+impl Plan {
+    fn install(&mut self, frontend: Frontend, claim: Claim) {
+        if let Some(internal) = claim.internal {
+            self.frontends.insert(frontend.internal(), internal);
+        }
+        self.frontends.insert(frontend, claim.plan);
+    }
+
+    fn uninstall(&mut self, frontend: Frontend) -> Option<Claim> {
+        let plan = self.frontends.remove(&frontend)?;
+        Some(Claim { plan, internal: self.frontends.remove(&frontend.internal()) })
+    }
+
+    /// The plans at `frontend`'s address, external scope first.
+    fn at_address(&self, frontend: Frontend) -> [Option<FrontendPlan>; 2] {
+        [frontend, frontend.internal()].map(|f| self.frontends.get(&f).cloned())
+    }
 }
 
 /// The node the plan is for.
@@ -96,12 +154,13 @@ pub fn plan(model: &Model, node: &Node) -> (Plan, Vec<ConflictError>) {
 
 /// Keeps the plan of a model up to date one service at a time.
 ///
-/// Every service port claims its frontends. Of the claims on one frontend
-/// the smallest `ServicePortName` wins (the first in the model's order, as
-/// a full pass would decide) and is in the plan; the others wait in
-/// `losers`, ready to take over when the winner goes away. Replanning a
-/// service withdraws its claims and makes its new ones, touching only its
-/// own frontends: O(its frontends × log N).
+/// Every service port claims its frontends (an internal-scope twin goes
+/// with its address's claim). Of the claims on one frontend the smallest
+/// `ServicePortName` wins (the first in the model's order, as a full pass
+/// would decide) and is in the plan; the others wait in `losers`, ready to
+/// take over when the winner goes away. Replanning a service withdraws its
+/// claims and makes its new ones, touching only its own frontends:
+/// O(its frontends × log N).
 #[derive(Clone, Debug)]
 pub struct Planner {
     node: Node,
@@ -110,7 +169,7 @@ pub struct Planner {
     /// per frontend and port name.
     claims: BTreeMap<ServiceName, Vec<(Frontend, ServicePortName)>>,
     /// Per contested frontend, the claims that did not win it.
-    losers: BTreeMap<Frontend, BTreeMap<ServicePortName, FrontendPlan>>,
+    losers: BTreeMap<Frontend, BTreeMap<ServicePortName, Claim>>,
 }
 
 impl Planner {
@@ -143,13 +202,11 @@ impl Planner {
         model: &Model,
         services: &BTreeSet<ServiceName>,
     ) -> BTreeSet<Frontend> {
-        // The plans of the frontends touched, as they were.
-        let mut before: BTreeMap<Frontend, Option<FrontendPlan>> = BTreeMap::new();
+        // The plans at the addresses touched (both scopes), as they were.
+        let mut before: BTreeMap<Frontend, [Option<FrontendPlan>; 2]> = BTreeMap::new();
         for name in services {
             for (frontend, port) in self.claims.remove(name).unwrap_or_default() {
-                before
-                    .entry(frontend)
-                    .or_insert_with(|| self.plan.frontends.get(&frontend).cloned());
+                before.entry(frontend).or_insert_with(|| self.plan.at_address(frontend));
                 self.withdraw(frontend, &port);
             }
         }
@@ -158,18 +215,16 @@ impl Planner {
             let mut claimed = BTreeSet::new();
             let mut claims = Vec::new();
             for port in ports {
-                for (frontend, fp) in frontends(port, &self.node) {
+                for (frontend, claim) in frontends(port, &self.node) {
                     // The same address listed twice by one service port:
                     // the first (a load-balancer IP, with its source ranges)
                     // stands.
                     if !claimed.insert((frontend, &port.name)) {
                         continue;
                     }
-                    before
-                        .entry(frontend)
-                        .or_insert_with(|| self.plan.frontends.get(&frontend).cloned());
+                    before.entry(frontend).or_insert_with(|| self.plan.at_address(frontend));
                     claims.push((frontend, port.name.clone()));
-                    self.claim(frontend, fp);
+                    self.claim(frontend, claim);
                 }
             }
             if !claims.is_empty() {
@@ -179,8 +234,10 @@ impl Planner {
         let mut changed = BTreeSet::new();
         for (frontend, old) in before {
             self.settle(frontend);
-            if self.plan.frontends.get(&frontend) != old.as_ref() {
-                changed.insert(frontend);
+            for (f, was) in [frontend, frontend.internal()].into_iter().zip(old) {
+                if self.plan.frontends.get(&f) != was.as_ref() {
+                    changed.insert(f);
+                }
             }
         }
         changed
@@ -212,7 +269,7 @@ impl Planner {
     /// Takes back the claim of `port` on `frontend`, won or lost.
     fn withdraw(&mut self, frontend: Frontend, port: &ServicePortName) {
         if self.plan.frontends.get(&frontend).is_some_and(|fp| fp.service == *port) {
-            self.plan.frontends.remove(&frontend);
+            self.plan.uninstall(frontend);
         } else if let Entry::Occupied(mut losers) = self.losers.entry(frontend) {
             losers.get_mut().remove(port);
             if losers.get().is_empty() {
@@ -222,14 +279,11 @@ impl Planner {
     }
 
     /// Claims a frontend: it is won if free, else waits (`settle` orders).
-    fn claim(&mut self, frontend: Frontend, fp: FrontendPlan) {
-        match self.plan.frontends.entry(frontend) {
-            Entry::Vacant(free) => {
-                free.insert(fp);
-            }
-            Entry::Occupied(_) => {
-                self.losers.entry(frontend).or_default().insert(fp.service.clone(), fp);
-            }
+    fn claim(&mut self, frontend: Frontend, claim: Claim) {
+        if self.plan.frontends.contains_key(&frontend) {
+            self.losers.entry(frontend).or_default().insert(claim.plan.service.clone(), claim);
+        } else {
+            self.plan.install(frontend, claim);
         }
     }
 
@@ -237,18 +291,18 @@ impl Planner {
     fn settle(&mut self, frontend: Frontend) {
         let Entry::Occupied(mut losers) = self.losers.entry(frontend) else { return };
         let waiting = losers.get_mut();
-        match self.plan.frontends.entry(frontend) {
-            Entry::Vacant(free) => {
-                let (_, first) = waiting.pop_first().expect("no empty loser sets");
-                free.insert(first);
+        let takes_over = match self.plan.frontends.get(&frontend) {
+            None => true,
+            Some(winner) => {
+                waiting.first_key_value().is_some_and(|(name, _)| *name < winner.service)
             }
-            Entry::Occupied(mut winner) => {
-                if waiting.first_key_value().is_some_and(|(name, _)| *name < winner.get().service) {
-                    let (_, first) = waiting.pop_first().expect("checked");
-                    let lost = std::mem::replace(winner.get_mut(), first);
-                    waiting.insert(lost.service.clone(), lost);
-                }
+        };
+        if takes_over {
+            let (_, first) = waiting.pop_first().expect("no empty loser sets");
+            if let Some(lost) = self.plan.uninstall(frontend) {
+                waiting.insert(lost.plan.service.clone(), lost);
             }
+            self.plan.install(frontend, first);
         }
         if losers.get().is_empty() {
             losers.remove();
@@ -256,8 +310,8 @@ impl Planner {
     }
 }
 
-fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, FrontendPlan)> {
-    let at = |ip, number| Frontend { ip, port: number, protocol: port.protocol };
+fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
+    let at = |ip, number| Frontend::new(ip, number, port.protocol);
     let for_policy = |external: bool, local: bool, source_ranges: Vec<Cidr>| {
         let endpoints = if local {
             port.usable_endpoints(Some(&node.name))
@@ -282,15 +336,21 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, FrontendPlan)> {
             external,
             local,
             source_ranges,
+            two_scopes: external && local,
         }
     };
-    let mut out =
-        vec![(at(port.cluster_ip, port.port), for_policy(false, port.internal_local, vec![]))];
-    let external = for_policy(true, port.external_local, vec![]);
+    // What in-cluster clients of the external addresses get with the Local
+    // policy: the cluster-wide endpoints, as kube-proxy's KUBE-SVC chain
+    // (whatever internalTrafficPolicy says), affinity as the service has.
+    let in_cluster = port.external_local.then(|| for_policy(false, false, vec![]));
+    let claim = |plan| Claim { plan, internal: in_cluster.clone() };
+    let cluster_ip = Claim { plan: for_policy(false, port.internal_local, vec![]), internal: None };
+    let mut out = vec![(at(port.cluster_ip, port.port), cluster_ip)];
+    let external = claim(for_policy(true, port.external_local, vec![]));
     if let Some(node_port) = port.node_port {
         out.extend(node.nodeport_ips().map(|ip| (at(ip, node_port), external.clone())));
     }
-    let balanced = for_policy(true, port.external_local, port.source_ranges.clone());
+    let balanced = claim(for_policy(true, port.external_local, port.source_ranges.clone()));
     out.extend(port.load_balancer_ips.iter().map(|ip| (at(*ip, port.port), balanced.clone())));
     out.extend(port.external_ips.iter().map(|ip| (at(*ip, port.port), external.clone())));
     out
@@ -348,7 +408,7 @@ mod tests {
     }
 
     fn at(plan: &Plan, ip: [u8; 4], port: u16) -> &FrontendPlan {
-        let frontend = Frontend { ip: ip.into(), port, protocol: Protocol::Tcp };
+        let frontend = Frontend::new(ip.into(), port, Protocol::Tcp);
         plan.frontends.get(&frontend).unwrap_or_else(|| panic!("no frontend {frontend:?}"))
     }
 
@@ -405,20 +465,96 @@ mod tests {
         p.external_local = true;
         let plan = one(vec![p.clone()]);
         let external = at(&plan, [192, 168, 100, 11], 30080);
-        assert!(external.local && external.external);
+        assert!(external.local && external.external && external.two_scopes);
         assert_eq!(external.backends.len(), 1);
         assert_eq!(at(&plan, [10, 96, 0, 1], 80).backends.len(), 2, "internal: every endpoint");
 
         p.endpoints.retain(|e| e.node_name.as_deref() == Some("node-b"));
         p.internal_local = true;
         let plan = one(vec![p.clone()]);
-        for fp in plan.frontends.values() {
-            assert!(fp.backends.is_empty() && fp.drop_when_empty, "{fp:?}");
+        for (frontend, fp) in &plan.frontends {
+            if frontend.scope == Scope::External {
+                assert!(fp.backends.is_empty() && fp.drop_when_empty, "{fp:?}");
+            } else {
+                assert_eq!(fp.backends.len(), 1, "in-cluster clients reach node-b's");
+            }
         }
 
         p.endpoints.clear();
         let plan = one(vec![p]);
         assert!(plan.frontends.values().all(|fp| !fp.drop_when_empty), "no endpoints: refuse");
+    }
+
+    #[test]
+    fn in_cluster_clients_of_local_external_addresses_get_an_internal_twin() {
+        let mut p = port(
+            "a",
+            [10, 96, 0, 1],
+            &[("10.0.0.2:80", true, "node-a"), ("10.0.0.3:80", true, "node-b")],
+        );
+        p.node_port = Some(30080);
+        p.external_ips = vec![Ipv4Addr::new(10, 200, 0, 5)];
+        p.load_balancer_ips = vec![Ipv4Addr::new(10, 200, 0, 6)];
+        p.source_ranges = vec![Cidr::parse("192.168.100.101/32").unwrap().unwrap()];
+        p.external_local = true;
+        // The twins ignore internalTrafficPolicy, as kube-proxy's KUBE-SVC.
+        p.internal_local = true;
+        p.affinity_timeout_secs = Some(60);
+        let plan = one(vec![p.clone()]);
+        let externals = [([192, 168, 100, 11], 30080), ([172, 16, 0, 11], 30080)]
+            .into_iter()
+            .chain([([10, 200, 0, 5], 80), ([10, 200, 0, 6], 80)]);
+        assert_eq!(plan.frontends.len(), 1 + 4 * 2, "the ClusterIP, four addresses twice");
+        for (ip, number) in externals {
+            let twin = &plan.frontends[&Frontend::new(ip.into(), number, Protocol::Tcp).internal()];
+            assert_eq!(twin.backends.len(), 2, "every endpoint");
+            assert!(!twin.external && !twin.local && !twin.two_scopes && !twin.drop_when_empty);
+            assert!(twin.source_ranges.is_empty(), "the external scope checks them");
+            assert_eq!(twin.affinity_timeout_secs, Some(60));
+        }
+        assert!(!at(&plan, [10, 96, 0, 1], 80).two_scopes, "the ClusterIP has one scope");
+
+        // No endpoint at all: the twins refuse, as the external scope.
+        p.endpoints.clear();
+        let plan = one(vec![p.clone()]);
+        assert!(plan.frontends.values().all(|fp| !fp.drop_when_empty && fp.backends.is_empty()));
+
+        // Policy Cluster: one scope.
+        p.external_local = false;
+        let plan = one(vec![p]);
+        assert_eq!(plan.frontends.len(), 5);
+        assert!(plan.frontends.iter().all(|(f, fp)| f.scope == Scope::External && !fp.two_scopes));
+    }
+
+    #[test]
+    fn a_contested_address_and_its_twin_go_to_the_same_service() {
+        let ip = Ipv4Addr::new(10, 200, 0, 5);
+        let mut local = port("b", [10, 96, 0, 2], &[("10.0.0.3:80", true, "node-b")]);
+        local.external_ips = vec![ip];
+        local.external_local = true;
+        let mut cluster = port("c", [10, 96, 0, 3], &[("10.0.0.4:80", true, "node-b")]);
+        cluster.external_ips = vec![ip];
+        let external = Frontend::new(ip, 80, Protocol::Tcp);
+        let mut planner = Planner::new(node());
+        let model = model::Model::from_ports([local.clone(), cluster.clone()]);
+        planner.rebuild(&model);
+        assert!(planner.plan().frontends.contains_key(&external.internal()), "b won, twin too");
+        assert_eq!(planner.conflicts().len(), 1, "one conflict per address");
+
+        // "a" (policy Cluster) takes the address over: b's twin goes with it.
+        let mut first = cluster.clone();
+        first.name.service.name = "a".into();
+        first.cluster_ip = Ipv4Addr::new(10, 96, 0, 1);
+        let model = model::Model::from_ports([first.clone(), local.clone(), cluster.clone()]);
+        let changed = planner.update(&model, &BTreeSet::from([first.name.service.clone()]));
+        assert!(changed.contains(&external) && changed.contains(&external.internal()));
+        assert!(!planner.plan().frontends.contains_key(&external.internal()));
+        assert_eq!(planner.conflicts().len(), 2);
+
+        // And back when "a" goes.
+        let model = model::Model::from_ports([local, cluster]);
+        planner.update(&model, &BTreeSet::from([first.name.service]));
+        assert_eq!(planner.plan().frontends[&external.internal()].backends.len(), 1);
     }
 
     #[test]
@@ -453,7 +589,7 @@ mod tests {
         planner.set_zone(Some("za".into()));
         assert_eq!(planner.node().zone.as_deref(), Some("za"));
         let changed = planner.rebuild(&model);
-        let tcp = |ip: [u8; 4], port| Frontend { ip: ip.into(), port, protocol: Protocol::Tcp };
+        let tcp = |ip: [u8; 4], port| Frontend::new(ip.into(), port, Protocol::Tcp);
         assert_eq!(
             changed,
             BTreeSet::from([
@@ -485,7 +621,7 @@ mod tests {
         let mut plan = Plan::default();
         let mut conflicts = Vec::new();
         for port in model.ports() {
-            for (frontend, fp) in frontends(port, node) {
+            for (frontend, claim) in frontends(port, node) {
                 match plan.frontends.get(&frontend) {
                     Some(existing) if existing.service == port.name => {}
                     Some(existing) => conflicts.push(ConflictError {
@@ -493,7 +629,7 @@ mod tests {
                         winner: existing.service.clone(),
                         loser: port.name.clone(),
                     }),
-                    None => drop(plan.frontends.insert(frontend, fp)),
+                    None => plan.install(frontend, claim),
                 }
             }
         }

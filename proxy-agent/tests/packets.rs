@@ -35,7 +35,7 @@ fn in_own_netns() {
 }
 
 fn frontend(ip: [u8; 4], port: u16, protocol: Protocol) -> Frontend {
-    Frontend { ip: ip.into(), port, protocol }
+    Frontend::new(ip.into(), port, protocol)
 }
 
 fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -> FrontendPlan {
@@ -57,6 +57,7 @@ fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -
         local: false,
         drop_when_empty: false,
         source_ranges: ranges.iter().map(|r| Cidr::parse(r).unwrap().unwrap()).collect(),
+        two_scopes: false,
     }
 }
 
@@ -376,6 +377,36 @@ fn load_balancer_source_ranges_admit_and_drop() {
     assert_eq!(tuple(&inside.packet).1, (POD, 8080));
     let outside = run(&mut dp, &tcp(([192, 168, 100, 200], 40000), (lb, 80), SYN));
     assert_eq!(outside.verdict, SHOT);
+}
+
+#[test]
+fn in_cluster_sources_of_a_local_node_port_get_the_internal_scope_unsnated() {
+    // Distinct backend sets tell the scopes apart: the external one has
+    // this node's endpoint, the internal one (every endpoint) another.
+    let local_pod = ([10, 244, 1, 2], 8080);
+    let node_port = frontend(NODE, 30080, Protocol::Tcp);
+    let mut outer = frontend_plan(&[local_pod], true, &[]);
+    (outer.local, outer.two_scopes) = (true, true);
+    let mut dp = datapath(vec![
+        (node_port, outer),
+        (node_port.internal(), frontend_plan(&[(POD, 8080)], false, &[])),
+    ]);
+    let external = run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30080), SYN));
+    assert_eq!(tuple(&external.packet), ((CLIENT, 40000), local_pod), "client IP kept");
+    // Another node's address is no in-cluster source (as for kube-proxy).
+    let other_node = ([192, 168, 100, 12], 40000);
+    let from_node = run(&mut dp, &tcp(other_node, (NODE, 30080), SYN));
+    assert_eq!(tuple(&from_node.packet).1, local_pod);
+
+    let pod = ([10, 244, 1, 5], 40000);
+    let out = run(&mut dp, &tcp(pod, (NODE, 30080), SYN));
+    assert_eq!(tuple(&out.packet), (pod, (POD, 8080)), "every endpoint, not SNATed");
+    assert_checksums(&out.packet);
+    let back = run(&mut dp, &tcp((POD, 8080), pod, SYN | ACK));
+    assert_eq!(tuple(&back.packet), ((NODE, 30080), pod), "replies come from the node port");
+    // A pod reaching itself is still SNATed (kube-proxy's KUBE-SEP rule).
+    let hairpin = run(&mut dp, &tcp((POD, 40001), (NODE, 30080), SYN));
+    assert_eq!((tuple(&hairpin.packet).0.0, tuple(&hairpin.packet).1), (NODE, (POD, 8080)));
 }
 
 #[test]

@@ -88,10 +88,14 @@ pub const MAX_FRAGMENTS: u32 = 16_384;
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 
-/// `ServiceKey::scope`: 0 is the only scope written today. A second scope
-/// would give in-cluster clients of an `externalTrafficPolicy: Local`
-/// address every endpoint, as kube-proxy does.
+/// `ServiceKey::scope`: the frontend every client of an address gets, the
+/// only one at most addresses.
 pub const SCOPE_EXTERNAL: u8 = 0;
+/// `ServiceKey::scope`: at an external address of an
+/// `externalTrafficPolicy: Local` service, the frontend in-cluster clients
+/// (pods, the node) get instead: every endpoint, as kube-proxy
+/// short-circuits their traffic to the service's cluster-wide chain.
+pub const SCOPE_INTERNAL: u8 = 1;
 
 /// `ServiceValue::flags`: the service has `sessionAffinity: ClientIP`.
 pub const SVC_FLAG_AFFINITY: u16 = 1 << 0;
@@ -107,6 +111,9 @@ pub const SVC_FLAG_DROP_EMPTY: u16 = 1 << 3;
 /// Only sources in `SOURCE_RANGES` for this frontend may connect
 /// (loadBalancerSourceRanges).
 pub const SVC_FLAG_SOURCE_RANGES: u16 = 1 << 4;
+/// On a `SCOPE_EXTERNAL` frontend: an internal-scope frontend at the same
+/// address serves in-cluster clients (Cilium's "two scopes").
+pub const SVC_FLAG_TWO_SCOPES: u16 = 1 << 5;
 
 /// `Backend::flags`: the endpoint runs on this node (`--hostname-override`).
 pub const BACKEND_FLAG_LOCAL: u8 = 1 << 0;
@@ -135,6 +142,10 @@ impl ServiceKey {
     pub const fn with_slot(self, slot: u16) -> Self {
         Self { slot, ..self }
     }
+
+    pub const fn with_scope(self, scope: u8) -> Self {
+        Self { scope, ..self }
+    }
 }
 
 /// Value of the services map. In the frontend slot `count` is the number of
@@ -148,6 +159,13 @@ pub struct ServiceValue {
     pub affinity_timeout_secs: u32,
     pub count: u16,
     pub flags: u16,
+}
+
+impl ServiceValue {
+    /// In-cluster clients of this frontend get the internal-scope one.
+    pub const fn has_two_scopes(&self) -> bool {
+        self.flags & SVC_FLAG_TWO_SCOPES != 0
+    }
 }
 
 /// Value of the backends map, keyed by a `u32` backend id.

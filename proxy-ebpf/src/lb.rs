@@ -2,7 +2,8 @@
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Counter, SVC_FLAG_AFFINITY, ServiceKey, ServiceValue,
+    AffinityKey, AffinityValue, Backend, Counter, SCOPE_INTERNAL, SVC_FLAG_AFFINITY, ServiceKey,
+    ServiceValue,
 };
 
 use crate::maps::{AFFINITY, BACKENDS, SERVICES, count};
@@ -29,13 +30,34 @@ fn backend(id: u32) -> Option<Backend> {
     unsafe { BACKENDS.get(id).copied() }
 }
 
-/// Picks a backend for a new connection to `key` (slot 0) from `client`.
+/// Picks a backend for a new connection to `key` (slot 0) from `client`,
+/// an in-cluster one.
 #[inline(always)]
-pub fn select(key: &ServiceKey, client: u64, kind: u8) -> Verdict {
+pub fn select_in_cluster(key: &ServiceKey, client: u64, kind: u8) -> Verdict {
     match lookup_frontend(key) {
-        Some(svc) => choose(key, &svc, client, kind),
+        Some(svc) => {
+            let (key, svc) = in_cluster_scope(key, &svc);
+            choose(&key, &svc, client, kind)
+        }
         None => Verdict::NotAService,
     }
+}
+
+/// The frontend an in-cluster client (a pod, the node) of `key`, found as
+/// `svc`, gets: with two scopes, the internal-scope entry at the same
+/// address (every endpoint, as kube-proxy sends such clients of an
+/// `externalTrafficPolicy: Local` address to the service's cluster-wide
+/// chain); else, or while that entry is missing (mid-sync), `svc` itself.
+/// One flag test for every other frontend.
+#[inline(always)]
+pub fn in_cluster_scope(key: &ServiceKey, svc: &ServiceValue) -> (ServiceKey, ServiceValue) {
+    if svc.has_two_scopes() {
+        let internal = key.with_scope(SCOPE_INTERNAL);
+        if let Some(value) = lookup_frontend(&internal) {
+            return (internal, value);
+        }
+    }
+    (*key, *svc)
 }
 
 /// Picks a backend of the frontend `svc` (found at `key`) for `client`, an

@@ -50,6 +50,8 @@ fn service_key(sa: &bpf_sock_addr) -> Option<ServiceKey> {
 }
 
 /// `connect4` and `sendmsg4`: pick a backend and rewrite the destination.
+/// The clients are pods and node processes, in-cluster clients all (the
+/// node's own as kube-proxy's "LOCAL traffic" rules treat it).
 #[inline(always)]
 pub fn try_translate(ctx: &SockAddrContext) -> i32 {
     let sa = sock_addr(ctx);
@@ -57,7 +59,7 @@ pub fn try_translate(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     };
     let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    match lb::select(&key, client, AFFINITY_CLIENT_NETNS) {
+    match lb::select_in_cluster(&key, client, AFFINITY_CLIENT_NETNS) {
         Verdict::NotAService => ALLOW,
         Verdict::NoBackend => {
             // Fail the call at once with ECONNREFUSED instead of EPERM.
@@ -93,14 +95,15 @@ pub fn try_reverse(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     };
     // Only while the service still exists: a reply from a pod that is no
-    // longer behind it should show its own address.
+    // longer behind it should show its own address. The socket got either
+    // scope of the address (the internal one has its own id).
     let frontend = ServiceKey::new(rev.address, rev.port, sa.protocol as u8, 0);
-    match lb::lookup_frontend(&frontend) {
-        Some(svc) if svc.rev_nat_id == rev.rev_nat_id => {
-            count(Counter::RevNat);
-            set_user_addr(ctx, rev.address, rev.port);
-        }
-        _ => {}
+    let Some(svc) = lb::lookup_frontend(&frontend) else { return ALLOW };
+    if svc.rev_nat_id == rev.rev_nat_id
+        || lb::in_cluster_scope(&frontend, &svc).1.rev_nat_id == rev.rev_nat_id
+    {
+        count(Counter::RevNat);
+        set_user_addr(ctx, rev.address, rev.port);
     }
     ALLOW
 }

@@ -64,9 +64,11 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
         return SHOT;
     }
     let client = u32::from_ne_bytes(pkt.tuple.saddr) as u64;
-    match lb::choose(&key, &svc, client, AFFINITY_CLIENT_IPV4) {
+    let (scoped_key, scoped) =
+        if from_pods(cfg, pkt.tuple.saddr) { lb::in_cluster_scope(&key, &svc) } else { (key, svc) };
+    match lb::choose(&scoped_key, &scoped, client, AFFINITY_CLIENT_IPV4) {
         Verdict::NotAService => NEXT,
-        Verdict::NoBackend if svc.flags & SVC_FLAG_DROP_EMPTY != 0 => {
+        Verdict::NoBackend if scoped.flags & SVC_FLAG_DROP_EMPTY != 0 => {
             count(Counter::Dropped);
             SHOT
         }
@@ -92,9 +94,21 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
     }
 }
 
+/// Whether a source is in-cluster as kube-proxy's local detector sees it:
+/// in `--cluster-cidr` (none set, none is). The node's own traffic to its
+/// addresses never passes tc ingress (only the socket hooks see it), and
+/// another node's address is external to kube-proxy too.
+#[inline(always)]
+fn from_pods(cfg: &Config, saddr: [u8; 4]) -> bool {
+    cfg.cluster_cidr_prefix != 0 && in_prefix(saddr, cfg.cluster_cidr, cfg.cluster_cidr_prefix)
+}
+
 /// kube-proxy's masquerade decisions: external traffic with policy Cluster,
 /// a pod reaching itself (hairpin), and ClusterIP traffic from outside the
-/// cluster CIDR (or all of it with `--masquerade-all`).
+/// cluster CIDR (or all of it with `--masquerade-all`). `svc` is the
+/// frontend the client addressed, whichever scope serves it: pods reaching
+/// a Local external address are not masqueraded (kube-proxy's short-circuit
+/// skips the ClusterIP's masquerade rule, which matches the ClusterIP).
 #[inline(always)]
 fn needs_snat(svc: &ServiceValue, cfg: &Config, pkt: &Packet, backend: &Backend) -> bool {
     // A host-network backend answers from this node anyway, and a packet

@@ -16,6 +16,7 @@ use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, both_modes, tally};
 both_modes!(
     node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node,
     node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints,
+    local_policy_addresses_give_in_cluster_clients_every_endpoint,
     load_balancer_and_external_ips_with_source_ranges,
     hairpin_a_pod_reaches_itself_through_its_cluster_ip,
     cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node,
@@ -164,6 +165,53 @@ fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(
     assert!(c.lab.count_on(0, Counter::Dropped).unwrap() > dropped_before);
     // Node 1 serves it.
     ok_attempts(&c.lab.client_outside(&c.ext, &["tcp", "192.168.100.12:30081", "5"]).unwrap());
+}
+
+fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
+    let spec = "  type: LoadBalancer
+  externalTrafficPolicy: Local
+  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30080}]
+status:
+  loadBalancer:
+    ingress: [{ip: 10.200.0.10}]";
+    let mut c = cluster(setup, &service("web", "10.96.0.10", spec, &["a", "b", "c"]));
+    let addresses = ["192.168.100.11:30080", "10.200.0.10:80"];
+
+    // External clients: node 0's endpoint only, their address kept.
+    for addr in addresses {
+        let attempts = c.lab.client_outside(&c.ext, &["tcp", addr, "10"]).unwrap();
+        for (name, peer, _) in ok_attempts(&attempts) {
+            assert_eq!((name.as_str(), peer_ip(&peer)), ("web-a", "192.168.100.101"), "{addr}");
+        }
+    }
+
+    // In-cluster clients: every endpoint (kube-proxy's short-circuit to the
+    // service's cluster chain), answered from the address they called. A
+    // pod on node 0 per packet (its address kept) and through the socket
+    // hooks, and node 0 itself (kube-proxy's "LOCAL traffic" rules).
+    let client = c.lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
+    let (node, cgroup) = (c.lab.node.clone(), c.lab.cgroup.clone());
+    for addr in addresses {
+        let args = ["tcp", addr, "60"];
+        let per_packet = c.lab.client_outside(&client, &args).unwrap();
+        for (_, peer, _) in ok_attempts(&per_packet) {
+            assert_eq!(peer_ip(&peer), "10.244.1.100", "{addr}: pods are not masqueraded");
+        }
+        let from_node = c.lab.labpod(&node, Some(&cgroup), &args).unwrap();
+        let from_node: Vec<Attempt> = from_node.lines().filter_map(Attempt::parse).collect();
+        let clients =
+            [("pod", per_packet), ("pod in cgroup", c.lab.client(&client, &args).unwrap())]
+                .into_iter()
+                .chain([("node", from_node)]);
+        for (who, attempts) in clients {
+            assert_eq!(attempts.len(), 60, "{who} to {addr}");
+            for (_, _, from) in ok_attempts(&attempts) {
+                assert_eq!(from, addr, "{who}: the reply comes from the address called");
+            }
+            let answered: Vec<String> = tally(&attempts).into_keys().collect();
+            assert_eq!(answered, ["web-a", "web-b", "web-c"], "{who} to {addr}");
+        }
+    }
 }
 
 fn load_balancer_and_external_ips_with_source_ranges(setup: Setup) {

@@ -3,11 +3,13 @@
 //!
 //! For every plan, writes go in this order:
 //! 1. new backends;
-//! 2. per frontend: its reverse-NAT entry (if new), changed backend slots,
-//!    new source ranges, then the frontend slot (count, flags), then slots
-//!    beyond the new count and source ranges it no longer has;
-//! 3. removed frontends: the frontend slot first, then its slots, source
-//!    ranges and reverse-NAT entry;
+//! 2. per frontend (internal scopes first, so a frontend's two-scopes flag
+//!    never names a twin not there yet): its reverse-NAT entry (if new),
+//!    changed backend slots, new source ranges, then the frontend slot
+//!    (count, flags), then slots beyond the new count and source ranges it
+//!    no longer has;
+//! 3. removed frontends (external scopes first): the frontend slot first,
+//!    then its slots, source ranges and reverse-NAT entry;
 //! 4. backends no slot names any more.
 //!
 //! So a program that read a frontend count always finds slots `1..=count`,
@@ -24,14 +26,15 @@ use std::collections::{BTreeMap, BTreeSet, btree_map::Entry};
 
 use proxy_common::{
     BACKEND_FLAG_HOST, BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_SOURCE_RANGES,
-    RevNat, SVC_FLAG_AFFINITY, SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL,
-    SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
+    RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_FLAG_AFFINITY, SVC_FLAG_DROP_EMPTY,
+    SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_TWO_SCOPES, ServiceKey,
+    ServiceValue,
 };
 
 use super::carry::Reserved;
 use crate::{
     model::{Cidr, Protocol},
-    plan::{BackendPlan, Frontend, FrontendPlan, Plan},
+    plan::{BackendPlan, Frontend, FrontendPlan, Plan, Scope},
 };
 
 /// One write to the maps.
@@ -156,7 +159,12 @@ fn proto(protocol: Protocol) -> u8 {
 }
 
 pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
+    let scope = match frontend.scope {
+        Scope::External => SCOPE_EXTERNAL,
+        Scope::Internal => SCOPE_INTERNAL,
+    };
     ServiceKey::new(frontend.ip.octets(), frontend.port, proto(frontend.protocol), slot)
+        .with_scope(scope)
 }
 
 /// Ids are handed out round-robin, skipping those in use, so a freed id is
@@ -302,7 +310,7 @@ impl SyncState {
         // The frontends to bring to the plan, and those to remove.
         type Kept<'a> = Vec<(&'a Frontend, &'a FrontendPlan)>;
         type Removed<'a> = Vec<(&'a Frontend, &'a InstalledFrontend)>;
-        let (kept, removed): (Kept, Removed) = match dirty {
+        let (mut kept, removed): (Kept, Removed) = match dirty {
             None => (
                 plan.frontends.iter().collect(),
                 self.frontends.iter().filter(|(f, _)| !plan.frontends.contains_key(f)).collect(),
@@ -316,6 +324,9 @@ impl SyncState {
                     .collect(),
             ),
         };
+        // Both lists are in address order, external scope first: right for
+        // removals; an address's twin goes in before its flag names it.
+        kept.sort_by_key(|(f, _)| f.scope == Scope::External);
         let mut ops = Vec::new();
         let mut purge = AffinityPurge::new();
         let mut added = Added::default();
@@ -587,6 +598,7 @@ fn flags(fp: &FrontendPlan) -> u16 {
         (fp.local, SVC_FLAG_LOCAL),
         (fp.drop_when_empty, SVC_FLAG_DROP_EMPTY),
         (!fp.source_ranges.is_empty(), SVC_FLAG_SOURCE_RANGES),
+        (fp.two_scopes, SVC_FLAG_TWO_SCOPES),
     ]
     .iter()
     .filter(|(on, _)| *on)
@@ -620,7 +632,8 @@ fn assign_slots(installed: &BTreeMap<u16, u32>, backend_ids: &[u32]) -> BTreeMap
 
 pub(crate) fn frontend_of_key(key: &ServiceKey) -> Frontend {
     let protocol = if key.proto == IPPROTO_UDP { Protocol::Udp } else { Protocol::Tcp };
-    Frontend { ip: key.address.into(), port: key.port, protocol }
+    let frontend = Frontend::new(key.address.into(), key.port, protocol);
+    if key.scope == SCOPE_INTERNAL { frontend.internal() } else { frontend }
 }
 
 fn backend(frontend: &Frontend, planned: &BackendPlan) -> Backend {
@@ -668,6 +681,10 @@ mod tests {
                     let rev = value.rev_nat_id;
                     assert!(self.source_ranges.iter().any(|(r, _)| *r == rev), "{key:?} ranges");
                 }
+                if value.flags & SVC_FLAG_TWO_SCOPES != 0 {
+                    let twin = key.with_scope(SCOPE_INTERNAL);
+                    assert!(self.services.contains_key(&twin), "{key:?} without its twin");
+                }
                 for slot in 1..=value.count {
                     let slot_value = self.services.get(&key.with_slot(slot));
                     let slot_value =
@@ -710,7 +727,7 @@ mod tests {
     }
 
     fn frontend(last: u8, protocol: Protocol) -> Frontend {
-        Frontend { ip: Ipv4Addr::new(10, 96, 0, last), port: 53, protocol }
+        Frontend::new(Ipv4Addr::new(10, 96, 0, last), 53, protocol)
     }
 
     fn plan(frontends: &[(Frontend, &[u8], Option<u32>)]) -> Plan {
@@ -741,6 +758,7 @@ mod tests {
                     local: false,
                     drop_when_empty: false,
                     source_ranges: ranges,
+                    two_scopes: false,
                 },
             );
         }
@@ -765,15 +783,16 @@ mod tests {
     fn keys_encode_as_the_programs_build_them_from_a_sockaddr() {
         // connect4 builds the key from user_ip4 (network order: wire bytes)
         // and ntohs(user_port); padding is zero.
-        let key = service_key(
-            &Frontend { ip: Ipv4Addr::new(10, 96, 0, 10), port: 80, protocol: Protocol::Udp },
-            2,
-        );
+        let udp = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Udp);
+        let key = service_key(&udp, 2);
         // SAFETY: ServiceKey is repr(C) without implicit padding.
         let bytes: [u8; 12] = unsafe { std::mem::transmute(key) };
         assert_eq!(bytes, [10, 96, 0, 10, 80, 0, 2, 0, 17, 0, 0, 0]);
+        let bytes: [u8; 12] = unsafe { std::mem::transmute(service_key(&udp.internal(), 0)) };
+        assert_eq!(bytes, [10, 96, 0, 10, 80, 0, 0, 0, 17, 1, 0, 0], "scope 1");
+        assert_eq!(frontend_of_key(&service_key(&udp.internal(), 3)), udp.internal());
         let backend = backend(
-            &Frontend { ip: Ipv4Addr::new(10, 96, 0, 10), port: 80, protocol: Protocol::Tcp },
+            &Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp),
             &BackendPlan { addr: "10.244.1.2:8080".parse().unwrap(), local: true, host: false },
         );
         let bytes: [u8; 8] = unsafe { std::mem::transmute(backend) };
@@ -956,8 +975,7 @@ mod tests {
     fn plans_that_do_not_fit_are_refused_before_any_write() {
         let mut big = Plan::default();
         for i in 0..101 {
-            let frontend =
-                Frontend { ip: Ipv4Addr::from(0x0a60_0000 + i), port: 80, protocol: Protocol::Tcp };
+            let frontend = Frontend::new(Ipv4Addr::from(0x0a60_0000 + i), 80, Protocol::Tcp);
             big.frontends.insert(
                 frontend,
                 FrontendPlan {
@@ -971,6 +989,7 @@ mod tests {
                     local: false,
                     drop_when_empty: false,
                     source_ranges: vec![],
+                    two_scopes: false,
                 },
             );
         }
@@ -1063,18 +1082,20 @@ mod tests {
         /// Which of its three frontends exist (ClusterIP TCP, NodePort TCP,
         /// ClusterIP UDP).
         frontends: [bool; 3],
+        /// The NodePort has policy Local: its local endpoints, and a twin
+        /// (the fourth frontend) with all of them.
+        local: bool,
     }
 
-    fn svc_frontends(s: u8) -> [Frontend; 3] {
+    fn svc_frontends(s: u8) -> [Frontend; 4] {
         let cluster = Ipv4Addr::new(10, 96, 1, s);
+        let node_port =
+            Frontend::new(Ipv4Addr::new(192, 168, 1, 1), 30000 + s as u16, Protocol::Tcp);
         [
-            Frontend { ip: cluster, port: 80, protocol: Protocol::Tcp },
-            Frontend {
-                ip: Ipv4Addr::new(192, 168, 1, 1),
-                port: 30000 + s as u16,
-                protocol: Protocol::Tcp,
-            },
-            Frontend { ip: cluster, port: 53, protocol: Protocol::Udp },
+            Frontend::new(cluster, 80, Protocol::Tcp),
+            node_port,
+            Frontend::new(cluster, 53, Protocol::Udp),
+            node_port.internal(),
         ]
     }
 
@@ -1102,6 +1123,7 @@ mod tests {
             local: false,
             drop_when_empty: false,
             source_ranges: ranges,
+            two_scopes: false,
         }
     }
 
@@ -1114,11 +1136,21 @@ mod tests {
                 .map(|r| Cidr { addr: Ipv4Addr::new(172, 16, *r, 0), len: 24 })
                 .collect();
             let frontends = svc_frontends(s as u8);
-            for (i, frontend) in frontends.iter().enumerate().filter(|(i, _)| svc.frontends[*i]) {
-                let backends = svc.endpoints.iter().map(|e| endpoint(*e)).collect();
+            for (i, frontend) in
+                frontends[..3].iter().enumerate().filter(|(i, _)| svc.frontends[*i])
+            {
+                let backends: Vec<BackendPlan> =
+                    svc.endpoints.iter().map(|e| endpoint(*e)).collect();
                 // Source ranges on the NodePort only.
                 let ranges = if i == 1 { ranges.clone() } else { vec![] };
-                plan.frontends.insert(*frontend, frontend_plan(backends, svc.affinity, ranges));
+                let mut fp = frontend_plan(backends.clone(), svc.affinity, ranges);
+                if i == 1 && svc.local {
+                    let twin = frontend_plan(backends, svc.affinity, vec![]);
+                    plan.frontends.insert(frontends[3], twin);
+                    fp.backends.retain(|b| b.local);
+                    (fp.external, fp.local, fp.two_scopes) = (true, true, true);
+                }
+                plan.frontends.insert(*frontend, fp);
             }
         }
         plan
@@ -1131,7 +1163,7 @@ mod tests {
             let s = rng.below(services.len() as u64) as usize;
             let svc = &mut services[s];
             let random_endpoint = |rng: &mut Lcg| 1 + rng.below(30) as u8;
-            match rng.below(9) {
+            match rng.below(10) {
                 0 | 1 => {
                     svc.endpoints.insert(random_endpoint(rng));
                 }
@@ -1173,6 +1205,7 @@ mod tests {
                         svc.endpoints = (0..rng.below(6)).map(|_| random_endpoint(rng)).collect();
                     }
                 }
+                8 => svc.local = !svc.local,
                 _ => svc.endpoints = (0..rng.below(12)).map(|_| random_endpoint(rng)).collect(),
             }
             dirty.extend(svc_frontends(s as u8));
@@ -1190,10 +1223,11 @@ mod tests {
         let mut services = vec![Svc::default(); 10];
         let mut maps = Maps::default();
         let mut state = SyncState::default();
-        let (mut failures, mut writes) = (0, 0);
+        let (mut failures, mut writes, mut twins) = (0, 0, 0);
         for step in 0..600 {
             let dirty = churn(&mut rng, &mut services);
             let plan = svc_plan(&services);
+            twins += plan.frontends.keys().filter(|f| f.scope == Scope::Internal).count();
             // Now and then a write fails; the agent then syncs in full.
             if step % 7 == 3 {
                 maps.fail_at = Some(maps.writes + rng.below(6) as usize);
@@ -1217,6 +1251,60 @@ mod tests {
             state.take_affinity_purge();
         }
         assert!(failures > 20 && writes > 1000, "{failures} failures, {writes} writes");
+        assert!(twins > 100, "two-scope NodePorts come and go: {twins}");
+    }
+
+    #[test]
+    fn a_twin_is_in_while_its_flag_names_it_whatever_write_fails() {
+        let [_, nodeport, _, twin] = svc_frontends(1);
+        let eps = |es: &[u8]| es.iter().map(|e| endpoint(*e)).collect::<Vec<_>>();
+        let cluster_policy = Plan {
+            frontends: [(nodeport, frontend_plan(eps(&[1, 2, 3, 4]), Some(5), vec![]))].into(),
+        };
+        let mut local = frontend_plan(eps(&[3]), Some(5), vec![]);
+        (local.external, local.local, local.two_scopes) = (true, true, true);
+        let local_policy = Plan {
+            frontends: [
+                (nodeport, local),
+                (twin, frontend_plan(eps(&[1, 2, 3, 4]), Some(5), vec![])),
+            ]
+            .into(),
+        };
+        let gone = Plan::default();
+        let dirty: BTreeSet<Frontend> = [nodeport, twin].into();
+        let steps = [
+            (&cluster_policy, &local_policy),
+            (&local_policy, &cluster_policy),
+            (&local_policy, &gone),
+            (&gone, &local_policy),
+        ];
+        for (from, to) in steps {
+            let mut maps = Maps::default();
+            let mut state = SyncState::default();
+            state.sync(from, None, &mut maps).unwrap();
+            // Maps::check, after every write: a flag never names a missing twin.
+            let writes = state.sync(to, Some(&dirty), &mut maps).unwrap().writes;
+            assert_eq!(content(&maps), fresh(to));
+            for fail_at in 0..writes {
+                let mut maps = Maps::default();
+                let mut state = SyncState::default();
+                state.sync(from, None, &mut maps).unwrap();
+                maps.fail_at = Some(maps.writes + fail_at);
+                assert!(state.sync(to, Some(&dirty), &mut maps).is_err(), "failure {fail_at}");
+                assert_counts(&state, &maps);
+                state.sync(to, None, &mut maps).unwrap();
+                assert_eq!(content(&maps), fresh(to), "failure at {fail_at}");
+            }
+        }
+        // Each scope has its reverse-NAT id (affinity is kept per scope),
+        // both naming the address.
+        let mut maps = Maps::default();
+        SyncState::default().sync(&local_policy, None, &mut maps).unwrap();
+        let [outer, inner] = [nodeport, twin].map(|f| maps.services[&service_key(&f, 0)]);
+        assert!(outer.has_two_scopes() && !inner.has_two_scopes());
+        assert_ne!(outer.rev_nat_id, inner.rev_nat_id);
+        assert_eq!(maps.rev_nat[&outer.rev_nat_id], maps.rev_nat[&inner.rev_nat_id]);
+        assert_eq!((outer.count, inner.count), (1, 4));
     }
 
     #[test]
@@ -1270,12 +1358,8 @@ mod tests {
         let frontends = |s: u32| {
             let cluster = Ipv4Addr::from(0x0a60_0000 + s);
             [
-                Frontend { ip: cluster, port: 80, protocol: Protocol::Tcp },
-                Frontend {
-                    ip: Ipv4Addr::new(192, 168, 1, 1),
-                    port: 1000 + s as u16,
-                    protocol: Protocol::Tcp,
-                },
+                Frontend::new(cluster, 80, Protocol::Tcp),
+                Frontend::new(Ipv4Addr::new(192, 168, 1, 1), 1000 + s as u16, Protocol::Tcp),
             ]
         };
         let endpoints = |s: u32, extra: &[u32]| -> Vec<BackendPlan> {
