@@ -6,8 +6,8 @@
 pub mod agent;
 pub mod backend;
 pub mod cli;
+pub mod commands;
 pub mod config;
-pub mod datapath;
 pub mod health;
 pub mod http;
 pub mod link_events;

@@ -1,11 +1,9 @@
-//! The `proxy-agent` binary: parse the command line, log, run.
+//! The `proxy-agent` binary: parse the command line, log, dispatch.
 
-use anyhow::Context as _;
-use clap::{CommandFactory as _, FromArgMatches as _, parser::ValueSource};
+use clap::{CommandFactory as _, FromArgMatches as _};
 use proxy_agent::{
-    agent,
-    cli::{Cli, Command, RenderCommand, RunArgs},
-    config, probe,
+    cli::{Cli, Command, RenderCommand},
+    commands,
 };
 
 fn main() -> std::process::ExitCode {
@@ -25,15 +23,12 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Run(args) => {
             let run = matches.subcommand_matches("run").cloned().unwrap_or_default();
-            with_config(*args, &run).and_then(agent::run)
+            commands::run::run(*args, &run)
         }
-        Command::Cleanup(args) => agent::cleanup(&args),
-        Command::PrepareNode(args) => agent::prepare_node(&args),
-        Command::Render(RenderCommand::Iptables(args)) => agent::render_iptables(&args),
-        Command::Probe => {
-            print!("{}", probe::report(&probe::run()));
-            Ok(())
-        }
+        Command::Cleanup(args) => commands::cleanup::run(&args),
+        Command::PrepareNode(args) => commands::prepare_node::run(&args),
+        Command::Render(RenderCommand::Iptables(args)) => commands::render::iptables(&args),
+        Command::Probe => commands::probe::run(),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -42,19 +37,4 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
-}
-
-/// `run`'s flags, with `--config`'s settings where no flag was given.
-fn with_config(mut args: RunArgs, matches: &clap::ArgMatches) -> anyhow::Result<RunArgs> {
-    let Some(path) = args.config.clone() else { return Ok(args) };
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let (settings, warnings) = config::parse(&path, &text)?;
-    for warning in warnings {
-        tracing::warn!(config = %path.display(), "{warning}");
-    }
-    config::apply(settings, &mut args, |id| {
-        matches.value_source(id) == Some(ValueSource::CommandLine)
-    });
-    Ok(args)
 }

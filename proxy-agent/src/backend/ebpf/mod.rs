@@ -13,6 +13,7 @@
 
 pub mod carry;
 pub mod conntrack;
+pub mod datapath;
 pub mod sync;
 
 use std::{
@@ -781,6 +782,18 @@ where
         .ok_or(EbpfError::Missing { what: "program", name })?
         .try_into()
         .map_err(|source| EbpfError::Program { name, source })
+}
+
+/// Removes the eBPF mode's pins under `root` (and the directory) and its
+/// clsact filters in the caller's network namespace; returns how many of
+/// each.
+pub fn cleanup(root: &Path) -> Result<(usize, usize), EbpfError> {
+    let removed = remove_pins(root)?;
+    match std::fs::remove_dir(root) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err("removing", root)(e)),
+        _ => {}
+    }
+    Ok((removed, remove_tc_filters()))
 }
 
 /// Removes the pins under `root`: unpinning a link detaches its program

@@ -13,6 +13,7 @@
 
 pub mod chains;
 pub mod conntrack;
+pub mod datapath;
 pub mod exec;
 pub mod render;
 

@@ -1,0 +1,662 @@
+//! The agent's loop: read the source (manifests or the API server), build
+//! the model and plan, sync the datapath; serve health and metrics; log and
+//! count what was wrong, retry what failed.
+
+mod lifecycle;
+mod stats;
+
+use std::{
+    collections::BTreeSet,
+    sync::{Arc, atomic::Ordering::Relaxed},
+    time::{Duration, Instant, SystemTime},
+};
+
+use tokio::signal::unix::{SignalKind, signal};
+
+use self::{
+    lifecycle::{Event, Phase},
+    stats::ServiceStats,
+};
+use crate::{
+    backend::Datapath,
+    health::{ProxyHealth, ServiceChecks},
+    link_events::{LinkEvents, Rescan},
+    metrics::Metrics,
+    node::NodeInfo,
+    plan::{Frontend, Node, Planner},
+    source::{
+        Store, StoreUpdate,
+        kube::KubeSource,
+        manifests::{Manifests, Reload},
+    },
+};
+
+/// How often the manifests are checked (new bytes are taken on the second
+/// read that finds them), and the datapath looked after.
+const POLL: Duration = Duration::from_millis(200);
+/// API server changes are taken as they come (with whatever else arrived
+/// meanwhile), up to this many in `BURST_WINDOW`...
+const BURST_TAKES: usize = 20;
+const BURST_WINDOW: Duration = Duration::from_millis(100);
+/// ...beyond that, in a burst, the events that follow within this much of
+/// each other are taken together...
+const QUIET: Duration = Duration::from_millis(3);
+/// ...up to this long after the first.
+const MAX_COALESCE: Duration = Duration::from_millis(250);
+/// Failed syncs are retried after this, doubling up to `MAX_RETRY`.
+const FIRST_RETRY: Duration = Duration::from_millis(200);
+const MAX_RETRY: Duration = Duration::from_secs(10);
+/// Failed attachments and removals of the other mode's datapath are
+/// retried every this many polls.
+const RETRY_EVERY: u32 = 25;
+/// What the agent logs once its datapath serves the source.
+const SERVING: &str = "datapath ready; serving";
+
+/// Where Services and EndpointSlices come from.
+pub enum Source {
+    Manifests(Manifests),
+    Kube(KubeSource),
+}
+
+impl Source {
+    fn reload(&mut self) -> Reload {
+        match self {
+            Source::Manifests(manifests) => manifests.reload(),
+            Source::Kube(kube) => {
+                let (changed, complete) = kube.poll();
+                Reload { changed, complete, errors: Vec::new() }
+            }
+        }
+    }
+
+    /// Brings `store` up to date with the source.
+    fn update(&self, store: &mut Store) -> StoreUpdate {
+        match self {
+            Source::Manifests(manifests) => store.replace(manifests.snapshot()),
+            Source::Kube(kube) => store.apply(kube.take_changes()),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Source::Manifests(_) => "manifests",
+            Source::Kube(_) => "API server",
+        }
+    }
+}
+
+/// What the loop starts from (`commands::run` builds it).
+pub struct Start {
+    pub source: Source,
+    pub datapath: Box<dyn Datapath>,
+    pub node: Node,
+    /// The node addresses came from the Node object: if they change, the
+    /// agent must restart (as kube-proxy does).
+    pub restart_on_new_ips: bool,
+    pub metrics: Arc<Metrics>,
+    pub health: Arc<ProxyHealth>,
+    pub service_checks: ServiceChecks,
+    /// `--min-sync-period`, else the mode's default.
+    pub min_sync_period: Option<Duration>,
+    pub sync_period: Duration,
+    pub interface_rescan_period: Duration,
+}
+
+/// Runs the loop until SIGTERM or SIGINT (or a reason to restart).
+pub async fn run(start: Start) -> anyhow::Result<()> {
+    Agent::new(start).run_loop().await
+}
+
+struct Agent {
+    source: Source,
+    store: Store,
+    /// The plan of the store's model, kept up to date service by service.
+    planner: Planner,
+    /// Whether the planner has planned the whole model once.
+    planned: bool,
+    datapath: Box<dyn Datapath>,
+    node: Node,
+    restart_on_new_ips: bool,
+    /// Why the agent must restart, once it must.
+    restart: Option<String>,
+    phase: Phase,
+    pacing: Pacing,
+    services: Services,
+    report: Reporting,
+    /// When the interfaces are scanned again (eBPF).
+    rescan: Rescan,
+}
+
+/// When the plan is synced into the datapath.
+struct Pacing {
+    /// The frontends whose plan changed since the last successful sync;
+    /// `None`: any may have (the next sync compares them all).
+    dirty: Option<BTreeSet<Frontend>>,
+    /// When to sync; `None`: the datapath holds the plan.
+    due: Option<Instant>,
+    retry_after: Duration,
+    /// Syncs are at least this far apart; and the datapath is resynced
+    /// (iptables) at least this often.
+    min_sync_period: Duration,
+    sync_period: Duration,
+    last_sync: Option<Instant>,
+    polls: u32,
+}
+
+/// Per-service figures and the health-check node ports they open.
+struct Services {
+    stats: ServiceStats,
+    checks: ServiceChecks,
+    /// Health-check node ports that could not be opened are retried.
+    checks_failed: bool,
+}
+
+/// What the agent tells: metrics, health, the problems of the objects, and
+/// the trigger times behind the network programming latency.
+struct Reporting {
+    metrics: Arc<Metrics>,
+    health: Arc<ProxyHealth>,
+    /// The problems reported for the current objects (each is logged and
+    /// counted once, not again at every change).
+    reported: BTreeSet<String>,
+    started: SystemTime,
+    /// When the changes not yet synced were triggered (EndpointSlice
+    /// annotations).
+    triggers: Vec<SystemTime>,
+}
+
+impl Agent {
+    fn new(start: Start) -> Self {
+        let Start {
+            source,
+            datapath,
+            node,
+            restart_on_new_ips,
+            metrics,
+            health,
+            service_checks,
+            min_sync_period,
+            sync_period,
+            interface_rescan_period,
+        } = start;
+        Agent {
+            source,
+            store: Store::default(),
+            planner: Planner::new(node.clone()),
+            planned: false,
+            pacing: Pacing {
+                dirty: None,
+                due: None,
+                retry_after: FIRST_RETRY,
+                min_sync_period: min_sync_period.unwrap_or(datapath.min_sync_period()),
+                sync_period,
+                last_sync: None,
+                polls: 0,
+            },
+            datapath,
+            node,
+            restart_on_new_ips,
+            restart: None,
+            phase: Phase::Reading,
+            services: Services {
+                stats: ServiceStats::default(),
+                checks: service_checks,
+                checks_failed: false,
+            },
+            report: Reporting {
+                metrics,
+                health,
+                reported: BTreeSet::new(),
+                started: SystemTime::now(),
+                triggers: Vec::new(),
+            },
+            rescan: Rescan::new(interface_rescan_period, Instant::now()),
+        }
+    }
+
+    /// Until SIGTERM or SIGINT: a round at every poll, at every API server
+    /// change (after a short coalescing wait), when a sync falls due, and
+    /// soon after an interface or address changed.
+    async fn run_loop(&mut self) -> anyhow::Result<()> {
+        let mut terminate = signal(SignalKind::terminate())?;
+        let mut interrupt = signal(SignalKind::interrupt())?;
+        let mut poll = tokio::time::interval(POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let notify = match &self.source {
+            Source::Kube(kube) => Some(kube.notify()),
+            Source::Manifests(_) => None,
+        };
+        let mut links = self.link_events();
+        let mut waiting_since = None;
+        let mut pace = Pace::default();
+        // Every poll until an attempt to take over fails, then less often.
+        let mut retry_every = 1;
+        // As kube-proxy at the start of its sync loop: nothing is late yet.
+        self.report.health.updated(SystemTime::now());
+        loop {
+            if let Some(why) = self.restart.take() {
+                anyhow::bail!("{why}: restarting to use them (as kube-proxy does)");
+            }
+            let due = self.pacing.due.filter(|_| self.may_sync());
+            let scan_at = self.rescan.wake_at();
+            let mut lost = None;
+            let polled = tokio::select! {
+                _ = poll.tick() => true,
+                _ = changed(notify.as_deref()) => {
+                    if pace.coalesce(Instant::now()) {
+                        coalesce(notify.as_deref()).await;
+                    }
+                    false
+                }
+                _ = until(due) => false,
+                _ = until(scan_at) => false,
+                event = link_change(links.as_ref()) => {
+                    match event {
+                        // Before serving, activation lists the interfaces.
+                        Ok(()) if self.phase.serving() => self.rescan.changed(Instant::now()),
+                        Ok(()) => {}
+                        Err(e) => lost = Some(e),
+                    }
+                    false
+                }
+                _ = terminate.recv() => break,
+                _ = interrupt.recv() => break,
+            };
+            if let Some(e) = lost {
+                self.notifications_lost("failed", &e);
+                links = None;
+            }
+            self.tick(polled);
+            if polled
+                && !self.phase.serving()
+                && self.pacing.polls.is_multiple_of(retry_every)
+                && let Err(e) = self.serve_when_ready(&mut waiting_since)
+            {
+                self.report.metrics.activation_failures.fetch_add(1, Relaxed);
+                tracing::error!("could not take over the datapath (will retry): {e:#}");
+                retry_every = RETRY_EVERY;
+            }
+        }
+        tracing::info!("stopping; the datapath stays in place until `proxy-agent cleanup`");
+        Ok(())
+    }
+
+    /// The notifications of interface and address changes, if the datapath
+    /// follows interfaces.
+    fn link_events(&mut self) -> Option<LinkEvents> {
+        if !self.datapath.follows_interfaces() {
+            return None;
+        }
+        LinkEvents::open().inspect_err(|e| self.notifications_lost("unavailable", e)).ok()
+    }
+
+    /// Without notifications the interfaces are scanned at every poll, as
+    /// before they existed (logged once: the socket is not retried).
+    fn notifications_lost(&mut self, how: &str, e: &std::io::Error) {
+        tracing::warn!(
+            error = %e,
+            "interface notifications {how}: scanning the interfaces every {POLL:?} instead"
+        );
+        self.rescan.every_poll();
+    }
+
+    /// Rules are live as soon as they are applied: they wait for the whole
+    /// source, so an unreadable file never replaces good rules with fewer
+    /// (a new agent's maps are private until its programs attach).
+    fn may_sync(&self) -> bool {
+        self.phase.source_whole() || !self.datapath.live_at_once()
+    }
+
+    /// One round: reload; on a change, compute the desired state; sync it
+    /// when due; at polls, look after the datapath. Never fails: errors are
+    /// logged, counted and retried.
+    fn tick(&mut self, polled: bool) {
+        let reload = self.source.reload();
+        for err in &reload.errors {
+            tracing::warn!(kind = err.kind(), "{err}");
+            self.report.metrics.invalid(err.kind());
+        }
+        let changes = reload.changed.then(|| self.take_changes());
+        if reload.complete {
+            self.advance(Event::SourceWhole);
+        }
+        if let Some(needs_sync) = changes
+            && needs_sync
+        {
+            self.schedule_sync();
+        }
+        if self.may_sync() && self.pacing.due.is_some_and(|due| Instant::now() >= due) {
+            self.sync();
+        }
+        if polled {
+            if let Source::Kube(kube) = &self.source {
+                self.report.metrics.set_apiserver_errors(kube.errors());
+            }
+            self.pacing.polls = self.pacing.polls.wrapping_add(1);
+            if self.phase.serving() {
+                self.look_after_datapath();
+            }
+        }
+        if self.phase.serving() && self.rescan.due(Instant::now(), polled) {
+            self.datapath.scan_interfaces(&self.node.ips);
+            self.rescan.scanned(Instant::now());
+        }
+    }
+
+    /// The source changed: the store, model and plan follow (only the
+    /// services touched are replanned). Returns whether a sync is needed.
+    fn take_changes(&mut self) -> bool {
+        let mut replan_all = !self.planned;
+        if let Source::Kube(kube) = &self.source {
+            let info = NodeInfo::of(kube.node().as_ref());
+            self.report.health.set_node(info.eligibility);
+            if self.restart_on_new_ips
+                && !info.internal_ips.is_empty()
+                && info.internal_ips != self.node.ips
+            {
+                self.restart = Some(format!(
+                    "this node's addresses changed from {:?} to {:?}",
+                    self.node.ips, info.internal_ips
+                ));
+            }
+            if info.zone != self.node.zone {
+                tracing::info!(zone = ?info.zone, "this node's zone changed");
+                self.node.zone = info.zone.clone();
+                self.planner.set_zone(info.zone.clone());
+                self.datapath.set_zone(info.zone);
+                replan_all = true;
+            }
+        }
+        let update = self.source.update(&mut self.store);
+        self.count_changes(&update);
+        let model = self.store.model();
+        // Deleted services are among the touched ones, not the model's.
+        self.services.stats.update(model, update.touched.iter(), &self.node.name);
+        let replanned = if replan_all {
+            self.planned = true;
+            self.services.stats.update(model, model.service_names(), &self.node.name);
+            self.planner.rebuild(model)
+        } else {
+            self.planner.update(model, &update.touched)
+        };
+        if let Some(dirty) = &mut self.pacing.dirty {
+            dirty.extend(replanned);
+        }
+        self.report_problems(&update);
+        !update.touched.is_empty() || replan_all || !self.phase.synced_whole()
+    }
+
+    /// A sync is due as soon as the minimum sync period allows.
+    fn schedule_sync(&mut self) {
+        let now = Instant::now();
+        let earliest = self.pacing.last_sync.map_or(now, |t| t + self.pacing.min_sync_period);
+        self.pacing.due = Some(earliest.max(now));
+        self.pacing.retry_after = FIRST_RETRY;
+        // As kube-proxy, nothing is queued before the source is whole (a
+        // slow first list must not fail /livez).
+        if self.may_sync() {
+            let wall = SystemTime::now();
+            self.report.health.queued(wall);
+            self.report.metrics.queued_at(wall);
+        }
+    }
+
+    /// The change counters and the trigger times of the changes.
+    fn count_changes(&mut self, update: &StoreUpdate) {
+        for (total, pending, n) in [
+            (
+                &self.report.metrics.service_changes,
+                &self.report.metrics.service_changes_pending,
+                update.service_changes,
+            ),
+            (
+                &self.report.metrics.endpoint_changes,
+                &self.report.metrics.endpoint_changes_pending,
+                update.endpoint_changes,
+            ),
+        ] {
+            total.fetch_add(n as u64, Relaxed);
+            pending.fetch_add(n as u64, Relaxed);
+        }
+        // Only changes made while this agent watched measure its latency.
+        let started = self.report.started;
+        self.report.triggers.extend(update.trigger_times.iter().filter(|t| **t > started));
+    }
+
+    /// Logs and counts each problem with the objects once, for as long as
+    /// it lasts.
+    fn report_problems(&mut self, update: &StoreUpdate) {
+        let mut problems = self.store.problems();
+        for err in &update.unnamed {
+            problems.push((err.kind(), format!("invalid object skipped: {err}")));
+        }
+        for conflict in self.planner.conflicts() {
+            problems.push(("Service", conflict.to_string()));
+        }
+        let current: BTreeSet<String> = problems.iter().map(|(_, m)| m.clone()).collect();
+        for (kind, message) in &problems {
+            if self.report.reported.contains(message) {
+                continue;
+            }
+            tracing::warn!(kind = %kind, "{message}");
+            match *kind {
+                "kept" => drop(self.report.metrics.kept_objects.fetch_add(1, Relaxed)),
+                kind => self.report.metrics.invalid(kind),
+            }
+        }
+        self.report.reported = current;
+    }
+
+    fn sync(&mut self) {
+        let start = Instant::now();
+        self.pacing.last_sync = Some(start);
+        let (model, plan) = (self.store.model(), self.planner.plan());
+        let result =
+            self.datapath.sync(model, plan, self.pacing.dirty.as_ref(), &self.report.metrics);
+        let took = start.elapsed();
+        self.report.metrics.sync_duration.observe(took);
+        match result {
+            Ok(synced) => {
+                match synced.full {
+                    Some(true) => self.report.metrics.full_sync_duration.observe(took),
+                    Some(false) => self.report.metrics.partial_sync_duration.observe(took),
+                    None => {}
+                }
+                self.pacing.dirty = Some(BTreeSet::new());
+                self.synced(synced.backends);
+            }
+            Err(err) => {
+                // Where it stopped is known to the datapath: the next sync
+                // compares every frontend.
+                self.pacing.dirty = None;
+                self.report.metrics.syncs_failed.fetch_add(1, Relaxed);
+                tracing::error!(
+                    retry_in = ?self.pacing.retry_after,
+                    "sync failed, serving the previous state: {err:#}"
+                );
+                self.pacing.due = Some(Instant::now() + self.pacing.retry_after);
+                self.pacing.retry_after = (self.pacing.retry_after * 2).min(MAX_RETRY);
+            }
+        }
+    }
+
+    /// After a successful sync: health, metrics, health-check node ports.
+    fn synced(&mut self, backends: usize) {
+        self.pacing.due = None;
+        self.advance(Event::Synced);
+        let now = SystemTime::now();
+        self.report.health.updated(now);
+        let m = &self.report.metrics;
+        m.syncs_ok.fetch_add(1, Relaxed);
+        m.synced_at(now);
+        m.service_changes_pending.store(0, Relaxed);
+        m.endpoint_changes_pending.store(0, Relaxed);
+        for trigger in self.report.triggers.drain(..) {
+            m.network_programming.observe(now.duration_since(trigger).unwrap_or_default());
+        }
+        m.frontends.store(self.planner.plan().frontends.len() as u64, Relaxed);
+        m.backends.store(backends as u64, Relaxed);
+        let (internal, external) = self.services.stats.no_local_endpoints();
+        m.no_local_endpoints_internal.store(internal, Relaxed);
+        m.no_local_endpoints_external.store(external, Relaxed);
+        self.update_service_checks();
+    }
+
+    /// Opens and closes health-check node ports to match the services.
+    fn update_service_checks(&mut self) {
+        let failed = self.services.checks.set(self.services.stats.service_checks());
+        self.services.checks_failed = !failed.is_empty();
+        for (port, check, why) in failed {
+            self.report.metrics.health_check_failures.fetch_add(1, Relaxed);
+            tracing::warn!(service = %check.service, port, "could not open the health-check node port (will retry): {why}");
+        }
+    }
+
+    /// Between syncs: the datapath's upkeep, the periodic resync (iptables),
+    /// and the other mode's leftovers.
+    fn look_after_datapath(&mut self) {
+        if self.datapath.look_after(self.pacing.polls, &self.report.metrics) {
+            self.pacing.dirty = None;
+            self.pacing.due.get_or_insert_with(Instant::now);
+        }
+        let resync_due =
+            self.pacing.last_sync.is_none_or(|t| t.elapsed() >= self.pacing.sync_period);
+        if self.datapath.live_at_once() && resync_due {
+            // As kube-proxy: rules someone changed come back within a period.
+            self.pacing.due.get_or_insert_with(Instant::now);
+        }
+        if self.pacing.polls.is_multiple_of(RETRY_EVERY) {
+            if self.phase == (Phase::Serving { leftovers: true }) && self.remove_other_mode() {
+                self.advance(Event::OtherModeRemoved);
+            }
+            if self.services.checks_failed {
+                self.update_service_checks();
+            }
+        }
+    }
+
+    /// Removes what the other mode left; whether it is gone.
+    fn remove_other_mode(&mut self) -> bool {
+        match self.datapath.remove_other_mode() {
+            Ok(()) => true,
+            Err(e) => {
+                self.report.metrics.mode_cleanup_failures.fetch_add(1, Relaxed);
+                tracing::warn!("could not remove the other mode's datapath (will retry): {e:#}");
+                false
+            }
+        }
+    }
+
+    /// Moves the agent on, if `event` does; each transition is logged once.
+    fn advance(&mut self, event: Event) {
+        let Some(next) = self.phase.after(event) else { return };
+        match (self.phase, next) {
+            (_, Phase::SourceWhole) => {
+                let services = self.store.model().service_names().count();
+                tracing::info!(source = self.source.name(), services, "source read whole");
+            }
+            (_, Phase::SyncedWhole) => tracing::debug!("the datapath holds the whole source"),
+            (Phase::SyncedWhole, Phase::Serving { .. }) => {
+                let (mode, source) = (self.datapath.mode(), self.source.name());
+                tracing::info!(mode, source, "{SERVING}");
+            }
+            (_, Phase::Serving { .. }) => tracing::info!("the other mode's datapath is gone"),
+            (_, Phase::Reading) => {}
+        }
+        self.phase = next;
+    }
+
+    /// Once the datapath holds the whole source, makes it serve (attaches
+    /// the programs; until then a previous agent's datapath keeps serving),
+    /// then removes what the other mode left.
+    fn serve_when_ready(&mut self, waiting_since: &mut Option<Instant>) -> anyhow::Result<()> {
+        if !self.phase.synced_whole() {
+            let since = *waiting_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > Duration::from_secs(2) {
+                tracing::warn!(
+                    source = self.source.name(),
+                    "waiting for the whole source to be readable before taking over the datapath"
+                );
+                *waiting_since = Some(Instant::now());
+            }
+            return Ok(());
+        }
+        self.datapath.take_over(&self.node.ips, &self.report.metrics)?;
+        // Taking over attached to the interfaces of now.
+        self.rescan.scanned(Instant::now());
+        let leftovers = !self.remove_other_mode();
+        self.advance(Event::TookOver { leftovers });
+        Ok(())
+    }
+}
+
+async fn changed(notify: Option<&tokio::sync::Notify>) {
+    match notify {
+        Some(notify) => notify.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// When to take a change at once and when to wait for more: at most
+/// `BURST_TAKES` changes go at once in any `BURST_WINDOW`.
+#[derive(Debug, Default)]
+struct Pace {
+    taken: std::collections::VecDeque<Instant>,
+}
+
+impl Pace {
+    /// Whether a change arriving at `now` should wait for those following.
+    fn coalesce(&mut self, now: Instant) -> bool {
+        while self.taken.front().is_some_and(|t| now.duration_since(*t) >= BURST_WINDOW) {
+            self.taken.pop_front();
+        }
+        if self.taken.len() >= BURST_TAKES {
+            return true;
+        }
+        self.taken.push_back(now);
+        false
+    }
+}
+
+/// Waits until the events stop coming for `QUIET`, or `MAX_COALESCE`.
+async fn coalesce(notify: Option<&tokio::sync::Notify>) {
+    let deadline = tokio::time::Instant::now() + MAX_COALESCE;
+    loop {
+        tokio::select! {
+            _ = changed(notify) => {}
+            _ = tokio::time::sleep(QUIET) => return,
+            _ = tokio::time::sleep_until(deadline) => return,
+        }
+    }
+}
+
+async fn link_change(links: Option<&LinkEvents>) -> std::io::Result<()> {
+    match links {
+        Some(links) => links.changed().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn until(due: Option<Instant>) {
+    match due {
+        Some(due) => tokio::time::sleep_until(due.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_go_at_once_until_a_burst_then_wait() {
+        let mut pace = Pace::default();
+        let start = Instant::now();
+        let at = |ms| start + Duration::from_millis(ms);
+        assert!((0..BURST_TAKES as u64).all(|i| !pace.coalesce(at(i))));
+        assert!(pace.coalesce(at(50)), "the 21st within 100 ms waits");
+        assert!(!pace.coalesce(at(100)), "the first has left the window");
+        assert!(pace.coalesce(at(100)), "and only the first");
+        assert!(!pace.coalesce(at(300)));
+    }
+}

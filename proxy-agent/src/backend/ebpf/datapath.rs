@@ -1,0 +1,224 @@
+//! The eBPF mode as the agent's loop drives it: the programs and maps
+//! ([`EbpfBackend`]), where they attach, and their upkeep (interfaces that
+//! come and go, expired flows).
+
+use std::{
+    collections::BTreeSet,
+    net::Ipv4Addr,
+    path::PathBuf,
+    sync::atomic::Ordering::Relaxed,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use proxy_common::Config;
+
+use super::{CounterReader, EbpfBackend, MapSizes, TcAttach};
+use crate::{
+    backend::{Datapath, Synced, iptables},
+    cli::{RunArgs, TcAttachArg},
+    metrics::Metrics,
+    model::Model,
+    node,
+    plan::{Frontend, Node, Plan},
+    sys,
+};
+
+/// A TCP flow translated per packet that never saw a reply lives this long.
+const TCP_SYN_TIMEOUT_SECS: u32 = 60;
+/// Expired conntrack entries are collected at least this often...
+const GC_MIN: Duration = Duration::from_secs(1);
+/// ...and at most this rarely.
+const GC_MAX: Duration = Duration::from_secs(30);
+/// Entries walked per second of interval: a collection reads the whole map
+/// (two syscalls an entry), so its interval grows with the map and the
+/// agent's share of a CPU stays small under heavy traffic. The programs
+/// ignore expired entries, and the LRU map evicts under pressure: the
+/// collection only frees room early.
+const GC_ENTRIES_PER_SEC: usize = 10_000;
+
+/// When to collect again, after a collection that left `entries`.
+fn gc_interval(entries: usize) -> Duration {
+    Duration::from_secs((entries / GC_ENTRIES_PER_SEC) as u64).clamp(GC_MIN, GC_MAX)
+}
+
+/// The eBPF datapath and what looking after it needs.
+pub struct EbpfDatapath {
+    backend: EbpfBackend,
+    cgroup: PathBuf,
+    root: PathBuf,
+    /// Name prefixes of pod-facing interfaces.
+    pod_interfaces: Vec<String>,
+    /// When expired conntrack entries are next collected.
+    next_gc: Instant,
+}
+
+impl EbpfDatapath {
+    /// Loads the programs (carrying a previous agent's state over),
+    /// configures them and reserves the SNAT ports; nothing is attached yet.
+    pub fn new(args: &RunArgs, node: &Node) -> anyhow::Result<Self> {
+        let cgroup = match &args.cgroup_path {
+            Some(path) => path.clone(),
+            None => sys::cgroup2_root().context("finding the cgroup2 mount")?,
+        };
+        let root = args.pins.bpffs_root.clone();
+        sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
+        let tc_mode = match args.tc_attach {
+            TcAttachArg::Auto => TcAttach::for_this_kernel(),
+            TcAttachArg::Tcx => TcAttach::Tcx,
+            TcAttachArg::Netlink => TcAttach::Netlink,
+        };
+        let max = args.bpf_lb_map_max;
+        let sizes = MapSizes { services: max, backends: max, rev_nat: max };
+        let mut backend = EbpfBackend::load_with(tc_mode, sizes, Some(&root))
+            .context("loading the BPF programs")?;
+        backend.configure(&config(args, &node.ips)).context("writing the datapath settings")?;
+        let (min, max) = args.snat_port_range;
+        if let Some((low, high)) = sys::ephemeral_ports()
+            && min <= high
+            && low <= max
+        {
+            tracing::warn!(
+                "--snat-port-range {min}-{max} overlaps the node's ephemeral ports {low}-{high}: reserving them leaves fewer (or none) for the node's own connections, this agent's to the API server included"
+            );
+        }
+        sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
+        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), "BPF programs loaded");
+        let pod_interfaces = args.pod_interfaces.clone();
+        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc: Instant::now() })
+    }
+
+    fn wanted_interfaces(&self, node_ips: &[Ipv4Addr]) -> std::io::Result<BTreeSet<String>> {
+        let interfaces = sys::interfaces()?;
+        Ok(node::tc_interfaces(&interfaces, node_ips, &self.pod_interfaces))
+    }
+}
+
+impl Datapath for EbpfDatapath {
+    fn mode(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn live_at_once(&self) -> bool {
+        false
+    }
+
+    fn min_sync_period(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    fn sync(
+        &mut self,
+        _model: &Model,
+        plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
+        metrics: &Metrics,
+    ) -> anyhow::Result<Synced> {
+        let report = self.backend.sync(plan, dirty).inspect_err(|_| {
+            metrics.map_update_failures.fetch_add(1, Relaxed);
+        })?;
+        let state = self.backend.state();
+        let backends = state.backend_count();
+        metrics.set_map_entries(&state.map_entries());
+        tracing::info!(
+            frontends = state.frontend_count(),
+            backends = state.backend_count(),
+            writes = report.writes,
+            "datapath synced"
+        );
+        match self.backend.flush_udp_flows(&report.removed_backends) {
+            Ok(0) => {}
+            Ok(flushed) => tracing::info!(flushed, "UDP flows to removed endpoints deleted"),
+            Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
+        }
+        Ok(Synced { full: None, backends })
+    }
+
+    /// Collects expired flows, less often as the map fills.
+    fn look_after(&mut self, _polls: u32, metrics: &Metrics) -> bool {
+        if Instant::now() < self.next_gc {
+            return false;
+        }
+        let collected = self.backend.collect_conntrack();
+        let left = collected.as_ref().map_or(0, |(_, left)| *left);
+        self.next_gc = Instant::now() + gc_interval(left);
+        match collected {
+            Ok((deleted, left)) => {
+                metrics.conntrack_entries.store(left as u64, Relaxed);
+                metrics.set_map_entries(&[("CONNTRACK", left)]);
+                if deleted > 0 {
+                    tracing::debug!(deleted, left, "expired flows collected");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "conntrack collection failed"),
+        }
+        false
+    }
+
+    /// The per-packet programs go on node- and pod-facing interfaces.
+    fn follows_interfaces(&self) -> bool {
+        true
+    }
+
+    fn scan_interfaces(&mut self, node_ips: &[Ipv4Addr]) {
+        match self.wanted_interfaces(node_ips) {
+            Ok(wanted) => self.backend.set_tc_interfaces(&self.root, &wanted),
+            Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
+        }
+    }
+
+    /// Attaches the programs (beside a previous agent's, which then go).
+    fn take_over(&mut self, node_ips: &[Ipv4Addr], metrics: &Metrics) -> anyhow::Result<()> {
+        let wanted = self.wanted_interfaces(node_ips).context("listing interfaces")?;
+        self.backend
+            .activate(&self.cgroup, &wanted, &self.root)
+            .with_context(|| format!("attaching to {} and {wanted:?}", self.cgroup.display()))?;
+        metrics.set_datapath(CounterReader::open(&self.root)?);
+        let carried = self.backend.carried().iter().map(|(m, c)| (*m, c.as_str())).collect();
+        metrics.set_carried(carried);
+        Ok(())
+    }
+
+    /// Rules would still catch host-network clients: they go once the
+    /// programs serve.
+    fn remove_other_mode(&self) -> anyhow::Result<()> {
+        let chains = iptables::cleanup(&mut iptables::exec::System)?;
+        if chains > 0 {
+            tracing::info!(chains, "removed the iptables mode's rules");
+        }
+        Ok(())
+    }
+}
+
+/// The datapath's settings from the flags.
+fn config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
+    let (cidr, prefix) = args.node.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
+    let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
+    Config {
+        snat_addr: node_ips[0].octets(),
+        cluster_cidr: cidr,
+        cluster_cidr_prefix: prefix,
+        masquerade_all: args.node.masquerade_all as u8,
+        snat_port_min: args.snat_port_range.0,
+        snat_port_max: args.snat_port_range.1,
+        _pad: 0,
+        tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
+        tcp_established_timeout_secs: secs(args.conntrack_tcp_timeout_established),
+        tcp_close_wait_timeout_secs: secs(args.conntrack_tcp_timeout_close_wait),
+        tcp_time_wait_timeout_secs: secs(args.conntrack_tcp_timeout_time_wait),
+        udp_timeout_secs: secs(args.conntrack_udp_timeout),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conntrack_collection_slows_down_as_the_map_fills() {
+        assert_eq!(gc_interval(0), GC_MIN);
+        assert_eq!(gc_interval(2_000), GC_MIN, "a small map is collected every second");
+        assert_eq!(gc_interval(100_000), Duration::from_secs(10));
+        assert_eq!(gc_interval(1_000_000), GC_MAX);
+    }
+}

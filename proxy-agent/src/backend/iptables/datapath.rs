@@ -1,0 +1,162 @@
+//! The iptables mode as the agent's loop drives it: kube-proxy's rules
+//! ([`IptablesBackend`]), their canary, and the eBPF mode's leftovers.
+
+use std::{
+    collections::BTreeSet, net::Ipv4Addr, path::PathBuf, sync::atomic::Ordering::Relaxed,
+    time::Duration,
+};
+
+use super::{CANARY, IptablesBackend, IptablesError, exec::System, render};
+use crate::{
+    backend::{Datapath, Synced, ebpf},
+    cli::{NodeArgs, RunArgs},
+    metrics::Metrics,
+    model::Model,
+    plan::{Frontend, Node, Plan},
+    sys,
+};
+
+/// mangle's canary chain is checked every this many looks...
+const CANARY_EVERY: u32 = 10;
+/// ...and every canary once in this many checks.
+const THOROUGH_CANARY_EVERY: u32 = 15;
+
+pub struct IptablesDatapath {
+    backend: IptablesBackend<System>,
+    /// The eBPF mode's pins, removed once the rules serve.
+    pins: PathBuf,
+}
+
+impl IptablesDatapath {
+    pub fn new(args: &RunArgs, node: &Node) -> Self {
+        let options = render_options(node, &args.node, false);
+        if options.localhost_nodeports() {
+            // As kube-proxy: NodePorts on 127.0.0.1 need DNAT of loopback traffic.
+            if let Err(e) = sys::set_sysctl("net/ipv4/conf/all/route_localnet", "1") {
+                tracing::warn!("could not enable route_localnet (localhost NodePorts): {e}");
+            }
+        }
+        let backend = IptablesBackend::new(System, options);
+        IptablesDatapath { backend, pins: args.pins.bpffs_root.clone() }
+    }
+}
+
+impl Datapath for IptablesDatapath {
+    fn mode(&self) -> &'static str {
+        "iptables"
+    }
+
+    fn live_at_once(&self) -> bool {
+        true
+    }
+
+    /// iptables-restore is costly: kube-proxy's default.
+    fn min_sync_period(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+
+    fn set_zone(&mut self, zone: Option<String>) {
+        self.backend.set_zone(zone);
+    }
+
+    /// Renders the rules from `model`; the plan only counts backends.
+    fn sync(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        _dirty: Option<&BTreeSet<Frontend>>,
+        metrics: &Metrics,
+    ) -> anyhow::Result<Synced> {
+        let report = self.backend.sync(model).inspect_err(|err| {
+            if let IptablesError::Restore { full, .. } = err {
+                metrics.restore_failures.fetch_add(1, Relaxed);
+                if !full {
+                    metrics.partial_restore_failures.fetch_add(1, Relaxed);
+                }
+            }
+        })?;
+        tracing::info!(
+            full = report.full,
+            chains_written = report.chains_written,
+            chains_deleted = report.chains_deleted,
+            "rules synced"
+        );
+        metrics.set_iptables_rules(&report.rules_written);
+        if report.flows_flushed > 0 {
+            tracing::info!(sets = report.flows_flushed, "stale UDP conntrack entries deleted");
+        }
+        if report.untranslated_deleted > 0 {
+            tracing::info!(
+                flows = report.untranslated_deleted,
+                "conntrack entries made while the rules were missing deleted"
+            );
+        }
+        for e in &report.flow_errors {
+            metrics.conntrack_cleanup_failures.fetch_add(1, Relaxed);
+            tracing::warn!("could not delete stale conntrack entries (will retry): {e}");
+        }
+        let backends: BTreeSet<_> =
+            plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
+        Ok(Synced { full: Some(report.full), backends: backends.len() })
+    }
+
+    /// Checks the canary chains: a full resync is due when one is gone, or
+    /// when the backend asks for one.
+    fn look_after(&mut self, polls: u32, metrics: &Metrics) -> bool {
+        if !polls.is_multiple_of(CANARY_EVERY) {
+            return false;
+        }
+        // mangle's canary is cheap to check; nat's and filter's (a copy of
+        // the whole table with iptables-legacy) rarely.
+        let thorough = polls.is_multiple_of(CANARY_EVERY * THOROUGH_CANARY_EVERY);
+        match self.backend.canary_gone(thorough) {
+            Ok(Some(table)) => {
+                tracing::warn!(
+                    table,
+                    "{CANARY} is gone: another program flushed the rules; full resync"
+                );
+                metrics.canary_resyncs.fetch_add(1, Relaxed);
+                true
+            }
+            Ok(None) => self.backend.full_sync_due(),
+            Err(e) => {
+                tracing::warn!("could not check {CANARY}: {e}");
+                false
+            }
+        }
+    }
+
+    /// Rules serve as soon as they are applied.
+    fn take_over(&mut self, _node_ips: &[Ipv4Addr], _metrics: &Metrics) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    /// eBPF programs translate in front of the rules: they go once the
+    /// rules are in.
+    fn remove_other_mode(&self) -> anyhow::Result<()> {
+        let (pins, filters) = ebpf::cleanup(&self.pins)?;
+        if pins + filters > 0 {
+            tracing::info!(pins, filters, "removed the eBPF mode's programs");
+        }
+        Ok(())
+    }
+}
+
+/// What the iptables rules depend on besides the services.
+pub fn render_options(node: &Node, args: &NodeArgs, nfacct: bool) -> render::Options {
+    render::Options {
+        node_name: node.name.clone(),
+        zone: node.zone.clone(),
+        node_ips: node.ips.clone(),
+        nodeport_addresses: args.nodeport_addresses.clone(),
+        cluster_cidr: args.cluster_cidr,
+        masquerade_all: args.masquerade_all,
+        localhost_nodeports: args.iptables_localhost_nodeports,
+        nfacct,
+        random_fully: true,
+        conntrack_tcp_liberal: std::fs::read_to_string(
+            "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",
+        )
+        .is_ok_and(|v| v.trim() != "0"),
+    }
+}

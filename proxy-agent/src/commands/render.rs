@@ -1,0 +1,48 @@
+//! `proxy-agent render iptables`: kube-proxy's rules for manifests, printed.
+
+use crate::{
+    backend::iptables::{datapath::render_options, render},
+    cli::RenderIptablesArgs,
+    node,
+    plan::Node,
+    source::{Store, manifests::Manifests},
+};
+
+/// `render iptables`: kube-proxy's restore input for the manifests, on stdout.
+pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
+    let mut manifests = Manifests::new(&args.manifests);
+    // New bytes are taken on the second read that finds them.
+    manifests.reload();
+    let reload = manifests.reload();
+    for err in &reload.errors {
+        tracing::warn!("{err}");
+    }
+    anyhow::ensure!(
+        reload.complete,
+        "could not read every manifest under {}",
+        args.manifests.display()
+    );
+    let mut store = Store::default();
+    for err in store.replace(manifests.snapshot()).unnamed {
+        tracing::warn!("invalid object skipped: {err}");
+    }
+    for (_, problem) in store.problems() {
+        tracing::warn!("{problem}");
+    }
+    let model = store.into_model();
+    let pod_interfaces: Vec<String> =
+        crate::cli::DEFAULT_POD_INTERFACES.split(',').map(String::from).collect();
+    let ips = match args.node.node_ip.as_slice() {
+        [] => node::interface_ips(&pod_interfaces)?,
+        ips => ips.to_vec(),
+    };
+    let node = Node {
+        name: node::name(&args.node.hostname_override)?,
+        ips,
+        nodeport_addresses: args.node.nodeport_addresses.clone(),
+        zone: args.zone.clone(),
+    };
+    let options = render_options(&node, &args.node, !args.no_nfacct);
+    print!("{}", render::render(&model, &options));
+    Ok(())
+}

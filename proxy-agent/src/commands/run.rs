@@ -1,0 +1,128 @@
+//! `proxy-agent run`: the flags (and `--config`), the source, this node,
+//! the datapath of the mode, health and metrics; then the agent's loop.
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use clap::parser::ValueSource;
+
+use crate::{
+    agent::{self, Source, Start},
+    backend,
+    cli::RunArgs,
+    config,
+    health::{NodeEligibility, ProxyHealth, ServiceChecks},
+    metrics::Metrics,
+    node::{self, NodeInfo},
+    plan::Node,
+    source::{kube::KubeSource, manifests::Manifests},
+};
+
+/// How long to wait for this node's Node object for its addresses.
+const NODE_WAIT: Duration = Duration::from_secs(30);
+/// How often the Node object is looked for meanwhile.
+const NODE_POLL: Duration = Duration::from_millis(200);
+
+/// `run`, with `matches` telling which flags the command line gave.
+pub fn run(args: RunArgs, matches: &clap::ArgMatches) -> anyhow::Result<()> {
+    let args = with_config(args, matches)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let start = start(&args).await?;
+        agent::run(start).await
+    })
+}
+
+/// `run`'s flags, with `--config`'s settings where no flag was given.
+fn with_config(mut args: RunArgs, matches: &clap::ArgMatches) -> anyhow::Result<RunArgs> {
+    let Some(path) = args.config.clone() else { return Ok(args) };
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let (settings, warnings) = config::parse(&path, &text)?;
+    for warning in warnings {
+        tracing::warn!(config = %path.display(), "{warning}");
+    }
+    config::apply(settings, &mut args, |id| {
+        matches.value_source(id) == Some(ValueSource::CommandLine)
+    });
+    Ok(args)
+}
+
+/// Everything the loop starts from.
+async fn start(args: &RunArgs) -> anyhow::Result<Start> {
+    let name = node::name(&args.node.hostname_override)?;
+    let source = source(args, &name).await?;
+    let ips = node_ips(args, &source).await?;
+    let restart_on_new_ips = args.node.node_ip.is_empty()
+        && matches!(&source, Source::Kube(k) if NodeInfo::of(k.node().as_ref()).internal_ips == ips);
+    let mut node =
+        Node { name, ips, nodeport_addresses: args.node.nodeport_addresses.clone(), zone: None };
+    let eligibility = match &source {
+        Source::Manifests(_) => NodeEligibility::NoApiServer,
+        Source::Kube(kube) => {
+            let info = NodeInfo::of(kube.node().as_ref());
+            node.zone = info.zone;
+            info.eligibility
+        }
+    };
+    let datapath = backend::start(args, &node)?;
+    tracing::info!(mode = datapath.mode(), source = source.name(), node = %node.name, node_ips = ?node.ips, zone = ?node.zone, "starting");
+
+    // kube-proxy: unhealthy once a change waits twice the sync period.
+    let health = Arc::new(ProxyHealth::new(2 * args.sync_period, eligibility));
+    let metrics = Arc::new(Metrics::new(health.clone(), datapath.mode()));
+    let http = crate::http::server_thread().context("starting the endpoints' thread")?;
+    metrics.clone().serve(&http, args.metrics_bind_address);
+    health.clone().serve(&http, args.healthz_bind_address);
+    let check_addresses = if args.node.nodeport_addresses.is_empty() {
+        Vec::new()
+    } else {
+        let within =
+            |ip: &std::net::Ipv4Addr| args.node.nodeport_addresses.iter().any(|c| c.contains(*ip));
+        node.ips.iter().copied().filter(within).collect()
+    };
+    Ok(Start {
+        source,
+        datapath,
+        restart_on_new_ips,
+        service_checks: ServiceChecks::new(health.clone(), http, check_addresses),
+        metrics,
+        health,
+        node,
+        min_sync_period: args.min_sync_period,
+        sync_period: args.sync_period,
+        interface_rescan_period: args.interface_rescan_period,
+    })
+}
+
+/// The source the flags ask for: `--manifests`, else the API server.
+async fn source(args: &RunArgs, node_name: &str) -> anyhow::Result<Source> {
+    if let Some(path) = &args.manifests {
+        return Ok(Source::Manifests(Manifests::new(path)));
+    }
+    let client = crate::source::kube::client(args.kubeconfig.as_deref()).await?;
+    Ok(Source::Kube(KubeSource::start(client, node_name)))
+}
+
+/// `--node-ip`; else the Node object's InternalIPs (waiting a while for
+/// it); else the interfaces' addresses.
+async fn node_ips(args: &RunArgs, source: &Source) -> anyhow::Result<Vec<std::net::Ipv4Addr>> {
+    if !args.node.node_ip.is_empty() {
+        return Ok(args.node.node_ip.clone());
+    }
+    if let Source::Kube(kube) = source {
+        let deadline = Instant::now() + NODE_WAIT;
+        while !kube.node_listed() && Instant::now() < deadline {
+            tokio::time::sleep(NODE_POLL).await;
+        }
+        let ips = NodeInfo::of(kube.node().as_ref()).internal_ips;
+        if !ips.is_empty() {
+            return Ok(ips);
+        }
+        tracing::warn!("no InternalIP in this node's Node object: using the interfaces' addresses");
+    }
+    node::interface_ips(&args.pod_interfaces)
+}
