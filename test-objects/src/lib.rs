@@ -92,6 +92,14 @@ impl ServiceBuilder {
         self.0
     }
 
+    /// The service's slice `<name>-1`: same namespace, labelled as its.
+    pub fn slice(&self) -> SliceBuilder {
+        let meta = &self.0.metadata;
+        let (namespace, name) = (meta.namespace.as_deref(), meta.name.as_deref());
+        let (namespace, name) = (namespace.unwrap_or("default"), name.unwrap_or_default());
+        slice(namespace, &format!("{name}-1")).service(name)
+    }
+
     fn spec(&mut self) -> &mut ServiceSpec {
         self.0.spec.get_or_insert_with(Default::default)
     }
@@ -476,6 +484,10 @@ mod tests {
             [every_slice_field().build(), slice("lab", "empty").build()],
         );
         let yaml = manifest(&[&objects.0[0], &objects.1[0], &objects.0[1], &objects.1[1]]);
+        assert_eq!(
+            every_service_field().slice().build().metadata,
+            slice("lab", "lb-1").service("lb").build().metadata
+        );
         let (services, slices) = parse(&yaml);
         assert_eq!(services, objects.0);
         assert_eq!(slices, objects.1);
