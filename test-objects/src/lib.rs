@@ -70,6 +70,11 @@ fn meta(namespace: &str, name: &str) -> ObjectMeta {
     }
 }
 
+/// Sets `key` in a label or annotation map.
+fn set(map: &mut Option<BTreeMap<String, String>>, key: &str, value: &str) {
+    map.get_or_insert_with(BTreeMap::new).insert(key.to_string(), value.to_string());
+}
+
 fn strings(items: &[&str]) -> Option<Vec<String>> {
     Some(items.iter().map(|s| s.to_string()).collect())
 }
@@ -184,8 +189,7 @@ impl ServiceBuilder {
     }
 
     pub fn label(mut self, key: &str, value: &str) -> Self {
-        let labels = self.0.metadata.labels.get_or_insert_with(BTreeMap::new);
-        labels.insert(key.to_string(), value.to_string());
+        set(&mut self.0.metadata.labels, key, value);
         self
     }
 
@@ -276,14 +280,12 @@ impl SliceBuilder {
     }
 
     pub fn label(mut self, key: &str, value: &str) -> Self {
-        let labels = self.0.metadata.labels.get_or_insert_with(BTreeMap::new);
-        labels.insert(key.to_string(), value.to_string());
+        set(&mut self.0.metadata.labels, key, value);
         self
     }
 
     pub fn annotation(mut self, key: &str, value: &str) -> Self {
-        let annotations = self.0.metadata.annotations.get_or_insert_with(BTreeMap::new);
-        annotations.insert(key.to_string(), value.to_string());
+        set(&mut self.0.metadata.annotations, key, value);
         self
     }
 
