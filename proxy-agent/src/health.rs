@@ -324,9 +324,16 @@ mod tests {
 
     #[test]
     fn service_checks_count_ready_local_endpoint_addresses() {
-        let model = crate::source::model_from_yaml(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: lab}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, externalTrafficPolicy: Local, healthCheckNodePort: 32000, ports: [{name: a, port: 80, nodePort: 30080}, {name: b, port: 81, nodePort: 30081}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: lab, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: a, port: 8080}, {name: b, port: 8081}]\nendpoints: [{addresses: [10.244.1.2], nodeName: n1}, {addresses: [10.244.1.3], nodeName: n1, conditions: {ready: false, serving: true, terminating: true}}, {addresses: [10.244.2.2], nodeName: n2}]\n",
-        );
+        use test_objects::{Protocol::Tcp, ep, port, service};
+        let web = service("lab", "web").load_balancer_type().cluster_ip("10.96.0.10");
+        let web = web.external_policy("Local").health_check_node_port(32000);
+        let web = web.port(port("a", 80).node_port(30080)).port(port("b", 81).node_port(30081));
+        let slice = web.slice().port("a", 8080, Tcp).port("b", 8081, Tcp).endpoints([
+            ep("10.244.1.2").node("n1"),
+            ep("10.244.1.3").node("n1").ready(false).serving(true).terminating(true),
+            ep("10.244.2.2").node("n2"),
+        ]);
+        let model = crate::source::model_of(&[web.build()], &[slice.build()]);
         let ports: Vec<ServicePort> = model.ports().cloned().collect();
         let checks = service_checks(&ports, "n1");
         let check = &checks[&32000];

@@ -751,11 +751,12 @@ pub fn parse_service(service: &Service) -> Result<Vec<ServicePort>, ModelError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use test_objects::{EndpointBuilder, Protocol::*, ServiceBuilder, ep, port, slice};
 
-    fn hinted(endpoints: &str) -> ServicePort {
-        let model = crate::source::model_from_yaml(&format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: 10.96.0.10, ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{endpoints}]\n"
-        ));
+    fn hinted(endpoints: impl IntoIterator<Item = EndpointBuilder>) -> ServicePort {
+        let web = svc("web", "10.96.0.10").port(port(None, 80));
+        let endpoints = web.slice().port(None, 8080, Tcp).endpoints(endpoints);
+        let model = crate::source::model_of(&[web.build()], &[endpoints.build()]);
         model.ports().next().unwrap().clone()
     }
 
@@ -765,9 +766,11 @@ mod tests {
 
     #[test]
     fn topology_hints_narrow_cluster_endpoints_as_kube_proxy() {
-        let port = hinted(
-            "{addresses: [10.0.0.1], hints: {forZones: [{name: a}], forNodes: [{name: n1}]}}, {addresses: [10.0.0.2], hints: {forZones: [{name: a}], forNodes: [{name: n2}]}}, {addresses: [10.0.0.3], hints: {forZones: [{name: b}], forNodes: [{name: n3}]}}",
-        );
+        let port = hinted([
+            ep("10.0.0.1").for_zone("a").for_node("n1"),
+            ep("10.0.0.2").for_zone("a").for_node("n2"),
+            ep("10.0.0.3").for_zone("b").for_node("n3"),
+        ]);
         // Node hints first (PreferSameNode), then zone hints.
         assert_eq!(ips(port.cluster_endpoints("n1", Some("a"))), ["10.0.0.1"]);
         assert_eq!(ips(port.cluster_endpoints("n9", Some("a"))), ["10.0.0.1", "10.0.0.2"]);
@@ -776,53 +779,47 @@ mod tests {
         assert_eq!(port.cluster_endpoints("n9", None).len(), 3);
 
         // One endpoint without hints: hints are ignored.
-        let partial = hinted(
-            "{addresses: [10.0.0.1], hints: {forZones: [{name: a}]}}, {addresses: [10.0.0.2]}",
-        );
+        let partial = hinted([ep("10.0.0.1").for_zone("a"), ep("10.0.0.2")]);
         assert_eq!(partial.cluster_endpoints("n1", Some("a")).len(), 2);
 
         // Only terminating endpoints left: those, hints ignored.
-        let terminating = hinted(
-            "{addresses: [10.0.0.1], conditions: {ready: false, serving: true, terminating: true}, hints: {forZones: [{name: b}]}}",
-        );
+        let terminating = hinted([terminating("10.0.0.1", true).for_zone("b")]);
         assert_eq!(ips(terminating.cluster_endpoints("n1", Some("a"))), ["10.0.0.1"]);
     }
 
+    /// A malformed Service, as YAML.
     fn service(yaml: &str) -> Service {
         serde_yaml::from_str(yaml).unwrap()
     }
 
-    fn slice(yaml: &str) -> EndpointSlice {
-        serde_yaml::from_str(yaml).unwrap()
+    /// Service `default/name` at `cluster_ip`.
+    fn svc(name: &str, cluster_ip: &str) -> ServiceBuilder {
+        test_objects::service("default", name).cluster_ip(cluster_ip)
     }
 
-    const WEB: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: shop}
-spec:
-  clusterIP: 10.96.0.10
-  ports:
-  - {name: http, port: 80, targetPort: http}
-  - {name: dns, port: 53, protocol: UDP}
-"#;
+    /// Service `shop/web`: http 80 → the endpoints' `http`, dns 53/UDP.
+    fn web() -> Service {
+        let http = port("http", 80).target_name("http");
+        let web = test_objects::service("shop", "web").cluster_ip("10.96.0.10").port(http);
+        web.port(port("dns", 53).udp()).build()
+    }
 
-    fn web_slice(name: &str, port: i32, endpoints: &str) -> EndpointSlice {
-        slice(&format!(
-            r#"
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: {name}
-  namespace: shop
-  labels: {{kubernetes.io/service-name: web}}
-addressType: IPv4
-ports:
-- {{name: http, port: {port}, protocol: TCP}}
-- {{name: dns, port: 5353, protocol: UDP}}
-endpoints: {endpoints}
-"#
-        ))
+    /// An endpoint not ready, terminating, `serving` or not.
+    fn terminating(ip: &str, serving: bool) -> EndpointBuilder {
+        ep(ip).ready(false).serving(serving).terminating(true)
+    }
+
+    fn web_slice(
+        name: &str,
+        port: i32,
+        endpoints: impl IntoIterator<Item = EndpointBuilder>,
+    ) -> EndpointSlice {
+        let slice = slice("shop", name).service("web").port("http", port, Tcp);
+        slice.port("dns", 5353, Udp).endpoints(endpoints).build()
+    }
+
+    fn eps(ips: &[&str]) -> Vec<EndpointBuilder> {
+        ips.iter().map(|ip| ep(ip)).collect()
     }
 
     fn http(model: &Model) -> &ServicePort {
@@ -836,10 +833,10 @@ endpoints: {endpoints}
     #[test]
     fn named_target_port_resolves_per_slice_and_slices_merge() {
         let slices = [
-            web_slice("web-a", 8080, "[{addresses: [10.244.0.2]}, {addresses: [10.244.0.3]}]"),
-            web_slice("web-b", 9090, "[{addresses: [10.244.0.4]}, {addresses: [10.244.0.2]}]"),
+            web_slice("web-a", 8080, eps(&["10.244.0.2", "10.244.0.3"])),
+            web_slice("web-b", 9090, eps(&["10.244.0.4", "10.244.0.2"])),
         ];
-        let model = build(&[service(WEB)], &slices);
+        let model = build(&[web()], &slices);
         assert!(model.errors.is_empty(), "{:?}", model.errors);
         let http = model.ports().find(|p| p.name.port == "http").unwrap();
         assert_eq!(
@@ -855,10 +852,10 @@ endpoints: {endpoints}
     #[test]
     fn duplicate_endpoints_across_slices_keep_the_ready_one() {
         let slices = [
-            web_slice("a", 8080, "[{addresses: [10.244.0.2], conditions: {ready: false}}]"),
-            web_slice("b", 8080, "[{addresses: [10.244.0.2], conditions: {ready: true}}]"),
+            web_slice("a", 8080, [ep("10.244.0.2").ready(false)]),
+            web_slice("b", 8080, [ep("10.244.0.2").ready(true)]),
         ];
-        let model = build(&[service(WEB)], &slices);
+        let model = build(&[web()], &slices);
         let http = model.ports().find(|p| p.name.port == "http").unwrap();
         assert_eq!(http.endpoints.len(), 1);
         assert!(http.endpoints[0].ready);
@@ -869,64 +866,75 @@ endpoints: {endpoints}
         let mixed = web_slice(
             "a",
             8080,
-            "[{addresses: [10.244.0.2], conditions: {ready: true}},
-              {addresses: [10.244.0.3], conditions: {ready: false, serving: true, terminating: true}},
-              {addresses: [10.244.0.4], conditions: {ready: false, serving: false}}]",
+            [
+                ep("10.244.0.2").ready(true),
+                terminating("10.244.0.3", true),
+                ep("10.244.0.4").ready(false).serving(false),
+            ],
         );
-        let model = build(&[service(WEB)], &[mixed]);
+        let model = build(&[web()], &[mixed]);
         assert_eq!(addrs(http(&model)), ["10.244.0.2:8080"]);
 
         let terminating = web_slice(
             "a",
             8080,
-            "[{addresses: [10.244.0.3], conditions: {ready: false, serving: true, terminating: true}},
-              {addresses: [10.244.0.4], conditions: {ready: false, serving: false, terminating: true}},
-              {addresses: [10.244.0.5], conditions: {ready: false, serving: true, terminating: false}}]",
+            [
+                terminating("10.244.0.3", true),
+                terminating("10.244.0.4", false),
+                ep("10.244.0.5").ready(false).serving(true).terminating(false),
+            ],
         );
-        let model = build(&[service(WEB)], &[terminating]);
+        let model = build(&[web()], &[terminating]);
         assert_eq!(addrs(http(&model)), ["10.244.0.3:8080"]);
     }
 
     #[test]
     fn unset_serving_means_serving_for_the_terminating_fallback() {
-        let s = web_slice(
-            "a",
-            8080,
-            "[{addresses: [10.244.0.3], conditions: {ready: false, terminating: true}}]",
-        );
-        assert_eq!(addrs(http(&build(&[service(WEB)], &[s]))), ["10.244.0.3:8080"]);
+        let s = web_slice("a", 8080, [ep("10.244.0.3").ready(false).terminating(true)]);
+        assert_eq!(addrs(http(&build(&[web()], &[s]))), ["10.244.0.3:8080"]);
     }
 
     #[test]
     fn sctp_ports_and_ipv6_services_are_skipped_not_rejected() {
-        let sctp = "{metadata: {name: a}, spec: {clusterIP: 10.96.0.3, ports: [{name: x, port: 80}, {name: y, port: 90, protocol: SCTP}]}}";
-        let model = build(&[service(sctp)], &[]);
+        let sctp =
+            svc("a", "10.96.0.3").port(port("x", 80)).port(port("y", 90).protocol(Sctp)).build();
+        let model = build(std::slice::from_ref(&sctp), &[]);
         assert!(model.errors.is_empty());
         assert_eq!(model.ports().count(), 1, "the TCP port is still served");
-        let v6 = "{metadata: {name: b}, spec: {clusterIP: 'fd00::10', clusterIPs: ['fd00::10'], ports: [{port: 80}]}}";
-        let model = build(&[service(v6)], &[]);
+        let v6 = svc("b", "fd00::10").cluster_ips(&["fd00::10"]).port(port(None, 80));
+        let model = build(&[v6.build()], &[]);
         assert!(model.errors.is_empty() && model.ports().next().is_none());
-        let dual = "{metadata: {name: c}, spec: {clusterIP: 'fd00::10', clusterIPs: ['fd00::10', 10.96.0.4], ports: [{port: 80}]}}";
+        let dual = svc("c", "fd00::10").cluster_ips(&["fd00::10", "10.96.0.4"]);
         assert_eq!(
-            build(&[service(dual)], &[]).ports().next().unwrap().cluster_ip,
+            build(&[dual.port(port(None, 80)).build()], &[]).ports().next().unwrap().cluster_ip,
             Ipv4Addr::new(10, 96, 0, 4)
         );
-        let sctp_slice = slice(
-            "{metadata: {name: s, labels: {kubernetes.io/service-name: a}}, addressType: IPv4, ports: [{name: y, port: 90, protocol: SCTP}], endpoints: [{addresses: [10.244.0.2]}]}",
-        );
-        assert!(build(&[service(sctp)], &[sctp_slice]).errors.is_empty());
+        let sctp_slice = slice("default", "s").service("a").port("y", 90, Sctp);
+        let sctp_slice = sctp_slice.endpoint(ep("10.244.0.2")).build();
+        assert!(build(&[sctp], &[sctp_slice]).errors.is_empty());
     }
 
     #[test]
     fn load_balancer_ips_in_proxy_mode_and_stray_health_check_ports_are_ignored() {
-        let lb = "{metadata: {name: a}, spec: {type: LoadBalancer, clusterIP: 10.96.0.3, externalTrafficPolicy: Local, healthCheckNodePort: 32000, ports: [{port: 80, nodePort: 30080}]}, status: {loadBalancer: {ingress: [{ip: 10.200.0.1}, {ip: 10.200.0.2, ipMode: Proxy}, {hostname: lb.example}]}}}";
-        let model = build(&[service(lb)], &[]);
+        use k8s_openapi::api::core::v1::LoadBalancerIngress;
+        let lb = |policy| {
+            let proxied = LoadBalancerIngress {
+                ip: Some("10.200.0.2".into()),
+                ip_mode: Some("Proxy".into()),
+                ..Default::default()
+            };
+            let named =
+                LoadBalancerIngress { hostname: Some("lb.example".into()), ..Default::default() };
+            let lb = svc("a", "10.96.0.3").load_balancer_type().external_policy(policy);
+            let lb = lb.health_check_node_port(32000).port(port(None, 80).node_port(30080));
+            lb.ingress_ip("10.200.0.1").ingress(proxied).ingress(named).build()
+        };
+        let model = build(&[lb("Local")], &[]);
         let port = model.ports().next().unwrap();
         assert_eq!(port.load_balancer_ips, vec![Ipv4Addr::new(10, 200, 0, 1)]);
         assert_eq!(port.health_check_node_port, Some(32000));
-        let cluster = lb.replace("externalTrafficPolicy: Local", "externalTrafficPolicy: Cluster");
         assert_eq!(
-            build(&[service(&cluster)], &[]).ports().next().unwrap().health_check_node_port,
+            build(&[lb("Cluster")], &[]).ports().next().unwrap().health_check_node_port,
             None
         );
     }
@@ -934,21 +942,21 @@ endpoints: {endpoints}
     #[test]
     fn headless_external_name_and_foreign_proxy_are_skipped() {
         let skipped = [
-            "{metadata: {name: a}, spec: {clusterIP: None, ports: [{port: 80}]}}",
-            "{metadata: {name: b}, spec: {type: ExternalName, externalName: example.org}}",
-            "{metadata: {name: c, labels: {service.kubernetes.io/service-proxy-name: other}}, spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}}",
+            test_objects::service("default", "a").headless().port(port(None, 80)),
+            test_objects::service("default", "b").external_name("example.org"),
+            svc("c", "10.96.0.3").proxy_name("other").port(port(None, 80)),
         ];
-        for yaml in skipped {
-            let model = build(&[service(yaml)], &[]);
-            assert!(model.ports().next().is_none() && model.errors.is_empty(), "{yaml}");
+        for service in skipped {
+            let model = build(&[service.clone().build()], &[]);
+            assert!(model.ports().next().is_none() && model.errors.is_empty(), "{service:?}");
         }
     }
 
     #[test]
     fn slices_of_another_namespace_or_service_do_not_match() {
-        let mut other = web_slice("x", 8080, "[{addresses: [10.244.0.9]}]");
+        let mut other = web_slice("x", 8080, eps(&["10.244.0.9"]));
         other.metadata.namespace = Some("default".into());
-        let model = build(&[service(WEB)], &[other]);
+        let model = build(&[web()], &[other]);
         assert!(model.ports().all(|p| p.endpoints.is_empty()));
     }
 
@@ -978,7 +986,7 @@ endpoints: {endpoints}
             ),
         ];
         for (yaml, name) in bad {
-            let model = build(&[service(yaml), service(WEB)], &[]);
+            let model = build(&[service(yaml), web()], &[]);
             assert_eq!(model.ports().count(), 2, "{yaml}: the good service is still served");
             assert_eq!(model.errors.len(), 1, "{yaml}");
             let message = model.errors[0].to_string();
@@ -989,8 +997,8 @@ endpoints: {endpoints}
 
     #[test]
     fn bad_endpoint_addresses_are_skipped_alone() {
-        let s = web_slice("a", 8080, "[{addresses: [not-an-ip]}, {addresses: [10.244.0.2]}]");
-        let model = build(&[service(WEB)], &[s]);
+        let s = web_slice("a", 8080, eps(&["not-an-ip", "10.244.0.2"]));
+        let model = build(&[web()], &[s]);
         assert_eq!(model.errors.len(), 1);
         assert!(model.errors[0].to_string().contains("shop/a"));
         assert_eq!(addrs(http(&model)), ["10.244.0.2:8080"]);
@@ -998,22 +1006,18 @@ endpoints: {endpoints}
 
     #[test]
     fn session_affinity_timeout_defaults_and_overrides() {
-        let default = "{metadata: {name: a}, spec: {clusterIP: 10.96.0.3, sessionAffinity: ClientIP, ports: [{port: 80}]}}";
-        let set = "{metadata: {name: a}, spec: {clusterIP: 10.96.0.3, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 5}}, ports: [{port: 80}]}}";
-        assert_eq!(
-            build(&[service(default)], &[]).ports().next().unwrap().affinity_timeout_secs,
-            Some(10_800)
-        );
-        assert_eq!(
-            build(&[service(set)], &[]).ports().next().unwrap().affinity_timeout_secs,
-            Some(5)
-        );
-        assert_eq!(build(&[service(WEB)], &[]).ports().next().unwrap().affinity_timeout_secs, None);
+        let sticky = |timeout| {
+            let sticky = svc("a", "10.96.0.3").client_ip_affinity(timeout).port(port(None, 80));
+            build(&[sticky.build()], &[]).ports().next().unwrap().affinity_timeout_secs
+        };
+        assert_eq!(sticky(None), Some(10_800));
+        assert_eq!(sticky(Some(5)), Some(5));
+        assert_eq!(build(&[web()], &[]).ports().next().unwrap().affinity_timeout_secs, None);
     }
 
     #[test]
     fn unnamed_port_name_is_namespace_and_name() {
-        let s = "{metadata: {name: a, namespace: n}, spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}}";
-        assert_eq!(build(&[service(s)], &[]).ports().next().unwrap().name.to_string(), "n/a");
+        let s = test_objects::service("n", "a").cluster_ip("10.96.0.3").port(port(None, 80));
+        assert_eq!(build(&[s.build()], &[]).ports().next().unwrap().name.to_string(), "n/a");
     }
 }

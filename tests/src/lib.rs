@@ -90,6 +90,19 @@ pub struct Pod {
     pub ip: String,
 }
 
+/// The two-node web pods' endpoints, by letter: `a` (web-a, 10.244.1.2, on
+/// node 0), `b` and `c` (web-b 10.244.2.2, web-c 10.244.2.3, on node 1).
+pub fn two_node_endpoints(pods: &[&str]) -> Vec<test_objects::EndpointBuilder> {
+    pods.iter()
+        .map(|p| match *p {
+            "a" => test_objects::ep("10.244.1.2").node("lab-node"),
+            "b" => test_objects::ep("10.244.2.2").node("lab-node2"),
+            "c" => test_objects::ep("10.244.2.3").node("lab-node2"),
+            other => panic!("no pod {other}"),
+        })
+        .collect()
+}
+
 /// One parsed client line.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Attempt {

@@ -8,38 +8,24 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, Source, apiserver::ApiServer, tally};
+use proxy_lab::{
+    Attempt, Lab, Mode, Pod, Setup, Source, apiserver::ApiServer, tally, two_node_endpoints,
+};
+use test_objects::{Protocol::*, ep, manifest, port, service};
 
 const API_IPTABLES: Setup = Setup { mode: Mode::Iptables, source: Source::ApiServer };
 
-/// Service `web` (80 → 8080) with endpoints on the given pods (`node`
-/// names the node of each), and an optional annotation on the slice.
-fn web(port: u16, pods: &[(&Pod, &str)], annotations: &str) -> String {
-    let endpoints: String = pods
-        .iter()
-        .map(|(p, node)| format!("\n- {{addresses: [{}], nodeName: {node}}}", p.ip))
-        .collect();
-    let endpoints = if endpoints.is_empty() { " []".to_string() } else { endpoints };
-    format!(
-        r#"apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: lab}}
-spec:
-  clusterIP: 10.96.0.10
-  ports: [{{name: http, port: {port}, targetPort: 8080}}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-1
-  namespace: lab
-  labels: {{kubernetes.io/service-name: web}}
-  annotations: {{{annotations}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080}}]
-endpoints:{endpoints}
-"#
-    )
+/// Service `web` (`port` → 8080) with endpoints on the given pods (`node`
+/// names the node of each), its slice stamped with `trigger_time` if given.
+fn web(port_: i32, pods: &[(&Pod, &str)], trigger_time: Option<&str>) -> String {
+    let web = service("lab", "web").cluster_ip("10.96.0.10").port(port("http", port_).target(8080));
+    let slice = web.slice().port("http", 8080, Tcp);
+    let slice = slice.endpoints(pods.iter().map(|(p, node)| ep(&p.ip).node(node)));
+    let slice = match trigger_time {
+        Some(at) => slice.trigger_time(at),
+        None => slice,
+    };
+    manifest(&[&web, &slice])
 }
 
 /// A lab on the API server with `n` web pods on node 0 and a client pod.
@@ -94,7 +80,7 @@ fn get(lab: &Lab, netns: &str, addr: &str, path: &str) -> (u16, String) {
 #[test]
 fn watches_that_break_or_expire_resume_without_disturbing_traffic() {
     let (mut lab, mut pods, client) = lab(Setup::API, 2);
-    lab.write_manifest(&web(80, &on_node0(&pods), "")).unwrap();
+    lab.write_manifest(&web(80, &on_node0(&pods), None)).unwrap();
     lab.start_agent(&[]).unwrap();
     let lists_before = api(&lab).requests().iter().filter(|r| !r.contains("watch=")).count();
 
@@ -115,7 +101,7 @@ fn watches_that_break_or_expire_resume_without_disturbing_traffic() {
     let extra = lab.add_pod("web-2", "10.244.1.4").unwrap();
     lab.serve(&extra, &[8080], &[]).unwrap();
     pods.push(extra);
-    lab.write_manifest(&web(80, &on_node0(&pods), "")).unwrap();
+    lab.write_manifest(&web(80, &on_node0(&pods), None)).unwrap();
     api(&lab).compact();
     api(&lab).set_up(true);
 
@@ -139,7 +125,7 @@ fn watches_that_break_or_expire_resume_without_disturbing_traffic() {
 #[test]
 fn an_api_server_outage_changes_nothing_until_it_is_back() {
     let (mut lab, pods, client) = lab(Setup::API, 2);
-    lab.write_manifest(&web(80, &on_node0(&pods), "")).unwrap();
+    lab.write_manifest(&web(80, &on_node0(&pods), None)).unwrap();
     lab.start_agent(&[]).unwrap();
 
     api(&lab).set_up(false);
@@ -150,7 +136,7 @@ fn an_api_server_outage_changes_nothing_until_it_is_back() {
     }
     assert!(metric(&lab, "proxy_apiserver_watch_errors_total") > 0.0);
     // Back: a change made meanwhile arrives.
-    lab.write_manifest(&web(80, &on_node0(&pods[..1]), "")).unwrap();
+    lab.write_manifest(&web(80, &on_node0(&pods[..1]), None)).unwrap();
     api(&lab).set_up(true);
     wait_for("the change after the outage", Duration::from_secs(60), || {
         tally(&tcp(&lab, &client, "10.96.0.10:80", 20)).keys().eq(["web-0"])
@@ -160,10 +146,10 @@ fn an_api_server_outage_changes_nothing_until_it_is_back() {
 #[test]
 fn a_service_update_that_changes_its_port() {
     let (mut lab, pods, client) = lab(Setup::API, 1);
-    lab.write_manifest(&web(80, &on_node0(&pods), "")).unwrap();
+    lab.write_manifest(&web(80, &on_node0(&pods), None)).unwrap();
     lab.start_agent(&[]).unwrap();
     assert_eq!(tally(&tcp(&lab, &client, "10.96.0.10:80", 5)).len(), 1);
-    lab.write_manifest(&web(8000, &on_node0(&pods), "")).unwrap();
+    lab.write_manifest(&web(8000, &on_node0(&pods), None)).unwrap();
     wait_for("the new port", Duration::from_secs(5), || {
         tcp(&lab, &client, "10.96.0.10:8000", 1)[0].pod().is_some()
     });
@@ -173,13 +159,12 @@ fn a_service_update_that_changes_its_port() {
 #[test]
 fn one_change_is_programmed_quickly_and_a_burst_in_few_syncs() {
     let (mut lab, pods, client) = lab(Setup::API, 2);
-    lab.write_manifest(&web(80, &on_node0(&pods), "")).unwrap();
+    lab.write_manifest(&web(80, &on_node0(&pods), None)).unwrap();
     lab.start_agent(&[]).unwrap();
 
     // One endpoint change, stamped as the EndpointSlice controller does.
     let now = proxy_lab::sh("date", &["-u", "+%Y-%m-%dT%H:%M:%S.%NZ"]).unwrap();
-    let stamp = format!("endpoints.kubernetes.io/last-change-trigger-time: \"{}\"", now.trim());
-    lab.write_manifest(&web(80, &on_node0(&pods[..1]), &stamp)).unwrap();
+    lab.write_manifest(&web(80, &on_node0(&pods[..1]), Some(now.trim()))).unwrap();
     let programmed = "kubeproxy_network_programming_duration_seconds_count";
     wait_for("the change", Duration::from_secs(5), || metric(&lab, programmed) >= 1.0);
     let latency = metric(&lab, "kubeproxy_network_programming_duration_seconds_sum");
@@ -191,14 +176,14 @@ fn one_change_is_programmed_quickly_and_a_burst_in_few_syncs() {
 
     // A burst: 500 services with a slice each, created at once.
     let syncs = metric(&lab, "proxy_sync_total");
-    let mut burst = String::new();
-    for i in 0..500 {
-        burst.push_str(&format!(
-            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: burst}}\nspec: {{clusterIP: 10.97.{}.{}, ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: burst, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{{addresses: [10.244.1.2]}}]\n",
-            i / 250,
-            i % 250 + 1
-        ));
-    }
+    let burst: String = (0..500)
+        .map(|i| {
+            let ip = format!("10.97.{}.{}", i / 250, i % 250 + 1);
+            let service = service("burst", &format!("s{i}")).cluster_ip(&ip).port(port(None, 80));
+            let slice = service.slice().port(None, 8080, Tcp).endpoint(ep("10.244.1.2"));
+            manifest(&[&service, &slice])
+        })
+        .collect();
     api(&lab).apply(&burst).unwrap();
     wait_for("the burst", Duration::from_secs(30), || metric(&lab, "proxy_frontends") >= 501.0);
     let burst_syncs = metric(&lab, "proxy_sync_total") - syncs;
@@ -212,7 +197,7 @@ fn one_change_is_programmed_quickly_and_a_burst_in_few_syncs() {
 #[test]
 fn healthz_and_livez_follow_the_node_as_kube_proxy() {
     let (mut lab, pods, _client) = lab(Setup::API, 1);
-    lab.write_manifest(&web(80, &on_node0(&pods), "")).unwrap();
+    lab.write_manifest(&web(80, &on_node0(&pods), None)).unwrap();
     lab.start_agent(&[]).unwrap();
     let node = lab.node.clone();
 
@@ -261,27 +246,15 @@ fn health_check_node_ports(setup: Setup) {
     let a = lab.add_pod_on(0, "web-a", "10.244.1.2").unwrap();
     lab.serve(&a, &[8080], &[]).unwrap();
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-    lab.write_manifest(
-        r#"apiVersion: v1
-kind: Service
-metadata: {name: lb, namespace: lab}
-spec:
-  type: LoadBalancer
-  clusterIP: 10.96.0.12
-  externalTrafficPolicy: Local
-  healthCheckNodePort: 32000
-  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30090}]
-status: {loadBalancer: {ingress: [{ip: 10.200.0.10}]}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: lb-1, namespace: lab, labels: {kubernetes.io/service-name: lb}}
-addressType: IPv4
-ports: [{name: http, port: 8080}]
-endpoints: [{addresses: [10.244.1.2], nodeName: lab-node}]
-"#,
-    )
-    .unwrap();
+    let lb = service("lab", "lb")
+        .load_balancer_type()
+        .cluster_ip("10.96.0.12")
+        .external_policy("Local")
+        .health_check_node_port(32000)
+        .port(port("http", 80).target(8080).node_port(30090))
+        .ingress_ip("10.200.0.10");
+    let slice = lb.slice().port("http", 8080, Tcp).endpoints(two_node_endpoints(&["a"]));
+    lab.write_manifest(&manifest(&[&lb, &slice])).unwrap();
     for node in 0..2 {
         lab.start_agent_on(node, &["--cluster-cidr", "10.244.0.0/16"]).unwrap();
     }
@@ -325,24 +298,15 @@ fn topology_hints_keep_traffic_in_the_zone(setup: Setup) {
     }
     // The lab's nodes are in zone-0 and zone-1; the slice controller hinted
     // each endpoint for its own zone (trafficDistribution: PreferClose).
-    lab.write_manifest(
-        r#"apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: lab}
-spec: {clusterIP: 10.96.0.10, trafficDistribution: PreferClose, ports: [{name: http, port: 80, targetPort: 8080}]}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: web-1, namespace: lab, labels: {kubernetes.io/service-name: web}}
-addressType: IPv4
-ports: [{name: http, port: 8080}]
-endpoints:
-- {addresses: [10.244.1.2], nodeName: lab-node, zone: zone-0, hints: {forZones: [{name: zone-0}]}}
-- {addresses: [10.244.2.2], nodeName: lab-node2, zone: zone-1, hints: {forZones: [{name: zone-1}]}}
-- {addresses: [10.244.2.3], nodeName: lab-node2, zone: zone-1, hints: {forZones: [{name: zone-1}]}}
-"#,
-    )
-    .unwrap();
+    let web = service("lab", "web")
+        .cluster_ip("10.96.0.10")
+        .traffic_distribution("PreferClose")
+        .port(port("http", 80).target(8080));
+    let zones = ["zone-0", "zone-1", "zone-1"];
+    let endpoints = two_node_endpoints(&["a", "b", "c"]).into_iter().zip(zones);
+    let endpoints = endpoints.map(|(endpoint, zone)| endpoint.zone(zone).for_zone(zone));
+    let slice = web.slice().port("http", 8080, Tcp).endpoints(endpoints);
+    lab.write_manifest(&manifest(&[&web, &slice])).unwrap();
     for node in 0..2 {
         lab.start_agent_on(node, &["--cluster-cidr", "10.244.0.0/16"]).unwrap();
     }

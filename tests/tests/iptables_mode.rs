@@ -6,33 +6,18 @@
 use std::time::{Duration, Instant};
 
 use proxy_lab::{Attempt, Lab, Mode, Pod, tally, target_bin};
+use test_objects::{Protocol::*, ep, manifest, port, service};
 
 /// Service `web` (80/TCP → 8080) over `pods`, and an unrelated `other`.
-fn manifest(pods: &[&Pod]) -> String {
-    let endpoints: String =
-        pods.iter().map(|p| format!("\n- {{addresses: [{}], nodeName: lab-node}}", p.ip)).collect();
-    format!(
-        r#"apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: lab}}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.10
-  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: 30080}}]
----
-apiVersion: v1
-kind: Service
-metadata: {{name: other, namespace: lab}}
-spec: {{clusterIP: 10.96.0.11, ports: [{{port: 80}}]}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: web-1, namespace: lab, labels: {{kubernetes.io/service-name: web}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080}}]
-endpoints:{endpoints}
-"#
-    )
+fn web_manifest(pods: &[&Pod]) -> String {
+    let web = service("lab", "web")
+        .node_port_type()
+        .cluster_ip("10.96.0.10")
+        .port(port("http", 80).target(8080).node_port(30080));
+    let other = service("lab", "other").cluster_ip("10.96.0.11").port(port(None, 80));
+    let endpoints = pods.iter().map(|p| ep(&p.ip).node("lab-node"));
+    let slice = web.slice().port("http", 8080, Tcp).endpoints(endpoints);
+    manifest(&[&web, &other, &slice])
 }
 
 /// A lab with two web pods and a client pod, in `mode`.
@@ -40,7 +25,7 @@ fn lab(mode: Mode) -> (Lab, Vec<Pod>, Pod) {
     let mut lab = Lab::with_mode(mode).unwrap();
     let pods = lab.add_web_pods(2, &[8080], &[]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
-    lab.write_manifest(&manifest(&pods.iter().collect::<Vec<_>>())).unwrap();
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>())).unwrap();
     (lab, pods, client)
 }
 
@@ -208,7 +193,7 @@ fn a_refused_partial_restore_is_followed_by_a_full_one() {
     let extra = lab.add_pod("web-2", "10.244.1.4").unwrap();
     lab.serve(&extra, &[8080], &[]).unwrap();
     pods.push(extra);
-    lab.write_manifest(&manifest(&pods.iter().collect::<Vec<_>>())).unwrap();
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>())).unwrap();
     wait_for("a full resync", Duration::from_secs(10), || {
         lab.agent_log().matches("full=true").count() >= 2
     });

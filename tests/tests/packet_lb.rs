@@ -11,7 +11,8 @@ use std::{
 };
 
 use proxy_common::Counter;
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, both_modes, tally};
+use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, both_modes, tally, two_node_endpoints};
+use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
 both_modes!(
     node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node,
@@ -62,45 +63,35 @@ fn cluster(setup: Setup, manifest: &str) -> Cluster {
     Cluster { lab, pods, ext, ext2 }
 }
 
-/// A service over the three pods (`a`, `b`, `c` as given) with extra spec
-/// lines and extra endpoints YAML.
-fn service(name: &str, cluster_ip: &str, spec: &str, endpoints: &[&str]) -> String {
-    let endpoints: String = endpoints
-        .iter()
-        .map(|e| {
-            let (ip, node) = match *e {
-                "a" => ("10.244.1.2", "lab-node"),
-                "b" => ("10.244.2.2", "lab-node2"),
-                "c" => ("10.244.2.3", "lab-node2"),
-                other => panic!("no pod {other}"),
-            };
-            format!("\n- {{addresses: [{ip}], nodeName: {node}}}")
-        })
-        .collect();
-    let endpoints = if endpoints.is_empty() { " []".to_string() } else { endpoints };
-    format!(
-        r#"---
-apiVersion: v1
-kind: Service
-metadata: {{name: {name}, namespace: lab}}
-spec:
-  clusterIP: {cluster_ip}
-{spec}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: {name}-1, namespace: lab, labels: {{kubernetes.io/service-name: {name}}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 5353, protocol: UDP}}]
-endpoints:{endpoints}
-"#
-    )
+/// Service `lab/name` at `cluster_ip`.
+fn svc(name: &str, cluster_ip: &str) -> ServiceBuilder {
+    service("lab", name).cluster_ip(cluster_ip)
 }
 
-const PORTS_30080: &str = "  type: NodePort
-  ports:
-  - {name: http, port: 80, targetPort: 8080, nodePort: 30080}
-  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}";
+/// `service` with a slice over the pods `a`, `b`, `c` as given (see
+/// [`two_node_endpoints`]), their ports http 8080 and dns 5353/UDP.
+fn over(service: ServiceBuilder, pods: &[&str]) -> String {
+    let slice = service.slice().port("http", 8080, Tcp).port("dns", 5353, Udp);
+    manifest(&[&service, &slice.endpoints(two_node_endpoints(pods))])
+}
+
+/// A NodePort service: http 80 → 8080 on `http`, dns 53/UDP → 5353 on `dns`.
+fn node_ports(name: &str, cluster_ip: &str, http: i32, dns: i32) -> ServiceBuilder {
+    svc(name, cluster_ip)
+        .node_port_type()
+        .port(port("http", 80).target(8080).node_port(http))
+        .port(port("dns", 53).udp().target(5353).node_port(dns))
+}
+
+/// Service `web` on node ports 30080 and 30053 over `pods`.
+fn web(pods: &[&str]) -> String {
+    over(node_ports("web", "10.96.0.10", 30080, 30053), pods)
+}
+
+/// Node 0 itself, as a host-network endpoint.
+fn host_endpoint() -> test_objects::EndpointBuilder {
+    ep("192.168.100.11").node("lab-node")
+}
 
 fn ok_attempts(attempts: &[Attempt]) -> Vec<(String, String, String)> {
     attempts
@@ -117,7 +108,7 @@ fn peer_ip(peer: &str) -> &str {
 }
 
 fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node(setup: Setup) {
-    let c = cluster(setup, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+    let c = cluster(setup, &web(&["a", "b", "c"]));
     let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "90"]).unwrap();
     let seen = ok_attempts(&attempts);
     assert_eq!(tally(&attempts).len(), 3, "every endpoint: {:?}", tally(&attempts));
@@ -132,11 +123,9 @@ fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node(setup: Set
 }
 
 fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(setup: Setup) {
-    let local =
-        PORTS_30080.replace("type: NodePort", "type: NodePort\n  externalTrafficPolicy: Local");
-    let elsewhere = local.replace("30080", "30081").replace("30053", "30054");
-    let manifest = service("web", "10.96.0.10", &local, &["a", "b", "c"])
-        + &service("far", "10.96.0.11", &elsewhere, &["b", "c"]);
+    let local = node_ports("web", "10.96.0.10", 30080, 30053).external_policy("Local");
+    let elsewhere = node_ports("far", "10.96.0.11", 30081, 30054).external_policy("Local");
+    let manifest = over(local, &["a", "b", "c"]) + &over(elsewhere, &["b", "c"]);
     let c = cluster(setup, &manifest);
 
     // Node 0 has only web-a; node 1 has web-b and web-c.
@@ -168,13 +157,12 @@ fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(
 }
 
 fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
-    let spec = "  type: LoadBalancer
-  externalTrafficPolicy: Local
-  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30080}]
-status:
-  loadBalancer:
-    ingress: [{ip: 10.200.0.10}]";
-    let mut c = cluster(setup, &service("web", "10.96.0.10", spec, &["a", "b", "c"]));
+    let web = svc("web", "10.96.0.10")
+        .load_balancer_type()
+        .external_policy("Local")
+        .port(port("http", 80).target(8080).node_port(30080))
+        .ingress_ip("10.200.0.10");
+    let mut c = cluster(setup, &over(web, &["a", "b", "c"]));
     let addresses = ["192.168.100.11:30080", "10.200.0.10:80"];
 
     // External clients: node 0's endpoint only, their address kept.
@@ -215,16 +203,12 @@ status:
 }
 
 fn load_balancer_and_external_ips_with_source_ranges(setup: Setup) {
-    let spec = "  type: LoadBalancer
-  externalIPs: [10.200.0.11]
-  loadBalancerSourceRanges: [192.168.100.101/32]
-  ports:
-  - {name: http, port: 80, targetPort: 8080, nodePort: 30090}
-  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30091}
-status:
-  loadBalancer:
-    ingress: [{ip: 10.200.0.10}]";
-    let c = cluster(setup, &service("lb", "10.96.0.12", spec, &["a", "b", "c"]));
+    let lb = node_ports("lb", "10.96.0.12", 30090, 30091)
+        .load_balancer_type()
+        .external_ips(&["10.200.0.11"])
+        .source_ranges(&["192.168.100.101/32"])
+        .ingress_ip("10.200.0.10");
+    let c = cluster(setup, &over(lb, &["a", "b", "c"]));
 
     let admitted = c.lab.client_outside(&c.ext, &["tcp", "10.200.0.10:80", "30"]).unwrap();
     assert_eq!(tally(&admitted).len(), 3, "the LB IP reaches the service: {admitted:?}");
@@ -239,8 +223,8 @@ status:
 }
 
 fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {
-    let ports = "  ports: [{name: http, port: 80, targetPort: 8080}]";
-    let c = cluster(setup, &service("self", "10.96.0.20", ports, &["a"]));
+    let web = svc("self", "10.96.0.20").port(port("http", 80).target(8080));
+    let c = cluster(setup, &over(web, &["a"]));
     // web-a is outside the socket-LB cgroup: only tc sees its packets.
     let attempts = c.lab.client_outside(&c.pods[0], &["tcp", "10.96.0.20:80", "10"]).unwrap();
     for (name, peer, from) in ok_attempts(&attempts) {
@@ -251,10 +235,10 @@ fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {
 }
 
 fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node(setup: Setup) {
-    let ports = "  ports:
-  - {name: http, port: 80, targetPort: 8080}
-  - {name: dns, port: 53, protocol: UDP, targetPort: 5353}";
-    let mut c = cluster(setup, &service("far", "10.96.0.21", ports, &["b", "c"]));
+    let far = svc("far", "10.96.0.21")
+        .port(port("http", 80).target(8080))
+        .port(port("dns", 53).udp().target(5353));
+    let mut c = cluster(setup, &over(far, &["b", "c"]));
     let client = c.lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
     let attempts = c.lab.client_outside(&client, &["tcp", "10.96.0.21:80", "40"]).unwrap();
     assert_eq!(tally(&attempts).len(), 2);
@@ -274,7 +258,7 @@ fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows(setup: Setup)
     let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
     lab.serve(&pod, &[8080], &[]).unwrap();
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-    lab.write_manifest(&service("web", "10.96.0.10", PORTS_30080, &["a"])).unwrap();
+    lab.write_manifest(&web(&["a"])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     lab.start_agent(&["--conntrack-tcp-timeout-time-wait", "2s"]).unwrap();
 
@@ -304,7 +288,7 @@ fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows(setup: Setup)
 }
 
 fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(setup: Setup) {
-    let mut c = cluster(setup, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+    let mut c = cluster(setup, &web(&["a", "b", "c"]));
     // One socket, one flow: 30 datagrams over 3 s.
     let mut client = c
         .lab
@@ -320,7 +304,7 @@ fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(setup: Setup) {
 
     let remaining: Vec<&str> =
         ["a", "b", "c"].into_iter().filter(|p| format!("web-{p}") != stuck_to).collect();
-    c.lab.write_manifest(&service("web", "10.96.0.10", PORTS_30080, &remaining)).unwrap();
+    c.lab.write_manifest(&web(&remaining)).unwrap();
     let changed = Instant::now();
     let mut after = Vec::new();
     for line in lines {
@@ -351,7 +335,7 @@ fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(setup: Setup) {
 }
 
 fn fragmented_datagrams_through_a_node_port(setup: Setup) {
-    let c = cluster(setup, &service("web", "10.96.0.10", PORTS_30080, &["a", "b", "c"]));
+    let c = cluster(setup, &web(&["a", "b", "c"]));
     // 4000 bytes: three fragments on a 1500-byte MTU.
     let attempts = c
         .lab
@@ -364,7 +348,7 @@ fn fragmented_datagrams_through_a_node_port(setup: Setup) {
 }
 
 fn no_endpoints_are_refused_not_timed_out(setup: Setup) {
-    let c = cluster(setup, &service("empty", "10.96.0.30", PORTS_30080, &[]));
+    let c = cluster(setup, &over(node_ports("empty", "10.96.0.30", 30080, 30053), &[]));
     let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "3"]).unwrap();
     for attempt in &attempts {
         assert!(
@@ -380,13 +364,12 @@ fn no_endpoints_are_refused_not_timed_out(setup: Setup) {
 
 fn internal_local_policy_and_client_ip_affinity_per_packet(setup: Setup) {
     let local =
-        "  internalTrafficPolicy: Local\n  ports: [{name: http, port: 80, targetPort: 8080}]";
-    let sticky = "  type: NodePort
-  sessionAffinity: ClientIP
-  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}
-  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30085}]";
-    let manifest = service("loc", "10.96.0.40", local, &["a", "b", "c"])
-        + &service("sticky", "10.96.0.41", sticky, &["a", "b", "c"]);
+        svc("loc", "10.96.0.40").internal_policy("Local").port(port("http", 80).target(8080));
+    let sticky = svc("sticky", "10.96.0.41")
+        .node_port_type()
+        .client_ip_affinity(Some(60))
+        .port(port("http", 80).target(8080).node_port(30085));
+    let manifest = over(local, &["a", "b", "c"]) + &over(sticky, &["a", "b", "c"]);
     let mut c = cluster(setup, &manifest);
 
     // internalTrafficPolicy: Local keeps ClusterIP traffic on the node.
@@ -426,7 +409,7 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
     lab.serve(&pod, &[8080], &[5353]).unwrap();
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-    lab.write_manifest(&service("web", "10.96.0.10", PORTS_30080, &["a"])).unwrap();
+    lab.write_manifest(&web(&["a"])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     let netlink = ["--tc-attach", "netlink"];
     lab.start_agent(&netlink).unwrap();
@@ -466,8 +449,8 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
 #[test]
 fn ebpf_pods_created_after_the_agent_are_served_per_packet_through_link_notifications() {
     let mut lab = Lab::new().unwrap();
-    let ports = "  ports: [{name: http, port: 80, targetPort: 8080}]";
-    lab.write_manifest(&service("web", "10.96.0.10", ports, &["a"])).unwrap();
+    let web = svc("web", "10.96.0.10").port(port("http", 80).target(8080));
+    lab.write_manifest(&over(web, &["a"])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     // The safety-net scan effectively off: only notifications attach in time.
     lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR, "--interface-rescan-period", "1h"]).unwrap();
@@ -514,24 +497,11 @@ fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service
     lab.serve(&host, &[9090], &[]).unwrap();
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
-    lab.write_manifest(
-        r#"apiVersion: v1
-kind: Service
-metadata: {name: hostnet, namespace: lab}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.50
-  ports: [{name: http, port: 80, targetPort: 9090, nodePort: 30099}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: hostnet-1, namespace: lab, labels: {kubernetes.io/service-name: hostnet}}
-addressType: IPv4
-ports: [{name: http, port: 9090}]
-endpoints: [{addresses: [192.168.100.11], nodeName: lab-node}]
-"#,
-    )
-    .unwrap();
+    let hostnet = svc("hostnet", "10.96.0.50")
+        .node_port_type()
+        .port(port("http", 80).target(9090).node_port(30099));
+    let slice = hostnet.slice().port("http", 9090, Tcp).endpoint(host_endpoint());
+    lab.write_manifest(&manifest(&[&hostnet, &slice])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
 
@@ -558,7 +528,7 @@ endpoints: [{addresses: [192.168.100.11], nodeName: lab-node}]
 /// NodePort with policy Cluster, a ClusterIP from outside the cluster CIDR)
 /// towards web-b on node 1.
 fn path_mtu_discovery_through_a_node_port_and_a_cluster_ip(setup: Setup) {
-    let mut c = cluster(setup, &service("web", "10.96.0.10", PORTS_30080, &["b"]));
+    let mut c = cluster(setup, &web(&["b"]));
     let far = c.lab.add_far_external("far", 1280).unwrap();
     for target in ["192.168.100.11:30080", "10.96.0.10:80"] {
         // A stalled transfer fails at its first read of more than 5 s.
@@ -586,24 +556,11 @@ fn path_mtu_discovery_through_a_node_port_and_a_cluster_ip(setup: Setup) {
 fn the_stacks_refusal_for_a_host_network_backend_names_the_node_port(setup: Setup) {
     let mut lab = Lab::with(setup).unwrap();
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-    lab.write_manifest(
-        r#"apiVersion: v1
-kind: Service
-metadata: {name: hostnet, namespace: lab}
-spec:
-  type: NodePort
-  clusterIP: 10.96.0.50
-  ports: [{name: dns, port: 53, protocol: UDP, targetPort: 9053, nodePort: 30098}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: hostnet-1, namespace: lab, labels: {kubernetes.io/service-name: hostnet}}
-addressType: IPv4
-ports: [{name: dns, port: 9053, protocol: UDP}]
-endpoints: [{addresses: [192.168.100.11], nodeName: lab-node}]
-"#,
-    )
-    .unwrap();
+    let hostnet = svc("hostnet", "10.96.0.50")
+        .node_port_type()
+        .port(port("dns", 53).udp().target(9053).node_port(30098));
+    let slice = hostnet.slice().port("dns", 9053, Udp).endpoint(host_endpoint());
+    lab.write_manifest(&manifest(&[&hostnet, &slice])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
     let udp = lab.client_outside(&ext, &["udp", "192.168.100.11:30098", "1", "--connect"]).unwrap();

@@ -16,7 +16,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, both_modes, tally, target_bin};
+use proxy_lab::{
+    Attempt, Lab, Mode, Pod, Setup, both_modes, tally, target_bin, two_node_endpoints,
+};
+use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
 both_modes!(
     flows_survive_an_agent_crash_and_restart,
@@ -92,77 +95,45 @@ struct Cluster {
     args: Vec<&'static str>,
 }
 
-fn endpoints(pods: &[&str]) -> String {
-    pods.iter()
-        .map(|p| match *p {
-            "a" => "\n- {addresses: [10.244.1.2], nodeName: lab-node}",
-            "b" => "\n- {addresses: [10.244.2.2], nodeName: lab-node2}",
-            "c" => "\n- {addresses: [10.244.2.3], nodeName: lab-node2}",
-            other => panic!("no pod {other}"),
-        })
-        .collect()
+/// `service` with a slice over the pods `a`, `b`, `c` as given (see
+/// [`two_node_endpoints`]), their ports http 8080, echo 9000 and dns
+/// 5353/UDP.
+fn over(service: ServiceBuilder, pods: &[&str]) -> String {
+    let slice = service.slice().port("http", 8080, Tcp).port("echo", 9000, Tcp);
+    let slice = slice.port("dns", 5353, Udp).endpoints(two_node_endpoints(pods));
+    manifest(&[&service, &slice])
 }
 
-/// A service of the lab's pods, with its HTTP, echo and DNS ports.
-fn service(name: &str, spec: &str, pods: &[&str]) -> String {
-    format!(
-        r#"---
-apiVersion: v1
-kind: Service
-metadata: {{name: {name}, namespace: lab}}
-spec:
-{spec}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: {name}-1, namespace: lab, labels: {{kubernetes.io/service-name: {name}}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080, protocol: TCP}}, {{name: echo, port: 9000, protocol: TCP}}, {{name: dns, port: 5353, protocol: UDP}}]
-endpoints:{}
-"#,
-        endpoints(pods)
-    )
+/// Service `lab/name` at `cluster_ip`.
+fn svc(name: &str, cluster_ip: &str) -> ServiceBuilder {
+    service("lab", name).cluster_ip(cluster_ip)
+}
+
+fn echo() -> test_objects::PortBuilder {
+    port("echo", 90).target(9000)
+}
+
+/// A NodePort service of the web pods: http 80 → 8080 on `node_port`.
+fn http_node_port(name: &str, cluster_ip: &str, node_port: i32) -> ServiceBuilder {
+    svc(name, cluster_ip).node_port_type().port(port("http", 80).target(8080).node_port(node_port))
 }
 
 /// The services the restart scenarios use.
-fn manifest() -> String {
-    [
-        service(
-            "web",
-            "  clusterIP: 10.96.0.10
-  type: NodePort
-  ports:
-  - {name: http, port: 80, targetPort: 8080, nodePort: 30080}
-  - {name: echo, port: 90, targetPort: 9000, nodePort: 30090}
-  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}",
-            &["a", "b", "c"],
-        ),
-        service(
-            "local",
-            "  clusterIP: 10.96.0.11
-  type: NodePort
-  externalTrafficPolicy: Local
-  ports: [{name: echo, port: 90, targetPort: 9000, nodePort: 30091}]",
-            &["a", "b", "c"],
-        ),
-        service(
-            "lb",
-            "  clusterIP: 10.96.0.12
-  type: LoadBalancer
-  ports: [{name: echo, port: 90, targetPort: 9000, nodePort: 30092}]
-status: {loadBalancer: {ingress: [{ip: 10.200.0.10}]}}",
-            &["a", "b", "c"],
-        ),
-        service(
-            "far",
-            "  clusterIP: 10.96.0.21
-  ports:
-  - {name: echo, port: 90, targetPort: 9000}
-  - {name: dns, port: 53, protocol: UDP, targetPort: 5353}",
-            &["b", "c"],
-        ),
-    ]
-    .concat()
+fn services() -> String {
+    let web = http_node_port("web", "10.96.0.10", 30080)
+        .port(echo().node_port(30090))
+        .port(port("dns", 53).udp().target(5353).node_port(30053));
+    let local = svc("local", "10.96.0.11")
+        .node_port_type()
+        .external_policy("Local")
+        .port(echo().node_port(30091));
+    let lb = svc("lb", "10.96.0.12").load_balancer_type().port(echo().node_port(30092));
+    let far = svc("far", "10.96.0.21").port(echo()).port(port("dns", 53).udp().target(5353));
+    let all = ["a", "b", "c"];
+    over(web, &all)
+        + &over(local, &all)
+        + &over(lb.ingress_ip("10.200.0.10"), &all)
+        + &over(far, &["b", "c"])
 }
 
 impl Cluster {
@@ -178,7 +149,7 @@ impl Cluster {
         }
         let client = lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
         let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-        lab.write_manifest(&manifest()).unwrap();
+        lab.write_manifest(&services()).unwrap();
         let mut args = vec!["--cluster-cidr", CLUSTER_CIDR];
         args.extend(extra);
         for node in 0..2 {
@@ -329,12 +300,8 @@ fn flows_survive_an_agent_crash_and_restart(setup: Setup) {
 
 fn flows_survive_a_restart_while_the_services_changed(setup: Setup) {
     let mut c = Cluster::start(setup, &[]);
-    let gone = service(
-        "gone",
-        "  clusterIP: 10.96.0.30\n  type: NodePort\n  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30099}]",
-        &["a"],
-    );
-    c.lab.write_manifest(&(manifest() + &gone)).unwrap();
+    let gone = over(http_node_port("gone", "10.96.0.30", 30099), &["a"]);
+    c.lab.write_manifest(&(services() + &gone)).unwrap();
     let served = |lab: &Lab, ext: &Pod, addr: &str| {
         lab.client_outside(ext, &["--timeout-ms", "1000", "tcp", addr, "1"]).unwrap()
     };
@@ -346,12 +313,8 @@ fn flows_survive_a_restart_while_the_services_changed(setup: Setup) {
     }
     let flows = c.open_flows();
     c.lab.kill_agent_on(0);
-    let added = service(
-        "added",
-        "  clusterIP: 10.96.0.31\n  type: NodePort\n  ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30098}]",
-        &["b", "c"],
-    );
-    c.lab.write_manifest(&(manifest() + &added)).unwrap();
+    let added = over(http_node_port("added", "10.96.0.31", 30098), &["b", "c"]);
+    c.lab.write_manifest(&(services() + &added)).unwrap();
     std::thread::sleep(Duration::from_secs(2));
     c.lab.start_agent_on(0, &c.args).unwrap();
     flows.check(&c.lab, &c.lab.agent_log());
@@ -369,29 +332,10 @@ fn session_affinity_survives_a_restart(setup: Setup) {
     lab.add_web_pods(6, &[8080], &[]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-    let endpoints: String = (0..6)
-        .map(|i| format!("\n- {{addresses: [10.244.1.{}], nodeName: lab-node}}", 2 + i))
-        .collect();
-    lab.write_manifest(&format!(
-        r#"---
-apiVersion: v1
-kind: Service
-metadata: {{name: sticky, namespace: lab}}
-spec:
-  clusterIP: 10.96.0.40
-  type: NodePort
-  sessionAffinity: ClientIP
-  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: 30040}}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: sticky-1, namespace: lab, labels: {{kubernetes.io/service-name: sticky}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080, protocol: TCP}}]
-endpoints:{endpoints}
-"#
-    ))
-    .unwrap();
+    let sticky = http_node_port("sticky", "10.96.0.40", 30040).client_ip_affinity(None);
+    let endpoints = (0..6).map(|i| ep(&format!("10.244.1.{}", 2 + i)).node("lab-node"));
+    let slice = sticky.slice().port("http", 8080, Tcp).endpoints(endpoints);
+    lab.write_manifest(&manifest(&[&sticky, &slice])).unwrap();
     lab.start_agent(&[]).unwrap();
     let pods = |lab: &Lab| {
         let socket = lab.client(&client, &["tcp", "10.96.0.40:80", "5"]).unwrap();

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use proxy_common::Counter;
 use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, Source, both_modes, tally};
+use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service, slice};
 
 both_modes!(
     tcp_connections_spread_uniformly_over_three_endpoints,
@@ -29,49 +30,28 @@ fn web_lab(setup: Setup, n: usize) -> (Lab, Vec<Pod>, Pod) {
     (lab, pods, client)
 }
 
-fn endpoints_yaml(pods: &[&Pod]) -> String {
-    if pods.is_empty() {
-        return "[]".into();
+/// Service `web` at `cluster_ip` (80/TCP → http, 53/UDP → 5353).
+fn web_service(cluster_ip: &str, affinity_secs: Option<i32>) -> ServiceBuilder {
+    let web = service("lab", "web")
+        .cluster_ip(cluster_ip)
+        .port(port("http", 80).protocol(Tcp).target_name("http"))
+        .port(port("dns", 53).udp().target(5353));
+    match affinity_secs {
+        Some(secs) => web.client_ip_affinity(Some(secs)),
+        None => web,
     }
-    pods.iter()
-        .map(|p| {
-            format!(
-                "\n- {{addresses: [{}], conditions: {{ready: true}}, nodeName: lab-node}}",
-                p.ip
-            )
-        })
-        .collect()
 }
 
-/// Service `web` (80/TCP → http, 53/UDP → 5353) and its slice.
-fn web_manifest(pods: &[&Pod], affinity_secs: Option<u32>) -> String {
-    let affinity = affinity_secs.map_or(String::new(), |s| {
-        format!("  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {s}}}}}\n")
-    });
-    format!(
-        r#"apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: lab}}
-spec:
-  clusterIP: {VIP}
-{affinity}  ports:
-  - {{name: http, port: 80, protocol: TCP, targetPort: http}}
-  - {{name: dns, port: 53, protocol: UDP, targetPort: 5353}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-1
-  namespace: lab
-  labels: {{kubernetes.io/service-name: web}}
-addressType: IPv4
-ports:
-- {{name: http, port: 8080, protocol: TCP}}
-- {{name: dns, port: 5353, protocol: UDP}}
-endpoints: {}
-"#,
-        endpoints_yaml(pods)
-    )
+/// `web` and its slice: `pods`, ready, serving http on 8080 and dns on 5353.
+fn with_slice(web: ServiceBuilder, pods: &[&Pod]) -> String {
+    let endpoints = pods.iter().map(|p| ep(&p.ip).ready(true).node("lab-node"));
+    let slice = web.slice().port("http", 8080, Tcp).port("dns", 5353, Udp).endpoints(endpoints);
+    manifest(&[&web, &slice])
+}
+
+/// Service `web` at the VIP and its slice.
+fn web_manifest(pods: &[&Pod], affinity_secs: Option<i32>) -> String {
+    with_slice(web_service(VIP, affinity_secs), pods)
 }
 
 fn tcp(lab: &Lab, client: &Pod, addr: &str, count: usize) -> Vec<Attempt> {
@@ -212,32 +192,17 @@ fn multi_port_service_with_a_named_target_port_per_endpoint(setup: Setup) {
     lab.serve(&b, &[8080, 9100], &[]).unwrap();
     lab.serve(&c, &[8081, 9100], &[]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
-    lab.write_manifest(
-        r#"apiVersion: v1
-kind: Service
-metadata: {name: multi, namespace: lab}
-spec:
-  clusterIP: 10.96.0.20
-  ports:
-  - {name: http, port: 80, targetPort: http}
-  - {name: metrics, port: 9090, targetPort: 9100}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: multi-a, namespace: lab, labels: {kubernetes.io/service-name: multi}}
-addressType: IPv4
-ports: [{name: http, port: 8080}, {name: metrics, port: 9100}]
-endpoints: [{addresses: [10.244.1.2]}, {addresses: [10.244.1.3]}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: multi-b, namespace: lab, labels: {kubernetes.io/service-name: multi}}
-addressType: IPv4
-ports: [{name: http, port: 8081}, {name: metrics, port: 9100}]
-endpoints: [{addresses: [10.244.1.4]}]
-"#,
-    )
-    .unwrap();
+    let multi = service("lab", "multi")
+        .cluster_ip("10.96.0.20")
+        .port(port("http", 80).target_name("http"))
+        .port(port("metrics", 9090).target(9100));
+    let slice = |name, http, ips: &[&str]| {
+        let slice = slice("lab", name).service("multi").port("http", http, Tcp);
+        slice.port("metrics", 9100, Tcp).endpoints(ips.iter().map(|ip| ep(ip)))
+    };
+    let a = slice("multi-a", 8080, &["10.244.1.2", "10.244.1.3"]);
+    let b = slice("multi-b", 8081, &["10.244.1.4"]);
+    lab.write_manifest(&manifest(&[&multi, &a, &b])).unwrap();
     lab.start_agent(&[]).unwrap();
 
     for (vip, expect) in [("10.96.0.20:80", None), ("10.96.0.20:9090", Some(":9100"))] {
@@ -282,8 +247,9 @@ spec: {clusterIP: 10.96.0.33, ports: [{port: eighty}]}
         Source::Manifests => (undecodable, 4),
         Source::ApiServer => ("", 3),
     };
-    let manifest = web_manifest(&pods.iter().collect::<Vec<_>>(), None) + bad + extra;
-    lab.write_manifest(&manifest).unwrap();
+    let pods: Vec<&Pod> = pods.iter().collect();
+    let manifest = |cluster_ip| with_slice(web_service(cluster_ip, None), &pods) + bad + extra;
+    lab.write_manifest(&manifest(VIP)).unwrap();
     lab.start_agent(&[]).unwrap();
 
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 20));
@@ -312,8 +278,7 @@ spec: {clusterIP: 10.96.0.33, ports: [{port: eighty}]}
     assert!(!log.contains("panicked"));
 
     // Breaking the good service keeps its last good version in service.
-    lab.write_manifest(&manifest.replace("clusterIP: 10.96.0.10", "clusterIP: 10.96.0.999"))
-        .unwrap();
+    lab.write_manifest(&manifest("10.96.0.999")).unwrap();
     std::thread::sleep(Duration::from_millis(600));
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
     assert!(lab.agent_log().contains("serving the last good version"));

@@ -306,10 +306,8 @@ mod tests {
     use super::*;
 
     fn service(name: &str, port: i32) -> Service {
-        serde_yaml::from_str(&format!(
-            "{{metadata: {{name: {name}, namespace: lab}}, spec: {{clusterIP: 10.96.0.10, ports: [{{port: {port}}}]}}}}"
-        ))
-        .unwrap()
+        let service = test_objects::service("lab", name).cluster_ip("10.96.0.10");
+        service.port(test_objects::port(None, port)).build()
     }
 
     fn port_of(change: &Option<ParsedService>) -> Option<u16> {

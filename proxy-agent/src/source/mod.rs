@@ -254,17 +254,32 @@ impl Store {
 #[cfg(test)]
 pub(crate) fn model_from_yaml(yaml: &str) -> model::Model {
     use serde::Deserialize as _;
-    let mut snapshot = Snapshot::default();
+    let (mut services, mut slices) = (Vec::new(), Vec::new());
     for doc in serde_yaml::Deserializer::from_str(yaml) {
         let value = serde_yaml::Value::deserialize(doc).unwrap();
         match value.get("kind").and_then(|k| k.as_str()) {
-            Some("Service") => snapshot.add_service(&serde_yaml::from_value(value).unwrap()),
-            Some("EndpointSlice") => snapshot.add_slice(&serde_yaml::from_value(value).unwrap()),
+            Some("Service") => services.push(serde_yaml::from_value(value).unwrap()),
+            Some("EndpointSlice") => slices.push(serde_yaml::from_value(value).unwrap()),
             _ => {}
         }
     }
+    model_of(&services, &slices)
+}
+
+/// A snapshot of these objects, for tests.
+#[cfg(test)]
+pub(crate) fn snapshot_of(services: &[Service], slices: &[EndpointSlice]) -> Snapshot {
+    let mut snapshot = Snapshot::default();
+    services.iter().for_each(|s| snapshot.add_service(s));
+    slices.iter().for_each(|s| snapshot.add_slice(s));
+    snapshot
+}
+
+/// The model of these objects, all valid, for tests.
+#[cfg(test)]
+pub(crate) fn model_of(services: &[Service], slices: &[EndpointSlice]) -> model::Model {
     let mut store = Store::default();
-    store.replace(snapshot);
+    store.replace(snapshot_of(services, slices));
     assert!(store.problems().is_empty(), "{:?}", store.problems());
     store.into_model()
 }
@@ -278,15 +293,15 @@ mod tests {
         serde_yaml::from_str(yaml).unwrap()
     }
 
+    use test_objects::{Protocol::Tcp, ep, port, slice};
+
     fn snapshot(services: &[Service], slices: &[EndpointSlice]) -> Snapshot {
-        let mut snapshot = Snapshot::default();
-        services.iter().for_each(|s| snapshot.add_service(s));
-        slices.iter().for_each(|s| snapshot.add_slice(s));
-        snapshot
+        snapshot_of(services, slices)
     }
 
-    fn slice(yaml: &str) -> EndpointSlice {
-        serde_yaml::from_str(yaml).unwrap()
+    /// `default/name` at `cluster_ip` on port 80.
+    fn on_80(name: &str, cluster_ip: &str) -> Service {
+        test_objects::service("default", name).cluster_ip(cluster_ip).port(port(None, 80)).build()
     }
 
     fn web(name: &str) -> ServiceName {
@@ -327,12 +342,9 @@ mod tests {
     #[test]
     fn changes_are_counted_with_their_trigger_times() {
         let slice = |ip: &str, at: &str| -> EndpointSlice {
-            slice(&format!(
-                "{{metadata: {{name: web-1, annotations: {{endpoints.kubernetes.io/last-change-trigger-time: \"{at}\"}}, labels: {{kubernetes.io/service-name: web}}}}, addressType: IPv4, endpoints: [{{addresses: [{ip}]}}]}}"
-            ))
+            slice("default", "web-1").service("web").trigger_time(at).endpoint(ep(ip)).build()
         };
-        let web_service =
-            service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
+        let web_service = on_80("web", "10.96.0.10");
         let mut store = Store::default();
         let first = snapshot(
             std::slice::from_ref(&web_service),
@@ -356,10 +368,8 @@ mod tests {
 
     #[test]
     fn an_undecodable_object_keeps_its_last_good_version() {
-        let good =
-            service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");
         let mut store = Store::default();
-        store.replace(snapshot(&[good], &[]));
+        store.replace(snapshot(&[on_80("web", "10.96.0.10")], &[]));
         let rejected = ObjectRef { kind: "Service".into(), name: web("web") };
         store.replace(Snapshot { rejected: vec![rejected], ..Default::default() });
         assert_eq!(store.problems().len(), 1);
@@ -371,16 +381,13 @@ mod tests {
         let mut store = Store::default();
         let mut changes = Changes::default();
         for name in ["a", "b"] {
-            let svc = service(&format!(
-                "{{metadata: {{name: {name}}}, spec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}]}}}}"
-            ));
-            changes.services.insert(web(name), Some(model::parse_service(&svc)));
+            changes
+                .services
+                .insert(web(name), Some(model::parse_service(&on_80(name, "10.96.0.1"))));
         }
         let labelled = |service: &str| {
-            let s = slice(&format!(
-                "{{metadata: {{name: s-1, labels: {{kubernetes.io/service-name: {service}}}}}, addressType: IPv4, ports: [{{port: 8080}}], endpoints: [{{addresses: [10.244.1.2]}}]}}"
-            ));
-            Some(model::parse_slice(&s).unwrap().1)
+            let s = slice("default", "s-1").service(service).port(None, 8080, Tcp);
+            Some(model::parse_slice(&s.endpoint(ep("10.244.1.2")).build()).unwrap().1)
         };
         changes.slices.insert(web("s-1"), labelled("a"));
         store.apply(changes);

@@ -331,9 +331,15 @@ icmp     1 29 src=10.244.1.100 dst=10.96.0.10 type=8 code=0 id=7 src=10.96.0.10 
 
     #[test]
     fn node_ports_are_frontends_on_every_node_address_and_serving_endpoints_keep_flows() {
-        let m = crate::source::model_from_yaml(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: dns}\nspec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{name: dns, port: 53, protocol: UDP, nodePort: 30053}, {name: tcp, port: 53}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: dns-1, labels: {kubernetes.io/service-name: dns}}\naddressType: IPv4\nports: [{name: dns, port: 5353, protocol: UDP}]\nendpoints: [{addresses: [10.244.1.2]}, {addresses: [10.244.1.3], conditions: {ready: false, serving: true, terminating: true}}, {addresses: [10.244.1.4], conditions: {ready: false, serving: false}}]\n",
-        );
+        use test_objects::{Protocol::Udp, ep, port, service};
+        let dns = service("default", "dns").node_port_type().cluster_ip("10.96.0.10");
+        let dns = dns.port(port("dns", 53).udp().node_port(30053)).port(port("tcp", 53));
+        let slice = dns.slice().port("dns", 5353, Udp).endpoints([
+            ep("10.244.1.2"),
+            ep("10.244.1.3").ready(false).serving(true).terminating(true),
+            ep("10.244.1.4").ready(false).serving(false),
+        ]);
+        let m = crate::source::model_of(&[dns.build()], &[slice.build()]);
         let other = Ipv4Addr::new(172, 16, 0, 1);
         let udp = udp_services(&m, &[NODE, other]);
         assert_eq!(udp.len(), 1);

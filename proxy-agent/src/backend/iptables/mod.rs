@@ -514,12 +514,18 @@ mod tests {
         Options { cluster_cidr: None, nfacct: false, ..render::tests::options() }
     }
 
+    /// Service `web` (dns 53/UDP → 5353) over `endpoints`, and `other`.
     fn web(endpoints: &[&str]) -> Model {
-        let eps: Vec<String> = endpoints.iter().map(|e| format!("{{addresses: [{e}]}}")).collect();
-        crate::source::model_from_yaml(&format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: 10.96.0.10, ports: [{{name: dns, port: 53, protocol: UDP}}]}}\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: other}}\nspec: {{clusterIP: 10.96.0.11, ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: dns, port: 5353, protocol: UDP}}]\nendpoints: [{}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: other-1, labels: {{kubernetes.io/service-name: other}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{{addresses: [10.244.9.9]}}]\n",
-            eps.join(", ")
-        ))
+        use test_objects::{Protocol::*, ep, port, service};
+        let web = service("default", "web").cluster_ip("10.96.0.10").port(port("dns", 53).udp());
+        let web_slice =
+            web.slice().port("dns", 5353, Udp).endpoints(endpoints.iter().map(|e| ep(e)));
+        let other = service("default", "other").cluster_ip("10.96.0.11").port(port(None, 80));
+        let other_slice = other.slice().port(None, 8080, Tcp).endpoint(ep("10.244.9.9"));
+        crate::source::model_of(
+            &[web.build(), other.build()],
+            &[web_slice.build(), other_slice.build()],
+        )
     }
 
     fn restores(fake: &Fake) -> Vec<&String> {

@@ -820,8 +820,23 @@ pub(crate) mod tests {
     use super::*;
     use crate::model::Protocol;
 
-    fn model(yaml: &str) -> Model {
-        crate::source::model_from_yaml(yaml)
+    use test_objects::{EndpointBuilder, Protocol::Tcp, ServiceBuilder, ep, port, service};
+
+    /// The model of these services, each with its slice.
+    fn model(services: &[(ServiceBuilder, Vec<EndpointBuilder>)]) -> Model {
+        let slices = services.iter().map(|(s, endpoints)| slice(s, endpoints.clone()).build());
+        let services = services.iter().map(|(s, _)| s.clone().build());
+        crate::source::model_of(&services.collect::<Vec<_>>(), &slices.collect::<Vec<_>>())
+    }
+
+    /// Service `default/name` at `cluster_ip`.
+    fn svc(name: &str, cluster_ip: &str) -> ServiceBuilder {
+        service("default", name).cluster_ip(cluster_ip)
+    }
+
+    /// Service `web` at 10.96.0.50, port http 80.
+    fn web() -> ServiceBuilder {
+        svc("web", "10.96.0.50").port(port("http", 80))
     }
 
     /// Options for a node `node-a` at 192.168.100.11, cluster CIDR
@@ -864,22 +879,18 @@ COMMIT
 COMMIT
 "#;
 
-    fn slice(service: &str, endpoints: &str) -> String {
-        format!(
-            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {service}-1, namespace: default, labels: {{kubernetes.io/service-name: {service}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}, {{port: 8080}}]\nendpoints: {endpoints}\n"
-        )
+    /// The service's slice, its `http` and unnamed ports on 8080.
+    fn slice(
+        service: &ServiceBuilder,
+        endpoints: Vec<EndpointBuilder>,
+    ) -> test_objects::SliceBuilder {
+        service.slice().port("http", 8080, Tcp).port(None, 8080, Tcp).endpoints(endpoints)
     }
 
     #[test]
     fn cluster_ip_service_golden() {
-        let m = model(
-            &(String::from(
-                "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.50, ports: [{name: http, port: 80}]}\n",
-            ) + &slice(
-                "web",
-                "[{addresses: [10.244.1.2], nodeName: node-a}, {addresses: [10.244.2.2], nodeName: node-b}]",
-            )),
-        );
+        let endpoints = vec![ep("10.244.1.2").node("node-a"), ep("10.244.2.2").node("node-b")];
+        let m = model(&[(web(), endpoints)]);
         let expected = String::from(FILTER_HEAD)
             + FORWARD
             + "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n"
@@ -899,9 +910,9 @@ COMMIT
 
     #[test]
     fn node_port_local_policy_and_a_service_without_endpoints_golden() {
-        let yaml = String::from(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: np, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.60, externalTrafficPolicy: Local, ports: [{port: 80, nodePort: 30080}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: empty, namespace: default}\nspec: {clusterIP: 10.96.0.70, ports: [{port: 80}]}\n",
-        ) + &slice("np", "[{addresses: [10.244.1.5], nodeName: node-a}]");
+        let np = svc("np", "10.96.0.60").node_port_type().external_policy("Local");
+        let np = (np.port(port(None, 80).node_port(30080)), vec![ep("10.244.1.5").node("node-a")]);
+        let services = [np, (svc("empty", "10.96.0.70").port(port(None, 80)), vec![])];
         let expected = String::from(FILTER_HEAD)
             + "-A KUBE-SERVICES -m comment --comment \"default/empty has no endpoints\" -m tcp -p tcp -d 10.96.0.70 --dport 80 -j REJECT\n"
             + FORWARD
@@ -922,11 +933,17 @@ COMMIT
 -A KUBE-SEP-KKAYSMSONWI56KZA -m comment --comment default/np -m tcp -p tcp -j DNAT --to-destination 10.244.1.5:8080
 "# + NODEPORTS_LAST;
         // kube-proxy walks services in Go map order; we walk them by name.
-        assert_eq!(render(&model(&yaml), &options()).to_string(), expected);
+        assert_eq!(render(&model(&services), &options()).to_string(), expected);
     }
 
-    fn lines(yaml: &str, opts: &Options) -> Vec<String> {
-        render(&model(yaml), opts).to_string().lines().map(str::to_string).collect()
+    /// The rules of a service with its slice.
+    fn lines(
+        service: ServiceBuilder,
+        endpoints: Vec<EndpointBuilder>,
+        opts: &Options,
+    ) -> Vec<String> {
+        let model = model(&[(service, endpoints)]);
+        render(&model, opts).to_string().lines().map(str::to_string).collect()
     }
 
     fn has(lines: &[String], line: &str) {
@@ -935,10 +952,8 @@ COMMIT
 
     #[test]
     fn session_affinity_uses_recent() {
-        let yaml = String::from(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.50, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 300}}, ports: [{name: http, port: 80}]}\n",
-        ) + &slice("web", "[{addresses: [10.244.1.2]}]");
-        let l = lines(&yaml, &options());
+        let sticky = web().client_ip_affinity(Some(300));
+        let l = lines(sticky, vec![ep("10.244.1.2")], &options());
         has(
             &l,
             "-A KUBE-SVC-CDGGSHYLG3RE2FKL -m comment --comment \"default/web:http -> 10.244.1.2:8080\" -m recent --name KUBE-SEP-UIQK3OSOSTRHRPBX --rcheck --seconds 300 --reap -j KUBE-SEP-UIQK3OSOSTRHRPBX",
@@ -957,10 +972,9 @@ COMMIT
 
     #[test]
     fn load_balancer_source_ranges_go_through_the_firewall_chain() {
-        let yaml = String::from(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.50, loadBalancerSourceRanges: [203.0.113.0/25], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.7}]}}\n",
-        ) + &slice("web", "[{addresses: [10.244.1.2]}]");
-        let l = lines(&yaml, &options());
+        let lb = svc("web", "10.96.0.50").load_balancer_type().source_ranges(&["203.0.113.0/25"]);
+        let lb = lb.port(port("http", 80).node_port(30080)).ingress_ip("198.51.100.7");
+        let l = lines(lb, vec![ep("10.244.1.2")], &options());
         has(
             &l,
             "-A KUBE-SERVICES -m comment --comment \"default/web:http loadbalancer IP\" -m tcp -p tcp -d 198.51.100.7 --dport 80 -j KUBE-FW-CDGGSHYLG3RE2FKL",
@@ -990,10 +1004,10 @@ COMMIT
 
     #[test]
     fn local_policies_without_local_endpoints_drop() {
-        let yaml = String::from(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.50, externalTrafficPolicy: Local, internalTrafficPolicy: Local, externalIPs: [10.200.0.5], ports: [{name: http, port: 80, nodePort: 30080}]}\n",
-        ) + &slice("web", "[{addresses: [10.244.2.2], nodeName: node-b}]");
-        let l = lines(&yaml, &options());
+        let local = svc("web", "10.96.0.50").node_port_type().external_policy("Local");
+        let local = local.internal_policy("Local").external_ips(&["10.200.0.5"]);
+        let local = local.port(port("http", 80).node_port(30080));
+        let l = lines(local, vec![ep("10.244.2.2").node("node-b")], &options());
         has(
             &l,
             "-A KUBE-SERVICES -m comment --comment \"default/web:http has no local endpoints\" -m tcp -p tcp -d 10.96.0.50 --dport 80 -j DROP",
@@ -1016,13 +1030,10 @@ COMMIT
 
     #[test]
     fn masquerade_all_and_nodeport_addresses() {
-        let yaml = String::from(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.50, ports: [{name: http, port: 80}]}\n",
-        ) + &slice("web", "[{addresses: [10.244.1.2]}]");
         let mut opts = options();
         opts.masquerade_all = true;
         opts.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap().unwrap()];
-        let l = lines(&yaml, &opts);
+        let l = lines(web(), vec![ep("10.244.1.2")], &opts);
         has(
             &l,
             "-A KUBE-SVC-CDGGSHYLG3RE2FKL -m comment --comment \"default/web:http cluster IP\" -m tcp -p tcp -d 10.96.0.50 --dport 80 -j KUBE-MARK-MASQ",
@@ -1035,15 +1046,11 @@ COMMIT
 
     #[test]
     fn large_clusters_drop_per_endpoint_comments() {
-        let endpoints: String = (0..1001)
-            .map(|i| format!("{{addresses: [10.245.{}.{}]}},", i / 250, i % 250 + 1))
-            .collect();
-        let yaml = String::from(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.50, ports: [{name: http, port: 80}]}\n",
-        ) + &slice("web", &format!("[{}]", endpoints.trim_end_matches(',')));
-        let l = lines(&yaml, &options());
+        let endpoints: Vec<EndpointBuilder> =
+            (0..1001).map(|i| ep(&format!("10.245.{}.{}", i / 250, i % 250 + 1))).collect();
+        let l = lines(web(), endpoints.clone(), &options());
         let sep = endpoint_chain(
-            &model(&yaml).ports().next().unwrap().name,
+            &model(&[(web(), endpoints)]).ports().next().unwrap().name,
             Protocol::Tcp,
             "10.245.0.1:8080",
         );
