@@ -97,29 +97,74 @@ pub const SCOPE_EXTERNAL: u8 = 0;
 /// short-circuits their traffic to the service's cluster-wide chain.
 pub const SCOPE_INTERNAL: u8 = 1;
 
-/// `ServiceValue::flags`: the service has `sessionAffinity: ClientIP`.
-pub const SVC_FLAG_AFFINITY: u16 = 1 << 0;
-/// A NodePort, externalIP or LoadBalancer frontend; with
-/// `externalTrafficPolicy: Cluster` its clients are SNATed to the node.
-pub const SVC_FLAG_EXTERNAL: u16 = 1 << 1;
-/// The traffic policy of this frontend is Local: only local backends, and the
-/// client address is kept.
-pub const SVC_FLAG_LOCAL: u16 = 1 << 2;
-/// With no backend, drop (policy Local with endpoints elsewhere) instead of
-/// rejecting (no endpoints at all), as kube-proxy does.
-pub const SVC_FLAG_DROP_EMPTY: u16 = 1 << 3;
-/// Only sources in `SOURCE_RANGES` for this frontend may connect
-/// (loadBalancerSourceRanges).
-pub const SVC_FLAG_SOURCE_RANGES: u16 = 1 << 4;
-/// On a `SCOPE_EXTERNAL` frontend: an internal-scope frontend at the same
-/// address serves in-cluster clients (Cilium's "two scopes").
-pub const SVC_FLAG_TWO_SCOPES: u16 = 1 << 5;
+/// Declares a set of one-bit flags stored as a plain integer (a map value's
+/// field, so its bits are part of the map's layout): a named predicate per
+/// flag and a builder that sets or clears it, so no side writes a mask.
+macro_rules! flags {
+    ($(#[$doc:meta])* $name:ident($bits:ty) {
+        $($(#[$fdoc:meta])* $bit:literal: $is:ident, $with:ident;)*
+    }) => {
+        $(#[$doc])*
+        #[repr(transparent)]
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name {
+            bits: $bits,
+        }
 
-/// `Backend::flags`: the endpoint runs on this node (`--hostname-override`).
-pub const BACKEND_FLAG_LOCAL: u8 = 1 << 0;
-/// `Backend::flags`: the endpoint is one of this node's own addresses (a
-/// host-network pod): per packet it is reached through the stack, unSNATed.
-pub const BACKEND_FLAG_HOST: u8 = 1 << 1;
+        impl $name {
+            /// No flag set.
+            pub const EMPTY: Self = Self { bits: 0 };
+
+            $(
+                $(#[$fdoc])*
+                #[doc = concat!("\n\nBit ", stringify!($bit), ".")]
+                pub const fn $is(self) -> bool {
+                    self.bits & (1 << $bit) != 0
+                }
+
+                #[doc = concat!("These flags with [`Self::", stringify!($is), "`] as `on` says.")]
+                pub const fn $with(self, on: bool) -> Self {
+                    let bit: $bits = 1 << $bit;
+                    Self { bits: if on { self.bits | bit } else { self.bits & !bit } }
+                }
+            )*
+        }
+    };
+}
+
+flags!(
+    /// `ServiceValue::flags`: how the programs treat a frontend.
+    ServiceFlags(u16) {
+        /// The service has `sessionAffinity: ClientIP`.
+        0: is_affinity, with_affinity;
+        /// A NodePort, externalIP or LoadBalancer frontend; with
+        /// `externalTrafficPolicy: Cluster` its clients are SNATed to the node.
+        1: is_external, with_external;
+        /// The traffic policy of this frontend is Local: only local backends,
+        /// and the client address is kept.
+        2: is_local_only, with_local_only;
+        /// With no backend, drop (policy Local with endpoints elsewhere)
+        /// instead of rejecting (no endpoints at all), as kube-proxy does.
+        3: drops_when_empty, with_drop_when_empty;
+        /// Only sources in `SOURCE_RANGES` for this frontend may connect
+        /// (loadBalancerSourceRanges).
+        4: has_source_ranges, with_source_ranges;
+        /// On a `SCOPE_EXTERNAL` frontend: an internal-scope frontend at the
+        /// same address serves in-cluster clients (Cilium's "two scopes").
+        5: has_two_scopes, with_two_scopes;
+    }
+);
+
+flags!(
+    /// `Backend::flags`: where the endpoint is.
+    BackendFlags(u8) {
+        /// The endpoint runs on this node (`--hostname-override`).
+        0: is_local, with_local;
+        /// The endpoint is one of this node's own addresses (a host-network
+        /// pod): per packet it is reached through the stack, unSNATed.
+        1: is_host, with_host;
+    }
+);
 
 /// Key of the services map. Slot 0 is the frontend entry; slots `1..=count`
 /// hold the ids of the service's backends.
@@ -158,14 +203,7 @@ pub struct ServiceValue {
     pub rev_nat_id: u32,
     pub affinity_timeout_secs: u32,
     pub count: u16,
-    pub flags: u16,
-}
-
-impl ServiceValue {
-    /// In-cluster clients of this frontend get the internal-scope one.
-    pub const fn has_two_scopes(&self) -> bool {
-        self.flags & SVC_FLAG_TWO_SCOPES != 0
-    }
+    pub flags: ServiceFlags,
 }
 
 /// Value of the backends map, keyed by a `u32` backend id.
@@ -175,7 +213,7 @@ pub struct Backend {
     pub address: [u8; 4],
     pub port: u16,
     pub proto: u8,
-    pub flags: u8,
+    pub flags: BackendFlags,
 }
 
 /// Value of the reverse-NAT map, keyed by a `u32` reverse-NAT id: the
@@ -672,6 +710,32 @@ mod tests {
         assert_eq!(size_of::<FragKey>(), 12);
         assert_eq!(size_of::<FragRewrite>(), 8);
         assert_eq!(size_of::<Config>(), 36);
+    }
+
+    #[test]
+    fn flags_keep_their_bits() {
+        // The bits are part of the SERVICES and BACKENDS layouts.
+        // SAFETY: both types are repr(transparent) over the integer.
+        let svc = |f: ServiceFlags| unsafe { core::mem::transmute::<ServiceFlags, u16>(f) };
+        let backend = |f: BackendFlags| unsafe { core::mem::transmute::<BackendFlags, u8>(f) };
+        let e = ServiceFlags::EMPTY;
+        let each = [
+            e.with_affinity(true),
+            e.with_external(true),
+            e.with_local_only(true),
+            e.with_drop_when_empty(true),
+            e.with_source_ranges(true),
+            e.with_two_scopes(true),
+        ];
+        assert_eq!(each.map(svc), [1, 2, 4, 8, 16, 32]);
+        let b = BackendFlags::EMPTY;
+        assert_eq!([b.with_local(true), b.with_host(true)].map(backend), [1, 2]);
+
+        let f = e.with_external(true).with_local_only(true).with_drop_when_empty(true);
+        assert!(f.is_external() && f.is_local_only() && f.drops_when_empty());
+        assert!(!f.is_affinity() && !f.has_source_ranges() && !f.has_two_scopes());
+        assert_eq!(f.with_local_only(false), e.with_external(true).with_drop_when_empty(true));
+        assert_eq!(ServiceFlags::default(), e);
     }
 
     fn cfg() -> Config {

@@ -2,8 +2,7 @@
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Counter, SCOPE_INTERNAL, SVC_FLAG_AFFINITY, ServiceKey,
-    ServiceValue,
+    AffinityKey, AffinityValue, Backend, Counter, SCOPE_INTERNAL, ServiceKey, ServiceValue,
 };
 
 use crate::maps::{AFFINITY, BACKENDS, SERVICES, count};
@@ -51,7 +50,7 @@ pub fn select_in_cluster(key: &ServiceKey, client: u64, kind: u8) -> Verdict {
 /// One flag test for every other frontend.
 #[inline(always)]
 pub fn in_cluster_scope(key: &ServiceKey, svc: &ServiceValue) -> (ServiceKey, ServiceValue) {
-    if svc.has_two_scopes() {
+    if svc.flags.has_two_scopes() {
         let internal = key.with_scope(SCOPE_INTERNAL);
         if let Some(value) = lookup_frontend(&internal) {
             return (internal, value);
@@ -70,7 +69,7 @@ pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Ve
         return Verdict::NoBackend;
     }
     let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, kind, _pad: [0; 3] };
-    let affine = svc.flags & SVC_FLAG_AFFINITY != 0;
+    let affine = svc.flags.is_affinity();
     let now = unsafe { bpf_ktime_get_ns() };
     if affine && let Some((_, backend)) = affine_backend(&affinity_key, svc, now) {
         count(Counter::AffinityHit);

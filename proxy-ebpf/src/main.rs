@@ -10,6 +10,7 @@ mod maps;
 mod packet;
 mod reject;
 mod sock_lb;
+mod tc_act;
 mod tc_lb;
 
 use aya_ebpf::{

@@ -15,7 +15,7 @@ use proxy_common::{
 use crate::{
     maps::count,
     packet::{self, ETH_HLEN, IPPROTO_ICMP, Packet},
-    tc_lb::SHOT,
+    tc_act::SHOT,
 };
 
 const IP_OFF: usize = ETH_HLEN;

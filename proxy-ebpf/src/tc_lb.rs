@@ -19,9 +19,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AFFINITY_CLIENT_IPV4, BACKEND_FLAG_HOST, Backend, Config, Counter, CtKey, FragKey, FragRewrite,
-    SOURCE_RANGE_PREFIX_BITS, SVC_FLAG_DROP_EMPTY, SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL,
-    SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRangeKey,
+    AFFINITY_CLIENT_IPV4, Backend, Config, Counter, CtKey, FragKey, FragRewrite,
+    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SourceRangeKey,
 };
 
 use crate::{
@@ -30,16 +29,10 @@ use crate::{
     maps::{CONFIG, FRAGMENTS, SOURCE_RANGES, count},
     packet::{self, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
     reject,
+    tc_act::{NEXT, SHOT, STACK},
 };
 
 const AF_INET: u8 = 2;
-
-/// Not ours: the next program (TCX) or the stack takes the packet as it is.
-pub const NEXT: i32 = -1;
-/// Translated, but the stack delivers it (a local address, or no route).
-pub const STACK: i32 = 0;
-/// Dropped.
-pub const SHOT: i32 = 2;
 
 #[inline(always)]
 pub fn try_ingress(ctx: &TcContext) -> i32 {
@@ -59,7 +52,7 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
 
     let key = ServiceKey::new(pkt.tuple.daddr, pkt.tuple.dport, pkt.tuple.proto, 0);
     let Some(svc) = lb::lookup_frontend(&key) else { return NEXT };
-    if svc.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed(&svc, pkt.tuple.saddr) {
+    if svc.flags.has_source_ranges() && !source_allowed(&svc, pkt.tuple.saddr) {
         count(Counter::Dropped);
         return SHOT;
     }
@@ -68,7 +61,7 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
         if from_pods(cfg, pkt.tuple.saddr) { lb::in_cluster_scope(&key, &svc) } else { (key, svc) };
     match lb::choose(&scoped_key, &scoped, client, AFFINITY_CLIENT_IPV4) {
         Verdict::NotAService => NEXT,
-        Verdict::NoBackend if scoped.flags & SVC_FLAG_DROP_EMPTY != 0 => {
+        Verdict::NoBackend if scoped.flags.drops_when_empty() => {
             count(Counter::Dropped);
             SHOT
         }
@@ -113,14 +106,14 @@ fn from_pods(cfg: &Config, saddr: [u8; 4]) -> bool {
 fn needs_snat(svc: &ServiceValue, cfg: &Config, pkt: &Packet, backend: &Backend) -> bool {
     // A host-network backend answers from this node anyway, and a packet
     // from a node address to a node address would be a martian.
-    if backend.flags & BACKEND_FLAG_HOST != 0 {
+    if backend.flags.is_host() {
         return false;
     }
     if backend.address == pkt.tuple.saddr {
         return true;
     }
-    if svc.flags & SVC_FLAG_EXTERNAL != 0 {
-        return svc.flags & SVC_FLAG_LOCAL == 0;
+    if svc.flags.is_external() {
+        return !svc.flags.is_local_only();
     }
     cfg.masquerade_all != 0
         || (cfg.cluster_cidr_prefix != 0

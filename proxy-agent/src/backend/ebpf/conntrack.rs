@@ -50,7 +50,7 @@ pub fn flows_to(entries: &[(CtKey, CtEntry)], backends: &[Backend]) -> Vec<CtKey
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proxy_common::{CT_FLAG_SNAT, IPPROTO_UDP};
+    use proxy_common::{BackendFlags, CT_FLAG_SNAT, IPPROTO_UDP};
 
     /// A flow client:40000 -> 10.96.0.10:53 sent to backend:5353, SNATed to
     /// 192.168.1.1:61000.
@@ -103,8 +103,12 @@ mod tests {
         let mut entries = Vec::new();
         entries.extend(flow(1, 2, [10, 10]));
         entries.extend(flow(2, 3, [10, 10]));
-        let backend =
-            Backend { address: [10, 244, 0, 2], port: 5353, proto: IPPROTO_UDP, flags: 0 };
+        let backend = Backend {
+            address: [10, 244, 0, 2],
+            port: 5353,
+            proto: IPPROTO_UDP,
+            flags: BackendFlags::EMPTY,
+        };
         let gone = flows_to(&entries, &[backend]);
         assert_eq!(gone.len(), 2);
         assert!(gone.contains(&entries[0].0) && gone.contains(&entries[1].0));

@@ -25,10 +25,8 @@
 use std::collections::{BTreeMap, BTreeSet, btree_map::Entry};
 
 use proxy_common::{
-    BACKEND_FLAG_HOST, BACKEND_FLAG_LOCAL, Backend, IPPROTO_TCP, IPPROTO_UDP, MAX_SOURCE_RANGES,
-    RevNat, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_FLAG_AFFINITY, SVC_FLAG_DROP_EMPTY,
-    SVC_FLAG_EXTERNAL, SVC_FLAG_LOCAL, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_TWO_SCOPES, ServiceKey,
-    ServiceValue,
+    Backend, BackendFlags, IPPROTO_TCP, IPPROTO_UDP, MAX_SOURCE_RANGES, RevNat, SCOPE_EXTERNAL,
+    SCOPE_INTERNAL, ServiceFlags, ServiceKey, ServiceValue,
 };
 
 use super::carry::Reserved;
@@ -421,7 +419,7 @@ impl SyncState {
                 ops.push(MapOp::DeleteSourceRange { frontend, rev_nat_id, cidr });
             }
             let kept: BTreeSet<u32> = backend_ids.iter().copied().collect();
-            let had_affinity = installed.value.is_some_and(|v| v.flags & SVC_FLAG_AFFINITY != 0);
+            let had_affinity = installed.value.is_some_and(|v| v.flags.is_affinity());
             if fp.affinity_timeout_secs.is_none() && had_affinity {
                 // Switched off: entries must not resurface if it comes back.
                 purge.insert(rev_nat_id, BTreeSet::new());
@@ -450,7 +448,7 @@ impl SyncState {
                 });
             }
             ops.push(MapOp::DeleteRevNat { frontend: **frontend, id: installed.rev_nat_id });
-            if installed.value.is_some_and(|v| v.flags & SVC_FLAG_AFFINITY != 0) {
+            if installed.value.is_some_and(|v| v.flags.is_affinity()) {
                 purge.insert(installed.rev_nat_id, BTreeSet::new());
             }
         }
@@ -591,18 +589,14 @@ impl SyncState {
 }
 
 /// The frontend flags the programs act on.
-fn flags(fp: &FrontendPlan) -> u16 {
-    [
-        (fp.affinity_timeout_secs.is_some(), SVC_FLAG_AFFINITY),
-        (fp.external, SVC_FLAG_EXTERNAL),
-        (fp.local, SVC_FLAG_LOCAL),
-        (fp.drop_when_empty, SVC_FLAG_DROP_EMPTY),
-        (!fp.source_ranges.is_empty(), SVC_FLAG_SOURCE_RANGES),
-        (fp.two_scopes, SVC_FLAG_TWO_SCOPES),
-    ]
-    .iter()
-    .filter(|(on, _)| *on)
-    .fold(0, |flags, (_, flag)| flags | flag)
+fn flags(fp: &FrontendPlan) -> ServiceFlags {
+    ServiceFlags::EMPTY
+        .with_affinity(fp.affinity_timeout_secs.is_some())
+        .with_external(fp.external)
+        .with_local_only(fp.local)
+        .with_drop_when_empty(fp.drop_when_empty)
+        .with_source_ranges(!fp.source_ranges.is_empty())
+        .with_two_scopes(fp.two_scopes)
 }
 
 /// Slot for each backend: those already installed in a slot within the new
@@ -641,10 +635,7 @@ fn backend(frontend: &Frontend, planned: &BackendPlan) -> Backend {
         address: planned.addr.ip().octets(),
         port: planned.addr.port(),
         proto: proto(frontend.protocol),
-        flags: [(planned.local, BACKEND_FLAG_LOCAL), (planned.host, BACKEND_FLAG_HOST)]
-            .iter()
-            .filter(|(on, _)| *on)
-            .fold(0, |flags, (_, flag)| flags | flag),
+        flags: BackendFlags::EMPTY.with_local(planned.local).with_host(planned.host),
     }
 }
 
@@ -677,11 +668,11 @@ mod tests {
         fn check(&self) {
             for (key, value) in self.services.iter().filter(|(k, _)| k.slot == 0) {
                 assert!(self.rev_nat.contains_key(&value.rev_nat_id), "{key:?} without rev nat");
-                if value.flags & SVC_FLAG_SOURCE_RANGES != 0 {
+                if value.flags.has_source_ranges() {
                     let rev = value.rev_nat_id;
                     assert!(self.source_ranges.iter().any(|(r, _)| *r == rev), "{key:?} ranges");
                 }
-                if value.flags & SVC_FLAG_TWO_SCOPES != 0 {
+                if value.flags.has_two_scopes() {
                     let twin = key.with_scope(SCOPE_INTERNAL);
                     assert!(self.services.contains_key(&twin), "{key:?} without its twin");
                 }
@@ -796,7 +787,7 @@ mod tests {
             &BackendPlan { addr: "10.244.1.2:8080".parse().unwrap(), local: true, host: false },
         );
         let bytes: [u8; 8] = unsafe { std::mem::transmute(backend) };
-        assert_eq!(bytes, [10, 244, 1, 2, 0x90, 0x1f, 6, BACKEND_FLAG_LOCAL]);
+        assert_eq!(bytes, [10, 244, 1, 2, 0x90, 0x1f, 6, 1], "flags: local");
     }
 
     #[test]
@@ -1010,7 +1001,7 @@ mod tests {
     /// frontend its flags, affinity, backends, reverse-NAT entry and source
     /// ranges; the backends map; every map's size (no stale entries).
     type Content = (
-        BTreeMap<ServiceKey, (u16, u16, u32, Vec<Backend>, [u8; 4], u16, Vec<Cidr>)>,
+        BTreeMap<ServiceKey, (u16, ServiceFlags, u32, Vec<Backend>, [u8; 4], u16, Vec<Cidr>)>,
         Vec<Backend>,
         [usize; 4],
     );
@@ -1301,7 +1292,7 @@ mod tests {
         let mut maps = Maps::default();
         SyncState::default().sync(&local_policy, None, &mut maps).unwrap();
         let [outer, inner] = [nodeport, twin].map(|f| maps.services[&service_key(&f, 0)]);
-        assert!(outer.has_two_scopes() && !inner.has_two_scopes());
+        assert!(outer.flags.has_two_scopes() && !inner.flags.has_two_scopes());
         assert_ne!(outer.rev_nat_id, inner.rev_nat_id);
         assert_eq!(maps.rev_nat[&outer.rev_nat_id], maps.rev_nat[&inner.rev_nat_id]);
         assert_eq!((outer.count, inner.count), (1, 4));
