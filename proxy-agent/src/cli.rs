@@ -187,6 +187,12 @@ pub struct RunArgs {
     /// How the per-packet program is attached to interfaces
     #[arg(long, value_enum, default_value = "auto")]
     pub tc_attach: TcAttachArg,
+    /// The socket programs translate only for the node's own network
+    /// namespace (the agent's); pods see the ClusterIP and the per-packet
+    /// path serves them (service meshes, VMs in pods), as Cilium's
+    /// socketLB.hostNamespaceOnly
+    #[arg(long)]
+    pub socket_lb_host_netns_only: bool,
     /// Interfaces are followed through the kernel's netlink notifications;
     /// they are also scanned at least this often, in case one was missed
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]

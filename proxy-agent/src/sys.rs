@@ -149,6 +149,35 @@ fn default_route_in(table: &str) -> Option<String> {
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns()`.
+/// The cookie of this process's network namespace, as
+/// `bpf_get_netns_cookie` gives it to the programs (`SO_NETNS_COOKIE`,
+/// Linux 5.14+).
+pub fn netns_cookie() -> io::Result<u64> {
+    const SO_NETNS_COOKIE: libc::c_int = 71;
+    // SAFETY: a fresh socket, closed by the OwnedFd; a u64 out-parameter
+    // of the size given.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fd = <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd);
+        let mut cookie = 0u64;
+        let mut len = size_of::<u64>() as libc::socklen_t;
+        let rc = libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        );
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(cookie)
+    }
+}
+
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: a valid timespec out-parameter.

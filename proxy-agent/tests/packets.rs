@@ -72,12 +72,12 @@ fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
             masquerade_all: 0,
             snat_port_min: 61000,
             snat_port_max: 65000,
-            _pad: 0,
             tcp_syn_timeout_secs: 60,
             tcp_established_timeout_secs: 3600,
             tcp_close_wait_timeout_secs: 3600,
             tcp_time_wait_timeout_secs: 120,
             udp_timeout_secs: 30,
+            ..Config::default()
         })
         .unwrap();
     backend.sync(&Plan { frontends: frontends.into_iter().collect() }, None).unwrap();

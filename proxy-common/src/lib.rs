@@ -599,6 +599,10 @@ pub struct Config {
     /// After both FINs or an RST.
     pub tcp_time_wait_timeout_secs: u32,
     pub udp_timeout_secs: u32,
+    pub _pad2: u32,
+    /// `--socket-lb-host-netns-only`: the socket programs translate only for
+    /// sockets of this network namespace (the node's); 0 for every socket.
+    pub host_netns_cookie: u64,
 }
 
 /// Indexes of the per-CPU counters array.
@@ -709,7 +713,7 @@ mod tests {
         assert_eq!(size_of::<SourceRangeKey>(), 8);
         assert_eq!(size_of::<FragKey>(), 12);
         assert_eq!(size_of::<FragRewrite>(), 8);
-        assert_eq!(size_of::<Config>(), 36);
+        assert_eq!(size_of::<Config>(), 48);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use proxy_common::{
 
 use crate::{
     lb::{self, Verdict},
-    maps::{SOCK_REV_NAT, count},
+    maps::{CONFIG, SOCK_REV_NAT, count},
 };
 
 /// Return codes of cgroup sock_addr programs.
@@ -49,6 +49,15 @@ fn service_key(sa: &bpf_sock_addr) -> Option<ServiceKey> {
     Some(ServiceKey::new(sa.user_ip4.to_ne_bytes(), u16::from_be(sa.user_port as u16), proto, 0))
 }
 
+/// Whether sockets of the network namespace `netns` (a cookie) are
+/// translated here: all of them, or with `--socket-lb-host-netns-only` only
+/// the node's own, so pods (service meshes, VMs) see the ClusterIP and the
+/// per-packet path serves them.
+#[inline(always)]
+fn in_scope(netns: u64) -> bool {
+    CONFIG.get(0).is_none_or(|cfg| cfg.host_netns_cookie == 0 || cfg.host_netns_cookie == netns)
+}
+
 /// `connect4` and `sendmsg4`: pick a backend and rewrite the destination.
 /// The clients are pods and node processes, in-cluster clients all (the
 /// node's own as kube-proxy's "LOCAL traffic" rules treat it).
@@ -59,6 +68,9 @@ pub fn try_translate(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     };
     let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    if !in_scope(client) {
+        return ALLOW;
+    }
     match lb::select_in_cluster(&key, client, AFFINITY_CLIENT_NETNS) {
         Verdict::NotAService => ALLOW,
         Verdict::NoBackend => {

@@ -357,3 +357,32 @@ fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it(setup: Setup) 
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 30));
     assert_eq!(tally(&tcp(&lab, &client, "10.96.0.10:80", 60)).len(), 2);
 }
+
+/// `--socket-lb-host-netns-only`: the socket programs leave the sockets of
+/// pods alone (a mesh sidecar or a VM sees the ClusterIP), and the
+/// per-packet path serves them; the node's own sockets are still
+/// translated at `connect()`. eBPF only: the iptables mode has no socket
+/// path.
+#[test]
+fn ebpf_host_netns_only_leaves_pods_to_the_per_packet_path() {
+    let (mut lab, pods, client) = web_lab(Setup::EBPF, 3);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&["--socket-lb-host-netns-only", "--cluster-cidr", "10.244.0.0/16"]).unwrap();
+
+    let before = lab.counter(Counter::CtNew).unwrap();
+    let attempts = tcp(&lab, &client, &format!("{VIP}:80"), 20);
+    all_ok(&attempts);
+    let per_packet = lab.counter(Counter::CtNew).unwrap() - before;
+    assert!(per_packet >= 20, "the pod's connections went per packet: {per_packet} new flows");
+    for attempt in &attempts {
+        let Attempt::Ok { from, peer, .. } = attempt else { unreachable!() };
+        assert_eq!(from, &format!("{VIP}:80"), "the pod's socket still sees the service");
+        assert!(peer.starts_with("10.244.1.100:"), "and the backend the pod: {peer}");
+    }
+
+    let node = Pod { name: "node".into(), netns: lab.node.clone(), ip: "192.168.100.11".into() };
+    let before = lab.counter(Counter::CtNew).unwrap();
+    all_ok(&tcp(&lab, &node, &format!("{VIP}:80"), 10));
+    let per_packet = lab.counter(Counter::CtNew).unwrap() - before;
+    assert_eq!(per_packet, 0, "the node's own sockets are translated at connect()");
+}

@@ -72,7 +72,13 @@ impl EbpfDatapath {
         let sizes = MapSizes { services: max, backends: max, rev_nat: max };
         let mut backend = EbpfBackend::load_with(tc_mode, sizes, Some(&root))
             .context("loading the BPF programs")?;
-        backend.configure(&config(args, &node.ips)).context("writing the datapath settings")?;
+        let host_netns_cookie = if args.socket_lb_host_netns_only {
+            sys::netns_cookie().context("reading this network namespace's cookie")?
+        } else {
+            0
+        };
+        let config = config(args, &node.ips, host_netns_cookie);
+        backend.configure(&config).context("writing the datapath settings")?;
         let (min, max) = args.snat_port_range;
         if let Some((low, high)) = sys::ephemeral_ports()
             && min <= high
@@ -83,7 +89,12 @@ impl EbpfDatapath {
             );
         }
         sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
-        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), "BPF programs loaded");
+        let socket_lb = if host_netns_cookie == 0 {
+            "every network namespace"
+        } else {
+            "the node's network namespace only"
+        };
+        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), socket_lb, "BPF programs loaded");
         let pod_interfaces = args.pod_interfaces.clone();
         Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc: Instant::now() })
     }
@@ -191,7 +202,7 @@ impl Datapath for EbpfDatapath {
 }
 
 /// The datapath's settings from the flags.
-fn config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
+fn config(args: &RunArgs, node_ips: &[Ipv4Addr], host_netns_cookie: u64) -> Config {
     let (cidr, prefix) = args.node.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
     Config {
@@ -207,6 +218,8 @@ fn config(args: &RunArgs, node_ips: &[Ipv4Addr]) -> Config {
         tcp_close_wait_timeout_secs: secs(args.conntrack_tcp_timeout_close_wait),
         tcp_time_wait_timeout_secs: secs(args.conntrack_tcp_timeout_time_wait),
         udp_timeout_secs: secs(args.conntrack_udp_timeout),
+        _pad2: 0,
+        host_netns_cookie,
     }
 }
 
