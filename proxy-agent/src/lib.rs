@@ -16,6 +16,7 @@ pub mod model;
 pub mod node;
 pub mod plan;
 pub mod probe;
+pub mod sockets;
 pub mod source;
 pub mod sys;
 pub mod time;

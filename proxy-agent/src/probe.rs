@@ -37,6 +37,7 @@ pub const CGROUP2: &str = "cgroup v2 mounted";
 pub const PROGRAMS: &str = "programs load (cgroup sock_addr, tc, helpers, BTF maps)";
 pub const CGROUP_LINKS: &str = "bpf_link for cgroups (5.7+)";
 pub const TCX: &str = "TCX attachment (6.6+; else clsact filters)";
+pub const SOCK_DESTROY: &str = "sock_diag SOCK_DESTROY (ends sockets to removed pods)";
 
 /// Picks the mode: eBPF when every required feature is there.
 pub fn decide(features: &[Feature]) -> Decision {
@@ -54,6 +55,7 @@ pub fn run() -> Vec<Feature> {
     let btf = aya::features().btf().is_some();
     let cgroup2 = sys::cgroup2_root();
     let programs = EbpfBackend::load(TcAttach::for_this_kernel());
+    let destroy = crate::sockets::probe();
     vec![
         Feature {
             name: BTF,
@@ -86,6 +88,17 @@ pub fn run() -> Vec<Feature> {
             detail: version.clone(),
         },
         Feature { name: TCX, required: false, found: at_least(6, 6), detail: version },
+        Feature {
+            name: SOCK_DESTROY,
+            required: false,
+            found: destroy.is_ok(),
+            detail: match &destroy {
+                Ok(()) => "supported".into(),
+                Err(e) => format!(
+                    "{e} (CONFIG_INET_DIAG_DESTROY?): connected UDP sockets keep a removed endpoint"
+                ),
+            },
+        },
     ]
 }
 

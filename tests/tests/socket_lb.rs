@@ -386,3 +386,49 @@ fn ebpf_host_netns_only_leaves_pods_to_the_per_packet_path() {
     let per_packet = lab.counter(Counter::CtNew).unwrap() - before;
     assert_eq!(per_packet, 0, "the node's own sockets are translated at connect()");
 }
+
+both_modes!(a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second);
+
+/// A connected UDP socket talking to a pod whose endpoint is removed (the
+/// pod stays and would answer): within a second it gets an error (eBPF: the
+/// agent ends the socket) or a live pod's answer (iptables: the conntrack
+/// entry is flushed), and after reconnecting only live pods answer.
+fn a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Setup) {
+    let (mut lab, pods, client) = web_lab(setup, 3);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+    let args = ["udp", "10.96.0.10:53", "200", "--interval-ms", "50", "--connect", "--reconnect"];
+    let mut child = lab.spawn_client(&client, &args).unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send((Instant::now(), line));
+        }
+    });
+    let next = || lines.recv_timeout(Duration::from_secs(5)).expect("the client answers");
+    let (_, first) = next();
+    let Some(Attempt::Ok { name: gone, .. }) = Attempt::parse(&first) else {
+        panic!("first datagram: {first}")
+    };
+    let kept: Vec<&Pod> = pods.iter().filter(|p| p.name != gone).collect();
+    lab.write_manifest(&web_manifest(&kept, None)).unwrap();
+    let removed = Instant::now();
+    let mut after = Vec::new();
+    while after.len() < 40 {
+        let (at, line) = next();
+        after.push((at.duration_since(removed), Attempt::parse(&line).unwrap()));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = reader.join();
+    let late: Vec<_> = after.iter().filter(|(at, _)| *at > Duration::from_secs(1)).collect();
+    assert!(late.len() > 10, "{after:?}");
+    for (at, attempt) in &late {
+        let pod = attempt.pod().unwrap_or_else(|| panic!("failed {at:?} after: {after:?}"));
+        assert_ne!(pod, gone, "{gone} still answers {at:?} after its removal: {after:?}");
+        let Attempt::Ok { from, .. } = attempt else { unreachable!() };
+        assert_eq!(from, "10.96.0.10:53", "{after:?}");
+    }
+}

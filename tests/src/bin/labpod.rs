@@ -22,7 +22,7 @@ const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS]
     (serve --name NAME [--tcp PORT]... [--udp PORT]... [--echo PORT]... \
     | tcp ADDR COUNT [--interval-ms MS] | tcp-concurrent ADDR COUNT \
     | stream ADDR COUNT [--interval-ms MS] \
-    | udp ADDR COUNT [--interval-ms MS] [--connect] [--size BYTES] | http ADDR PATH [--full] \
+    | udp ADDR COUNT [--interval-ms MS] [--connect [--reconnect]] [--size BYTES] | http ADDR PATH [--full] \
     | bulk ADDR BYTES)";
 
 fn main() -> anyhow::Result<()> {
@@ -293,6 +293,8 @@ fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
     // Larger than the MTU, a datagram leaves in fragments.
     let payload = vec![b'x'; take_opt(args, "--size").map_or(Ok(5), |t| t.parse())?];
     let connect = args.iter().position(|a| a == "--connect").map(|i| args.remove(i)).is_some();
+    // After a failed attempt, connect again (a socket the proxy ended).
+    let reconnect = args.iter().position(|a| a == "--reconnect").map(|i| args.remove(i)).is_some();
     let (addr, count) = target(args)?;
     let socket = UdpSocket::bind("0.0.0.0:0")?;
     socket.set_read_timeout(Some(timeout))?;
@@ -310,7 +312,11 @@ fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
             let (n, from) = socket.recv_from(&mut buf)?;
             Ok((from, String::from_utf8_lossy(&buf[..n]).into_owned()))
         });
+        let failed = result.is_err();
         report(start, result);
+        if failed && reconnect {
+            socket.connect(addr)?;
+        }
     }
     Ok(())
 }

@@ -51,6 +51,8 @@ pub struct EbpfDatapath {
     pod_interfaces: Vec<String>,
     /// When expired conntrack entries are next collected.
     next_gc: Instant,
+    /// The kernel ends sockets on request (`sockets::probe`).
+    ends_sockets: bool,
 }
 
 impl EbpfDatapath {
@@ -96,7 +98,11 @@ impl EbpfDatapath {
         };
         tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), socket_lb, "BPF programs loaded");
         let pod_interfaces = args.pod_interfaces.clone();
-        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc: Instant::now() })
+        let ends_sockets = crate::sockets::probe()
+            .inspect_err(|e| tracing::warn!(error = %e, "this kernel does not end sockets on request (CONFIG_INET_DIAG_DESTROY): a connected UDP socket keeps an endpoint that was removed until it reconnects"))
+            .is_ok();
+        let next_gc = Instant::now();
+        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc, ends_sockets })
     }
 
     fn wanted_interfaces(&self, node_ips: &[Ipv4Addr]) -> std::io::Result<BTreeSet<String>> {
@@ -141,6 +147,15 @@ impl Datapath for EbpfDatapath {
             Ok(0) => {}
             Ok(flushed) => tracing::info!(flushed, "UDP flows to removed endpoints deleted"),
             Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
+        }
+        // Connected sockets would keep sending to the pod that left.
+        let removed = if self.ends_sockets { report.removed_backends.as_slice() } else { &[] };
+        match self.backend.end_udp_sockets(removed) {
+            Ok(0) => {}
+            Ok(ended) => tracing::info!(ended, "UDP sockets connected to removed endpoints ended"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not end UDP sockets connected to removed endpoints")
+            }
         }
         Ok(Synced { full: None, backends })
     }

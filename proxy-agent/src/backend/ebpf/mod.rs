@@ -43,7 +43,7 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP, Layouts,
     MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat, SOURCE_RANGE_PREFIX_BITS, ServiceKey,
-    ServiceValue, SourceRangeKey, map_names,
+    ServiceValue, SockRevNat, SockRevNatKey, SourceRangeKey, map_names,
 };
 
 use carry::{Carry, Conversion, Pinned, STATE_MAPS};
@@ -624,6 +624,34 @@ impl EbpfBackend {
         // A key the datapath gave a new flow meanwhile has a later expiry.
         let deleted = self.delete_conntrack(&stale, |_, e| e.expires_ns < now)?;
         Ok((deleted, entries.len().saturating_sub(deleted)))
+    }
+
+    /// Ends the UDP sockets the socket LB connected to backends that left
+    /// (see [`crate::sockets`]); returns how many.
+    pub fn end_udp_sockets(&self, removed: &[Backend]) -> Result<usize, EbpfError> {
+        let gone: BTreeSet<([u8; 4], u16)> = removed
+            .iter()
+            .filter(|b| b.proto == IPPROTO_UDP)
+            .map(|b| (b.address, b.port))
+            .collect();
+        if gone.is_empty() {
+            return Ok(0);
+        }
+        let name = map_names::SOCK_REV_NAT;
+        let err = |source| EbpfError::Map { name, source };
+        let map = HashMap::<_, SockRevNatKey, SockRevNat>::try_from(&self.maps.sock_rev_nat)
+            .map_err(err)?;
+        let cookies = map
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| gone.contains(&(k.address, k.port)))
+            .map(|k| k.cookie)
+            .collect();
+        crate::sockets::destroy(IPPROTO_UDP, &cookies).map_err(|source| EbpfError::Io {
+            action: "ending sockets to",
+            path: PathBuf::from("removed endpoints"),
+            source,
+        })
     }
 
     /// Deletes the UDP flows to backends that left, as kube-proxy clears

@@ -1,0 +1,289 @@
+//! Ending sockets the socket LB connected to an endpoint that is gone, as
+//! kube-proxy's users expect from its conntrack flush: a connected UDP socket
+//! would otherwise keep sending to the removed pod for as long as it lives.
+//! The kernel's `sock_diag` does it (`SOCK_DESTROY`, `CONFIG_INET_DIAG_DESTROY`):
+//! in every network namespace the agent can see (`/proc/<pid>/ns/net`), the
+//! sockets whose cookie the socket LB recorded for a removed backend are
+//! dumped and destroyed; the application gets an error and its next
+//! `connect()` goes through the service to a live pod.
+//!
+//! The message layouts are the kernel's (`linux/inet_diag.h`), built and
+//! read here as bytes; that part is pure and unit-tested.
+
+use std::{
+    collections::BTreeSet,
+    io,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+};
+
+const NETLINK_SOCK_DIAG: libc::c_int = 4;
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const SOCK_DESTROY: u16 = 21;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_DUMP: u16 = 0x300;
+const NLMSG_HDRLEN: usize = 16;
+/// `struct inet_diag_sockid`.
+const SOCKID_LEN: usize = 48;
+/// `struct inet_diag_req_v2`.
+const REQ_LEN: usize = 8 + SOCKID_LEN;
+/// `struct inet_diag_msg`, up to and including the socket id.
+const MSG_ID_END: usize = 4 + SOCKID_LEN;
+
+/// A socket as `sock_diag` names it: the bytes of its `inet_diag_sockid`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SockId([u8; SOCKID_LEN]);
+
+impl SockId {
+    /// The socket cookie (its last 8 bytes, host order as two u32).
+    fn cookie(&self) -> u64 {
+        let lo = u32::from_ne_bytes(self.0[40..44].try_into().unwrap_or_default());
+        let hi = u32::from_ne_bytes(self.0[44..48].try_into().unwrap_or_default());
+        (u64::from(hi) << 32) | u64::from(lo)
+    }
+}
+
+/// A netlink message: header, then an `inet_diag_req_v2` for IPv4 sockets
+/// of `protocol` in any state, naming `id` (zeros for a dump).
+fn request(kind: u16, flags: u16, seq: u32, protocol: u8, id: Option<&SockId>) -> Vec<u8> {
+    let len = NLMSG_HDRLEN + REQ_LEN;
+    let mut msg = Vec::with_capacity(len);
+    msg.extend_from_slice(&(len as u32).to_ne_bytes());
+    msg.extend_from_slice(&kind.to_ne_bytes());
+    msg.extend_from_slice(&(flags | NLM_F_REQUEST).to_ne_bytes());
+    msg.extend_from_slice(&seq.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.extend_from_slice(&[libc::AF_INET as u8, protocol, 0, 0]);
+    msg.extend_from_slice(&u32::MAX.to_ne_bytes());
+    msg.extend_from_slice(id.map_or(&[0; SOCKID_LEN], |id| &id.0));
+    msg
+}
+
+/// What a buffer of netlink replies says.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Replies {
+    sockets: Vec<SockId>,
+    /// An `NLMSG_DONE`, or an error or ack, ended the exchange.
+    done: bool,
+    /// The errno of an `NLMSG_ERROR` (0: an ack).
+    error: Option<i32>,
+}
+
+fn parse_replies(mut buf: &[u8]) -> Replies {
+    let mut replies = Replies::default();
+    while buf.len() >= NLMSG_HDRLEN {
+        let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap_or_default()) as usize;
+        let kind = u16::from_ne_bytes(buf[4..6].try_into().unwrap_or_default());
+        if len < NLMSG_HDRLEN || len > buf.len() {
+            break;
+        }
+        let body = &buf[NLMSG_HDRLEN..len];
+        match kind {
+            NLMSG_DONE => replies.done = true,
+            NLMSG_ERROR => {
+                replies.done = true;
+                replies.error =
+                    body.get(0..4).map(|e| -i32::from_ne_bytes(e.try_into().unwrap_or_default()));
+            }
+            SOCK_DIAG_BY_FAMILY if body.len() >= MSG_ID_END => {
+                let mut id = [0; SOCKID_LEN];
+                id.copy_from_slice(&body[4..MSG_ID_END]);
+                replies.sockets.push(SockId(id));
+            }
+            _ => {}
+        }
+        // Messages are 4-byte aligned.
+        buf = &buf[((len + 3) & !3).min(buf.len())..];
+    }
+    replies
+}
+
+/// A `sock_diag` socket in the calling thread's network namespace.
+struct Diag {
+    fd: OwnedFd,
+    seq: u32,
+}
+
+impl Diag {
+    fn open() -> io::Result<Self> {
+        // SAFETY: plain socket creation; the fd is owned at once.
+        let fd = unsafe {
+            libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh fd nobody else owns.
+        Ok(Diag { fd: unsafe { OwnedFd::from_raw_fd(fd) }, seq: 0 })
+    }
+
+    /// Sends `msg` and reads replies until the exchange ends.
+    fn exchange(&mut self, msg: &[u8]) -> io::Result<Replies> {
+        // SAFETY: a valid buffer of the given length.
+        let sent = unsafe { libc::send(self.fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) };
+        if sent < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut all = Replies::default();
+        let mut buf = vec![0u8; 32 * 1024];
+        while !all.done {
+            // SAFETY: a valid buffer of the given length.
+            let n =
+                unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if n == 0 {
+                break;
+            }
+            let replies = parse_replies(&buf[..n as usize]);
+            all.sockets.extend(replies.sockets);
+            all.done = replies.done;
+            all.error = replies.error;
+        }
+        Ok(all)
+    }
+
+    /// Destroys the `protocol` sockets of this namespace whose cookie is in
+    /// `cookies`; returns how many.
+    fn destroy(&mut self, protocol: u8, cookies: &BTreeSet<u64>) -> io::Result<usize> {
+        self.seq += 1;
+        let dump =
+            self.exchange(&request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, self.seq, protocol, None))?;
+        let mut destroyed = 0;
+        for id in dump.sockets.iter().filter(|id| cookies.contains(&id.cookie())) {
+            self.seq += 1;
+            let msg = request(SOCK_DESTROY, NLM_F_ACK, self.seq, protocol, Some(id));
+            match self.exchange(&msg)?.error {
+                Some(0) | None => destroyed += 1,
+                // Gone meanwhile.
+                Some(libc::ENOENT) => {}
+                Some(errno) => return Err(io::Error::from_raw_os_error(errno)),
+            }
+        }
+        Ok(destroyed)
+    }
+}
+
+/// The network namespaces of the processes the agent can see, one fd each
+/// (its own first).
+fn namespaces() -> Vec<std::fs::File> {
+    let mut seen = BTreeSet::new();
+    let own = std::path::PathBuf::from("/proc/self/ns/net");
+    let pids = std::fs::read_dir("/proc").into_iter().flatten().flatten().map(|e| e.path());
+    std::iter::once(own)
+        .chain(
+            pids.filter(|p| {
+                p.file_name().is_some_and(|n| n.as_encoded_bytes().iter().all(u8::is_ascii_digit))
+            })
+            .map(|p| p.join("ns/net")),
+        )
+        .filter_map(|path| {
+            let meta = std::fs::metadata(&path).ok()?;
+            let key = (
+                std::os::unix::fs::MetadataExt::dev(&meta),
+                std::os::unix::fs::MetadataExt::ino(&meta),
+            );
+            if !seen.insert(key) {
+                return None;
+            }
+            std::fs::File::open(&path).ok()
+        })
+        .collect()
+}
+
+/// Destroys, in every network namespace the agent can see, the `protocol`
+/// sockets whose cookie is in `cookies`; returns how many.
+pub fn destroy(protocol: u8, cookies: &BTreeSet<u64>) -> io::Result<usize> {
+    if cookies.is_empty() {
+        return Ok(0);
+    }
+    let mut destroyed = 0;
+    for netns in namespaces() {
+        // setns changes the calling thread's namespace only: a thread each.
+        let cookies = cookies.clone();
+        let found = std::thread::spawn(move || -> io::Result<usize> {
+            // SAFETY: a namespace fd of ours, for this thread alone.
+            if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Diag::open()?.destroy(protocol, &cookies)
+        })
+        .join()
+        .map_err(|_| io::Error::other("the sock_diag thread panicked"))?;
+        // A process that left, or a namespace we may not enter: skip it.
+        destroyed += found.unwrap_or(0);
+    }
+    Ok(destroyed)
+}
+
+/// Whether this kernel destroys sockets through `sock_diag`: a connected
+/// UDP socket of our own, destroyed.
+pub fn probe() -> io::Result<()> {
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    socket.connect(socket.local_addr()?)?;
+    let mut diag = Diag::open()?;
+    let dump =
+        diag.exchange(&request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, 1, libc::IPPROTO_UDP as u8, None))?;
+    let local = socket.local_addr()?.port().to_be_bytes();
+    let ours = dump.sockets.iter().find(|id| id.0[0..2] == local).copied();
+    let id = ours.ok_or_else(|| io::Error::other("own socket not listed"))?;
+    match diag
+        .exchange(&request(SOCK_DESTROY, NLM_F_ACK, 2, libc::IPPROTO_UDP as u8, Some(&id)))?
+        .error
+    {
+        Some(0) | None => Ok(()),
+        Some(errno) => Err(io::Error::from_raw_os_error(errno)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(kind: u16, body: &[u8]) -> Vec<u8> {
+        let len = NLMSG_HDRLEN + body.len();
+        let mut msg = (len as u32).to_ne_bytes().to_vec();
+        msg.extend_from_slice(&kind.to_ne_bytes());
+        msg.extend_from_slice(&[0; 10]);
+        msg.extend_from_slice(body);
+        msg.resize((len + 3) & !3, 0);
+        msg
+    }
+
+    #[test]
+    fn dumps_and_destroys_name_sockets_by_the_kernels_layout() {
+        let mut id = [0u8; SOCKID_LEN];
+        id[0..2].copy_from_slice(&4242u16.to_be_bytes());
+        id[40..44].copy_from_slice(&7u32.to_ne_bytes());
+        id[44..48].copy_from_slice(&1u32.to_ne_bytes());
+        let id = SockId(id);
+        assert_eq!(id.cookie(), (1 << 32) | 7);
+
+        let msg = request(SOCK_DESTROY, NLM_F_ACK, 9, 17, Some(&id));
+        assert_eq!(msg.len(), 72, "nlmsghdr + inet_diag_req_v2");
+        assert_eq!(&msg[16..20], &[libc::AF_INET as u8, 17, 0, 0]);
+        assert_eq!(&msg[20..24], &u32::MAX.to_ne_bytes(), "every state");
+        assert_eq!(&msg[24..], &id.0);
+        let dump = request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, 1, 17, None);
+        assert_eq!(u16::from_ne_bytes([dump[6], dump[7]]), NLM_F_DUMP | NLM_F_REQUEST);
+
+        // A dump reply: an inet_diag_msg (72 bytes) per socket, then DONE.
+        let mut body = vec![libc::AF_INET as u8, 1, 0, 0];
+        body.extend_from_slice(&id.0);
+        body.resize(72, 0);
+        let mut buf = reply(SOCK_DIAG_BY_FAMILY, &body);
+        buf.extend(reply(SOCK_DIAG_BY_FAMILY, &body));
+        buf.extend(reply(NLMSG_DONE, &[0; 4]));
+        let replies = parse_replies(&buf);
+        assert_eq!(replies.sockets, vec![id, id]);
+        assert!(replies.done && replies.error.is_none());
+
+        let nack = parse_replies(&reply(NLMSG_ERROR, &(-libc::ENOENT).to_ne_bytes()));
+        assert_eq!((nack.done, nack.error), (true, Some(libc::ENOENT)));
+        let ack = parse_replies(&reply(NLMSG_ERROR, &0i32.to_ne_bytes()));
+        assert_eq!(ack.error, Some(0));
+    }
+}
