@@ -193,6 +193,11 @@ pub struct RunArgs {
     /// socketLB.hostNamespaceOnly
     #[arg(long)]
     pub socket_lb_host_netns_only: bool,
+    /// Also end TCP connections the socket LB made to an endpoint that is
+    /// removed (UDP sockets always are); off by default, as kube-proxy
+    /// leaves established TCP connections alone
+    #[arg(long)]
+    pub terminate_tcp_on_endpoint_removal: bool,
     /// Interfaces are followed through the kernel's netlink notifications;
     /// they are also scanned at least this often, in case one was missed
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]

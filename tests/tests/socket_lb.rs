@@ -432,3 +432,39 @@ fn a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Setup
         assert_eq!(from, "10.96.0.10:53", "{after:?}");
     }
 }
+
+/// TCP connections to a removed endpoint are left alone by default (as
+/// kube-proxy leaves established flows) and ended with
+/// `--terminate-tcp-on-endpoint-removal`. eBPF only: the flag is the socket
+/// path's.
+#[test]
+fn ebpf_tcp_connections_to_a_removed_endpoint_end_only_when_asked() {
+    for terminate in [false, true] {
+        let mut lab = Lab::with(Setup::EBPF).unwrap();
+        let pod = lab.add_pod("web-0", "10.244.1.2").unwrap();
+        lab.serve_echo(&pod, 9000).unwrap();
+        let client = lab.add_pod("client", "10.244.1.100").unwrap();
+        let echo = service("lab", "echo").cluster_ip(VIP).port(port("echo", 90).target(9000));
+        let with = |pods: &[&Pod]| {
+            let endpoints = pods.iter().map(|p| ep(&p.ip).ready(true).node("lab-node"));
+            manifest(&[&echo, &echo.slice().port("echo", 9000, Tcp).endpoints(endpoints)])
+        };
+        lab.write_manifest(&with(&[&pod])).unwrap();
+        let flag: &[&str] = if terminate { &["--terminate-tcp-on-endpoint-removal"] } else { &[] };
+        lab.start_agent(flag).unwrap();
+        let args = ["stream", "10.96.0.10:90", "60", "--interval-ms", "50"];
+        let child = lab.spawn_client(&client, &args).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        lab.write_manifest(&with(&[])).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let attempts: Vec<Attempt> =
+            String::from_utf8_lossy(&out.stdout).lines().filter_map(Attempt::parse).collect();
+        let failed = attempts.iter().filter(|a| a.pod().is_none()).count();
+        if terminate {
+            assert_eq!(failed, 1, "the connection ended: {attempts:?}");
+            assert!(attempts.len() < 60, "before its last exchange: {}", attempts.len());
+        } else {
+            assert_eq!((failed, attempts.len()), (0, 60), "left alone: {attempts:?}");
+        }
+    }
+}

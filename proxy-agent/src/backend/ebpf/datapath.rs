@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use proxy_common::Config;
+use proxy_common::{Config, IPPROTO_TCP, IPPROTO_UDP};
 
 use super::{CounterReader, EbpfBackend, MapSizes, TcAttach};
 use crate::{
@@ -51,8 +51,10 @@ pub struct EbpfDatapath {
     pod_interfaces: Vec<String>,
     /// When expired conntrack entries are next collected.
     next_gc: Instant,
-    /// The kernel ends sockets on request (`sockets::probe`).
-    ends_sockets: bool,
+    /// What sockets to a removed endpoint are ended: UDP, and TCP with
+    /// `--terminate-tcp-on-endpoint-removal`; none where the kernel cannot
+    /// (`sockets::probe`).
+    ends_sockets: Vec<u8>,
 }
 
 impl EbpfDatapath {
@@ -98,9 +100,14 @@ impl EbpfDatapath {
         };
         tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), socket_lb, "BPF programs loaded");
         let pod_interfaces = args.pod_interfaces.clone();
-        let ends_sockets = crate::sockets::probe()
-            .inspect_err(|e| tracing::warn!(error = %e, "this kernel does not end sockets on request (CONFIG_INET_DIAG_DESTROY): a connected UDP socket keeps an endpoint that was removed until it reconnects"))
-            .is_ok();
+        let ends_sockets = match crate::sockets::probe() {
+            Ok(()) if args.terminate_tcp_on_endpoint_removal => vec![IPPROTO_UDP, IPPROTO_TCP],
+            Ok(()) => vec![IPPROTO_UDP],
+            Err(e) => {
+                tracing::warn!(error = %e, "this kernel does not end sockets on request (CONFIG_INET_DIAG_DESTROY): a connected UDP socket keeps an endpoint that was removed until it reconnects");
+                Vec::new()
+            }
+        };
         let next_gc = Instant::now();
         Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc, ends_sockets })
     }
@@ -149,12 +156,11 @@ impl Datapath for EbpfDatapath {
             Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
         }
         // Connected sockets would keep sending to the pod that left.
-        let removed = if self.ends_sockets { report.removed_backends.as_slice() } else { &[] };
-        match self.backend.end_udp_sockets(removed) {
+        match self.backend.end_sockets(&report.removed_backends, &self.ends_sockets) {
             Ok(0) => {}
-            Ok(ended) => tracing::info!(ended, "UDP sockets connected to removed endpoints ended"),
+            Ok(ended) => tracing::info!(ended, "sockets connected to removed endpoints ended"),
             Err(e) => {
-                tracing::warn!(error = %e, "could not end UDP sockets connected to removed endpoints")
+                tracing::warn!(error = %e, "could not end sockets connected to removed endpoints")
             }
         }
         Ok(Synced { full: None, backends })

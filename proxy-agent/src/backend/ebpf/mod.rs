@@ -626,13 +626,13 @@ impl EbpfBackend {
         Ok((deleted, entries.len().saturating_sub(deleted)))
     }
 
-    /// Ends the UDP sockets the socket LB connected to backends that left
-    /// (see [`crate::sockets`]); returns how many.
-    pub fn end_udp_sockets(&self, removed: &[Backend]) -> Result<usize, EbpfError> {
-        let gone: BTreeSet<([u8; 4], u16)> = removed
+    /// Ends the sockets of `protocols` the socket LB connected to backends
+    /// that left (see [`crate::sockets`]); returns how many.
+    pub fn end_sockets(&self, removed: &[Backend], protocols: &[u8]) -> Result<usize, EbpfError> {
+        let gone: BTreeSet<(u8, [u8; 4], u16)> = removed
             .iter()
-            .filter(|b| b.proto == IPPROTO_UDP)
-            .map(|b| (b.address, b.port))
+            .filter(|b| protocols.contains(&b.proto))
+            .map(|b| (b.proto, b.address, b.port))
             .collect();
         if gone.is_empty() {
             return Ok(0);
@@ -641,17 +641,21 @@ impl EbpfBackend {
         let err = |source| EbpfError::Map { name, source };
         let map = HashMap::<_, SockRevNatKey, SockRevNat>::try_from(&self.maps.sock_rev_nat)
             .map_err(err)?;
-        let cookies = map
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| gone.contains(&(k.address, k.port)))
-            .map(|k| k.cookie)
-            .collect();
-        crate::sockets::destroy(IPPROTO_UDP, &cookies).map_err(|source| EbpfError::Io {
-            action: "ending sockets to",
-            path: PathBuf::from("removed endpoints"),
-            source,
-        })
+        let translated: Vec<SockRevNatKey> = map.keys().filter_map(Result::ok).collect();
+        let mut ended = 0;
+        for proto in protocols {
+            let cookies = translated
+                .iter()
+                .filter(|k| gone.contains(&(*proto, k.address, k.port)))
+                .map(|k| k.cookie)
+                .collect();
+            ended += crate::sockets::destroy(*proto, &cookies).map_err(|source| EbpfError::Io {
+                action: "ending sockets to",
+                path: PathBuf::from("removed endpoints"),
+                source,
+            })?;
+        }
+        Ok(ended)
     }
 
     /// Deletes the UDP flows to backends that left, as kube-proxy clears
