@@ -78,6 +78,7 @@ fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
             tcp_close_wait_timeout_secs: 3600,
             tcp_time_wait_timeout_secs: 120,
             udp_timeout_secs: 30,
+            udp_stream_timeout_secs: 120,
         })
         .unwrap();
     backend.sync(&Plan { frontends: frontends.into_iter().collect() }, None).unwrap();

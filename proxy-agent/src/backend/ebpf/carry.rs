@@ -20,8 +20,9 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, CtEntry, CtEntryV1, CtEntryV2, CtKey, FragKey,
-    FragRewrite, Layouts, MAX_AFFINITY, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_SOCK_REV_NAT, ServiceKey,
-    ServiceValue, SockRevNat, SockRevNatKey, map_names,
+    FragRewrite, Layouts, MAX_AFFINITY, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_SOCK_FLOWS,
+    MAX_SOCK_REV_NAT, ServiceKey, ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey,
+    map_names,
 };
 
 use super::sync::frontend_of_key;
@@ -58,7 +59,7 @@ const fn lru<K, V>(max_entries: u32) -> Shape {
 }
 
 /// The state maps, in the order they are carried.
-pub const STATE_MAPS: [StateMap; 4] = [
+pub const STATE_MAPS: [StateMap; 5] = [
     StateMap {
         name: map_names::CONNTRACK,
         version: |l| l.conntrack,
@@ -82,6 +83,12 @@ pub const STATE_MAPS: [StateMap; 4] = [
         version: |l| l.fragments,
         reads: &[1],
         shape: lru::<FragKey, FragRewrite>(MAX_FRAGMENTS),
+    },
+    StateMap {
+        name: map_names::SOCK_FLOWS,
+        version: |l| l.sock_flows,
+        reads: &[1],
+        shape: lru::<SockFlowKey, SockFlow>(MAX_SOCK_FLOWS),
     },
 ];
 
@@ -243,6 +250,9 @@ impl Conversion {
             }
             (map_names::SOCK_REV_NAT, _) => {
                 copy::<SockRevNatKey, SockRevNat, SockRevNat>(&self.old, new, flags)
+            }
+            (map_names::SOCK_FLOWS, _) => {
+                copy::<SockFlowKey, SockFlow, SockFlow>(&self.old, new, flags)
             }
             _ => copy::<FragKey, FragRewrite, FragRewrite>(&self.old, new, flags),
         }
