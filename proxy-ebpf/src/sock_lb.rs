@@ -165,7 +165,7 @@ pub fn try_reverse(ctx: &SockAddrContext, hook: Hook) -> i32 {
         set_user_addr(ctx, rev.address, rev.port);
         if hook == Hook::Datagram {
             let flow = SockFlowKey { cookie, rev_nat_id: rev.rev_nat_id, _pad: 0 };
-            if let Some(entry) = SOCK_FLOWS.get_ptr_mut(&flow) {
+            if let Some(entry) = SOCK_FLOWS.get_ptr_mut(flow) {
                 // SAFETY: a one-byte store into a live entry.
                 unsafe { (*entry).answered = 1 };
             }
