@@ -322,6 +322,18 @@ mod tests {
     }
 
     #[test]
+    fn a_map_added_later_is_carried_only_from_agents_that_had_it() {
+        let flows = STATE_MAPS.iter().find(|m| m.name == map_names::SOCK_FLOWS).unwrap();
+        let ours = flows.shape;
+        assert_eq!(decide(flows, Some((&Layouts::CURRENT, ours))), Carry::Reuse);
+        // Earlier agents left its word at 0 (reserved): whatever sits at
+        // that name is not theirs to trust.
+        let before = Layouts { sock_flows: 0, ..Layouts::CURRENT };
+        assert_eq!(decide(flows, Some((&before, ours))), Carry::Reset { version: 0 });
+        assert_eq!(decide(flows, Some((&Layouts::FIRST, ours))), Carry::Reset { version: 0 });
+    }
+
+    #[test]
     fn unreadable_layouts_start_afresh() {
         let future = decide(conntrack(), Some((&with_conntrack(9), shape_of(64))));
         assert_eq!(future, Carry::Reset { version: 9 });
