@@ -77,6 +77,7 @@ fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
             tcp_close_wait_timeout_secs: 3600,
             tcp_time_wait_timeout_secs: 120,
             udp_timeout_secs: 30,
+            udp_stream_timeout_secs: 120,
             ..Config::default()
         })
         .unwrap();

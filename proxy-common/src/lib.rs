@@ -19,6 +19,7 @@ pub mod map_names {
     pub const CONFIG: &str = "CONFIG";
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const LAYOUT: &str = "LAYOUT";
+    pub const SOCK_FLOWS: &str = "SOCK_FLOWS";
 }
 
 /// Layout versions of the maps, so a new agent can tell whether a previous
@@ -33,6 +34,7 @@ pub mod layout {
     pub const AFFINITY: u32 = 1;
     pub const SOCK_REV_NAT: u32 = 1;
     pub const FRAGMENTS: u32 = 1;
+    pub const SOCK_FLOWS: u32 = 1;
 }
 
 /// Value of the one-element `LAYOUT` map: the layout version of each map as
@@ -48,7 +50,8 @@ pub struct Layouts {
     pub affinity: u32,
     pub sock_rev_nat: u32,
     pub fragments: u32,
-    pub _reserved: [u32; 10],
+    pub sock_flows: u32,
+    pub _reserved: [u32; 9],
 }
 
 impl Layouts {
@@ -60,7 +63,8 @@ impl Layouts {
         affinity: layout::AFFINITY,
         sock_rev_nat: layout::SOCK_REV_NAT,
         fragments: layout::FRAGMENTS,
-        _reserved: [0; 10],
+        sock_flows: layout::SOCK_FLOWS,
+        _reserved: [0; 9],
     };
 
     /// What unversioned pins (the first release) hold.
@@ -71,7 +75,9 @@ impl Layouts {
         affinity: 1,
         sock_rev_nat: 1,
         fragments: 1,
-        _reserved: [0; 10],
+        // The first release had no such map.
+        sock_flows: 0,
+        _reserved: [0; 9],
     };
 }
 
@@ -84,6 +90,7 @@ pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_CONNTRACK: u32 = 262_144;
 pub const MAX_SOURCE_RANGES: u32 = 16_384;
 pub const MAX_FRAGMENTS: u32 = 16_384;
+pub const MAX_SOCK_FLOWS: u32 = 65_536;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -246,6 +253,40 @@ pub struct SockRevNat {
     pub port: u16,
     pub _pad: u16,
     pub rev_nat_id: u32,
+}
+
+/// Key of the socket flow map: an unconnected UDP socket (by cookie) and the
+/// frontend (by reverse-NAT id) it sends datagrams to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockFlowKey {
+    pub cookie: u64,
+    pub rev_nat_id: u32,
+    pub _pad: u32,
+}
+
+/// Value of the socket flow map: the backend the socket's datagrams to that
+/// frontend go to, as a conntrack entry keeps a UDP 5-tuple on one pod.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockFlow {
+    /// `bpf_ktime_get_ns()` of the last datagram sent.
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    /// 1 once a reply came back (recvmsg4 reverse-translated one).
+    pub answered: u8,
+    pub _pad: [u8; 3],
+}
+
+impl SockFlow {
+    /// Whether the flow still holds at `now`: for `udp_timeout_secs` after
+    /// the last datagram, `udp_stream_timeout_secs` once answered, as
+    /// netfilter's UDP timeouts.
+    pub const fn is_fresh(&self, cfg: &Config, now: u64) -> bool {
+        let secs =
+            if self.answered != 0 { cfg.udp_stream_timeout_secs } else { cfg.udp_timeout_secs };
+        now.wrapping_sub(self.last_used_ns) <= secs as u64 * 1_000_000_000
+    }
 }
 
 /// `AffinityKey::kind`: the client is a network-namespace cookie (socket LB:
@@ -599,7 +640,8 @@ pub struct Config {
     /// After both FINs or an RST.
     pub tcp_time_wait_timeout_secs: u32,
     pub udp_timeout_secs: u32,
-    pub _pad2: u32,
+    /// A UDP flow that saw a reply (netfilter's "stream" timeout).
+    pub udp_stream_timeout_secs: u32,
     /// `--socket-lb-host-netns-only`: the socket programs translate only for
     /// sockets of this network namespace (the node's); 0 for every socket.
     pub host_netns_cookie: u64,
@@ -689,6 +731,8 @@ mod pod {
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for FragKey {}
     unsafe impl aya::Pod for FragRewrite {}
+    unsafe impl aya::Pod for SockFlowKey {}
+    unsafe impl aya::Pod for SockFlow {}
 }
 
 #[cfg(test)]
@@ -714,6 +758,8 @@ mod tests {
         assert_eq!(size_of::<FragKey>(), 12);
         assert_eq!(size_of::<FragRewrite>(), 8);
         assert_eq!(size_of::<Config>(), 48);
+        assert_eq!(size_of::<SockFlowKey>(), 16);
+        assert_eq!(size_of::<SockFlow>(), 16);
     }
 
     #[test]
@@ -749,6 +795,7 @@ mod tests {
             tcp_close_wait_timeout_secs: 3_600,
             tcp_time_wait_timeout_secs: 120,
             udp_timeout_secs: 30,
+            udp_stream_timeout_secs: 120,
             ..Config::default()
         }
     }
@@ -779,6 +826,17 @@ mod tests {
         // An RST closes at once.
         assert_eq!(life(next_flags(fwd | CT_FLAG_ESTABLISHED, TCP_RST)), 120);
         assert_eq!(lifetime_secs(&cfg(), IPPROTO_UDP, CT_FLAG_ESTABLISHED), 30);
+    }
+
+    #[test]
+    fn socket_flows_live_longer_once_answered() {
+        let s = 1_000_000_000u64;
+        let flow = SockFlow { last_used_ns: 1_000 * s, ..SockFlow::default() };
+        assert!(flow.is_fresh(&cfg(), 1_030 * s));
+        assert!(!flow.is_fresh(&cfg(), 1_031 * s), "30 s without a reply");
+        let answered = SockFlow { answered: 1, ..flow };
+        assert!(answered.is_fresh(&cfg(), 1_120 * s));
+        assert!(!answered.is_fresh(&cfg(), 1_121 * s), "120 s once answered");
     }
 
     #[test]

@@ -7,14 +7,12 @@ use proxy_common::{
 
 use crate::maps::{AFFINITY, BACKENDS, SERVICES, count};
 
-/// What a lookup of a destination decided.
+/// What the choice of a backend for a frontend decided.
 pub enum Verdict {
-    /// Not a service address: leave it alone.
-    NotAService,
     /// A service with no backend: refuse.
     NoBackend,
     /// Send to this backend; replies must look like they come from the service.
-    Backend { backend: Backend, rev_nat_id: u32 },
+    Backend { backend: Backend, backend_id: u32, rev_nat_id: u32 },
 }
 
 #[inline(always)]
@@ -24,22 +22,9 @@ pub fn lookup_frontend(key: &ServiceKey) -> Option<ServiceValue> {
 }
 
 #[inline(always)]
-fn backend(id: u32) -> Option<Backend> {
+pub fn backend(id: u32) -> Option<Backend> {
     // SAFETY: copied out at once.
     unsafe { BACKENDS.get(id).copied() }
-}
-
-/// Picks a backend for a new connection to `key` (slot 0) from `client`,
-/// an in-cluster one.
-#[inline(always)]
-pub fn select_in_cluster(key: &ServiceKey, client: u64, kind: u8) -> Verdict {
-    match lookup_frontend(key) {
-        Some(svc) => {
-            let (key, svc) = in_cluster_scope(key, &svc);
-            choose(&key, &svc, client, kind)
-        }
-        None => Verdict::NotAService,
-    }
 }
 
 /// The frontend an in-cluster client (a pod, the node) of `key`, found as
@@ -71,9 +56,9 @@ pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Ve
     let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, kind, _pad: [0; 3] };
     let affine = svc.flags.is_affinity();
     let now = unsafe { bpf_ktime_get_ns() };
-    if affine && let Some((_, backend)) = affine_backend(&affinity_key, svc, now) {
+    if affine && let Some((backend_id, backend)) = affine_backend(&affinity_key, svc, now) {
         count(Counter::AffinityHit);
-        return Verdict::Backend { backend, rev_nat_id: svc.rev_nat_id };
+        return Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id };
     }
     let Some((backend_id, backend)) = random_backend(key, svc.count) else {
         count(Counter::SlotMiss);
@@ -84,7 +69,7 @@ pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Ve
         let value = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
         let _ = AFFINITY.insert(affinity_key, value, 0);
     }
-    Verdict::Backend { backend, rev_nat_id: svc.rev_nat_id }
+    Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id }
 }
 
 /// The remembered backend of `key`, if its entry is younger than the

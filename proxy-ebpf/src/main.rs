@@ -17,25 +17,26 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
 };
+use sock_lb::Hook;
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_translate(&ctx)
+    sock_lb::try_translate(&ctx, Hook::Socket)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_translate(&ctx)
+    sock_lb::try_translate(&ctx, Hook::Datagram)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_reverse(&ctx)
+    sock_lb::try_reverse(&ctx, Hook::Datagram)
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn getpeername4(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_reverse(&ctx)
+    sock_lb::try_reverse(&ctx, Hook::Socket)
 }
 
 /// Ingress of node and pod interfaces: per-packet service translation.

@@ -8,8 +8,8 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey, FragKey,
     FragRewrite, Layouts, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_REV_NAT,
-    MAX_SERVICE_ENTRIES, MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue,
-    SockRevNat, SockRevNatKey, SourceRangeKey,
+    MAX_SERVICE_ENTRIES, MAX_SOCK_FLOWS, MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES, RevNat, ServiceKey,
+    ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey,
 };
 
 #[btf_map]
@@ -24,6 +24,12 @@ pub static REV_NAT: HashMap<u32, RevNat, { MAX_REV_NAT as usize }> = HashMap::ne
 
 #[btf_map]
 pub static SOCK_REV_NAT: LruHashMap<SockRevNatKey, SockRevNat, { MAX_SOCK_REV_NAT as usize }> =
+    LruHashMap::new();
+
+/// Unconnected UDP: the backend each socket's datagrams to a frontend go
+/// to, while the flow is fresh.
+#[btf_map]
+pub static SOCK_FLOWS: LruHashMap<SockFlowKey, SockFlow, { MAX_SOCK_FLOWS as usize }> =
     LruHashMap::new();
 
 #[btf_map]

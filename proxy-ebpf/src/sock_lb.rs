@@ -1,21 +1,33 @@
 //! Socket-level load balancing: translate the destination once per socket
-//! (TCP, connected UDP) or per datagram (unconnected UDP), so packets travel
+//! (TCP, connected UDP) or per datagram (unconnected UDP, whose datagrams to
+//! a service keep to one backend while the flow is fresh), so packets travel
 //! straight to the pod with no per-packet NAT.
 
 use aya_ebpf::{
     EbpfContext,
     bindings::bpf_sock_addr,
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, generated::bpf_set_retval},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, generated::bpf_set_retval,
+    },
     programs::SockAddrContext,
 };
 use proxy_common::{
-    AFFINITY_CLIENT_NETNS, Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, SockRevNat, SockRevNatKey,
+    AFFINITY_CLIENT_NETNS, Backend, Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceValue,
+    SockFlow, SockFlowKey, SockRevNat, SockRevNatKey,
 };
 
 use crate::{
     lb::{self, Verdict},
-    maps::{CONFIG, SOCK_REV_NAT, count},
+    maps::{CONFIG, SOCK_FLOWS, SOCK_REV_NAT, count},
 };
+
+/// What the hook sees: a socket's one destination (connect, getpeername)
+/// or one datagram of an unconnected socket (sendmsg, recvmsg).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    Socket,
+    Datagram,
+}
 
 /// Return codes of cgroup sock_addr programs.
 pub const ALLOW: i32 = 1;
@@ -54,32 +66,57 @@ fn service_key(sa: &bpf_sock_addr) -> Option<ServiceKey> {
 /// the node's own, so pods (service meshes, VMs) see the ClusterIP and the
 /// per-packet path serves them.
 #[inline(always)]
-fn in_scope(netns: u64) -> bool {
-    CONFIG.get(0).is_none_or(|cfg| cfg.host_netns_cookie == 0 || cfg.host_netns_cookie == netns)
+fn in_scope(ctx: &SockAddrContext) -> bool {
+    match CONFIG.get(0) {
+        Some(cfg) if cfg.host_netns_cookie != 0 => {
+            let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+            netns == cfg.host_netns_cookie
+        }
+        _ => true,
+    }
 }
 
 /// `connect4` and `sendmsg4`: pick a backend and rewrite the destination.
 /// The clients are pods and node processes, in-cluster clients all (the
 /// node's own as kube-proxy's "LOCAL traffic" rules treat it).
 #[inline(always)]
-pub fn try_translate(ctx: &SockAddrContext) -> i32 {
+pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let sa = sock_addr(ctx);
     let Some(key) = service_key(sa) else {
         return ALLOW;
     };
-    let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    if !in_scope(client) {
+    let Some(svc) = lb::lookup_frontend(&key) else { return ALLOW };
+    if !in_scope(ctx) {
         return ALLOW;
     }
-    match lb::select_in_cluster(&key, client, AFFINITY_CLIENT_NETNS) {
-        Verdict::NotAService => ALLOW,
+    let (key, svc) = lb::in_cluster_scope(&key, &svc);
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // An unconnected UDP socket's datagrams to a service stay on one backend
+    // while the flow is fresh, as conntrack keeps a 5-tuple on one pod.
+    // Affinity decides alone where the service has it.
+    let flow = (hook == Hook::Datagram
+        && key.proto == IPPROTO_UDP
+        && svc.count != 0
+        && !svc.flags.is_affinity())
+    .then_some(SockFlowKey { cookie, rev_nat_id: svc.rev_nat_id, _pad: 0 });
+    // A flow to start: none remembered (or it went stale).
+    let (verdict, new_flow) = match flow.as_ref().and_then(|flow| flow_backend(flow, &svc)) {
+        Some(verdict) => (verdict, None),
+        None => {
+            let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+            (lb::choose(&key, &svc, client, AFFINITY_CLIENT_NETNS), flow)
+        }
+    };
+    match verdict {
         Verdict::NoBackend => {
             // Fail the call at once with ECONNREFUSED instead of EPERM.
             unsafe { bpf_set_retval(-ECONNREFUSED) };
             REJECT
         }
-        Verdict::Backend { backend, rev_nat_id } => {
-            let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+        Verdict::Backend { backend, backend_id, rev_nat_id } => {
+            if let Some(flow) = new_flow {
+                remember(&flow, backend_id);
+            }
             let rev_key =
                 SockRevNatKey { cookie, address: backend.address, port: backend.port, _pad: 0 };
             let rev = SockRevNat { address: key.address, port: key.port, _pad: 0, rev_nat_id };
@@ -90,10 +127,38 @@ pub fn try_translate(ctx: &SockAddrContext) -> i32 {
     }
 }
 
-/// `recvmsg4` and `getpeername4`: show the service address instead of the
-/// backend's to the socket that was translated.
+/// The backend of the socket's flow `key` to `svc`, if the flow is fresh
+/// and the backend still exists; the datagram refreshes it.
 #[inline(always)]
-pub fn try_reverse(ctx: &SockAddrContext) -> i32 {
+fn flow_backend(key: &SockFlowKey, svc: &ServiceValue) -> Option<Verdict> {
+    let cfg = CONFIG.get(0)?;
+    let entry = SOCK_FLOWS.get_ptr_mut(key)?;
+    let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: the LRU entry may be recycled concurrently; at worst we read a
+    // stale backend id, which is then checked against the backends map.
+    let flow = unsafe { *entry };
+    if !flow.is_fresh(cfg, now) {
+        return None;
+    }
+    let backend: Backend = lb::backend(flow.backend_id)?;
+    unsafe { (*entry).last_used_ns = now };
+    count(Counter::ServiceHit);
+    Some(Verdict::Backend { backend, backend_id: flow.backend_id, rev_nat_id: svc.rev_nat_id })
+}
+
+/// Starts the socket's flow `key` on `backend_id`.
+#[inline(always)]
+fn remember(key: &SockFlowKey, backend_id: u32) {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let flow = SockFlow { last_used_ns: now, backend_id, answered: 0, _pad: [0; 3] };
+    let _ = SOCK_FLOWS.insert(key, flow, 0);
+}
+
+/// `recvmsg4` and `getpeername4`: show the service address instead of the
+/// backend's to the socket that was translated. A datagram's reply marks
+/// its socket's flow answered (it then lives longer).
+#[inline(always)]
+pub fn try_reverse(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let sa = sock_addr(ctx);
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let key = SockRevNatKey {
@@ -116,6 +181,13 @@ pub fn try_reverse(ctx: &SockAddrContext) -> i32 {
     {
         count(Counter::RevNat);
         set_user_addr(ctx, rev.address, rev.port);
+        if hook == Hook::Datagram {
+            let flow = SockFlowKey { cookie, rev_nat_id: rev.rev_nat_id, _pad: 0 };
+            if let Some(entry) = SOCK_FLOWS.get_ptr_mut(flow) {
+                // SAFETY: a one-byte store into a live entry.
+                unsafe { (*entry).answered = 1 };
+            }
+        }
     }
     ALLOW
 }

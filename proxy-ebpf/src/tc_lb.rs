@@ -60,13 +60,12 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
     let (scoped_key, scoped) =
         if from_pods(cfg, pkt.tuple.saddr) { lb::in_cluster_scope(&key, &svc) } else { (key, svc) };
     match lb::choose(&scoped_key, &scoped, client, AFFINITY_CLIENT_IPV4) {
-        Verdict::NotAService => NEXT,
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
             count(Counter::Dropped);
             SHOT
         }
         Verdict::NoBackend => reject::refuse(ctx, &pkt),
-        Verdict::Backend { backend, rev_nat_id } => {
+        Verdict::Backend { backend, rev_nat_id, .. } => {
             let snat = needs_snat(&svc, cfg, &pkt, &backend);
             let xlated = CtKey {
                 saddr: if snat { cfg.snat_addr } else { pkt.tuple.saddr },

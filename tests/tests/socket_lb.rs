@@ -3,7 +3,11 @@
 //! `<scenario>::iptables`): in eBPF mode the client is in the socket-LB
 //! cgroup; in iptables mode its packets meet the node's rules.
 
-use std::time::{Duration, Instant};
+use std::{
+    io::{BufRead, BufReader},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
 
 use proxy_common::Counter;
 use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, Source, both_modes, tally};
@@ -12,6 +16,8 @@ use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service, sli
 both_modes!(
     tcp_connections_spread_uniformly_over_three_endpoints,
     udp_replies_and_tcp_peer_show_the_cluster_ip,
+    an_unconnected_udp_socket_keeps_to_one_pod_and_per_query_sockets_spread,
+    an_unconnected_udp_socket_leaves_a_removed_endpoint_within_a_second,
     endpoint_removal_and_addition_take_effect_within_a_second,
     a_service_without_endpoints_refuses_at_once,
     client_ip_affinity_sticks_until_the_timeout,
@@ -100,6 +106,79 @@ fn udp_replies_and_tcp_peer_show_the_cluster_ip(setup: Setup) {
         let Attempt::Ok { from, .. } = attempt else { unreachable!() };
         assert_eq!(from, "10.96.0.10:80", "getpeername shows the service");
     }
+}
+
+/// As kube-proxy's conntrack keeps a UDP 5-tuple on one pod: one socket's
+/// datagrams all reach one pod, a socket per query spreads.
+fn an_unconnected_udp_socket_keeps_to_one_pod_and_per_query_sockets_spread(setup: Setup) {
+    let (mut lab, pods, client) = web_lab(setup, 3);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    let one_socket =
+        lab.client(&client, &["udp", "10.96.0.10:53", "1000", "--interval-ms", "0"]).unwrap();
+    all_ok(&one_socket);
+    assert_eq!(one_socket.len(), 1000);
+    let counts = tally(&one_socket);
+    assert_eq!(counts.len(), 1, "one socket, one pod: {counts:?}");
+    for attempt in &one_socket {
+        let Attempt::Ok { from, .. } = attempt else { unreachable!() };
+        assert_eq!(from, "10.96.0.10:53", "recvmsg shows the service");
+    }
+
+    let per_query =
+        lab.client(&client, &["udp", "10.96.0.10:53", "60", "--socket-per-datagram"]).unwrap();
+    all_ok(&per_query);
+    let counts = tally(&per_query);
+    assert!(counts.len() > 1, "60 sockets, one pod: {counts:?}");
+}
+
+/// As kube-proxy deletes the UDP conntrack entries of a removed endpoint:
+/// a socket sending through the change moves to a live pod.
+fn an_unconnected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Setup) {
+    let (mut lab, pods, client) = web_lab(setup, 3);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    let args = ["udp", "10.96.0.10:53", "100", "--interval-ms", "50"];
+    let mut child = lab.spawn_client(&client, &args).unwrap();
+    let lines = Arc::new(Mutex::new(Vec::<(Instant, String)>::new()));
+    let (stdout, sink) = (child.stdout.take().expect("piped"), lines.clone());
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            sink.lock().unwrap().push((Instant::now(), line));
+        }
+    });
+    let attempts = |since: Instant| -> Vec<Attempt> {
+        let lines = lines.lock().unwrap();
+        lines.iter().filter(|(t, _)| *t >= since).filter_map(|(_, l)| Attempt::parse(l)).collect()
+    };
+    let start = Instant::now();
+    while attempts(start).len() < 10 {
+        assert!(start.elapsed() < Duration::from_secs(10), "the client stalled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = tally(&attempts(start));
+    assert_eq!(before.len(), 1, "one socket, one pod: {before:?}");
+    let used = before.keys().next().unwrap().clone();
+
+    let kept: Vec<&Pod> = pods.iter().filter(|p| p.name != used).collect();
+    lab.write_manifest(&web_manifest(&kept, None)).unwrap();
+    let removed_at = Instant::now();
+    let settled = removed_at + Duration::from_secs(1);
+    while attempts(settled).len() < 20 {
+        assert!(removed_at.elapsed() < Duration::from_secs(10), "the client stalled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = reader.join();
+
+    let after = attempts(settled);
+    all_ok(&after);
+    let counts = tally(&after);
+    assert!(!counts.contains_key(&used), "{used} still reached a second after: {counts:?}");
+    assert_eq!(counts.len(), 1, "the socket moved to one live pod: {counts:?}");
 }
 
 fn endpoint_removal_and_addition_take_effect_within_a_second(setup: Setup) {

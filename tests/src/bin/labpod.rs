@@ -22,7 +22,8 @@ const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS]
     (serve --name NAME [--tcp PORT]... [--udp PORT]... [--echo PORT]... \
     | tcp ADDR COUNT [--interval-ms MS] | tcp-concurrent ADDR COUNT \
     | stream ADDR COUNT [--interval-ms MS] \
-    | udp ADDR COUNT [--interval-ms MS] [--connect [--reconnect]] [--size BYTES] | http ADDR PATH [--full] \
+    | udp ADDR COUNT [--interval-ms MS] [--connect [--reconnect]] [--socket-per-datagram] \
+    [--size BYTES] | http ADDR PATH [--full] \
     | bulk ADDR BYTES)";
 
 fn main() -> anyhow::Result<()> {
@@ -288,23 +289,34 @@ fn tcp_concurrent(args: &[String], timeout: Duration) -> anyhow::Result<()> {
 /// COUNT datagrams from one socket (one flow), INTERVAL apart; `from` is
 /// the reply's source as recvmsg reported it. With `--connect` the socket is
 /// connected, so an ICMP port unreachable surfaces as ConnectionRefused.
+/// With `--socket-per-datagram` each datagram has a socket of its own, as
+/// a resolver opening one per query.
 fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
     let interval = take_opt(args, "--interval-ms").map_or(Ok(0), |t| t.parse())?;
     // Larger than the MTU, a datagram leaves in fragments.
     let payload = vec![b'x'; take_opt(args, "--size").map_or(Ok(5), |t| t.parse())?];
-    let connect = args.iter().position(|a| a == "--connect").map(|i| args.remove(i)).is_some();
+    let mut flag = |name: &str| args.iter().position(|a| a == name).map(|i| args.remove(i));
+    let connect = flag("--connect").is_some();
+    let per_datagram = flag("--socket-per-datagram").is_some();
     // After a failed attempt, connect again (a socket the proxy ended).
-    let reconnect = args.iter().position(|a| a == "--reconnect").map(|i| args.remove(i)).is_some();
+    let reconnect = flag("--reconnect").is_some();
     let (addr, count) = target(args)?;
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
-    socket.set_read_timeout(Some(timeout))?;
-    if connect {
-        socket.connect(addr)?;
-    }
+    let open = || -> std::io::Result<UdpSocket> {
+        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        socket.set_read_timeout(Some(timeout))?;
+        if connect {
+            socket.connect(addr)?;
+        }
+        Ok(socket)
+    };
+    let mut socket = open()?;
     let mut buf = [0u8; 1500];
     for i in 0..count {
         if i > 0 {
             std::thread::sleep(Duration::from_millis(interval));
+            if per_datagram {
+                socket = open()?;
+            }
         }
         let start = Instant::now();
         let sent = if connect { socket.send(&payload) } else { socket.send_to(&payload, addr) };

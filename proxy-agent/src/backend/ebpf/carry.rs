@@ -20,8 +20,9 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, CtEntry, CtEntryV1, CtEntryV2, CtKey, FragKey,
-    FragRewrite, Layouts, MAX_AFFINITY, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_SOCK_REV_NAT, ServiceKey,
-    ServiceValue, SockRevNat, SockRevNatKey, map_names,
+    FragRewrite, Layouts, MAX_AFFINITY, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_SOCK_FLOWS,
+    MAX_SOCK_REV_NAT, ServiceKey, ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey,
+    map_names,
 };
 
 use super::sync::frontend_of_key;
@@ -58,7 +59,7 @@ const fn lru<K, V>(max_entries: u32) -> Shape {
 }
 
 /// The state maps, in the order they are carried.
-pub const STATE_MAPS: [StateMap; 4] = [
+pub const STATE_MAPS: [StateMap; 5] = [
     StateMap {
         name: map_names::CONNTRACK,
         version: |l| l.conntrack,
@@ -82,6 +83,12 @@ pub const STATE_MAPS: [StateMap; 4] = [
         version: |l| l.fragments,
         reads: &[1],
         shape: lru::<FragKey, FragRewrite>(MAX_FRAGMENTS),
+    },
+    StateMap {
+        name: map_names::SOCK_FLOWS,
+        version: |l| l.sock_flows,
+        reads: &[1],
+        shape: lru::<SockFlowKey, SockFlow>(MAX_SOCK_FLOWS),
     },
 ];
 
@@ -244,6 +251,9 @@ impl Conversion {
             (map_names::SOCK_REV_NAT, _) => {
                 copy::<SockRevNatKey, SockRevNat, SockRevNat>(&self.old, new, flags)
             }
+            (map_names::SOCK_FLOWS, _) => {
+                copy::<SockFlowKey, SockFlow, SockFlow>(&self.old, new, flags)
+            }
             _ => copy::<FragKey, FragRewrite, FragRewrite>(&self.old, new, flags),
         }
     }
@@ -309,6 +319,18 @@ mod tests {
             };
             assert_eq!(carry, expect, "from layout {version}");
         }
+    }
+
+    #[test]
+    fn a_map_added_later_is_carried_only_from_agents_that_had_it() {
+        let flows = STATE_MAPS.iter().find(|m| m.name == map_names::SOCK_FLOWS).unwrap();
+        let ours = flows.shape;
+        assert_eq!(decide(flows, Some((&Layouts::CURRENT, ours))), Carry::Reuse);
+        // Earlier agents left its word at 0 (reserved): whatever sits at
+        // that name is not theirs to trust.
+        let before = Layouts { sock_flows: 0, ..Layouts::CURRENT };
+        assert_eq!(decide(flows, Some((&before, ours))), Carry::Reset { version: 0 });
+        assert_eq!(decide(flows, Some((&Layouts::FIRST, ours))), Carry::Reset { version: 0 });
     }
 
     #[test]

@@ -26,6 +26,10 @@ use crate::{
 
 /// A TCP flow translated per packet that never saw a reply lives this long.
 const TCP_SYN_TIMEOUT_SECS: u32 = 60;
+/// How long the socket path keeps an answered UDP flow on its backend: the
+/// kernel's `nf_conntrack_udp_timeout_stream`, which kube-proxy leaves as
+/// it is by default.
+const UDP_STREAM_TIMEOUT_SECS: u32 = 120;
 /// Expired conntrack entries are collected at least this often...
 const GC_MIN: Duration = Duration::from_secs(1);
 /// ...and at most this rarely.
@@ -239,7 +243,7 @@ fn config(args: &RunArgs, node_ips: &[Ipv4Addr], host_netns_cookie: u64) -> Conf
         tcp_close_wait_timeout_secs: secs(args.conntrack_tcp_timeout_close_wait),
         tcp_time_wait_timeout_secs: secs(args.conntrack_tcp_timeout_time_wait),
         udp_timeout_secs: secs(args.conntrack_udp_timeout),
-        _pad2: 0,
+        udp_stream_timeout_secs: UDP_STREAM_TIMEOUT_SECS,
         host_netns_cookie,
     }
 }

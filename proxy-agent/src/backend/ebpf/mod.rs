@@ -43,7 +43,7 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP, Layouts,
     MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat, SOURCE_RANGE_PREFIX_BITS, ServiceKey,
-    ServiceValue, SockRevNat, SockRevNatKey, SourceRangeKey, map_names,
+    ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey, map_names,
 };
 
 use carry::{Carry, Conversion, Pinned, STATE_MAPS};
@@ -98,6 +98,7 @@ struct Maps {
     source_ranges: Map,
     config: Map,
     fragments: Map,
+    sock_flows: Map,
     counters: Map,
     layout: Map,
 }
@@ -117,6 +118,7 @@ impl Maps {
             source_ranges: take(map_names::SOURCE_RANGES)?,
             config: take(map_names::CONFIG)?,
             fragments: take(map_names::FRAGMENTS)?,
+            sock_flows: take(map_names::SOCK_FLOWS)?,
             counters: take(map_names::COUNTERS)?,
             layout: take(map_names::LAYOUT)?,
         })
@@ -128,11 +130,12 @@ impl Maps {
             map_names::CONNTRACK => &mut self.conntrack,
             map_names::AFFINITY => &mut self.affinity,
             map_names::SOCK_REV_NAT => &mut self.sock_rev_nat,
+            map_names::SOCK_FLOWS => &mut self.sock_flows,
             _ => &mut self.fragments,
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 11] {
+    fn by_name(&self) -> [(&'static str, &Map); 12] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
@@ -143,6 +146,7 @@ impl Maps {
             (map_names::SOURCE_RANGES, &self.source_ranges),
             (map_names::CONFIG, &self.config),
             (map_names::FRAGMENTS, &self.fragments),
+            (map_names::SOCK_FLOWS, &self.sock_flows),
             (map_names::COUNTERS, &self.counters),
             (map_names::LAYOUT, &self.layout),
         ]
@@ -469,6 +473,16 @@ impl EbpfBackend {
             }
             Err(e) => tracing::warn!(error = %e, "could not flush UDP flows to removed endpoints"),
         }
+        match self.end_sockets(&released.backends, &[IPPROTO_UDP]) {
+            Ok(0) => {}
+            Ok(ended) => tracing::info!(
+                ended,
+                "UDP sockets connected to endpoints removed while no agent ran ended"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not end UDP sockets connected to removed endpoints")
+            }
+        }
         let purge: AffinityPurge =
             released.rev_nat_ids.into_iter().map(|id| (id, BTreeSet::new())).collect();
         if !purge.is_empty()
@@ -628,9 +642,14 @@ impl EbpfBackend {
 
     /// Ends the sockets of `protocols` the socket LB connected to backends
     /// that left (see [`crate::sockets`]); returns how many.
-    pub fn end_sockets(&self, removed: &[Backend], protocols: &[u8]) -> Result<usize, EbpfError> {
+    pub fn end_sockets(
+        &self,
+        removed: &[(u32, Backend)],
+        protocols: &[u8],
+    ) -> Result<usize, EbpfError> {
         let gone: BTreeSet<(u8, [u8; 4], u16)> = removed
             .iter()
+            .map(|(_, b)| b)
             .filter(|b| protocols.contains(&b.proto))
             .map(|b| (b.proto, b.address, b.port))
             .collect();
@@ -658,18 +677,44 @@ impl EbpfBackend {
         Ok(ended)
     }
 
-    /// Deletes the UDP flows to backends that left, as kube-proxy clears
-    /// their conntrack entries: the next datagram picks a live backend.
-    pub fn flush_udp_flows(&mut self, removed: &[Backend]) -> Result<usize, EbpfError> {
+    /// Deletes the UDP flows to backends that left (`removed`, with their
+    /// ids), per packet and per socket, as kube-proxy clears their conntrack
+    /// entries: the next datagram picks a live backend.
+    pub fn flush_udp_flows(&mut self, removed: &[(u32, Backend)]) -> Result<usize, EbpfError> {
         let udp: Vec<Backend> =
-            removed.iter().copied().filter(|b| b.proto == IPPROTO_UDP).collect();
+            removed.iter().map(|(_, b)| *b).filter(|b| b.proto == IPPROTO_UDP).collect();
         if udp.is_empty() {
             return Ok(0);
         }
+        let ids: BTreeSet<u32> =
+            removed.iter().filter(|(_, b)| b.proto == IPPROTO_UDP).map(|(id, _)| *id).collect();
+        let sockets = self.flush_socket_flows(&ids)?;
         let entries = self.conntrack_entries()?;
         let flows = conntrack::flows_to(&entries, &udp);
         // Only entries still naming a removed backend (not a new flow's).
-        self.delete_conntrack(&flows, |k, e| conntrack::names_backend(k, e, &udp))
+        Ok(sockets + self.delete_conntrack(&flows, |k, e| conntrack::names_backend(k, e, &udp))?)
+    }
+
+    /// Deletes the socket flows (unconnected UDP) naming one of `ids`.
+    fn flush_socket_flows(&mut self, ids: &BTreeSet<u32>) -> Result<usize, EbpfError> {
+        let name = map_names::SOCK_FLOWS;
+        let err = |source| EbpfError::Map { name, source };
+        let mut map = HashMap::<_, SockFlowKey, SockFlow>::try_from(&mut self.maps.sock_flows)
+            .map_err(err)?;
+        let stale: Vec<SockFlowKey> = map
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, flow)| ids.contains(&flow.backend_id))
+            .map(|(key, _)| key)
+            .collect();
+        // Read again before deletion: the socket may have moved on meanwhile.
+        Ok(stale
+            .iter()
+            .filter(|key| {
+                map.get(key, 0).is_ok_and(|f| ids.contains(&f.backend_id))
+                    && map.remove(key).is_ok()
+            })
+            .count())
     }
 }
 

@@ -67,8 +67,9 @@ pub enum SyncError {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct SyncReport {
     pub writes: usize,
-    /// Backends no frontend uses any more (their flows may need flushing).
-    pub removed_backends: Vec<Backend>,
+    /// Backends no frontend uses any more, with the ids they had (their
+    /// flows may need flushing).
+    pub removed_backends: Vec<(u32, Backend)>,
 }
 
 /// Services (by reverse-NAT id) whose affinity entries may name a backend
@@ -129,7 +130,8 @@ struct ReservedIds {
 /// and affinity entries are stale.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Released {
-    pub backends: Vec<Backend>,
+    /// With the ids the previous agent gave them.
+    pub backends: Vec<(u32, Backend)>,
     pub rev_nat_ids: Vec<u32>,
 }
 
@@ -201,7 +203,11 @@ impl SyncState {
         let Reserved { frontends, backends } = std::mem::take(&mut self.reserved);
         self.reserved_ids = ReservedIds::default();
         Released {
-            backends: backends.into_keys().filter(|b| !self.backends.contains_key(b)).collect(),
+            backends: backends
+                .into_iter()
+                .filter(|(b, _)| !self.backends.contains_key(b))
+                .map(|(b, id)| (id, b))
+                .collect(),
             rev_nat_ids: frontends
                 .into_iter()
                 .filter(|(f, id)| self.frontends.get(f).is_none_or(|i| i.rev_nat_id != *id))
@@ -269,7 +275,7 @@ impl SyncState {
         for op in &ops {
             writer.apply(op).map_err(|source| SyncError::Write { op: op.clone(), source })?;
             if let MapOp::DeleteBackend { id } = op {
-                report.removed_backends.extend(self.backend_by_id.get(id).copied());
+                report.removed_backends.extend(self.backend_by_id.get(id).map(|b| (*id, *b)));
             }
             self.record(op);
         }
@@ -946,7 +952,8 @@ mod tests {
 
         let released = after.release_reserved();
         let udp_backend = reserved.backends.keys().find(|b| b.address == [10, 244, 0, 3]).unwrap();
-        assert_eq!(released.backends, vec![*udp_backend], "its flows are stale");
+        let udp_id = reserved.backends[udp_backend];
+        assert_eq!(released.backends, vec![(udp_id, *udp_backend)], "its flows are stale");
         assert_eq!(released.rev_nat_ids, vec![reserved.frontends[&frontend(3, udp)]]);
         after.assert_consistent();
     }
