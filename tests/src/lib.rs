@@ -595,6 +595,19 @@ impl Lab {
         Ok(Pod { name: name.to_string(), netns, ip: pod_ip.to_string() })
     }
 
+    /// Takes a pod off the network, as its deletion does: the node side of
+    /// its veth goes (with its route), so nothing reaches it any more.
+    pub fn unplug_pod(&self, pod: &Pod) -> anyhow::Result<()> {
+        for node in &self.nodes {
+            let route = ip(&["-n", &node.netns, "-o", "route", "show", &format!("{}/32", pod.ip)])?;
+            let dev = route.split_whitespace().skip_while(|w| *w != "dev").nth(1);
+            if let Some(dev) = dev {
+                return ip(&["-n", &node.netns, "link", "del", dev]).map(drop);
+            }
+        }
+        bail!("no node routes to {}", pod.ip)
+    }
+
     /// With an agent running on `node`, waits until it has attached its
     /// per-packet program to the new interface (it follows netlink
     /// notifications), as a CNI would wait before starting the pod.

@@ -466,17 +466,31 @@ fn ebpf_host_netns_only_leaves_pods_to_the_per_packet_path() {
     assert_eq!(per_packet, 0, "the node's own sockets are translated at connect()");
 }
 
-both_modes!(a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second);
+both_modes!(
+    a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second,
+    a_connected_udp_socket_leaves_a_deleted_pod_within_a_second,
+);
 
 /// A connected UDP socket talking to a pod whose endpoint is removed (the
 /// pod stays and would answer): within a second it gets an error (eBPF: the
 /// agent ends the socket) or a live pod's answer (iptables: the conntrack
 /// entry is flushed), and after reconnecting only live pods answer.
 fn a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Setup) {
+    connected_udp_socket_after_its_pod_leaves(setup, false)
+}
+
+/// The same when the pod is deleted with its endpoint (its network gone).
+fn a_connected_udp_socket_leaves_a_deleted_pod_within_a_second(setup: Setup) {
+    connected_udp_socket_after_its_pod_leaves(setup, true)
+}
+
+fn connected_udp_socket_after_its_pod_leaves(setup: Setup, delete_pod: bool) {
     let (mut lab, pods, client) = web_lab(setup, 3);
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(&[]).unwrap();
-    let args = ["udp", "10.96.0.10:53", "200", "--interval-ms", "50", "--connect", "--reconnect"];
+    // A datagram to a pod just deleted is lost: a short timeout reports it.
+    let args = ["--timeout-ms", "300", "udp", "10.96.0.10:53", "200", "--interval-ms", "50"];
+    let args: Vec<&str> = args.into_iter().chain(["--connect", "--reconnect"]).collect();
     let mut child = lab.spawn_client(&client, &args).unwrap();
     let stdout = child.stdout.take().unwrap();
     let (tx, lines) = std::sync::mpsc::channel();
@@ -493,6 +507,9 @@ fn a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Setup
     };
     let kept: Vec<&Pod> = pods.iter().filter(|p| p.name != gone).collect();
     lab.write_manifest(&web_manifest(&kept, None)).unwrap();
+    if delete_pod {
+        lab.unplug_pod(pods.iter().find(|p| p.name == gone).unwrap()).unwrap();
+    }
     let removed = Instant::now();
     let mut after = Vec::new();
     while after.len() < 40 {
@@ -502,7 +519,11 @@ fn a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Setup
     let _ = child.kill();
     let _ = child.wait();
     let _ = reader.join();
-    let late: Vec<_> = after.iter().filter(|(at, _)| *at > Duration::from_secs(1)).collect();
+    // Attempts started a second or more after the removal.
+    let started = |(at, attempt): &&(Duration, Attempt)| {
+        at.saturating_sub(Duration::from_secs_f64(attempt.ms() / 1000.0)) > Duration::from_secs(1)
+    };
+    let late: Vec<_> = after.iter().filter(started).collect();
     assert!(late.len() > 10, "{after:?}");
     for (at, attempt) in &late {
         let pod = attempt.pod().unwrap_or_else(|| panic!("failed {at:?} after: {after:?}"));
