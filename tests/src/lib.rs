@@ -359,20 +359,7 @@ impl Lab {
 
     /// Joins `netns` to the fabric bridge through its `eth0` with `addr`/24.
     fn uplink(&mut self, netns: &str, port: &str, addr: &str) -> anyhow::Result<()> {
-        ip(&[
-            "-n",
-            &self.fabric,
-            "link",
-            "add",
-            port,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            netns,
-        ])?;
+        veth_to_eth0(&self.fabric, port, &[], netns)?;
         ip(&["-n", &self.fabric, "link", "set", port, "master", "br0", "up"])?;
         ip(&["-n", netns, "addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
         ip(&["-n", netns, "link", "set", "eth0", "up"])?;
@@ -477,22 +464,7 @@ impl Lab {
         self.uplink(&router, "r0", FAR_ROUTER)?;
         let netns = format!("{}-{name}", self.id);
         self.add_netns(&netns)?;
-        ip(&[
-            "-n",
-            &router,
-            "link",
-            "add",
-            "far0",
-            "mtu",
-            &link_mtu.to_string(),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            &netns,
-        ])?;
+        veth_to_eth0(&router, "far0", &["mtu", &link_mtu.to_string()], &netns)?;
         let (gateway, addr) = (format!("{FAR_PREFIX}.1"), format!("{FAR_PREFIX}.2"));
         ip(&["-n", &router, "addr", "add", &format!("{gateway}/24"), "dev", "far0"])?;
         ip(&["-n", &router, "link", "set", "far0", "up"])?;
@@ -566,10 +538,7 @@ impl Lab {
         host.veths += 1;
         let host_if = format!("veth{}", host.veths);
         let node_ns = host.netns.clone();
-        ip(&[
-            "-n", &node_ns, "link", "add", &host_if, "type", "veth", "peer", "name", "eth0",
-            "netns", &netns,
-        ])?;
+        veth_to_eth0(&node_ns, &host_if, &[], &netns)?;
         // Link scope, as CNIs leave the gateway off the host's global
         // addresses: the node masquerades with its own address, not this.
         ip(&[
@@ -1027,6 +996,14 @@ fn stop(agent: &mut Child, signal: i32) {
     // SAFETY: as above; the group may be gone already.
     unsafe { libc::kill(group, libc::SIGKILL) };
     let _ = agent.wait();
+}
+
+/// A veth pair: `name` in `netns` (with `options`, e.g. its MTU), its peer
+/// `eth0` in `peer_netns`.
+fn veth_to_eth0(netns: &str, name: &str, options: &[&str], peer_netns: &str) -> anyhow::Result<()> {
+    let add = ["-n", netns, "link", "add", name];
+    let peer = ["type", "veth", "peer", "name", "eth0", "netns", peer_netns];
+    ip(&[&add[..], options, &peer[..]].concat()).map(drop)
 }
 
 fn sysctl(netns: &str, key: &str, value: &str) -> anyhow::Result<()> {
