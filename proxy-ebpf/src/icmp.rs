@@ -19,15 +19,17 @@ use proxy_common::{
 
 use crate::{
     conntrack,
-    packet::{self, IcmpMessage},
+    packet::{
+        self, IcmpMessage,
+        ipv4::{
+            CSUM as IP_CSUM_OFF, DADDR as IP_DADDR_OFF, FRAGMENT_OFFSET as IP_FRAGMENT_OFFSET,
+            SADDR as IP_SADDR_OFF,
+        },
+    },
 };
 
 const ICMP_CSUM_OFF: usize = 2;
 const ICMP_HLEN: usize = 8;
-const IP_CSUM_OFF: usize = 10;
-const IP_SADDR_OFF: usize = 12;
-const IP_DADDR_OFF: usize = 16;
-const IP_FRAGMENT_OFFSET: u16 = 0x1fff;
 
 /// An ICMP error quoting a TCP or UDP packet.
 pub struct IcmpError {

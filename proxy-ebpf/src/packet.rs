@@ -13,12 +13,23 @@ pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
 pub const IPPROTO_ICMP: u8 = 1;
 const IP_OFF: usize = ETH_HLEN;
-const IP_CSUM_OFF: usize = IP_OFF + 10;
-const IP_SADDR_OFF: usize = IP_OFF + 12;
-const IP_DADDR_OFF: usize = IP_OFF + 16;
-const IP_TTL_OFF: usize = IP_OFF + 8;
-const IP_MORE_FRAGMENTS: u16 = 0x2000;
-const IP_FRAGMENT_OFFSET: u16 = 0x1fff;
+
+/// IPv4 header fields, from the start of an IPv4 header (the packet's own,
+/// or one an ICMP error quotes).
+pub mod ipv4 {
+    pub const TTL: usize = 8;
+    pub const CSUM: usize = 10;
+    pub const SADDR: usize = 12;
+    pub const DADDR: usize = 16;
+    /// Bits of the flags and fragment offset word.
+    pub const MORE_FRAGMENTS: u16 = 0x2000;
+    pub const FRAGMENT_OFFSET: u16 = 0x1fff;
+}
+
+const IP_CSUM_OFF: usize = IP_OFF + ipv4::CSUM;
+const IP_SADDR_OFF: usize = IP_OFF + ipv4::SADDR;
+const IP_DADDR_OFF: usize = IP_OFF + ipv4::DADDR;
+const IP_TTL_OFF: usize = IP_OFF + ipv4::TTL;
 
 /// The fields of one IPv4 TCP or UDP packet the datapath works with.
 #[derive(Clone, Copy)]
@@ -87,7 +98,7 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     let saddr = [ip[12], ip[13], ip[14], ip[15]];
     let daddr = [ip[16], ip[17], ip[18], ip[19]];
     // ICMP errors are small (RFC 1812: at most 576 bytes), never fragmented.
-    if proto == IPPROTO_ICMP && frag & (IP_MORE_FRAGMENTS | IP_FRAGMENT_OFFSET) == 0 {
+    if proto == IPPROTO_ICMP && frag & (ipv4::MORE_FRAGMENTS | ipv4::FRAGMENT_OFFSET) == 0 {
         return Some(Parsed::Icmp(IcmpMessage { saddr, daddr, icmp_off: IP_OFF + ihl }));
     }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
@@ -95,7 +106,7 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     }
     let id = u16::from_be_bytes([ip[4], ip[5]]);
     let frag_key = FragKey { saddr, daddr, id, proto, _pad: 0 };
-    if frag & IP_FRAGMENT_OFFSET != 0 {
+    if frag & ipv4::FRAGMENT_OFFSET != 0 {
         return Some(Parsed::Fragment(frag_key));
     }
     let l4_off = IP_OFF + ihl;
@@ -113,7 +124,7 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
         l4_off,
         tcp_flags,
         plain_ip_header: ihl == 20,
-        first_fragment: (frag & IP_MORE_FRAGMENTS != 0).then_some(frag_key),
+        first_fragment: (frag & ipv4::MORE_FRAGMENTS != 0).then_some(frag_key),
     }))
 }
 
