@@ -9,7 +9,7 @@ use std::{
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::model;
+use crate::{backend::ebpf::sock_end::SocketDestroy, model};
 
 #[derive(Parser)]
 #[command(name = "proxy-agent", version, about = "eBPF Kubernetes service proxy")]
@@ -198,6 +198,11 @@ pub struct RunArgs {
     /// leaves established TCP connections alone
     #[arg(long)]
     pub terminate_tcp_on_endpoint_removal: bool,
+    /// How sockets connected to a removed endpoint are ended: `auto` uses
+    /// socket iterators with bpf_sock_destroy where the kernel has it
+    /// (6.5+), else sock_diag SOCK_DESTROY (CONFIG_INET_DIAG_DESTROY)
+    #[arg(long, value_name = "WAY", value_enum, default_value_t = SocketDestroy::Auto)]
+    pub socket_destroy: SocketDestroy,
     /// Interfaces are followed through the kernel's netlink notifications;
     /// they are also scanned at least this often, in case one was missed
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]

@@ -37,6 +37,7 @@ pub const CGROUP2: &str = "cgroup v2 mounted";
 pub const PROGRAMS: &str = "programs load (cgroup sock_addr, tc, helpers, BTF maps)";
 pub const CGROUP_LINKS: &str = "bpf_link for cgroups (5.7+)";
 pub const TCX: &str = "TCX attachment (6.6+; else clsact filters)";
+pub const SOCK_ITERATORS: &str = "bpf_sock_destroy from socket iterators (6.5+)";
 pub const SOCK_DESTROY: &str = "sock_diag SOCK_DESTROY (ends sockets to removed pods)";
 
 /// Picks the mode: eBPF when every required feature is there.
@@ -54,7 +55,8 @@ pub fn run() -> Vec<Feature> {
     let version = kernel.map_or_else(|| "unknown kernel".to_string(), |v| format!("kernel {v}"));
     let btf = aya::features().btf().is_some();
     let cgroup2 = sys::cgroup2_root();
-    let programs = EbpfBackend::load(TcAttach::for_this_kernel());
+    let mut programs = EbpfBackend::load(TcAttach::for_this_kernel());
+    let iterators = programs.as_mut().ok().map(EbpfBackend::load_socket_iterators);
     let destroy = crate::sockets::probe();
     vec![
         Feature {
@@ -88,6 +90,16 @@ pub fn run() -> Vec<Feature> {
             detail: version.clone(),
         },
         Feature { name: TCX, required: false, found: at_least(6, 6), detail: version },
+        Feature {
+            name: SOCK_ITERATORS,
+            required: false,
+            found: matches!(iterators, Some(Ok(()))),
+            detail: match &iterators {
+                Some(Ok(())) => "verified; ends sockets to removed pods".into(),
+                Some(Err(e)) => format!("{e}; sock_diag is used instead"),
+                None => "programs do not load".into(),
+            },
+        },
         Feature {
             name: SOCK_DESTROY,
             required: false,

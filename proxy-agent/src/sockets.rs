@@ -1,14 +1,19 @@
-//! Ending sockets the socket LB connected to an endpoint that is gone, as
-//! kube-proxy's users expect from its conntrack flush: a connected UDP socket
-//! would otherwise keep sending to the removed pod for as long as it lives.
-//! The kernel's `sock_diag` does it (`SOCK_DESTROY`, `CONFIG_INET_DIAG_DESTROY`):
-//! in every network namespace the agent can see (`/proc/<pid>/ns/net`), the
-//! sockets whose cookie the socket LB recorded for a removed backend are
-//! dumped and destroyed; the application gets an error and its next
+//! Ending sockets the socket LB connected to an endpoint that left its
+//! service, as kube-proxy's users expect from its conntrack flush: a
+//! connected UDP socket would otherwise keep sending to the removed pod for
+//! as long as it lives. The application gets an error and its next
 //! `connect()` goes through the service to a live pod.
 //!
-//! The message layouts are the kernel's (`linux/inet_diag.h`), built and
-//! read here as bytes; that part is pure and unit-tested.
+//! It happens in every network namespace the agent can see
+//! (`/proc/<pid>/ns/net`), a thread each, in one of two ways:
+//! - socket iterators calling `bpf_sock_destroy` (Linux 6.5+): the kernel
+//!   walks the namespace's sockets and the BPF program picks them (see
+//!   `proxy-ebpf/src/sock_end.rs` and `backend::ebpf::sock_end`);
+//! - `sock_diag` (`SOCK_DESTROY`, `CONFIG_INET_DIAG_DESTROY`): the sockets are
+//!   dumped here and the chosen ones destroyed one by one.
+//!
+//! The `sock_diag` message layouts are the kernel's (`linux/inet_diag.h`),
+//! built and read here as bytes; that part is pure and unit-tested.
 
 use std::{
     collections::BTreeSet,
@@ -36,12 +41,27 @@ const MSG_ID_END: usize = 4 + SOCKID_LEN;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct SockId([u8; SOCKID_LEN]);
 
+/// A connected socket as the socket LB recorded it: its cookie and its
+/// peer, the backend `connect()` was sent to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub cookie: u64,
+    pub address: [u8; 4],
+    pub port: u16,
+}
+
 impl SockId {
-    /// The socket cookie (its last 8 bytes, host order as two u32).
-    fn cookie(&self) -> u64 {
+    /// The socket cookie (its last 8 bytes, host order as two u32), its
+    /// destination address (the first 4 of 16 bytes at 20) and port (2,
+    /// network order).
+    fn peer(&self) -> Peer {
         let lo = u32::from_ne_bytes(self.0[40..44].try_into().unwrap_or_default());
         let hi = u32::from_ne_bytes(self.0[44..48].try_into().unwrap_or_default());
-        (u64::from(hi) << 32) | u64::from(lo)
+        Peer {
+            cookie: (u64::from(hi) << 32) | u64::from(lo),
+            address: self.0[20..24].try_into().unwrap_or_default(),
+            port: u16::from_be_bytes([self.0[2], self.0[3]]),
+        }
     }
 }
 
@@ -146,14 +166,14 @@ impl Diag {
         Ok(all)
     }
 
-    /// Destroys the `protocol` sockets of this namespace whose cookie is in
-    /// `cookies`; returns how many.
-    fn destroy(&mut self, protocol: u8, cookies: &BTreeSet<u64>) -> io::Result<usize> {
+    /// Destroys the `protocol` sockets of this namespace `must_end` picks;
+    /// returns how many.
+    fn destroy(&mut self, protocol: u8, must_end: &MustEnd) -> io::Result<usize> {
         self.seq += 1;
         let dump =
             self.exchange(&request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, self.seq, protocol, None))?;
         let mut destroyed = 0;
-        for id in dump.sockets.iter().filter(|id| cookies.contains(&id.cookie())) {
+        for id in dump.sockets.iter().filter(|id| must_end(&id.peer())) {
             self.seq += 1;
             let msg = request(SOCK_DESTROY, NLM_F_ACK, self.seq, protocol, Some(id));
             match self.exchange(&msg)?.error {
@@ -194,29 +214,49 @@ fn namespaces() -> Vec<std::fs::File> {
         .collect()
 }
 
-/// Destroys, in every network namespace the agent can see, the `protocol`
-/// sockets whose cookie is in `cookies`; returns how many.
-pub fn destroy(protocol: u8, cookies: &BTreeSet<u64>) -> io::Result<usize> {
-    if cookies.is_empty() {
-        return Ok(0);
-    }
-    let mut destroyed = 0;
+/// Picks the sockets to end by their recorded peer.
+pub type MustEnd<'a> = dyn Fn(&Peer) -> bool + Sync + 'a;
+
+/// Runs `count` in every network namespace the agent can see, with what
+/// `prepare` made for it in the calling thread, and adds up what it
+/// returns. A namespace that cannot be entered (its last process left) or
+/// fails is skipped; the first error is returned only when none succeeded.
+pub fn in_each_netns<P: Send>(
+    mut prepare: impl FnMut() -> io::Result<P>,
+    count: impl Fn(P) -> io::Result<usize> + Sync,
+) -> io::Result<usize> {
+    let mut work = Vec::new();
     for netns in namespaces() {
-        // setns changes the calling thread's namespace only: a thread each.
-        let cookies = cookies.clone();
-        let found = std::thread::spawn(move || -> io::Result<usize> {
-            // SAFETY: a namespace fd of ours, for this thread alone.
-            if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Diag::open()?.destroy(protocol, &cookies)
-        })
-        .join()
-        .map_err(|_| io::Error::other("the sock_diag thread panicked"))?;
-        // A process that left, or a namespace we may not enter: skip it.
-        destroyed += found.unwrap_or(0);
+        work.push((netns, prepare()?));
     }
-    Ok(destroyed)
+    let count = &count;
+    let results: Vec<io::Result<usize>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = work
+            .into_iter()
+            .map(|(netns, prepared)| {
+                // setns changes the calling thread's namespace only.
+                scope.spawn(move || {
+                    // SAFETY: a namespace fd of ours, for this thread alone.
+                    if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                        return None;
+                    }
+                    Some(count(prepared))
+                })
+            })
+            .collect();
+        threads.into_iter().filter_map(|t| t.join().ok().flatten()).collect()
+    });
+    let ended = results.iter().filter_map(|r| r.as_ref().ok()).sum();
+    match results.into_iter().find_map(Result::err) {
+        Some(e) if ended == 0 => Err(e),
+        _ => Ok(ended),
+    }
+}
+
+/// Destroys with `sock_diag`, in every network namespace the agent can see,
+/// the `protocol` sockets `must_end` picks; returns how many.
+pub fn destroy(protocol: u8, must_end: &MustEnd) -> io::Result<usize> {
+    in_each_netns(|| Ok(()), |()| Diag::open()?.destroy(protocol, must_end))
 }
 
 /// Whether this kernel destroys sockets through `sock_diag`: a connected
@@ -259,8 +299,11 @@ mod tests {
         id[0..2].copy_from_slice(&4242u16.to_be_bytes());
         id[40..44].copy_from_slice(&7u32.to_ne_bytes());
         id[44..48].copy_from_slice(&1u32.to_ne_bytes());
+        id[2..4].copy_from_slice(&53u16.to_be_bytes());
+        id[20..24].copy_from_slice(&[10, 244, 0, 5]);
         let id = SockId(id);
-        assert_eq!(id.cookie(), (1 << 32) | 7);
+        let peer = Peer { cookie: (1 << 32) | 7, address: [10, 244, 0, 5], port: 53 };
+        assert_eq!(id.peer(), peer);
 
         let msg = request(SOCK_DESTROY, NLM_F_ACK, 9, 17, Some(&id));
         assert_eq!(msg.len(), 72, "nlmsghdr + inet_diag_req_v2");

@@ -20,6 +20,7 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const LAYOUT: &str = "LAYOUT";
     pub const SOCK_FLOWS: &str = "SOCK_FLOWS";
+    pub const SOCK_ENDS: &str = "SOCK_ENDS";
 }
 
 /// Layout versions of the maps, so a new agent can tell whether a previous
@@ -91,6 +92,8 @@ pub const MAX_CONNTRACK: u32 = 262_144;
 pub const MAX_SOURCE_RANGES: u32 = 16_384;
 pub const MAX_FRAGMENTS: u32 = 16_384;
 pub const MAX_SOCK_FLOWS: u32 = 65_536;
+/// Departures handed to the socket iterator at once (more go in batches).
+pub const MAX_SOCK_ENDS: u32 = 4_096;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -276,6 +279,27 @@ pub struct SockFlow {
     /// 1 once a reply came back (recvmsg4 reverse-translated one).
     pub answered: u8,
     pub _pad: [u8; 3],
+}
+
+/// The `bpf_sock_destroy` kfunc call as the BPF object holds it: BPF_JMP |
+/// BPF_CALL (0x85), src_reg BPF_PSEUDO_KFUNC_CALL (2), off 0 (vmlinux BTF),
+/// and a placeholder immediate the agent replaces with the kfunc's BTF id in
+/// the running kernel before loading (aya does not resolve kfunc calls).
+pub const SOCK_DESTROY_CALL: u64 = (0x5ec0_de57 << 32) | 0x2085;
+
+/// Key of the socket-ending map: connected sockets the socket LB sent to
+/// `address:port` (`proto`) for the frontend `rev_nat_id` must end, the
+/// backend having left it; `rev_nat_id` 0 stands for every frontend (the
+/// backend left them all). Written by the agent, read by the socket
+/// iterators.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SockEndKey {
+    pub address: [u8; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+    pub rev_nat_id: u32,
 }
 
 impl SockFlow {
@@ -721,6 +745,7 @@ mod pod {
     unsafe impl aya::Pod for RevNat {}
     unsafe impl aya::Pod for SockRevNatKey {}
     unsafe impl aya::Pod for SockRevNat {}
+    unsafe impl aya::Pod for SockEndKey {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for CtKey {}

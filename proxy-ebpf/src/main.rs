@@ -2,6 +2,8 @@
 //! in `sock_lb` (socket hooks) and `lb` (service lookup, backend choice).
 #![no_std]
 #![no_main]
+// The `bpf_sock_destroy` kfunc call (see `sock_end`).
+#![feature(asm_experimental_arch)]
 
 mod conntrack;
 mod icmp;
@@ -9,6 +11,7 @@ mod lb;
 mod maps;
 mod packet;
 mod reject;
+mod sock_end;
 mod sock_lb;
 mod tc_act;
 mod tc_lb;
@@ -50,6 +53,27 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     tc_lb::try_egress(&ctx)
+}
+
+/// Socket iterators ending the TCP and UDP sockets connected to backends
+/// that left (`SOCK_ENDS`); run by the agent, never attached to a hook.
+///
+/// # Safety
+/// Called by the kernel with the iterator's context.
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "iter/tcp")]
+pub unsafe extern "C" fn end_tcp_sockets(ctx: *mut core::ffi::c_void) -> i32 {
+    // SAFETY: the iterator's context.
+    unsafe { sock_end::try_end(ctx, proxy_common::IPPROTO_TCP) }
+}
+
+/// # Safety
+/// As above.
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "iter/udp")]
+pub unsafe extern "C" fn end_udp_sockets(ctx: *mut core::ffi::c_void) -> i32 {
+    // SAFETY: as above.
+    unsafe { sock_end::try_end(ctx, proxy_common::IPPROTO_UDP) }
 }
 
 #[cfg(not(test))]

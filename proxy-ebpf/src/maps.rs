@@ -8,8 +8,9 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey, FragKey,
     FragRewrite, Layouts, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_REV_NAT,
-    MAX_SERVICE_ENTRIES, MAX_SOCK_FLOWS, MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES, RevNat, ServiceKey,
-    ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey,
+    MAX_SERVICE_ENTRIES, MAX_SOCK_ENDS, MAX_SOCK_FLOWS, MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES,
+    RevNat, ServiceKey, ServiceValue, SockEndKey, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey,
+    SourceRangeKey,
 };
 
 #[btf_map]
@@ -31,6 +32,11 @@ pub static SOCK_REV_NAT: LruHashMap<SockRevNatKey, SockRevNat, { MAX_SOCK_REV_NA
 #[btf_map]
 pub static SOCK_FLOWS: LruHashMap<SockFlowKey, SockFlow, { MAX_SOCK_FLOWS as usize }> =
     LruHashMap::new();
+
+/// Backends whose connected sockets the socket iterators end (see
+/// `sock_end`); filled and emptied by the agent around each run.
+#[btf_map]
+pub static SOCK_ENDS: HashMap<SockEndKey, u8, { MAX_SOCK_ENDS as usize }> = HashMap::new();
 
 #[btf_map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { MAX_AFFINITY as usize }> =

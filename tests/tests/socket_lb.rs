@@ -404,7 +404,11 @@ fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it(setup: Setup) 
         Some(api) => api.set_up(false),
     }
     lab.spawn_agent_on(0, &[]).unwrap();
-    std::thread::sleep(Duration::from_millis(2500));
+    // It says so every 2 s once its programs are loaded.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !lab.agent_log().contains("waiting for the whole source") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
     assert!(lab.agent_log().contains("waiting for the whole source"), "{}", lab.agent_log());
 
@@ -469,77 +473,177 @@ fn ebpf_host_netns_only_leaves_pods_to_the_per_packet_path() {
 both_modes!(
     a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second,
     a_connected_udp_socket_leaves_a_deleted_pod_within_a_second,
+    a_pod_leaving_one_service_keeps_the_sockets_of_another,
 );
 
 /// A connected UDP socket talking to a pod whose endpoint is removed (the
 /// pod stays and would answer): within a second it gets an error (eBPF: the
 /// agent ends the socket) or a live pod's answer (iptables: the conntrack
-/// entry is flushed), and after reconnecting only live pods answer.
+/// entry is flushed), and after reconnecting only live pods answer. eBPF
+/// mode on this kernel: the socket iterators end it.
 fn a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Setup) {
-    connected_udp_socket_after_its_pod_leaves(setup, false)
+    connected_udp_socket_after_its_pod_leaves(setup, false, &[])
 }
 
 /// The same when the pod is deleted with its endpoint (its network gone).
 fn a_connected_udp_socket_leaves_a_deleted_pod_within_a_second(setup: Setup) {
-    connected_udp_socket_after_its_pod_leaves(setup, true)
+    connected_udp_socket_after_its_pod_leaves(setup, true, &[])
 }
 
-fn connected_udp_socket_after_its_pod_leaves(setup: Setup, delete_pod: bool) {
-    let (mut lab, pods, client) = web_lab(setup, 3);
-    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
-    lab.start_agent(&[]).unwrap();
-    // A datagram to a pod just deleted is lost: a short timeout reports it.
-    let args = ["--timeout-ms", "300", "udp", "10.96.0.10:53", "200", "--interval-ms", "50"];
-    let args: Vec<&str> = args.into_iter().chain(["--connect", "--reconnect"]).collect();
-    let mut child = lab.spawn_client(&client, &args).unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, lines) = std::sync::mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        use std::io::BufRead as _;
-        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send((Instant::now(), line));
-        }
-    });
-    let next = || lines.recv_timeout(Duration::from_secs(5)).expect("the client answers");
-    let (_, first) = next();
-    let Some(Attempt::Ok { name: gone, .. }) = Attempt::parse(&first) else {
-        panic!("first datagram: {first}")
-    };
-    let kept: Vec<&Pod> = pods.iter().filter(|p| p.name != gone).collect();
-    lab.write_manifest(&web_manifest(&kept, None)).unwrap();
-    if delete_pod {
-        lab.unplug_pod(pods.iter().find(|p| p.name == gone).unwrap()).unwrap();
+/// Both cases again with sock_diag ending the socket, the way kernels
+/// without `bpf_sock_destroy` (before 6.5) take.
+#[test]
+fn ebpf_sock_diag_ends_a_connected_udp_socket_whose_pod_leaves() {
+    for delete_pod in [false, true] {
+        connected_udp_socket_after_its_pod_leaves(
+            Setup::EBPF,
+            delete_pod,
+            &["--socket-destroy", "sock-diag"],
+        );
     }
-    let removed = Instant::now();
-    let mut after = Vec::new();
-    while after.len() < 40 {
-        let (at, line) = next();
-        after.push((at.duration_since(removed), Attempt::parse(&line).unwrap()));
+}
+
+/// A client's attempts as it prints them, each with when it came.
+struct Follow {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<(Instant, String)>,
+    reader: std::thread::JoinHandle<()>,
+}
+
+impl Follow {
+    fn start(lab: &mut Lab, client: &Pod, args: &[&str]) -> Self {
+        let mut child = lab.spawn_client(client, args).unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send((Instant::now(), line));
+            }
+        });
+        Follow { child, lines, reader }
     }
-    let _ = child.kill();
-    let _ = child.wait();
-    let _ = reader.join();
-    // Attempts started a second or more after the removal.
+
+    fn next(&self) -> (Instant, Attempt) {
+        let (at, line) = self.lines.recv_timeout(Duration::from_secs(5)).expect("it answers");
+        (at, Attempt::parse(&line).unwrap_or_else(|| panic!("not an attempt: {line}")))
+    }
+
+    /// The next `n` attempts, with how long after `since` each came.
+    fn take(&self, n: usize, since: Instant) -> Vec<(Duration, Attempt)> {
+        (0..n)
+            .map(|_| {
+                let (at, attempt) = self.next();
+                (at.duration_since(since), attempt)
+            })
+            .collect()
+    }
+
+    fn stop(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = self.reader.join();
+    }
+}
+
+/// Datagrams over one connected socket (reconnecting after an error), 20 a
+/// second; one to a pod just deleted is lost, a short timeout reports it.
+fn connected_udp(lab: &mut Lab, client: &Pod, vip: &str) -> Follow {
+    let args = ["--timeout-ms", "300", "udp", vip, "200", "--interval-ms", "50"];
+    Follow::start(lab, client, &[&args[..], &["--connect", "--reconnect"]].concat())
+}
+
+/// The attempts started a second or more after the change.
+fn a_second_after(after: &[(Duration, Attempt)]) -> Vec<&(Duration, Attempt)> {
     let started = |(at, attempt): &&(Duration, Attempt)| {
         at.saturating_sub(Duration::from_secs_f64(attempt.ms() / 1000.0)) > Duration::from_secs(1)
     };
     let late: Vec<_> = after.iter().filter(started).collect();
     assert!(late.len() > 10, "{after:?}");
-    for (at, attempt) in &late {
+    late
+}
+
+/// The late attempts were answered by live pods through `vip`, never `gone`.
+fn answered_without(after: &[(Duration, Attempt)], gone: &str, vip: &str) {
+    for (at, attempt) in a_second_after(after) {
         let pod = attempt.pod().unwrap_or_else(|| panic!("failed {at:?} after: {after:?}"));
         assert_ne!(pod, gone, "{gone} still answers {at:?} after its removal: {after:?}");
         let Attempt::Ok { from, .. } = attempt else { unreachable!() };
-        assert_eq!(from, "10.96.0.10:53", "{after:?}");
+        assert_eq!(from, vip, "{after:?}");
+    }
+}
+
+fn connected_udp_socket_after_its_pod_leaves(setup: Setup, delete_pod: bool, agent: &[&str]) {
+    let (mut lab, pods, client) = web_lab(setup, 3);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(agent).unwrap();
+    let follow = connected_udp(&mut lab, &client, "10.96.0.10:53");
+    let Attempt::Ok { name: gone, .. } = follow.next().1 else { panic!("first datagram") };
+    let kept: Vec<&Pod> = pods.iter().filter(|p| p.name != gone).collect();
+    lab.write_manifest(&web_manifest(&kept, None)).unwrap();
+    if delete_pod {
+        lab.unplug_pod(pods.iter().find(|p| p.name == gone).unwrap()).unwrap();
+    }
+    let after = follow.take(40, Instant::now());
+    follow.stop();
+    answered_without(&after, &gone, "10.96.0.10:53");
+}
+
+/// A pod behind two services leaves one of them: a connected socket to
+/// that service leaves it within a second, while a connected socket to the
+/// other service keeps talking to it undisturbed (kube-proxy flushes per
+/// service and endpoint; the eBPF mode ends per frontend and backend).
+fn a_pod_leaving_one_service_keeps_the_sockets_of_another(setup: Setup) {
+    let (mut lab, pods, client) = web_lab(setup, 3);
+    // `dns` at 10.96.0.11 sends to the first pod only.
+    let dns =
+        service("lab", "dns").cluster_ip("10.96.0.11").port(port("dns", 53).udp().target(5353));
+    let web = web_service(VIP, None);
+    let write = |lab: &mut Lab, web_pods: &[&Pod]| {
+        let ready = |p: &Pod| ep(&p.ip).ready(true).node("lab-node");
+        let dns_slice = dns.slice().port("dns", 5353, Udp).endpoints([ready(&pods[0])]);
+        let web_slice = web
+            .slice()
+            .port("http", 8080, Tcp)
+            .port("dns", 5353, Udp)
+            .endpoints(web_pods.iter().map(|p| ready(p)));
+        lab.write_manifest(&manifest(&[&web, &web_slice, &dns, &dns_slice])).unwrap();
+    };
+    write(&mut lab, &pods.iter().collect::<Vec<_>>());
+    lab.start_agent(&[]).unwrap();
+    // Connect to `web` until the socket lands on the first pod.
+    let web = (0..30)
+        .map(|_| connected_udp(&mut lab, &client, "10.96.0.10:53"))
+        .find_map(|follow| match follow.next().1.pod() {
+            Some(pod) if pod == pods[0].name => Some(follow),
+            _ => {
+                follow.stop();
+                None
+            }
+        })
+        .expect("a socket to web lands on the first pod");
+    let dns_socket = connected_udp(&mut lab, &client, "10.96.0.11:53");
+    assert_eq!(dns_socket.next().1.pod(), Some(pods[0].name.as_str()));
+
+    write(&mut lab, &pods[1..].iter().collect::<Vec<_>>());
+    let changed = Instant::now();
+    let after_web = web.take(40, changed);
+    let after_dns = dns_socket.take(40, changed);
+    web.stop();
+    dns_socket.stop();
+    answered_without(&after_web, &pods[0].name, "10.96.0.10:53");
+    for (at, attempt) in &after_dns {
+        assert_eq!(attempt.pod(), Some(pods[0].name.as_str()), "{at:?}: {after_dns:?}");
     }
 }
 
 /// TCP connections to a removed endpoint are left alone by default (as
 /// kube-proxy leaves established flows) and ended with
-/// `--terminate-tcp-on-endpoint-removal`. eBPF only: the flag is the socket
-/// path's.
+/// `--terminate-tcp-on-endpoint-removal`, by either way of ending sockets.
+/// eBPF only: the flag is the socket path's.
 #[test]
 fn ebpf_tcp_connections_to_a_removed_endpoint_end_only_when_asked() {
-    for terminate in [false, true] {
+    let ways = [(false, "bpf-iterator"), (true, "bpf-iterator"), (true, "sock-diag")];
+    for (terminate, way) in ways {
         let mut lab = Lab::with(Setup::EBPF).unwrap();
         let pod = lab.add_pod("web-0", "10.244.1.2").unwrap();
         lab.serve_echo(&pod, 9000).unwrap();
@@ -551,7 +655,7 @@ fn ebpf_tcp_connections_to_a_removed_endpoint_end_only_when_asked() {
         };
         lab.write_manifest(&with(&[&pod])).unwrap();
         let flag: &[&str] = if terminate { &["--terminate-tcp-on-endpoint-removal"] } else { &[] };
-        lab.start_agent(flag).unwrap();
+        lab.start_agent(&[flag, &["--socket-destroy", way]].concat()).unwrap();
         let args = ["stream", "10.96.0.10:90", "60", "--interval-ms", "50"];
         let child = lab.spawn_client(&client, &args).unwrap();
         std::thread::sleep(Duration::from_millis(500));

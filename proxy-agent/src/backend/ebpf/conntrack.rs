@@ -6,7 +6,9 @@
 
 use std::collections::BTreeSet;
 
-use proxy_common::{Backend, CT_FLAG_REPLY, CtEntry, CtKey};
+use proxy_common::{CT_FLAG_REPLY, CtEntry, CtKey};
+
+use super::departures::Departures;
 
 /// The key of the other direction's entry.
 fn pair(key: &CtKey, entry: &CtEntry) -> CtKey {
@@ -30,27 +32,29 @@ pub fn expired(entries: &[(CtKey, CtEntry)], now_ns: u64) -> Vec<CtKey> {
     with_pairs(entries.iter().filter(|(k, e)| e.expires_ns < now_ns && !live.contains(&pair(k, e))))
 }
 
-/// Whether the entry belongs to a flow to one of `backends`: a reply entry
-/// by its key's source, a forward entry by the destination it rewrites to.
-pub fn names_backend(key: &CtKey, entry: &CtEntry, backends: &[Backend]) -> bool {
+/// Whether the entry belongs to a flow of a departed (frontend, backend)
+/// pair: the backend is a reply entry's source, or the destination a
+/// forward entry rewrites to.
+pub fn names_departed(key: &CtKey, entry: &CtEntry, departures: &Departures) -> bool {
     let (addr, port) = if entry.flags & CT_FLAG_REPLY != 0 {
         (key.saddr, key.sport)
     } else {
         (entry.daddr, entry.dport)
     };
-    backends.iter().any(|b| b.address == addr && b.port == port && b.proto == key.proto)
+    departures.ends_flow_to(entry.rev_nat_id, key.proto, addr, port)
 }
 
-/// Entries of flows to `backends` (and their pairs): kube-proxy deletes the
-/// UDP conntrack entries of a removed endpoint so clients re-resolve it.
-pub fn flows_to(entries: &[(CtKey, CtEntry)], backends: &[Backend]) -> Vec<CtKey> {
-    with_pairs(entries.iter().filter(|(k, e)| names_backend(k, e, backends)))
+/// Entries of flows of departed (frontend, backend) pairs, and their pairs:
+/// kube-proxy deletes the UDP conntrack entries of an endpoint that left a
+/// service so its clients re-resolve it.
+pub fn flows_to(entries: &[(CtKey, CtEntry)], departures: &Departures) -> Vec<CtKey> {
+    with_pairs(entries.iter().filter(|(k, e)| names_departed(k, e, departures)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proxy_common::{BackendFlags, CT_FLAG_SNAT, IPPROTO_UDP};
+    use proxy_common::{Backend, BackendFlags, CT_FLAG_SNAT, IPPROTO_UDP};
 
     /// A flow client:40000 -> 10.96.0.10:53 sent to backend:5353, SNATed to
     /// 192.168.1.1:61000.
@@ -109,11 +113,19 @@ mod tests {
             proto: IPPROTO_UDP,
             flags: BackendFlags::EMPTY,
         };
-        let gone = flows_to(&entries, &[backend]);
+        let departed = Departures::gone([(9, backend)]);
+        let gone = flows_to(&entries, &departed);
         assert_eq!(gone.len(), 2);
         assert!(gone.contains(&entries[0].0) && gone.contains(&entries[1].0));
         // Only the reply side present (the forward entry was evicted).
-        let gone = flows_to(&entries[1..2], &[backend]);
+        let gone = flows_to(&entries[1..2], &departed);
         assert_eq!(gone.len(), 2);
+        // Leaving the flows' frontend (reverse NAT 1) only, or another one.
+        let mut left = Departures::default();
+        left.add(1, 9, &backend);
+        assert_eq!(flows_to(&entries, &left).len(), 2);
+        let mut elsewhere = Departures::default();
+        elsewhere.add(2, 9, &backend);
+        assert!(flows_to(&entries, &elsewhere).is_empty());
     }
 }

@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use proxy_common::{Config, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::Config;
 
 use super::{CounterReader, EbpfBackend, MapSizes, TcAttach};
 use crate::{
@@ -55,10 +55,6 @@ pub struct EbpfDatapath {
     pod_interfaces: Vec<String>,
     /// When expired conntrack entries are next collected.
     next_gc: Instant,
-    /// What sockets to a removed endpoint are ended: UDP, and TCP with
-    /// `--terminate-tcp-on-endpoint-removal`; none where the kernel cannot
-    /// (`sockets::probe`).
-    ends_sockets: Vec<u8>,
 }
 
 impl EbpfDatapath {
@@ -104,16 +100,11 @@ impl EbpfDatapath {
         };
         tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), socket_lb, "BPF programs loaded");
         let pod_interfaces = args.pod_interfaces.clone();
-        let ends_sockets = match crate::sockets::probe() {
-            Ok(()) if args.terminate_tcp_on_endpoint_removal => vec![IPPROTO_UDP, IPPROTO_TCP],
-            Ok(()) => vec![IPPROTO_UDP],
-            Err(e) => {
-                tracing::warn!(error = %e, "this kernel does not end sockets on request (CONFIG_INET_DIAG_DESTROY): a connected UDP socket keeps an endpoint that was removed until it reconnects");
-                Vec::new()
-            }
-        };
+        let ending = backend
+            .choose_socket_ending(args.socket_destroy, args.terminate_tcp_on_endpoint_removal);
+        tracing::info!(way = ending.describe(), "sockets connected to removed endpoints are ended");
         let next_gc = Instant::now();
-        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc, ends_sockets })
+        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc })
     }
 
     fn wanted_interfaces(&self, node_ips: &[Ipv4Addr]) -> std::io::Result<BTreeSet<String>> {
@@ -154,15 +145,19 @@ impl Datapath for EbpfDatapath {
             writes = report.writes,
             "datapath synced"
         );
-        match self.backend.flush_udp_flows(&report.removed_backends) {
+        match self.backend.flush_udp_flows(&report.departures) {
             Ok(0) => {}
             Ok(flushed) => tracing::info!(flushed, "UDP flows to removed endpoints deleted"),
             Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
         }
         // Connected sockets would keep sending to the pod that left.
-        match self.backend.end_sockets(&report.removed_backends, &self.ends_sockets) {
+        let started = Instant::now();
+        match self.backend.end_sockets(&report.departures) {
             Ok(0) => {}
-            Ok(ended) => tracing::info!(ended, "sockets connected to removed endpoints ended"),
+            Ok(ended) => {
+                let ms = started.elapsed().as_secs_f64() * 1000.0;
+                tracing::info!(ended, ms, "sockets connected to removed endpoints ended")
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "could not end sockets connected to removed endpoints")
             }

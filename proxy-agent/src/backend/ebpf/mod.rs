@@ -14,6 +14,8 @@
 pub mod carry;
 pub mod conntrack;
 pub mod datapath;
+pub mod departures;
+pub mod sock_end;
 pub mod sync;
 
 use std::{
@@ -41,16 +43,22 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_UDP, Layouts,
-    MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat, SOURCE_RANGE_PREFIX_BITS, ServiceKey,
-    ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey, map_names,
+    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_TCP, IPPROTO_UDP,
+    Layouts, MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat, SOURCE_RANGE_PREFIX_BITS,
+    ServiceKey, ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey,
+    map_names,
 };
 
 use carry::{Carry, Conversion, Pinned, STATE_MAPS};
+use departures::Departures;
+use sock_end::{Iterators, SocketDestroy, SocketEnding};
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
 use sync::{MapOp, MapWriter};
 
-use crate::plan::{Frontend, Plan};
+use crate::{
+    plan::{Frontend, Plan},
+    sockets::Peer,
+};
 
 /// The socket-LB programs, by their function names in proxy-ebpf.
 pub const PROGRAMS: [&str; 4] = ["connect4", "sendmsg4", "recvmsg4", "getpeername4"];
@@ -242,6 +250,13 @@ pub struct EbpfBackend {
     /// Previous maps whose entries are converted into ours: once more after
     /// the takeover, for the flows the old programs made meanwhile.
     conversions: Vec<Conversion>,
+    /// The running kernel's BTF, where it has one (the socket iterators'
+    /// attach targets and kfunc).
+    kernel_btf: Option<aya::Btf>,
+    /// How sockets connected to departed backends are ended, and of which
+    /// protocols (see [`EbpfBackend::choose_socket_ending`]).
+    socket_ending: SocketEnding,
+    socket_protocols: Vec<u8>,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).
@@ -295,7 +310,9 @@ impl EbpfBackend {
             }
             carried.push((map.name, carry));
         }
-        let mut ebpf = loader.load(OBJECT)?;
+        // The kernel's types, for its kfuncs (absent: none is called).
+        let kernel_btf = aya::Btf::from_sys_fs().ok();
+        let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
         for name in PROGRAMS {
             program::<CgroupSockAddr>(&mut ebpf, name)?
                 .load()
@@ -324,7 +341,62 @@ impl EbpfBackend {
             tracing::info!(map = name, entries = copied, "converted the previous agent's entries");
         }
         let tc_interfaces = BTreeSet::new();
-        Ok(Self { ebpf, maps, state, tc_mode, tc_interfaces, carried, conversions })
+        Ok(Self {
+            ebpf,
+            maps,
+            state,
+            tc_mode,
+            tc_interfaces,
+            carried,
+            conversions,
+            kernel_btf,
+            socket_ending: SocketEnding::Unavailable,
+            socket_protocols: Vec::new(),
+        })
+    }
+
+    /// Picks how the sockets the socket LB connected to departed backends
+    /// are ended (`want`; `auto` tries the socket iterators, then
+    /// sock_diag), for UDP and, with `tcp`, TCP. Says once in the log what
+    /// it picked, or why nothing works here.
+    pub fn choose_socket_ending(&mut self, want: SocketDestroy, tcp: bool) -> &SocketEnding {
+        let iterators = match want {
+            SocketDestroy::SockDiag => None,
+            SocketDestroy::Auto | SocketDestroy::BpfIterator => Some(self.load_socket_iterators()),
+        };
+        self.socket_ending = match iterators {
+            Some(Ok(())) => std::mem::take(&mut self.socket_ending),
+            Some(Err(e)) if want == SocketDestroy::BpfIterator => {
+                tracing::warn!(error = %e, "--socket-destroy bpf-iterator: the socket iterators do not load here (bpf_sock_destroy needs Linux 6.5+): connected sockets keep an endpoint that was removed until they reconnect");
+                SocketEnding::Unavailable
+            }
+            iterators => {
+                if let Some(Err(e)) = iterators {
+                    tracing::debug!(error = %e, "no socket iterators with bpf_sock_destroy; trying sock_diag");
+                }
+                match crate::sockets::probe() {
+                    Ok(()) => SocketEnding::SockDiag,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "this kernel does not end sockets on request (neither bpf_sock_destroy nor CONFIG_INET_DIAG_DESTROY): a connected UDP socket keeps an endpoint that was removed until it reconnects");
+                        SocketEnding::Unavailable
+                    }
+                }
+            }
+        };
+        self.socket_protocols =
+            if tcp { vec![IPPROTO_UDP, IPPROTO_TCP] } else { vec![IPPROTO_UDP] };
+        &self.socket_ending
+    }
+
+    /// Loads the socket iterators (verified: the kernel has
+    /// `bpf_sock_destroy` and lets them call it) and makes them the way
+    /// sockets are ended.
+    pub fn load_socket_iterators(&mut self) -> Result<(), EbpfError> {
+        if !matches!(self.socket_ending, SocketEnding::Iterators(_)) {
+            let iterators = Iterators::load(&mut self.ebpf, self.kernel_btf.as_ref())?;
+            self.socket_ending = SocketEnding::Iterators(iterators);
+        }
+        Ok(())
     }
 
     /// What became of each state map of the previous agent.
@@ -466,21 +538,24 @@ impl EbpfBackend {
             }
         }
         let released = self.state.release_reserved();
-        match self.flush_udp_flows(&released.backends) {
+        let departures = Departures::gone(released.backends);
+        match self.flush_udp_flows(&departures) {
             Ok(0) => {}
             Ok(flushed) => {
                 tracing::info!(flushed, "UDP flows to endpoints removed while no agent ran deleted")
             }
             Err(e) => tracing::warn!(error = %e, "could not flush UDP flows to removed endpoints"),
         }
-        match self.end_sockets(&released.backends, &[IPPROTO_UDP]) {
+        match self.end_sockets(&departures) {
             Ok(0) => {}
-            Ok(ended) => tracing::info!(
-                ended,
-                "UDP sockets connected to endpoints removed while no agent ran ended"
-            ),
+            Ok(ended) => {
+                tracing::info!(
+                    ended,
+                    "sockets connected to endpoints removed while no agent ran ended"
+                )
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "could not end UDP sockets connected to removed endpoints")
+                tracing::warn!(error = %e, "could not end sockets connected to removed endpoints")
             }
         }
         let purge: AffinityPurge =
@@ -640,63 +715,70 @@ impl EbpfBackend {
         Ok((deleted, entries.len().saturating_sub(deleted)))
     }
 
-    /// Ends the sockets of `protocols` the socket LB connected to backends
-    /// that left (see [`crate::sockets`]); returns how many.
-    pub fn end_sockets(
-        &self,
-        removed: &[(u32, Backend)],
-        protocols: &[u8],
-    ) -> Result<usize, EbpfError> {
-        let gone: BTreeSet<(u8, [u8; 4], u16)> = removed
-            .iter()
-            .map(|(_, b)| b)
-            .filter(|b| protocols.contains(&b.proto))
-            .map(|b| (b.proto, b.address, b.port))
-            .collect();
-        if gone.is_empty() {
+    /// Ends the sockets the socket LB connected to backends that left
+    /// their frontends, in the way and for the protocols chosen (see
+    /// [`crate::sockets`]); returns how many.
+    pub fn end_sockets(&mut self, departures: &Departures) -> Result<usize, EbpfError> {
+        let protocols = &self.socket_protocols;
+        let keys = departures.socket_keys(protocols);
+        if keys.is_empty() {
             return Ok(0);
         }
-        let name = map_names::SOCK_REV_NAT;
-        let err = |source| EbpfError::Map { name, source };
-        let map = HashMap::<_, SockRevNatKey, SockRevNat>::try_from(&self.maps.sock_rev_nat)
-            .map_err(err)?;
-        let translated: Vec<SockRevNatKey> = map.keys().filter_map(Result::ok).collect();
-        let mut ended = 0;
-        for proto in protocols {
-            let cookies = translated
-                .iter()
-                .filter(|k| gone.contains(&(*proto, k.address, k.port)))
-                .map(|k| k.cookie)
-                .collect();
-            ended += crate::sockets::destroy(*proto, &cookies).map_err(|source| EbpfError::Io {
-                action: "ending sockets to",
-                path: PathBuf::from("removed endpoints"),
-                source,
-            })?;
+        let io = |source| EbpfError::Io {
+            action: "ending sockets to",
+            path: PathBuf::from("removed endpoints"),
+            source,
+        };
+        match &mut self.socket_ending {
+            SocketEnding::Iterators(iterators) => iterators.end(&mut self.ebpf, &keys, protocols),
+            SocketEnding::SockDiag => {
+                let name = map_names::SOCK_REV_NAT;
+                let map =
+                    HashMap::<_, SockRevNatKey, SockRevNat>::try_from(&self.maps.sock_rev_nat)
+                        .map_err(|source| EbpfError::Map { name, source })?;
+                let mut ended = 0;
+                for proto in protocols.iter().filter(|p| departures.has_proto(**p)) {
+                    let must_end = |peer: &Peer| {
+                        let key = SockRevNatKey {
+                            cookie: peer.cookie,
+                            address: peer.address,
+                            port: peer.port,
+                            _pad: 0,
+                        };
+                        map.get(&key, 0).is_ok_and(|translated| {
+                            departures.ends_flow_to(
+                                translated.rev_nat_id,
+                                *proto,
+                                peer.address,
+                                peer.port,
+                            )
+                        })
+                    };
+                    ended += crate::sockets::destroy(*proto, &must_end).map_err(io)?;
+                }
+                Ok(ended)
+            }
+            SocketEnding::Unavailable => Ok(0),
         }
-        Ok(ended)
     }
 
-    /// Deletes the UDP flows to backends that left (`removed`, with their
-    /// ids), per packet and per socket, as kube-proxy clears their conntrack
-    /// entries: the next datagram picks a live backend.
-    pub fn flush_udp_flows(&mut self, removed: &[(u32, Backend)]) -> Result<usize, EbpfError> {
-        let udp: Vec<Backend> =
-            removed.iter().map(|(_, b)| *b).filter(|b| b.proto == IPPROTO_UDP).collect();
-        if udp.is_empty() {
+    /// Deletes the UDP flows of backends that left their frontends, per
+    /// packet and per socket, as kube-proxy clears their conntrack entries:
+    /// the next datagram picks a live backend.
+    pub fn flush_udp_flows(&mut self, departures: &Departures) -> Result<usize, EbpfError> {
+        if !departures.has_proto(IPPROTO_UDP) {
             return Ok(0);
         }
-        let ids: BTreeSet<u32> =
-            removed.iter().filter(|(_, b)| b.proto == IPPROTO_UDP).map(|(id, _)| *id).collect();
-        let sockets = self.flush_socket_flows(&ids)?;
+        let sockets = self.flush_socket_flows(departures)?;
         let entries = self.conntrack_entries()?;
-        let flows = conntrack::flows_to(&entries, &udp);
-        // Only entries still naming a removed backend (not a new flow's).
-        Ok(sockets + self.delete_conntrack(&flows, |k, e| conntrack::names_backend(k, e, &udp))?)
+        let flows = conntrack::flows_to(&entries, departures);
+        // Only entries still naming a departed pair (not a new flow's).
+        Ok(sockets
+            + self.delete_conntrack(&flows, |k, e| conntrack::names_departed(k, e, departures))?)
     }
 
-    /// Deletes the socket flows (unconnected UDP) naming one of `ids`.
-    fn flush_socket_flows(&mut self, ids: &BTreeSet<u32>) -> Result<usize, EbpfError> {
+    /// Deletes the socket flows (unconnected UDP) of departed pairs.
+    fn flush_socket_flows(&mut self, departures: &Departures) -> Result<usize, EbpfError> {
         let name = map_names::SOCK_FLOWS;
         let err = |source| EbpfError::Map { name, source };
         let mut map = HashMap::<_, SockFlowKey, SockFlow>::try_from(&mut self.maps.sock_flows)
@@ -704,14 +786,14 @@ impl EbpfBackend {
         let stale: Vec<SockFlowKey> = map
             .iter()
             .filter_map(Result::ok)
-            .filter(|(_, flow)| ids.contains(&flow.backend_id))
+            .filter(|(key, flow)| departures.ends(key.rev_nat_id, flow.backend_id))
             .map(|(key, _)| key)
             .collect();
         // Read again before deletion: the socket may have moved on meanwhile.
         Ok(stale
             .iter()
             .filter(|key| {
-                map.get(key, 0).is_ok_and(|f| ids.contains(&f.backend_id))
+                map.get(key, 0).is_ok_and(|f| departures.ends(key.rev_nat_id, f.backend_id))
                     && map.remove(key).is_ok()
             })
             .count())

@@ -29,7 +29,7 @@ use proxy_common::{
     SCOPE_INTERNAL, ServiceFlags, ServiceKey, ServiceValue,
 };
 
-use super::carry::Reserved;
+use super::{carry::Reserved, departures::Departures};
 use crate::{
     model::{Cidr, Protocol},
     plan::{BackendPlan, Frontend, FrontendPlan, Plan, Scope},
@@ -67,9 +67,9 @@ pub enum SyncError {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct SyncReport {
     pub writes: usize,
-    /// Backends no frontend uses any more, with the ids they had (their
-    /// flows may need flushing).
-    pub removed_backends: Vec<(u32, Backend)>,
+    /// Backends that left frontends, or every frontend: their flows and
+    /// connected sockets go.
+    pub departures: Departures,
 }
 
 /// Services (by reverse-NAT id) whose affinity entries may name a backend
@@ -141,6 +141,8 @@ struct Changes {
     purge: AffinityPurge,
     /// Entries the writes add per map, before any is deleted.
     added: Added,
+    /// (reverse-NAT id, backend id): backends leaving a frontend.
+    left: Vec<(u32, u32)>,
 }
 
 #[derive(Default)]
@@ -267,19 +269,36 @@ impl SyncState {
         dirty: Option<&BTreeSet<Frontend>>,
         writer: &mut impl MapWriter,
     ) -> Result<SyncReport, SyncError> {
-        let Changes { ops, purge, added } = self.changes(plan, dirty);
+        let Changes { ops, purge, added, left } = self.changes(plan, dirty);
         self.check_capacity(&added)?;
         // Owed from now on: a write below may fail after slots changed.
         self.pending_purge.extend(purge);
-        let mut report = SyncReport { writes: ops.len(), removed_backends: Vec::new() };
+        let departures = self.departures(&ops, &left);
         for op in &ops {
             writer.apply(op).map_err(|source| SyncError::Write { op: op.clone(), source })?;
-            if let MapOp::DeleteBackend { id } = op {
-                report.removed_backends.extend(self.backend_by_id.get(id).map(|b| (*id, *b)));
-            }
             self.record(op);
         }
-        Ok(report)
+        Ok(SyncReport { writes: ops.len(), departures })
+    }
+
+    /// What `ops` take away: backends deleted leave every frontend, the
+    /// others only the frontends `left` names.
+    fn departures(&self, ops: &[MapOp], left: &[(u32, u32)]) -> Departures {
+        let deleted: BTreeSet<u32> = ops
+            .iter()
+            .filter_map(|op| match op {
+                MapOp::DeleteBackend { id } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        let backend = |id: &u32| self.backend_by_id.get(id).map(|b| (*id, *b));
+        let mut departures = Departures::gone(deleted.iter().filter_map(backend));
+        for (rev_nat_id, id) in left.iter().filter(|(_, id)| !deleted.contains(id)) {
+            if let Some((id, backend)) = backend(id) {
+                departures.add(*rev_nat_id, id, &backend);
+            }
+        }
+        departures
     }
 
     /// The affinity cleanups owed; the caller hands back what it could not do.
@@ -336,6 +355,7 @@ impl SyncState {
         let mut added = Added::default();
         // Slots naming each backend id gained (+) or lost (-) by the writes.
         let mut refs_delta: BTreeMap<u32, i64> = BTreeMap::new();
+        let mut left = Vec::new();
 
         // 1. Backends, with ids for the new ones.
         let mut new_ids = BTreeMap::new();
@@ -425,6 +445,8 @@ impl SyncState {
                 ops.push(MapOp::DeleteSourceRange { frontend, rev_nat_id, cidr });
             }
             let kept: BTreeSet<u32> = backend_ids.iter().copied().collect();
+            let lost = installed.slots.values().filter(|id| !kept.contains(id));
+            left.extend(lost.map(|id| (rev_nat_id, *id)));
             let had_affinity = installed.value.is_some_and(|v| v.flags.is_affinity());
             if fp.affinity_timeout_secs.is_none() && had_affinity {
                 // Switched off: entries must not resurface if it comes back.
@@ -454,6 +476,7 @@ impl SyncState {
                 });
             }
             ops.push(MapOp::DeleteRevNat { frontend: **frontend, id: installed.rev_nat_id });
+            left.extend(installed.slots.values().map(|id| (installed.rev_nat_id, *id)));
             if installed.value.is_some_and(|v| v.flags.is_affinity()) {
                 purge.insert(installed.rev_nat_id, BTreeSet::new());
             }
@@ -471,7 +494,7 @@ impl SyncState {
                 ops.push(MapOp::DeleteBackend { id });
             }
         }
-        Changes { ops, purge, added }
+        Changes { ops, purge, added, left }
     }
 
     /// One more installed slot names backend `id`.
@@ -907,6 +930,25 @@ mod tests {
         state.sync(&plan(&[(tcp, &[3, 4], None)]), None, &mut maps).unwrap();
         let purge = state.take_affinity_purge();
         assert!(purge.values().next().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_backend_leaving_one_of_two_frontends_departs_from_that_one_only() {
+        let (a, b) = (frontend(1, Protocol::Udp), frontend(3, Protocol::Udp));
+        let mut maps = Maps::default();
+        let mut state = SyncState::default();
+        state.sync(&plan(&[(a, &[2, 3], None), (b, &[2], None)]), None, &mut maps).unwrap();
+        let rev = |f: &Frontend| state.frontends[f].rev_nat_id;
+        let (rev_a, rev_b) = (rev(&a), rev(&b));
+        let shared = *state.backend_by_id.keys().next().unwrap();
+        let report =
+            state.sync(&plan(&[(a, &[3], None), (b, &[2], None)]), None, &mut maps).unwrap();
+        assert_eq!(report.departures.len(), 1);
+        assert!(report.departures.ends(rev_a, shared), "its flows via the first go");
+        assert!(!report.departures.ends(rev_b, shared), "the second keeps it");
+        // Leaving the second too, it is gone: every flow to it goes.
+        let report = state.sync(&plan(&[(a, &[3], None)]), None, &mut maps).unwrap();
+        assert!(report.departures.ends(rev_a, shared) && report.departures.ends(rev_b, shared));
     }
 
     #[test]
@@ -1403,18 +1445,19 @@ mod tests {
         // Gone from the ClusterIP only: the NodePort still uses it.
         plan.frontends.get_mut(&cluster).unwrap().backends = endpoints(7, &[]);
         let report = step(&mut state, &plan, &[cluster], &mut maps);
-        assert_eq!((report.writes, report.removed_backends.len()), (2, 0), "count, slot");
+        // It left the ClusterIP's flows, not the NodePort's.
+        assert_eq!((report.writes, report.departures.len()), (2, 1), "count, slot");
         assert_eq!(state.backend_count(), 15_001);
         // The NodePort goes: its slot 0, 4 slots, its reverse NAT, and the
-        // one backend only it used.
+        // one backend only it used (gone), the three others leaving it.
         plan.frontends.remove(&nodeport);
         let report = step(&mut state, &plan, &[nodeport], &mut maps);
-        assert_eq!((report.writes, report.removed_backends.len()), (7, 1));
+        assert_eq!((report.writes, report.departures.len()), (7, 4));
         assert_eq!(state.backend_count(), 15_000);
         // Replacing an endpoint of the ClusterIP, now their only user.
         plan.frontends.get_mut(&cluster).unwrap().backends = endpoints(7, &[4])[1..].to_vec();
         let report = step(&mut state, &plan, &[cluster], &mut maps);
-        assert_eq!((report.writes, report.removed_backends.len()), (3, 1));
+        assert_eq!((report.writes, report.departures.len()), (3, 1));
         // The NodePort comes back: slot 0, 3 slots, reverse NAT; no backend.
         plan.frontends
             .insert(nodeport, frontend_plan(endpoints(7, &[4])[1..].to_vec(), None, vec![]));

@@ -1,0 +1,131 @@
+//! Endpoints that left, as a sync reports them: whose flows (per-packet
+//! conntrack, unconnected-UDP socket flows) and connected sockets must go,
+//! as kube-proxy deletes the conntrack entries of a (service, endpoint)
+//! pair when the endpoint leaves that service. Pure: the backend reads the
+//! maps and asks.
+//!
+//! A backend leaves one frontend (by its reverse-NAT id) while it may stay
+//! in others (two services sharing a pod port, a NodePort removed while the
+//! ClusterIP stays): only that frontend's flows go. A backend no frontend
+//! names any more is gone: all its flows go.
+
+use std::collections::BTreeSet;
+
+use proxy_common::{Backend, SockEndKey};
+
+/// Stands for every frontend in [`SockEndKey::rev_nat_id`]; real reverse-NAT
+/// ids start at 1.
+pub const EVERY_FRONTEND: u32 = 0;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Departures {
+    /// (reverse-NAT id or [`EVERY_FRONTEND`], backend id).
+    by_id: BTreeSet<(u32, u32)>,
+    /// The same departures by the backend's address, as flows and sockets
+    /// name it.
+    by_address: BTreeSet<SockEndKey>,
+}
+
+fn key(rev_nat_id: u32, backend: &Backend) -> SockEndKey {
+    SockEndKey {
+        address: backend.address,
+        port: backend.port,
+        proto: backend.proto,
+        _pad: 0,
+        rev_nat_id,
+    }
+}
+
+impl Departures {
+    /// Backends (with their ids) no frontend names any more.
+    pub fn gone(backends: impl IntoIterator<Item = (u32, Backend)>) -> Self {
+        let mut departures = Self::default();
+        for (id, backend) in backends {
+            departures.add(EVERY_FRONTEND, id, &backend);
+        }
+        departures
+    }
+
+    /// Backend `id` left the frontend `rev_nat_id` (or, with
+    /// [`EVERY_FRONTEND`], every frontend).
+    pub fn add(&mut self, rev_nat_id: u32, id: u32, backend: &Backend) {
+        self.by_id.insert((rev_nat_id, id));
+        self.by_address.insert(key(rev_nat_id, backend));
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// How many (frontend, backend) departures, a gone backend counting once.
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// Whether the flow of frontend `rev_nat_id` to backend `backend_id`
+    /// must go.
+    pub fn ends(&self, rev_nat_id: u32, backend_id: u32) -> bool {
+        self.by_id.contains(&(EVERY_FRONTEND, backend_id))
+            || self.by_id.contains(&(rev_nat_id, backend_id))
+    }
+
+    /// The same, for a flow that names its backend by address.
+    pub fn ends_flow_to(&self, rev_nat_id: u32, proto: u8, address: [u8; 4], port: u16) -> bool {
+        let mut key = SockEndKey { address, port, proto, _pad: 0, rev_nat_id: EVERY_FRONTEND };
+        self.by_address.contains(&key) || {
+            key.rev_nat_id = rev_nat_id;
+            self.by_address.contains(&key)
+        }
+    }
+
+    /// Whether any departure is of a `proto` backend.
+    pub fn has_proto(&self, proto: u8) -> bool {
+        self.by_address.iter().any(|k| k.proto == proto)
+    }
+
+    /// The departures of `protocols`, as the socket iterators read them.
+    pub fn socket_keys(&self, protocols: &[u8]) -> Vec<SockEndKey> {
+        self.by_address.iter().filter(|k| protocols.contains(&k.proto)).copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proxy_common::{BackendFlags, IPPROTO_TCP, IPPROTO_UDP};
+
+    fn backend(last: u8, proto: u8) -> Backend {
+        Backend { address: [10, 244, 0, last], port: 53, proto, flags: BackendFlags::default() }
+    }
+
+    #[test]
+    fn a_backend_leaving_one_frontend_ends_that_frontends_flows_only() {
+        let mut departures = Departures::default();
+        departures.add(7, 1, &backend(1, IPPROTO_UDP));
+        assert!(departures.ends(7, 1));
+        assert!(!departures.ends(8, 1), "the backend still serves frontend 8");
+        assert!(departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1], 53));
+        assert!(!departures.ends_flow_to(8, IPPROTO_UDP, [10, 244, 0, 1], 53));
+        assert!(!departures.ends_flow_to(7, IPPROTO_TCP, [10, 244, 0, 1], 53));
+        assert!(!departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1], 54));
+    }
+
+    #[test]
+    fn a_gone_backend_ends_the_flows_of_every_frontend() {
+        let departures = Departures::gone([(2, backend(2, IPPROTO_UDP))]);
+        assert!(departures.ends(7, 2) && departures.ends(8, 2));
+        assert!(!departures.ends(7, 3));
+        assert!(departures.ends_flow_to(9, IPPROTO_UDP, [10, 244, 0, 2], 53));
+        assert_eq!(departures.len(), 1);
+    }
+
+    #[test]
+    fn socket_keys_are_filtered_by_protocol() {
+        let mut departures = Departures::gone([(2, backend(2, IPPROTO_TCP))]);
+        departures.add(7, 1, &backend(1, IPPROTO_UDP));
+        let udp = departures.socket_keys(&[IPPROTO_UDP]);
+        assert_eq!(udp, vec![key(7, &backend(1, IPPROTO_UDP))]);
+        assert_eq!(departures.socket_keys(&[IPPROTO_UDP, IPPROTO_TCP]).len(), 2);
+        assert!(departures.has_proto(IPPROTO_TCP) && !Departures::default().has_proto(IPPROTO_UDP));
+    }
+}
