@@ -11,7 +11,7 @@ use std::{net::SocketAddrV4, time::Duration};
 use proxy_agent::{
     backend::ebpf::{EbpfBackend, MapSizes, TcAttach},
     model::{Protocol, ServiceName, ServicePortName},
-    plan::{BackendPlan, Frontend, FrontendPlan, Plan},
+    plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
 use proxy_common::Config;
 
@@ -76,6 +76,7 @@ fn main() -> anyhow::Result<()> {
             service: ServiceName { namespace: "bench".into(), name },
             port: String::new(),
         },
+        kind: if external { FrontendKind::NodePort } else { FrontendKind::ClusterIp },
         backends,
         affinity_timeout_secs: None,
         external,

@@ -38,6 +38,53 @@ pub enum Command {
     /// Check the kernel features the eBPF mode needs and print the mode
     /// `--proxy-mode auto` would pick (loads, never attaches, the programs).
     Probe,
+    /// What the datapath does for each service, read back from the kernel
+    /// (the eBPF mode's pinned maps, or the iptables rules)
+    #[command(subcommand)]
+    Lb(LbCommand),
+}
+
+#[derive(Subcommand)]
+pub enum LbCommand {
+    /// Every frontend (address, kind, service, flags) with its backends
+    List(LbListArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct LbListArgs {
+    #[command(flatten)]
+    pub inspect: InspectArgs,
+    /// Only this service: `namespace/name` or `namespace/name:port`
+    #[arg(long, value_name = "NS/NAME")]
+    pub service: Option<String>,
+}
+
+/// What the inspection commands read and how they print it.
+#[derive(Args, Clone, Debug)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// The datapath to read: `auto` reads the eBPF mode's pins when they
+    /// exist under --bpffs-root, else the iptables rules
+    #[arg(long, value_enum, default_value_t = InspectMode::Auto)]
+    pub mode: InspectMode,
+    #[arg(short = 'o', long, value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum InspectMode {
+    Auto,
+    Ebpf,
+    Iptables,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// Plain columns
+    Table,
+    /// One JSON document
+    Json,
 }
 
 #[derive(Args, Clone, Debug)]

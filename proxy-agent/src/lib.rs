@@ -1,7 +1,8 @@
 //! proxy-agent: an eBPF replacement for kube-proxy.
 //!
 //! `source` reads objects, `model` applies kube-proxy's semantics, `plan`
-//! turns that into the desired datapath, `backend` writes it to the kernel.
+//! turns that into the desired datapath, `backend` writes it to the kernel;
+//! `inspect` reads it back for operators.
 
 pub mod agent;
 pub mod backend;
@@ -10,6 +11,7 @@ pub mod commands;
 pub mod config;
 pub mod health;
 pub mod http;
+pub mod inspect;
 pub mod link_events;
 pub mod metrics;
 pub mod model;

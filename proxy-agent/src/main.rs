@@ -2,7 +2,7 @@
 
 use clap::{CommandFactory as _, FromArgMatches as _};
 use proxy_agent::{
-    cli::{Cli, Command, RenderCommand},
+    cli::{Cli, Command, LbCommand, RenderCommand},
     commands,
 };
 
@@ -29,6 +29,7 @@ fn main() -> std::process::ExitCode {
         Command::PrepareNode(args) => commands::prepare_node::run(&args),
         Command::Render(RenderCommand::Iptables(args)) => commands::render::iptables(&args),
         Command::Probe => commands::probe::run(),
+        Command::Lb(LbCommand::List(args)) => commands::lb::list(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -60,10 +60,41 @@ pub struct BackendPlan {
     pub host: bool,
 }
 
+/// Which address of its service a frontend is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FrontendKind {
+    ClusterIp,
+    NodePort,
+    ExternalIp,
+    LoadBalancer,
+}
+
+impl FrontendKind {
+    pub const ALL: [FrontendKind; 4] = [
+        FrontendKind::ClusterIp,
+        FrontendKind::NodePort,
+        FrontendKind::ExternalIp,
+        FrontendKind::LoadBalancer,
+    ];
+
+    /// As Kubernetes and kube-proxy's comments name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FrontendKind::ClusterIp => "ClusterIP",
+            FrontendKind::NodePort => "NodePort",
+            FrontendKind::ExternalIp => "ExternalIP",
+            FrontendKind::LoadBalancer => "LoadBalancer",
+        }
+    }
+}
+
 /// What a frontend balances over, and how.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendPlan {
     pub service: ServicePortName,
+    /// The address of the service it is (an internal-scope twin: its
+    /// external frontend's).
+    pub kind: FrontendKind,
     /// Sorted by address, unique.
     pub backends: Vec<BackendPlan>,
     pub affinity_timeout_secs: Option<u32>,
@@ -312,7 +343,8 @@ impl Planner {
 
 fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
     let at = |ip, number| Frontend::new(ip, number, port.protocol);
-    let for_policy = |external: bool, local: bool, source_ranges: Vec<Cidr>| {
+    let for_policy = |kind: FrontendKind, local: bool, source_ranges: Vec<Cidr>| {
+        let external = kind != FrontendKind::ClusterIp;
         let endpoints = if local {
             port.usable_endpoints(Some(&node.name))
         } else {
@@ -330,6 +362,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
         backends.dedup_by_key(|b| b.addr);
         FrontendPlan {
             service: port.name.clone(),
+            kind,
             drop_when_empty: backends.is_empty() && port.has_endpoints(),
             backends,
             affinity_timeout_secs: port.affinity_timeout_secs,
@@ -342,16 +375,24 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
     // What in-cluster clients of the external addresses get with the Local
     // policy: the cluster-wide endpoints, as kube-proxy's KUBE-SVC chain
     // (whatever internalTrafficPolicy says), affinity as the service has.
-    let in_cluster = port.external_local.then(|| for_policy(false, false, vec![]));
-    let claim = |plan| Claim { plan, internal: in_cluster.clone() };
-    let cluster_ip = Claim { plan: for_policy(false, port.internal_local, vec![]), internal: None };
-    let mut out = vec![(at(port.cluster_ip, port.port), cluster_ip)];
-    let external = claim(for_policy(true, port.external_local, vec![]));
+    let in_cluster =
+        port.external_local.then(|| for_policy(FrontendKind::ClusterIp, false, vec![]));
+    let claim = |kind, source_ranges| {
+        let plan = for_policy(kind, port.external_local, source_ranges);
+        let internal =
+            in_cluster.clone().map(|twin| FrontendPlan { kind, external: false, ..twin });
+        Claim { plan, internal }
+    };
+    let cluster_ip = for_policy(FrontendKind::ClusterIp, port.internal_local, vec![]);
+    let mut out =
+        vec![(at(port.cluster_ip, port.port), Claim { plan: cluster_ip, internal: None })];
     if let Some(node_port) = port.node_port {
-        out.extend(node.nodeport_ips().map(|ip| (at(ip, node_port), external.clone())));
+        let node_port_claim = claim(FrontendKind::NodePort, vec![]);
+        out.extend(node.nodeport_ips().map(|ip| (at(ip, node_port), node_port_claim.clone())));
     }
-    let balanced = claim(for_policy(true, port.external_local, port.source_ranges.clone()));
+    let balanced = claim(FrontendKind::LoadBalancer, port.source_ranges.clone());
     out.extend(port.load_balancer_ips.iter().map(|ip| (at(*ip, port.port), balanced.clone())));
+    let external = claim(FrontendKind::ExternalIp, vec![]);
     out.extend(port.external_ips.iter().map(|ip| (at(*ip, port.port), external.clone())));
     out
 }

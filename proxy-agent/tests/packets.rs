@@ -10,7 +10,7 @@ use std::net::SocketAddrV4;
 use proxy_agent::{
     backend::ebpf::{EbpfBackend, PacketRun, TcAttach},
     model::{Cidr, Protocol, ServiceName, ServicePortName},
-    plan::{BackendPlan, Frontend, FrontendPlan, Plan},
+    plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
 use proxy_common::Config;
 
@@ -44,6 +44,7 @@ fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -
             service: ServiceName { namespace: "t".into(), name: "svc".into() },
             port: String::new(),
         },
+        kind: if external { FrontendKind::NodePort } else { FrontendKind::ClusterIp },
         backends: backends
             .iter()
             .map(|(ip, port)| BackendPlan {

@@ -2,15 +2,16 @@
 //! The agent pins them under `--bpffs-root` by these names.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey, FragKey,
-    FragRewrite, Layouts, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_REV_NAT,
-    MAX_SERVICE_ENTRIES, MAX_SOCK_ENDS, MAX_SOCK_FLOWS, MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES,
-    RevNat, ServiceKey, ServiceValue, SockEndKey, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey,
-    SourceRangeKey,
+    FragRewrite, FrontendInfo, Layouts, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_FRAGMENTS,
+    MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOCK_ENDS, MAX_SOCK_FLOWS, MAX_SOCK_REV_NAT,
+    MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue, SockEndKey, SockFlow, SockFlowKey,
+    SockRevNat, SockRevNatKey, SourceRangeKey,
 };
 
 #[btf_map]
@@ -22,6 +23,16 @@ pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }> = HashMap:
 
 #[btf_map]
 pub static REV_NAT: HashMap<u32, RevNat, { MAX_REV_NAT as usize }> = HashMap::new();
+
+/// The service port name and kind of each frontend, by reverse-NAT id: for
+/// operators only (the programs never read it), allocated per entry.
+#[btf_map]
+pub static FRONTEND_INFO: HashMap<
+    u32,
+    FrontendInfo,
+    { MAX_REV_NAT as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
 #[btf_map]
 pub static SOCK_REV_NAT: LruHashMap<SockRevNatKey, SockRevNat, { MAX_SOCK_REV_NAT as usize }> =

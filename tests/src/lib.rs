@@ -942,6 +942,15 @@ impl Lab {
         Ok(values.iter().filter_map(|v| v["value"].as_u64()).sum())
     }
 
+    /// `proxy-agent <args> --bpffs-root <its pins>` in a node's namespace:
+    /// the inspection commands (`lb list`, …) as an operator runs them.
+    pub fn inspect_on(&self, node: usize, args: &[&str]) -> anyhow::Result<String> {
+        let agent = target_bin("proxy-agent");
+        let pins = self.nodes[node].pins.to_string_lossy().into_owned();
+        let args: Vec<&str> = args.iter().copied().chain(["--bpffs-root", &pins]).collect();
+        self.exec_on(node, &agent.to_string_lossy(), &args)
+    }
+
     pub fn dump_map(&self, name: &str) -> anyhow::Result<String> {
         self.dump_map_on(0, name)
     }

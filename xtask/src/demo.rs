@@ -75,6 +75,10 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
         }
     }
 
+    println!("\n== proxy-agent lb list (what the datapath holds, read back from the kernel)");
+    for line in lab.inspect_on(0, &["lb", "list"])?.lines() {
+        println!("   {line}");
+    }
     match mode {
         Mode::Ebpf => show_maps(&lab)?,
         Mode::Iptables => show_rules(&lab)?,
@@ -89,12 +93,10 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What the BPF maps hold, and where the programs are attached.
+/// One BPF map as bpftool shows it, and where the programs are attached.
 fn show_maps(lab: &Lab) -> anyhow::Result<()> {
-    for map in ["SERVICES", "BACKENDS", "REV_NAT", "CONNTRACK"] {
-        println!("\n== bpftool map dump pinned {}/maps/{map}", lab.pins.display());
-        print!("{}", lab.dump_map(map)?);
-    }
+    println!("\n== bpftool map dump pinned {}/maps/BACKENDS", lab.pins.display());
+    print!("{}", lab.dump_map("BACKENDS")?);
     let cgroup = lab.cgroup.to_string_lossy().into_owned();
     println!("\n== bpftool cgroup show {cgroup}");
     print!("{}", sh("bpftool", &["cgroup", "show", &cgroup])?);

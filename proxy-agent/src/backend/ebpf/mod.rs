@@ -43,10 +43,10 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, IPPROTO_TCP, IPPROTO_UDP,
-    Layouts, MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat, SOURCE_RANGE_PREFIX_BITS,
-    ServiceKey, ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey,
-    map_names,
+    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, FrontendInfo,
+    IPPROTO_TCP, IPPROTO_UDP, Layouts, MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat,
+    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SockFlow, SockFlowKey, SockRevNat,
+    SockRevNatKey, SourceRangeKey, map_names,
 };
 
 use carry::{Carry, Conversion, Pinned, STATE_MAPS};
@@ -100,6 +100,7 @@ struct Maps {
     services: Map,
     backends: Map,
     rev_nat: Map,
+    frontend_info: Map,
     sock_rev_nat: Map,
     affinity: Map,
     conntrack: Map,
@@ -120,6 +121,7 @@ impl Maps {
             services: take(map_names::SERVICES)?,
             backends: take(map_names::BACKENDS)?,
             rev_nat: take(map_names::REV_NAT)?,
+            frontend_info: take(map_names::FRONTEND_INFO)?,
             sock_rev_nat: take(map_names::SOCK_REV_NAT)?,
             affinity: take(map_names::AFFINITY)?,
             conntrack: take(map_names::CONNTRACK)?,
@@ -143,11 +145,12 @@ impl Maps {
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 12] {
+    fn by_name(&self) -> [(&'static str, &Map); 13] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
             (map_names::REV_NAT, &self.rev_nat),
+            (map_names::FRONTEND_INFO, &self.frontend_info),
             (map_names::SOCK_REV_NAT, &self.sock_rev_nat),
             (map_names::AFFINITY, &self.affinity),
             (map_names::CONNTRACK, &self.conntrack),
@@ -171,10 +174,15 @@ impl MapWriter for Maps {
                 MapOp::DeleteBackend { id } => {
                     HashMap::<_, u32, Backend>::try_from(&mut self.backends)?.remove(id)
                 }
-                MapOp::PutRevNat { id, value, .. } => {
-                    HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?.insert(id, value, 0)
+                MapOp::PutRevNat { id, value, info, .. } => {
+                    HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?.insert(id, value, 0)?;
+                    HashMap::<_, u32, FrontendInfo>::try_from(&mut self.frontend_info)?
+                        .insert(id, info, 0)
                 }
                 MapOp::DeleteRevNat { id, .. } => {
+                    // Absent when a previous write failed: fine.
+                    let _ = HashMap::<_, u32, FrontendInfo>::try_from(&mut self.frontend_info)?
+                        .remove(id);
                     HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?.remove(id)
                 }
                 MapOp::PutService { key, value } => {
@@ -295,7 +303,8 @@ impl EbpfBackend {
         loader
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
-            .map_max_entries(map_names::REV_NAT, sizes.rev_nat);
+            .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
+            .map_max_entries(map_names::FRONTEND_INFO, sizes.rev_nat);
         let pinned = root.map(Pinned::open).transpose().unwrap_or_else(|e| {
             tracing::warn!(error = %e, "could not read the previous agent's map layouts; starting afresh");
             None

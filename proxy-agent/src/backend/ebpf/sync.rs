@@ -25,27 +25,55 @@
 use std::collections::{BTreeMap, BTreeSet, btree_map::Entry};
 
 use proxy_common::{
-    Backend, BackendFlags, IPPROTO_TCP, IPPROTO_UDP, MAX_SOURCE_RANGES, RevNat, SCOPE_EXTERNAL,
-    SCOPE_INTERNAL, ServiceFlags, ServiceKey, ServiceValue,
+    Backend, BackendFlags, FrontendInfo, IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP,
+    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, MAX_SOURCE_RANGES, RevNat,
+    SCOPE_EXTERNAL, SCOPE_INTERNAL, ServiceFlags, ServiceKey, ServiceValue,
 };
 
 use super::{carry::Reserved, departures::Departures};
 use crate::{
     model::{Cidr, Protocol},
-    plan::{BackendPlan, Frontend, FrontendPlan, Plan, Scope},
+    plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan, Scope},
 };
 
 /// One write to the maps.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MapOp {
-    PutBackend { id: u32, backend: Backend },
-    PutRevNat { frontend: Frontend, id: u32, value: RevNat },
-    PutService { key: ServiceKey, value: ServiceValue },
-    DeleteService { key: ServiceKey },
-    DeleteRevNat { frontend: Frontend, id: u32 },
-    PutSourceRange { frontend: Frontend, rev_nat_id: u32, cidr: Cidr },
-    DeleteSourceRange { frontend: Frontend, rev_nat_id: u32, cidr: Cidr },
-    DeleteBackend { id: u32 },
+    PutBackend {
+        id: u32,
+        backend: Backend,
+    },
+    /// Also the frontend's [`FrontendInfo`], which alone may change later.
+    PutRevNat {
+        frontend: Frontend,
+        id: u32,
+        value: RevNat,
+        info: FrontendInfo,
+    },
+    PutService {
+        key: ServiceKey,
+        value: ServiceValue,
+    },
+    DeleteService {
+        key: ServiceKey,
+    },
+    DeleteRevNat {
+        frontend: Frontend,
+        id: u32,
+    },
+    PutSourceRange {
+        frontend: Frontend,
+        rev_nat_id: u32,
+        cidr: Cidr,
+    },
+    DeleteSourceRange {
+        frontend: Frontend,
+        rev_nat_id: u32,
+        cidr: Cidr,
+    },
+    DeleteBackend {
+        id: u32,
+    },
 }
 
 /// Applies map operations; the real one writes BPF maps.
@@ -60,7 +88,7 @@ pub enum SyncError {
     )]
     Capacity { what: &'static str, needed: usize, capacity: u32 },
     #[error("writing {op:?}: {source}")]
-    Write { op: MapOp, source: std::io::Error },
+    Write { op: Box<MapOp>, source: std::io::Error },
 }
 
 /// What a sync did.
@@ -79,6 +107,7 @@ pub type AffinityPurge = BTreeMap<u32, BTreeSet<u32>>;
 #[derive(Clone, Debug, Default)]
 struct InstalledFrontend {
     rev_nat_id: u32,
+    info: Option<FrontendInfo>,
     value: Option<ServiceValue>,
     slots: BTreeMap<u16, u32>,
     source_ranges: BTreeSet<Cidr>,
@@ -87,6 +116,7 @@ struct InstalledFrontend {
 /// What a frontend the maps do not hold is diffed against.
 static NOT_INSTALLED: InstalledFrontend = InstalledFrontend {
     rev_nat_id: 0,
+    info: None,
     value: None,
     slots: BTreeMap::new(),
     source_ranges: BTreeSet::new(),
@@ -151,6 +181,17 @@ struct Added {
     services: usize,
     rev_nat: usize,
     source_ranges: usize,
+}
+
+/// What operators see of a frontend: its service port and kind.
+fn frontend_info(fp: &FrontendPlan) -> FrontendInfo {
+    let kind = match fp.kind {
+        FrontendKind::ClusterIp => KIND_CLUSTER_IP,
+        FrontendKind::NodePort => KIND_NODE_PORT,
+        FrontendKind::ExternalIp => KIND_EXTERNAL_IP,
+        FrontendKind::LoadBalancer => KIND_LOAD_BALANCER,
+    };
+    FrontendInfo::new(kind, &fp.service.to_string())
 }
 
 fn proto(protocol: Protocol) -> u8 {
@@ -275,7 +316,9 @@ impl SyncState {
         self.pending_purge.extend(purge);
         let departures = self.departures(&ops, &left);
         for op in &ops {
-            writer.apply(op).map_err(|source| SyncError::Write { op: op.clone(), source })?;
+            writer
+                .apply(op)
+                .map_err(|source| SyncError::Write { op: Box::new(op.clone()), source })?;
             self.record(op);
         }
         Ok(SyncReport { writes: ops.len(), departures })
@@ -386,7 +429,14 @@ impl SyncState {
         let mut new_revs = BTreeSet::new();
         for (frontend, fp) in &kept {
             let installed = self.frontends.get(*frontend).unwrap_or(&NOT_INSTALLED);
+            let info = frontend_info(fp);
+            let value = RevNat { address: frontend.ip.octets(), port: frontend.port, _pad: 0 };
             let rev_nat_id = if installed.rev_nat_id != 0 {
+                if installed.info != Some(info) {
+                    // Another service's now, or another kind of address.
+                    let (frontend, id) = (**frontend, installed.rev_nat_id);
+                    ops.push(MapOp::PutRevNat { frontend, id, value, info });
+                }
                 installed.rev_nat_id
             } else {
                 let id = Self::new_id(
@@ -397,8 +447,7 @@ impl SyncState {
                 );
                 new_revs.insert(id);
                 added.rev_nat += 1;
-                let value = RevNat { address: frontend.ip.octets(), port: frontend.port, _pad: 0 };
-                ops.push(MapOp::PutRevNat { frontend: **frontend, id, value });
+                ops.push(MapOp::PutRevNat { frontend: **frontend, id, value, info });
                 id
             };
             let backend_ids: Vec<u32> = fp
@@ -538,12 +587,13 @@ impl SyncState {
                 }
                 self.unreferenced.remove(id);
             }
-            MapOp::PutRevNat { frontend, id, .. } => {
+            MapOp::PutRevNat { frontend, id, info, .. } => {
                 self.rev_nat.insert(*id);
                 if !self.reserved_ids.rev_nat.contains(id) {
                     self.last_rev_nat_id = *id;
                 }
-                self.frontends.entry(*frontend).or_default().rev_nat_id = *id;
+                let entry = self.frontends.entry(*frontend).or_default();
+                (entry.rev_nat_id, entry.info) = (*id, Some(*info));
             }
             MapOp::DeleteRevNat { frontend, id } => {
                 self.rev_nat.remove(id);
@@ -675,7 +725,7 @@ mod tests {
     use super::*;
     use crate::{
         model::{ServiceName, ServicePortName},
-        plan::{BackendPlan, FrontendPlan},
+        plan::{BackendPlan, FrontendKind, FrontendPlan},
     };
 
     /// The maps in memory. After every write it checks what a BPF program
@@ -765,6 +815,7 @@ mod tests {
                         service: ServiceName { namespace: "ns".into(), name: "svc".into() },
                         port: String::new(),
                     },
+                    kind: FrontendKind::ClusterIp,
                     backends: backends
                         .iter()
                         .map(|b| BackendPlan {
@@ -933,6 +984,26 @@ mod tests {
     }
 
     #[test]
+    fn a_frontend_names_its_service_and_kind_and_follows_a_new_owner() {
+        let tcp = frontend(1, Protocol::Tcp);
+        let mut maps = Maps::default();
+        let mut state = SyncState::default();
+        let mut p = plan(&[(tcp, &[2], None)]);
+        let writes = state.sync(&p, None, &mut maps).unwrap().writes;
+        let info = state.frontends[&tcp].info.unwrap();
+        assert_eq!((info.kind, info.name()), (KIND_CLUSTER_IP, "ns/svc"));
+        // Another service (or kind) takes the address over: one write.
+        let fp = p.frontends.get_mut(&tcp).unwrap();
+        fp.service.service.name = "other".into();
+        fp.kind = FrontendKind::ExternalIp;
+        let report = state.sync(&p, None, &mut maps).unwrap();
+        assert_eq!(report.writes, 1, "after {writes} at first");
+        let info = state.frontends[&tcp].info.unwrap();
+        assert_eq!((info.kind, info.name()), (KIND_EXTERNAL_IP, "ns/other"));
+        assert_eq!(state.sync(&p, None, &mut maps).unwrap().writes, 0);
+    }
+
+    #[test]
     fn a_backend_leaving_one_of_two_frontends_departs_from_that_one_only() {
         let (a, b) = (frontend(1, Protocol::Udp), frontend(3, Protocol::Udp));
         let mut maps = Maps::default();
@@ -1023,6 +1094,7 @@ mod tests {
                         service: ServiceName { namespace: "ns".into(), name: format!("s{i}") },
                         port: String::new(),
                     },
+                    kind: FrontendKind::ClusterIp,
                     backends: vec![],
                     affinity_timeout_secs: None,
                     external: false,
@@ -1157,6 +1229,7 @@ mod tests {
                 service: ServiceName { namespace: "ns".into(), name: "svc".into() },
                 port: String::new(),
             },
+            kind: FrontendKind::ClusterIp,
             backends,
             affinity_timeout_secs: affinity,
             external: !ranges.is_empty(),

@@ -1,0 +1,107 @@
+//! The operator's commands in the lab, in both modes: `proxy-agent lb list`
+//! reads the table back from the kernel (pinned maps, or iptables-save) and
+//! must say the same thing in both modes, what the manifest asks for, and
+//! what real connections do.
+
+use std::collections::BTreeSet;
+
+use proxy_lab::{Attempt, Lab, Setup, both_modes, tally};
+use test_objects::{Protocol::*, ep, manifest, port, service};
+
+both_modes!(lb_list_shows_every_frontend_with_its_flags_and_backends);
+
+/// (frontend, kind, service, flags, backend addresses), NodePorts as
+/// `*:port` (the eBPF mode has one per node address, iptables one rule).
+type Row = (String, String, String, BTreeSet<String>, BTreeSet<String>);
+
+fn rows(json: &str) -> BTreeSet<Row> {
+    let entries: Vec<serde_json::Value> = serde_json::from_str(json).expect(json);
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+    entries
+        .iter()
+        // The eBPF mode's in-cluster twins: iptables has no frontend of them.
+        .filter(|e| !e["flags"].as_array().unwrap().iter().any(|f| f == "in-cluster"))
+        .map(|e| {
+            let mut frontend = text(&e["frontend"]);
+            if e["kind"] == "NodePort" {
+                frontend = format!("*:{}", frontend.split_once(':').unwrap().1);
+            }
+            let list = |key: &str, field: Option<&str>| -> BTreeSet<String> {
+                let items = e[key].as_array().unwrap().iter();
+                items.map(|v| text(field.map_or(v, |f| &v[f]))).collect()
+            };
+            let backends = list("backends", Some("address"));
+            (frontend, text(&e["kind"]), text(&e["service"]), list("flags", None), backends)
+        })
+        .collect()
+}
+
+fn row(frontend: &str, kind: &str, service: &str, flags: &[&str], backends: &[&str]) -> Row {
+    let set = |items: &[&str]| items.iter().map(|s| s.to_string()).collect();
+    (frontend.into(), kind.into(), service.into(), set(flags), set(backends))
+}
+
+/// A LoadBalancer service with an externalIP, source ranges, affinity and
+/// the Local policy, one endpoint here and one on another node; a service
+/// without endpoints; one with the internal Local policy.
+fn lb_list_shows_every_frontend_with_its_flags_and_backends(setup: Setup) {
+    let mut lab = Lab::with(setup).unwrap();
+    let pod = lab.add_pod("web-0", "10.244.1.2").unwrap();
+    lab.serve(&pod, &[8080], &[]).unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    let web = service("demo", "web")
+        .load_balancer_type()
+        .cluster_ip("10.96.0.10")
+        .external_ips(&["10.200.0.5"])
+        .source_ranges(&["192.168.0.0/16"])
+        .client_ip_affinity(Some(600))
+        .external_policy("Local")
+        .ingress_ip("172.18.0.50")
+        .port(port("http", 80).target(8080).node_port(30080));
+    let here_and_there = [
+        ep("10.244.1.2").ready(true).node("lab-node"),
+        ep("10.244.2.3").ready(true).node("other-node"),
+    ];
+    let web_slice = web.slice().port("http", 8080, Tcp).endpoints(here_and_there.clone());
+    let empty = service("demo", "empty").cluster_ip("10.96.0.11").port(port("dns", 53).udp());
+    let loc = service("demo", "loc")
+        .cluster_ip("10.96.0.12")
+        .internal_policy("Local")
+        .port(port("http", 80).target(8080));
+    let loc_slice = loc.slice().port("http", 8080, Tcp).endpoints(here_and_there);
+    lab.write_manifest(&manifest(&[&web, &web_slice, &empty, &loc, &loc_slice])).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    let json = lab.inspect_on(0, &["lb", "list", "-o", "json"]).unwrap();
+    let (here, there) = ("10.244.1.2:8080", "10.244.2.3:8080");
+    let local_web = ["affinity", "local-policy"];
+    let expected = BTreeSet::from([
+        row("10.96.0.10:80/tcp", "ClusterIP", "demo/web:http", &["affinity"], &[here, there]),
+        row("*:30080/tcp", "NodePort", "demo/web:http", &local_web, &[here]),
+        row("10.200.0.5:80/tcp", "ExternalIP", "demo/web:http", &local_web, &[here]),
+        row(
+            "172.18.0.50:80/tcp",
+            "LoadBalancer",
+            "demo/web:http",
+            &["affinity", "local-policy", "source-ranges"],
+            &[here],
+        ),
+        row("10.96.0.11:53/udp", "ClusterIP", "demo/empty:dns", &[], &[]),
+        row("10.96.0.12:80/tcp", "ClusterIP", "demo/loc:http", &["local-policy"], &[here]),
+    ]);
+    assert_eq!(rows(&json), expected, "{json}");
+
+    // The table, filtered to one service, names what the JSON names.
+    let table = lab.inspect_on(0, &["lb", "list", "--service", "demo/loc"]).unwrap();
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 2, "a header and one frontend: {table}");
+    assert!(lines[1].contains("demo/loc:http") && lines[1].contains(here), "{table}");
+
+    // What real connections do: the Local-policy ClusterIP reaches only
+    // the one backend `lb list` names, the other refuses.
+    let attempts = lab.client(&client, &["tcp", "10.96.0.12:80", "10"]).unwrap();
+    assert_eq!(tally(&attempts).into_iter().collect::<Vec<_>>(), [("web-0".to_string(), 10)]);
+    let refused = lab.client(&client, &["--timeout-ms", "1000", "udp", "10.96.0.11:53", "1"]);
+    let refused = refused.unwrap();
+    assert!(matches!(refused.as_slice(), [Attempt::Err { .. }]), "{refused:?}");
+}
