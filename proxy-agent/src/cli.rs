@@ -37,7 +37,17 @@ pub enum Command {
     Render(RenderCommand),
     /// Check the kernel features the eBPF mode needs and print the mode
     /// `--proxy-mode auto` would pick (loads, never attaches, the programs).
-    Probe,
+    Probe(ProbeArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct ProbeArgs {
+    /// Also print each check's whole detail (a verifier log) after the table
+    #[arg(long, short)]
+    pub verbose: bool,
+    /// Write each check's whole detail (a verifier log) to FILE
+    #[arg(long, value_name = "FILE")]
+    pub verifier_log: Option<PathBuf>,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -198,6 +208,12 @@ pub struct RunArgs {
     /// leaves established TCP connections alone
     #[arg(long)]
     pub terminate_tcp_on_endpoint_removal: bool,
+    /// Replacing a previous agent's datapath, how long to wait for manifest
+    /// files that do not parse before taking over without their services
+    /// (the previous datapath serves them meanwhile); with no previous
+    /// datapath, what can be read is served at once
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration_or_zero)]
+    pub unreadable_source_grace: Duration,
     /// Interfaces are followed through the kernel's netlink notifications;
     /// they are also scanned at least this often, in case one was missed
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]

@@ -55,6 +55,19 @@ impl Phase {
     }
 }
 
+/// Whether a source whose files are all read, some not parsing, is taken
+/// as it stands (the services of those files left out): at once when no
+/// previous datapath serves here (waiting would serve nothing better),
+/// else once `waited` reaches `grace` (the previous datapath serves those
+/// services meanwhile, and an operator may mend the files). Never later.
+pub fn take_partial(
+    previous_datapath: bool,
+    waited: std::time::Duration,
+    grace: std::time::Duration,
+) -> bool {
+    !previous_datapath || waited >= grace
+}
+
 /// What moves the agent on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -93,5 +106,14 @@ mod tests {
         }
         assert!(phase.source_whole() && phase.synced_whole() && phase.serving());
         assert!(!Phase::SourceWhole.synced_whole() && Phase::SyncedWhole.synced_whole());
+    }
+
+    #[test]
+    fn unreadable_files_hold_a_takeover_for_the_grace_only() {
+        use std::time::Duration;
+        let grace = Duration::from_secs(5);
+        assert!(take_partial(false, Duration::ZERO, grace), "nothing serves: serve what reads");
+        assert!(!take_partial(true, Duration::from_secs(4), grace), "the previous one serves");
+        assert!(take_partial(true, grace, grace), "bounded");
     }
 }

@@ -59,6 +59,8 @@ pub struct EbpfDatapath {
     /// `--terminate-tcp-on-endpoint-removal`; none where the kernel cannot
     /// (`sockets::probe`).
     ends_sockets: Vec<u8>,
+    /// A previous agent's maps were pinned here at start.
+    previous: bool,
 }
 
 impl EbpfDatapath {
@@ -71,6 +73,8 @@ impl EbpfDatapath {
         };
         let root = args.pins.bpffs_root.clone();
         sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
+        let previous =
+            std::fs::read_dir(root.join("maps")).is_ok_and(|mut pins| pins.next().is_some());
         let tc_mode = match args.tc_attach {
             TcAttachArg::Auto => TcAttach::for_this_kernel(),
             TcAttachArg::Tcx => TcAttach::Tcx,
@@ -113,7 +117,7 @@ impl EbpfDatapath {
             }
         };
         let next_gc = Instant::now();
-        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc, ends_sockets })
+        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc, ends_sockets, previous })
     }
 
     fn wanted_interfaces(&self, node_ips: &[Ipv4Addr]) -> std::io::Result<BTreeSet<String>> {
@@ -125,6 +129,10 @@ impl EbpfDatapath {
 impl Datapath for EbpfDatapath {
     fn mode(&self) -> &'static str {
         "ebpf"
+    }
+
+    fn replaces_previous(&self) -> bool {
+        self.previous
     }
 
     fn live_at_once(&self) -> bool {
