@@ -313,9 +313,10 @@ impl Agent {
         self.rescan.every_poll();
     }
 
-    /// Rules are live as soon as they are applied: they wait for the whole
-    /// source, so an unreadable file never replaces good rules with fewer
-    /// (a new agent's maps are private until its programs attach).
+    /// Rules are live as soon as they are applied: they wait for the source
+    /// to be taken (`source_taken`), so a file that does not parse replaces
+    /// a previous agent's rules with fewer only after the grace (a new
+    /// agent's maps are private until its programs attach).
     fn may_sync(&self) -> bool {
         self.phase.source_whole() || !self.datapath.live_at_once()
     }

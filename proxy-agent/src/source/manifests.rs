@@ -398,6 +398,16 @@ metadata: {name: ignored}
             let again = manifests.reload();
             assert!(again.errors.is_empty() && !again.changed && again.settled, "{again:?}");
         }
+        // Not even read: other bytes behind the same size, mtime and inode
+        // go unseen.
+        let garbage = dir.join("garbage.yaml");
+        let stamp = std::fs::metadata(&garbage).unwrap();
+        let same_size = format!("{:<1$}", "{}", stamp.len() as usize);
+        let file = std::fs::OpenOptions::new().write(true).open(&garbage).unwrap();
+        std::io::Write::write_all(&mut &file, same_size.as_bytes()).unwrap();
+        file.set_modified(stamp.modified().unwrap()).unwrap();
+        manifests.reload();
+        assert!(!manifests.reload().complete, "not read again while its stamp stays");
         // Changed, still broken: reported once more.
         std::fs::write(dir.join("garbage.yaml"), "{{{").unwrap();
         manifests.reload();

@@ -73,8 +73,7 @@ impl EbpfDatapath {
         };
         let root = args.pins.bpffs_root.clone();
         sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
-        let previous =
-            std::fs::read_dir(root.join("maps")).is_ok_and(|mut pins| pins.next().is_some());
+        let previous = super::pinned(&root);
         let tc_mode = match args.tc_attach {
             TcAttachArg::Auto => TcAttach::for_this_kernel(),
             TcAttachArg::Tcx => TcAttach::Tcx,

@@ -865,6 +865,11 @@ where
         .map_err(|source| EbpfError::Program { name, source })
 }
 
+/// Whether an agent's maps are pinned under `root`: its datapath serves.
+pub fn pinned(root: &Path) -> bool {
+    std::fs::read_dir(root.join("maps")).is_ok_and(|mut pins| pins.next().is_some())
+}
+
 /// Removes the eBPF mode's pins under `root` (and the directory) and its
 /// clsact filters in the caller's network namespace; returns how many of
 /// each.

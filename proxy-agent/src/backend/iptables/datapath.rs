@@ -25,7 +25,8 @@ pub struct IptablesDatapath {
     backend: IptablesBackend<System>,
     /// The eBPF mode's pins, removed once the rules serve.
     pins: PathBuf,
-    /// A previous agent's rules were in place at start.
+    /// A previous agent's rules (or eBPF datapath, which serves in front
+    /// of the rules until this agent serves) were in place at start.
     previous: bool,
 }
 
@@ -39,7 +40,7 @@ impl IptablesDatapath {
             }
         }
         let mut backend = IptablesBackend::new(System, options);
-        let previous = backend.rules_present();
+        let previous = backend.rules_present() || ebpf::pinned(&args.pins.bpffs_root);
         IptablesDatapath { backend, pins: args.pins.bpffs_root.clone(), previous }
     }
 }
