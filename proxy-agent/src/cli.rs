@@ -211,7 +211,8 @@ pub struct RunArgs {
     /// Replacing a previous agent's datapath, how long to wait for manifest
     /// files that do not parse before taking over without their services
     /// (the previous datapath serves them meanwhile); with no previous
-    /// datapath, what can be read is served at once
+    /// datapath, what can be read is served at once. Files that never stop
+    /// changing are given up after this too
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration_or_zero)]
     pub unreadable_source_grace: Duration,
     /// Interfaces are followed through the kernel's netlink notifications;

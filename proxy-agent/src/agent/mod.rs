@@ -64,7 +64,7 @@ impl Source {
             Source::Manifests(manifests) => manifests.reload(),
             Source::Kube(kube) => {
                 let (changed, complete) = kube.poll();
-                Reload { changed, complete, settled: complete, ..Reload::default() }
+                Reload { changed, complete, ..Reload::default() }
             }
         }
     }
@@ -123,7 +123,7 @@ struct Agent {
     /// Why the agent must restart, once it must.
     restart: Option<String>,
     phase: Phase,
-    /// Since when every file of the source was taken, some not parsing.
+    /// Since when the source has files that do not parse or still change.
     partial_since: Option<Instant>,
     unreadable_source_grace: Duration,
     pacing: Pacing,
@@ -371,30 +371,32 @@ impl Agent {
         self.report.source_errors = current;
     }
 
-    /// Whether the source can be taken as it stands: read whole; or every
-    /// file taken with some that do not parse, at once where no previous
-    /// datapath serves (there is nothing better to serve), else after
-    /// `--unreadable-source-grace` (the previous datapath serves their
-    /// services meanwhile). Taking it without them is said loudly.
+    /// Whether the source can be taken as it stands: read whole; or with
+    /// manifest files that do not parse (or never stop changing), see
+    /// `lifecycle::take_partial`. An API server's lists are always waited
+    /// for: a partial list would delete services. Taking the source
+    /// without some files is said loudly.
     fn source_taken(&mut self, reload: &Reload) -> bool {
         if reload.complete {
             return true;
         }
-        if !reload.settled {
-            self.partial_since = None;
+        if reload.unreadable.is_empty() && reload.moving.is_empty() {
             return false;
         }
         let since = *self.partial_since.get_or_insert_with(Instant::now);
-        let previous = self.datapath.replaces_previous();
-        if !lifecycle::take_partial(previous, since.elapsed(), self.unreadable_source_grace) {
+        let (previous, settled) = (self.datapath.replaces_previous(), reload.moving.is_empty());
+        let grace = self.unreadable_source_grace;
+        if !lifecycle::take_partial(previous, settled, since.elapsed(), grace) {
             return false;
         }
-        let files: Vec<String> =
-            reload.unreadable.iter().map(|p| p.display().to_string()).collect();
+        let names = |paths: &[std::path::PathBuf]| -> Vec<String> {
+            paths.iter().map(|p| p.display().to_string()).collect()
+        };
         tracing::warn!(
-            files = ?files,
+            files = ?names(&reload.unreadable),
+            still_changing = ?names(&reload.moving),
             waited = ?since.elapsed(),
-            "taking over without the services of these files, which do not parse: they are not served until they do"
+            "taking over without the services of these files, which do not parse (or never stop changing): they are not served until they do"
         );
         true
     }

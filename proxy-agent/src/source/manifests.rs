@@ -87,10 +87,9 @@ pub struct Reload {
     pub errors: Vec<ManifestError>,
     /// Every file was read and parsed at least once: the snapshot is whole.
     pub complete: bool,
-    /// Every file's current bytes were taken (parsed or found not to
-    /// parse): reading more will not make the snapshot more whole until a
-    /// file changes.
-    pub settled: bool,
+    /// Files whose new bytes are not taken yet (two reads have not agreed
+    /// yet; a file rewritten all the time never is).
+    pub moving: Vec<PathBuf>,
     /// Files taken that never parsed: their services are missing.
     pub unreadable: Vec<PathBuf>,
 }
@@ -157,9 +156,11 @@ impl Manifests {
             }
         }
         reload.complete = self.files.values().all(|f| f.loaded);
-        reload.settled = self.files.values().all(|f| f.taken && f.candidate.is_none());
-        let unreadable = self.files.iter().filter(|(_, f)| f.taken && !f.loaded);
-        reload.unreadable = unreadable.map(|(path, _)| path.clone()).collect();
+        let paths = |keep: fn(&CachedFile) -> bool| {
+            self.files.iter().filter(|(_, f)| keep(f)).map(|(path, _)| path.clone()).collect()
+        };
+        reload.moving = paths(|f| !f.taken || f.candidate.is_some());
+        reload.unreadable = paths(|f| f.taken && !f.loaded);
         reload
     }
 
@@ -386,9 +387,10 @@ metadata: {name: ignored}
         std::fs::write(dir.join("good.yaml"), GOOD).unwrap();
         std::fs::write(dir.join("garbage.yaml"), "kind: [unclosed\n\u{1}\u{2}").unwrap();
         let mut manifests = Manifests::new(&dir);
-        assert!(!manifests.reload().settled, "new bytes wait for a second read");
+        let seen = manifests.reload();
+        assert_eq!(seen.moving.len(), 2, "new bytes wait for a second read");
         let first = manifests.reload();
-        assert!(first.changed && first.settled && !first.complete, "{first:?}");
+        assert!(first.changed && first.moving.is_empty() && !first.complete, "{first:?}");
         assert_eq!(first.unreadable, [dir.join("garbage.yaml")]);
         assert!(matches!(&first.errors[..], [ManifestError::Yaml { .. }]), "{first:?}");
         assert_eq!(first.errors[0].kind(), "yaml");
@@ -396,7 +398,8 @@ metadata: {name: ignored}
         // Unchanged: not parsed again, so not reported again.
         for _ in 0..3 {
             let again = manifests.reload();
-            assert!(again.errors.is_empty() && !again.changed && again.settled, "{again:?}");
+            assert!(again.errors.is_empty() && !again.changed, "{again:?}");
+            assert!(again.moving.is_empty(), "{again:?}");
         }
         // Not even read: other bytes behind the same size, mtime and inode
         // go unseen.
