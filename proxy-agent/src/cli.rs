@@ -37,7 +37,7 @@ pub enum Command {
     Render(RenderCommand),
     /// Check the kernel features the eBPF mode needs and print the mode
     /// `--proxy-mode auto` would pick (loads, never attaches, the programs).
-    Probe,
+    Probe(ProbeArgs),
     /// What the datapath does for each service, read back from the kernel
     /// (the eBPF mode's pinned maps, or the iptables rules)
     #[command(subcommand)]
@@ -85,6 +85,16 @@ pub enum Output {
     Table,
     /// One JSON document
     Json,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct ProbeArgs {
+    /// Also print each check's whole detail (a verifier log) after the table
+    #[arg(long, short)]
+    pub verbose: bool,
+    /// Write each check's whole detail (a verifier log) to FILE
+    #[arg(long, value_name = "FILE")]
+    pub verifier_log: Option<PathBuf>,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -250,6 +260,13 @@ pub struct RunArgs {
     /// (6.5+), else sock_diag SOCK_DESTROY (CONFIG_INET_DIAG_DESTROY)
     #[arg(long, value_name = "WAY", value_enum, default_value_t = SocketDestroy::Auto)]
     pub socket_destroy: SocketDestroy,
+    /// Replacing a previous agent's datapath, how long to wait for manifest
+    /// files that do not parse before taking over without their services
+    /// (the previous datapath serves them meanwhile); with no previous
+    /// datapath, what can be read is served at once. Files that never stop
+    /// changing are given up after this too
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration_or_zero)]
+    pub unreadable_source_grace: Duration,
     /// Interfaces are followed through the kernel's netlink notifications;
     /// they are also scanned at least this often, in case one was missed
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]

@@ -44,6 +44,8 @@ struct File {
     iptables: Option<Iptables>,
     conntrack: Option<Conntrack>,
     detect_local_mode: Option<String>,
+    /// Ours, not kube-proxy's: `--unreadable-source-grace`.
+    unreadable_source_grace: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -93,6 +95,7 @@ const HONOURED: &[&str] = &[
     "conntrack.tcpCloseWaitTimeout",
     "conntrack.udpTimeout",
     "detectLocalMode",
+    "unreadableSourceGrace",
 ];
 
 /// kube-proxy's fields that do not apply to this proxy.
@@ -138,6 +141,7 @@ pub struct Settings {
     pub conntrack_tcp_timeout_established: Option<Duration>,
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
     pub conntrack_udp_timeout: Option<Duration>,
+    pub unreadable_source_grace: Option<Duration>,
 }
 
 /// Appends kube-proxy's default port to an address given without one.
@@ -253,6 +257,10 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
             s.conntrack_udp_timeout = duration(&d).map_err(bad("conntrack.udpTimeout"))?;
         }
     }
+    if let Some(d) = file.unreadable_source_grace {
+        let grace = parse_go_duration(&d).map_err(bad("unreadableSourceGrace"))?;
+        s.unreadable_source_grace = Some(grace);
+    }
     if let Some(mode) = file.detect_local_mode.filter(|m| !m.is_empty() && m != "ClusterCIDR") {
         warnings.push(format!("detectLocalMode {mode}: only ClusterCIDR is supported"));
     }
@@ -311,6 +319,7 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
         settings.conntrack_tcp_timeout_close_wait
     );
     set!("conntrack_udp_timeout", args.conntrack_udp_timeout, settings.conntrack_udp_timeout);
+    set!("unreadable_source_grace", args.unreadable_source_grace, settings.unreadable_source_grace);
 }
 
 #[cfg(test)]
@@ -350,6 +359,7 @@ mode: iptables
 nodePortAddresses: [192.168.100.0/24]
 oomScoreAdj: null
 someFutureField: true
+unreadableSourceGrace: 2s
 "#;
 
     fn run_args(flags: &[&str]) -> (RunArgs, clap::ArgMatches) {
@@ -374,6 +384,7 @@ someFutureField: true
         assert_eq!(settings.min_sync_period, Some(Duration::from_secs(2)));
         assert_eq!(settings.conntrack_tcp_timeout_established, Some(Duration::from_secs(43_200)));
         assert_eq!(settings.conntrack_udp_timeout, None, "0s: leave as is");
+        assert_eq!(settings.unreadable_source_grace, Some(Duration::from_secs(2)));
         assert!(
             warnings.iter().any(|w| w == "unknown field someFutureField; ignored"),
             "{warnings:?}"

@@ -1,7 +1,11 @@
 //! kube-proxy's health surfaces: `/healthz` and `/livez` (is the datapath
 //! keeping up with the changes?), and the per-service health-check node
 //! ports load balancers probe for `externalTrafficPolicy: Local` services.
-//! Same JSON, headers and status rules as kube-proxy.
+//! Same JSON, headers and status rules as kube-proxy, except that
+//! `/healthz` (and the health-check node ports) fail until the datapath
+//! first serves the source: a node is not sent traffic before its rules are
+//! in. `/livez` stays kube-proxy's (healthy while starting up), so a slow
+//! first list never gets the agent restarted.
 
 use std::{
     collections::BTreeMap,
@@ -31,9 +35,12 @@ pub enum NodeEligibility {
 struct State {
     /// The last successful sync.
     last_updated: Option<SystemTime>,
-    /// The oldest change not yet synced.
+    /// The oldest change not yet synced (or failed sync not yet retried
+    /// with success).
     oldest_queued: Option<SystemTime>,
     node: NodeEligibility,
+    /// The datapath serves the source (the agent took over).
+    serving: bool,
 }
 
 /// The proxier health kube-proxy serves on `--healthz-bind-address`.
@@ -52,7 +59,12 @@ pub struct ProxyHealth {
 impl ProxyHealth {
     pub fn new(timeout: Duration, node: NodeEligibility) -> Self {
         ProxyHealth {
-            state: Mutex::new(State { last_updated: None, oldest_queued: None, node }),
+            state: Mutex::new(State {
+                last_updated: None,
+                oldest_queued: None,
+                node,
+                serving: false,
+            }),
             timeout,
             healthz_200: Default::default(),
             healthz_503: Default::default(),
@@ -81,7 +93,13 @@ impl ProxyHealth {
         self.state().node = node;
     }
 
-    /// Healthy unless a change has waited for the timeout.
+    /// The datapath serves the source from now on.
+    pub fn serving(&self) {
+        self.state().serving = true;
+    }
+
+    /// kube-proxy's proxier health: healthy unless a change (or a failed
+    /// sync) has waited for the timeout.
     pub fn healthy(&self, now: SystemTime) -> bool {
         let state = self.state();
         state
@@ -89,10 +107,17 @@ impl ProxyHealth {
             .is_none_or(|queued| now.duration_since(queued).unwrap_or_default() < self.timeout)
     }
 
-    /// `/healthz` (with the node's eligibility) or `/livez` (without).
+    /// The datapath serves, and keeps up: what `/healthz` and the
+    /// health-check node ports answer 200 for.
+    pub fn ready(&self, now: SystemTime) -> bool {
+        self.healthy(now) && self.state().serving
+    }
+
+    /// `/healthz` (with the node's eligibility, once serving) or `/livez`
+    /// (neither).
     pub fn reply(&self, healthz: bool, now: SystemTime) -> Reply {
         use std::sync::atomic::Ordering::Relaxed;
-        let healthy = self.healthy(now);
+        let healthy = if healthz { self.ready(now) } else { self.healthy(now) };
         let state = self.state();
         let eligible = state.node != NodeEligibility::Ineligible;
         let ok = healthy && (!healthz || eligible);
@@ -259,7 +284,7 @@ impl ServiceChecks {
         let (checks, health) = (self.checks.clone(), self.health.clone());
         let handler = Arc::new(move |_method: String, _path: String| {
             let check = checks.lock().ok().and_then(|c| c.get(&port).cloned());
-            let healthy = health.healthy(SystemTime::now());
+            let healthy = health.ready(SystemTime::now());
             async move {
                 match check {
                     Some(check) => service_check_reply(&check, healthy),
@@ -297,6 +322,15 @@ mod tests {
     fn healthz_follows_pending_changes_and_the_node() {
         let health = ProxyHealth::new(Duration::from_secs(60), NodeEligibility::Eligible);
         let t0 = at(1_748_772_000, 0);
+        // Before the datapath serves: /healthz fails, /livez does not.
+        let starting = health.reply(true, t0);
+        assert_eq!(starting.status, 503);
+        assert_eq!(
+            starting.body,
+            "{\"lastUpdated\":\"0001-01-01T00:00:00Z\",\"currentTime\":\"2025-06-01T10:00:00Z\",\"nodeEligible\":true,\"healthy\":false}"
+        );
+        assert_eq!(health.reply(false, t0).status, 200);
+        health.serving();
         let reply = health.reply(true, t0);
         assert_eq!(reply.status, 200);
         assert_eq!(
@@ -319,7 +353,7 @@ mod tests {
         let livez = health.reply(false, t0 + Duration::from_secs(63));
         assert_eq!(livez.status, 200, "livez ignores the node");
         assert!(!livez.body.contains("nodeEligible"));
-        assert_eq!(health.healthz_503.load(std::sync::atomic::Ordering::Relaxed), 2);
+        assert_eq!(health.healthz_503.load(std::sync::atomic::Ordering::Relaxed), 3);
     }
 
     #[test]

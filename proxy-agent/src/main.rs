@@ -28,7 +28,7 @@ fn main() -> std::process::ExitCode {
         Command::Cleanup(args) => commands::cleanup::run(&args),
         Command::PrepareNode(args) => commands::prepare_node::run(&args),
         Command::Render(RenderCommand::Iptables(args)) => commands::render::iptables(&args),
-        Command::Probe => commands::probe::run(),
+        Command::Probe(args) => commands::probe::run(&args),
         Command::Lb(LbCommand::List(args)) => commands::lb::list(&args),
     };
     match result {

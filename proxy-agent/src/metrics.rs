@@ -74,6 +74,12 @@ impl Histogram {
     }
 }
 
+/// A label value with `\`, `"` and newlines escaped, as the text format
+/// wants (file names may hold any of them).
+fn label_value(text: &str) -> String {
+    text.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
 /// Seconds since the epoch, for timestamp gauges.
 fn unix_seconds(t: SystemTime) -> f64 {
     t.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
@@ -126,6 +132,8 @@ pub struct Metrics {
     /// API server watch failures, by kind.
     apiserver_errors: Mutex<BTreeMap<&'static str, u64>>,
     invalid: Mutex<BTreeMap<String, u64>>,
+    /// Errors of the source's files, by (file, kind), once per change.
+    source_errors: Mutex<BTreeMap<(String, String), u64>>,
     /// Read at each scrape, once the datapath is pinned.
     datapath: Mutex<Option<CounterReader>>,
     health: Arc<ProxyHealth>,
@@ -166,6 +174,7 @@ impl Metrics {
             health_check_failures: AtomicU64::new(0),
             apiserver_errors: Mutex::default(),
             invalid: Mutex::default(),
+            source_errors: Mutex::default(),
             datapath: Mutex::default(),
             health,
             mode,
@@ -176,6 +185,15 @@ impl Metrics {
     pub fn invalid(&self, kind: &str) {
         if let Ok(mut invalid) = self.invalid.lock() {
             *invalid.entry(kind.to_string()).or_default() += 1;
+        }
+    }
+
+    /// Counts one error of a source file: `kind` is `yaml` for a file that
+    /// does not parse, else the kind of the object that does not decode.
+    pub fn source_error(&self, file: &std::path::Path, kind: &str) {
+        if let Ok(mut errors) = self.source_errors.lock() {
+            let key = (file.display().to_string(), kind.to_string());
+            *errors.entry(key).or_default() += 1;
         }
     }
 
@@ -414,6 +432,25 @@ impl Metrics {
             "Objects (or manifest files) rejected as invalid, by kind.",
             &invalid,
         );
+        let source_errors: Vec<_> = self
+            .source_errors
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .map(|((file, kind), v)| {
+                        let (file, kind) = (label_value(file), label_value(kind));
+                        (format!(r#"{{file="{file}",kind="{kind}"}}"#), v.to_string())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        samples(
+            &mut out,
+            "proxy_source_errors_total",
+            "counter",
+            "Errors of the source's files, once per change of the file: kind yaml (the file does not parse) or the kind of an object that does not decode.",
+            &source_errors,
+        );
         samples(
             &mut out,
             "proxy_kept_objects_total",
@@ -529,8 +566,10 @@ impl Metrics {
         out
     }
 
-    /// Serves `/metrics`, `/healthz` (`ok`, as kube-proxy's metrics port)
-    /// and `/proxyMode` on `addr`, from `runtime`.
+    /// Serves `/metrics`, `/healthz` (as on `--healthz-bind-address`: 503
+    /// until the datapath serves; kube-proxy's metrics port answers `ok`
+    /// from the start, which tells nothing) and `/proxyMode` on `addr`,
+    /// from `runtime`.
     pub fn serve(self: Arc<Self>, runtime: &tokio::runtime::Handle, addr: std::net::SocketAddr) {
         let handler = Arc::new(move |_method: String, path: String| {
             let metrics = self.clone();
@@ -538,7 +577,7 @@ impl Metrics {
                 let text = |body: String| Reply::new(200, "text/plain; charset=utf-8", body);
                 match path.as_str() {
                     "/metrics" => Reply::new(200, "text/plain; version=0.0.4", metrics.render()),
-                    "/healthz" => text("ok".into()),
+                    "/healthz" => metrics.health.reply(true, SystemTime::now()),
                     "/proxyMode" => text(metrics.mode.into()),
                     _ => Reply::not_found(),
                 }
@@ -565,12 +604,17 @@ mod tests {
         let m = metrics("ebpf");
         m.invalid("Service");
         m.invalid("Service");
+        m.source_error(std::path::Path::new("/m/a \"b\".yaml"), "yaml");
         m.syncs_ok.store(3, Relaxed);
         m.sync_duration.observe(Duration::from_millis(3));
         m.synced_at(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000));
         let text = m.render();
         assert!(text.contains("proxy_invalid_objects_total{kind=\"Service\"} 2\n"), "{text}");
         assert!(text.contains("proxy_sync_total{result=\"ok\"} 3\n"));
+        assert!(
+            text.contains(r#"proxy_source_errors_total{file="/m/a \"b\".yaml",kind="yaml"} 1"#),
+            "{text}"
+        );
         assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n"));
         assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.002\"} 0\n"), "{text}");
         assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.004\"} 1\n"));

@@ -19,7 +19,26 @@ pub struct Feature {
     /// Without it the eBPF mode cannot run.
     pub required: bool,
     pub found: bool,
+    /// What was found, or why not: whole (a failed load carries the
+    /// verifier's log), as `--verbose` prints it.
     pub detail: String,
+}
+
+/// Where a load error's verifier log starts (aya's wording).
+const VERIFIER_LOG: &str = "Verifier output:";
+
+impl Feature {
+    /// The detail on one line: up to the verifier log, if any, or the
+    /// first line; says when more is left for `--verbose`.
+    pub fn summary(&self) -> String {
+        let head = self.detail.split(VERIFIER_LOG).next().unwrap_or_default();
+        let head = head.lines().next().unwrap_or_default().trim_end().trim_end_matches('.');
+        if head.len() == self.detail.trim_end().len() {
+            head.to_string()
+        } else {
+            format!("{head} (whole detail: --verbose)")
+        }
+    }
 }
 
 /// The mode `--proxy-mode auto` picks.
@@ -114,14 +133,14 @@ pub fn run() -> Vec<Feature> {
     ]
 }
 
-/// The probe as a table, and the decision.
+/// The probe as a table, one line per feature, and the decision.
 pub fn report(features: &[Feature]) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "{:<58} {:<9} {:<6} detail", "feature", "needed", "found");
     for f in features {
         let needed = if f.required { "ebpf" } else { "optional" };
         let found = if f.found { "yes" } else { "NO" };
-        let _ = writeln!(out, "{:<58} {needed:<9} {found:<6} {}", f.name, f.detail);
+        let _ = writeln!(out, "{:<58} {needed:<9} {found:<6} {}", f.name, f.summary());
     }
     let _ = match decide(features) {
         Decision::Ebpf => writeln!(out, "--proxy-mode auto would run: ebpf"),
@@ -129,6 +148,16 @@ pub fn report(features: &[Feature]) -> String {
             writeln!(out, "--proxy-mode auto would run: iptables (missing: {missing})")
         }
     };
+    out
+}
+
+/// Each feature's whole detail where the table shortened it (a failed
+/// load's verifier log), for `--verbose` and `--verifier-log`.
+pub fn details(features: &[Feature]) -> String {
+    let mut out = String::new();
+    for f in features.iter().filter(|f| f.summary() != f.detail.trim_end()) {
+        let _ = writeln!(out, "== {}\n{}", f.name, f.detail.trim_end());
+    }
     out
 }
 
@@ -168,6 +197,19 @@ mod tests {
         let table = report(&features);
         assert!(table.contains("would run: iptables (missing: programs load"), "{table}");
         assert!(table.lines().filter(|l| l.contains(" NO ")).count() == 2, "{table}");
+    }
+
+    #[test]
+    fn a_verifier_log_stays_out_of_the_table() {
+        let mut features = kernel(&[PROGRAMS]);
+        features[2].detail = "program connect4: the BPF_PROG_LOAD syscall returned Permission denied (os error 13). Verifier output: 0: (bf) r6 = r1\n1: (85) call 174\nunknown func\n".into();
+        let table = report(&features);
+        assert_eq!(table.lines().count(), 1 + features.len() + 1, "{table}");
+        let line = table.lines().find(|l| l.contains(" NO ")).unwrap();
+        assert!(line.ends_with("(os error 13) (whole detail: --verbose)"), "{line}");
+        let details = details(&features);
+        assert!(details.starts_with("== programs load") && details.contains("unknown func"));
+        assert!(details.lines().count() == 4, "{details}");
     }
 
     #[test]

@@ -74,7 +74,23 @@ pub fn ensure_bpffs_dir(root: &Path) -> io::Result<()> {
         }
         mount_bpffs(Path::new(BPFFS_MOUNT))?;
     }
-    std::fs::create_dir_all(root)
+    private_dir(root)
+}
+
+/// Creates `dir` (and its missing parents) for root's eyes only: 0700 what
+/// the umask says (under `umask 000` a directory would be 0777 and anyone
+/// could unlink the pins in it).
+pub fn private_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+/// Makes a file (a pin) readable and writable by its owner only, whatever
+/// the umask was when it was made.
+pub fn private_file(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
 }
 
 fn mount_bpffs(at: &Path) -> io::Result<()> {

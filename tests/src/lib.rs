@@ -241,6 +241,8 @@ pub struct Node {
     agent: Option<Child>,
     /// The agent binary, when not this workspace's `proxy-agent`.
     agent_bin: Option<PathBuf>,
+    /// The umask agents start with, when not the test's.
+    agent_umask: Option<libc::mode_t>,
     veths: usize,
 }
 
@@ -274,6 +276,9 @@ pub struct Lab {
     pub cgroup: PathBuf,
     pub pins: PathBuf,
     pub dir: PathBuf,
+    /// What agents are given as `--manifests`: `manifests.yaml` in `dir`,
+    /// or a directory of files ([`Lab::use_manifest_dir`]).
+    manifests: PathBuf,
     /// A namespace holding the bridge that joins nodes and external clients.
     fabric: String,
     nodes: Vec<Node>,
@@ -330,6 +335,7 @@ impl Lab {
             cgroup: PathBuf::new(),
             pins: PathBuf::new(),
             dir: std::env::temp_dir().join(&id),
+            manifests: std::env::temp_dir().join(&id).join("manifests.yaml"),
             fabric: format!("{id}-fabric"),
             id,
             nodes: Vec::new(),
@@ -405,6 +411,7 @@ impl Lab {
             log: self.dir.join(format!("agent-{index}.log")),
             agent: None,
             agent_bin: None,
+            agent_umask: None,
             veths: 0,
         });
         if let Some(api) = &self.api {
@@ -705,6 +712,26 @@ impl Lab {
         Ok(path)
     }
 
+    /// Agents started from now on read a directory of manifest files
+    /// (`manifests.d` in the scratch dir), which is returned; write them
+    /// with [`Lab::write_manifest_file`].
+    pub fn use_manifest_dir(&mut self) -> anyhow::Result<PathBuf> {
+        self.manifests = self.dir.join("manifests.d");
+        std::fs::create_dir_all(&self.manifests)?;
+        Ok(self.manifests.clone())
+    }
+
+    /// Writes one file of the manifest directory atomically (any bytes:
+    /// tests feed the agent garbage too).
+    pub fn write_manifest_file(&self, name: &str, contents: &[u8]) -> anyhow::Result<PathBuf> {
+        let path = self.manifests.join(name);
+        // Hidden: the agent does not read it while it is being written.
+        let tmp = self.manifests.join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, contents)?;
+        std::fs::rename(&tmp, &path)?;
+        Ok(path)
+    }
+
     pub fn agent_log(&self) -> String {
         self.agent_log_on(0)
     }
@@ -756,14 +783,24 @@ impl Lab {
     pub fn spawn_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
         let source = match &self.api {
             Some(_) => ["--kubeconfig".into(), self.dir.join("kubeconfig")],
-            None => ["--manifests".into(), self.dir.join("manifests.yaml")],
+            None => ["--manifests".into(), self.manifests.clone()],
         };
         let mode = ["--proxy-mode", self.mode.as_arg()];
         let mode: &[&str] = if extra.contains(&"--proxy-mode") { &[] } else { &mode };
         let host = &mut self.nodes[node];
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&host.log)?;
         let agent = host.agent_bin.clone().unwrap_or_else(|| target_bin("proxy-agent"));
-        let child = Command::new("nsenter")
+        let mut command = Command::new("nsenter");
+        if let Some(mask) = host.agent_umask {
+            // SAFETY: umask is async-signal-safe and touches no memory.
+            unsafe {
+                command.pre_exec(move || {
+                    libc::umask(mask);
+                    Ok(())
+                });
+            }
+        }
+        let child = command
             .arg(format!("--net=/run/netns/{}", host.netns))
             .arg(agent)
             .arg("run")
@@ -789,6 +826,18 @@ impl Lab {
     /// the agent, for upgrades), or this workspace's with `None`.
     pub fn set_agent_binary(&mut self, node: usize, binary: Option<PathBuf>) {
         self.nodes[node].agent_bin = binary;
+    }
+
+    /// Agents started on `node` from now on start with this umask (the
+    /// test's with `None`).
+    pub fn set_agent_umask(&mut self, node: usize, umask: Option<libc::mode_t>) {
+        self.nodes[node].agent_umask = umask;
+    }
+
+    /// GET `path` from `addr` in node 0's namespace: the whole response,
+    /// status line and headers too.
+    pub fn http_get(&self, addr: &str, path: &str) -> anyhow::Result<String> {
+        self.labpod(&self.node, None, &["http", addr, path, "--full"])
     }
 
     /// Stops a node's agent as an orchestrator does (SIGTERM).

@@ -1,12 +1,18 @@
 //! `proxy-agent probe` on the machine's real kernel, which has everything the
-//! eBPF mode needs.
+//! eBPF mode needs: one line per feature, whole details only on request.
 
 use proxy_lab::{sh, target_bin};
 
+fn probe(args: &[&str]) -> String {
+    assert_eq!(unsafe { libc::geteuid() }, 0, "probing loads BPF programs: run as root");
+    let mut full = vec!["probe"];
+    full.extend(args);
+    sh(&target_bin("proxy-agent").to_string_lossy(), &full).unwrap()
+}
+
 #[test]
 fn this_kernel_runs_the_ebpf_mode() {
-    assert_eq!(unsafe { libc::geteuid() }, 0, "probing loads BPF programs: run as root");
-    let out = sh(&target_bin("proxy-agent").to_string_lossy(), &["probe"]).unwrap();
+    let out = probe(&[]);
     let table: Vec<&str> = out.lines().collect();
     assert!(table.len() >= 6, "{out}");
     for line in table.iter().filter(|l| l.contains(" ebpf ")) {
@@ -14,4 +20,24 @@ fn this_kernel_runs_the_ebpf_mode() {
     }
     assert!(out.contains("programs load"), "{out}");
     assert_eq!(table.last(), Some(&"--proxy-mode auto would run: ebpf"), "{out}");
+}
+
+#[test]
+fn the_table_has_one_line_per_feature_and_details_wait_for_verbose() {
+    let out = probe(&[]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("feature "), "{out}");
+    let features = &lines[1..lines.len() - 1];
+    for line in features {
+        let columns: Vec<&str> = line.split_whitespace().collect();
+        let needed = columns.iter().position(|c| *c == "ebpf" || *c == "optional");
+        let needed = needed.unwrap_or_else(|| panic!("not a feature line: {line}\n{out}"));
+        assert!(matches!(columns.get(needed + 1), Some(&"yes" | &"NO")), "{line}");
+    }
+    // This kernel loads everything: nothing more to show, the same table.
+    let log = std::env::temp_dir().join(format!("probe-verifier-{}.log", std::process::id()));
+    let verbose = probe(&["--verbose", "--verifier-log", &log.to_string_lossy()]);
+    assert_eq!(verbose, out);
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "");
+    std::fs::remove_file(&log).unwrap();
 }

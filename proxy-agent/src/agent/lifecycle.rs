@@ -55,6 +55,21 @@ impl Phase {
     }
 }
 
+/// Whether a source with files that do not parse is taken as it stands
+/// (the services of those files left out): once every file was read
+/// (`settled`), at once when no previous datapath serves here (waiting
+/// would serve nothing better); else once `waited` reaches `grace` (the
+/// previous datapath serves those services meanwhile, and an operator may
+/// mend the files), also when a file never stops changing. Never later.
+pub fn take_partial(
+    previous_datapath: bool,
+    settled: bool,
+    waited: std::time::Duration,
+    grace: std::time::Duration,
+) -> bool {
+    (settled && !previous_datapath) || waited >= grace
+}
+
 /// What moves the agent on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -93,5 +108,20 @@ mod tests {
         }
         assert!(phase.source_whole() && phase.synced_whole() && phase.serving());
         assert!(!Phase::SourceWhole.synced_whole() && Phase::SyncedWhole.synced_whole());
+    }
+
+    #[test]
+    fn unreadable_files_hold_a_takeover_for_the_grace_only() {
+        use std::time::Duration;
+        let grace = Duration::from_secs(5);
+        let (early, late) = (Duration::from_secs(4), grace);
+        assert!(
+            take_partial(false, true, Duration::ZERO, grace),
+            "nothing serves: serve what reads"
+        );
+        assert!(!take_partial(true, true, early, grace), "the previous one serves");
+        assert!(take_partial(true, true, late, grace), "bounded");
+        assert!(!take_partial(false, false, early, grace), "a file being written is waited for");
+        assert!(take_partial(false, false, late, grace), "a file never settling too, bounded");
     }
 }

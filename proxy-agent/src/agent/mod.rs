@@ -64,7 +64,7 @@ impl Source {
             Source::Manifests(manifests) => manifests.reload(),
             Source::Kube(kube) => {
                 let (changed, complete) = kube.poll();
-                Reload { changed, complete, errors: Vec::new() }
+                Reload { changed, complete, ..Reload::default() }
             }
         }
     }
@@ -100,6 +100,9 @@ pub struct Start {
     pub min_sync_period: Option<Duration>,
     pub sync_period: Duration,
     pub interface_rescan_period: Duration,
+    /// `--unreadable-source-grace`: how long a takeover from a previous
+    /// datapath waits for files that do not parse.
+    pub unreadable_source_grace: Duration,
 }
 
 /// Runs the loop until SIGTERM or SIGINT (or a reason to restart).
@@ -120,6 +123,9 @@ struct Agent {
     /// Why the agent must restart, once it must.
     restart: Option<String>,
     phase: Phase,
+    /// Since when the source has files that do not parse or still change.
+    partial_since: Option<Instant>,
+    unreadable_source_grace: Duration,
     pacing: Pacing,
     services: Services,
     report: Reporting,
@@ -159,6 +165,9 @@ struct Reporting {
     /// The problems reported for the current objects (each is logged and
     /// counted once, not again at every change).
     reported: BTreeSet<String>,
+    /// The source's errors at the last reload (one that lasts, such as a
+    /// missing manifests path, is logged and counted once).
+    source_errors: BTreeSet<String>,
     started: SystemTime,
     /// When the changes not yet synced were triggered (EndpointSlice
     /// annotations).
@@ -178,6 +187,7 @@ impl Agent {
             min_sync_period,
             sync_period,
             interface_rescan_period,
+            unreadable_source_grace,
         } = start;
         Agent {
             source,
@@ -198,6 +208,8 @@ impl Agent {
             restart_on_new_ips,
             restart: None,
             phase: Phase::Reading,
+            partial_since: None,
+            unreadable_source_grace,
             services: Services {
                 stats: ServiceStats::default(),
                 checks: service_checks,
@@ -207,6 +219,7 @@ impl Agent {
                 metrics,
                 health,
                 reported: BTreeSet::new(),
+                source_errors: BTreeSet::new(),
                 started: SystemTime::now(),
                 triggers: Vec::new(),
             },
@@ -300,9 +313,10 @@ impl Agent {
         self.rescan.every_poll();
     }
 
-    /// Rules are live as soon as they are applied: they wait for the whole
-    /// source, so an unreadable file never replaces good rules with fewer
-    /// (a new agent's maps are private until its programs attach).
+    /// Rules are live as soon as they are applied: they wait for the source
+    /// to be taken (`source_taken`), so a file that does not parse replaces
+    /// a previous agent's rules with fewer only after the grace (a new
+    /// agent's maps are private until its programs attach).
     fn may_sync(&self) -> bool {
         self.phase.source_whole() || !self.datapath.live_at_once()
     }
@@ -312,17 +326,14 @@ impl Agent {
     /// logged, counted and retried.
     fn tick(&mut self, polled: bool) {
         let reload = self.source.reload();
-        for err in &reload.errors {
-            tracing::warn!(kind = err.kind(), "{err}");
-            self.report.metrics.invalid(err.kind());
-        }
+        self.report_source_errors(&reload);
         let changes = reload.changed.then(|| self.take_changes());
-        if reload.complete {
+        let mut needs_sync = changes.unwrap_or(false);
+        if !self.phase.source_whole() && self.source_taken(&reload) {
             self.advance(Event::SourceWhole);
+            needs_sync = true;
         }
-        if let Some(needs_sync) = changes
-            && needs_sync
-        {
+        if needs_sync {
             self.schedule_sync();
         }
         if self.may_sync() && self.pacing.due.is_some_and(|due| Instant::now() >= due) {
@@ -341,6 +352,53 @@ impl Agent {
             self.datapath.scan_interfaces(&self.node.ips);
             self.rescan.scanned(Instant::now());
         }
+    }
+
+    /// Logs and counts the source's errors, each once: a file's errors come
+    /// once per change of it, a lasting one (a missing path) is not
+    /// repeated at every poll.
+    fn report_source_errors(&mut self, reload: &Reload) {
+        let mut current = BTreeSet::new();
+        for err in &reload.errors {
+            let message = err.to_string();
+            if !self.report.source_errors.contains(&message) {
+                tracing::warn!(kind = err.kind(), "{message}");
+                self.report.metrics.invalid(err.kind());
+                self.report.metrics.source_error(err.path(), err.kind());
+            }
+            current.insert(message);
+        }
+        self.report.source_errors = current;
+    }
+
+    /// Whether the source can be taken as it stands: read whole; or with
+    /// manifest files that do not parse (or never stop changing), see
+    /// `lifecycle::take_partial`. An API server's lists are always waited
+    /// for: a partial list would delete services. Taking the source
+    /// without some files is said loudly.
+    fn source_taken(&mut self, reload: &Reload) -> bool {
+        if reload.complete {
+            return true;
+        }
+        if reload.unreadable.is_empty() && reload.moving.is_empty() {
+            return false;
+        }
+        let since = *self.partial_since.get_or_insert_with(Instant::now);
+        let (previous, settled) = (self.datapath.replaces_previous(), reload.moving.is_empty());
+        let grace = self.unreadable_source_grace;
+        if !lifecycle::take_partial(previous, settled, since.elapsed(), grace) {
+            return false;
+        }
+        let names = |paths: &[std::path::PathBuf]| -> Vec<String> {
+            paths.iter().map(|p| p.display().to_string()).collect()
+        };
+        tracing::warn!(
+            files = ?names(&reload.unreadable),
+            still_changing = ?names(&reload.moving),
+            waited = ?since.elapsed(),
+            "taking over without the services of these files, which do not parse (or never stop changing): they are not served until they do"
+        );
+        true
     }
 
     /// The source changed: the store, model and plan follow (only the
@@ -470,6 +528,9 @@ impl Agent {
                 // compares every frontend.
                 self.pacing.dirty = None;
                 self.report.metrics.syncs_failed.fetch_add(1, Relaxed);
+                // Pending until a sync succeeds: failing for longer than
+                // the health window makes /healthz and /livez fail.
+                self.report.health.queued(SystemTime::now());
                 tracing::error!(
                     retry_in = ?self.pacing.retry_after,
                     "sync failed, serving the previous state: {err:#}"
@@ -558,6 +619,8 @@ impl Agent {
             (_, Phase::SyncedWhole) => tracing::debug!("the datapath holds the whole source"),
             (Phase::SyncedWhole, Phase::Serving { .. }) => {
                 let (mode, source) = (self.datapath.mode(), self.source.name());
+                // /healthz answers 200 from now on (while syncs keep up).
+                self.report.health.serving();
                 tracing::info!(mode, source, "{SERVING}");
             }
             (_, Phase::Serving { .. }) => tracing::info!("the other mode's datapath is gone"),

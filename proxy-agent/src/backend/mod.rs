@@ -35,6 +35,11 @@ pub trait Datapath {
     /// programs attach): a live datapath waits for the whole source.
     fn live_at_once(&self) -> bool;
 
+    /// Whether a previous agent's datapath of this mode was serving when
+    /// this one started (pins, rules): then an unreadable source is waited
+    /// for a while before taking over (`--unreadable-source-grace`).
+    fn replaces_previous(&self) -> bool;
+
     /// The default `--min-sync-period` for this mode.
     fn min_sync_period(&self) -> Duration;
 

@@ -1,8 +1,19 @@
-//! `proxy-agent probe`: what the kernel can run, as a table.
+//! `proxy-agent probe`: what the kernel can run, as a table; the whole
+//! details (a verifier log) on request.
 
-use crate::probe;
+use anyhow::Context as _;
 
-pub fn run() -> anyhow::Result<()> {
-    print!("{}", probe::report(&probe::run()));
+use crate::{cli::ProbeArgs, probe};
+
+pub fn run(args: &ProbeArgs) -> anyhow::Result<()> {
+    let features = probe::run();
+    print!("{}", probe::report(&features));
+    let details = probe::details(&features);
+    if args.verbose && !details.is_empty() {
+        print!("\n{details}");
+    }
+    if let Some(path) = &args.verifier_log {
+        std::fs::write(path, &details).with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }

@@ -95,6 +95,7 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
         min_sync_period: args.min_sync_period,
         sync_period: args.sync_period,
         interface_rescan_period: args.interface_rescan_period,
+        unreadable_source_grace: args.unreadable_source_grace,
     })
 }
 

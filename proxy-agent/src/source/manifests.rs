@@ -3,10 +3,12 @@
 //! when their content changes.
 //!
 //! New bytes are used once two reads in a row agree, so a file caught in the
-//! middle of a write (which may well parse) is not taken. A file that stops
-//! parsing keeps its last good objects; a document that does not decode is
-//! reported by kind and name, and the store keeps that object's last good
-//! version.
+//! middle of a write (which may well parse) is not taken. Files degrade one
+//! by one: a file that does not parse contributes nothing new (it keeps its
+//! last good objects, if it had any), is reported once, and is read again
+//! only when it changes; an object that does not decode (or has no kind) is
+//! skipped and reported by kind and name, the rest of its file is used, and
+//! the store keeps that object's last good version.
 
 use std::{
     collections::BTreeMap,
@@ -27,6 +29,8 @@ pub enum ManifestError {
     Yaml { path: PathBuf, source: serde_yaml::Error },
     #[error("{path}: document {index}: {kind} {name}: {source}")]
     Decode { path: PathBuf, index: usize, kind: String, name: String, source: serde_yaml::Error },
+    #[error("{path}: document {index} ({name}): skipped: {why}")]
+    Skipped { path: PathBuf, index: usize, name: String, why: &'static str },
 }
 
 impl ManifestError {
@@ -34,23 +38,37 @@ impl ManifestError {
     pub fn kind(&self) -> &str {
         match self {
             ManifestError::Decode { kind, .. } => kind,
-            _ => "file",
+            ManifestError::Skipped { .. } => "unknown",
+            ManifestError::Yaml { .. } => "yaml",
+            ManifestError::Read { .. } => "file",
+        }
+    }
+
+    /// The file (or manifests path) it is about.
+    pub fn path(&self) -> &Path {
+        match self {
+            ManifestError::Read { path, .. }
+            | ManifestError::Yaml { path, .. }
+            | ManifestError::Decode { path, .. }
+            | ManifestError::Skipped { path, .. } => path,
         }
     }
 }
 
 #[derive(Debug, Default)]
 struct CachedFile {
-    /// A digest of the bytes `snapshot` came from (or that failed to parse).
+    /// A digest of the bytes last parsed (whether they parsed or not).
     contents: u64,
     /// New bytes seen once (their digest), used if the next read finds
     /// them again.
     candidate: Option<u64>,
     /// The file's size, modification time and inode when `contents` was
     /// taken: while they stay, the file is not read again (a large
-    /// manifest is not re-read at every poll).
+    /// manifest, or one that does not parse, is not re-read at every poll).
     stamp: Option<Stamp>,
-    /// Parsed at least once.
+    /// The bytes at `contents` were parsed, successfully or not.
+    taken: bool,
+    /// Parsed successfully at least once: `snapshot` holds its objects.
     loaded: bool,
     snapshot: Snapshot,
 }
@@ -69,6 +87,11 @@ pub struct Reload {
     pub errors: Vec<ManifestError>,
     /// Every file was read and parsed at least once: the snapshot is whole.
     pub complete: bool,
+    /// Files whose new bytes are not taken yet (two reads have not agreed
+    /// yet; a file rewritten all the time never is).
+    pub moving: Vec<PathBuf>,
+    /// Files taken that never parsed: their services are missing.
+    pub unreadable: Vec<PathBuf>,
 }
 
 impl Manifests {
@@ -92,7 +115,7 @@ impl Manifests {
         for path in paths {
             let stamp = Stamp::of(&path);
             if let Some(cached) = self.files.get_mut(&path)
-                && cached.loaded
+                && cached.taken
                 && stamp.is_some()
                 && cached.stamp == stamp
             {
@@ -109,7 +132,7 @@ impl Manifests {
             };
             let digest = digest(&contents);
             let cached = self.files.entry(path.clone()).or_default();
-            if cached.loaded && cached.contents == digest {
+            if cached.taken && cached.contents == digest {
                 cached.candidate = None;
                 cached.stamp = stamp;
                 continue;
@@ -121,6 +144,7 @@ impl Manifests {
             cached.candidate = None;
             cached.contents = digest;
             cached.stamp = stamp;
+            cached.taken = true;
             match parse(&path, &contents) {
                 Ok((snapshot, errors)) => {
                     cached.snapshot = snapshot;
@@ -132,6 +156,11 @@ impl Manifests {
             }
         }
         reload.complete = self.files.values().all(|f| f.loaded);
+        let paths = |keep: fn(&CachedFile) -> bool| {
+            self.files.iter().filter(|(_, f)| keep(f)).map(|(path, _)| path.clone()).collect()
+        };
+        reload.moving = paths(|f| !f.taken || f.candidate.is_some());
+        reload.unreadable = paths(|f| f.taken && !f.loaded);
         reload
     }
 
@@ -232,6 +261,14 @@ fn decode(
     let api_version = value.get("apiVersion").and_then(Value::as_str).unwrap_or("");
     let kind = value.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
     let name = object_name(&value);
+    if kind.is_empty() || api_version.is_empty() {
+        // Not an object (a bare string, a list, a typo'd key): nothing to
+        // serve from it, but the file's other objects are used.
+        let name = name.map_or_else(|| "<unnamed>".to_string(), |n| n.to_string());
+        let why = "no apiVersion and kind";
+        errors.push(ManifestError::Skipped { path: path.to_path_buf(), index, name, why });
+        return;
+    }
     let decoded = match (api_version, kind.as_str()) {
         ("v1", "Service") => serde_yaml::from_value(value).map(|s| snapshot.add_service(&s)),
         ("discovery.k8s.io/v1", "EndpointSlice") => {
@@ -342,6 +379,85 @@ metadata: {name: ignored}
         assert!(manifests.reload().changed);
         assert!(manifests.snapshot().services.is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_broken_file_is_reported_once_and_not_parsed_again() {
+        let dir = temp_dir("broken");
+        std::fs::write(dir.join("good.yaml"), GOOD).unwrap();
+        std::fs::write(dir.join("garbage.yaml"), "kind: [unclosed\n\u{1}\u{2}").unwrap();
+        let mut manifests = Manifests::new(&dir);
+        let seen = manifests.reload();
+        assert_eq!(seen.moving.len(), 2, "new bytes wait for a second read");
+        let first = manifests.reload();
+        assert!(first.changed && first.moving.is_empty() && !first.complete, "{first:?}");
+        assert_eq!(first.unreadable, [dir.join("garbage.yaml")]);
+        assert!(matches!(&first.errors[..], [ManifestError::Yaml { .. }]), "{first:?}");
+        assert_eq!(first.errors[0].kind(), "yaml");
+        assert_eq!(manifests.snapshot().services.len(), 1, "the good file is used");
+        // Unchanged: not parsed again, so not reported again.
+        for _ in 0..3 {
+            let again = manifests.reload();
+            assert!(again.errors.is_empty() && !again.changed, "{again:?}");
+            assert!(again.moving.is_empty(), "{again:?}");
+        }
+        // Not even read: other bytes behind the same size, mtime and inode
+        // go unseen.
+        let garbage = dir.join("garbage.yaml");
+        let stamp = std::fs::metadata(&garbage).unwrap();
+        let same_size = format!("{:<1$}", "{}", stamp.len() as usize);
+        let file = std::fs::OpenOptions::new().write(true).open(&garbage).unwrap();
+        std::io::Write::write_all(&mut &file, same_size.as_bytes()).unwrap();
+        file.set_modified(stamp.modified().unwrap()).unwrap();
+        manifests.reload();
+        assert!(!manifests.reload().complete, "not read again while its stamp stays");
+        // Changed, still broken: reported once more.
+        std::fs::write(dir.join("garbage.yaml"), "{{{").unwrap();
+        manifests.reload();
+        assert_eq!(manifests.reload().errors.len(), 1);
+        assert!(manifests.reload().errors.is_empty());
+        // Mended: whole.
+        std::fs::write(dir.join("garbage.yaml"), GOOD.replace("web", "other")).unwrap();
+        manifests.reload();
+        let mended = manifests.reload();
+        assert!(mended.changed && mended.complete && mended.unreadable.is_empty(), "{mended:?}");
+        assert_eq!(manifests.snapshot().services.len(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn malformed_objects_are_skipped_by_name_and_the_rest_is_used() {
+        let file = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: good}
+spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}
+---
+just a string
+---
+metadata: {name: kindless}
+spec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: undecodable}
+spec: {ports: "eighty"}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: bad-protocol}
+spec: {clusterIP: 10.96.0.12, ports: [{port: 80, protocol: QUIC}]}
+"#;
+        let (snapshot, errors) = parse(Path::new("x.yaml"), file.as_bytes()).unwrap();
+        let messages: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(errors.len(), 3, "{messages:?}");
+        assert!(messages[1].contains("default/kindless") && messages[1].contains("skipped"));
+        assert!(messages[2].contains("Service default/undecodable"), "{messages:?}");
+        // Decoded, and invalid for the model: the store reports it by name.
+        let valid: Vec<_> = snapshot.services.iter().filter(|(_, s)| s.is_ok()).collect();
+        assert_eq!(valid.len(), 1);
+        assert_eq!(valid[0].0.name, "good");
+        assert_eq!(snapshot.services.len(), 2, "bad-protocol is there, as invalid");
     }
 
     #[test]

@@ -55,6 +55,8 @@ pub struct EbpfDatapath {
     pod_interfaces: Vec<String>,
     /// When expired conntrack entries are next collected.
     next_gc: Instant,
+    /// A previous agent's maps were pinned here at start.
+    previous: bool,
 }
 
 impl EbpfDatapath {
@@ -67,6 +69,7 @@ impl EbpfDatapath {
         };
         let root = args.pins.bpffs_root.clone();
         sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
+        let previous = super::pinned(&root);
         let tc_mode = match args.tc_attach {
             TcAttachArg::Auto => TcAttach::for_this_kernel(),
             TcAttachArg::Tcx => TcAttach::Tcx,
@@ -104,7 +107,7 @@ impl EbpfDatapath {
             .choose_socket_ending(args.socket_destroy, args.terminate_tcp_on_endpoint_removal);
         tracing::info!(way = ending.describe(), "sockets connected to removed endpoints are ended");
         let next_gc = Instant::now();
-        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc })
+        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc, previous })
     }
 
     fn wanted_interfaces(&self, node_ips: &[Ipv4Addr]) -> std::io::Result<BTreeSet<String>> {
@@ -116,6 +119,10 @@ impl EbpfDatapath {
 impl Datapath for EbpfDatapath {
     fn mode(&self) -> &'static str {
         "ebpf"
+    }
+
+    fn replaces_previous(&self) -> bool {
+        self.previous
     }
 
     fn live_at_once(&self) -> bool {

@@ -509,16 +509,18 @@ impl EbpfBackend {
         remove_pins(root)?;
         let (maps_dir, links_dir) = (root.join("maps"), root.join("links"));
         for dir in [&maps_dir, &links_dir] {
-            std::fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
+            crate::sys::private_dir(dir).map_err(io_err("creating", dir))?;
         }
         for (name, map) in self.maps.by_name() {
             let path = maps_dir.join(name);
-            map.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
+            map.pin(&path).map_err(|source| EbpfError::Pin { path: path.clone(), source })?;
+            crate::sys::private_file(&path).map_err(io_err("restricting", &path))?;
         }
         for (name, link) in links {
             let path = links_dir.join(name);
             // The pin keeps the attachment; our fd closes when this drops.
-            link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
+            link.pin(&path).map_err(|source| EbpfError::Pin { path: path.clone(), source })?;
+            crate::sys::private_file(&path).map_err(io_err("restricting", &path))?;
         }
         for (interface, link) in tc_links {
             self.keep_tc(root, &interface, link)?;
@@ -638,7 +640,9 @@ impl EbpfBackend {
             match link {
                 Attached::Tcx(link, prefix) => {
                     let path = root.join("links").join(format!("{prefix}-{interface}"));
-                    link.pin(&path).map_err(|source| EbpfError::Pin { path, source })?;
+                    let pinned = link.pin(&path);
+                    pinned.map_err(|source| EbpfError::Pin { path: path.clone(), source })?;
+                    crate::sys::private_file(&path).map_err(io_err("restricting", &path))?;
                 }
                 // Dropping the handle would remove the filter; it holds no
                 // fd, so forgetting it leaks nothing.
@@ -950,6 +954,11 @@ where
         .ok_or(EbpfError::Missing { what: "program", name })?
         .try_into()
         .map_err(|source| EbpfError::Program { name, source })
+}
+
+/// Whether an agent's maps are pinned under `root`: its datapath serves.
+pub fn pinned(root: &Path) -> bool {
+    std::fs::read_dir(root.join("maps")).is_ok_and(|mut pins| pins.next().is_some())
 }
 
 /// Removes the eBPF mode's pins under `root` (and the directory) and its

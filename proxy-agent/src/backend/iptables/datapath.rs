@@ -25,6 +25,9 @@ pub struct IptablesDatapath {
     backend: IptablesBackend<System>,
     /// The eBPF mode's pins, removed once the rules serve.
     pins: PathBuf,
+    /// A previous agent's rules (or eBPF datapath, which serves in front
+    /// of the rules until this agent serves) were in place at start.
+    previous: bool,
 }
 
 impl IptablesDatapath {
@@ -36,14 +39,19 @@ impl IptablesDatapath {
                 tracing::warn!("could not enable route_localnet (localhost NodePorts): {e}");
             }
         }
-        let backend = IptablesBackend::new(System, options);
-        IptablesDatapath { backend, pins: args.pins.bpffs_root.clone() }
+        let mut backend = IptablesBackend::new(System, options);
+        let previous = backend.rules_present() || ebpf::pinned(&args.pins.bpffs_root);
+        IptablesDatapath { backend, pins: args.pins.bpffs_root.clone(), previous }
     }
 }
 
 impl Datapath for IptablesDatapath {
     fn mode(&self) -> &'static str {
         "iptables"
+    }
+
+    fn replaces_previous(&self) -> bool {
+        self.previous
     }
 
     fn live_at_once(&self) -> bool {

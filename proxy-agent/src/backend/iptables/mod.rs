@@ -298,6 +298,12 @@ impl<R: Runner> IptablesBackend<R> {
         }
     }
 
+    /// Whether a previous agent's rules are in place (its canary chain);
+    /// when iptables cannot tell, taken as yes (waiting is the safe side).
+    pub fn rules_present(&mut self) -> bool {
+        !self.canary_missing("mangle").unwrap_or(false)
+    }
+
     /// Whether the canary is missing from `table` (iptables exits 1);
     /// other failures (the lock held too long) are errors, not a verdict.
     fn canary_missing(&mut self, table: &str) -> Result<bool, ExecError> {
