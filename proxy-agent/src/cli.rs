@@ -42,6 +42,29 @@ pub enum Command {
     /// (the eBPF mode's pinned maps, or the iptables rules)
     #[command(subcommand)]
     Lb(LbCommand),
+    /// The flows of service traffic the datapath tracks
+    #[command(subcommand)]
+    Ct(CtCommand),
+}
+
+#[derive(Subcommand)]
+pub enum CtCommand {
+    /// The flows of service traffic: per packet (original and translated
+    /// tuple, SNAT, state, expiry) and the sockets the socket LB connected;
+    /// in iptables mode the kernel's conntrack entries of service flows
+    List(CtListArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct CtListArgs {
+    #[command(flatten)]
+    pub inspect: InspectArgs,
+    /// Only this service: `namespace/name` or `namespace/name:port`
+    #[arg(long, value_name = "NS/NAME")]
+    pub service: Option<String>,
+    /// Only flows to this backend address
+    #[arg(long, value_name = "IP")]
+    pub backend: Option<Ipv4Addr>,
 }
 
 #[derive(Subcommand)]

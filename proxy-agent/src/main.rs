@@ -2,7 +2,7 @@
 
 use clap::{CommandFactory as _, FromArgMatches as _};
 use proxy_agent::{
-    cli::{Cli, Command, LbCommand, RenderCommand},
+    cli::{Cli, Command, CtCommand, LbCommand, RenderCommand},
     commands,
 };
 
@@ -30,6 +30,7 @@ fn main() -> std::process::ExitCode {
         Command::Render(RenderCommand::Iptables(args)) => commands::render::iptables(&args),
         Command::Probe(args) => commands::probe::run(&args),
         Command::Lb(LbCommand::List(args)) => commands::lb::list(&args),
+        Command::Ct(CtCommand::List(args)) => commands::lb::ct_list(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

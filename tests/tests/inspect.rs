@@ -8,7 +8,10 @@ use std::collections::BTreeSet;
 use proxy_lab::{Attempt, Lab, Setup, both_modes, tally};
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
-both_modes!(lb_list_shows_every_frontend_with_its_flags_and_backends);
+both_modes!(
+    lb_list_shows_every_frontend_with_its_flags_and_backends,
+    ct_list_shows_the_flows_real_traffic_made,
+);
 
 /// (frontend, kind, service, flags, backend addresses), NodePorts as
 /// `*:port` (the eBPF mode has one per node address, iptables one rule).
@@ -104,4 +107,53 @@ fn lb_list_shows_every_frontend_with_its_flags_and_backends(setup: Setup) {
     let refused = lab.client(&client, &["--timeout-ms", "1000", "udp", "10.96.0.11:53", "1"]);
     let refused = refused.unwrap();
     assert!(matches!(refused.as_slice(), [Attempt::Err { .. }]), "{refused:?}");
+}
+
+/// UDP to a NodePort from outside (translated per packet, SNATed to the
+/// node) and to the ClusterIP from a pod (eBPF: at `sendmsg`; iptables: by
+/// the node's rules): `ct list` shows both flows with their service and
+/// the backend each went to.
+fn ct_list_shows_the_flows_real_traffic_made(setup: Setup) {
+    let mut lab = Lab::with(setup).unwrap();
+    let pods = lab.add_web_pods(2, &[], &[5353]).unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let web = service("demo", "web")
+        .node_port_type()
+        .cluster_ip("10.96.0.10")
+        .port(port("dns", 53).udp().target(5353).node_port(30053));
+    let endpoints = pods.iter().map(|p| ep(&p.ip).ready(true).node("lab-node"));
+    let slice = web.slice().port("dns", 5353, Udp).endpoints(endpoints);
+    lab.write_manifest(&manifest(&[&web, &slice])).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    let outside = lab.client_outside(&ext, &["udp", "192.168.100.11:30053", "3"]).unwrap();
+    let inside = lab.client(&client, &["udp", "10.96.0.10:53", "3"]).unwrap();
+    assert!(outside.iter().chain(&inside).all(|a| a.pod().is_some()), "{outside:?} {inside:?}");
+
+    let json = lab.inspect_on(0, &["ct", "list", "-o", "json"]).unwrap();
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&json).expect(&json);
+    let pod_ips: Vec<&str> = pods.iter().map(|p| p.ip.as_str()).collect();
+    let to_a_pod = |r: &&serde_json::Value| {
+        let backend = r["backend"].as_str().unwrap();
+        backend.ends_with(":5353") && pod_ips.contains(&backend.split(':').next().unwrap())
+    };
+    let of = |frontend: &str| {
+        rows.iter()
+            .filter(|r| r["frontend"] == frontend && r["service"] == "demo/web:dns")
+            .filter(to_a_pod)
+            .count()
+    };
+    assert!(of("192.168.100.11:30053") >= 1, "the NodePort flow: {json}");
+    assert!(of("10.96.0.10:53") >= 1, "the ClusterIP flow: {json}");
+    let node_port = rows.iter().find(|r| r["frontend"] == "192.168.100.11:30053").unwrap();
+    assert!(node_port["client"].as_str().unwrap().starts_with("192.168.100.101:"), "{json}");
+    let snat = node_port["snat"].as_str().unwrap_or_default();
+    assert!(snat.starts_with("192.168.100.11:"), "SNATed to the node: {json}");
+
+    // --backend keeps the flows to that pod only.
+    let one = pod_ips[0];
+    let json = lab.inspect_on(0, &["ct", "list", "-o", "json", "--backend", one]).unwrap();
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&json).expect(&json);
+    assert!(rows.iter().all(|r| r["backend"].as_str().unwrap().starts_with(&format!("{one}:"))));
 }

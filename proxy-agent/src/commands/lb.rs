@@ -1,11 +1,13 @@
-//! `proxy-agent lb list`: the service table read back from the datapath.
+//! `proxy-agent lb list` and `ct list`: the service table and the service
+//! flows, read back from the datapath.
 
 use anyhow::Context as _;
 
 use crate::{
     backend::iptables::exec::{Runner as _, System},
-    cli::{InspectArgs, InspectMode, LbListArgs, Output},
-    inspect::{self, LbEntry},
+    cli::{CtListArgs, InspectArgs, InspectMode, LbListArgs, Output},
+    inspect::{self, LbEntry, ct::CtRow},
+    sys,
 };
 
 /// Which datapath the inspection commands read.
@@ -17,20 +19,45 @@ pub fn mode(args: &InspectArgs) -> InspectMode {
     }
 }
 
-pub fn list(args: &LbListArgs) -> anyhow::Result<()> {
-    let inspect = &args.inspect;
-    let mut entries: Vec<LbEntry> = match mode(inspect) {
+/// The service table of the datapath `args` names.
+fn lb_entries(args: &InspectArgs) -> anyhow::Result<Vec<LbEntry>> {
+    Ok(match mode(args) {
         InspectMode::Iptables => {
             let save = System.run("iptables-save", &[], None).context("reading the rules")?;
             inspect::iptables::entries(&save)
         }
-        _ => inspect::maps::read_pinned(&inspect.pins.bpffs_root)?,
-    };
+        _ => inspect::maps::read_pinned(&args.pins.bpffs_root)?,
+    })
+}
+
+pub fn list(args: &LbListArgs) -> anyhow::Result<()> {
+    let inspect = &args.inspect;
+    let mut entries = lb_entries(inspect)?;
     if let Some(service) = &args.service {
-        entries.retain(|e| inspect::is_of(e, service));
+        entries.retain(|e| inspect::is_of(&e.service, service));
     }
     entries.sort();
     print(&entries, inspect.output, inspect::table)
+}
+
+pub fn ct_list(args: &CtListArgs) -> anyhow::Result<()> {
+    let inspect = &args.inspect;
+    let mut rows: Vec<CtRow> = match mode(inspect) {
+        InspectMode::Iptables => {
+            let lb = lb_entries(inspect)?;
+            let text = System.run("conntrack", &["-L"], None).context("reading conntrack")?;
+            inspect::ct::conntrack(&text, &lb)
+        }
+        _ => inspect::maps::read_flows(&inspect.pins.bpffs_root, sys::monotonic_ns())?,
+    };
+    if let Some(service) = &args.service {
+        rows.retain(|r| inspect::is_of(&r.service, service));
+    }
+    if let Some(ip) = args.backend {
+        rows.retain(|r| inspect::ct::is_to(r, ip));
+    }
+    rows.sort();
+    print(&rows, inspect.output, inspect::ct::table)
 }
 
 /// Prints `items` as the table `table` makes, or as JSON.

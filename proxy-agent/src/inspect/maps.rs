@@ -10,11 +10,12 @@ use std::{
 
 use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common::{
-    Backend, FrontendInfo, IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP, KIND_EXTERNAL_IP,
-    KIND_LOAD_BALANCER, KIND_NODE_PORT, SCOPE_INTERNAL, ServiceKey, ServiceValue, map_names,
+    Backend, CtEntryV1, CtEntryV2, CtKey, FrontendInfo, IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP,
+    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, SCOPE_INTERNAL, ServiceKey, ServiceValue,
+    SockRevNat, SockRevNatKey, map_names,
 };
 
-use super::{LbBackend, LbEntry, flag};
+use super::{LbBackend, LbEntry, ct, ct::CtRow, flag};
 
 #[derive(Debug, thiserror::Error)]
 #[error(
@@ -26,10 +27,10 @@ pub struct ReadError {
 }
 
 /// A pinned hash map's entries.
-pub fn read<K: aya::Pod + Ord, V: aya::Pod>(
+pub fn read<K: aya::Pod, V: aya::Pod, C: FromIterator<(K, V)>>(
     root: &Path,
     name: &'static str,
-) -> Result<BTreeMap<K, V>, ReadError> {
+) -> Result<C, ReadError> {
     let err = |source| ReadError { name, source };
     let data = MapData::from_pin(root.join("maps").join(name)).map_err(err)?;
     let map = Map::from_map_data(data).map_err(err)?;
@@ -43,6 +44,25 @@ pub fn read_pinned(root: &Path) -> Result<Vec<LbEntry>, ReadError> {
     let backends = read(root, map_names::BACKENDS)?;
     let infos = read(root, map_names::FRONTEND_INFO)?;
     Ok(entries(&services, &backends, &infos))
+}
+
+/// The flows of the maps pinned under `root` at `now_ns`: per packet
+/// (`CONNTRACK`, either layout) and per socket (`SOCK_REV_NAT`).
+pub fn read_flows(root: &Path, now_ns: u64) -> Result<Vec<CtRow>, ReadError> {
+    let infos = read(root, map_names::FRONTEND_INFO)?;
+    let lb = read_pinned(root)?;
+    // The layout the pins hold, whichever this build writes.
+    let conntrack: Vec<(CtKey, CtEntryV1)> = match read(root, map_names::CONNTRACK) {
+        Ok(v1) => v1,
+        Err(_) => {
+            let v2: Vec<(CtKey, CtEntryV2)> = read(root, map_names::CONNTRACK)?;
+            v2.into_iter().map(|(k, v2)| (k, v2.into())).collect()
+        }
+    };
+    let sockets: Vec<(SockRevNatKey, SockRevNat)> = read(root, map_names::SOCK_REV_NAT)?;
+    let mut rows = ct::flows(&conntrack, &infos, now_ns);
+    rows.extend(ct::sockets(&sockets, &infos, &lb));
+    Ok(rows)
 }
 
 pub fn protocol(proto: u8) -> &'static str {
