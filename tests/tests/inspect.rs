@@ -157,3 +157,72 @@ fn ct_list_shows_the_flows_real_traffic_made(setup: Setup) {
     let rows: Vec<serde_json::Value> = serde_json::from_str(&json).expect(&json);
     assert!(rows.iter().all(|r| r["backend"].as_str().unwrap().starts_with(&format!("{one}:"))));
 }
+
+/// The `bpftool` commands of the docs' shell blocks, continuation lines
+/// joined and comments cut, as (file, command).
+fn documented_bpftool_commands() -> Vec<(String, String)> {
+    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+    let mut commands = Vec::new();
+    let files = std::fs::read_dir(&docs).unwrap().flatten();
+    for entry in files.filter(|e| e.path().extension().is_some_and(|x| x == "md")) {
+        let text = std::fs::read_to_string(entry.path()).unwrap();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let mut in_sh = false;
+        let mut pending = String::new();
+        for line in text.lines() {
+            if line.starts_with("```") {
+                in_sh = line == "```sh";
+                continue;
+            }
+            let code = line.split(" #").next().unwrap_or_default().trim_end();
+            if !in_sh || (pending.is_empty() && !code.starts_with("bpftool ")) {
+                continue;
+            }
+            match code.strip_suffix('\\') {
+                Some(head) => pending.push_str(head),
+                None => {
+                    pending.push_str(code);
+                    commands.push((name.clone(), std::mem::take(&mut pending)));
+                }
+            }
+        }
+    }
+    commands
+}
+
+/// Every `bpftool` recipe of the docs runs against a live eBPF lab (its
+/// pins and cgroup in place of the defaults), so none can rot. eBPF only.
+#[test]
+fn ebpf_every_documented_bpftool_recipe_runs() {
+    let mut lab = Lab::with(Setup::EBPF).unwrap();
+    let pod = lab.add_pod("web-0", "10.244.1.2").unwrap();
+    lab.serve(&pod, &[8080], &[]).unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    // 10.96.0.10:80/TCP, as the docs' lookup names it.
+    let web = service("demo", "web").cluster_ip("10.96.0.10").port(port("http", 80).target(8080));
+    let slice = web.slice().port("http", 8080, Tcp).endpoints([ep("10.244.1.2").ready(true)]);
+    lab.write_manifest(&manifest(&[&web, &slice])).unwrap();
+    lab.start_agent(&[]).unwrap();
+    assert!(lab.client(&client, &["tcp", "10.96.0.10:80", "1"]).unwrap()[0].pod().is_some());
+
+    let commands = documented_bpftool_commands();
+    assert!(commands.len() >= 10, "{commands:?}");
+    let pins = lab.pins.to_string_lossy().into_owned();
+    let cgroup = lab.cgroup.to_string_lossy().into_owned();
+    for (file, command) in &commands {
+        let command =
+            command.replace("/sys/fs/bpf/proxy", &pins).replace("/sys/fs/cgroup/unified", &cgroup);
+        let args: Vec<&str> = command.split_whitespace().skip(1).collect();
+        // Interfaces are the node namespace's; maps, links and cgroups global
+        // (and `ip netns exec` hides the host's /sys).
+        let out = match command.contains(" net ") {
+            true => lab.exec_on(0, "bpftool", &args),
+            false => proxy_lab::sh("bpftool", &args),
+        };
+        let out = out.unwrap_or_else(|e| panic!("{file}: `{command}` failed: {e:#}"));
+        assert!(
+            !out.trim().is_empty() || command.contains("link show"),
+            "{file}: `{command}` printed nothing"
+        );
+    }
+}
