@@ -6,7 +6,8 @@
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use serde::Deserialize;
-use serde_yaml::Value;
+
+use crate::yaml::{Value, YamlError};
 
 use crate::{
     cli::{ProxyMode, RunArgs, parse_go_duration},
@@ -21,7 +22,7 @@ pub enum ConfigError {
     #[error("reading {path}: {source}")]
     Read { path: PathBuf, source: std::io::Error },
     #[error("{path}: not a KubeProxyConfiguration: {source}")]
-    Yaml { path: PathBuf, source: serde_yaml::Error },
+    Yaml { path: PathBuf, source: YamlError },
     #[error("{path}: expected apiVersion {API_VERSION} and kind {KIND}, found {found:?}")]
     Kind { path: PathBuf, found: String },
     #[error("{path}: {field}: {why}")]
@@ -164,8 +165,8 @@ fn cidr(text: &str) -> Result<Option<Cidr>, String> {
 /// do not apply here, unknown fields, values this proxy cannot follow).
 pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String>), ConfigError> {
     let yaml_err = |source| ConfigError::Yaml { path: path.to_path_buf(), source };
-    let value: Value = serde_yaml::from_str(text).map_err(yaml_err)?;
-    let file: File = serde_yaml::from_value(value.clone()).map_err(yaml_err)?;
+    let value: Value = crate::yaml::from_str(text).map_err(yaml_err)?;
+    let file: File = serde_json::from_value(value.clone()).map_err(|e| yaml_err(e.into()))?;
     let found = format!(
         "{}/{}",
         file.api_version.as_deref().unwrap_or(""),
@@ -270,12 +271,11 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
 /// Every field path of a mapping, two levels deep (`iptables.syncPeriod`).
 fn fields(value: &Value) -> Vec<String> {
     let mut out = Vec::new();
-    let Value::Mapping(top) = value else { return out };
+    let Value::Object(top) = value else { return out };
     for (key, inner) in top {
-        let Some(key) = key.as_str() else { continue };
-        out.push(key.to_string());
-        if let Value::Mapping(section) = inner {
-            out.extend(section.keys().filter_map(Value::as_str).map(|k| format!("{key}.{k}")));
+        out.push(key.clone());
+        if let Value::Object(section) = inner {
+            out.extend(section.keys().map(|k| format!("{key}.{k}")));
         }
     }
     out

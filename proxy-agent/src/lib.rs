@@ -22,3 +22,4 @@ pub mod sockets;
 pub mod source;
 pub mod sys;
 pub mod time;
+pub mod yaml;

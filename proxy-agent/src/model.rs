@@ -789,7 +789,7 @@ mod tests {
 
     /// A malformed Service, as YAML.
     fn service(yaml: &str) -> Service {
-        serde_yaml::from_str(yaml).unwrap()
+        crate::yaml::from_str(yaml).unwrap()
     }
 
     /// Service `default/name` at `cluster_ip`.

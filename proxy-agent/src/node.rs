@@ -138,7 +138,7 @@ mod tests {
 
     #[test]
     fn node_objects_give_zone_addresses_and_eligibility() {
-        let node: Node = serde_yaml::from_str(
+        let node: Node = crate::yaml::from_str(
             "metadata: {name: n1, labels: {topology.kubernetes.io/zone: zone-a}}\nstatus: {addresses: [{type: Hostname, address: n1}, {type: InternalIP, address: 192.168.100.11}, {type: InternalIP, address: 'fd00::1'}]}",
         )
         .unwrap();
@@ -146,7 +146,7 @@ mod tests {
         assert_eq!(info.zone.as_deref(), Some("zone-a"));
         assert_eq!(info.internal_ips, [Ipv4Addr::new(192, 168, 100, 11)]);
         assert_eq!(info.eligibility, NodeEligibility::Eligible);
-        let tainted: Node = serde_yaml::from_str(
+        let tainted: Node = crate::yaml::from_str(
             "metadata: {name: n1}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}",
         )
         .unwrap();

@@ -9,7 +9,7 @@ use k8s_openapi::api::{
     core::v1::{ConfigMap, ServiceAccount},
     rbac::v1::{ClusterRole, ClusterRoleBinding},
 };
-use serde::{Deserialize as _, Serialize, de::DeserializeOwned};
+use serde::{Serialize, de::DeserializeOwned};
 use serde_json::Value;
 
 const MANIFEST: &str =
@@ -46,9 +46,7 @@ fn decode<T: DeserializeOwned + Serialize>(doc: &Value) -> T {
 
 fn documents() -> Vec<Value> {
     let text = std::fs::read_to_string(MANIFEST).unwrap();
-    serde_yaml::Deserializer::from_str(&text)
-        .map(|doc| serde_json::to_value(serde_yaml::Value::deserialize(doc).unwrap()).unwrap())
-        .collect()
+    serde_saphyr::read(&mut text.as_bytes()).map(Result::unwrap).collect()
 }
 
 /// The agent's command line, as the kubelet expands it.

@@ -389,7 +389,7 @@ pub trait Document {
 }
 
 fn to_yaml<T: serde::Serialize>(object: &T) -> String {
-    serde_yaml::to_string(object).expect("a k8s-openapi object serializes")
+    serde_saphyr::to_string(object).expect("a k8s-openapi object serializes")
 }
 
 impl Document for Service {
@@ -428,13 +428,12 @@ mod tests {
 
     /// What the manifest source and the test API server do with a stream.
     fn parse(yaml: &str) -> (Vec<Service>, Vec<EndpointSlice>) {
-        use serde::Deserialize as _;
         let (mut services, mut slices) = (Vec::new(), Vec::new());
-        for document in serde_yaml::Deserializer::from_str(yaml) {
-            let value = serde_yaml::Value::deserialize(document).unwrap();
+        for value in serde_saphyr::read::<_, serde_json::Value>(&mut yaml.as_bytes()) {
+            let value = value.unwrap();
             match value["kind"].as_str() {
-                Some("Service") => services.push(serde_yaml::from_value(value).unwrap()),
-                Some("EndpointSlice") => slices.push(serde_yaml::from_value(value).unwrap()),
+                Some("Service") => services.push(serde_json::from_value(value).unwrap()),
+                Some("EndpointSlice") => slices.push(serde_json::from_value(value).unwrap()),
                 other => panic!("{other:?}"),
             }
         }

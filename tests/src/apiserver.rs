@@ -403,14 +403,10 @@ impl ApiServer {
     /// Creates or updates every object of a YAML stream (Services,
     /// EndpointSlices, Nodes), one resource version each.
     pub fn apply(&self, yaml: &str) -> anyhow::Result<()> {
-        use serde::Deserialize as _;
         let mut state = self.state();
-        for doc in serde_yaml::Deserializer::from_str(yaml) {
-            let value = serde_yaml::Value::deserialize(doc)?;
-            if value.is_null() {
-                continue;
-            }
-            state.apply(serde_json::to_value(value)?)?;
+        // Empty documents are skipped.
+        for value in serde_saphyr::read(&mut yaml.as_bytes()) {
+            state.apply(value?)?;
         }
         Ok(())
     }
@@ -418,10 +414,9 @@ impl ApiServer {
     /// Makes the Services and EndpointSlices those of a YAML stream: applies
     /// the new and changed ones, deletes the others (Nodes are left alone).
     pub fn replace_services(&self, yaml: &str) -> anyhow::Result<()> {
-        use serde::Deserialize as _;
         let mut wanted = BTreeMap::new();
-        for doc in serde_yaml::Deserializer::from_str(yaml) {
-            let value = serde_json::to_value(serde_yaml::Value::deserialize(doc)?)?;
+        for value in serde_saphyr::read(&mut yaml.as_bytes()) {
+            let value: serde_json::Value = value?;
             let Some(kind) = value["kind"].as_str().and_then(Kind::parse) else { continue };
             if kind == Kind::Node {
                 continue;

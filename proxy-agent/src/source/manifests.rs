@@ -15,20 +15,17 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use serde::Deserialize;
-use serde_yaml::Value;
-
 use super::{ObjectRef, Snapshot};
-use crate::model::ServiceName;
+use crate::{model::ServiceName, yaml::Value};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
     #[error("reading {path}: {source}")]
     Read { path: PathBuf, source: std::io::Error },
     #[error("{path}: not valid YAML, keeping its previous objects: {source}")]
-    Yaml { path: PathBuf, source: serde_yaml::Error },
+    Yaml { path: PathBuf, source: serde_saphyr::Error },
     #[error("{path}: document {index}: {kind} {name}: {source}")]
-    Decode { path: PathBuf, index: usize, kind: String, name: String, source: serde_yaml::Error },
+    Decode { path: PathBuf, index: usize, kind: String, name: String, source: serde_json::Error },
     #[error("{path}: document {index} ({name}): skipped: {why}")]
     Skipped { path: PathBuf, index: usize, name: String, why: &'static str },
 }
@@ -225,17 +222,16 @@ fn list(path: &Path) -> std::io::Result<Vec<PathBuf>> {
 fn parse(
     path: &Path,
     contents: &[u8],
-) -> Result<(Snapshot, Vec<ManifestError>), serde_yaml::Error> {
+) -> Result<(Snapshot, Vec<ManifestError>), serde_saphyr::Error> {
     let mut snapshot = Snapshot::default();
     let mut errors = Vec::new();
     let mut index = 0;
     // Each document is read into what the proxy keeps of it before the
     // next is parsed: a large manifest is never held whole as YAML values.
-    for document in serde_yaml::Deserializer::from_slice(contents) {
-        let value = Value::deserialize(document)?;
+    crate::yaml::for_each_document(contents, |mut value| {
         let items = match value.get("kind").and_then(Value::as_str) {
-            Some("List") => match value.get("items") {
-                Some(Value::Sequence(items)) => items.clone(),
+            Some("List") => match value.get_mut("items").map(Value::take) {
+                Some(Value::Array(items)) => items,
                 _ => Vec::new(),
             },
             _ if value.is_null() => Vec::new(),
@@ -245,7 +241,7 @@ fn parse(
             decode(path, index, value, &mut snapshot, &mut errors);
             index += 1;
         }
-    }
+    })?;
     Ok((snapshot, errors))
 }
 
@@ -270,9 +266,9 @@ fn decode(
         return;
     }
     let decoded = match (api_version, kind.as_str()) {
-        ("v1", "Service") => serde_yaml::from_value(value).map(|s| snapshot.add_service(&s)),
+        ("v1", "Service") => serde_json::from_value(value).map(|s| snapshot.add_service(&s)),
         ("discovery.k8s.io/v1", "EndpointSlice") => {
-            serde_yaml::from_value(value).map(|s| snapshot.add_slice(&s))
+            serde_json::from_value(value).map(|s| snapshot.add_slice(&s))
         }
         _ => {
             tracing::debug!(path = %path.display(), index, api_version, kind, "ignoring object");

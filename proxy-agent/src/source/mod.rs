@@ -253,16 +253,15 @@ impl Store {
 /// The model of a YAML stream of Services and EndpointSlices, for tests.
 #[cfg(test)]
 pub(crate) fn model_from_yaml(yaml: &str) -> model::Model {
-    use serde::Deserialize as _;
     let (mut services, mut slices) = (Vec::new(), Vec::new());
-    for doc in serde_yaml::Deserializer::from_str(yaml) {
-        let value = serde_yaml::Value::deserialize(doc).unwrap();
+    crate::yaml::for_each_document(yaml.as_bytes(), |value| {
         match value.get("kind").and_then(|k| k.as_str()) {
-            Some("Service") => services.push(serde_yaml::from_value(value).unwrap()),
-            Some("EndpointSlice") => slices.push(serde_yaml::from_value(value).unwrap()),
+            Some("Service") => services.push(serde_json::from_value(value).unwrap()),
+            Some("EndpointSlice") => slices.push(serde_json::from_value(value).unwrap()),
             _ => {}
         }
-    }
+    })
+    .unwrap();
     model_of(&services, &slices)
 }
 
@@ -290,7 +289,7 @@ mod tests {
     use std::time::{Duration, UNIX_EPOCH};
 
     fn service(yaml: &str) -> Service {
-        serde_yaml::from_str(yaml).unwrap()
+        crate::yaml::from_str(yaml).unwrap()
     }
 
     use test_objects::{Protocol::Tcp, ep, port, slice};
