@@ -16,6 +16,17 @@ use crate::{backend::ebpf::sock_end::SocketDestroy, model};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Log lines as text or as JSON objects (one a line; the event's fields
+    /// are keys of "fields")
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    pub logging_format: LoggingFormat,
+}
+
+/// kube-proxy's `--logging-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LoggingFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]

@@ -2,24 +2,30 @@
 
 use clap::{CommandFactory as _, FromArgMatches as _};
 use proxy_agent::{
-    cli::{Cli, Command, CtCommand, LbCommand, RenderCommand},
+    cli::{Cli, Command, CtCommand, LbCommand, LoggingFormat, RenderCommand},
     commands,
 };
 
+/// Logs to stderr at `RUST_LOG`'s level (info by default), as text or JSON.
+fn init_logging(format: LoggingFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LoggingFormat::Text => {
+            logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init()
+        }
+        LoggingFormat::Json => logs.json().with_current_span(false).init(),
+    }
+}
+
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let matches = Cli::command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    init_logging(cli.logging_format);
     let result = match cli.command {
         Command::Run(args) => {
             let run = matches.subcommand_matches("run").cloned().unwrap_or_default();
