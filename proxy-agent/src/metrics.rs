@@ -1,15 +1,28 @@
-//! Prometheus text metrics on `--metrics-bind-address`: kube-proxy's names
+//! Prometheus metrics on `--metrics-bind-address`: kube-proxy's names
 //! where the concept is the same (`kubeproxy_…`, with its help strings,
-//! labels and buckets), ours (`proxy_…`) for the rest.
+//! labels and buckets), ours (`proxy_…`) for the rest. prometheus-client
+//! encodes them (OpenMetrics text); the values are read at each scrape.
 
 use std::{
     collections::BTreeMap,
-    fmt::Write as _,
+    fmt,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering::Relaxed},
     },
     time::{Duration, SystemTime},
+};
+
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric},
+    metrics::{
+        MetricType,
+        counter::ConstCounter,
+        gauge::ConstGauge,
+        histogram::{self, exponential_buckets},
+    },
+    registry::Registry,
 };
 
 use crate::{
@@ -18,71 +31,109 @@ use crate::{
     http::{self, Reply},
 };
 
-/// kube-proxy's `ip_family` label: this proxy is IPv4 only.
-const FAMILY: &str = r#"ip_family="IPv4""#;
+/// What Prometheus is told it scrapes.
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// A Prometheus histogram.
+/// A histogram of durations, in seconds.
 #[derive(Debug)]
-pub struct Histogram {
-    bounds: Vec<f64>,
-    state: Mutex<(Vec<u64>, f64, u64)>,
-}
+pub struct Histogram(histogram::Histogram);
 
 impl Histogram {
-    fn new(bounds: Vec<f64>) -> Self {
-        let buckets = vec![0; bounds.len()];
-        Histogram { bounds, state: Mutex::new((buckets, 0.0, 0)) }
-    }
-
     /// kube-proxy's sync latency buckets: 1 ms doubling 15 times.
     fn sync_latency() -> Self {
-        Histogram::new((0..15).map(|i| 0.001 * f64::from(1u32 << i)).collect())
+        Histogram(histogram::Histogram::new(exponential_buckets(0.001, 2.0, 15)))
     }
 
     /// kube-proxy's network programming buckets: 0.25 s to 300 s.
     fn programming_latency() -> Self {
-        let mut bounds = vec![0.25, 0.5];
-        bounds.extend((1..60).map(f64::from));
-        bounds.extend((0..12).map(|i| f64::from(60 + 5 * i)));
-        bounds.extend((0..7).map(|i| f64::from(120 + 30 * i)));
-        Histogram::new(bounds)
+        Histogram(histogram::Histogram::new(programming_buckets()))
     }
 
     pub fn observe(&self, value: Duration) {
-        let secs = value.as_secs_f64();
-        if let Ok(mut state) = self.state.lock() {
-            let (buckets, sum, count) = &mut *state;
-            for (bucket, bound) in buckets.iter_mut().zip(&self.bounds) {
-                if secs <= *bound {
-                    *bucket += 1;
-                }
-            }
-            *sum += secs;
-            *count += 1;
-        }
-    }
-
-    fn write(&self, out: &mut String, name: &str, labels: &str) {
-        let Ok(state) = self.state.lock() else { return };
-        let (buckets, sum, count) = &*state;
-        for (bound, n) in self.bounds.iter().zip(buckets) {
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {n}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+        self.0.observe(value.as_secs_f64());
     }
 }
 
-/// A label value with `\`, `"` and newlines escaped, as the text format
-/// wants (file names may hold any of them).
-fn label_value(text: &str) -> String {
-    text.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+fn programming_buckets() -> Vec<f64> {
+    let mut bounds = vec![0.25, 0.5];
+    bounds.extend((1..60).map(f64::from));
+    bounds.extend((0..12).map(|i| f64::from(60 + 5 * i)));
+    bounds.extend((0..7).map(|i| f64::from(120 + 30 * i)));
+    bounds
 }
 
 /// Seconds since the epoch, for timestamp gauges.
 fn unix_seconds(t: SystemTime) -> f64 {
     t.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// A sample's labels.
+type Labels = Vec<(&'static str, String)>;
+
+fn label(name: &'static str, value: impl ToString) -> Labels {
+    vec![(name, value.to_string())]
+}
+
+/// Writes metric families with prometheus-client's encoder, help texts as
+/// given (its registry would add a full stop to them).
+struct Families<'a>(DescriptorEncoder<'a>);
+
+impl Families<'_> {
+    fn counter(&mut self, name: &str, help: &str, value: u64) -> fmt::Result {
+        ConstCounter::new(value).encode(self.0.encode_descriptor(
+            name,
+            help,
+            None,
+            MetricType::Counter,
+        )?)
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, value: impl EncodeGaugeValue) -> fmt::Result {
+        ConstGauge::new(value).encode(self.0.encode_descriptor(
+            name,
+            help,
+            None,
+            MetricType::Gauge,
+        )?)
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, histogram: &Histogram) -> fmt::Result {
+        histogram.0.encode(self.0.encode_descriptor(name, help, None, MetricType::Histogram)?)
+    }
+
+    fn counters(
+        &mut self,
+        name: &str,
+        help: &str,
+        samples: impl IntoIterator<Item = (Labels, u64)>,
+    ) -> fmt::Result {
+        let samples = samples.into_iter().map(|(l, v)| (l, ConstCounter::new(v)));
+        self.labelled(name, help, MetricType::Counter, samples)
+    }
+
+    fn gauges<N: EncodeGaugeValue>(
+        &mut self,
+        name: &str,
+        help: &str,
+        samples: impl IntoIterator<Item = (Labels, N)>,
+    ) -> fmt::Result {
+        let samples = samples.into_iter().map(|(l, v)| (l, ConstGauge::new(v)));
+        self.labelled(name, help, MetricType::Gauge, samples)
+    }
+
+    fn labelled(
+        &mut self,
+        name: &str,
+        help: &str,
+        kind: MetricType,
+        samples: impl IntoIterator<Item = (Labels, impl EncodeMetric)>,
+    ) -> fmt::Result {
+        let mut family = self.0.encode_descriptor(name, help, None, kind)?;
+        for (labels, metric) in samples {
+            metric.encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
 }
 
 pub struct Metrics {
@@ -236,334 +287,233 @@ impl Metrics {
         self.last_queued.store(unix_seconds(t).to_bits(), Relaxed);
     }
 
-    pub fn render(&self) -> String {
-        let mut out = String::new();
-        let header = |out: &mut String, name: &str, kind: &str, help: &str| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        };
-        let samples =
-            |out: &mut String, name: &str, kind: &str, help: &str, values: &[(String, String)]| {
-                header(out, name, kind, help);
-                for (labels, value) in values {
-                    let _ = writeln!(out, "{name}{labels} {value}");
-                }
-            };
-        let one = |v: u64| vec![(String::new(), v.to_string())];
-        let family = |v: String| vec![(format!("{{{FAMILY}}}"), v)];
-
-        // kube-proxy's.
-        for (name, help, histogram) in [
-            (
-                "kubeproxy_sync_proxy_rules_duration_seconds",
-                "SyncProxyRules latency in seconds",
-                &self.sync_duration,
-            ),
-            (
-                "kubeproxy_network_programming_duration_seconds",
-                "In Cluster Network Programming Latency in seconds",
-                &self.network_programming,
-            ),
-        ] {
-            header(&mut out, name, "histogram", &format!("[ALPHA] {help}"));
-            histogram.write(&mut out, name, FAMILY);
-        }
-        if self.mode == "iptables" {
-            for (name, help, histogram) in [
-                (
-                    "kubeproxy_sync_full_proxy_rules_duration_seconds",
-                    "SyncProxyRules latency in seconds for full resyncs",
-                    &self.full_sync_duration,
-                ),
-                (
-                    "kubeproxy_sync_partial_proxy_rules_duration_seconds",
-                    "SyncProxyRules latency in seconds for partial resyncs",
-                    &self.partial_sync_duration,
-                ),
-            ] {
-                header(&mut out, name, "histogram", &format!("[ALPHA] {help}"));
-                histogram.write(&mut out, name, FAMILY);
-            }
-        }
-        let f = |bits: &AtomicU64| f64::from_bits(bits.load(Relaxed)).to_string();
-        samples(
-            &mut out,
+    /// kube-proxy's metrics that carry `ip_family` (a constant label of
+    /// their sub-registry, written first as kube-proxy does).
+    fn encode_per_family(&self, mut out: Families) -> fmt::Result {
+        out.histogram(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "[ALPHA] SyncProxyRules latency in seconds",
+            &self.sync_duration,
+        )?;
+        out.histogram(
+            "kubeproxy_network_programming_duration_seconds",
+            "[ALPHA] In Cluster Network Programming Latency in seconds",
+            &self.network_programming,
+        )?;
+        let f = |bits: &AtomicU64| f64::from_bits(bits.load(Relaxed));
+        out.gauge(
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-            "gauge",
             "[ALPHA] The last time proxy rules were successfully synced",
-            &family(f(&self.last_sync)),
-        );
-        samples(
-            &mut out,
+            f(&self.last_sync),
+        )?;
+        out.gauge(
             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
-            "gauge",
             "[ALPHA] The last time a sync of proxy rules was queued",
-            &family(f(&self.last_queued)),
-        );
-        samples(
-            &mut out,
-            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
-            "counter",
-            "[ALPHA] Cumulative proxy rules Endpoint changes",
-            &one(self.endpoint_changes.load(Relaxed)),
-        );
-        samples(
-            &mut out,
-            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
-            "gauge",
-            "[ALPHA] Pending proxy rules Endpoint changes",
-            &one(self.endpoint_changes_pending.load(Relaxed)),
-        );
-        samples(
-            &mut out,
-            "kubeproxy_sync_proxy_rules_service_changes_total",
-            "counter",
-            "[ALPHA] Cumulative proxy rules Service changes",
-            &one(self.service_changes.load(Relaxed)),
-        );
-        samples(
-            &mut out,
-            "kubeproxy_sync_proxy_rules_service_changes_pending",
-            "gauge",
-            "[ALPHA] Pending proxy rules Service changes",
-            &one(self.service_changes_pending.load(Relaxed)),
-        );
-        samples(
-            &mut out,
+            f(&self.last_queued),
+        )?;
+        out.gauges(
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
-            "gauge",
             "[ALPHA] Number of services with a Local traffic policy and no endpoints",
-            &[
+            [
                 (
-                    format!("{{{FAMILY},traffic_policy=\"external\"}}"),
-                    self.no_local_endpoints_external.load(Relaxed).to_string(),
+                    label("traffic_policy", "external"),
+                    self.no_local_endpoints_external.load(Relaxed),
                 ),
                 (
-                    format!("{{{FAMILY},traffic_policy=\"internal\"}}"),
-                    self.no_local_endpoints_internal.load(Relaxed).to_string(),
+                    label("traffic_policy", "internal"),
+                    self.no_local_endpoints_internal.load(Relaxed),
                 ),
             ],
-        );
+        )?;
+        if self.mode != "iptables" {
+            return Ok(());
+        }
+        out.histogram(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "[ALPHA] SyncProxyRules latency in seconds for full resyncs",
+            &self.full_sync_duration,
+        )?;
+        out.histogram(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "[ALPHA] SyncProxyRules latency in seconds for partial resyncs",
+            &self.partial_sync_duration,
+        )?;
+        out.counter(
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures",
+            "[ALPHA] Cumulative proxy iptables restore failures",
+            self.restore_failures.load(Relaxed),
+        )?;
+        out.counter(
+            "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
+            "[ALPHA] Cumulative proxy iptables partial restore failures",
+            self.partial_restore_failures.load(Relaxed),
+        )?;
+        let last = self.iptables_rules_last.lock().map(|l| l.clone()).unwrap_or_default();
+        out.gauges(
+            "kubeproxy_sync_proxy_rules_iptables_last",
+            "[ALPHA] Number of iptables rules written by kube-proxy in last sync",
+            last.into_iter().map(|(table, n)| (label("table", table), n as u64)),
+        )
+    }
+
+    /// kube-proxy's metrics without `ip_family`.
+    fn encode_kube_proxys(&self, out: &mut Families) -> fmt::Result {
+        out.counter(
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "[ALPHA] Cumulative proxy rules Endpoint changes",
+            self.endpoint_changes.load(Relaxed),
+        )?;
+        out.gauge(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "[ALPHA] Pending proxy rules Endpoint changes",
+            self.endpoint_changes_pending.load(Relaxed),
+        )?;
+        out.counter(
+            "kubeproxy_sync_proxy_rules_service_changes",
+            "[ALPHA] Cumulative proxy rules Service changes",
+            self.service_changes.load(Relaxed),
+        )?;
+        out.gauge(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "[ALPHA] Pending proxy rules Service changes",
+            self.service_changes_pending.load(Relaxed),
+        )?;
         for (name, help, codes) in [
             (
-                "kubeproxy_proxy_healthz_total",
-                "Cumulative proxy healthz HTTP status",
+                "kubeproxy_proxy_healthz",
+                "[ALPHA] Cumulative proxy healthz HTTP status",
                 [&self.health.healthz_200, &self.health.healthz_503],
             ),
             (
-                "kubeproxy_proxy_livez_total",
-                "Cumulative proxy livez HTTP status",
+                "kubeproxy_proxy_livez",
+                "[ALPHA] Cumulative proxy livez HTTP status",
                 [&self.health.livez_200, &self.health.livez_503],
             ),
         ] {
-            let values: Vec<(String, String)> = ["200", "503"]
-                .iter()
-                .zip(codes)
-                .map(|(code, n)| (format!("{{code=\"{code}\"}}"), n.load(Relaxed).to_string()))
-                .collect();
-            samples(&mut out, name, "counter", &format!("[ALPHA] {help}"), &values);
+            let samples = ["200", "503"].iter().zip(codes);
+            out.counters(
+                name,
+                help,
+                samples.map(|(code, n)| (label("code", code), n.load(Relaxed))),
+            )?;
         }
-        if self.mode == "iptables" {
-            samples(
-                &mut out,
-                "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
-                "counter",
-                "[ALPHA] Cumulative proxy iptables restore failures",
-                &family(self.restore_failures.load(Relaxed).to_string()),
-            );
-            samples(
-                &mut out,
-                "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
-                "counter",
-                "[ALPHA] Cumulative proxy iptables partial restore failures",
-                &family(self.partial_restore_failures.load(Relaxed).to_string()),
-            );
-            let last: Vec<(String, String)> = self
-                .iptables_rules_last
-                .lock()
-                .map(|l| {
-                    l.iter()
-                        .map(|(t, n)| (format!("{{{FAMILY},table=\"{t}\"}}"), n.to_string()))
-                        .collect()
-                })
-                .unwrap_or_default();
-            samples(
-                &mut out,
-                "kubeproxy_sync_proxy_rules_iptables_last",
-                "gauge",
-                "[ALPHA] Number of iptables rules written by kube-proxy in last sync",
-                &last,
-            );
-        }
+        Ok(())
+    }
 
-        // Ours.
-        samples(
-            &mut out,
-            "proxy_sync_total",
-            "counter",
+    /// Ours, in both modes.
+    fn encode_ours(&self, out: &mut Families) -> fmt::Result {
+        out.counters(
+            "proxy_sync",
             "Syncs of the datapath with the desired state, by result.",
-            &[
-                (r#"{result="ok"}"#.into(), self.syncs_ok.load(Relaxed).to_string()),
-                (r#"{result="error"}"#.into(), self.syncs_failed.load(Relaxed).to_string()),
+            [
+                (label("result", "ok"), self.syncs_ok.load(Relaxed)),
+                (label("result", "error"), self.syncs_failed.load(Relaxed)),
             ],
-        );
-        samples(
-            &mut out,
+        )?;
+        out.gauge(
             "proxy_frontends",
-            "gauge",
             "Service frontends (address, port, protocol, scope) the datapath serves.",
-            &one(self.frontends.load(Relaxed)),
-        );
-        samples(
-            &mut out,
+            self.frontends.load(Relaxed),
+        )?;
+        out.gauge(
             "proxy_backends",
-            "gauge",
             "Distinct backends the datapath serves.",
-            &one(self.backends.load(Relaxed)),
-        );
-        let invalid: Vec<_> = self
-            .invalid
-            .lock()
-            .map(|m| m.iter().map(|(k, v)| (format!(r#"{{kind="{k}"}}"#), v.to_string())).collect())
-            .unwrap_or_default();
-        samples(
-            &mut out,
-            "proxy_invalid_objects_total",
-            "counter",
+            self.backends.load(Relaxed),
+        )?;
+        let invalid = self.invalid.lock().map(|m| m.clone()).unwrap_or_default();
+        out.counters(
+            "proxy_invalid_objects",
             "Objects (or manifest files) rejected as invalid, by kind.",
-            &invalid,
-        );
-        let source_errors: Vec<_> = self
-            .source_errors
-            .lock()
-            .map(|m| {
-                m.iter()
-                    .map(|((file, kind), v)| {
-                        let (file, kind) = (label_value(file), label_value(kind));
-                        (format!(r#"{{file="{file}",kind="{kind}"}}"#), v.to_string())
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        samples(
-            &mut out,
-            "proxy_source_errors_total",
-            "counter",
+            invalid.into_iter().map(|(kind, n)| (label("kind", kind), n)),
+        )?;
+        let source_errors = self.source_errors.lock().map(|m| m.clone()).unwrap_or_default();
+        out.counters(
+            "proxy_source_errors",
             "Errors of the source's files, once per change of the file: kind yaml (the file does not parse) or the kind of an object that does not decode.",
-            &source_errors,
-        );
-        samples(
-            &mut out,
-            "proxy_kept_objects_total",
-            "counter",
+            source_errors.into_iter().map(|((file, kind), n)| (vec![("file", file), ("kind", kind)], n)),
+        )?;
+        out.counter(
+            "proxy_kept_objects",
             "Times an invalid update was ignored and the last good object kept.",
-            &one(self.kept_objects.load(Relaxed)),
-        );
-        let apiserver: Vec<_> = self
-            .apiserver_errors
-            .lock()
-            .map(|m| m.iter().map(|(k, v)| (format!(r#"{{kind="{k}"}}"#), v.to_string())).collect())
-            .unwrap_or_default();
-        samples(
-            &mut out,
-            "proxy_apiserver_watch_errors_total",
-            "counter",
+            self.kept_objects.load(Relaxed),
+        )?;
+        let apiserver = self.apiserver_errors.lock().map(|m| m.clone()).unwrap_or_default();
+        out.counters(
+            "proxy_apiserver_watch_errors",
             "API server watches that failed (and were retried), by kind.",
-            &apiserver,
-        );
-        samples(
-            &mut out,
-            "proxy_activation_failures_total",
-            "counter",
+            apiserver.into_iter().map(|(kind, n)| (label("kind", kind), n)),
+        )?;
+        out.counter(
+            "proxy_activation_failures",
             "Failed attempts to take over the datapath (attach the programs); retried.",
-            &one(self.activation_failures.load(Relaxed)),
-        );
-        samples(
-            &mut out,
-            "proxy_mode_cleanup_failures_total",
-            "counter",
+            self.activation_failures.load(Relaxed),
+        )?;
+        out.counter(
+            "proxy_mode_cleanup_failures",
             "Failed removals of the other mode's datapath after a mode switch; retried.",
-            &one(self.mode_cleanup_failures.load(Relaxed)),
-        );
-        samples(
-            &mut out,
-            "proxy_health_check_node_port_failures_total",
-            "counter",
+            self.mode_cleanup_failures.load(Relaxed),
+        )?;
+        out.counter(
+            "proxy_health_check_node_port_failures",
             "Health-check node ports that could not be opened; retried at the next sync.",
-            &one(self.health_check_failures.load(Relaxed)),
-        );
-        if self.mode == "iptables" {
-            samples(
-                &mut out,
-                "proxy_conntrack_cleanup_failures_total",
-                "counter",
-                "Stale conntrack entry sets that could not be deleted (retried).",
-                &one(self.conntrack_cleanup_failures.load(Relaxed)),
-            );
-            samples(
-                &mut out,
-                "proxy_iptables_canary_resyncs_total",
-                "counter",
-                "Full resyncs after KUBE-PROXY-CANARY vanished (rules flushed by another program).",
-                &one(self.canary_resyncs.load(Relaxed)),
-            );
-            return out;
-        }
-        let maps: Vec<_> = self
-            .map_entries
-            .lock()
-            .map(|m| m.iter().map(|(k, v)| (format!(r#"{{map="{k}"}}"#), v.to_string())).collect())
-            .unwrap_or_default();
-        samples(
-            &mut out,
+            self.health_check_failures.load(Relaxed),
+        )
+    }
+
+    /// Ours, of iptables mode.
+    fn encode_iptables(&self, out: &mut Families) -> fmt::Result {
+        out.counter(
+            "proxy_conntrack_cleanup_failures",
+            "Stale conntrack entry sets that could not be deleted (retried).",
+            self.conntrack_cleanup_failures.load(Relaxed),
+        )?;
+        out.counter(
+            "proxy_iptables_canary_resyncs",
+            "Full resyncs after KUBE-PROXY-CANARY vanished (rules flushed by another program).",
+            self.canary_resyncs.load(Relaxed),
+        )
+    }
+
+    /// Ours, of eBPF mode.
+    fn encode_ebpf(&self, out: &mut Families) -> fmt::Result {
+        let maps = self.map_entries.lock().map(|m| m.clone()).unwrap_or_default();
+        out.gauges(
             "proxy_map_entries",
-            "gauge",
             "Entries of each BPF map (CONNTRACK at the last collection).",
-            &maps,
-        );
-        let carried: Vec<_> = self
-            .carried
-            .lock()
-            .map(|c| {
-                c.iter()
-                    .map(|(map, how)| (format!(r#"{{map="{map}",outcome="{how}"}}"#), "1".into()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        samples(
-            &mut out,
+            maps.into_iter().map(|(map, n)| (label("map", map), n)),
+        )?;
+        let carried = self.carried.lock().map(|c| c.clone()).unwrap_or_default();
+        out.gauges(
             "proxy_state_map_carried",
-            "gauge",
             "What became of the previous agent's state maps at this agent's start: reused, converted (another layout), reset (a layout this build cannot read) or none.",
-            &carried,
-        );
-        samples(
-            &mut out,
-            "proxy_map_update_failures_total",
-            "counter",
+            carried.into_iter().map(|(map, how)| (vec![("map", map.into()), ("outcome", how.into())], 1u64)),
+        )?;
+        out.counter(
+            "proxy_map_update_failures",
             "BPF map writes the kernel refused (the sync is retried).",
-            &one(self.map_update_failures.load(Relaxed)),
-        );
-        samples(
-            &mut out,
+            self.map_update_failures.load(Relaxed),
+        )?;
+        out.gauge(
             "proxy_conntrack_entries",
-            "gauge",
             "Entries of the per-packet conntrack map (two per flow), at the last collection.",
-            &one(self.conntrack_entries.load(Relaxed)),
-        );
+            self.conntrack_entries.load(Relaxed),
+        )?;
         let counters = self.datapath.lock().ok().and_then(|d| d.as_ref().map(CounterReader::read));
-        let datapath: Vec<_> = counters
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(c, v)| (format!(r#"{{event="{}"}}"#, c.name()), v.to_string()))
-            .collect();
-        samples(
-            &mut out,
-            "proxy_datapath_events_total",
-            "counter",
+        out.counters(
+            "proxy_datapath_events",
             "Events counted by the BPF programs, summed over CPUs.",
-            &datapath,
-        );
-        out
+            counters.unwrap_or_default().into_iter().map(|(c, n)| (label("event", c.name()), n)),
+        )
+    }
+
+    /// This process's registry: everything above, read at each scrape.
+    pub fn registry(self: &Arc<Self>) -> Registry {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(Collected(self.clone())));
+        registry
+            .sub_registry_with_label(("ip_family".into(), "IPv4".into()))
+            .register_collector(Box::new(PerFamily(self.clone())));
+        registry
     }
 
     /// Serves `/metrics`, `/healthz` (as on `--healthz-bind-address`: 503
@@ -571,12 +521,13 @@ impl Metrics {
     /// from the start, which tells nothing) and `/proxyMode` on `addr`,
     /// from `runtime`.
     pub fn serve(self: Arc<Self>, runtime: &tokio::runtime::Handle, addr: std::net::SocketAddr) {
+        let registry = Arc::new(self.registry());
         let handler = Arc::new(move |_method: String, path: String| {
-            let metrics = self.clone();
+            let (metrics, registry) = (self.clone(), registry.clone());
             async move {
                 let text = |body: String| Reply::new(200, "text/plain; charset=utf-8", body);
                 match path.as_str() {
-                    "/metrics" => Reply::new(200, "text/plain; version=0.0.4", metrics.render()),
+                    "/metrics" => Reply::new(200, CONTENT_TYPE, render(&registry)),
                     "/healthz" => metrics.health.reply(true, SystemTime::now()),
                     "/proxyMode" => text(metrics.mode.into()),
                     _ => Reply::not_found(),
@@ -587,20 +538,79 @@ impl Metrics {
     }
 }
 
+impl fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Metrics").field("mode", &self.mode).finish_non_exhaustive()
+    }
+}
+
+/// The metrics without a constant label.
+#[derive(Debug)]
+struct Collected(Arc<Metrics>);
+
+impl Collector for Collected {
+    fn encode(&self, encoder: DescriptorEncoder) -> fmt::Result {
+        let mut out = Families(encoder);
+        self.0.encode_kube_proxys(&mut out)?;
+        self.0.encode_ours(&mut out)?;
+        match self.0.mode {
+            "iptables" => self.0.encode_iptables(&mut out),
+            _ => self.0.encode_ebpf(&mut out),
+        }
+    }
+}
+
+/// The metrics of the `ip_family="IPv4"` sub-registry.
+#[derive(Debug)]
+struct PerFamily(Arc<Metrics>);
+
+impl Collector for PerFamily {
+    fn encode(&self, encoder: DescriptorEncoder) -> fmt::Result {
+        self.0.encode_per_family(Families(encoder))
+    }
+}
+
+/// The OpenMetrics text of `registry`.
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    // Writing to a String does not fail; a collector's error would be a bug.
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, registry) {
+        tracing::error!("encoding the metrics: {e}");
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::health::NodeEligibility;
 
-    fn metrics(mode: &'static str) -> Metrics {
-        Metrics::new(
+    fn metrics(mode: &'static str) -> Arc<Metrics> {
+        Arc::new(Metrics::new(
             Arc::new(ProxyHealth::new(Duration::from_secs(60), NodeEligibility::Eligible)),
             mode,
-        )
+        ))
+    }
+
+    fn text(metrics: &Arc<Metrics>) -> String {
+        render(&metrics.registry())
+    }
+
+    /// The sample names of a scrape, in order of first appearance.
+    fn sample_names(text: &str) -> Vec<&str> {
+        let mut names: Vec<&str> = Vec::new();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        names.sort_unstable();
+        names
     }
 
     #[test]
-    fn renders_prometheus_text_with_kube_proxys_names() {
+    fn renders_openmetrics_text_with_kube_proxys_names() {
         let m = metrics("ebpf");
         m.invalid("Service");
         m.invalid("Service");
@@ -608,7 +618,7 @@ mod tests {
         m.syncs_ok.store(3, Relaxed);
         m.sync_duration.observe(Duration::from_millis(3));
         m.synced_at(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000));
-        let text = m.render();
+        let text = text(&m);
         assert!(text.contains("proxy_invalid_objects_total{kind=\"Service\"} 2\n"), "{text}");
         assert!(text.contains("proxy_sync_total{result=\"ok\"} 3\n"));
         assert!(
@@ -616,6 +626,7 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n"));
+        assert!(text.contains("# HELP kubeproxy_sync_proxy_rules_duration_seconds [ALPHA] SyncProxyRules latency in seconds\n"), "{text}");
         assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.002\"} 0\n"), "{text}");
         assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.004\"} 1\n"));
         assert!(
@@ -625,27 +636,105 @@ mod tests {
         );
         assert!(
             text.contains(
-                "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 1700000000\n"
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 1700000000.0\n"
             ),
             "{text}"
         );
-        assert!(text.contains("kubeproxy_network_programming_duration_seconds_bucket{ip_family=\"IPv4\",le=\"300\"} 0\n"));
+        assert!(text.contains("kubeproxy_network_programming_duration_seconds_bucket{ip_family=\"IPv4\",le=\"300.0\"} 0\n"));
         assert!(text.contains("kubeproxy_proxy_healthz_total{code=\"503\"} 0\n"));
-        assert!(text.contains("# TYPE proxy_datapath_events_total counter\n"));
+        // OpenMetrics: a counter's family is named without `_total`, its
+        // samples with it.
+        assert!(text.contains("# TYPE proxy_datapath_events counter\n"), "{text}");
+        assert!(text.contains(
+            "# HELP proxy_sync Syncs of the datapath with the desired state, by result.\n"
+        ));
+        assert!(text.ends_with("# EOF\n"));
         assert!(!text.contains("iptables"), "no iptables metrics in eBPF mode");
-        let text = metrics("iptables").render();
+        let text = self::text(&metrics("iptables"));
         assert!(text.contains(
             "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv4\"} 0\n"
         ));
         assert!(!text.contains("proxy_datapath_events_total"));
     }
 
+    /// Every sample name the hand-written text format had, in each mode.
+    #[test]
+    fn sample_names_are_unchanged() {
+        let histograms = |names: &[&str]| -> Vec<String> {
+            let suffixes = ["_bucket", "_count", "_sum"];
+            names.iter().flat_map(|n| suffixes.map(|s| format!("{n}{s}"))).collect()
+        };
+        let common = [
+            "kubeproxy_proxy_healthz_total",
+            "kubeproxy_proxy_livez_total",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "kubeproxy_sync_proxy_rules_service_changes_total",
+            "proxy_activation_failures_total",
+            "proxy_apiserver_watch_errors_total",
+            "proxy_backends",
+            "proxy_frontends",
+            "proxy_health_check_node_port_failures_total",
+            "proxy_invalid_objects_total",
+            "proxy_kept_objects_total",
+            "proxy_mode_cleanup_failures_total",
+            "proxy_source_errors_total",
+            "proxy_sync_total",
+        ];
+        let ebpf = [
+            "proxy_conntrack_entries",
+            "proxy_map_entries",
+            "proxy_map_update_failures_total",
+            "proxy_state_map_carried",
+        ];
+        let iptables = [
+            "kubeproxy_sync_proxy_rules_iptables_last",
+            "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+            "proxy_conntrack_cleanup_failures_total",
+            "proxy_iptables_canary_resyncs_total",
+        ];
+        let kube_histograms = [
+            "kubeproxy_network_programming_duration_seconds",
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+        ];
+        let iptables_histograms = [
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+        ];
+        for (mode, own) in [("ebpf", &ebpf[..]), ("iptables", &iptables[..])] {
+            let m = metrics(mode);
+            // Every labelled family with a sample.
+            m.invalid("Service");
+            m.source_error(std::path::Path::new("a.yaml"), "yaml");
+            m.set_apiserver_errors([("Service", 1)].into());
+            m.set_map_entries(&[("SERVICES", 2)]);
+            m.set_carried(vec![("CONNTRACK", "reused")]);
+            m.set_iptables_rules(&[("nat", 10)]);
+            let mut expected: Vec<String> =
+                common.iter().chain(own).map(ToString::to_string).collect();
+            expected.extend(histograms(&kube_histograms));
+            if mode == "iptables" {
+                expected.extend(histograms(&iptables_histograms));
+            }
+            expected.sort_unstable();
+            let text = text(&m);
+            assert_eq!(sample_names(&text), expected, "{mode}:\n{text}");
+        }
+    }
+
     #[test]
     fn programming_buckets_are_kube_proxys() {
-        let h = Histogram::programming_latency();
-        assert_eq!(h.bounds.len(), 2 + 59 + 12 + 7);
-        assert_eq!(&h.bounds[..4], &[0.25, 0.5, 1.0, 2.0]);
-        assert_eq!(h.bounds[61], 60.0);
-        assert_eq!(*h.bounds.last().unwrap(), 300.0);
+        let bounds = programming_buckets();
+        assert_eq!(bounds.len(), 2 + 59 + 12 + 7);
+        assert_eq!(&bounds[..4], &[0.25, 0.5, 1.0, 2.0]);
+        assert_eq!(bounds[61], 60.0);
+        assert_eq!(*bounds.last().unwrap(), 300.0);
+        let sync: Vec<f64> = exponential_buckets(0.001, 2.0, 15).collect();
+        assert_eq!(sync, (0..15).map(|i| 0.001 * f64::from(1u32 << i)).collect::<Vec<_>>());
     }
 }
