@@ -1,20 +1,37 @@
-//! A small HTTP/1.1 responder for the agent's endpoints (metrics, health,
-//! per-service health checks): one request per connection, answered from a
-//! handler of (method, path). They run on a thread of their own, so a long
-//! sync (an `iptables-restore` waiting for the xtables lock) never keeps a
-//! probe waiting.
+//! The agent's endpoints (metrics, health, per-service health checks),
+//! served by hyper: HTTP/1.1, one request per connection, answered from a
+//! handler of (method, path). They run on a runtime thread of their own, so
+//! a long sync (an `iptables-restore` waiting for the xtables lock) never
+//! keeps a probe waiting; request heads are bounded in size and time, and
+//! every connection in time, so slow or malformed clients cannot pile up.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{convert::Infallible, future::Future, sync::Arc, time::Duration};
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Request, Response, body::Incoming, server::conn::http1, service::service_fn};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
+    io::{AsyncRead, AsyncWrite},
     net::TcpListener,
+    sync::Semaphore,
 };
 
-/// Requests larger than this are cut: only the request line matters.
+/// Larger request heads are refused (431): only the request line matters.
+/// hyper's smallest buffer.
 const MAX_REQUEST: usize = 8192;
-/// A client that sends nothing for this long is dropped.
+/// A client that has not sent its request head by then is dropped
+/// (slowloris).
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Any connection is closed after this (a client that never reads its
+/// response, a body that never ends).
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections served at once over all the endpoints; past it, new ones
+/// wait in the kernel's accept queue until a slot frees (at the latest when
+/// a slow client's time is up), so file descriptors stay bounded.
+const MAX_CONNECTIONS: usize = 4096;
+
+static CONNECTIONS: Semaphore = Semaphore::const_new(MAX_CONNECTIONS);
 
 /// A response.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,35 +50,42 @@ impl Reply {
         Reply::new(404, "text/plain; charset=utf-8", "404 page not found\n".into())
     }
 
-    fn reason(&self) -> &'static str {
-        match self.status {
-            200 => "OK",
-            404 => "Not Found",
-            503 => "Service Unavailable",
-            _ => "",
-        }
-    }
-
-    fn to_bytes(&self) -> Vec<u8> {
-        let mut head = format!("HTTP/1.1 {} {}\r\n", self.status, self.reason());
+    fn into_response(self) -> Response<Full<Bytes>> {
+        let mut response = Response::builder().status(self.status);
         for (name, value) in &self.headers {
-            head.push_str(&format!("{name}: {value}\r\n"));
+            response = response.header(*name, value);
         }
-        head.push_str(&format!("Content-Length: {}\r\nConnection: close\r\n\r\n", self.body.len()));
-        let mut bytes = head.into_bytes();
-        bytes.extend_from_slice(self.body.as_bytes());
-        bytes
+        response.body(Full::new(Bytes::from(self.body))).unwrap_or_else(|_| {
+            let mut error = Response::new(Full::default());
+            *error.status_mut() = hyper::StatusCode::INTERNAL_SERVER_ERROR;
+            error
+        })
     }
 }
 
-/// The method and path (without query) of a request's first line.
-fn request_line(request: &[u8]) -> (String, String) {
-    let text = String::from_utf8_lossy(request);
-    let mut words = text.lines().next().unwrap_or("").split_whitespace();
-    let method = words.next().unwrap_or("").to_string();
-    let target = words.next().unwrap_or("");
-    let path = target.split('?').next().unwrap_or("").to_string();
-    (method, path)
+/// Serves one connection with `handler`, within the limits above.
+async fn serve_connection<IO, H, F>(io: IO, handler: Arc<H>)
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Fn(String, String) -> F + Send + Sync + 'static,
+    F: Future<Output = Reply> + Send,
+{
+    let service = service_fn(move |request: Request<Incoming>| {
+        let handler = handler.clone();
+        async move {
+            let (method, path) = (request.method().to_string(), request.uri().path().to_string());
+            Ok::<_, Infallible>(handler(method, path).await.into_response())
+        }
+    });
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(READ_TIMEOUT)
+        .max_buf_size(MAX_REQUEST)
+        .keep_alive(false)
+        .title_case_headers(true)
+        .serve_connection(TokioIo::new(io), service);
+    // A client that sends garbage gets a 400 and is closed: nothing to log.
+    let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
 }
 
 /// Answers every connection on `listener` with `handler` until the task is
@@ -69,27 +93,19 @@ fn request_line(request: &[u8]) -> (String, String) {
 pub async fn serve<H, F>(listener: TcpListener, handler: Arc<H>)
 where
     H: Fn(String, String) -> F + Send + Sync + 'static,
-    F: Future<Output = Reply> + Send,
+    F: Future<Output = Reply> + Send + 'static,
 {
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
+        let Ok(slot) = CONNECTIONS.acquire().await else { return };
+        let Ok((stream, _)) = listener.accept().await else {
             // Out of file descriptors, say: back off instead of spinning.
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
         let handler = handler.clone();
         tokio::spawn(async move {
-            let mut request = Vec::new();
-            let mut buf = [0u8; 1024];
-            while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < MAX_REQUEST {
-                match tokio::time::timeout(READ_TIMEOUT, stream.read(&mut buf)).await {
-                    Ok(Ok(n)) if n > 0 => request.extend_from_slice(&buf[..n]),
-                    _ => break,
-                }
-            }
-            let (method, path) = request_line(&request);
-            let reply = handler(method, path).await;
-            let _ = stream.write_all(&reply.to_bytes()).await;
+            serve_connection(stream, handler).await;
+            drop(slot);
         });
     }
 }
@@ -114,7 +130,7 @@ pub fn serve_on<H, F>(
     handler: Arc<H>,
 ) where
     H: Fn(String, String) -> F + Send + Sync + 'static,
-    F: Future<Output = Reply> + Send,
+    F: Future<Output = Reply> + Send + 'static,
 {
     runtime.spawn(async move {
         loop {
@@ -131,17 +147,59 @@ pub fn serve_on<H, F>(
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, DuplexStream};
+
     use super::*;
 
-    #[test]
-    fn request_lines_and_replies() {
-        assert_eq!(
-            request_line(b"GET /healthz?verbose HTTP/1.1\r\nHost: x\r\n\r\n"),
-            ("GET".into(), "/healthz".into())
-        );
-        let reply = Reply::new(503, "application/json", "{}".into());
-        let text = String::from_utf8(reply.to_bytes()).unwrap();
+    /// A connection served by a handler that echoes the method and path
+    /// into a 503; the client's end.
+    fn connect() -> DuplexStream {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let handler = Arc::new(|method: String, path: String| async move {
+            Reply::new(503, "application/json", format!("{method} {path}"))
+        });
+        tokio::spawn(serve_connection(server, handler));
+        client
+    }
+
+    async fn response(client: &mut DuplexStream) -> String {
+        let mut response = Vec::new();
+        let _ = client.read_to_end(&mut response).await;
+        String::from_utf8_lossy(&response).into_owned()
+    }
+
+    #[tokio::test]
+    async fn requests_get_the_handlers_reply() {
+        let mut client = connect();
+        client.write_all(b"GET /healthz?verbose HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+        let text = response(&mut client).await;
         assert!(text.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{text}");
-        assert!(text.ends_with("Content-Length: 2\r\nConnection: close\r\n\r\n{}"), "{text}");
+        assert!(text.contains("Content-Type: application/json\r\n"), "{text}");
+        assert!(text.contains("Content-Length: 12\r\n"), "{text}");
+        assert!(text.ends_with("\r\n\r\nGET /healthz"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn garbage_and_endless_heads_are_refused() {
+        let mut client = connect();
+        client.write_all(b"\x01\x02 not http at all\r\n\r\n").await.unwrap();
+        assert!(response(&mut client).await.starts_with("HTTP/1.1 400 "));
+        let mut client = connect();
+        client.write_all(b"GET / HTTP/1.1\r\nX: ").await.unwrap();
+        let header = vec![b'a'; 2 * MAX_REQUEST];
+        // The server stops reading once its buffer is full: not all of it
+        // may be taken.
+        let _ = client.write_all(&header).await;
+        assert!(response(&mut client).await.starts_with("HTTP/1.1 431 "));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_clients_are_dropped() {
+        let mut client = connect();
+        client.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        let start = tokio::time::Instant::now();
+        let text = response(&mut client).await;
+        assert!(!text.contains("GET /"), "{text}");
+        assert!(start.elapsed() >= READ_TIMEOUT, "dropped once its time is up");
     }
 }

@@ -23,7 +23,7 @@ const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS]
     | tcp ADDR COUNT [--interval-ms MS] | tcp-concurrent ADDR COUNT \
     | stream ADDR COUNT [--interval-ms MS] \
     | udp ADDR COUNT [--interval-ms MS] [--connect [--reconnect]] [--socket-per-datagram] \
-    [--size BYTES] | http ADDR PATH [--full] \
+    [--size BYTES] | http ADDR PATH [--full] | http-abuse ADDR PATH... \
     | bulk ADDR BYTES)";
 
 fn main() -> anyhow::Result<()> {
@@ -45,6 +45,7 @@ fn main() -> anyhow::Result<()> {
         Some("stream") => stream_client(&mut args, timeout),
         Some("udp") => udp_client(&mut args, timeout),
         Some("http") => http_get(&args, timeout),
+        Some("http-abuse") => http_abuse(&args, timeout),
         Some("bulk") => bulk_client(&args, timeout),
         _ => bail!(USAGE),
     }
@@ -211,10 +212,26 @@ fn tcp_request(
     path: &str,
     timeout: Duration,
 ) -> std::io::Result<(SocketAddr, String)> {
+    exchange(addr, &format!("GET {path} HTTP/1.0\r\n\r\n"), timeout)
+}
+
+/// A GET as probes and scrapers send it (HTTP/1.1), for the agent's
+/// endpoints: the whole response.
+fn http_request(addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Result<String> {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    Ok(exchange(addr, &request, timeout)?.1)
+}
+
+/// Sends `request`, reads the response until the server closes.
+fn exchange(
+    addr: SocketAddr,
+    request: &str,
+    timeout: Duration,
+) -> std::io::Result<(SocketAddr, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     let peer = stream.peer_addr()?;
-    stream.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())?;
+    stream.write_all(request.as_bytes())?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
     Ok((peer, response))
@@ -352,10 +369,63 @@ fn bulk_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
 /// GET PATH from ADDR and print the body (used for the agent's /metrics).
 /// Prints the body, or with `--full` the whole response (status line and
 /// headers too).
+/// Abuses an HTTP server, then GETs each PATH while the abuse goes on:
+/// 1,000 idle connections held open, a slowloris client (a byte of its
+/// request head every 500 ms, for 15 s at most), garbage, and an endless
+/// header. Prints `garbage|endless <status line>`, `probe PATH <status
+/// line>`, `idle N`, then `slowloris closed ms=<elapsed>` (or `slowloris
+/// open`) once the server drops it.
+fn http_abuse(args: &[String], timeout: Duration) -> anyhow::Result<()> {
+    let addr: SocketAddr = args.get(1).context(USAGE)?.parse()?;
+    let connect = || -> std::io::Result<TcpStream> {
+        let stream = TcpStream::connect_timeout(&addr, timeout)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        Ok(stream)
+    };
+    let status_line = |stream: &mut TcpStream| {
+        let mut response = Vec::new();
+        let _ = stream.read_to_end(&mut response);
+        let text = String::from_utf8_lossy(&response).into_owned();
+        text.lines().next().map_or("closed".to_string(), str::to_string)
+    };
+    let idle: Vec<TcpStream> = (0..1000).filter_map(|_| connect().ok()).collect();
+    let mut slow = connect()?;
+    let slowloris = std::thread::spawn(move || {
+        let start = Instant::now();
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\n".iter().cycle().take(30) {
+            if slow.write_all(&[*byte]).is_err() {
+                return format!("slowloris closed ms={}", start.elapsed().as_millis());
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let mut rest = Vec::new();
+        match slow.read_to_end(&mut rest) {
+            Ok(_) => format!("slowloris closed ms={}", start.elapsed().as_millis()),
+            Err(_) => "slowloris open".to_string(),
+        }
+    });
+    let mut garbage = connect()?;
+    garbage.write_all(b"\x01\x02\xff not http at all\r\n\r\n")?;
+    println!("garbage {}", status_line(&mut garbage));
+    let mut endless = connect()?;
+    endless.write_all(b"GET / HTTP/1.1\r\nX-Endless: ")?;
+    // The server stops reading once it has had enough.
+    let _ = endless.write_all(&[b'a'; 64 * 1024]);
+    println!("endless {}", status_line(&mut endless));
+    for path in &args[2..] {
+        let response = http_request(addr, path, timeout)?;
+        println!("probe {path} {}", response.lines().next().unwrap_or("closed"));
+    }
+    println!("idle {}", idle.len());
+    println!("{}", slowloris.join().map_err(|_| anyhow::anyhow!("slowloris thread"))?);
+    Ok(())
+}
+
 fn http_get(args: &[String], timeout: Duration) -> anyhow::Result<()> {
     let addr = args.get(1).context(USAGE)?.parse()?;
     let path = args.get(2).context(USAGE)?;
-    let (_, response) = tcp_request(addr, path, timeout)?;
+    let response = http_request(addr, path, timeout)?;
     if args.iter().any(|a| a == "--full") {
         print!("{response}");
     } else {
