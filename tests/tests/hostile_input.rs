@@ -130,7 +130,8 @@ fn truncated_huge_and_binary_files_are_reported_once_and_not_read_again() {
         (0..4096u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     lab.write_manifest_file("binary.yaml", &binary).unwrap();
 
-    lab.start_agent(&[]).unwrap();
+    // A debug build of the agent takes about 10 s to find huge.yaml broken.
+    lab.start_agent_within(0, &[], Duration::from_secs(60)).unwrap();
     assert_eq!(reach(&lab, &client, "10.96.0.10:80", 3), served_by(&pod, 3));
     // Many polls later, each file was parsed (and reported) once.
     std::thread::sleep(Duration::from_secs(3));
