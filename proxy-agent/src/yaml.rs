@@ -10,9 +10,9 @@ pub type Value = serde_json::Value;
 
 #[derive(Debug, thiserror::Error)]
 pub enum YamlError {
-    /// Not YAML (or past the parser's budget).
+    /// Not YAML.
     #[error(transparent)]
-    Syntax(#[from] serde_saphyr::Error),
+    Syntax(Box<serde_saphyr::Error>),
     /// YAML, but not the value expected.
     #[error(transparent)]
     Decode(#[from] serde_json::Error),
@@ -48,6 +48,7 @@ pub fn for_each_document(
 
 /// One document, decoded as `T`.
 pub fn from_str<T: DeserializeOwned>(text: &str) -> Result<T, YamlError> {
-    let value: Value = serde_saphyr::from_str_with_options(text, options())?;
+    let value: Value = serde_saphyr::from_str_with_options(text, options())
+        .map_err(|e| YamlError::Syntax(Box::new(e)))?;
     Ok(serde_json::from_value(value)?)
 }
