@@ -243,6 +243,8 @@ pub struct Node {
     agent_bin: Option<PathBuf>,
     /// The umask agents start with, when not the test's.
     agent_umask: Option<libc::mode_t>,
+    /// Whether the agent is told its address (`--node-ip`), or finds it.
+    pass_node_ip: bool,
     veths: usize,
 }
 
@@ -412,6 +414,7 @@ impl Lab {
             agent: None,
             agent_bin: None,
             agent_umask: None,
+            pass_node_ip: true,
             veths: 0,
         });
         if let Some(api) = &self.api {
@@ -809,7 +812,8 @@ impl Lab {
             .arg(&host.cgroup)
             .arg("--bpffs-root")
             .arg(&host.pins)
-            .args(["--hostname-override", &host.name, "--node-ip", &host.ip])
+            .args(["--hostname-override", &host.name])
+            .args(if host.pass_node_ip { vec!["--node-ip", &host.ip] } else { vec![] })
             .args(mode)
             .args(extra)
             .env("RUST_LOG", "info")
@@ -830,6 +834,12 @@ impl Lab {
 
     /// Agents started on `node` from now on start with this umask (the
     /// test's with `None`).
+    /// Lets a node's agent find its addresses itself instead of being given
+    /// them with `--node-ip`.
+    pub fn omit_node_ip(&mut self, node: usize) {
+        self.nodes[node].pass_node_ip = false;
+    }
+
     pub fn set_agent_umask(&mut self, node: usize, umask: Option<libc::mode_t>) {
         self.nodes[node].agent_umask = umask;
     }

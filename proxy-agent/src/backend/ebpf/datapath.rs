@@ -233,7 +233,8 @@ fn config(args: &RunArgs, node_ips: &[Ipv4Addr], host_netns_cookie: u64) -> Conf
     let (cidr, prefix) = args.node.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
     Config {
-        snat_addr: node_ips[0].octets(),
+        // No node address (ClusterIPs only): nothing is SNATed to the node.
+        snat_addr: node_ips.first().map_or([0; 4], |ip| ip.octets()),
         cluster_cidr: cidr,
         cluster_cidr_prefix: prefix,
         masquerade_all: args.node.masquerade_all as u8,
