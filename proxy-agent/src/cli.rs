@@ -9,7 +9,10 @@ use std::{
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{backend::ebpf::sock_end::SocketDestroy, model};
+use crate::{
+    backend::{ebpf::sock_end::SocketDestroy, iptables::exec::Xtables},
+    model,
+};
 
 #[derive(Parser)]
 #[command(name = "proxy-agent", version, about = "eBPF Kubernetes service proxy")]
@@ -235,6 +238,10 @@ pub struct RunArgs {
     /// Which datapath to program
     #[arg(long, value_enum, default_value = "auto")]
     pub proxy_mode: ProxyMode,
+    /// iptables mode: the iptables implementation to program (`auto`: the
+    /// one the node's kubelet uses, else the one holding more rules)
+    #[arg(long, value_enum, default_value = "auto")]
+    pub iptables_backend: Xtables,
     #[command(flatten)]
     pub node: NodeArgs,
     /// cgroup v2 the socket programs attach to [default: the cgroup2 mount root]

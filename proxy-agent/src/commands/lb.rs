@@ -4,7 +4,7 @@
 use anyhow::Context as _;
 
 use crate::{
-    backend::iptables::exec::{Runner as _, System},
+    backend::iptables::exec::{Runner as _, System, Xtables},
     cli::{CtListArgs, InspectArgs, InspectMode, LbListArgs, Output},
     inspect::{self, LbEntry, ct::CtRow},
     sys,
@@ -23,7 +23,8 @@ pub fn mode(args: &InspectArgs) -> InspectMode {
 fn lb_entries(args: &InspectArgs) -> anyhow::Result<Vec<LbEntry>> {
     Ok(match mode(args) {
         InspectMode::Iptables => {
-            let save = System.run("iptables-save", &[], None).context("reading the rules")?;
+            let mut tools = System::new(Xtables::Auto.resolve(&mut System::default()));
+            let save = tools.run("iptables-save", &[], None).context("reading the rules")?;
             inspect::iptables::entries(&save)
         }
         _ => inspect::maps::read_pinned(&args.pins.bpffs_root)?,
@@ -45,7 +46,8 @@ pub fn ct_list(args: &CtListArgs) -> anyhow::Result<()> {
     let mut rows: Vec<CtRow> = match mode(inspect) {
         InspectMode::Iptables => {
             let lb = lb_entries(inspect)?;
-            let text = System.run("conntrack", &["-L"], None).context("reading conntrack")?;
+            let text =
+                System::default().run("conntrack", &["-L"], None).context("reading conntrack")?;
             inspect::ct::conntrack(&text, &lb)
         }
         _ => inspect::maps::read_flows(&inspect.pins.bpffs_root, sys::monotonic_ns())?,

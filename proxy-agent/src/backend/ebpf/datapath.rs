@@ -220,7 +220,7 @@ impl Datapath for EbpfDatapath {
     /// Rules would still catch host-network clients: they go once the
     /// programs serve.
     fn remove_other_mode(&self) -> anyhow::Result<()> {
-        let chains = iptables::cleanup(&mut iptables::exec::System)?;
+        let chains = iptables::cleanup_every_backend()?;
         if chains > 0 {
             tracing::info!(chains, "removed the iptables mode's rules");
         }
