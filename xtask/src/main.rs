@@ -55,6 +55,11 @@ enum Task {
         /// Also copy the report and plots into docs/
         #[arg(long)]
         docs: bool,
+        /// Only compare the iptables mode's programming time with
+        /// iptables-nft and iptables-legacy (at --sizes, default 1,000 and
+        /// 10,000)
+        #[arg(long)]
+        iptables_backends: bool,
     },
 }
 
@@ -96,7 +101,7 @@ fn main() -> anyhow::Result<()> {
             build()?;
             cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])
         }
-        Task::Bench { full, seconds, rounds, sizes, modes, docs } => {
+        Task::Bench { full, seconds, rounds, sizes, modes, docs, iptables_backends } => {
             setup::run()?;
             setup::bench_packages()?;
             require_root()?;
@@ -109,6 +114,9 @@ fn main() -> anyhow::Result<()> {
                 return cargo(&[&run[..], &args].concat());
             }
             cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])?;
+            if iptables_backends {
+                return bench::iptables_backends(&sizes, full);
+            }
             let modes = modes.into_iter().map(DemoMode::lab).collect();
             bench::run(bench::Options { full, seconds, rounds, sizes, modes, docs })
         }
