@@ -495,8 +495,11 @@ impl Agent {
     }
 
     /// Logs and counts each problem with the objects once, for as long as
-    /// it lasts.
+    /// it lasts: the first few of an update as warnings, the rest at debug
+    /// level behind one summary line (36,000 invalid Services must not
+    /// flood the log).
     fn report_problems(&mut self, update: &StoreUpdate) {
+        const WARNED: usize = 10;
         let mut problems = self.store.problems();
         for err in &update.unnamed {
             problems.push((err.kind(), format!("invalid object skipped: {err}")));
@@ -505,15 +508,25 @@ impl Agent {
             problems.push(("Service", conflict.to_string()));
         }
         let current: BTreeSet<String> = problems.iter().map(|(_, m)| m.clone()).collect();
-        for (kind, message) in &problems {
-            if self.report.reported.contains(message) {
-                continue;
+        let new = problems.iter().filter(|(_, m)| !self.report.reported.contains(m));
+        let mut count = 0;
+        for (kind, message) in new {
+            count += 1;
+            if count <= WARNED {
+                tracing::warn!(kind = %kind, "{message}");
+            } else {
+                tracing::debug!(kind = %kind, "{message}");
             }
-            tracing::warn!(kind = %kind, "{message}");
             match *kind {
                 "kept" => drop(self.report.metrics.kept_objects.fetch_add(1, Relaxed)),
                 kind => self.report.metrics.invalid(kind),
             }
+        }
+        if count > WARNED {
+            tracing::warn!(
+                more = count - WARNED,
+                "more problems with objects: each at debug level (RUST_LOG=debug), counted in proxy_invalid_objects_total and proxy_kept_objects_total"
+            );
         }
         self.report.reported = current;
     }
