@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_yaml::Value;
 
 use crate::{
-    cli::{ProxyMode, RunArgs, parse_go_duration},
+    cli::{BpfLogLevel, ProxyMode, RunArgs, parse_go_duration},
     model::Cidr,
 };
 
@@ -44,6 +44,8 @@ struct File {
     iptables: Option<Iptables>,
     conntrack: Option<Conntrack>,
     detect_local_mode: Option<String>,
+    /// This proxy's own field: `--bpf-log-level`.
+    bpf_log_level: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -93,6 +95,7 @@ const HONOURED: &[&str] = &[
     "conntrack.tcpCloseWaitTimeout",
     "conntrack.udpTimeout",
     "detectLocalMode",
+    "bpfLogLevel",
 ];
 
 /// kube-proxy's fields that do not apply to this proxy.
@@ -138,6 +141,7 @@ pub struct Settings {
     pub conntrack_tcp_timeout_established: Option<Duration>,
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
     pub conntrack_udp_timeout: Option<Duration>,
+    pub bpf_log_level: Option<BpfLogLevel>,
 }
 
 /// Appends kube-proxy's default port to an address given without one.
@@ -253,6 +257,13 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
             s.conntrack_udp_timeout = duration(&d).map_err(bad("conntrack.udpTimeout"))?;
         }
     }
+    if let Some(level) = file.bpf_log_level {
+        s.bpf_log_level = Some(
+            clap::ValueEnum::from_str(&level, true)
+                .map_err(|_| format!("{level:?}: expected off, info, debug or trace"))
+                .map_err(bad("bpfLogLevel"))?,
+        );
+    }
     if let Some(mode) = file.detect_local_mode.filter(|m| !m.is_empty() && m != "ClusterCIDR") {
         warnings.push(format!("detectLocalMode {mode}: only ClusterCIDR is supported"));
     }
@@ -311,6 +322,7 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
         settings.conntrack_tcp_timeout_close_wait
     );
     set!("conntrack_udp_timeout", args.conntrack_udp_timeout, settings.conntrack_udp_timeout);
+    set!("bpf_log_level", args.bpf_log_level, settings.bpf_log_level);
 }
 
 #[cfg(test)]
@@ -350,6 +362,7 @@ mode: iptables
 nodePortAddresses: [192.168.100.0/24]
 oomScoreAdj: null
 someFutureField: true
+bpfLogLevel: debug
 "#;
 
     fn run_args(flags: &[&str]) -> (RunArgs, clap::ArgMatches) {
@@ -374,6 +387,7 @@ someFutureField: true
         assert_eq!(settings.min_sync_period, Some(Duration::from_secs(2)));
         assert_eq!(settings.conntrack_tcp_timeout_established, Some(Duration::from_secs(43_200)));
         assert_eq!(settings.conntrack_udp_timeout, None, "0s: leave as is");
+        assert_eq!(settings.bpf_log_level, Some(BpfLogLevel::Debug));
         assert!(
             warnings.iter().any(|w| w == "unknown field someFutureField; ignored"),
             "{warnings:?}"
@@ -393,6 +407,7 @@ someFutureField: true
         assert!(args.node.masquerade_all);
         assert_eq!(args.node.nodeport_addresses.len(), 1);
         assert_eq!(args.min_sync_period, Some(Duration::from_secs(2)));
+        assert_eq!(args.bpf_log_level, BpfLogLevel::Debug);
     }
 
     #[test]
@@ -406,5 +421,11 @@ someFutureField: true
         )
         .unwrap_err();
         assert!(err.to_string().contains("iptables.syncPeriod"), "{err}");
+        let err = parse(
+            std::path::Path::new("c"),
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nbpfLogLevel: loud\n",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("bpfLogLevel"), "{err}");
     }
 }

@@ -79,6 +79,9 @@ pub struct FrontendPlan {
     /// In-cluster clients get the internal-scope frontend at this address
     /// (an external frontend with the Local policy).
     pub two_scopes: bool,
+    /// No endpoint is ready: the backends are the serving, terminating
+    /// ones (kube-proxy's fallback). Only the datapath's logs tell it.
+    pub serves_terminating: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -331,6 +334,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
         FrontendPlan {
             service: port.name.clone(),
             drop_when_empty: backends.is_empty() && port.has_endpoints(),
+            serves_terminating: !endpoints.is_empty() && endpoints.iter().all(|e| !e.ready),
             backends,
             affinity_timeout_secs: port.affinity_timeout_secs,
             external,

@@ -92,10 +92,17 @@ fn port_free(key: &CtKey, cfg: &Config, now: u64) -> bool {
     port_reusable(cfg, expires_ns, flags, now)
 }
 
+/// Why a new flow could not be recorded.
+pub enum NotCreated {
+    /// Every SNAT source port tried was taken.
+    NoSnatPort,
+    /// The map refused the entry.
+    NoRoom,
+}
+
 /// Records a new flow `orig` translated to `xlated`. With SNAT, picks a
 /// source port in the configured range whose reply tuple is free (or held by
-/// a flow that closed long enough ago, as netfilter reuses closed tuples);
-/// `None` when no port (or no room) was found.
+/// a flow that closed long enough ago, as netfilter reuses closed tuples).
 #[inline(always)]
 pub fn create(
     orig: &CtKey,
@@ -104,7 +111,7 @@ pub fn create(
     snat: bool,
     cfg: &Config,
     now: u64,
-) -> Option<CtKey> {
+) -> Result<CtKey, NotCreated> {
     let flags = if snat { CT_FLAG_SNAT } else { 0 };
     let expires_ns = now + lifetime_ns(cfg, orig.proto, 0);
     let back = orig.reversed();
@@ -124,17 +131,17 @@ pub fn create(
             }
         }
         if !found {
-            return None;
+            return Err(NotCreated::NoSnatPort);
         }
     } else if CONNTRACK.insert(xlated.reversed(), reply, BPF_ANY as u64).is_err() {
-        return None;
+        return Err(NotCreated::NoRoom);
     }
     let forward = CtEntry::new(expires_ns, &xlated, rev_nat_id, flags);
     if CONNTRACK.insert(orig, forward, BPF_ANY as u64).is_err() {
         let _ = CONNTRACK.remove(xlated.reversed());
-        return None;
+        return Err(NotCreated::NoRoom);
     }
-    Some(xlated)
+    Ok(xlated)
 }
 
 /// What packets with `key` are rewritten to, if a live flow has that entry.

@@ -6,6 +6,7 @@
 mod conntrack;
 mod icmp;
 mod lb;
+mod log;
 mod maps;
 mod packet;
 mod reject;

@@ -20,12 +20,14 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AFFINITY_CLIENT_IPV4, Backend, Config, Counter, CtKey, FragKey, FragRewrite,
-    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SourceRangeKey,
+    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SourceRangeKey, log_level,
 };
 
 use crate::{
-    conntrack, icmp,
+    conntrack::{self, NotCreated},
+    icmp,
     lb::{self, Verdict},
+    log::{self, record},
     maps::{CONFIG, FRAGMENTS, SOURCE_RANGES, count},
     packet::{self, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
     reject,
@@ -33,6 +35,10 @@ use crate::{
 };
 
 const AF_INET: u8 = 2;
+
+/// The program names the decision records carry.
+const INGRESS: &str = "tc_ingress";
+const EGRESS: &str = "tc_egress";
 
 #[inline(always)]
 pub fn try_ingress(ctx: &TcContext) -> i32 {
@@ -51,38 +57,91 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
     }
 
     let key = ServiceKey::new(pkt.tuple.daddr, pkt.tuple.dport, pkt.tuple.proto, 0);
-    let Some(svc) = lb::lookup_frontend(&key) else { return NEXT };
-    if svc.flags.has_source_ranges() && !source_allowed(&svc, pkt.tuple.saddr) {
+    let Some(svc) = lb::lookup_frontend(&key) else {
+        record_unknown(ctx, cfg, &pkt);
+        return NEXT;
+    };
+    let t = &pkt.tuple;
+    if svc.flags.has_source_ranges() && !source_allowed(&svc, t.saddr) {
         count(Counter::Dropped);
+        record!(cfg, ctx, INGRESS, INFO, "{:i}:{} -> {:i}:{} proto {}: source outside loadBalancerSourceRanges, dropped", t.saddr, t.sport, t.daddr, t.dport, t.proto);
         return SHOT;
     }
-    let client = u32::from_ne_bytes(pkt.tuple.saddr) as u64;
+    new_flow(ctx, cfg, &pkt, &key, &svc, now)
+}
+
+/// A new flow to the frontend `svc` (found at `key`): a backend, SNAT where
+/// kube-proxy would masquerade, two conntrack entries; or its refusal.
+#[inline(always)]
+fn new_flow(
+    ctx: &TcContext,
+    cfg: &Config,
+    pkt: &Packet,
+    key: &ServiceKey,
+    svc: &ServiceValue,
+    now: u64,
+) -> i32 {
+    let t = &pkt.tuple;
+    let client = u32::from_ne_bytes(t.saddr) as u64;
     let (scoped_key, scoped) =
-        if from_pods(cfg, pkt.tuple.saddr) { lb::in_cluster_scope(&key, &svc) } else { (key, svc) };
+        if from_pods(cfg, t.saddr) { lb::in_cluster_scope(key, svc) } else { (*key, *svc) };
     match lb::choose(&scoped_key, &scoped, client, AFFINITY_CLIENT_IPV4) {
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
             count(Counter::Dropped);
+            record!(cfg, ctx, INGRESS, INFO, "{:i}:{} -> {:i}:{} proto {}: no local endpoint (policy Local), dropped", t.saddr, t.sport, t.daddr, t.dport, t.proto);
             SHOT
         }
-        Verdict::NoBackend => reject::refuse(ctx, &pkt),
-        Verdict::Backend { backend, rev_nat_id, .. } => {
-            let snat = needs_snat(&svc, cfg, &pkt, &backend);
+        Verdict::NoBackend => {
+            record!(cfg, ctx, INGRESS, INFO, "{:i}:{} -> {:i}:{} proto {}: no endpoint, refused", t.saddr, t.sport, t.daddr, t.dport, t.proto);
+            reject::refuse(ctx, pkt)
+        }
+        Verdict::Backend { backend, rev_nat_id, via, .. } => {
+            let snat = needs_snat(svc, cfg, pkt, &backend);
             let xlated = CtKey {
-                saddr: if snat { cfg.snat_addr } else { pkt.tuple.saddr },
+                saddr: if snat { cfg.snat_addr } else { t.saddr },
                 daddr: backend.address,
-                sport: pkt.tuple.sport,
+                sport: t.sport,
                 dport: backend.port,
-                proto: pkt.tuple.proto,
+                proto: t.proto,
                 _pad: [0; 3],
             };
-            let Some(xlated) = conntrack::create(&pkt.tuple, xlated, rev_nat_id, snat, cfg, now)
-            else {
-                count(Counter::Dropped);
-                return SHOT;
+            let xlated = match conntrack::create(t, xlated, rev_nat_id, snat, cfg, now) {
+                Ok(xlated) => xlated,
+                Err(why) => {
+                    count(Counter::Dropped);
+                    let why = match why {
+                        NotCreated::NoSnatPort => "no SNAT port free",
+                        NotCreated::NoRoom => "conntrack map full",
+                    };
+                    record!(cfg, ctx, INGRESS, INFO, "{:i}:{} -> {:i}:{} proto {}: {}, dropped", t.saddr, t.sport, t.daddr, t.dport, t.proto, why);
+                    return SHOT;
+                }
             };
             count(Counter::CtNew);
-            forward(ctx, &pkt, &xlated)
+            if cfg.log_level >= log_level::DEBUG {
+                let (how, among) = log::why(via, &scoped);
+                record!(cfg, ctx, INGRESS, DEBUG, "{:i}:{} -> {:i}:{} proto {}: backend {:i}:{} by {} among {}", t.saddr, t.sport, t.daddr, t.dport, t.proto, xlated.daddr, xlated.dport, how, among);
+                if snat {
+                    record!(cfg, ctx, INGRESS, DEBUG, "{:i}:{} -> {:i}:{} proto {}: SNAT to {:i}:{}", t.saddr, t.sport, t.daddr, t.dport, t.proto, xlated.saddr, xlated.sport);
+                }
+            }
+            forward(ctx, pkt, &xlated)
         }
+    }
+}
+
+/// Records a packet of no flow to no service: a reply to a SNAT port
+/// whose flow is gone (expired, evicted) at debug, anything else at trace.
+#[inline(always)]
+fn record_unknown(ctx: &TcContext, cfg: &Config, pkt: &Packet) {
+    if cfg.log_level < log_level::DEBUG {
+        return;
+    }
+    let t = &pkt.tuple;
+    if t.daddr == cfg.snat_addr && (cfg.snat_port_min..=cfg.snat_port_max).contains(&t.dport) {
+        record!(cfg, ctx, INGRESS, DEBUG, "{:i}:{} -> {:i}:{} proto {}: reply to a SNAT port without a conntrack entry, passed", t.saddr, t.sport, t.daddr, t.dport, t.proto);
+    } else {
+        record!(cfg, ctx, INGRESS, TRACE, "{:i}:{} -> {:i}:{} proto {}: no flow, no service", t.saddr, t.sport, t.daddr, t.dport, t.proto);
     }
 }
 
@@ -147,7 +206,11 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
     };
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) else { return NEXT };
+    let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) else {
+        let t = &pkt.tuple;
+        record!(cfg, ctx, EGRESS, TRACE, "{:i}:{} -> {:i}:{} proto {}: no flow", t.saddr, t.sport, t.daddr, t.dport, t.proto);
+        return NEXT;
+    };
     count(Counter::CtHit);
     match packet::rewrite(ctx, &pkt, &entry.rewritten(pkt.tuple.proto)) {
         Ok(()) => NEXT,
@@ -188,7 +251,12 @@ fn icmp_error(ctx: &TcContext, msg: &IcmpMessage, ingress: bool) -> i32 {
 #[inline(always)]
 fn later_fragment(ctx: &TcContext, key: &FragKey) -> i32 {
     // SAFETY: copied out at once.
-    let Some(to) = (unsafe { FRAGMENTS.get(key).copied() }) else { return NEXT };
+    let Some(to) = (unsafe { FRAGMENTS.get(key).copied() }) else {
+        if let Some(cfg) = CONFIG.get(0) {
+            record!(cfg, ctx, INGRESS, DEBUG, "{:i} -> {:i} proto {} id {}: a fragment whose first did not come through here, passed", key.saddr, key.daddr, key.proto, key.id);
+        }
+        return NEXT;
+    };
     if packet::rewrite_fragment(ctx, key, &to).is_err() {
         count(Counter::Dropped);
         return SHOT;
