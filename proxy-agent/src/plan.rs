@@ -426,7 +426,16 @@ mod tests {
         let fp = at(&plan, [10, 96, 0, 1], 80);
         let addr = "10.0.0.2:80".parse::<SocketAddrV4>().unwrap();
         assert_eq!(fp.backends, vec![BackendPlan { addr, local: true, host: false }]);
-        assert!(!fp.external && !fp.local && !fp.drop_when_empty);
+        assert!(!fp.external && !fp.local && !fp.drop_when_empty && !fp.serves_terminating);
+    }
+
+    #[test]
+    fn the_terminating_fallback_is_marked() {
+        let mut p = port("a", [10, 96, 0, 1], &[("10.0.0.2:80", false, "node-a")]);
+        (p.endpoints[0].serving, p.endpoints[0].terminating) = (true, true);
+        let fp = at(&one(vec![p]), [10, 96, 0, 1], 80).clone();
+        assert_eq!(fp.backends.len(), 1);
+        assert!(fp.serves_terminating);
     }
 
     #[test]

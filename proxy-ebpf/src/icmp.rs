@@ -44,7 +44,8 @@ pub fn parse(ctx: &TcContext, msg: &IcmpMessage) -> Option<IcmpError> {
         return None;
     }
     let ip_off = msg.icmp_off + Icmpv4Hdr::LEN;
-    let (ip, ihl) = packet::load_ipv4(ctx, ip_off)?;
+    let ip: Ipv4Hdr = ctx.load(ip_off).ok()?;
+    let ihl = packet::ipv4_len(&ip)?;
     let proto = ip.proto;
     // A later fragment quotes no ports.
     if (proto != IPPROTO_TCP && proto != IPPROTO_UDP) || ip.frag_offset() != 0 {
@@ -84,9 +85,8 @@ pub fn rewrite(ctx: &TcContext, err: &IcmpError, to: &ErrorTuple) -> Result<(), 
     let from = &err.tuple;
     packet::rewrite_addrs(ctx, [from.saddr, from.daddr], [to.saddr, to.daddr])?;
     let (old, new) = (&from.quoted, &to.quoted);
-    let quoted_addr = |field, old, new| {
-        packet::set_addr::<Ipv4Hdr>(ctx, None, err.ip_off, field, old, new)
-    };
+    let quoted_addr =
+        |field, old, new| packet::set_addr::<Ipv4Hdr>(ctx, None, err.ip_off, field, old, new);
     quoted_addr(Ipv4Hdr::SADDR, old.saddr, new.saddr)?;
     quoted_addr(Ipv4Hdr::DADDR, old.daddr, new.daddr)?;
     set_quoted_port(ctx, err, err.l4_off + SPORT, old.sport, new.sport)?;

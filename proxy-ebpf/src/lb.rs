@@ -69,7 +69,12 @@ pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Ve
     let now = unsafe { bpf_ktime_get_ns() };
     if affine && let Some((backend_id, backend)) = affine_backend(&affinity_key, svc, now) {
         count(Counter::AffinityHit);
-        return Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id, via: Via::Affinity };
+        return Verdict::Backend {
+            backend,
+            backend_id,
+            rev_nat_id: svc.rev_nat_id,
+            via: Via::Affinity,
+        };
     }
     let Some((backend_id, backend)) = random_backend(key, svc.count) else {
         count(Counter::SlotMiss);

@@ -102,15 +102,18 @@ impl Packet {
 #[inline(always)]
 pub fn tcp_flags(tcp: &TcpHdr) -> u8 {
     let bit = |set: u16, flag: u8| if set != 0 { flag } else { 0 };
-    bit(tcp.fin(), TCP_FIN) | bit(tcp.syn(), TCP_SYN) | bit(tcp.rst(), TCP_RST) | bit(tcp.ack(), TCP_ACK)
+    bit(tcp.fin(), TCP_FIN)
+        | bit(tcp.syn(), TCP_SYN)
+        | bit(tcp.rst(), TCP_RST)
+        | bit(tcp.ack(), TCP_ACK)
 }
 
-/// Reads an IPv4 header at `off`: `None` unless it is one, with its length.
+/// The header length of `ip`, if it is an IPv4 header. (Taking the header
+/// by reference: one returned by value is copied byte by byte.)
 #[inline(always)]
-pub fn load_ipv4(ctx: &TcContext, off: usize) -> Option<(Ipv4Hdr, usize)> {
-    let ip: Ipv4Hdr = ctx.load(off).ok()?;
+pub fn ipv4_len(ip: &Ipv4Hdr) -> Option<usize> {
     let ihl = ip.ihl() as usize;
-    (ip.version() == 4 && ihl >= Ipv4Hdr::LEN).then_some((ip, ihl))
+    (ip.version() == 4 && ihl >= Ipv4Hdr::LEN).then_some(ihl)
 }
 
 /// Reads the ports (and TCP flags) of the TCP or UDP header at `off`.
@@ -136,7 +139,8 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     if ethertype != EtherType::Ipv4 as u16 {
         return None;
     }
-    let (ip, ihl) = load_ipv4(ctx, IP_OFF)?;
+    let ip: Ipv4Hdr = ctx.load(IP_OFF).ok()?;
+    let ihl = ipv4_len(&ip)?;
     let (saddr, daddr, proto) = (ip.src_addr, ip.dst_addr, ip.proto);
     let more_fragments = ip.frag_flags() & MORE_FRAGMENTS != 0;
     let fragment_offset = ip.frag_offset();

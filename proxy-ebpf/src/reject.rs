@@ -128,12 +128,7 @@ fn icmp_unreachable(ctx: &TcContext) -> Result<(), i64> {
         return Err(0);
     }
     let mut msg = PortUnreachable {
-        icmp: Icmpv4Hdr {
-            type_: DEST_UNREACH,
-            code: PORT_UNREACH,
-            check: [0; 2],
-            data: [0; 4],
-        },
+        icmp: Icmpv4Hdr { type_: DEST_UNREACH, code: PORT_UNREACH, check: [0; 2], data: [0; 4] },
         quote,
     };
     msg.icmp.check = packet::csum_fold(packet::csum_add(0, packet::bytes(&msg))).to_be_bytes();

@@ -100,11 +100,29 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let Some(cfg) = CONFIG.get(0) else { return ALLOW };
     let program = hook.program(true);
     let Some(svc) = lb::lookup_frontend(&key) else {
-        record!(cfg, ctx, program, TRACE, "{:i}:{} proto {}: no service", key.address, key.port, key.proto);
+        record!(
+            cfg,
+            ctx,
+            program,
+            TRACE,
+            "{:i}:{} proto {}: no service",
+            key.address,
+            key.port,
+            key.proto
+        );
         return ALLOW;
     };
     if !in_scope(ctx, cfg) {
-        record!(cfg, ctx, program, TRACE, "{:i}:{} proto {}: a pod's socket, left to the per-packet path", key.address, key.port, key.proto);
+        record!(
+            cfg,
+            ctx,
+            program,
+            TRACE,
+            "{:i}:{} proto {}: a pod's socket, left to the per-packet path",
+            key.address,
+            key.port,
+            key.proto
+        );
         return ALLOW;
     }
     let (key, svc) = lb::in_cluster_scope(&key, &svc);
@@ -127,7 +145,16 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
     };
     match verdict {
         Verdict::NoBackend => {
-            record!(cfg, ctx, program, INFO, "{:i}:{} proto {}: no endpoint, refused (ECONNREFUSED)", key.address, key.port, key.proto);
+            record!(
+                cfg,
+                ctx,
+                program,
+                INFO,
+                "{:i}:{} proto {}: no endpoint, refused (ECONNREFUSED)",
+                key.address,
+                key.port,
+                key.proto
+            );
             // Fail the call at once with ECONNREFUSED instead of EPERM.
             unsafe { bpf_set_retval(-ECONNREFUSED) };
             REJECT
@@ -137,8 +164,21 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
                 remember(&flow, backend_id);
             }
             if cfg.log_level >= log_level::DEBUG {
-                let (how, among) = log::why(via, &svc);
-                record!(cfg, ctx, program, DEBUG, "{:i}:{} proto {}: backend {:i}:{} by {} among {}", key.address, key.port, key.proto, backend.address, backend.port, how, among);
+                let (how, among) = log::why(via, svc.flags);
+                record!(
+                    cfg,
+                    ctx,
+                    program,
+                    DEBUG,
+                    "{:i}:{} proto {}: backend {:i}:{} by {} among {}",
+                    key.address,
+                    key.port,
+                    key.proto,
+                    backend.address,
+                    backend.port,
+                    how,
+                    among
+                );
             }
             let rev_key =
                 SockRevNatKey { cookie, address: backend.address, port: backend.port, _pad: 0 };
@@ -200,7 +240,17 @@ pub fn try_reverse(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let frontend = ServiceKey::new(rev.address, rev.port, sa.protocol as u8, 0);
     let Some(svc) = lb::lookup_frontend(&frontend) else {
         if let Some(cfg) = CONFIG.get(0) {
-            record!(cfg, ctx, hook.program(false), DEBUG, "{:i}:{}: its service {:i}:{} is gone, the peer's own address shown", key.address, key.port, rev.address, rev.port);
+            record!(
+                cfg,
+                ctx,
+                hook.program(false),
+                DEBUG,
+                "{:i}:{}: its service {:i}:{} is gone, the peer's own address shown",
+                key.address,
+                key.port,
+                rev.address,
+                rev.port
+            );
         }
         return ALLOW;
     };

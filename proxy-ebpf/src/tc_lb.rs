@@ -27,7 +27,7 @@ use crate::{
     conntrack::{self, NotCreated},
     icmp,
     lb::{self, Verdict},
-    log::{self, record},
+    log::{self, Outcome},
     maps::{CONFIG, FRAGMENTS, SOURCE_RANGES, count},
     packet::{self, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
     reject,
@@ -35,10 +35,6 @@ use crate::{
 };
 
 const AF_INET: u8 = 2;
-
-/// The program names the decision records carry.
-const INGRESS: &str = "tc_ingress";
-const EGRESS: &str = "tc_egress";
 
 #[inline(always)]
 pub fn try_ingress(ctx: &TcContext) -> i32 {
@@ -58,13 +54,13 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
 
     let key = ServiceKey::new(pkt.tuple.daddr, pkt.tuple.dport, pkt.tuple.proto, 0);
     let Some(svc) = lb::lookup_frontend(&key) else {
-        record_unknown(ctx, cfg, &pkt);
+        record_unknown(cfg, &pkt);
         return NEXT;
     };
     let t = &pkt.tuple;
     if svc.flags.has_source_ranges() && !source_allowed(&svc, t.saddr) {
         count(Counter::Dropped);
-        record!(cfg, ctx, INGRESS, INFO, "{:i}:{} -> {:i}:{} proto {}: source outside loadBalancerSourceRanges, dropped", t.saddr, t.sport, t.daddr, t.dport, t.proto);
+        record(cfg, log_level::INFO, true, t, Outcome::SourceOutsideRanges);
         return SHOT;
     }
     new_flow(ctx, cfg, &pkt, &key, &svc, now)
@@ -88,11 +84,11 @@ fn new_flow(
     match lb::choose(&scoped_key, &scoped, client, AFFINITY_CLIENT_IPV4) {
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
             count(Counter::Dropped);
-            record!(cfg, ctx, INGRESS, INFO, "{:i}:{} -> {:i}:{} proto {}: no local endpoint (policy Local), dropped", t.saddr, t.sport, t.daddr, t.dport, t.proto);
+            record(cfg, log_level::INFO, true, t, Outcome::NoLocalEndpoint);
             SHOT
         }
         Verdict::NoBackend => {
-            record!(cfg, ctx, INGRESS, INFO, "{:i}:{} -> {:i}:{} proto {}: no endpoint, refused", t.saddr, t.sport, t.daddr, t.dport, t.proto);
+            record(cfg, log_level::INFO, true, t, Outcome::NoEndpoint);
             reject::refuse(ctx, pkt)
         }
         Verdict::Backend { backend, rev_nat_id, via, .. } => {
@@ -109,21 +105,17 @@ fn new_flow(
                 Ok(xlated) => xlated,
                 Err(why) => {
                     count(Counter::Dropped);
-                    let why = match why {
-                        NotCreated::NoSnatPort => "no SNAT port free",
-                        NotCreated::NoRoom => "conntrack map full",
+                    let outcome = match why {
+                        NotCreated::NoSnatPort => Outcome::NoSnatPort,
+                        NotCreated::NoRoom => Outcome::ConntrackFull,
                     };
-                    record!(cfg, ctx, INGRESS, INFO, "{:i}:{} -> {:i}:{} proto {}: {}, dropped", t.saddr, t.sport, t.daddr, t.dport, t.proto, why);
+                    record(cfg, log_level::INFO, true, t, outcome);
                     return SHOT;
                 }
             };
             count(Counter::CtNew);
             if cfg.log_level >= log_level::DEBUG {
-                let (how, among) = log::why(via, &scoped);
-                record!(cfg, ctx, INGRESS, DEBUG, "{:i}:{} -> {:i}:{} proto {}: backend {:i}:{} by {} among {}", t.saddr, t.sport, t.daddr, t.dport, t.proto, xlated.daddr, xlated.dport, how, among);
-                if snat {
-                    record!(cfg, ctx, INGRESS, DEBUG, "{:i}:{} -> {:i}:{} proto {}: SNAT to {:i}:{}", t.saddr, t.sport, t.daddr, t.dport, t.proto, xlated.saddr, xlated.sport);
-                }
+                log::new_flow(t, &xlated, via, scoped.flags, snat);
             }
             forward(ctx, pkt, &xlated)
         }
@@ -133,15 +125,23 @@ fn new_flow(
 /// Records a packet of no flow to no service: a reply to a SNAT port
 /// whose flow is gone (expired, evicted) at debug, anything else at trace.
 #[inline(always)]
-fn record_unknown(ctx: &TcContext, cfg: &Config, pkt: &Packet) {
+fn record_unknown(cfg: &Config, pkt: &Packet) {
     if cfg.log_level < log_level::DEBUG {
         return;
     }
     let t = &pkt.tuple;
     if t.daddr == cfg.snat_addr && (cfg.snat_port_min..=cfg.snat_port_max).contains(&t.dport) {
-        record!(cfg, ctx, INGRESS, DEBUG, "{:i}:{} -> {:i}:{} proto {}: reply to a SNAT port without a conntrack entry, passed", t.saddr, t.sport, t.daddr, t.dport, t.proto);
+        record(cfg, log_level::DEBUG, true, t, Outcome::ReplyWithoutFlow);
     } else {
-        record!(cfg, ctx, INGRESS, TRACE, "{:i}:{} -> {:i}:{} proto {}: no flow, no service", t.saddr, t.sport, t.daddr, t.dport, t.proto);
+        record(cfg, log_level::TRACE, true, t, Outcome::NoService);
+    }
+}
+
+/// A decision record about the packet `t`, if the configured level takes it.
+#[inline(always)]
+fn record(cfg: &Config, level: u8, ingress: bool, t: &CtKey, outcome: Outcome) {
+    if cfg.log_level >= level {
+        log::packet(level, ingress, t, outcome);
     }
 }
 
@@ -207,8 +207,7 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
     let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) else {
-        let t = &pkt.tuple;
-        record!(cfg, ctx, EGRESS, TRACE, "{:i}:{} -> {:i}:{} proto {}: no flow", t.saddr, t.sport, t.daddr, t.dport, t.proto);
+        record(cfg, log_level::TRACE, false, &pkt.tuple, Outcome::NoFlow);
         return NEXT;
     };
     count(Counter::CtHit);
@@ -252,8 +251,8 @@ fn icmp_error(ctx: &TcContext, msg: &IcmpMessage, ingress: bool) -> i32 {
 fn later_fragment(ctx: &TcContext, key: &FragKey) -> i32 {
     // SAFETY: copied out at once.
     let Some(to) = (unsafe { FRAGMENTS.get(key).copied() }) else {
-        if let Some(cfg) = CONFIG.get(0) {
-            record!(cfg, ctx, INGRESS, DEBUG, "{:i} -> {:i} proto {} id {}: a fragment whose first did not come through here, passed", key.saddr, key.daddr, key.proto, key.id);
+        if CONFIG.get(0).is_some_and(|cfg| cfg.log_level >= log_level::DEBUG) {
+            log::orphan_fragment(key);
         }
         return NEXT;
     };
