@@ -50,7 +50,7 @@ impl Outcome {
             Outcome::SourceOutsideRanges => "source outside loadBalancerSourceRanges, dropped",
             Outcome::NoLocalEndpoint => "no local endpoint (policy Local), dropped",
             Outcome::NoEndpoint => "no endpoint, refused",
-            Outcome::NoSnatPort => "no SNAT port free, dropped",
+            Outcome::NoSnatPort => "no SNAT port free (or conntrack map full), dropped",
             Outcome::ConntrackFull => "conntrack map full, dropped",
             Outcome::ReplyWithoutFlow => "reply to a SNAT port without a conntrack entry, passed",
             Outcome::NoService => "no flow, no service",

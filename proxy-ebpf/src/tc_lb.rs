@@ -24,8 +24,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack::{self, NotCreated},
-    icmp,
+    conntrack, icmp,
     lb::{self, Verdict},
     log::{self, Outcome},
     maps::{CONFIG, FRAGMENTS, SOURCE_RANGES, count},
@@ -102,13 +101,10 @@ fn new_flow(
                 _pad: [0; 3],
             };
             let xlated = match conntrack::create(t, xlated, rev_nat_id, snat, cfg, now) {
-                Ok(xlated) => xlated,
-                Err(why) => {
+                Some(xlated) => xlated,
+                None => {
                     count(Counter::Dropped);
-                    let outcome = match why {
-                        NotCreated::NoSnatPort => Outcome::NoSnatPort,
-                        NotCreated::NoRoom => Outcome::ConntrackFull,
-                    };
+                    let outcome = if snat { Outcome::NoSnatPort } else { Outcome::ConntrackFull };
                     record(cfg, log_level::INFO, true, t, outcome);
                     return SHOT;
                 }
