@@ -185,6 +185,33 @@ pub enum TcAttachArg {
     Netlink,
 }
 
+/// Which decision records the BPF programs write into the agent's log.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum BpfLogLevel {
+    /// None (a compare per log point)
+    #[default]
+    Off,
+    /// Refusals and drops: no endpoint, a source outside the ranges, no SNAT port
+    Info,
+    /// Also every new flow's backend (and why), SNAT, packets a flow lost
+    Debug,
+    /// Also connects and packets that are no service's (very verbose)
+    Trace,
+}
+
+impl BpfLogLevel {
+    /// The word the programs read (`proxy_common::log_level`).
+    pub fn word(self) -> u8 {
+        use proxy_common::log_level;
+        match self {
+            BpfLogLevel::Off => log_level::OFF,
+            BpfLogLevel::Info => log_level::INFO,
+            BpfLogLevel::Debug => log_level::DEBUG,
+            BpfLogLevel::Trace => log_level::TRACE,
+        }
+    }
+}
+
 /// The node and its traffic rules; shared by `run` and `render`.
 #[derive(Args, Clone, Debug)]
 pub struct NodeArgs {
@@ -324,6 +351,10 @@ pub struct RunArgs {
     /// Idle timeout of a UDP flow translated per packet
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
     pub conntrack_udp_timeout: Duration,
+    /// eBPF mode: the programs' decision records (service hit, backend and
+    /// why, refusals, drops) in this log, under the target `bpf`
+    #[arg(long, value_enum, default_value = "off", value_name = "LEVEL")]
+    pub bpf_log_level: BpfLogLevel,
     #[command(flatten)]
     pub pins: PinArgs,
 }

@@ -95,7 +95,8 @@ fn port_free(key: &CtKey, cfg: &Config, now: u64) -> bool {
 /// Records a new flow `orig` translated to `xlated`. With SNAT, picks a
 /// source port in the configured range whose reply tuple is free (or held by
 /// a flow that closed long enough ago, as netfilter reuses closed tuples);
-/// `None` when no port (or no room) was found.
+/// `None` when no port (or no room) was found. (No reason why: returning
+/// one measured 10-20 ns slower per new flow.)
 #[inline(always)]
 pub fn create(
     orig: &CtKey,

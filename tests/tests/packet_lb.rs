@@ -445,6 +445,44 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     assert_eq!(filters(), 0);
 }
 
+/// eBPF only: the iptables mode writes no decision records (its rules'
+/// packet counters tell what matched).
+#[test]
+fn ebpf_decision_records_trace_a_refused_connect_and_a_snated_node_port_flow() {
+    let mut lab = Lab::new().unwrap();
+    let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
+    lab.serve(&pod, &[8080], &[5353]).unwrap();
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let empty = over(node_ports("empty", "10.96.0.30", 30081, 30054), &[]);
+    lab.write_manifest(&(web(&["a"]) + &empty)).unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    lab.start_agent(&["--bpf-log-level", "debug"]).unwrap();
+
+    let refused = lab.client(&pod, &["tcp", "10.96.0.30:80", "1"]).unwrap();
+    assert!(
+        matches!(&refused[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"),
+        "{refused:?}"
+    );
+    ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "1"]).unwrap());
+
+    // The agent reads the records as they come; a moment may pass.
+    let wanted = [
+        ("connect4", "10.96.0.30:80 proto 6: no endpoint, refused"),
+        ("tc_ingress", "-> 192.168.100.11:30080 proto 6: backend 10.244.1.2:8080 by random pick"),
+        ("tc_ingress", "-> 192.168.100.11:30080 proto 6: SNAT to 192.168.100.11:"),
+    ];
+    let found = |log: &str| {
+        wanted.iter().all(|(program, text)| {
+            log.lines().any(|l| l.contains(&format!("program=\"{program}\"")) && l.contains(text))
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !found(&lab.agent_log()) {
+        assert!(Instant::now() < deadline, "records missing: {}", lab.agent_log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// eBPF only: the iptables mode follows no interfaces.
 #[test]
 fn ebpf_pods_created_after_the_agent_are_served_per_packet_through_link_notifications() {

@@ -86,6 +86,11 @@ impl EbpfDatapath {
         };
         let config = config(args, &node.ips, host_netns_cookie);
         backend.configure(&config).context("writing the datapath settings")?;
+        // Read whatever the level: it can change while the programs run.
+        match backend.take_records_with(super::records::ToTracing) {
+            Ok(records) => super::records::drain(records),
+            Err(e) => tracing::warn!(error = %e, "the programs' decision records cannot be read"),
+        }
         let (min, max) = args.snat_port_range;
         if let Some((low, high)) = sys::ephemeral_ports()
             && min <= high
@@ -101,7 +106,8 @@ impl EbpfDatapath {
         } else {
             "the node's network namespace only"
         };
-        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), socket_lb, "BPF programs loaded");
+        let bpf_log_level = args.bpf_log_level;
+        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), socket_lb, ?bpf_log_level, "BPF programs loaded");
         let pod_interfaces = args.pod_interfaces.clone();
         let ending = backend
             .choose_socket_ending(args.socket_destroy, args.terminate_tcp_on_endpoint_removal);
@@ -240,6 +246,7 @@ fn config(args: &RunArgs, node_ips: &[Ipv4Addr], host_netns_cookie: u64) -> Conf
         masquerade_all: args.node.masquerade_all as u8,
         snat_port_min: args.snat_port_range.0,
         snat_port_max: args.snat_port_range.1,
+        log_level: args.bpf_log_level.word(),
         _pad: 0,
         tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
         tcp_established_timeout_secs: secs(args.conntrack_tcp_timeout_established),

@@ -15,6 +15,7 @@ pub mod carry;
 pub mod conntrack;
 pub mod datapath;
 pub mod departures;
+pub mod records;
 pub mod sock_end;
 pub mod sync;
 
@@ -428,6 +429,14 @@ impl EbpfBackend {
             .map_err(err)?
             .set(0, Layouts::CURRENT, 0)
             .map_err(err)
+    }
+
+    /// The reader of the programs' decision records, into `logger` (once).
+    pub fn take_records_with<L: log::Log>(
+        &mut self,
+        logger: L,
+    ) -> Result<aya_log::EbpfLogger<L>, aya_log::Error> {
+        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, logger)
     }
 
     /// Brings the maps to `plan` (see [`sync`] for the write order), then

@@ -676,6 +676,7 @@ fn flags(fp: &FrontendPlan) -> ServiceFlags {
         .with_drop_when_empty(fp.drop_when_empty)
         .with_source_ranges(!fp.source_ranges.is_empty())
         .with_two_scopes(fp.two_scopes)
+        .with_serves_terminating(fp.serves_terminating)
 }
 
 /// Slot for each backend: those already installed in a slot within the new
@@ -830,6 +831,7 @@ mod tests {
                     drop_when_empty: false,
                     source_ranges: ranges,
                     two_scopes: false,
+                    serves_terminating: false,
                 },
             );
         }
@@ -1102,6 +1104,7 @@ mod tests {
                     drop_when_empty: false,
                     source_ranges: vec![],
                     two_scopes: false,
+                    serves_terminating: false,
                 },
             );
         }
@@ -1237,6 +1240,7 @@ mod tests {
             drop_when_empty: false,
             source_ranges: ranges,
             two_scopes: false,
+            serves_terminating: false,
         }
     }
 
