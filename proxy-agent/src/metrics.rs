@@ -105,6 +105,9 @@ pub struct Metrics {
     carried: Mutex<Vec<(&'static str, &'static str)>>,
     /// BPF map writes the kernel refused.
     pub map_update_failures: AtomicU64,
+    /// Services the maps cannot hold as planned, by reason (kept at 0 once
+    /// seen, so a recovery shows).
+    services_refused: Mutex<BTreeMap<&'static str, u64>>,
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
     /// iptables mode: failed `iptables-restore` runs, and those of them
@@ -155,6 +158,7 @@ impl Metrics {
             map_entries: Mutex::default(),
             carried: Mutex::default(),
             map_update_failures: AtomicU64::new(0),
+            services_refused: Mutex::default(),
             kept_objects: AtomicU64::new(0),
             restore_failures: AtomicU64::new(0),
             partial_restore_failures: AtomicU64::new(0),
@@ -195,6 +199,16 @@ impl Metrics {
     pub fn set_carried(&self, carried: Vec<(&'static str, &'static str)>) {
         if let Ok(mut last) = self.carried.lock() {
             *last = carried;
+        }
+    }
+
+    /// The services refused now, per reason.
+    pub fn set_services_refused(&self, refused: impl IntoIterator<Item = &'static str>) {
+        if let Ok(mut map) = self.services_refused.lock() {
+            map.values_mut().for_each(|n| *n = 0);
+            for reason in refused {
+                *map.entry(reason).or_default() += 1;
+            }
         }
     }
 
@@ -505,6 +519,20 @@ impl Metrics {
             "counter",
             "BPF map writes the kernel refused (the sync is retried).",
             &one(self.map_update_failures.load(Relaxed)),
+        );
+        let refused: Vec<_> = self
+            .services_refused
+            .lock()
+            .map(|m| {
+                m.iter().map(|(k, v)| (format!(r#"{{reason="{k}"}}"#), v.to_string())).collect()
+            })
+            .unwrap_or_default();
+        samples(
+            &mut out,
+            "proxy_services_refused",
+            "gauge",
+            "Services the BPF maps cannot hold as planned (--bpf-lb-map-max), by reason: not served, or served as before their last change.",
+            &refused,
         );
         samples(
             &mut out,

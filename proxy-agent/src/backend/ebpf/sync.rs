@@ -31,6 +31,7 @@ use proxy_common::{
 
 use super::carry::Reserved;
 use crate::{
+    fit,
     model::{Cidr, Protocol},
     plan::{BackendPlan, Frontend, FrontendPlan, Plan, Scope},
 };
@@ -70,6 +71,13 @@ pub struct SyncReport {
     /// Backends no frontend uses any more, with the ids they had (their
     /// flows may need flushing).
     pub removed_backends: Vec<(u32, Backend)>,
+}
+
+impl SyncReport {
+    fn merge(&mut self, more: SyncReport) {
+        self.writes += more.writes;
+        self.removed_backends.extend(more.removed_backends);
+    }
 }
 
 /// Services (by reverse-NAT id) whose affinity entries may name a backend
@@ -279,6 +287,45 @@ impl SyncState {
             }
             self.record(op);
         }
+        Ok(report)
+    }
+
+    /// Brings the maps from `served` (what they hold) to `target` in syncs
+    /// that each fit, for a change whose old and new entries do not fit
+    /// side by side: first what goes away, then one service at a time (see
+    /// [`fit::steps`]), or one frontend at a time where a service's own old
+    /// and new entries do not fit together.
+    pub fn sync_in_steps(
+        &mut self,
+        served: &Plan,
+        target: &Plan,
+        writer: &mut impl MapWriter,
+    ) -> Result<SyncReport, SyncError> {
+        let mut report = SyncReport::default();
+        let mut working = served.clone();
+        for step in fit::steps(served, target) {
+            for frontend in &step {
+                match target.frontends.get(frontend) {
+                    Some(fp) => working.frontends.insert(*frontend, fp.clone()),
+                    None => working.frontends.remove(frontend),
+                };
+            }
+            match self.sync(&working, Some(&step), writer) {
+                Err(SyncError::Capacity { .. }) => {
+                    // Internal scopes first: a two-scopes flag names its twin.
+                    let mut singles: Vec<Frontend> = step.into_iter().collect();
+                    singles.sort_by_key(|f| f.scope == Scope::External);
+                    for frontend in singles {
+                        let one = BTreeSet::from([frontend]);
+                        report.merge(self.sync(&working, Some(&one), writer)?);
+                    }
+                }
+                result => report.merge(result?),
+            }
+        }
+        // A backend removed with one service and added back with another
+        // is not gone.
+        report.removed_backends.retain(|(_, b)| !self.backends.contains_key(b));
         Ok(report)
     }
 
@@ -1002,6 +1049,35 @@ mod tests {
             SyncState::with_capacity(sizes(100, 1000)).sync(&big, None, &mut maps).unwrap_err();
         assert!(matches!(err, SyncError::Capacity { what: "service", capacity: 100, .. }), "{err}");
         assert_eq!(maps.writes, 0);
+    }
+
+    #[test]
+    fn a_replacement_that_fits_alone_goes_in_steps_that_each_fit() {
+        // Services s0..s3 over one endpoint each, replaced by t0..t3 over
+        // others: 8 SERVICES entries either way, 16 side by side.
+        let plan = |prefix: &str, base: u32| {
+            let mut plan = Plan::default();
+            for i in 0..4 {
+                let frontend = Frontend::new(Ipv4Addr::from(base + i), 80, Protocol::Tcp);
+                let mut fp = frontend_plan(vec![endpoint(base as u8 + i as u8)], None, vec![]);
+                fp.service.service.name = format!("{prefix}{i}");
+                plan.frontends.insert(frontend, fp);
+            }
+            plan
+        };
+        let (old, new) = (plan("s", 0x0a60_0000), plan("t", 0x0a60_0010));
+        let sizes = super::super::MapSizes { services: 8, backends: 4, rev_nat: 4 };
+        let mut state = SyncState::with_capacity(sizes);
+        let mut maps = Maps::default();
+        state.sync(&old, None, &mut maps).unwrap();
+        let err = state.sync(&new, None, &mut maps).unwrap_err();
+        assert!(matches!(err, SyncError::Capacity { .. }), "{err}");
+        // Every write is checked by the maps: never a dangling slot.
+        let report = state.sync_in_steps(&old, &new, &mut maps).unwrap();
+        assert_eq!(report.removed_backends.len(), 4);
+        assert_counts(&state, &maps);
+        assert_eq!(content(&maps), fresh(&new));
+        assert_eq!(state.sync(&new, None, &mut maps).unwrap().writes, 0);
     }
 
     /// The maps' content up to backend and reverse-NAT id renaming: per
