@@ -120,7 +120,7 @@ fn churn(lab: &Lab, i: usize) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut yaml = String::new();
-    if round % 3 == 0 {
+    if round.is_multiple_of(3) {
         let _ = write!(
             yaml,
             "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: soak}}\nspec: {{clusterIP: 10.96.1.{ip}, ports: [{{name: http, port: 80, targetPort: 8080}}]}}\n",
