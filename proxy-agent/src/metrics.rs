@@ -632,4 +632,22 @@ mod tests {
         assert_eq!(h.bounds[61], 60.0);
         assert_eq!(*h.bounds.last().unwrap(), 300.0);
     }
+
+    #[test]
+    fn refused_services_are_counted_by_reason_and_their_recovery_shows() {
+        let m = metrics("ebpf");
+        m.set_services_refused(["services_map_full", "services_map_full", "address_held"]);
+        let text = m.render();
+        assert!(
+            text.contains("proxy_services_refused{reason=\"services_map_full\"} 2\n"),
+            "{text}"
+        );
+        assert!(text.contains("proxy_services_refused{reason=\"address_held\"} 1\n"));
+        m.set_services_refused([]);
+        let text = m.render();
+        assert!(
+            text.contains("proxy_services_refused{reason=\"services_map_full\"} 0\n"),
+            "{text}"
+        );
+    }
 }
