@@ -68,9 +68,6 @@ pub struct EbpfDatapath {
     /// (`sockets::probe`).
     ends_sockets: Vec<u8>,
     capacity: Capacity,
-    /// What the maps hold (the plan of the last successful sync, without
-    /// the services that did not fit).
-    served: Plan,
     /// The services that did not fit, as last logged.
     refused: BTreeMap<ServiceName, Refusal>,
 }
@@ -141,7 +138,6 @@ impl EbpfDatapath {
             next_gc,
             ends_sockets,
             capacity,
-            served: Plan::default(),
             refused: BTreeMap::new(),
         })
     }
@@ -156,36 +152,25 @@ impl EbpfDatapath {
     ) -> Result<SyncReport, SyncError> {
         if self.refused.is_empty() {
             match self.backend.sync(plan, dirty) {
-                Ok(report) => {
-                    match dirty {
-                        None => self.served = plan.clone(),
-                        Some(dirty) => {
-                            for frontend in dirty {
-                                match plan.frontends.get(frontend) {
-                                    Some(fp) => self.served.frontends.insert(*frontend, fp.clone()),
-                                    None => self.served.frontends.remove(frontend),
-                                };
-                            }
-                        }
-                    }
-                    return Ok(report);
-                }
                 Err(SyncError::Capacity { .. }) => {}
-                Err(e) => return Err(e),
+                result => return result,
             }
         }
-        let mut fitted = fit::fit(plan, &self.served, self.capacity);
+        // What the maps serve, named as the plan names it.
+        let served = self
+            .backend
+            .state()
+            .installed_plan(|f| plan.frontends.get(f).map(|fp| fp.service.clone()));
+        let mut fitted = fit::fit(plan, &served, self.capacity);
         let refused = std::mem::take(&mut fitted.refused);
         self.report_refused(refused, &fitted.plan, metrics);
-        let report = match self.backend.sync(&fitted.plan, None) {
+        match self.backend.sync(&fitted.plan, None) {
             Err(SyncError::Capacity { .. }) => {
                 tracing::info!("{STEPWISE}");
-                self.backend.sync_in_steps(&self.served, &fitted.plan)?
+                self.backend.sync_in_steps(&served, &fitted.plan)
             }
-            result => result?,
-        };
-        self.served = fitted.plan;
-        Ok(report)
+            result => result,
+        }
     }
 
     /// Logs each service that stopped or started fitting once, and counts

@@ -22,7 +22,10 @@
 //! 100,000 services. Backends are collected by reference count (how many
 //! installed slots name each), and map sizes are kept as running counts.
 
-use std::collections::{BTreeMap, BTreeSet, btree_map::Entry};
+use std::{
+    collections::{BTreeMap, BTreeSet, btree_map::Entry},
+    net::SocketAddrV4,
+};
 
 use proxy_common::{
     Backend, BackendFlags, IPPROTO_TCP, IPPROTO_UDP, MAX_SOURCE_RANGES, RevNat, SCOPE_EXTERNAL,
@@ -32,7 +35,7 @@ use proxy_common::{
 use super::carry::Reserved;
 use crate::{
     fit,
-    model::{Cidr, Protocol},
+    model::{Cidr, Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendPlan, Plan, Scope},
 };
 
@@ -250,6 +253,47 @@ impl SyncState {
 
     pub fn backend_count(&self) -> usize {
         self.backends.len()
+    }
+
+    /// What the maps hold, as a plan, each frontend named by `service` (the
+    /// plan's name for it; one no plan names gets a name of its own, as it
+    /// only goes away). Built when a plan does not fit (see
+    /// [`crate::fit`]), so that nothing keeps a copy of the plan meanwhile.
+    pub fn installed_plan(&self, service: impl Fn(&Frontend) -> Option<ServicePortName>) -> Plan {
+        let frontends = self.frontends.iter().map(|(frontend, installed)| {
+            let value = installed.value.unwrap_or_default();
+            let mut backends: Vec<BackendPlan> = installed
+                .slots
+                .values()
+                .filter_map(|id| self.backend_by_id.get(id))
+                .map(|b| BackendPlan {
+                    addr: SocketAddrV4::new(b.address.into(), b.port),
+                    local: b.flags.is_local(),
+                    host: b.flags.is_host(),
+                })
+                .collect();
+            backends.sort();
+            backends.dedup();
+            let name = service(frontend).unwrap_or_else(|| ServicePortName {
+                service: ServiceName { namespace: String::new(), name: format!("{frontend:?}") },
+                port: String::new(),
+            });
+            let plan = FrontendPlan {
+                service: name,
+                backends,
+                affinity_timeout_secs: value
+                    .flags
+                    .is_affinity()
+                    .then_some(value.affinity_timeout_secs),
+                external: value.flags.is_external(),
+                local: value.flags.is_local_only(),
+                drop_when_empty: value.flags.drops_when_empty(),
+                source_ranges: installed.source_ranges.iter().copied().collect(),
+                two_scopes: value.flags.has_two_scopes(),
+            };
+            (*frontend, plan)
+        });
+        Plan { frontends: frontends.collect() }
     }
 
     /// Entries of the maps the agent writes, by map name.
@@ -1289,6 +1333,25 @@ mod tests {
             dirty.extend(svc_frontends(rng.below(services.len() as u64) as u8));
         }
         dirty
+    }
+
+    #[test]
+    fn the_installed_plan_is_the_plan_synced() {
+        let mut rng = Lcg(11);
+        let mut services = vec![Svc::default(); 10];
+        let mut maps = Maps { unchecked: true, ..Maps::default() };
+        let mut state = SyncState::default();
+        for _ in 0..200 {
+            churn(&mut rng, &mut services);
+            let plan = svc_plan(&services);
+            state.sync(&plan, None, &mut maps).unwrap();
+            let names = |f: &Frontend| plan.frontends.get(f).map(|fp| fp.service.clone());
+            assert_eq!(state.installed_plan(names), plan);
+        }
+        // A frontend the plan no longer names keeps a name of its own.
+        let installed = state.installed_plan(|_| None);
+        let mut names = installed.frontends.values().map(|fp| &fp.service.service);
+        assert!(names.all(|n| n.namespace.is_empty()));
     }
 
     #[test]
