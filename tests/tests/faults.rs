@@ -223,10 +223,11 @@ impl Moments {
     }
 }
 
-/// Twenty agents killed at random moments: from just started (first
-/// sync) to a second and a half in (serving, between syncs, during the
-/// resyncs a short `--sync-period` brings), while the churned service
-/// changes every cycle.
+/// Twenty agents killed at random moments, every other one while it
+/// starts (reading the source, the first sync, taking over), the others
+/// while it serves (between syncs, in the sync of a change made just
+/// before, in the resyncs a short `--sync-period` brings); the churned
+/// service changes at every cycle.
 fn twenty_kills_under_load(setup: Setup) {
     let mut b = Bench::new(setup);
     b.lab.write_manifest(&services(0)).unwrap();
@@ -236,9 +237,15 @@ fn twenty_kills_under_load(setup: Setup) {
     let mut moments = Moments::new();
     for cycle in 1..=20 {
         b.lab.kill_agent();
-        b.lab.spawn_agent_on(0, &args).unwrap();
         b.lab.write_manifest(&services(cycle % 3)).unwrap();
-        std::thread::sleep(moments.next(Duration::from_millis(1500)));
+        if cycle % 2 == 0 {
+            b.lab.start_agent(&args).unwrap();
+            b.lab.write_manifest(&services((cycle + 1) % 3)).unwrap();
+            std::thread::sleep(moments.next(Duration::from_millis(1500)));
+        } else {
+            b.lab.spawn_agent_on(0, &args).unwrap();
+            std::thread::sleep(moments.next(Duration::from_millis(500)));
+        }
     }
     b.lab.kill_agent();
     b.lab.write_manifest(&services(1)).unwrap();
