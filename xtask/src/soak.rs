@@ -163,14 +163,19 @@ impl Client {
         }
     }
 
-    /// Stops it: (connections, failed).
-    fn stop(&mut self) -> anyhow::Result<(usize, usize)> {
+    /// Stops it: its connections, and the failed ones (which, what error,
+    /// after how long).
+    fn stop(&mut self) -> anyhow::Result<(usize, Vec<Value>)> {
         self.kill();
         let reader = self.reader.take().context("stopped already")?;
         let out = reader.join().map_err(|_| anyhow::anyhow!("reader panicked"))??;
         let text = String::from_utf8_lossy(&out.stdout);
         let attempts: Vec<Attempt> = text.lines().filter_map(Attempt::parse).collect();
-        Ok((attempts.len(), attempts.iter().filter(|a| a.pod().is_none()).count()))
+        let failed = attempts.iter().enumerate().filter_map(|(i, a)| match a {
+            Attempt::Err { ms, kind } => Some(json!({"connection": i, "kind": kind, "ms": ms})),
+            Attempt::Ok { .. } => None,
+        });
+        Ok((attempts.len(), failed.collect()))
     }
 }
 
@@ -244,8 +249,11 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let mut failed_total = 0;
     for mut client in clients {
         let (n, failed) = client.stop()?;
-        failed_total += failed;
-        connections[client.what] = json!({"connections": n, "failed": failed});
+        failed_total += failed.len();
+        connections[client.what] = json!({"connections": n, "failed": failed.len()});
+        if !failed.is_empty() {
+            connections[client.what]["failures"] = json!(failed);
+        }
     }
     if !alive {
         let log = lab.agent_log();
