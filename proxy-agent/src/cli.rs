@@ -329,8 +329,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub interface_rescan_period: Duration,
     /// Entries of the SERVICES map (a frontend plus one per backend of it),
-    /// the BACKENDS map and the REV_NAT map (one per frontend); plans that
-    /// do not fit are refused
+    /// the BACKENDS map and the REV_NAT map (one per frontend); services
+    /// that do not fit are refused, the others served
     #[arg(long, value_name = "N", default_value_t = proxy_common::MAX_SERVICE_ENTRIES)]
     pub bpf_lb_map_max: u32,
     /// Source ports SNAT allocates from (below the NodePort and ephemeral

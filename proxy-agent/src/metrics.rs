@@ -111,6 +111,9 @@ pub struct Metrics {
     carried: Mutex<Vec<(&'static str, &'static str)>>,
     /// BPF map writes the kernel refused.
     pub map_update_failures: AtomicU64,
+    /// Services the maps cannot hold as planned, by reason (kept at 0 once
+    /// seen, so a recovery shows).
+    services_refused: Mutex<BTreeMap<&'static str, u64>>,
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
     /// iptables mode: failed `iptables-restore` runs, and those of them
@@ -163,6 +166,7 @@ impl Metrics {
             map_entries: Mutex::default(),
             carried: Mutex::default(),
             map_update_failures: AtomicU64::new(0),
+            services_refused: Mutex::default(),
             kept_objects: AtomicU64::new(0),
             restore_failures: AtomicU64::new(0),
             partial_restore_failures: AtomicU64::new(0),
@@ -213,6 +217,16 @@ impl Metrics {
     pub fn set_carried(&self, carried: Vec<(&'static str, &'static str)>) {
         if let Ok(mut last) = self.carried.lock() {
             *last = carried;
+        }
+    }
+
+    /// The services refused now, per reason.
+    pub fn set_services_refused(&self, refused: impl IntoIterator<Item = &'static str>) {
+        if let Ok(mut map) = self.services_refused.lock() {
+            map.values_mut().for_each(|n| *n = 0);
+            for reason in refused {
+                *map.entry(reason).or_default() += 1;
+            }
         }
     }
 
@@ -543,6 +557,20 @@ impl Metrics {
             "BPF map writes the kernel refused (the sync is retried).",
             &one(self.map_update_failures.load(Relaxed)),
         );
+        let refused: Vec<_> = self
+            .services_refused
+            .lock()
+            .map(|m| {
+                m.iter().map(|(k, v)| (format!(r#"{{reason="{k}"}}"#), v.to_string())).collect()
+            })
+            .unwrap_or_default();
+        samples(
+            &mut out,
+            "proxy_services_refused",
+            "gauge",
+            "Services the BPF maps cannot hold as planned (--bpf-lb-map-max), by reason: not served, or served as before their last change.",
+            &refused,
+        );
         samples(
             &mut out,
             "proxy_conntrack_entries",
@@ -647,5 +675,23 @@ mod tests {
         assert_eq!(&h.bounds[..4], &[0.25, 0.5, 1.0, 2.0]);
         assert_eq!(h.bounds[61], 60.0);
         assert_eq!(*h.bounds.last().unwrap(), 300.0);
+    }
+
+    #[test]
+    fn refused_services_are_counted_by_reason_and_their_recovery_shows() {
+        let m = metrics("ebpf");
+        m.set_services_refused(["services_map_full", "services_map_full", "address_held"]);
+        let text = m.render();
+        assert!(
+            text.contains("proxy_services_refused{reason=\"services_map_full\"} 2\n"),
+            "{text}"
+        );
+        assert!(text.contains("proxy_services_refused{reason=\"address_held\"} 1\n"));
+        m.set_services_refused([]);
+        let text = m.render();
+        assert!(
+            text.contains("proxy_services_refused{reason=\"services_map_full\"} 0\n"),
+            "{text}"
+        );
     }
 }

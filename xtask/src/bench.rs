@@ -200,7 +200,8 @@ fn map_memory_mib(lab: &Lab) -> f64 {
         / (1024.0 * 1024.0)
 }
 
-fn metric(lab: &Lab, name: &str) -> anyhow::Result<f64> {
+/// The first sample of `name` (which may include labels).
+pub(crate) fn metric(lab: &Lab, name: &str) -> anyhow::Result<f64> {
     let metrics = lab.metrics()?;
     metrics
         .lines()

@@ -1,9 +1,10 @@
-//! Developer tasks: `cargo xtask setup | demo | test | bench`.
+//! Developer tasks: `cargo xtask setup | demo | test | bench | soak`.
 
 mod bench;
 mod demo;
 mod report;
 mod setup;
+mod soak;
 
 use std::process::Command;
 
@@ -61,6 +62,25 @@ enum Task {
         #[arg(long)]
         iptables_backends: bool,
     },
+    /// The agent under steady churn of services and endpoints (from the
+    /// test API server) with traffic through a stable service: RSS, fds,
+    /// CPU, map and conntrack entries after a warm-up and at the end, and
+    /// the stable service's failed connections (must be 0); writes
+    /// target/soak/results.json.
+    Soak {
+        /// Minutes after the warm-up
+        #[arg(long, default_value_t = 10)]
+        minutes: u64,
+        /// The agent's --proxy-mode
+        #[arg(long, value_enum, default_value = "ebpf")]
+        mode: DemoMode,
+        /// Changes a second
+        #[arg(long, default_value_t = 20)]
+        rate: u32,
+        /// Seconds of churn before the first sample
+        #[arg(long, default_value_t = 30)]
+        warm_up: u64,
+    },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -107,20 +127,45 @@ fn main() -> anyhow::Result<()> {
             require_root()?;
             // The bench hosts the test API server and loads large manifests
             // into it: it runs optimized, as the agent does.
-            if cfg!(debug_assertions) {
-                let args: Vec<String> = std::env::args().skip(1).collect();
-                let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                let run = ["run", "--quiet", "--release", "--package", "xtask", "--"];
-                return cargo(&[&run[..], &args].concat());
+            if rerun_optimized()? {
+                return Ok(());
             }
-            cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])?;
+            release_build()?;
             if iptables_backends {
                 return bench::iptables_backends(&sizes, full);
             }
             let modes = modes.into_iter().map(DemoMode::lab).collect();
             bench::run(bench::Options { full, seconds, rounds, sizes, modes, docs })
         }
+        Task::Soak { minutes, mode, rate, warm_up } => {
+            setup::run()?;
+            require_root()?;
+            if rerun_optimized()? {
+                return Ok(());
+            }
+            release_build()?;
+            let warm_up = std::time::Duration::from_secs(warm_up);
+            soak::run(soak::Options { minutes, mode: mode.lab(), rate, warm_up })
+        }
     }
+}
+
+/// Runs this task again as an optimized build, when it is not one: the
+/// bench and the soak host the test API server, and time things.
+fn rerun_optimized() -> anyhow::Result<bool> {
+    if !cfg!(debug_assertions) {
+        return Ok(false);
+    }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = ["run", "--quiet", "--release", "--package", "xtask", "--"];
+    cargo(&[&run[..], &args].concat())?;
+    Ok(true)
+}
+
+/// The agent and the lab's pod binary, optimized.
+fn release_build() -> anyhow::Result<()> {
+    cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])
 }
 
 /// The agent and the lab's pod binary, which the demo and lab tests run.

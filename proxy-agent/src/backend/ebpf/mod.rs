@@ -449,7 +449,21 @@ impl EbpfBackend {
         dirty: Option<&BTreeSet<Frontend>>,
     ) -> Result<SyncReport, SyncError> {
         let result = self.state.sync(plan, dirty, &mut self.maps);
-        // Also after a failed sync: slots may have changed before the failure.
+        self.purge_owed();
+        result
+    }
+
+    /// From `served` to `target` in syncs that each fit (see
+    /// [`SyncState::sync_in_steps`]).
+    pub fn sync_in_steps(&mut self, served: &Plan, target: &Plan) -> Result<SyncReport, SyncError> {
+        let result = self.state.sync_in_steps(served, target, &mut self.maps);
+        self.purge_owed();
+        result
+    }
+
+    /// Drops affinity entries that name backends their service lost; also
+    /// after a failed sync, as slots may have changed before the failure.
+    fn purge_owed(&mut self) {
         let purge = self.state.take_affinity_purge();
         if !purge.is_empty()
             && let Err(err) = self.purge_affinity(&purge)
@@ -457,7 +471,6 @@ impl EbpfBackend {
             tracing::warn!(error = %err, "could not purge stale affinity entries; will retry");
             self.state.return_affinity_purge(purge);
         }
-        result
     }
 
     fn purge_affinity(&mut self, purge: &AffinityPurge) -> Result<(), EbpfError> {
