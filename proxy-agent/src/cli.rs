@@ -48,6 +48,17 @@ pub enum Command {
     /// The flows of service traffic the datapath tracks
     #[command(subcommand)]
     Ct(CtCommand),
+    /// Change the running programs' decision records (`run
+    /// --bpf-log-level`) without reloading them
+    BpfLogLevel(BpfLogLevelArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct BpfLogLevelArgs {
+    #[arg(value_enum)]
+    pub level: BpfLogLevel,
+    #[command(flatten)]
+    pub pins: PinArgs,
 }
 
 #[derive(Subcommand)]

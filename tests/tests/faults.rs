@@ -105,7 +105,11 @@ impl Bench {
 
     /// Until the churned service answers from `pod` (10 s at most).
     fn wait_for_churned(&self, pod: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        self.wait_for_churned_within(pod, Duration::from_secs(10));
+    }
+
+    fn wait_for_churned_within(&self, pod: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
         while self.churned_pod().as_deref() != Some(pod) {
             assert!(
                 Instant::now() < deadline,
@@ -287,7 +291,9 @@ fn apiserver_faults(setup: Setup) {
     std::thread::sleep(Duration::from_secs(25));
     assert_eq!(b.churned_pod().as_deref(), Some("web-0"), "the last state known serves");
     api().set_up(true);
-    b.wait_for_churned("web-1");
+    // kube-rs's watcher backs off up to 30 s (as client-go's reflector):
+    // after a 30 s outage its next attempt may be that far.
+    b.wait_for_churned_within("web-1", Duration::from_secs(40));
     assert!(b.lab.agent_alive(), "{}", b.lab.agent_log());
     let log = b.lab.agent_log();
     load.check(setup, &log);

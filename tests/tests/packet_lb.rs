@@ -456,7 +456,13 @@ fn ebpf_decision_records_trace_a_refused_connect_and_a_snated_node_port_flow() {
     let empty = over(node_ports("empty", "10.96.0.30", 30081, 30054), &[]);
     lab.write_manifest(&(web(&["a"]) + &empty)).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
-    lab.start_agent(&["--bpf-log-level", "debug"]).unwrap();
+    lab.start_agent(&[]).unwrap();
+    // Off by default: a refusal writes nothing; then switched on at run
+    // time, the programs unchanged.
+    let _ = lab.client(&pod, &["tcp", "10.96.0.30:80", "1"]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!lab.agent_log().contains("no endpoint, refused"), "{}", lab.agent_log());
+    lab.inspect_on(0, &["bpf-log-level", "debug"]).unwrap();
 
     let refused = lab.client(&pod, &["tcp", "10.96.0.30:80", "1"]).unwrap();
     assert!(

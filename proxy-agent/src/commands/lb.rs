@@ -1,11 +1,12 @@
 //! `proxy-agent lb list` and `ct list`: the service table and the service
-//! flows, read back from the datapath.
+//! flows, read back from the datapath; `bpf-log-level`: the running
+//! programs' records.
 
 use anyhow::Context as _;
 
 use crate::{
     backend::iptables::exec::{Runner as _, System, Xtables},
-    cli::{CtListArgs, InspectArgs, InspectMode, LbListArgs, Output},
+    cli::{BpfLogLevelArgs, CtListArgs, InspectArgs, InspectMode, LbListArgs, Output},
     inspect::{self, LbEntry, ct::CtRow},
     sys,
 };
@@ -60,6 +61,16 @@ pub fn ct_list(args: &CtListArgs) -> anyhow::Result<()> {
     }
     rows.sort();
     print(&rows, inspect.output, inspect::ct::table)
+}
+
+pub fn set_log_level(args: &BpfLogLevelArgs) -> anyhow::Result<()> {
+    let root = &args.pins.bpffs_root;
+    let previous = crate::backend::ebpf::set_pinned_log_level(root, args.level.word())?;
+    println!(
+        "decision records: {previous} -> {} (proxy_common::log_level words)",
+        args.level.word()
+    );
+    Ok(())
 }
 
 /// Prints `items` as the table `table` makes, or as JSON.

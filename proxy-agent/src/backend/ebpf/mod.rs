@@ -949,6 +949,21 @@ impl EbpfBackend {
 /// endpoint) need nothing from the sync loop.
 pub struct CounterReader(PerCpuArray<MapData, u64>);
 
+/// Sets the programs' decision-record level (`Config::log_level`) in the
+/// `CONFIG` map pinned under `root`: effective at the next packet, no
+/// reload. Returns the previous level's word.
+pub fn set_pinned_log_level(root: &Path, word: u8) -> Result<u8, EbpfError> {
+    let name = map_names::CONFIG;
+    let err = |source| EbpfError::Map { name, source };
+    let data = MapData::from_pin(root.join("maps").join(name)).map_err(err)?;
+    let mut config =
+        Array::<_, Config>::try_from(Map::from_map_data(data).map_err(err)?).map_err(err)?;
+    let mut value = config.get(&0, 0).map_err(err)?;
+    let previous = std::mem::replace(&mut value.log_level, word);
+    config.set(0, value, 0).map_err(err)?;
+    Ok(previous)
+}
+
 impl CounterReader {
     pub fn open(root: &Path) -> Result<Self, EbpfError> {
         let name = map_names::COUNTERS;
