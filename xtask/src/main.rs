@@ -1,9 +1,10 @@
-//! Developer tasks: `cargo xtask setup | demo | test | bench`.
+//! Developer tasks: `cargo xtask setup | demo | test | bench | vmtest`.
 
 mod bench;
 mod demo;
 mod report;
 mod setup;
+mod vmtest;
 
 use std::process::Command;
 
@@ -30,7 +31,8 @@ enum Task {
         #[arg(long, value_enum, default_value = "ebpf")]
         mode: DemoMode,
     },
-    /// Setup, lint, build, and run every test (unit and lab; needs root).
+    /// Setup, lint, build, and run every test (unit and lab; needs root),
+    /// then the kernel matrix on 6.1 (`vmtest --kernel 6.1`).
     Test,
     /// What a Service costs: connection rates against a direct connection,
     /// programming time, change latency and memory, for 1, 1,000 and 10,000
@@ -55,6 +57,14 @@ enum Task {
         /// Also copy the report and plots into docs/
         #[arg(long)]
         docs: bool,
+    },
+    /// The probe and a smoke subset of the lab tests, in each mode, on
+    /// Debian's LTS kernels booted under qemu (downloaded once, cached in
+    /// ~/.cache/proxy-vmtest); prints kernel × scenario × mode.
+    Vmtest {
+        /// 5.10, 6.1 or all
+        #[arg(long, default_value = "all", value_parser = ["5.10", "6.1", "all"])]
+        kernel: String,
     },
 }
 
@@ -94,7 +104,9 @@ fn main() -> anyhow::Result<()> {
             clippy_bpf()?;
             build_other_layout()?;
             build()?;
-            cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])
+            cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])?;
+            setup::vm_packages()?;
+            vmtest::run(&vmtest::kernels("6.1"))
         }
         Task::Bench { full, seconds, rounds, sizes, modes, docs } => {
             setup::run()?;
@@ -111,6 +123,12 @@ fn main() -> anyhow::Result<()> {
             cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])?;
             let modes = modes.into_iter().map(DemoMode::lab).collect();
             bench::run(bench::Options { full, seconds, rounds, sizes, modes, docs })
+        }
+        Task::Vmtest { kernel } => {
+            setup::run()?;
+            setup::vm_packages()?;
+            require_root()?;
+            vmtest::run(&vmtest::kernels(&kernel))
         }
     }
 }
