@@ -36,6 +36,13 @@ pub const REJECT: i32 = 0;
 
 const ECONNREFUSED: i32 = 111;
 
+/// Whether the kernel has `bpf_set_retval` (5.18+): the agent probes and
+/// sets it at load time. A frozen read-only global, so on older kernels the
+/// verifier prunes the call it would reject, and a refusal fails
+/// `connect()` with EPERM instead of ECONNREFUSED.
+#[unsafe(no_mangle)]
+static SET_RETVAL: u8 = 1;
+
 #[inline(always)]
 fn sock_addr(ctx: &SockAddrContext) -> &bpf_sock_addr {
     // SAFETY: the kernel hands every sock_addr program a valid context.
@@ -156,7 +163,10 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
                 key.proto
             );
             // Fail the call at once with ECONNREFUSED instead of EPERM.
-            unsafe { bpf_set_retval(-ECONNREFUSED) };
+            // SAFETY: reading a global the loader initialised.
+            if unsafe { core::ptr::read_volatile(&SET_RETVAL) } != 0 {
+                unsafe { bpf_set_retval(-ECONNREFUSED) };
+            }
             REJECT
         }
         Verdict::Backend { backend, backend_id, rev_nat_id, via } => {

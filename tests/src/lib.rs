@@ -53,6 +53,14 @@ pub fn target_bin(name: &str) -> PathBuf {
     })
 }
 
+/// Whether the running kernel is at least `major.minor` (some behaviours
+/// differ on older kernels, as docs/operations.md says).
+pub fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut numbers = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse().unwrap_or(0));
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (major, minor)
+}
+
 /// Runs a command, failing with its output when it fails.
 pub fn sh(program: &str, args: &[&str]) -> anyhow::Result<String> {
     let out =
@@ -596,9 +604,16 @@ impl Lab {
         if !running || self.mode != Mode::Ebpf {
             return Ok(());
         }
+        // A TCX link is pinned; a clsact filter (before 6.6) is not a link:
+        // the kernel shows it.
         let pin = host.pins.join("links").join(format!("tc-{interface}"));
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !pin.exists() {
+        let netns = host.netns.clone();
+        let filter = || {
+            sh("tc", &["-n", &netns, "filter", "show", "dev", interface, "ingress"])
+                .is_ok_and(|shown| shown.contains(" bpf "))
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !pin.exists() && !filter() {
             if Instant::now() > deadline {
                 bail!("the agent on {} did not attach to {interface}", host.netns);
             }
@@ -751,7 +766,9 @@ impl Lab {
     /// the node's cgroup, pins and address, in the lab's mode; returns once
     /// its datapath serves.
     pub fn start_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
-        self.start_agent_within(node, extra, Duration::from_secs(20))
+        // Generous: under an emulated CPU (`cargo xtask vmtest`) each of the
+        // iptables commands of a first sync takes a second or more.
+        self.start_agent_within(node, extra, Duration::from_secs(60))
     }
 
     /// As `start_agent_on`, allowing `timeout` for the first sync (a large

@@ -1,10 +1,11 @@
-//! Developer tasks: `cargo xtask setup | demo | test | bench | soak`.
+//! Developer tasks: `cargo xtask setup | demo | test | bench | soak | vmtest`.
 
 mod bench;
 mod demo;
 mod report;
 mod setup;
 mod soak;
+mod vmtest;
 
 use std::process::Command;
 
@@ -31,7 +32,8 @@ enum Task {
         #[arg(long, value_enum, default_value = "ebpf")]
         mode: DemoMode,
     },
-    /// Setup, lint, build, and run every test (unit and lab; needs root).
+    /// Setup, lint, build, and run every test (unit and lab; needs root),
+    /// then the kernel matrix on 6.1 (`vmtest --kernel 6.1`).
     Test,
     /// What a Service costs: connection rates against a direct connection,
     /// programming time, change latency and memory, for 1, 1,000 and 10,000
@@ -81,6 +83,14 @@ enum Task {
         #[arg(long, default_value_t = 30)]
         warm_up: u64,
     },
+    /// The probe and a smoke subset of the lab tests, in each mode, on
+    /// Debian's LTS kernels booted under qemu (downloaded once, cached in
+    /// ~/.cache/proxy-vmtest); prints kernel × scenario × mode.
+    Vmtest {
+        /// 5.10, 6.1 or all
+        #[arg(long, default_value = "all", value_parser = ["5.10", "6.1", "all"])]
+        kernel: String,
+    },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -119,7 +129,9 @@ fn main() -> anyhow::Result<()> {
             clippy_bpf()?;
             build_other_layout()?;
             build()?;
-            cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])
+            cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])?;
+            setup::vm_packages()?;
+            vmtest::run(&vmtest::kernels("6.1"))
         }
         Task::Bench { full, seconds, rounds, sizes, modes, docs, iptables_backends } => {
             setup::run()?;
@@ -146,6 +158,12 @@ fn main() -> anyhow::Result<()> {
             release_build()?;
             let warm_up = std::time::Duration::from_secs(warm_up);
             soak::run(soak::Options { minutes, mode: mode.lab(), rate, warm_up })
+        }
+        Task::Vmtest { kernel } => {
+            setup::run()?;
+            setup::vm_packages()?;
+            require_root()?;
+            vmtest::run(&vmtest::kernels(&kernel))
         }
     }
 }

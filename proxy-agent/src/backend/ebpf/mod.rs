@@ -71,6 +71,20 @@ pub const TC_EGRESS: &str = "tc_egress";
 const TC_HOOKS: [(&str, TcAttachType, &str); 2] =
     [(TC_INGRESS, TcAttachType::Ingress, "tc"), (TC_EGRESS, TcAttachType::Egress, "tc-egress")];
 
+/// The socket programs' global saying whether they may call
+/// `bpf_set_retval`.
+const SET_RETVAL: &str = "SET_RETVAL";
+
+/// Whether the socket programs can fail `connect()` with ECONNREFUSED
+/// (`bpf_set_retval`, Linux 5.18+); without it a refusal is EPERM.
+pub fn has_set_retval() -> bool {
+    aya::sys::is_helper_supported(
+        aya::programs::ProgramType::CgroupSockAddr,
+        aya::sys::BpfHelper::BPF_FUNC_set_retval,
+    )
+    .unwrap_or(false)
+}
+
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
 #[derive(Debug, thiserror::Error)]
@@ -300,8 +314,10 @@ impl EbpfBackend {
         root: Option<&Path>,
     ) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
+        let set_retval = u8::from(has_set_retval());
         let mut loader = aya::EbpfLoader::new();
         loader
+            .override_global(SET_RETVAL, &set_retval, true)
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
             .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
