@@ -530,11 +530,15 @@ fn qemu(image: &Image, initrd: &Path, accel: Accel, cmdline: &str) -> Command {
 /// Boots the kernel into `guest.sh`; the console's lines (also in
 /// `console.log`).
 fn boot(image: &Image, initrd: &Path, dir: &Path, accel: Accel) -> anyhow::Result<Vec<String>> {
+    // The workspace: the guest keeps it visible where a tmpfs covers its
+    // host path (a checkout under /tmp).
+    let workspace = std::env::current_dir()?.canonicalize()?;
     let cmdline = format!(
-        "vmtest.run={} vmtest.dir={} vmtest.modules={}",
+        "vmtest.run={} vmtest.dir={} vmtest.modules={} vmtest.ws={}",
         dir.join("guest.sh").display(),
         dir.display(),
-        image.root.display()
+        image.root.display(),
+        workspace.display()
     );
     let mut qemu = qemu(image, initrd, accel, &cmdline);
     qemu.args([

@@ -22,9 +22,24 @@ if ! mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144,cache=loose ro
     echo "VMTEST-ERROR mounting the host's filesystem"
     off
 fi
+# The workspace (its binaries, this run's files) stays visible where the
+# tmpfs below would cover it: a checkout under /tmp or /run.
+ws=$(param ws)
+case "$ws" in
+/tmp/* | /run/*)
+    mkdir -p /hold
+    mount --bind "/host$ws" /hold
+    ;;
+esac
 for dir in tmp run; do
     mount -t tmpfs tmpfs "/host/$dir"
 done
+case "$ws" in
+/tmp/* | /run/*)
+    mkdir -p "/host$ws"
+    mount --move /hold "/host$ws"
+    ;;
+esac
 dir=$(param dir)
 modules=$(param modules)
 for fs in proc sys dev; do
