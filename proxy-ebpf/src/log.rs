@@ -86,14 +86,19 @@ pub fn packet(level: u8, ingress: bool, t: &CtKey, outcome: Outcome) {
     }
 }
 
-/// A new flow's backend and why (debug), and its SNAT.
+/// A new flow's backend and why (debug). One record a function: each
+/// record's frame is added to the packet path's by the verifier, which
+/// allows 512 bytes in all (older kernels count it more strictly).
 #[inline(never)]
-pub fn new_flow(t: &CtKey, to: &CtKey, via: Via, flags: ServiceFlags, snat: bool) {
+pub fn new_flow(t: &CtKey, to: &CtKey, via: Via, flags: ServiceFlags) {
     let (how, among) = why(via, flags);
     aya_log_ebpf::debug!((), target: "tc_ingress", "{:i}:{} -> {:i}:{} proto {}: backend {:i}:{} by {} among {}", t.saddr, t.sport, t.daddr, t.dport, t.proto, to.daddr, to.dport, how, among);
-    if snat {
-        aya_log_ebpf::debug!((), target: "tc_ingress", "{:i}:{} -> {:i}:{} proto {}: SNAT to {:i}:{}", t.saddr, t.sport, t.daddr, t.dport, t.proto, to.saddr, to.sport);
-    }
+}
+
+/// A new flow's SNAT (debug).
+#[inline(never)]
+pub fn snat(t: &CtKey, to: &CtKey) {
+    aya_log_ebpf::debug!((), target: "tc_ingress", "{:i}:{} -> {:i}:{} proto {}: SNAT to {:i}:{}", t.saddr, t.sport, t.daddr, t.dport, t.proto, to.saddr, to.sport);
 }
 
 /// A later fragment whose first did not come through here (debug).

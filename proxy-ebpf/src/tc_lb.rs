@@ -111,7 +111,10 @@ fn new_flow(
             };
             count(Counter::CtNew);
             if cfg.log_level >= log_level::DEBUG {
-                log::new_flow(t, &xlated, via, scoped.flags, snat);
+                log::new_flow(t, &xlated, via, scoped.flags);
+                if snat {
+                    log::snat(t, &xlated);
+                }
             }
             forward(ctx, pkt, &xlated)
         }
