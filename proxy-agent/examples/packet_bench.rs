@@ -4,12 +4,22 @@
 //! port, two conntrack inserts), a new ClusterIP flow, and a packet of a
 //! tracked flow; with `--services N` installed (one is the NodePort's).
 //! Runs in a network namespace of its own. Needs root. `cargo xtask bench`
-//! runs it at several N and reads its `name ns` lines.
+//! runs it at several N and reads its `name ns` lines. `--bpf-log-level
+//! LEVEL` (off by default) has the programs write their decision records,
+//! which a thread drains as the agent's task would.
 
-use std::{net::SocketAddrV4, time::Duration};
+use std::{
+    net::SocketAddrV4,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+    time::Duration,
+};
 
 use proxy_agent::{
     backend::ebpf::{EbpfBackend, MapSizes, TcAttach},
+    cli::BpfLogLevel,
     model::{Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
@@ -45,6 +55,14 @@ fn main() -> anyhow::Result<()> {
         None => 1,
     };
     anyhow::ensure!(services >= 1, "--services N: at least 1");
+    let level = match args.iter().position(|a| a == "--bpf-log-level") {
+        Some(i) => <BpfLogLevel as clap::ValueEnum>::from_str(
+            args.get(i + 1).map_or("", String::as_str),
+            true,
+        )
+        .map_err(|e| anyhow::anyhow!("--bpf-log-level: {e}"))?,
+        None => BpfLogLevel::Off,
+    };
     // SAFETY: single-threaded here; the namespace is this process's alone.
     anyhow::ensure!(unsafe { libc::unshare(libc::CLONE_NEWNET) } == 0, "unshare");
     let entries = (services * 2 + 1024).max(proxy_common::MAX_SERVICE_ENTRIES);
@@ -62,8 +80,21 @@ fn main() -> anyhow::Result<()> {
         tcp_close_wait_timeout_secs: 3600,
         tcp_time_wait_timeout_secs: 120,
         udp_timeout_secs: 30,
+        log_level: level.word(),
         ..Config::default()
     })?;
+    let drained = Arc::new(AtomicU64::new(0));
+    // Off, the reader would only wake up for nothing and disturb the runs
+    // (an idle agent's reader sleeps in epoll).
+    if level != BpfLogLevel::Off {
+        let mut records = dp.take_records_with(Drained(drained.clone()))?;
+        std::thread::spawn(move || {
+            loop {
+                records.flush();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+    }
     let backends = (0..100u8)
         .map(|i| BackendPlan {
             addr: SocketAddrV4::new([10, 244, 2, i + 2].into(), 8080),
@@ -84,6 +115,7 @@ fn main() -> anyhow::Result<()> {
         drop_when_empty: false,
         source_ranges: vec![],
         two_scopes: false,
+        serves_terminating: false,
     };
     let mut plan = Plan::default();
     plan.frontends.insert(
@@ -133,5 +165,22 @@ fn main() -> anyhow::Result<()> {
         println!("cluster_ip_new {:.0}  (new ClusterIP flow; mean of {rounds})", mean(&cluster));
     }
     println!("tracked {:.0}  (packet of a tracked flow; mean of {rounds})", mean(&tracked));
+    std::thread::sleep(Duration::from_millis(50));
+    println!("bpf log level {level:?}: {} records", drained.load(Relaxed));
     Ok(())
+}
+
+/// Counts the records drained, without formatting them further.
+struct Drained(Arc<AtomicU64>);
+
+impl log::Log for Drained {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn log(&self, _: &log::Record<'_>) {
+        self.0.fetch_add(1, Relaxed);
+    }
+
+    fn flush(&self) {}
 }

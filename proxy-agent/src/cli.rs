@@ -9,7 +9,10 @@ use std::{
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{backend::ebpf::sock_end::SocketDestroy, model};
+use crate::{
+    backend::{ebpf::sock_end::SocketDestroy, iptables::exec::Xtables},
+    model,
+};
 
 #[derive(Parser)]
 #[command(name = "proxy-agent", version, about = "eBPF Kubernetes service proxy")]
@@ -56,6 +59,17 @@ pub enum Command {
     /// The flows of service traffic the datapath tracks
     #[command(subcommand)]
     Ct(CtCommand),
+    /// Change the running programs' decision records (`run
+    /// --bpf-log-level`) without reloading them
+    BpfLogLevel(BpfLogLevelArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct BpfLogLevelArgs {
+    #[arg(value_enum)]
+    pub level: BpfLogLevel,
+    #[command(flatten)]
+    pub pins: PinArgs,
 }
 
 #[derive(Subcommand)]
@@ -193,6 +207,33 @@ pub enum TcAttachArg {
     Netlink,
 }
 
+/// Which decision records the BPF programs write into the agent's log.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum BpfLogLevel {
+    /// None (a compare per log point)
+    #[default]
+    Off,
+    /// Refusals and drops: no endpoint, a source outside the ranges, no SNAT port
+    Info,
+    /// Also every new flow's backend (and why), SNAT, packets a flow lost
+    Debug,
+    /// Also connects and packets that are no service's (very verbose)
+    Trace,
+}
+
+impl BpfLogLevel {
+    /// The word the programs read (`proxy_common::log_level`).
+    pub fn word(self) -> u8 {
+        use proxy_common::log_level;
+        match self {
+            BpfLogLevel::Off => log_level::OFF,
+            BpfLogLevel::Info => log_level::INFO,
+            BpfLogLevel::Debug => log_level::DEBUG,
+            BpfLogLevel::Trace => log_level::TRACE,
+        }
+    }
+}
+
 /// The node and its traffic rules; shared by `run` and `render`.
 #[derive(Args, Clone, Debug)]
 pub struct NodeArgs {
@@ -246,6 +287,10 @@ pub struct RunArgs {
     /// Which datapath to program
     #[arg(long, value_enum, default_value = "auto")]
     pub proxy_mode: ProxyMode,
+    /// iptables mode: the iptables implementation to program (`auto`: the
+    /// one the node's kubelet uses, else the one holding more rules)
+    #[arg(long, value_enum, default_value = "auto")]
+    pub iptables_backend: Xtables,
     #[command(flatten)]
     pub node: NodeArgs,
     /// cgroup v2 the socket programs attach to [default: the cgroup2 mount root]
@@ -306,8 +351,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub interface_rescan_period: Duration,
     /// Entries of the SERVICES map (a frontend plus one per backend of it),
-    /// the BACKENDS map and the REV_NAT map (one per frontend); plans that
-    /// do not fit are refused
+    /// the BACKENDS map and the REV_NAT map (one per frontend); services
+    /// that do not fit are refused, the others served
     #[arg(long, value_name = "N", default_value_t = proxy_common::MAX_SERVICE_ENTRIES)]
     pub bpf_lb_map_max: u32,
     /// Source ports SNAT allocates from (below the NodePort and ephemeral
@@ -328,6 +373,10 @@ pub struct RunArgs {
     /// Idle timeout of a UDP flow translated per packet
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
     pub conntrack_udp_timeout: Duration,
+    /// eBPF mode: the programs' decision records (service hit, backend and
+    /// why, refusals, drops) in this log, under the target `bpf`
+    #[arg(long, value_enum, default_value = "off", value_name = "LEVEL")]
+    pub bpf_log_level: BpfLogLevel,
     #[command(flatten)]
     pub pins: PinArgs,
 }

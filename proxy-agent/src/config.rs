@@ -10,7 +10,7 @@ use serde::Deserialize;
 use crate::yaml::{Value, YamlError};
 
 use crate::{
-    cli::{ProxyMode, RunArgs, parse_go_duration},
+    cli::{BpfLogLevel, ProxyMode, RunArgs, parse_go_duration},
     model::Cidr,
 };
 
@@ -47,6 +47,8 @@ struct File {
     detect_local_mode: Option<String>,
     /// Ours, not kube-proxy's: `--unreadable-source-grace`.
     unreadable_source_grace: Option<String>,
+    /// This proxy's own field: `--bpf-log-level`.
+    bpf_log_level: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -97,6 +99,7 @@ const HONOURED: &[&str] = &[
     "conntrack.udpTimeout",
     "detectLocalMode",
     "unreadableSourceGrace",
+    "bpfLogLevel",
 ];
 
 /// kube-proxy's fields that do not apply to this proxy.
@@ -143,6 +146,7 @@ pub struct Settings {
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
     pub conntrack_udp_timeout: Option<Duration>,
     pub unreadable_source_grace: Option<Duration>,
+    pub bpf_log_level: Option<BpfLogLevel>,
 }
 
 /// Appends kube-proxy's default port to an address given without one.
@@ -262,6 +266,13 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
         let grace = parse_go_duration(&d).map_err(bad("unreadableSourceGrace"))?;
         s.unreadable_source_grace = Some(grace);
     }
+    if let Some(level) = file.bpf_log_level {
+        s.bpf_log_level = Some(
+            clap::ValueEnum::from_str(&level, true)
+                .map_err(|_| format!("{level:?}: expected off, info, debug or trace"))
+                .map_err(bad("bpfLogLevel"))?,
+        );
+    }
     if let Some(mode) = file.detect_local_mode.filter(|m| !m.is_empty() && m != "ClusterCIDR") {
         warnings.push(format!("detectLocalMode {mode}: only ClusterCIDR is supported"));
     }
@@ -320,6 +331,7 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
     );
     set!("conntrack_udp_timeout", args.conntrack_udp_timeout, settings.conntrack_udp_timeout);
     set!("unreadable_source_grace", args.unreadable_source_grace, settings.unreadable_source_grace);
+    set!("bpf_log_level", args.bpf_log_level, settings.bpf_log_level);
 }
 
 #[cfg(test)]
@@ -360,6 +372,7 @@ nodePortAddresses: [192.168.100.0/24]
 oomScoreAdj: null
 someFutureField: true
 unreadableSourceGrace: 2s
+bpfLogLevel: debug
 "#;
 
     fn run_args(flags: &[&str]) -> (RunArgs, clap::ArgMatches) {
@@ -385,6 +398,7 @@ unreadableSourceGrace: 2s
         assert_eq!(settings.conntrack_tcp_timeout_established, Some(Duration::from_secs(43_200)));
         assert_eq!(settings.conntrack_udp_timeout, None, "0s: leave as is");
         assert_eq!(settings.unreadable_source_grace, Some(Duration::from_secs(2)));
+        assert_eq!(settings.bpf_log_level, Some(BpfLogLevel::Debug));
         assert!(
             warnings.iter().any(|w| w == "unknown field someFutureField; ignored"),
             "{warnings:?}"
@@ -404,6 +418,7 @@ unreadableSourceGrace: 2s
         assert!(args.node.masquerade_all);
         assert_eq!(args.node.nodeport_addresses.len(), 1);
         assert_eq!(args.min_sync_period, Some(Duration::from_secs(2)));
+        assert_eq!(args.bpf_log_level, BpfLogLevel::Debug);
     }
 
     #[test]
@@ -417,5 +432,11 @@ unreadableSourceGrace: 2s
         )
         .unwrap_err();
         assert!(err.to_string().contains("iptables.syncPeriod"), "{err}");
+        let err = parse(
+            std::path::Path::new("c"),
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nbpfLogLevel: loud\n",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("bpfLogLevel"), "{err}");
     }
 }

@@ -9,6 +9,7 @@ pub mod backend;
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod fit;
 pub mod health;
 pub mod http;
 pub mod inspect;

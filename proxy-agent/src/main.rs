@@ -37,6 +37,7 @@ fn main() -> std::process::ExitCode {
         Command::Probe(args) => commands::probe::run(&args),
         Command::Lb(LbCommand::List(args)) => commands::lb::list(&args),
         Command::Ct(CtCommand::List(args)) => commands::lb::ct_list(&args),
+        Command::BpfLogLevel(args) => commands::lb::set_log_level(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -162,6 +162,9 @@ pub struct Metrics {
     carried: Mutex<Vec<(&'static str, &'static str)>>,
     /// BPF map writes the kernel refused.
     pub map_update_failures: AtomicU64,
+    /// Services the maps cannot hold as planned, by reason (kept at 0 once
+    /// seen, so a recovery shows).
+    services_refused: Mutex<BTreeMap<&'static str, u64>>,
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
     /// iptables mode: failed `iptables-restore` runs, and those of them
@@ -214,6 +217,7 @@ impl Metrics {
             map_entries: Mutex::default(),
             carried: Mutex::default(),
             map_update_failures: AtomicU64::new(0),
+            services_refused: Mutex::default(),
             kept_objects: AtomicU64::new(0),
             restore_failures: AtomicU64::new(0),
             partial_restore_failures: AtomicU64::new(0),
@@ -264,6 +268,16 @@ impl Metrics {
     pub fn set_carried(&self, carried: Vec<(&'static str, &'static str)>) {
         if let Ok(mut last) = self.carried.lock() {
             *last = carried;
+        }
+    }
+
+    /// The services refused now, per reason.
+    pub fn set_services_refused(&self, refused: impl IntoIterator<Item = &'static str>) {
+        if let Ok(mut map) = self.services_refused.lock() {
+            map.values_mut().for_each(|n| *n = 0);
+            for reason in refused {
+                *map.entry(reason).or_default() += 1;
+            }
         }
     }
 
@@ -492,6 +506,12 @@ impl Metrics {
             "proxy_map_update_failures",
             "BPF map writes the kernel refused (the sync is retried).",
             self.map_update_failures.load(Relaxed),
+        )?;
+        let refused = self.services_refused.lock().map(|m| m.clone()).unwrap_or_default();
+        out.gauges(
+            "proxy_services_refused",
+            "Services the BPF maps cannot hold as planned (--bpf-lb-map-max), by reason: not served, or served as before their last change.",
+            refused.into_iter().map(|(reason, n)| (label("reason", reason), n)),
         )?;
         out.gauge(
             "proxy_conntrack_entries",
@@ -736,5 +756,23 @@ mod tests {
         assert_eq!(*bounds.last().unwrap(), 300.0);
         let sync: Vec<f64> = exponential_buckets(0.001, 2.0, 15).collect();
         assert_eq!(sync, (0..15).map(|i| 0.001 * f64::from(1u32 << i)).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn refused_services_are_counted_by_reason_and_their_recovery_shows() {
+        let m = metrics("ebpf");
+        m.set_services_refused(["services_map_full", "services_map_full", "address_held"]);
+        let scrape = text(&m);
+        assert!(
+            scrape.contains("proxy_services_refused{reason=\"services_map_full\"} 2\n"),
+            "{scrape}"
+        );
+        assert!(scrape.contains("proxy_services_refused{reason=\"address_held\"} 1\n"));
+        m.set_services_refused([]);
+        let scrape = text(&m);
+        assert!(
+            scrape.contains("proxy_services_refused{reason=\"services_map_full\"} 0\n"),
+            "{scrape}"
+        );
     }
 }

@@ -26,9 +26,24 @@ pub fn name(hostname_override: &Option<String>) -> anyhow::Result<String> {
     Ok(name.trim().to_lowercase())
 }
 
+/// Where this node's addresses come from, and so when the agent must
+/// restart to use new ones (as kube-proxy does).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AddressSource {
+    /// `--node-ip`, or the interfaces' addresses found at start: fixed.
+    Fixed,
+    /// The Node object's InternalIPs: a change restarts the agent.
+    NodeObject,
+    /// None found at start (ClusterIPs only): the first interface address
+    /// (beside these pod-facing prefixes) restarts the agent to serve
+    /// NodePorts on it.
+    AwaitingInterfaces { pod_interfaces: Vec<String> },
+}
+
 /// The IPv4 addresses of the interfaces that are neither loopback nor
 /// pod-facing, those of the default route's interface first (the first is
-/// the SNAT address: replies must find their way back to it).
+/// the SNAT address: replies must find their way back to it). Possibly
+/// none.
 pub fn interface_ips(pod_interfaces: &[String]) -> anyhow::Result<Vec<Ipv4Addr>> {
     let mut interfaces: Vec<(String, Vec<Ipv4Addr>)> =
         sys::interfaces().context("listing interfaces")?.into_iter().collect();
@@ -40,7 +55,6 @@ pub fn interface_ips(pod_interfaces: &[String]) -> anyhow::Result<Vec<Ipv4Addr>>
         .flat_map(|(_, addrs)| addrs.iter().copied())
         .filter(|ip| !ip.is_loopback() && !ip.is_link_local())
         .collect();
-    anyhow::ensure!(!ips.is_empty(), "no node address found: pass --node-ip");
     Ok(ips)
 }
 

@@ -110,6 +110,9 @@ pub struct FrontendPlan {
     /// In-cluster clients get the internal-scope frontend at this address
     /// (an external frontend with the Local policy).
     pub two_scopes: bool,
+    /// No endpoint is ready: the backends are the serving, terminating
+    /// ones (kube-proxy's fallback). Only the datapath's logs tell it.
+    pub serves_terminating: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -364,6 +367,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             service: port.name.clone(),
             kind,
             drop_when_empty: backends.is_empty() && port.has_endpoints(),
+            serves_terminating: !endpoints.is_empty() && endpoints.iter().all(|e| !e.ready),
             backends,
             affinity_timeout_secs: port.affinity_timeout_secs,
             external,
@@ -463,7 +467,16 @@ mod tests {
         let fp = at(&plan, [10, 96, 0, 1], 80);
         let addr = "10.0.0.2:80".parse::<SocketAddrV4>().unwrap();
         assert_eq!(fp.backends, vec![BackendPlan { addr, local: true, host: false }]);
-        assert!(!fp.external && !fp.local && !fp.drop_when_empty);
+        assert!(!fp.external && !fp.local && !fp.drop_when_empty && !fp.serves_terminating);
+    }
+
+    #[test]
+    fn the_terminating_fallback_is_marked() {
+        let mut p = port("a", [10, 96, 0, 1], &[("10.0.0.2:80", false, "node-a")]);
+        (p.endpoints[0].serving, p.endpoints[0].terminating) = (true, true);
+        let fp = at(&one(vec![p]), [10, 96, 0, 1], 80).clone();
+        assert_eq!(fp.backends.len(), 1);
+        assert!(fp.serves_terminating);
     }
 
     #[test]

@@ -58,6 +58,7 @@ pub const CGROUP_LINKS: &str = "bpf_link for cgroups (5.7+)";
 pub const TCX: &str = "TCX attachment (6.6+; else clsact filters)";
 pub const SOCK_ITERATORS: &str = "bpf_sock_destroy from socket iterators (6.5+)";
 pub const SOCK_DESTROY: &str = "sock_diag SOCK_DESTROY (ends sockets to removed pods)";
+pub const SET_RETVAL: &str = "bpf_set_retval (5.18+; else refusals are EPERM)";
 
 /// Picks the mode: eBPF when every required feature is there.
 pub fn decide(features: &[Feature]) -> Decision {
@@ -77,6 +78,7 @@ pub fn run() -> Vec<Feature> {
     let mut programs = EbpfBackend::load(TcAttach::for_this_kernel());
     let iterators = programs.as_mut().ok().map(EbpfBackend::load_socket_iterators);
     let destroy = crate::sockets::probe();
+    let set_retval = crate::backend::ebpf::has_set_retval();
     vec![
         Feature {
             name: BTF,
@@ -110,12 +112,26 @@ pub fn run() -> Vec<Feature> {
         },
         Feature { name: TCX, required: false, found: at_least(6, 6), detail: version },
         Feature {
+            name: SET_RETVAL,
+            required: false,
+            found: set_retval,
+            detail: if set_retval {
+                "connect() to a service without endpoints: ECONNREFUSED".into()
+            } else {
+                "connect() to a service without endpoints: EPERM".into()
+            },
+        },
+        Feature {
             name: SOCK_ITERATORS,
             required: false,
             found: matches!(iterators, Some(Ok(()))),
             detail: match &iterators {
                 Some(Ok(())) => "verified; ends sockets to removed pods".into(),
-                Some(Err(e)) => format!("{e}; sock_diag is used instead"),
+                // The verifier's log follows on more lines: the table keeps the first.
+                Some(Err(e)) => {
+                    let e = e.to_string();
+                    format!("{}; sock_diag is used instead", e.lines().next().unwrap_or_default())
+                }
                 None => "programs do not load".into(),
             },
         },

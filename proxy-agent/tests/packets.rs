@@ -59,6 +59,7 @@ fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -
         drop_when_empty: false,
         source_ranges: ranges.iter().map(|r| Cidr::parse(r).unwrap().unwrap()).collect(),
         two_scopes: false,
+        serves_terminating: false,
     }
 }
 

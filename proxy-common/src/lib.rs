@@ -163,6 +163,9 @@ flags!(
         /// On a `SCOPE_EXTERNAL` frontend: an internal-scope frontend at the
         /// same address serves in-cluster clients (Cilium's "two scopes").
         5: has_two_scopes, with_two_scopes;
+        /// No endpoint is ready: the backends are the serving, terminating
+        /// ones (kube-proxy's fallback); only the decision records read it.
+        6: serves_terminating, with_serves_terminating;
     }
 );
 
@@ -684,6 +687,19 @@ pub mod icmp {
     }
 }
 
+/// `Config::log_level`: the programs write their decision records (aya-log)
+/// at this level and the ones above it; the numbers are aya-log's levels.
+pub mod log_level {
+    /// No records: each log point costs a compare.
+    pub const OFF: u8 = 0;
+    /// Refusals and drops: no endpoint, a source outside the ranges, no SNAT port.
+    pub const INFO: u8 = 3;
+    /// Every new flow's service and backend, and packets a flow has lost.
+    pub const DEBUG: u8 = 4;
+    /// Also the packets that are no service's.
+    pub const TRACE: u8 = 5;
+}
+
 /// The datapath's settings, in a one-element array written by the agent.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -699,7 +715,10 @@ pub struct Config {
     /// SNAT source ports are allocated in `snat_port_min..=snat_port_max`.
     pub snat_port_min: u16,
     pub snat_port_max: u16,
-    pub _pad: u16,
+    /// Which decision records the programs write (`log_level`); the agent
+    /// rewrites it at run time.
+    pub log_level: u8,
+    pub _pad: u8,
     pub tcp_syn_timeout_secs: u32,
     pub tcp_established_timeout_secs: u32,
     /// After one side's FIN (half-closed).

@@ -95,7 +95,8 @@ fn port_free(key: &CtKey, cfg: &Config, now: u64) -> bool {
 /// Records a new flow `orig` translated to `xlated`. With SNAT, picks a
 /// source port in the configured range whose reply tuple is free (or held by
 /// a flow that closed long enough ago, as netfilter reuses closed tuples);
-/// `None` when no port (or no room) was found.
+/// `None` when no port (or no room) was found. (No reason why: returning
+/// one measured 10-20 ns slower per new flow.)
 #[inline(always)]
 pub fn create(
     orig: &CtKey,
@@ -108,16 +109,16 @@ pub fn create(
     let flags = if snat { CT_FLAG_SNAT } else { 0 };
     let expires_ns = now + lifetime_ns(cfg, orig.proto, 0);
     let back = orig.reversed();
-    let reply = CtEntry::new(expires_ns, &back, rev_nat_id, flags | CT_FLAG_REPLY);
+    let mut entry = CtEntry::new(expires_ns, &back, rev_nat_id, flags | CT_FLAG_REPLY);
     if snat {
         let span = (cfg.snat_port_max.saturating_sub(cfg.snat_port_min)) as u32 + 1;
         let mut found = false;
         for _ in 0..SNAT_TRIES {
             xlated.sport = cfg.snat_port_min + (unsafe { bpf_get_prandom_u32() } % span) as u16;
             let key = xlated.reversed();
-            if CONNTRACK.insert(key, reply, BPF_NOEXIST as u64).is_ok()
+            if CONNTRACK.insert(key, entry, BPF_NOEXIST as u64).is_ok()
                 || (port_free(&key, cfg, now)
-                    && CONNTRACK.insert(key, reply, BPF_ANY as u64).is_ok())
+                    && CONNTRACK.insert(key, entry, BPF_ANY as u64).is_ok())
             {
                 found = true;
                 break;
@@ -126,11 +127,13 @@ pub fn create(
         if !found {
             return None;
         }
-    } else if CONNTRACK.insert(xlated.reversed(), reply, BPF_ANY as u64).is_err() {
+    } else if CONNTRACK.insert(xlated.reversed(), entry, BPF_ANY as u64).is_err() {
         return None;
     }
-    let forward = CtEntry::new(expires_ns, &xlated, rev_nat_id, flags);
-    if CONNTRACK.insert(orig, forward, BPF_ANY as u64).is_err() {
+    // The forward entry in the reply's stack slot: the accounting layout's
+    // entries are large, and the verifier adds a log call's frame to this.
+    entry = CtEntry::new(expires_ns, &xlated, rev_nat_id, flags);
+    if CONNTRACK.insert(orig, entry, BPF_ANY as u64).is_err() {
         let _ = CONNTRACK.remove(xlated.reversed());
         return None;
     }

@@ -11,7 +11,10 @@
 //! it (Linux matches the error to a socket by addresses and ports), and the
 //! 8 quoted bytes do not even hold a TCP checksum.
 
+use core::mem::offset_of;
+
 use aya_ebpf::programs::TcContext;
+use network_types::{icmp::Icmpv4Hdr, ip::Ipv4Hdr};
 use proxy_common::{
     CtKey, IPPROTO_TCP, IPPROTO_UDP,
     icmp::{DEST_UNREACH, ErrorTuple, TIME_EXCEEDED, flow_key, translate},
@@ -19,17 +22,8 @@ use proxy_common::{
 
 use crate::{
     conntrack,
-    packet::{
-        self, IcmpMessage,
-        ipv4::{
-            CSUM as IP_CSUM_OFF, DADDR as IP_DADDR_OFF, FRAGMENT_OFFSET as IP_FRAGMENT_OFFSET,
-            SADDR as IP_SADDR_OFF,
-        },
-    },
+    packet::{self, DPORT, IcmpMessage, IpHeader, SPORT},
 };
-
-const ICMP_CSUM_OFF: usize = 2;
-const ICMP_HLEN: usize = 8;
 
 /// An ICMP error quoting a TCP or UDP packet.
 pub struct IcmpError {
@@ -45,27 +39,26 @@ pub struct IcmpError {
 /// but the first bytes of a TCP or UDP packet, are `None`.
 #[inline(always)]
 pub fn parse(ctx: &TcContext, msg: &IcmpMessage) -> Option<IcmpError> {
-    let kind: u8 = ctx.load(msg.icmp_off).ok()?;
+    let kind: u8 = ctx.load(msg.icmp_off + offset_of!(Icmpv4Hdr, type_)).ok()?;
     if kind != DEST_UNREACH && kind != TIME_EXCEEDED {
         return None;
     }
-    let ip_off = msg.icmp_off + ICMP_HLEN;
-    let ip: [u8; 20] = ctx.load(ip_off).ok()?;
-    let ihl = ((ip[0] & 0x0f) as usize) * 4;
-    let proto = ip[9];
-    let offset = u16::from_be_bytes([ip[6], ip[7]]) & IP_FRAGMENT_OFFSET;
+    let ip_off = msg.icmp_off + Icmpv4Hdr::LEN;
+    let ip: Ipv4Hdr = ctx.load(ip_off).ok()?;
+    let ihl = packet::ipv4_len(&ip)?;
+    let proto = ip.proto;
     // A later fragment quotes no ports.
-    if ip[0] >> 4 != 4 || ihl < 20 || (proto != IPPROTO_TCP && proto != IPPROTO_UDP) || offset != 0
-    {
+    if (proto != IPPROTO_TCP && proto != IPPROTO_UDP) || ip.frag_offset() != 0 {
         return None;
     }
     let l4_off = ip_off + ihl;
-    let ports: [u8; 4] = ctx.load(l4_off).ok()?;
+    // Only the first 8 bytes of the quoted L4 header are there: the ports.
+    let ports: [[u8; 2]; 2] = ctx.load(l4_off + SPORT).ok()?;
     let quoted = CtKey {
-        saddr: [ip[12], ip[13], ip[14], ip[15]],
-        daddr: [ip[16], ip[17], ip[18], ip[19]],
-        sport: u16::from_be_bytes([ports[0], ports[1]]),
-        dport: u16::from_be_bytes([ports[2], ports[3]]),
+        saddr: ip.src_addr,
+        daddr: ip.dst_addr,
+        sport: u16::from_be_bytes(ports[0]),
+        dport: u16::from_be_bytes(ports[1]),
         proto,
         _pad: [0; 3],
     };
@@ -82,35 +75,22 @@ pub fn translation(err: &IcmpError, now: u64) -> Option<ErrorTuple> {
 }
 
 /// Rewrites the error's addresses, the quoted addresses and ports, and the
-/// IP and ICMP checksums that cover them.
+/// IP and ICMP checksums that cover them. The quoted header's checksum
+/// takes the change of its addresses, so the bytes of that header keep
+/// their ones'-complement sum: the ICMP checksum, which covers them, stays
+/// right without an update (whether or not the quoted checksum was right
+/// to begin with).
 #[inline(always)]
 pub fn rewrite(ctx: &TcContext, err: &IcmpError, to: &ErrorTuple) -> Result<(), i64> {
     let from = &err.tuple;
     packet::rewrite_addrs(ctx, [from.saddr, from.daddr], [to.saddr, to.daddr])?;
     let (old, new) = (&from.quoted, &to.quoted);
-    set_quoted_addr(ctx, err, IP_SADDR_OFF, old.saddr, new.saddr)?;
-    set_quoted_addr(ctx, err, IP_DADDR_OFF, old.daddr, new.daddr)?;
-    set_quoted_port(ctx, err, err.l4_off, old.sport, new.sport)?;
-    set_quoted_port(ctx, err, err.l4_off + 2, old.dport, new.dport)
-}
-
-/// The quoted header's checksum takes the change, so the bytes of that
-/// header keep their ones'-complement sum: the ICMP checksum, which covers
-/// them, stays right without an update (whether or not the quoted checksum
-/// was right to begin with).
-fn set_quoted_addr(
-    ctx: &TcContext,
-    err: &IcmpError,
-    field: usize,
-    old: [u8; 4],
-    new: [u8; 4],
-) -> Result<(), i64> {
-    if old == new {
-        return Ok(());
-    }
-    let (old, new) = (u32::from_ne_bytes(old), u32::from_ne_bytes(new));
-    ctx.l3_csum_replace(err.ip_off + IP_CSUM_OFF, old as u64, new as u64, 4)?;
-    ctx.store(err.ip_off + field, &new, 0)
+    let quoted_addr =
+        |field, old, new| packet::set_addr::<Ipv4Hdr>(ctx, None, err.ip_off, field, old, new);
+    quoted_addr(Ipv4Hdr::SADDR, old.saddr, new.saddr)?;
+    quoted_addr(Ipv4Hdr::DADDR, old.daddr, new.daddr)?;
+    set_quoted_port(ctx, err, err.l4_off + SPORT, old.sport, new.sport)?;
+    set_quoted_port(ctx, err, err.l4_off + DPORT, old.dport, new.dport)
 }
 
 /// A quoted port: only the ICMP checksum covers it here (ICMP has no
@@ -126,6 +106,7 @@ fn set_quoted_port(
         return Ok(());
     }
     let (old, new) = (old.to_be(), new.to_be());
-    ctx.l4_csum_replace(err.icmp_off + ICMP_CSUM_OFF, old as u64, new as u64, 2)?;
+    let csum = err.icmp_off + offset_of!(Icmpv4Hdr, check);
+    ctx.l4_csum_replace(csum, old as u64, new as u64, 2)?;
     ctx.store(off, &new, 0)
 }

@@ -12,7 +12,18 @@ pub enum Verdict {
     /// A service with no backend: refuse.
     NoBackend,
     /// Send to this backend; replies must look like they come from the service.
-    Backend { backend: Backend, backend_id: u32, rev_nat_id: u32 },
+    Backend { backend: Backend, backend_id: u32, rev_nat_id: u32, via: Via },
+}
+
+/// How a backend was chosen (for the decision records).
+#[derive(Clone, Copy)]
+pub enum Via {
+    /// The client's remembered backend (sessionAffinity).
+    Affinity,
+    /// At random among the frontend's backends.
+    Random,
+    /// The backend of the socket's fresh UDP flow.
+    Flow,
 }
 
 #[inline(always)]
@@ -58,7 +69,12 @@ pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Ve
     let now = unsafe { bpf_ktime_get_ns() };
     if affine && let Some((backend_id, backend)) = affine_backend(&affinity_key, svc, now) {
         count(Counter::AffinityHit);
-        return Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id };
+        return Verdict::Backend {
+            backend,
+            backend_id,
+            rev_nat_id: svc.rev_nat_id,
+            via: Via::Affinity,
+        };
     }
     let Some((backend_id, backend)) = random_backend(key, svc.count) else {
         count(Counter::SlotMiss);
@@ -69,7 +85,7 @@ pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Ve
         let value = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
         let _ = AFFINITY.insert(affinity_key, value, 0);
     }
-    Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id }
+    Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id, via: Via::Random }
 }
 
 /// The remembered backend of `key`, if its entry is younger than the

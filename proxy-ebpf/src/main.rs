@@ -8,6 +8,7 @@
 mod conntrack;
 mod icmp;
 mod lb;
+mod log;
 mod maps;
 mod packet;
 mod reject;

@@ -3,33 +3,51 @@
 //! packets we build (RST, ICMP). ICMP messages are only located here; the
 //! errors among them are read by `icmp`.
 
+use core::mem::offset_of;
+
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
-use proxy_common::{CtKey, FragKey, FragRewrite, IPPROTO_TCP, IPPROTO_UDP};
+use network_types::{
+    eth::{EthHdr, EtherType},
+    ip::Ipv4Hdr,
+    tcp::TcpHdr,
+    udp::UdpHdr,
+};
+use proxy_common::{
+    CtKey, FragKey, FragRewrite, IPPROTO_TCP, IPPROTO_UDP,
+    ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+};
 
-pub const ETH_HLEN: usize = 14;
-pub const ETH_P_IP: u16 = 0x0800;
 pub const IPPROTO_ICMP: u8 = 1;
-const IP_OFF: usize = ETH_HLEN;
+/// Where the IP header starts: after the Ethernet header.
+pub const IP_OFF: usize = EthHdr::LEN;
+/// `Ipv4Hdr::frag_flags`: more fragments follow.
+const MORE_FRAGMENTS: u8 = 0b001;
 
-/// IPv4 header fields, from the start of an IPv4 header (the packet's own,
-/// or one an ICMP error quotes).
-pub mod ipv4 {
-    pub const TTL: usize = 8;
-    pub const CSUM: usize = 10;
-    pub const SADDR: usize = 12;
-    pub const DADDR: usize = 16;
-    /// Bits of the flags and fragment offset word.
-    pub const MORE_FRAGMENTS: u16 = 0x2000;
-    pub const FRAGMENT_OFFSET: u16 = 0x1fff;
+/// An IP header whose addresses the datapath rewrites: where they and the
+/// header checksum are, from the header's start. An `Ipv6Hdr` impl (no
+/// header checksum, 16-byte addresses) slots in beside this one.
+pub trait IpHeader {
+    type Addr: Copy + PartialEq;
+    const SADDR: usize;
+    const DADDR: usize;
+    const CSUM: usize;
 }
 
-const IP_CSUM_OFF: usize = IP_OFF + ipv4::CSUM;
-const IP_SADDR_OFF: usize = IP_OFF + ipv4::SADDR;
-const IP_DADDR_OFF: usize = IP_OFF + ipv4::DADDR;
-const IP_TTL_OFF: usize = IP_OFF + ipv4::TTL;
+impl IpHeader for Ipv4Hdr {
+    type Addr = [u8; 4];
+    const SADDR: usize = offset_of!(Ipv4Hdr, src_addr);
+    const DADDR: usize = offset_of!(Ipv4Hdr, dst_addr);
+    const CSUM: usize = offset_of!(Ipv4Hdr, check);
+}
+
+/// Where the ports are, the same in TCP and UDP headers: one read and one
+/// rewrite serve both.
+pub const SPORT: usize = offset_of!(UdpHdr, src);
+pub const DPORT: usize = offset_of!(UdpHdr, dst);
+const _: () = assert!(offset_of!(TcpHdr, source) == SPORT && offset_of!(TcpHdr, dest) == DPORT);
 
 /// The fields of one IPv4 TCP or UDP packet the datapath works with.
 #[derive(Clone, Copy)]
@@ -66,12 +84,48 @@ pub enum Parsed {
 
 impl Packet {
     fn l4_csum_off(&self) -> usize {
-        self.l4_off + if self.tuple.proto == IPPROTO_TCP { 16 } else { 6 }
+        self.l4_off
+            + if self.tuple.proto == IPPROTO_TCP {
+                offset_of!(TcpHdr, check)
+            } else {
+                offset_of!(UdpHdr, check)
+            }
     }
 
     fn l4_flags(&self) -> u64 {
         // A UDP checksum of zero means "none" and must stay zero.
         if self.tuple.proto == IPPROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 }
+    }
+}
+
+/// The flags conntrack follows, numbered as on the wire (`proxy_common::ct`).
+#[inline(always)]
+pub fn tcp_flags(tcp: &TcpHdr) -> u8 {
+    let bit = |set: u16, flag: u8| if set != 0 { flag } else { 0 };
+    bit(tcp.fin(), TCP_FIN)
+        | bit(tcp.syn(), TCP_SYN)
+        | bit(tcp.rst(), TCP_RST)
+        | bit(tcp.ack(), TCP_ACK)
+}
+
+/// The header length of `ip`, if it is an IPv4 header. (Taking the header
+/// by reference: one returned by value is copied byte by byte.)
+#[inline(always)]
+pub fn ipv4_len(ip: &Ipv4Hdr) -> Option<usize> {
+    let ihl = ip.ihl() as usize;
+    (ip.version() == 4 && ihl >= Ipv4Hdr::LEN).then_some(ihl)
+}
+
+/// Reads the ports (and TCP flags) of the TCP or UDP header at `off`.
+#[inline(always)]
+pub fn load_ports(ctx: &TcContext, off: usize, proto: u8) -> Option<(u16, u16, u8)> {
+    // One load per header: each bpf_skb_load_bytes is a helper call.
+    if proto == IPPROTO_TCP {
+        let tcp: TcpHdr = ctx.load(off).ok()?;
+        Some((u16::from_be_bytes(tcp.source), u16::from_be_bytes(tcp.dest), tcp_flags(&tcp)))
+    } else {
+        let udp: UdpHdr = ctx.load(off).ok()?;
+        Some((udp.src_port(), udp.dst_port(), 0))
     }
 }
 
@@ -81,59 +135,47 @@ impl Packet {
 pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     // One load per header: each bpf_skb_load_bytes is a helper call, and
     // this runs for every packet of every watched interface.
-    let ethertype: u16 = ctx.load(12).ok()?;
-    if u16::from_be(ethertype) != ETH_P_IP {
+    let ethertype: u16 = ctx.load(offset_of!(EthHdr, ether_type)).ok()?;
+    if ethertype != EtherType::Ipv4 as u16 {
         return None;
     }
-    let ip: [u8; 20] = ctx.load(IP_OFF).ok()?;
-    if ip[0] >> 4 != 4 {
-        return None;
-    }
-    let ihl = ((ip[0] & 0x0f) as usize) * 4;
-    if ihl < 20 {
-        return None;
-    }
-    let frag = u16::from_be_bytes([ip[6], ip[7]]);
-    let proto = ip[9];
-    let saddr = [ip[12], ip[13], ip[14], ip[15]];
-    let daddr = [ip[16], ip[17], ip[18], ip[19]];
+    let ip: Ipv4Hdr = ctx.load(IP_OFF).ok()?;
+    let ihl = ipv4_len(&ip)?;
+    let (saddr, daddr, proto) = (ip.src_addr, ip.dst_addr, ip.proto);
+    let more_fragments = ip.frag_flags() & MORE_FRAGMENTS != 0;
+    let fragment_offset = ip.frag_offset();
     // ICMP errors are small (RFC 1812: at most 576 bytes), never fragmented.
-    if proto == IPPROTO_ICMP && frag & (ipv4::MORE_FRAGMENTS | ipv4::FRAGMENT_OFFSET) == 0 {
+    if proto == IPPROTO_ICMP && !more_fragments && fragment_offset == 0 {
         return Some(Parsed::Icmp(IcmpMessage { saddr, daddr, icmp_off: IP_OFF + ihl }));
     }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return None;
     }
-    let id = u16::from_be_bytes([ip[4], ip[5]]);
-    let frag_key = FragKey { saddr, daddr, id, proto, _pad: 0 };
-    if frag & ipv4::FRAGMENT_OFFSET != 0 {
+    let frag_key = FragKey { saddr, daddr, id: ip.id(), proto, _pad: 0 };
+    if fragment_offset != 0 {
         return Some(Parsed::Fragment(frag_key));
     }
     let l4_off = IP_OFF + ihl;
-    let ports: [u8; 4] = ctx.load(l4_off).ok()?;
-    let tcp_flags = if proto == IPPROTO_TCP { ctx.load::<u8>(l4_off + 13).ok()? } else { 0 };
+    let (sport, dport, tcp_flags) = load_ports(ctx, l4_off, proto)?;
     Some(Parsed::Packet(Packet {
-        tuple: CtKey {
-            saddr,
-            daddr,
-            sport: u16::from_be_bytes([ports[0], ports[1]]),
-            dport: u16::from_be_bytes([ports[2], ports[3]]),
-            proto,
-            _pad: [0; 3],
-        },
+        tuple: CtKey { saddr, daddr, sport, dport, proto, _pad: [0; 3] },
         l4_off,
         tcp_flags,
-        plain_ip_header: ihl == 20,
-        first_fragment: (frag & ipv4::MORE_FRAGMENTS != 0).then_some(frag_key),
+        plain_ip_header: ihl == Ipv4Hdr::LEN,
+        first_fragment: more_fragments.then_some(frag_key),
     }))
 }
 
-/// Rewrites one IP address; `l4` is the packet whose L4 checksum covers it
-/// (none for a later fragment, which carries no L4 header).
-fn set_addr(
+/// Rewrites one address of the IP header at `ip_off` (`field`: `SADDR` or
+/// `DADDR`) and the header's checksum; `l4` is the packet whose L4 checksum
+/// covers the address (none for a later fragment, which carries no L4
+/// header, or an ICMP message or the header it quotes).
+#[inline(always)]
+pub fn set_addr<H: IpHeader<Addr = [u8; 4]>>(
     ctx: &TcContext,
     l4: Option<&Packet>,
-    off: usize,
+    ip_off: usize,
+    field: usize,
     old: [u8; 4],
     new: [u8; 4],
 ) -> Result<(), i64> {
@@ -145,8 +187,8 @@ fn set_addr(
         let flags = BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags() | 4;
         ctx.l4_csum_replace(pkt.l4_csum_off(), old, new, flags)?;
     }
-    ctx.l3_csum_replace(IP_CSUM_OFF, old, new, 4)?;
-    ctx.store(off, &(new as u32), 0)
+    ctx.l3_csum_replace(ip_off + H::CSUM, old, new, 4)?;
+    ctx.store(ip_off + field, &(new as u32), 0)
 }
 
 fn set_port(ctx: &TcContext, pkt: &Packet, off: usize, old: u16, new: u16) -> Result<(), i64> {
@@ -162,10 +204,10 @@ fn set_port(ctx: &TcContext, pkt: &Packet, off: usize, old: u16, new: u16) -> Re
 #[inline(always)]
 pub fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> Result<(), i64> {
     let from = &pkt.tuple;
-    set_addr(ctx, Some(pkt), IP_SADDR_OFF, from.saddr, to.saddr)?;
-    set_addr(ctx, Some(pkt), IP_DADDR_OFF, from.daddr, to.daddr)?;
-    set_port(ctx, pkt, pkt.l4_off, from.sport, to.sport)?;
-    set_port(ctx, pkt, pkt.l4_off + 2, from.dport, to.dport)
+    set_addr::<Ipv4Hdr>(ctx, Some(pkt), IP_OFF, Ipv4Hdr::SADDR, from.saddr, to.saddr)?;
+    set_addr::<Ipv4Hdr>(ctx, Some(pkt), IP_OFF, Ipv4Hdr::DADDR, from.daddr, to.daddr)?;
+    set_port(ctx, pkt, pkt.l4_off + SPORT, from.sport, to.sport)?;
+    set_port(ctx, pkt, pkt.l4_off + DPORT, from.dport, to.dport)
 }
 
 /// Rewrites the addresses of a later fragment (IP header only).
@@ -178,22 +220,31 @@ pub fn rewrite_fragment(ctx: &TcContext, from: &FragKey, to: &FragRewrite) -> Re
 /// cover them (a later fragment, an ICMP message): the IP header only.
 #[inline(always)]
 pub fn rewrite_addrs(ctx: &TcContext, from: [[u8; 4]; 2], to: [[u8; 4]; 2]) -> Result<(), i64> {
-    set_addr(ctx, None, IP_SADDR_OFF, from[0], to[0])?;
-    set_addr(ctx, None, IP_DADDR_OFF, from[1], to[1])
+    set_addr::<Ipv4Hdr>(ctx, None, IP_OFF, Ipv4Hdr::SADDR, from[0], to[0])?;
+    set_addr::<Ipv4Hdr>(ctx, None, IP_OFF, Ipv4Hdr::DADDR, from[1], to[1])
 }
 
 /// Decrements the TTL of a packet we forward ourselves; false when it ran out.
 #[inline(always)]
 pub fn decrement_ttl(ctx: &TcContext) -> Result<bool, i64> {
-    let ttl: u8 = ctx.load(IP_TTL_OFF)?;
+    const TTL: usize = IP_OFF + offset_of!(Ipv4Hdr, ttl);
+    let ttl: u8 = ctx.load(TTL)?;
     if ttl <= 1 {
         return Ok(false);
     }
     // TTL is the high byte of the 16-bit word it shares with the protocol.
+    const _: () = assert!(offset_of!(Ipv4Hdr, proto) == offset_of!(Ipv4Hdr, ttl) + 1);
     let (old, new) = ((ttl as u16) << 8, ((ttl - 1) as u16) << 8);
-    ctx.l3_csum_replace(IP_CSUM_OFF, old.to_be() as u64, new.to_be() as u64, 2)?;
-    ctx.store(IP_TTL_OFF, &(ttl - 1), 0)?;
+    ctx.l3_csum_replace(IP_OFF + Ipv4Hdr::CSUM, old.to_be() as u64, new.to_be() as u64, 2)?;
+    ctx.store(TTL, &(ttl - 1), 0)?;
     Ok(true)
+}
+
+/// The bytes of a header struct (`repr(C)`, no padding), to checksum it.
+#[inline(always)]
+pub fn bytes<T>(header: &T) -> &[u8] {
+    // SAFETY: the headers are plain byte arrays and bytes, without padding.
+    unsafe { core::slice::from_raw_parts((header as *const T).cast(), size_of::<T>()) }
 }
 
 /// Ones'-complement sum of `bytes` (big-endian 16-bit words) added to `sum`.

@@ -12,12 +12,13 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    AFFINITY_CLIENT_NETNS, Backend, Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceValue,
-    SockFlow, SockFlowKey, SockRevNat, SockRevNatKey,
+    AFFINITY_CLIENT_NETNS, Backend, Config, Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey,
+    ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey, log_level,
 };
 
 use crate::{
-    lb::{self, Verdict},
+    lb::{self, Verdict, Via},
+    log::{self, record},
     maps::{CONFIG, SOCK_FLOWS, SOCK_REV_NAT, count},
 };
 
@@ -34,6 +35,13 @@ pub const ALLOW: i32 = 1;
 pub const REJECT: i32 = 0;
 
 const ECONNREFUSED: i32 = 111;
+
+/// Whether the kernel has `bpf_set_retval` (5.18+): the agent probes and
+/// sets it at load time. A frozen read-only global, so on older kernels the
+/// verifier prunes the call it would reject, and a refusal fails
+/// `connect()` with EPERM instead of ECONNREFUSED.
+#[unsafe(no_mangle)]
+static SET_RETVAL: u8 = 1;
 
 #[inline(always)]
 fn sock_addr(ctx: &SockAddrContext) -> &bpf_sock_addr {
@@ -66,13 +74,24 @@ fn service_key(sa: &bpf_sock_addr) -> Option<ServiceKey> {
 /// the node's own, so pods (service meshes, VMs) see the ClusterIP and the
 /// per-packet path serves them.
 #[inline(always)]
-fn in_scope(ctx: &SockAddrContext) -> bool {
-    match CONFIG.get(0) {
-        Some(cfg) if cfg.host_netns_cookie != 0 => {
-            let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-            netns == cfg.host_netns_cookie
+fn in_scope(ctx: &SockAddrContext, cfg: &Config) -> bool {
+    if cfg.host_netns_cookie == 0 {
+        return true;
+    }
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    netns == cfg.host_netns_cookie
+}
+
+impl Hook {
+    /// The program's name, for the decision records.
+    #[inline(always)]
+    fn program(self, translate: bool) -> &'static str {
+        match (self, translate) {
+            (Hook::Socket, true) => "connect4",
+            (Hook::Datagram, true) => "sendmsg4",
+            (Hook::Socket, false) => "getpeername4",
+            (Hook::Datagram, false) => "recvmsg4",
         }
-        _ => true,
     }
 }
 
@@ -85,8 +104,32 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let Some(key) = service_key(sa) else {
         return ALLOW;
     };
-    let Some(svc) = lb::lookup_frontend(&key) else { return ALLOW };
-    if !in_scope(ctx) {
+    let Some(cfg) = CONFIG.get(0) else { return ALLOW };
+    let program = hook.program(true);
+    let Some(svc) = lb::lookup_frontend(&key) else {
+        record!(
+            cfg,
+            ctx,
+            program,
+            TRACE,
+            "{:i}:{} proto {}: no service",
+            key.address,
+            key.port,
+            key.proto
+        );
+        return ALLOW;
+    };
+    if !in_scope(ctx, cfg) {
+        record!(
+            cfg,
+            ctx,
+            program,
+            TRACE,
+            "{:i}:{} proto {}: a pod's socket, left to the per-packet path",
+            key.address,
+            key.port,
+            key.proto
+        );
         return ALLOW;
     }
     let (key, svc) = lb::in_cluster_scope(&key, &svc);
@@ -100,7 +143,7 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
         && !svc.flags.is_affinity())
     .then_some(SockFlowKey { cookie, rev_nat_id: svc.rev_nat_id, _pad: 0 });
     // A flow to start: none remembered (or it went stale).
-    let (verdict, new_flow) = match flow.as_ref().and_then(|flow| flow_backend(flow, &svc)) {
+    let (verdict, new_flow) = match flow.as_ref().and_then(|flow| flow_backend(cfg, flow, &svc)) {
         Some(verdict) => (verdict, None),
         None => {
             let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
@@ -109,13 +152,43 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
     };
     match verdict {
         Verdict::NoBackend => {
+            record!(
+                cfg,
+                ctx,
+                program,
+                INFO,
+                "{:i}:{} proto {}: no endpoint, refused (ECONNREFUSED)",
+                key.address,
+                key.port,
+                key.proto
+            );
             // Fail the call at once with ECONNREFUSED instead of EPERM.
-            unsafe { bpf_set_retval(-ECONNREFUSED) };
+            // SAFETY: reading a global the loader initialised.
+            if unsafe { core::ptr::read_volatile(&SET_RETVAL) } != 0 {
+                unsafe { bpf_set_retval(-ECONNREFUSED) };
+            }
             REJECT
         }
-        Verdict::Backend { backend, backend_id, rev_nat_id } => {
+        Verdict::Backend { backend, backend_id, rev_nat_id, via } => {
             if let Some(flow) = new_flow {
                 remember(&flow, backend_id);
+            }
+            if cfg.log_level >= log_level::DEBUG {
+                let (how, among) = log::why(via, svc.flags);
+                record!(
+                    cfg,
+                    ctx,
+                    program,
+                    DEBUG,
+                    "{:i}:{} proto {}: backend {:i}:{} by {} among {}",
+                    key.address,
+                    key.port,
+                    key.proto,
+                    backend.address,
+                    backend.port,
+                    how,
+                    among
+                );
             }
             let rev_key =
                 SockRevNatKey { cookie, address: backend.address, port: backend.port, _pad: 0 };
@@ -130,8 +203,7 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
 /// The backend of the socket's flow `key` to `svc`, if the flow is fresh
 /// and the backend still exists; the datagram refreshes it.
 #[inline(always)]
-fn flow_backend(key: &SockFlowKey, svc: &ServiceValue) -> Option<Verdict> {
-    let cfg = CONFIG.get(0)?;
+fn flow_backend(cfg: &Config, key: &SockFlowKey, svc: &ServiceValue) -> Option<Verdict> {
     let entry = SOCK_FLOWS.get_ptr_mut(key)?;
     let now = unsafe { bpf_ktime_get_ns() };
     // SAFETY: the LRU entry may be recycled concurrently; at worst we read a
@@ -143,7 +215,8 @@ fn flow_backend(key: &SockFlowKey, svc: &ServiceValue) -> Option<Verdict> {
     let backend: Backend = lb::backend(flow.backend_id)?;
     unsafe { (*entry).last_used_ns = now };
     count(Counter::ServiceHit);
-    Some(Verdict::Backend { backend, backend_id: flow.backend_id, rev_nat_id: svc.rev_nat_id })
+    let (backend_id, rev_nat_id) = (flow.backend_id, svc.rev_nat_id);
+    Some(Verdict::Backend { backend, backend_id, rev_nat_id, via: Via::Flow })
 }
 
 /// Starts the socket's flow `key` on `backend_id`.
@@ -175,7 +248,22 @@ pub fn try_reverse(ctx: &SockAddrContext, hook: Hook) -> i32 {
     // longer behind it should show its own address. The socket got either
     // scope of the address (the internal one has its own id).
     let frontend = ServiceKey::new(rev.address, rev.port, sa.protocol as u8, 0);
-    let Some(svc) = lb::lookup_frontend(&frontend) else { return ALLOW };
+    let Some(svc) = lb::lookup_frontend(&frontend) else {
+        if let Some(cfg) = CONFIG.get(0) {
+            record!(
+                cfg,
+                ctx,
+                hook.program(false),
+                DEBUG,
+                "{:i}:{}: its service {:i}:{} is gone, the peer's own address shown",
+                key.address,
+                key.port,
+                rev.address,
+                rev.port
+            );
+        }
+        return ALLOW;
+    };
     if svc.rev_nat_id == rev.rev_nat_id
         || lb::in_cluster_scope(&frontend, &svc).1.rev_nat_id == rev.rev_nat_id
     {

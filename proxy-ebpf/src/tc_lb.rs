@@ -20,12 +20,13 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AFFINITY_CLIENT_IPV4, Backend, Config, Counter, CtKey, FragKey, FragRewrite,
-    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SourceRangeKey,
+    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SourceRangeKey, log_level,
 };
 
 use crate::{
     conntrack, icmp,
     lb::{self, Verdict},
+    log::{self, Outcome},
     maps::{CONFIG, FRAGMENTS, SOURCE_RANGES, count},
     packet::{self, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
     reject,
@@ -51,38 +52,95 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
     }
 
     let key = ServiceKey::new(pkt.tuple.daddr, pkt.tuple.dport, pkt.tuple.proto, 0);
-    let Some(svc) = lb::lookup_frontend(&key) else { return NEXT };
-    if svc.flags.has_source_ranges() && !source_allowed(&svc, pkt.tuple.saddr) {
+    let Some(svc) = lb::lookup_frontend(&key) else {
+        record_unknown(cfg, &pkt);
+        return NEXT;
+    };
+    let t = &pkt.tuple;
+    if svc.flags.has_source_ranges() && !source_allowed(&svc, t.saddr) {
         count(Counter::Dropped);
+        record(cfg, log_level::INFO, true, t, Outcome::SourceOutsideRanges);
         return SHOT;
     }
-    let client = u32::from_ne_bytes(pkt.tuple.saddr) as u64;
+    new_flow(ctx, cfg, &pkt, &key, &svc, now)
+}
+
+/// A new flow to the frontend `svc` (found at `key`): a backend, SNAT where
+/// kube-proxy would masquerade, two conntrack entries; or its refusal.
+#[inline(always)]
+fn new_flow(
+    ctx: &TcContext,
+    cfg: &Config,
+    pkt: &Packet,
+    key: &ServiceKey,
+    svc: &ServiceValue,
+    now: u64,
+) -> i32 {
+    let t = &pkt.tuple;
+    let client = u32::from_ne_bytes(t.saddr) as u64;
     let (scoped_key, scoped) =
-        if from_pods(cfg, pkt.tuple.saddr) { lb::in_cluster_scope(&key, &svc) } else { (key, svc) };
+        if from_pods(cfg, t.saddr) { lb::in_cluster_scope(key, svc) } else { (*key, *svc) };
     match lb::choose(&scoped_key, &scoped, client, AFFINITY_CLIENT_IPV4) {
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
             count(Counter::Dropped);
+            record(cfg, log_level::INFO, true, t, Outcome::NoLocalEndpoint);
             SHOT
         }
-        Verdict::NoBackend => reject::refuse(ctx, &pkt),
-        Verdict::Backend { backend, rev_nat_id, .. } => {
-            let snat = needs_snat(&svc, cfg, &pkt, &backend);
+        Verdict::NoBackend => {
+            record(cfg, log_level::INFO, true, t, Outcome::NoEndpoint);
+            reject::refuse(ctx, pkt)
+        }
+        Verdict::Backend { backend, rev_nat_id, via, .. } => {
+            let snat = needs_snat(svc, cfg, pkt, &backend);
             let xlated = CtKey {
-                saddr: if snat { cfg.snat_addr } else { pkt.tuple.saddr },
+                saddr: if snat { cfg.snat_addr } else { t.saddr },
                 daddr: backend.address,
-                sport: pkt.tuple.sport,
+                sport: t.sport,
                 dport: backend.port,
-                proto: pkt.tuple.proto,
+                proto: t.proto,
                 _pad: [0; 3],
             };
-            let Some(xlated) = conntrack::create(&pkt.tuple, xlated, rev_nat_id, snat, cfg, now)
-            else {
-                count(Counter::Dropped);
-                return SHOT;
+            let xlated = match conntrack::create(t, xlated, rev_nat_id, snat, cfg, now) {
+                Some(xlated) => xlated,
+                None => {
+                    count(Counter::Dropped);
+                    let outcome = if snat { Outcome::NoSnatPort } else { Outcome::ConntrackFull };
+                    record(cfg, log_level::INFO, true, t, outcome);
+                    return SHOT;
+                }
             };
             count(Counter::CtNew);
-            forward(ctx, &pkt, &xlated)
+            if cfg.log_level >= log_level::DEBUG {
+                log::new_flow(t, &xlated, via, scoped.flags);
+                if snat {
+                    log::snat(t, &xlated);
+                }
+            }
+            forward(ctx, pkt, &xlated)
         }
+    }
+}
+
+/// Records a packet of no flow to no service: a reply to a SNAT port
+/// whose flow is gone (expired, evicted) at debug, anything else at trace.
+#[inline(always)]
+fn record_unknown(cfg: &Config, pkt: &Packet) {
+    if cfg.log_level < log_level::DEBUG {
+        return;
+    }
+    let t = &pkt.tuple;
+    if t.daddr == cfg.snat_addr && (cfg.snat_port_min..=cfg.snat_port_max).contains(&t.dport) {
+        record(cfg, log_level::DEBUG, true, t, Outcome::ReplyWithoutFlow);
+    } else {
+        record(cfg, log_level::TRACE, true, t, Outcome::NoService);
+    }
+}
+
+/// A decision record about the packet `t`, if the configured level takes it.
+#[inline(always)]
+fn record(cfg: &Config, level: u8, ingress: bool, t: &CtKey, outcome: Outcome) {
+    if cfg.log_level >= level {
+        log::packet(level, ingress, t, outcome);
     }
 }
 
@@ -147,7 +205,10 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
     };
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) else { return NEXT };
+    let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) else {
+        record(cfg, log_level::TRACE, false, &pkt.tuple, Outcome::NoFlow);
+        return NEXT;
+    };
     count(Counter::CtHit);
     match packet::rewrite(ctx, &pkt, &entry.rewritten(pkt.tuple.proto)) {
         Ok(()) => NEXT,
@@ -188,7 +249,12 @@ fn icmp_error(ctx: &TcContext, msg: &IcmpMessage, ingress: bool) -> i32 {
 #[inline(always)]
 fn later_fragment(ctx: &TcContext, key: &FragKey) -> i32 {
     // SAFETY: copied out at once.
-    let Some(to) = (unsafe { FRAGMENTS.get(key).copied() }) else { return NEXT };
+    let Some(to) = (unsafe { FRAGMENTS.get(key).copied() }) else {
+        if CONFIG.get(0).is_some_and(|cfg| cfg.log_level >= log_level::DEBUG) {
+            log::orphan_fragment(key);
+        }
+        return NEXT;
+    };
     if packet::rewrite_fragment(ctx, key, &to).is_err() {
         count(Counter::Dropped);
         return SHOT;

@@ -5,7 +5,7 @@
 //! Gone` (an `ERROR` event with an `Expired` status) for a version older than
 //! its history, label and field selectors (an object leaving a watch's
 //! selector is `DELETED` for it). Tests change objects, compact the history,
-//! drop every connection, or stop answering.
+//! drop every connection, answer 500 to everything, or stop answering.
 //!
 //! It runs in a thread of the test process, on a socket bound inside a lab
 //! namespace, so agents reach it at a lab address and nothing else can.
@@ -251,6 +251,8 @@ struct State {
     requests: Vec<String>,
     next_uid: u64,
     next_watch: u64,
+    /// Every request gets 500 Internal Server Error.
+    failing: bool,
 }
 
 fn event(kind: &str, object: &Value) -> Bytes {
@@ -475,6 +477,16 @@ impl ApiServer {
         }
     }
 
+    /// Answers every request with 500 Internal Server Error (a broken
+    /// server behind a healthy load balancer), open watches reset; or
+    /// answers normally again.
+    pub fn set_failing(&self, failing: bool) {
+        self.state().failing = failing;
+        if failing {
+            self.drop_watches();
+        }
+    }
+
     /// Stops answering (connections reset, new ones closed at once) or
     /// answers again.
     pub fn set_up(&self, up: bool) {
@@ -636,6 +648,10 @@ fn handle(shared: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body> {
         .collect();
     let mut state = shared.lock().unwrap_or_else(|e| e.into_inner());
     state.requests.push(format!("{} {}", req.method(), req.uri()));
+    if state.failing {
+        let body = status(500, "InternalError", "the lab API server fails on request");
+        return json_response(StatusCode::INTERNAL_SERVER_ERROR, &body);
+    }
     if req.method() != hyper::Method::GET {
         let body = status(405, "MethodNotAllowed", "the lab API server only reads");
         return json_response(StatusCode::METHOD_NOT_ALLOWED, &body);

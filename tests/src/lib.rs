@@ -53,6 +53,14 @@ pub fn target_bin(name: &str) -> PathBuf {
     })
 }
 
+/// Whether the running kernel is at least `major.minor` (some behaviours
+/// differ on older kernels, as docs/operations.md says).
+pub fn kernel_at_least(major: u32, minor: u32) -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut numbers = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse().unwrap_or(0));
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (major, minor)
+}
+
 /// Runs a command, failing with its output when it fails.
 pub fn sh(program: &str, args: &[&str]) -> anyhow::Result<String> {
     let out =
@@ -243,6 +251,8 @@ pub struct Node {
     agent_bin: Option<PathBuf>,
     /// The umask agents start with, when not the test's.
     agent_umask: Option<libc::mode_t>,
+    /// Whether the agent is told its address (`--node-ip`), or finds it.
+    pass_node_ip: bool,
     veths: usize,
 }
 
@@ -412,6 +422,7 @@ impl Lab {
             agent: None,
             agent_bin: None,
             agent_umask: None,
+            pass_node_ip: true,
             veths: 0,
         });
         if let Some(api) = &self.api {
@@ -593,9 +604,16 @@ impl Lab {
         if !running || self.mode != Mode::Ebpf {
             return Ok(());
         }
+        // A TCX link is pinned; a clsact filter (before 6.6) is not a link:
+        // the kernel shows it.
         let pin = host.pins.join("links").join(format!("tc-{interface}"));
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !pin.exists() {
+        let netns = host.netns.clone();
+        let filter = || {
+            sh("tc", &["-n", &netns, "filter", "show", "dev", interface, "ingress"])
+                .is_ok_and(|shown| shown.contains(" bpf "))
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !pin.exists() && !filter() {
             if Instant::now() > deadline {
                 bail!("the agent on {} did not attach to {interface}", host.netns);
             }
@@ -748,7 +766,9 @@ impl Lab {
     /// the node's cgroup, pins and address, in the lab's mode; returns once
     /// its datapath serves.
     pub fn start_agent_on(&mut self, node: usize, extra: &[&str]) -> anyhow::Result<()> {
-        self.start_agent_within(node, extra, Duration::from_secs(20))
+        // Generous: under an emulated CPU (`cargo xtask vmtest`) each of the
+        // iptables commands of a first sync takes a second or more.
+        self.start_agent_within(node, extra, Duration::from_secs(60))
     }
 
     /// As `start_agent_on`, allowing `timeout` for the first sync (a large
@@ -809,7 +829,8 @@ impl Lab {
             .arg(&host.cgroup)
             .arg("--bpffs-root")
             .arg(&host.pins)
-            .args(["--hostname-override", &host.name, "--node-ip", &host.ip])
+            .args(["--hostname-override", &host.name])
+            .args(if host.pass_node_ip { vec!["--node-ip", &host.ip] } else { vec![] })
             .args(mode)
             .args(extra)
             .env("RUST_LOG", "info")
@@ -830,6 +851,12 @@ impl Lab {
 
     /// Agents started on `node` from now on start with this umask (the
     /// test's with `None`).
+    /// Lets a node's agent find its addresses itself instead of being given
+    /// them with `--node-ip`.
+    pub fn omit_node_ip(&mut self, node: usize) {
+        self.nodes[node].pass_node_ip = false;
+    }
+
     pub fn set_agent_umask(&mut self, node: usize, umask: Option<libc::mode_t>) {
         self.nodes[node].agent_umask = umask;
     }

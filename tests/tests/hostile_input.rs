@@ -271,3 +271,32 @@ fn nothing_pinned_is_open_to_other_users_even_under_umask_000() {
         assert!(Path::new(&*file).exists(), "{file} unlinked");
     }
 }
+
+/// 200 invalid Services (an unknown protocol each) beside a good one: the
+/// good one is served, the log warns about ten and sums up the rest in one
+/// line (each at debug level), and the metric counts all 200. eBPF only:
+/// the reporting is the agent's, not the datapath's.
+#[test]
+fn many_invalid_services_are_summed_up_not_logged_one_by_one() {
+    let (mut lab, pod, client) = lab(Mode::Ebpf);
+    let bad: Vec<_> = (0..200)
+        .map(|i| {
+            let ip = format!("10.96.1.{}", i + 1);
+            service("lab", &format!("bad-{i}")).cluster_ip(&ip).port(port("x", 0))
+        })
+        .collect();
+    let bad: Vec<&dyn test_objects::Document> = bad.iter().map(|s| s as _).collect();
+    lab.write_manifest_file("bad.yaml", manifest(&bad).as_bytes()).unwrap();
+    lab.write_manifest_file("good.yaml", web("web", "10.96.0.10", &[&pod]).as_bytes()).unwrap();
+    lab.start_agent(&[]).unwrap();
+    assert_eq!(reach(&lab, &client, "10.96.0.10:80", 3), served_by(&pod, 3));
+    wait_for("the summary", Duration::from_secs(5), || {
+        logged(&lab, "more problems with objects") > 0
+    });
+    assert_eq!(logged(&lab, "invalid object skipped"), 10, "{}", lab.agent_log());
+    assert!(lab.agent_log().contains("more=190"), "{}", lab.agent_log());
+    let metrics = lab.metrics().unwrap();
+    let counted =
+        metrics.lines().find(|l| l.starts_with("proxy_invalid_objects_total{kind=\"Service\"}"));
+    assert_eq!(counted.and_then(|l| l.split_whitespace().last()), Some("200"), "{metrics}");
+}

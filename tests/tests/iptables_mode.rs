@@ -238,3 +238,35 @@ fn auto_mode_runs_ebpf_on_this_kernel() {
     assert!(lab.agent_log().contains("mode=\"ebpf\""), "{}", lab.agent_log());
     assert_eq!(reach(&lab, &client, 20).len(), 2);
 }
+
+/// `--iptables-backend auto` programs the implementation the node's kubelet
+/// uses (its `KUBE-IPTABLES-HINT` chain), as kube-proxy's image picks it:
+/// legacy here, nf_tables there; `cleanup` removes the rules from either.
+#[test]
+fn the_rules_go_where_kubelets_chains_are() {
+    for (kubelet, other) in [("legacy", "nft"), ("nft", "legacy")] {
+        let (mut lab, _pods, client) = lab(Mode::Iptables);
+        let hint = format!("iptables-{kubelet}");
+        lab.exec_on(0, &hint, &["-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]).unwrap();
+        lab.start_agent(&[]).unwrap();
+        assert!(lab.agent_log().contains(&format!("backend={}", capitalized(kubelet))));
+        let saved = |lab: &Lab, backend: &str| {
+            lab.exec_on(0, &format!("iptables-{backend}-save"), &["-t", "nat"]).unwrap()
+        };
+        let (ours, theirs) = (saved(&lab, kubelet), saved(&lab, other));
+        assert!(ours.contains("-A KUBE-SERVICES"), "{kubelet}: {ours}");
+        assert!(!theirs.contains("KUBE-SERVICES"), "{other}: {theirs}");
+        assert_eq!(reach(&lab, &client, 10).values().sum::<usize>(), 10);
+
+        lab.stop_agent_on(0);
+        let agent = target_bin("proxy-agent").to_string_lossy().into_owned();
+        let pins = lab.pins.to_string_lossy().into_owned();
+        lab.exec_on(0, &agent, &["cleanup", "--bpffs-root", &pins]).unwrap();
+        let cleaned = saved(&lab, kubelet);
+        assert!(!cleaned.contains("KUBE-SERVICES"), "cleaned: {cleaned}");
+    }
+}
+
+fn capitalized(word: &str) -> String {
+    word[..1].to_uppercase() + &word[1..]
+}

@@ -445,6 +445,50 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     assert_eq!(filters(), 0);
 }
 
+/// eBPF only: the iptables mode writes no decision records (its rules'
+/// packet counters tell what matched).
+#[test]
+fn ebpf_decision_records_trace_a_refused_connect_and_a_snated_node_port_flow() {
+    let mut lab = Lab::new().unwrap();
+    let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
+    lab.serve(&pod, &[8080], &[5353]).unwrap();
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let empty = over(node_ports("empty", "10.96.0.30", 30081, 30054), &[]);
+    lab.write_manifest(&(web(&["a"]) + &empty)).unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    lab.start_agent(&[]).unwrap();
+    // Off by default: a refusal writes nothing; then switched on at run
+    // time, the programs unchanged.
+    let _ = lab.client(&pod, &["tcp", "10.96.0.30:80", "1"]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!lab.agent_log().contains("no endpoint, refused"), "{}", lab.agent_log());
+    lab.inspect_on(0, &["bpf-log-level", "debug"]).unwrap();
+
+    let refused = lab.client(&pod, &["tcp", "10.96.0.30:80", "1"]).unwrap();
+    assert!(
+        matches!(&refused[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"),
+        "{refused:?}"
+    );
+    ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "1"]).unwrap());
+
+    // The agent reads the records as they come; a moment may pass.
+    let wanted = [
+        ("connect4", "10.96.0.30:80 proto 6: no endpoint, refused"),
+        ("tc_ingress", "-> 192.168.100.11:30080 proto 6: backend 10.244.1.2:8080 by random pick"),
+        ("tc_ingress", "-> 192.168.100.11:30080 proto 6: SNAT to 192.168.100.11:"),
+    ];
+    let found = |log: &str| {
+        wanted.iter().all(|(program, text)| {
+            log.lines().any(|l| l.contains(&format!("program=\"{program}\"")) && l.contains(text))
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !found(&lab.agent_log()) {
+        assert!(Instant::now() < deadline, "records missing: {}", lab.agent_log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// eBPF only: the iptables mode follows no interfaces.
 #[test]
 fn ebpf_pods_created_after_the_agent_are_served_per_packet_through_link_notifications() {
@@ -565,4 +609,41 @@ fn the_stacks_refusal_for_a_host_network_backend_names_the_node_port(setup: Setu
     lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
     let udp = lab.client_outside(&ext, &["udp", "192.168.100.11:30098", "1", "--connect"]).unwrap();
     assert!(matches!(&udp[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"), "{udp:?}");
+}
+
+/// A node without an address (none on its interfaces, no `--node-ip`)
+/// still serves ClusterIPs, with a warning; when an address appears the
+/// agent restarts to serve NodePorts on it, as kube-proxy restarts for new
+/// node addresses. The API variant does not apply: there the Node object
+/// gives the address.
+#[test]
+fn a_node_without_an_address_serves_cluster_ips_then_node_ports_once_it_has_one() {
+    for setup in [Setup::EBPF, Setup::IPTABLES] {
+        let mut lab = Lab::with(setup).unwrap();
+        let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
+        lab.serve(&pod, &[8080], &[5353]).unwrap();
+        let client = lab.add_pod("client", "10.244.1.100").unwrap();
+        let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+        lab.write_manifest(&web(&["a"])).unwrap();
+        let node = lab.node.clone();
+        let uplink = ["-n", &node, "addr", "del", "192.168.100.11/24", "dev", "eth0"];
+        proxy_lab::sh("ip", &uplink).unwrap();
+        lab.omit_node_ip(0);
+        lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
+        assert!(lab.agent_log().contains("no node address found"), "{}", lab.agent_log());
+        let attempts = lab.client(&client, &["tcp", "10.96.0.10:80", "5"]).unwrap();
+        assert_eq!(tally(&attempts).get("web-a"), Some(&5), "{attempts:?}");
+
+        let readd = ["-n", &node, "addr", "add", "192.168.100.11/24", "dev", "eth0"];
+        proxy_lab::sh("ip", &readd).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while lab.agent_alive() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(!lab.agent_alive(), "the agent restarts for its new address");
+        assert!(lab.agent_log().contains("this node has an address now"), "{}", lab.agent_log());
+        lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
+        let attempts = lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "5"]).unwrap();
+        assert_eq!(tally(&attempts).get("web-a"), Some(&5), "{attempts:?}");
+    }
 }

@@ -200,7 +200,8 @@ fn map_memory_mib(lab: &Lab) -> f64 {
         / (1024.0 * 1024.0)
 }
 
-fn metric(lab: &Lab, name: &str) -> anyhow::Result<f64> {
+/// The first sample of `name` (which may include labels).
+pub(crate) fn metric(lab: &Lab, name: &str) -> anyhow::Result<f64> {
     let metrics = lab.metrics()?;
     metrics
         .lines()
@@ -268,11 +269,16 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
 /// test API server, as from a cluster's) to its datapath serving; and its
 /// first sync.
 fn programming(mode: Mode, n: usize, full: bool) -> anyhow::Result<Value> {
+    programming_with(mode, n, full, &[])
+}
+
+/// `programming` with more agent flags.
+fn programming_with(mode: Mode, n: usize, full: bool, extra: &[&str]) -> anyhow::Result<Value> {
     let mut lab = Lab::with(Setup { mode, source: Source::ApiServer })?;
     let written = manifest(n, 10);
     lab.write_manifest(&written)?;
     let max = map_max(n, 10);
-    let flags = ["--bpf-lb-map-max", max.as_str()];
+    let flags = [&["--bpf-lb-map-max", max.as_str()], extra].concat();
     let start = Instant::now();
     lab.spawn_agent_on(0, &flags)?;
     let limit = limit(mode, full);
@@ -433,6 +439,43 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     if opts.docs {
         crate::report::to_docs(Path::new(OUT))?;
     }
+    Ok(())
+}
+
+/// The iptables mode's programming time with each iptables implementation
+/// (`--iptables-backend nft` and `legacy`) at `sizes` (1,000 and 10,000 by
+/// default) × 10 endpoints; prints a table and writes
+/// target/bench/iptables-backends.json.
+pub fn iptables_backends(sizes: &[usize], full: bool) -> anyhow::Result<()> {
+    let sizes = if sizes.is_empty() { &[1_000, 10_000][..] } else { sizes };
+    let mut results = Vec::new();
+    let mut table = String::from(
+        "| services × 10 endpoints | backend | to serving (s) | first sync (s) |\n|---|---|---|---|\n",
+    );
+    for &n in sizes {
+        for backend in ["nft", "legacy"] {
+            eprintln!("programming: iptables-{backend}, {n} services x 10 endpoints");
+            let flags = ["--iptables-backend", backend];
+            let mut result = programming_with(Mode::Iptables, n, full, &flags)?;
+            result["backend"] = json!(backend);
+            let secs = |key: &str| {
+                result[key]
+                    .as_f64()
+                    .map_or_else(|| "not serving".to_string(), |s| format!("{s:.2}"))
+            };
+            let _ = writeln!(
+                table,
+                "| {n} | {backend} | {} | {} |",
+                secs("to_serving_s"),
+                secs("first_sync_s")
+            );
+            results.push(result);
+        }
+    }
+    std::fs::create_dir_all(OUT)?;
+    let json = serde_json::to_string_pretty(&results)?;
+    std::fs::write(Path::new(OUT).join("iptables-backends.json"), json)?;
+    println!("{table}");
     Ok(())
 }
 

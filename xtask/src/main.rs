@@ -1,9 +1,11 @@
-//! Developer tasks: `cargo xtask setup | demo | test | bench`.
+//! Developer tasks: `cargo xtask setup | demo | test | bench | soak | vmtest`.
 
 mod bench;
 mod demo;
 mod report;
 mod setup;
+mod soak;
+mod vmtest;
 
 use std::process::Command;
 
@@ -30,7 +32,8 @@ enum Task {
         #[arg(long, value_enum, default_value = "ebpf")]
         mode: DemoMode,
     },
-    /// Setup, lint, build, and run every test (unit and lab; needs root).
+    /// Setup, lint, build, and run every test (unit and lab; needs root),
+    /// then the kernel matrix on 6.1 (`vmtest --kernel 6.1`).
     Test,
     /// What a Service costs: connection rates against a direct connection,
     /// programming time, change latency and memory, for 1, 1,000 and 10,000
@@ -55,6 +58,38 @@ enum Task {
         /// Also copy the report and plots into docs/
         #[arg(long)]
         docs: bool,
+        /// Only compare the iptables mode's programming time with
+        /// iptables-nft and iptables-legacy (at --sizes, default 1,000 and
+        /// 10,000)
+        #[arg(long)]
+        iptables_backends: bool,
+    },
+    /// The agent under steady churn of services and endpoints (from the
+    /// test API server) with traffic through a stable service: RSS, fds,
+    /// CPU, map and conntrack entries after a warm-up and at the end, and
+    /// the stable service's failed connections (must be 0); writes
+    /// target/soak/results.json.
+    Soak {
+        /// Minutes after the warm-up
+        #[arg(long, default_value_t = 10)]
+        minutes: u64,
+        /// The agent's --proxy-mode
+        #[arg(long, value_enum, default_value = "ebpf")]
+        mode: DemoMode,
+        /// Changes a second
+        #[arg(long, default_value_t = 20)]
+        rate: u32,
+        /// Seconds of churn before the first sample
+        #[arg(long, default_value_t = 30)]
+        warm_up: u64,
+    },
+    /// The probe and a smoke subset of the lab tests, in each mode, on
+    /// Debian's LTS kernels booted under qemu (downloaded once, cached in
+    /// ~/.cache/proxy-vmtest); prints kernel × scenario × mode.
+    Vmtest {
+        /// 5.10, 6.1 or all
+        #[arg(long, default_value = "all", value_parser = ["5.10", "6.1", "all"])]
+        kernel: String,
     },
 }
 
@@ -94,25 +129,61 @@ fn main() -> anyhow::Result<()> {
             clippy_bpf()?;
             build_other_layout()?;
             build()?;
-            cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])
+            cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])?;
+            setup::vm_packages()?;
+            vmtest::run(&vmtest::kernels("6.1"))
         }
-        Task::Bench { full, seconds, rounds, sizes, modes, docs } => {
+        Task::Bench { full, seconds, rounds, sizes, modes, docs, iptables_backends } => {
             setup::run()?;
             setup::bench_packages()?;
             require_root()?;
             // The bench hosts the test API server and loads large manifests
             // into it: it runs optimized, as the agent does.
-            if cfg!(debug_assertions) {
-                let args: Vec<String> = std::env::args().skip(1).collect();
-                let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                let run = ["run", "--quiet", "--release", "--package", "xtask", "--"];
-                return cargo(&[&run[..], &args].concat());
+            if rerun_optimized()? {
+                return Ok(());
             }
-            cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])?;
+            release_build()?;
+            if iptables_backends {
+                return bench::iptables_backends(&sizes, full);
+            }
             let modes = modes.into_iter().map(DemoMode::lab).collect();
             bench::run(bench::Options { full, seconds, rounds, sizes, modes, docs })
         }
+        Task::Soak { minutes, mode, rate, warm_up } => {
+            setup::run()?;
+            require_root()?;
+            if rerun_optimized()? {
+                return Ok(());
+            }
+            release_build()?;
+            let warm_up = std::time::Duration::from_secs(warm_up);
+            soak::run(soak::Options { minutes, mode: mode.lab(), rate, warm_up })
+        }
+        Task::Vmtest { kernel } => {
+            setup::run()?;
+            setup::vm_packages()?;
+            require_root()?;
+            vmtest::run(&vmtest::kernels(&kernel))
+        }
     }
+}
+
+/// Runs this task again as an optimized build, when it is not one: the
+/// bench and the soak host the test API server, and time things.
+fn rerun_optimized() -> anyhow::Result<bool> {
+    if !cfg!(debug_assertions) {
+        return Ok(false);
+    }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = ["run", "--quiet", "--release", "--package", "xtask", "--"];
+    cargo(&[&run[..], &args].concat())?;
+    Ok(true)
+}
+
+/// The agent and the lab's pod binary, optimized.
+fn release_build() -> anyhow::Result<()> {
+    cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])
 }
 
 /// The agent and the lab's pod binary, which the demo and lab tests run.

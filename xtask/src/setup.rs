@@ -68,6 +68,18 @@ pub fn bench_packages() -> anyhow::Result<()> {
     result
 }
 
+/// What `cargo xtask vmtest` adds: qemu, and busybox and cpio for the
+/// guest's initramfs, kmod's depmod for the guest kernel's modules.
+const VM_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "cpio", "kmod"];
+
+pub fn vm_packages() -> anyhow::Result<()> {
+    let missing: Vec<&str> = VM_PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    install(&missing)
+}
+
 fn apt_packages() -> anyhow::Result<()> {
     let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
     if missing.is_empty() {

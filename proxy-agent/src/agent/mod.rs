@@ -22,7 +22,7 @@ use crate::{
     health::{ProxyHealth, ServiceChecks},
     link_events::{LinkEvents, Rescan},
     metrics::Metrics,
-    node::NodeInfo,
+    node::{AddressSource, NodeInfo},
     plan::{Frontend, Node, Planner},
     source::{
         Store, StoreUpdate,
@@ -90,9 +90,8 @@ pub struct Start {
     pub source: Source,
     pub datapath: Box<dyn Datapath>,
     pub node: Node,
-    /// The node addresses came from the Node object: if they change, the
-    /// agent must restart (as kube-proxy does).
-    pub restart_on_new_ips: bool,
+    /// Where the node addresses came from: when new ones restart the agent.
+    pub addresses: AddressSource,
     pub metrics: Arc<Metrics>,
     pub health: Arc<ProxyHealth>,
     pub service_checks: ServiceChecks,
@@ -119,7 +118,7 @@ struct Agent {
     planned: bool,
     datapath: Box<dyn Datapath>,
     node: Node,
-    restart_on_new_ips: bool,
+    addresses: AddressSource,
     /// Why the agent must restart, once it must.
     restart: Option<String>,
     phase: Phase,
@@ -180,7 +179,7 @@ impl Agent {
             source,
             datapath,
             node,
-            restart_on_new_ips,
+            addresses,
             metrics,
             health,
             service_checks,
@@ -205,7 +204,7 @@ impl Agent {
             },
             datapath,
             node,
-            restart_on_new_ips,
+            addresses,
             restart: None,
             phase: Phase::Reading,
             partial_since: None,
@@ -351,6 +350,20 @@ impl Agent {
         if self.phase.serving() && self.rescan.due(Instant::now(), polled) {
             self.datapath.scan_interfaces(&self.node.ips);
             self.rescan.scanned(Instant::now());
+            self.await_addresses();
+        }
+    }
+
+    /// Without a node address at start, the first one an interface gets
+    /// restarts the agent, which then serves NodePorts on it.
+    fn await_addresses(&mut self) {
+        let AddressSource::AwaitingInterfaces { pod_interfaces } = &self.addresses else { return };
+        match crate::node::interface_ips(pod_interfaces) {
+            Ok(ips) if !ips.is_empty() => {
+                self.restart = Some(format!("this node has an address now: {ips:?}"));
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "could not list the interfaces' addresses"),
         }
     }
 
@@ -408,7 +421,7 @@ impl Agent {
         if let Source::Kube(kube) = &self.source {
             let info = NodeInfo::of(kube.node().as_ref());
             self.report.health.set_node(info.eligibility);
-            if self.restart_on_new_ips
+            if self.addresses == AddressSource::NodeObject
                 && !info.internal_ips.is_empty()
                 && info.internal_ips != self.node.ips
             {
@@ -482,8 +495,11 @@ impl Agent {
     }
 
     /// Logs and counts each problem with the objects once, for as long as
-    /// it lasts.
+    /// it lasts: the first few of an update as warnings, the rest at debug
+    /// level behind one summary line (36,000 invalid Services must not
+    /// flood the log).
     fn report_problems(&mut self, update: &StoreUpdate) {
+        const WARNED: usize = 10;
         let mut problems = self.store.problems();
         for err in &update.unnamed {
             problems.push((err.kind(), format!("invalid object skipped: {err}")));
@@ -492,15 +508,25 @@ impl Agent {
             problems.push(("Service", conflict.to_string()));
         }
         let current: BTreeSet<String> = problems.iter().map(|(_, m)| m.clone()).collect();
-        for (kind, message) in &problems {
-            if self.report.reported.contains(message) {
-                continue;
+        let new = problems.iter().filter(|(_, m)| !self.report.reported.contains(m));
+        let mut count = 0;
+        for (kind, message) in new {
+            count += 1;
+            if count <= WARNED {
+                tracing::warn!(kind = %kind, "{message}");
+            } else {
+                tracing::debug!(kind = %kind, "{message}");
             }
-            tracing::warn!(kind = %kind, "{message}");
             match *kind {
                 "kept" => drop(self.report.metrics.kept_objects.fetch_add(1, Relaxed)),
                 kind => self.report.metrics.invalid(kind),
             }
+        }
+        if count > WARNED {
+            tracing::warn!(
+                more = count - WARNED,
+                "more problems with objects: each at debug level (RUST_LOG=debug), counted in proxy_invalid_objects_total and proxy_kept_objects_total"
+            );
         }
         self.report.reported = current;
     }

@@ -12,8 +12,7 @@ use crate::{
 pub fn run(args: &PinArgs) -> anyhow::Result<()> {
     let root = &args.bpffs_root;
     let (pins, filters) = ebpf::cleanup(root)?;
-    let chains =
-        iptables::cleanup(&mut iptables::exec::System).context("removing the iptables rules")?;
+    let chains = iptables::cleanup_every_backend().context("removing the iptables rules")?;
     tracing::info!(pins, filters, chains, root = %root.display(), "removed pinned links and maps, clsact filters and iptables chains");
     Ok(())
 }

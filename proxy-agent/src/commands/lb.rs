@@ -1,11 +1,12 @@
 //! `proxy-agent lb list` and `ct list`: the service table and the service
-//! flows, read back from the datapath.
+//! flows, read back from the datapath; `bpf-log-level`: the running
+//! programs' records.
 
 use anyhow::Context as _;
 
 use crate::{
-    backend::iptables::exec::{Runner as _, System},
-    cli::{CtListArgs, InspectArgs, InspectMode, LbListArgs, Output},
+    backend::iptables::exec::{Runner as _, System, Xtables},
+    cli::{BpfLogLevelArgs, CtListArgs, InspectArgs, InspectMode, LbListArgs, Output},
     inspect::{self, LbEntry, ct::CtRow},
     sys,
 };
@@ -23,7 +24,8 @@ pub fn mode(args: &InspectArgs) -> InspectMode {
 fn lb_entries(args: &InspectArgs) -> anyhow::Result<Vec<LbEntry>> {
     Ok(match mode(args) {
         InspectMode::Iptables => {
-            let save = System.run("iptables-save", &[], None).context("reading the rules")?;
+            let mut tools = System::new(Xtables::Auto.resolve(&mut System::default()));
+            let save = tools.run("iptables-save", &[], None).context("reading the rules")?;
             inspect::iptables::entries(&save)
         }
         _ => inspect::maps::read_pinned(&args.pins.bpffs_root)?,
@@ -45,7 +47,8 @@ pub fn ct_list(args: &CtListArgs) -> anyhow::Result<()> {
     let mut rows: Vec<CtRow> = match mode(inspect) {
         InspectMode::Iptables => {
             let lb = lb_entries(inspect)?;
-            let text = System.run("conntrack", &["-L"], None).context("reading conntrack")?;
+            let text =
+                System::default().run("conntrack", &["-L"], None).context("reading conntrack")?;
             inspect::ct::conntrack(&text, &lb)
         }
         _ => inspect::maps::read_flows(&inspect.pins.bpffs_root, sys::monotonic_ns())?,
@@ -58,6 +61,16 @@ pub fn ct_list(args: &CtListArgs) -> anyhow::Result<()> {
     }
     rows.sort();
     print(&rows, inspect.output, inspect::ct::table)
+}
+
+pub fn set_log_level(args: &BpfLogLevelArgs) -> anyhow::Result<()> {
+    let root = &args.pins.bpffs_root;
+    let previous = crate::backend::ebpf::set_pinned_log_level(root, args.level.word())?;
+    println!(
+        "decision records: {previous} -> {} (proxy_common::log_level words)",
+        args.level.word()
+    );
+    Ok(())
 }
 
 /// Prints `items` as the table `table` makes, or as JSON.

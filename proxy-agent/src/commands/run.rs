@@ -16,7 +16,7 @@ use crate::{
     config,
     health::{NodeEligibility, ProxyHealth, ServiceChecks},
     metrics::Metrics,
-    node::{self, NodeInfo},
+    node::{self, AddressSource, NodeInfo},
     plan::Node,
     source::{kube::KubeSource, manifests::Manifests},
 };
@@ -56,8 +56,20 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
     let name = node::name(&args.node.hostname_override)?;
     let source = source(args, &name).await?;
     let ips = node_ips(args, &source).await?;
-    let restart_on_new_ips = args.node.node_ip.is_empty()
-        && matches!(&source, Source::Kube(k) if NodeInfo::of(k.node().as_ref()).internal_ips == ips);
+    let from_node_object =
+        matches!(&source, Source::Kube(k) if NodeInfo::of(k.node().as_ref()).internal_ips == ips);
+    let addresses = if !args.node.node_ip.is_empty() {
+        AddressSource::Fixed
+    } else if from_node_object {
+        AddressSource::NodeObject
+    } else if ips.is_empty() {
+        tracing::warn!(
+            "no node address found: serving ClusterIPs only; the agent restarts to serve NodePorts once an interface has an address (or pass --node-ip)"
+        );
+        AddressSource::AwaitingInterfaces { pod_interfaces: args.pod_interfaces.clone() }
+    } else {
+        AddressSource::Fixed
+    };
     let mut node =
         Node { name, ips, nodeport_addresses: args.node.nodeport_addresses.clone(), zone: None };
     let eligibility = match &source {
@@ -87,7 +99,7 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
     Ok(Start {
         source,
         datapath,
-        restart_on_new_ips,
+        addresses,
         service_checks: ServiceChecks::new(health.clone(), http, check_addresses),
         metrics,
         health,

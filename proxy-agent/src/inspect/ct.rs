@@ -97,15 +97,15 @@ pub fn sockets(
     infos: &BTreeMap<u32, FrontendInfo>,
     lb: &[LbEntry],
 ) -> Vec<CtRow> {
+    // Each frontend's protocol by its address, once: a node holds many
+    // more sockets than frontends.
+    let protocols: BTreeMap<&str, &str> =
+        lb.iter().filter_map(|e| e.frontend.rsplit_once('/')).collect();
     entries
         .iter()
         .map(|(k, v)| {
             let frontend = addr(v.address, v.port);
-            let proto = lb
-                .iter()
-                .find(|e| e.frontend.starts_with(&format!("{frontend}/")))
-                .and_then(|e| e.frontend.rsplit('/').next())
-                .unwrap_or("?");
+            let proto = protocols.get(frontend.as_str()).copied().unwrap_or("?");
             CtRow {
                 path: "socket",
                 proto: proto.into(),

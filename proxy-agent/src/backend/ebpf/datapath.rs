@@ -3,7 +3,7 @@
 //! come and go, expired flows).
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     net::Ipv4Addr,
     path::PathBuf,
     sync::atomic::Ordering::Relaxed,
@@ -13,12 +13,16 @@ use std::{
 use anyhow::Context as _;
 use proxy_common::Config;
 
-use super::{CounterReader, EbpfBackend, MapSizes, TcAttach};
+use super::{
+    CounterReader, EbpfBackend, MapSizes, TcAttach,
+    sync::{SyncError, SyncReport},
+};
 use crate::{
     backend::{Datapath, Synced, iptables},
     cli::{RunArgs, TcAttachArg},
+    fit::{self, Capacity, Refusal},
     metrics::Metrics,
-    model::Model,
+    model::{Model, ServiceName},
     node,
     plan::{Frontend, Node, Plan},
     sys,
@@ -41,6 +45,10 @@ const GC_MAX: Duration = Duration::from_secs(30);
 /// collection only frees room early.
 const GC_ENTRIES_PER_SEC: usize = 10_000;
 
+/// Logged when a change is applied in steps that each fit the maps.
+const STEPWISE: &str =
+    "old and new entries do not fit side by side: applying the change service by service";
+
 /// When to collect again, after a collection that left `entries`.
 fn gc_interval(entries: usize) -> Duration {
     Duration::from_secs((entries / GC_ENTRIES_PER_SEC) as u64).clamp(GC_MIN, GC_MAX)
@@ -57,6 +65,9 @@ pub struct EbpfDatapath {
     next_gc: Instant,
     /// A previous agent's maps were pinned here at start.
     previous: bool,
+    capacity: Capacity,
+    /// The services that did not fit, as last logged.
+    refused: BTreeMap<ServiceName, Refusal>,
 }
 
 impl EbpfDatapath {
@@ -77,6 +88,12 @@ impl EbpfDatapath {
         };
         let max = args.bpf_lb_map_max;
         let sizes = MapSizes { services: max, backends: max, rev_nat: max };
+        let capacity = Capacity {
+            services: max as usize,
+            backends: max as usize,
+            rev_nat: max as usize,
+            source_ranges: proxy_common::MAX_SOURCE_RANGES as usize,
+        };
         let mut backend = EbpfBackend::load_with(tc_mode, sizes, Some(&root))
             .context("loading the BPF programs")?;
         let host_netns_cookie = if args.socket_lb_host_netns_only {
@@ -86,6 +103,11 @@ impl EbpfDatapath {
         };
         let config = config(args, &node.ips, host_netns_cookie);
         backend.configure(&config).context("writing the datapath settings")?;
+        // Read whatever the level: it can change while the programs run.
+        match backend.take_records_with(super::records::ToTracing) {
+            Ok(records) => super::records::drain(records),
+            Err(e) => tracing::warn!(error = %e, "the programs' decision records cannot be read"),
+        }
         let (min, max) = args.snat_port_range;
         if let Some((low, high)) = sys::ephemeral_ports()
             && min <= high
@@ -101,13 +123,86 @@ impl EbpfDatapath {
         } else {
             "the node's network namespace only"
         };
-        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), socket_lb, "BPF programs loaded");
+        let bpf_log_level = args.bpf_log_level;
+        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), socket_lb, ?bpf_log_level, "BPF programs loaded");
         let pod_interfaces = args.pod_interfaces.clone();
         let ending = backend
             .choose_socket_ending(args.socket_destroy, args.terminate_tcp_on_endpoint_removal);
         tracing::info!(way = ending.describe(), "sockets connected to removed endpoints are ended");
         let next_gc = Instant::now();
-        Ok(EbpfDatapath { backend, cgroup, root, pod_interfaces, next_gc, previous })
+        Ok(EbpfDatapath {
+            backend,
+            cgroup,
+            root,
+            pod_interfaces,
+            next_gc,
+            previous,
+            capacity,
+            refused: BTreeMap::new(),
+        })
+    }
+
+    /// Brings the maps to `plan`, or while it does not fit to the part of
+    /// it that does (see [`fit`]).
+    fn sync_maps(
+        &mut self,
+        plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
+        metrics: &Metrics,
+    ) -> Result<SyncReport, SyncError> {
+        if self.refused.is_empty() {
+            match self.backend.sync(plan, dirty) {
+                Err(SyncError::Capacity { .. }) => {}
+                result => return result,
+            }
+        }
+        // What the maps serve, named as the plan names it.
+        let served = self
+            .backend
+            .state()
+            .installed_plan(|f| plan.frontends.get(f).map(|fp| fp.service.clone()));
+        let mut fitted = fit::fit(plan, &served, self.capacity);
+        let refused = std::mem::take(&mut fitted.refused);
+        self.report_refused(refused, &fitted.plan, metrics);
+        match self.backend.sync(&fitted.plan, None) {
+            Err(SyncError::Capacity { .. }) => {
+                tracing::info!("{STEPWISE}");
+                self.backend.sync_in_steps(&served, &fitted.plan)
+            }
+            result => result,
+        }
+    }
+
+    /// Logs each service that stopped or started fitting once, and counts
+    /// those that do not (`served`: what the maps will hold).
+    fn report_refused(
+        &mut self,
+        refused: BTreeMap<ServiceName, Refusal>,
+        served: &Plan,
+        metrics: &Metrics,
+    ) {
+        let max = self.capacity.services;
+        for (name, refusal) in &refused {
+            if self.refused.get(name) == Some(refusal) {
+                continue;
+            }
+            let what = if refusal.kept_previous {
+                "its change is not applied, it is served as before"
+            } else {
+                "it is not served"
+            };
+            tracing::warn!(service = %name, reason = refusal.reason.label(), "Service {name} does not fit: {}, {what} (--bpf-lb-map-max {max})", refusal.reason);
+        }
+        for name in self.refused.keys().filter(|n| !refused.contains_key(*n)) {
+            // Rare (a refusal ending): the walk over the plan is fine.
+            if served.frontends.values().any(|fp| fp.service.service == *name) {
+                tracing::info!(service = %name, "Service {name} fits again: served as planned");
+            } else {
+                tracing::info!(service = %name, "Service {name} is gone: no longer refused");
+            }
+        }
+        metrics.set_services_refused(refused.values().map(|r| r.reason.label()));
+        self.refused = refused;
     }
 
     fn wanted_interfaces(&self, node_ips: &[Ipv4Addr]) -> std::io::Result<BTreeSet<String>> {
@@ -140,7 +235,7 @@ impl Datapath for EbpfDatapath {
         dirty: Option<&BTreeSet<Frontend>>,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
-        let report = self.backend.sync(plan, dirty).inspect_err(|_| {
+        let report = self.sync_maps(plan, dirty, metrics).inspect_err(|_| {
             metrics.map_update_failures.fetch_add(1, Relaxed);
         })?;
         let state = self.backend.state();
@@ -220,7 +315,7 @@ impl Datapath for EbpfDatapath {
     /// Rules would still catch host-network clients: they go once the
     /// programs serve.
     fn remove_other_mode(&self) -> anyhow::Result<()> {
-        let chains = iptables::cleanup(&mut iptables::exec::System)?;
+        let chains = iptables::cleanup_every_backend()?;
         if chains > 0 {
             tracing::info!(chains, "removed the iptables mode's rules");
         }
@@ -233,12 +328,14 @@ fn config(args: &RunArgs, node_ips: &[Ipv4Addr], host_netns_cookie: u64) -> Conf
     let (cidr, prefix) = args.node.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
     Config {
-        snat_addr: node_ips[0].octets(),
+        // No node address (ClusterIPs only): nothing is SNATed to the node.
+        snat_addr: node_ips.first().map_or([0; 4], |ip| ip.octets()),
         cluster_cidr: cidr,
         cluster_cidr_prefix: prefix,
         masquerade_all: args.node.masquerade_all as u8,
         snat_port_min: args.snat_port_range.0,
         snat_port_max: args.snat_port_range.1,
+        log_level: args.bpf_log_level.word(),
         _pad: 0,
         tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
         tcp_established_timeout_secs: secs(args.conntrack_tcp_timeout_established),

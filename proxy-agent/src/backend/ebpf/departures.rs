@@ -53,6 +53,12 @@ impl Departures {
         self.by_address.insert(key(rev_nat_id, backend));
     }
 
+    /// These and `more`'s.
+    pub fn merge(&mut self, more: Departures) {
+        self.by_id.extend(more.by_id);
+        self.by_address.extend(more.by_address);
+    }
+
     pub fn is_empty(&self) -> bool {
         self.by_id.is_empty()
     }

@@ -15,6 +15,7 @@ pub mod carry;
 pub mod conntrack;
 pub mod datapath;
 pub mod departures;
+pub mod records;
 pub mod sock_end;
 pub mod sync;
 
@@ -69,6 +70,20 @@ pub const TC_EGRESS: &str = "tc_egress";
 /// Per interface: program, hook, and the prefix of its pin under `links/`.
 const TC_HOOKS: [(&str, TcAttachType, &str); 2] =
     [(TC_INGRESS, TcAttachType::Ingress, "tc"), (TC_EGRESS, TcAttachType::Egress, "tc-egress")];
+
+/// The socket programs' global saying whether they may call
+/// `bpf_set_retval`.
+const SET_RETVAL: &str = "SET_RETVAL";
+
+/// Whether the socket programs can fail `connect()` with ECONNREFUSED
+/// (`bpf_set_retval`, Linux 5.18+); without it a refusal is EPERM.
+pub fn has_set_retval() -> bool {
+    aya::sys::is_helper_supported(
+        aya::programs::ProgramType::CgroupSockAddr,
+        aya::sys::BpfHelper::BPF_FUNC_set_retval,
+    )
+    .unwrap_or(false)
+}
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
@@ -299,8 +314,10 @@ impl EbpfBackend {
         root: Option<&Path>,
     ) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
+        let set_retval = u8::from(has_set_retval());
         let mut loader = aya::EbpfLoader::new();
         loader
+            .override_global(SET_RETVAL, &set_retval, true)
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
             .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
@@ -430,6 +447,14 @@ impl EbpfBackend {
             .map_err(err)
     }
 
+    /// The reader of the programs' decision records, into `logger` (once).
+    pub fn take_records_with<L: log::Log>(
+        &mut self,
+        logger: L,
+    ) -> Result<aya_log::EbpfLogger<L>, aya_log::Error> {
+        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, logger)
+    }
+
     /// Brings the maps to `plan` (see [`sync`] for the write order), then
     /// drops affinity entries that name backends their service lost.
     /// `dirty`: the frontends that may have changed, `None` for all (see
@@ -440,7 +465,21 @@ impl EbpfBackend {
         dirty: Option<&BTreeSet<Frontend>>,
     ) -> Result<SyncReport, SyncError> {
         let result = self.state.sync(plan, dirty, &mut self.maps);
-        // Also after a failed sync: slots may have changed before the failure.
+        self.purge_owed();
+        result
+    }
+
+    /// From `served` to `target` in syncs that each fit (see
+    /// [`SyncState::sync_in_steps`]).
+    pub fn sync_in_steps(&mut self, served: &Plan, target: &Plan) -> Result<SyncReport, SyncError> {
+        let result = self.state.sync_in_steps(served, target, &mut self.maps);
+        self.purge_owed();
+        result
+    }
+
+    /// Drops affinity entries that name backends their service lost; also
+    /// after a failed sync, as slots may have changed before the failure.
+    fn purge_owed(&mut self) {
         let purge = self.state.take_affinity_purge();
         if !purge.is_empty()
             && let Err(err) = self.purge_affinity(&purge)
@@ -448,7 +487,6 @@ impl EbpfBackend {
             tracing::warn!(error = %err, "could not purge stale affinity entries; will retry");
             self.state.return_affinity_purge(purge);
         }
-        result
     }
 
     fn purge_affinity(&mut self, purge: &AffinityPurge) -> Result<(), EbpfError> {
@@ -926,6 +964,21 @@ impl EbpfBackend {
 /// A handle of its own on the pinned counters map, so readers (the metrics
 /// endpoint) need nothing from the sync loop.
 pub struct CounterReader(PerCpuArray<MapData, u64>);
+
+/// Sets the programs' decision-record level (`Config::log_level`) in the
+/// `CONFIG` map pinned under `root`: effective at the next packet, no
+/// reload. Returns the previous level's word.
+pub fn set_pinned_log_level(root: &Path, word: u8) -> Result<u8, EbpfError> {
+    let name = map_names::CONFIG;
+    let err = |source| EbpfError::Map { name, source };
+    let data = MapData::from_pin(root.join("maps").join(name)).map_err(err)?;
+    let mut config =
+        Array::<_, Config>::try_from(Map::from_map_data(data).map_err(err)?).map_err(err)?;
+    let mut value = config.get(&0, 0).map_err(err)?;
+    let previous = std::mem::replace(&mut value.log_level, word);
+    config.set(0, value, 0).map_err(err)?;
+    Ok(previous)
+}
 
 impl CounterReader {
     pub fn open(root: &Path) -> Result<Self, EbpfError> {

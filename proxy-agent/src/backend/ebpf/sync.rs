@@ -22,7 +22,10 @@
 //! 100,000 services. Backends are collected by reference count (how many
 //! installed slots name each), and map sizes are kept as running counts.
 
-use std::collections::{BTreeMap, BTreeSet, btree_map::Entry};
+use std::{
+    collections::{BTreeMap, BTreeSet, btree_map::Entry},
+    net::SocketAddrV4,
+};
 
 use proxy_common::{
     Backend, BackendFlags, FrontendInfo, IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP,
@@ -32,7 +35,8 @@ use proxy_common::{
 
 use super::{carry::Reserved, departures::Departures};
 use crate::{
-    model::{Cidr, Protocol},
+    fit,
+    model::{Cidr, Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan, Scope},
 };
 
@@ -98,6 +102,13 @@ pub struct SyncReport {
     /// Backends that left frontends, or every frontend: their flows and
     /// connected sockets go.
     pub departures: Departures,
+}
+
+impl SyncReport {
+    fn merge(&mut self, more: SyncReport) {
+        self.writes += more.writes;
+        self.departures.merge(more.departures);
+    }
 }
 
 /// Services (by reverse-NAT id) whose affinity entries may name a backend
@@ -194,6 +205,16 @@ fn frontend_info(fp: &FrontendPlan) -> FrontendInfo {
     FrontendInfo::new(kind, &fp.service.to_string())
 }
 
+/// The kind [`frontend_info`] recorded.
+fn kind_of(info: &FrontendInfo) -> FrontendKind {
+    match info.kind {
+        KIND_NODE_PORT => FrontendKind::NodePort,
+        KIND_EXTERNAL_IP => FrontendKind::ExternalIp,
+        KIND_LOAD_BALANCER => FrontendKind::LoadBalancer,
+        _ => FrontendKind::ClusterIp,
+    }
+}
+
 fn proto(protocol: Protocol) -> u8 {
     match protocol {
         Protocol::Tcp => IPPROTO_TCP,
@@ -287,6 +308,49 @@ impl SyncState {
         self.backends.len()
     }
 
+    /// What the maps hold, as a plan, each frontend named by `service` (the
+    /// plan's name for it; one no plan names gets a name of its own, as it
+    /// only goes away). Built when a plan does not fit (see
+    /// [`crate::fit`]), so that nothing keeps a copy of the plan meanwhile.
+    pub fn installed_plan(&self, service: impl Fn(&Frontend) -> Option<ServicePortName>) -> Plan {
+        let frontends = self.frontends.iter().map(|(frontend, installed)| {
+            let value = installed.value.unwrap_or_default();
+            let mut backends: Vec<BackendPlan> = installed
+                .slots
+                .values()
+                .filter_map(|id| self.backend_by_id.get(id))
+                .map(|b| BackendPlan {
+                    addr: SocketAddrV4::new(b.address.into(), b.port),
+                    local: b.flags.is_local(),
+                    host: b.flags.is_host(),
+                })
+                .collect();
+            backends.sort();
+            backends.dedup();
+            let name = service(frontend).unwrap_or_else(|| ServicePortName {
+                service: ServiceName { namespace: String::new(), name: format!("{frontend:?}") },
+                port: String::new(),
+            });
+            let plan = FrontendPlan {
+                service: name,
+                kind: installed.info.map_or(FrontendKind::ClusterIp, |i| kind_of(&i)),
+                serves_terminating: value.flags.serves_terminating(),
+                backends,
+                affinity_timeout_secs: value
+                    .flags
+                    .is_affinity()
+                    .then_some(value.affinity_timeout_secs),
+                external: value.flags.is_external(),
+                local: value.flags.is_local_only(),
+                drop_when_empty: value.flags.drops_when_empty(),
+                source_ranges: installed.source_ranges.iter().copied().collect(),
+                two_scopes: value.flags.has_two_scopes(),
+            };
+            (*frontend, plan)
+        });
+        Plan { frontends: frontends.collect() }
+    }
+
     /// Entries of the maps the agent writes, by map name.
     pub fn map_entries(&self) -> [(&'static str, usize); 4] {
         [
@@ -342,6 +406,45 @@ impl SyncState {
             }
         }
         departures
+    }
+
+    /// Brings the maps from `served` (what they hold) to `target` in syncs
+    /// that each fit, for a change whose old and new entries do not fit
+    /// side by side: first what goes away, then one service at a time (see
+    /// [`fit::steps`]), or one frontend at a time where a service's own old
+    /// and new entries do not fit together.
+    pub fn sync_in_steps(
+        &mut self,
+        served: &Plan,
+        target: &Plan,
+        writer: &mut impl MapWriter,
+    ) -> Result<SyncReport, SyncError> {
+        let mut report = SyncReport::default();
+        let mut working = served.clone();
+        for step in fit::steps(served, target) {
+            for frontend in &step {
+                match target.frontends.get(frontend) {
+                    Some(fp) => working.frontends.insert(*frontend, fp.clone()),
+                    None => working.frontends.remove(frontend),
+                };
+            }
+            match self.sync(&working, Some(&step), writer) {
+                Err(SyncError::Capacity { .. }) => {
+                    // Internal scopes first: a two-scopes flag names its twin.
+                    let mut singles: Vec<Frontend> = step.into_iter().collect();
+                    singles.sort_by_key(|f| f.scope == Scope::External);
+                    for frontend in singles {
+                        let one = BTreeSet::from([frontend]);
+                        report.merge(self.sync(&working, Some(&one), writer)?);
+                    }
+                }
+                result => report.merge(result?),
+            }
+        }
+        // A backend deleted in one step and added back in another still left
+        // the frontends it was in: their flows go (flows made to it through
+        // its new frontends during the steps, milliseconds, go too).
+        Ok(report)
     }
 
     /// The affinity cleanups owed; the caller hands back what it could not do.
@@ -676,6 +779,7 @@ fn flags(fp: &FrontendPlan) -> ServiceFlags {
         .with_drop_when_empty(fp.drop_when_empty)
         .with_source_ranges(!fp.source_ranges.is_empty())
         .with_two_scopes(fp.two_scopes)
+        .with_serves_terminating(fp.serves_terminating)
 }
 
 /// Slot for each backend: those already installed in a slot within the new
@@ -830,6 +934,7 @@ mod tests {
                     drop_when_empty: false,
                     source_ranges: ranges,
                     two_scopes: false,
+                    serves_terminating: false,
                 },
             );
         }
@@ -1102,6 +1207,7 @@ mod tests {
                     drop_when_empty: false,
                     source_ranges: vec![],
                     two_scopes: false,
+                    serves_terminating: false,
                 },
             );
         }
@@ -1116,6 +1222,35 @@ mod tests {
             SyncState::with_capacity(sizes(100, 1000)).sync(&big, None, &mut maps).unwrap_err();
         assert!(matches!(err, SyncError::Capacity { what: "service", capacity: 100, .. }), "{err}");
         assert_eq!(maps.writes, 0);
+    }
+
+    #[test]
+    fn a_replacement_that_fits_alone_goes_in_steps_that_each_fit() {
+        // Services s0..s3 over one endpoint each, replaced by t0..t3 over
+        // others: 8 SERVICES entries either way, 16 side by side.
+        let plan = |prefix: &str, base: u32| {
+            let mut plan = Plan::default();
+            for i in 0..4 {
+                let frontend = Frontend::new(Ipv4Addr::from(base + i), 80, Protocol::Tcp);
+                let mut fp = frontend_plan(vec![endpoint(base as u8 + i as u8)], None, vec![]);
+                fp.service.service.name = format!("{prefix}{i}");
+                plan.frontends.insert(frontend, fp);
+            }
+            plan
+        };
+        let (old, new) = (plan("s", 0x0a60_0000), plan("t", 0x0a60_0010));
+        let sizes = super::super::MapSizes { services: 8, backends: 4, rev_nat: 4 };
+        let mut state = SyncState::with_capacity(sizes);
+        let mut maps = Maps::default();
+        state.sync(&old, None, &mut maps).unwrap();
+        let err = state.sync(&new, None, &mut maps).unwrap_err();
+        assert!(matches!(err, SyncError::Capacity { .. }), "{err}");
+        // Every write is checked by the maps: never a dangling slot.
+        let report = state.sync_in_steps(&old, &new, &mut maps).unwrap();
+        assert_eq!(report.departures.len(), 4, "the four old backends, gone");
+        assert_counts(&state, &maps);
+        assert_eq!(content(&maps), fresh(&new));
+        assert_eq!(state.sync(&new, None, &mut maps).unwrap().writes, 0);
     }
 
     /// The maps' content up to backend and reverse-NAT id renaming: per
@@ -1237,6 +1372,7 @@ mod tests {
             drop_when_empty: false,
             source_ranges: ranges,
             two_scopes: false,
+            serves_terminating: false,
         }
     }
 
@@ -1328,6 +1464,25 @@ mod tests {
             dirty.extend(svc_frontends(rng.below(services.len() as u64) as u8));
         }
         dirty
+    }
+
+    #[test]
+    fn the_installed_plan_is_the_plan_synced() {
+        let mut rng = Lcg(11);
+        let mut services = vec![Svc::default(); 10];
+        let mut maps = Maps { unchecked: true, ..Maps::default() };
+        let mut state = SyncState::default();
+        for _ in 0..200 {
+            churn(&mut rng, &mut services);
+            let plan = svc_plan(&services);
+            state.sync(&plan, None, &mut maps).unwrap();
+            let names = |f: &Frontend| plan.frontends.get(f).map(|fp| fp.service.clone());
+            assert_eq!(state.installed_plan(names), plan);
+        }
+        // A frontend the plan no longer names keeps a name of its own.
+        let installed = state.installed_plan(|_| None);
+        let mut names = installed.frontends.values().map(|fp| &fp.service.service);
+        assert!(names.all(|n| n.namespace.is_empty()));
     }
 
     #[test]

@@ -39,7 +39,9 @@ impl IptablesDatapath {
                 tracing::warn!("could not enable route_localnet (localhost NodePorts): {e}");
             }
         }
-        let mut backend = IptablesBackend::new(System, options);
+        let xtables = args.iptables_backend.resolve(&mut System::default());
+        tracing::info!(backend = ?xtables, "iptables implementation");
+        let mut backend = IptablesBackend::new(System::new(xtables), options);
         let previous = backend.rules_present() || ebpf::pinned(&args.pins.bpffs_root);
         IptablesDatapath { backend, pins: args.pins.bpffs_root.clone(), previous }
     }

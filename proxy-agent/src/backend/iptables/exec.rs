@@ -25,10 +25,12 @@ impl ExecError {
     }
 
     /// A rule or its target chain does not exist: exit 1, or exit 2 naming
-    /// a missing chain (`-D … -j CHAIN` where CHAIN was never made).
+    /// a missing chain (`-D … -j CHAIN` where CHAIN was never made; legacy
+    /// iptables says it cannot load the target).
     pub fn is_absent(&self) -> bool {
         self.is_exit_1()
-            || matches!(self, ExecError::Failed { code: Some(2), stderr, .. } if stderr.contains("does not exist"))
+            || matches!(self, ExecError::Failed { code: Some(2), stderr, .. }
+                if stderr.contains("does not exist") || stderr.contains("Couldn't load target"))
     }
 }
 
@@ -43,9 +45,90 @@ pub trait Runner {
     ) -> Result<String, ExecError>;
 }
 
-/// The programs of this machine, found in `PATH`.
+/// Which iptables implementation the tools drive (`--iptables-backend`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Xtables {
+    /// The one the node already uses (kubelet's chains are there), as
+    /// kube-proxy's image picks it; else the one holding more rules
+    #[default]
+    Auto,
+    /// nf_tables (`iptables-nft`)
+    Nft,
+    /// The legacy xtables kernel interface (`iptables-legacy`)
+    Legacy,
+}
+
+impl Xtables {
+    /// The suffix of its tools' names (`iptables-nft-save`, …).
+    fn suffix(self) -> Option<&'static str> {
+        match self {
+            Xtables::Auto => None,
+            Xtables::Nft => Some("nft"),
+            Xtables::Legacy => Some("legacy"),
+        }
+    }
+
+    /// `Auto` made concrete on this node (see [`choose`]).
+    pub fn resolve(self, runner: &mut impl Runner) -> Xtables {
+        if self != Xtables::Auto {
+            return self;
+        }
+        let mut saved = |backend: Xtables| {
+            let save = format!("iptables-{}-save", backend.suffix().unwrap_or_default());
+            runner.run(&save, &[], None).ok()
+        };
+        let (legacy, nft) = (saved(Xtables::Legacy), saved(Xtables::Nft));
+        choose(legacy.as_deref(), nft.as_deref())
+    }
+}
+
+/// Chains kubelet makes in the backend it uses (in `mangle`).
+const KUBELET_HINTS: [&str; 2] = [":KUBE-IPTABLES-HINT ", ":KUBE-KUBELET-CANARY "];
+
+/// The backend the node uses, from both backends' `iptables-save` (absent:
+/// its tools are missing): the one with kubelet's chains, else the one with
+/// more rules, else nf_tables (Debian's default since bullseye).
+pub fn choose(legacy: Option<&str>, nft: Option<&str>) -> Xtables {
+    let hinted =
+        |save: Option<&str>| save.is_some_and(|s| KUBELET_HINTS.iter().any(|h| s.contains(h)));
+    let rules =
+        |save: Option<&str>| save.map_or(0, |s| s.lines().filter(|l| l.starts_with("-A ")).count());
+    match (legacy, nft) {
+        (Some(_), None) => Xtables::Legacy,
+        _ if hinted(nft) => Xtables::Nft,
+        _ if hinted(legacy) => Xtables::Legacy,
+        _ if rules(legacy) > rules(nft) => Xtables::Legacy,
+        _ => Xtables::Nft,
+    }
+}
+
+/// The programs of this machine, found in `PATH`; `iptables`,
+/// `iptables-save` and `iptables-restore` those of one backend when it is
+/// set (else the node's `iptables` alternative).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct System;
+pub struct System {
+    xtables: Xtables,
+}
+
+impl System {
+    pub fn new(xtables: Xtables) -> Self {
+        System { xtables }
+    }
+
+    /// `program` as this backend names it.
+    fn program<'a>(&self, program: &'a str) -> std::borrow::Cow<'a, str> {
+        let tool = match program {
+            "iptables" => "",
+            "iptables-save" => "-save",
+            "iptables-restore" => "-restore",
+            _ => return program.into(),
+        };
+        match self.xtables.suffix() {
+            Some(suffix) => format!("iptables-{suffix}{tool}").into(),
+            None => program.into(),
+        }
+    }
+}
 
 impl Runner for System {
     fn run(
@@ -54,6 +137,7 @@ impl Runner for System {
         args: &[&str],
         stdin: Option<&str>,
     ) -> Result<String, ExecError> {
+        let program = &*self.program(program);
         let io_err = |source: io::Error| match source.kind() {
             io::ErrorKind::NotFound => ExecError::Missing { program: program.to_string() },
             _ => ExecError::Io { program: program.to_string(), source },
@@ -79,5 +163,32 @@ impl Runner for System {
             });
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backend_kubelet_uses_wins_then_the_one_with_more_rules() {
+        let hint = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n";
+        let rules = "*nat\n-A KUBE-SERVICES -j X\n-A KUBE-SERVICES -j Y\nCOMMIT\n";
+        let empty = "";
+        assert_eq!(choose(Some(hint), Some(rules)), Xtables::Legacy, "kubelet's chains");
+        assert_eq!(choose(Some(rules), Some(hint)), Xtables::Nft);
+        assert_eq!(choose(Some(rules), Some(empty)), Xtables::Legacy, "more rules");
+        assert_eq!(choose(Some(empty), Some(empty)), Xtables::Nft, "the default");
+        assert_eq!(choose(Some(empty), None), Xtables::Legacy, "the only one installed");
+        assert_eq!(choose(None, None), Xtables::Nft);
+    }
+
+    #[test]
+    fn a_backend_renames_the_iptables_tools_only() {
+        let legacy = System::new(Xtables::Legacy);
+        assert_eq!(legacy.program("iptables-restore"), "iptables-legacy-restore");
+        assert_eq!(legacy.program("iptables"), "iptables-legacy");
+        assert_eq!(legacy.program("conntrack"), "conntrack");
+        assert_eq!(System::default().program("iptables-save"), "iptables-save");
     }
 }

@@ -345,6 +345,16 @@ fn is_ours(chain: &str) -> bool {
             && jump_rules().iter().any(|(_, _, args)| args.last() == Some(&chain)))
 }
 
+/// [`cleanup`] in both iptables implementations (an agent may have used
+/// either); those whose tools are missing have nothing to remove.
+pub fn cleanup_every_backend() -> Result<usize, IptablesError> {
+    let mut chains = 0;
+    for xtables in [exec::Xtables::Nft, exec::Xtables::Legacy] {
+        chains += cleanup(&mut exec::System::new(xtables))?;
+    }
+    Ok(chains)
+}
+
 /// Removes the iptables mode's rules: the jumps from the built-in chains
 /// (not kubelet's), then our chains, table by table. Nothing to do
 /// (`Ok(0)`) where iptables is not installed. Returns the number of chains

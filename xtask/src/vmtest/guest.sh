@@ -1,0 +1,48 @@
+#!/bin/sh
+# Runs in the guest as its first process, on the host's filesystem
+# (read-only): loads the lab's modules, runs `proxy-agent probe`, then each
+# test of the plan (`<scenario> <mode> <binary> <test>` per line) on its
+# own. Everything the host reads is a `VMTEST-` line on the console.
+dir=$1
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export HOME=/root RUST_BACKTRACE=1
+echo "VMTEST-KERNEL $(uname -r)"
+# Loopback only (the probe opens a socket); the guest has no other device.
+ip link set lo up
+# The kernel's modules are in the package unpacked on the host (`$2`, a
+# root with lib/modules/<release>), also for the modules it requests.
+printf '#!/bin/sh\nexec /sbin/modprobe -d %s "$@"\n' "$2" >/tmp/modprobe
+chmod +x /tmp/modprobe
+echo /tmp/modprobe >/proc/sys/kernel/modprobe
+for m in $(cat "$dir/modules"); do
+    /tmp/modprobe "$m" 2>/dev/null || echo "VMTEST-NOTE no module $m"
+done
+"$dir/proxy-agent" probe >/tmp/probe 2>&1
+sed 's/^/VMTEST-PROBE /' /tmp/probe
+auto=$(sed -n 's/^--proxy-mode auto would run: \([a-z]*\).*/\1/p' /tmp/probe)
+echo "VMTEST-AUTO ${auto:-unknown}"
+while read -r scenario mode binary test; do
+    # A mode the probe rules out is not run: `auto` would not pick it.
+    if [ "$mode" = ebpf ] && [ "$auto" != ebpf ]; then
+        echo "VMTEST-RESULT $scenario $mode skipped 0"
+        continue
+    fi
+    start=$(date +%s)
+    # Once more after a failure: a loaded host can starve the emulated CPU
+    # past a test's functional timeouts. The table tells a retried pass.
+    result=fail
+    for attempt in 1 2; do
+        if timeout 900 "$binary" --exact "$test::$mode" --test-threads=1 >/tmp/log 2>&1; then
+            result=pass
+            [ "$attempt" = 1 ] || result=retried
+            break
+        fi
+        sed "s/^/VMTEST-LOG [attempt $attempt] /" /tmp/log
+    done
+    echo "VMTEST-RESULT $scenario $mode $result $(($(date +%s) - start))"
+done <"$dir/plan"
+left=$(ip netns list | wc -l)
+[ "$left" = 0 ] || echo "VMTEST-NOTE $left namespaces left"
+echo VMTEST-DONE
+echo o >/proc/sysrq-trigger
+sleep 10
