@@ -1,7 +1,8 @@
 //! What only the iptables mode has: the rules are those `render iptables`
 //! prints, they come back after someone flushes them, a refused partial
-//! restore is followed by a full one, `cleanup` removes them, and switching
-//! modes removes the other mode's datapath.
+//! restore is followed by a full one, `/healthz` fails while syncs keep
+//! failing, `cleanup` removes them, and switching modes removes the other
+//! mode's datapath.
 
 use std::time::{Duration, Instant};
 
@@ -269,4 +270,48 @@ fn the_rules_go_where_kubelets_chains_are() {
 
 fn capitalized(word: &str) -> String {
     word[..1].to_uppercase() + &word[1..]
+}
+
+/// kube-proxy's `/healthz` turns 503 when changes wait unsynced for twice
+/// the sync period, and 200 again once a sync goes through. The fault is a
+/// real one: an administrator's rule jumps to an endpoint chain, so
+/// iptables-restore cannot delete that chain when its endpoint goes.
+#[test]
+fn healthz_fails_while_syncs_fail_and_recovers_after() {
+    let (mut lab, pods, client) = lab(Mode::Iptables);
+    lab.start_agent(&["--sync-period", "2s"]).unwrap();
+    let status = |lab: &Lab| {
+        let reply = lab.http_get("127.0.0.1:10256", "/healthz").unwrap();
+        reply.split(' ').nth(1).unwrap_or_default().to_string()
+    };
+    wait_for("healthz 200", Duration::from_secs(10), || status(&lab) == "200");
+    let saved = lab.iptables_save_on(0).unwrap();
+    let sep = saved
+        .lines()
+        .find(|l| l.contains("DNAT") && l.contains(&format!("{}:8080", pods[1].ip)))
+        .and_then(|l| l.split(' ').nth(1))
+        .unwrap()
+        .to_string();
+    let admin = ["-t", "nat", "-N", "ADMIN-AUDIT"];
+    lab.exec_on(0, "iptables", &admin).unwrap();
+    lab.exec_on(0, "iptables", &["-t", "nat", "-A", "ADMIN-AUDIT", "-j", &sep]).unwrap();
+
+    // web-1 leaves: every sync now fails to delete its chain.
+    lab.write_manifest(&web_manifest(&[&pods[0]])).unwrap();
+    wait_for("a failed sync", Duration::from_secs(10), || lab.agent_log().contains("sync failed"));
+    assert_eq!(status(&lab), "200", "not yet twice the sync period");
+    wait_for("healthz 503", Duration::from_secs(15), || status(&lab) == "503");
+    let livez = lab.http_get("127.0.0.1:10256", "/livez").unwrap();
+    assert!(livez.starts_with("HTTP/1.1 503 "), "{livez}");
+    assert!(metric(&lab, "kubeproxy_sync_proxy_rules_iptables_restore_failures_total") >= 2);
+    assert!(metric(&lab, "kubeproxy_proxy_healthz_total{code=\"503\"}") >= 1);
+    // The last good rules keep serving meanwhile.
+    assert!(reach(&lab, &client, 10).keys().all(|k| !k.starts_with('<')));
+
+    // The administrator's rule goes: the next retry applies the change.
+    lab.exec_on(0, "iptables", &["-t", "nat", "-F", "ADMIN-AUDIT"]).unwrap();
+    lab.exec_on(0, "iptables", &["-t", "nat", "-X", "ADMIN-AUDIT"]).unwrap();
+    wait_for("healthz 200 again", Duration::from_secs(30), || status(&lab) == "200");
+    let counts = reach(&lab, &client, 20);
+    assert_eq!(counts.keys().collect::<Vec<_>>(), [&pods[0].name], "{counts:?}");
 }

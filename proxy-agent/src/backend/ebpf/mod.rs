@@ -544,25 +544,25 @@ impl EbpfBackend {
                 Err(e) => tracing::warn!(%interface, error = %e, "could not attach; will retry"),
             }
         }
-        remove_pins(root)?;
+        // Each pin is replaced in one step and the previous agent's other
+        // pins go last, so a crash at any point leaves every program
+        // attached, by the old pins or the new ones.
         let (maps_dir, links_dir) = (root.join("maps"), root.join("links"));
         for dir in [&maps_dir, &links_dir] {
             crate::sys::private_dir(dir).map_err(io_err("creating", dir))?;
         }
+        let mut pinned = BTreeSet::new();
         for (name, map) in self.maps.by_name() {
-            let path = maps_dir.join(name);
-            map.pin(&path).map_err(|source| EbpfError::Pin { path: path.clone(), source })?;
-            crate::sys::private_file(&path).map_err(io_err("restricting", &path))?;
+            pinned.insert(pin_replacing(&maps_dir.join(name), |p| map.pin(p))?);
         }
         for (name, link) in links {
-            let path = links_dir.join(name);
             // The pin keeps the attachment; our fd closes when this drops.
-            link.pin(&path).map_err(|source| EbpfError::Pin { path: path.clone(), source })?;
-            crate::sys::private_file(&path).map_err(io_err("restricting", &path))?;
+            pinned.insert(pin_replacing(&links_dir.join(name), |p| link.pin(p).map(drop))?);
         }
         for (interface, link) in tc_links {
-            self.keep_tc(root, &interface, link)?;
+            pinned.extend(self.keep_tc(root, &interface, link)?);
         }
+        remove_pins_except(root, &pinned)?;
         self.finish_takeover();
         Ok(())
     }
@@ -673,14 +673,13 @@ impl EbpfBackend {
         root: &Path,
         interface: &str,
         links: Vec<Attached>,
-    ) -> Result<(), EbpfError> {
+    ) -> Result<Vec<PathBuf>, EbpfError> {
+        let mut pinned = Vec::new();
         for link in links {
             match link {
                 Attached::Tcx(link, prefix) => {
                     let path = root.join("links").join(format!("{prefix}-{interface}"));
-                    let pinned = link.pin(&path);
-                    pinned.map_err(|source| EbpfError::Pin { path: path.clone(), source })?;
-                    crate::sys::private_file(&path).map_err(io_err("restricting", &path))?;
+                    pinned.push(pin_replacing(&path, |p| link.pin(p).map(drop))?);
                 }
                 // Dropping the handle would remove the filter; it holds no
                 // fd, so forgetting it leaks nothing.
@@ -688,7 +687,7 @@ impl EbpfBackend {
             }
         }
         self.tc_interfaces.insert(interface.to_string());
-        Ok(())
+        Ok(pinned)
     }
 
     /// Attaches the per-packet program to interfaces that appeared, and
@@ -721,7 +720,7 @@ impl EbpfBackend {
         let new: Vec<String> = wanted.difference(&self.tc_interfaces).cloned().collect();
         for interface in new {
             match self.attach_tc(&interface).and_then(|link| self.keep_tc(root, &interface, link)) {
-                Ok(()) => tracing::info!(%interface, "per-packet programs attached"),
+                Ok(_) => tracing::info!(%interface, "per-packet programs attached"),
                 // The interface may be gone again already; the next scan retries.
                 Err(e) => tracing::warn!(%interface, error = %e, "could not attach"),
             }
@@ -1030,6 +1029,21 @@ pub fn cleanup(root: &Path) -> Result<(usize, usize), EbpfError> {
 /// (once no process holds it), unpinning a map frees it once no program
 /// uses it. Returns how many pins were removed.
 pub fn remove_pins(root: &Path) -> Result<usize, EbpfError> {
+    let removed = remove_pins_except(root, &BTreeSet::new())?;
+    for dir in [root.join("links"), root.join("maps")] {
+        match std::fs::remove_dir(&dir) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Err(io_err("removing", &dir)(e));
+            }
+            _ => {}
+        }
+    }
+    Ok(removed)
+}
+
+/// Removes the pins under `root` other than `keep`: a previous agent's,
+/// and what a crash left staged.
+fn remove_pins_except(root: &Path, keep: &BTreeSet<PathBuf>) -> Result<usize, EbpfError> {
     let mut removed = 0;
     for dir in [root.join("links"), root.join("maps")] {
         let entries = match std::fs::read_dir(&dir) {
@@ -1039,10 +1053,34 @@ pub fn remove_pins(root: &Path) -> Result<usize, EbpfError> {
         };
         for entry in entries {
             let path = entry.map_err(io_err("reading", &dir))?.path();
-            std::fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
-            removed += 1;
+            if !keep.contains(&path) {
+                std::fs::remove_file(&path).map_err(io_err("unpinning", &path))?;
+                removed += 1;
+            }
         }
-        std::fs::remove_dir(&dir).map_err(io_err("removing", &dir))?;
     }
     Ok(removed)
+}
+
+/// Pins an object at `path` in place of what is pinned there, in one step:
+/// under a staging name first, made private, then renamed over the old pin
+/// (bpffs renames like any filesystem). Returns `path`.
+fn pin_replacing(
+    path: &Path,
+    pin: impl FnOnce(&Path) -> Result<(), aya::pin::PinError>,
+) -> Result<PathBuf, EbpfError> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    // bpffs refuses names with a dot.
+    let staged = path.with_file_name(format!("{name}~new"));
+    // A crash's leftover would make the pin fail with EEXIST.
+    match std::fs::remove_file(&staged) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            return Err(io_err("unpinning", &staged)(e));
+        }
+        _ => {}
+    }
+    pin(&staged).map_err(|source| EbpfError::Pin { path: staged.clone(), source })?;
+    crate::sys::private_file(&staged).map_err(io_err("restricting", &staged))?;
+    std::fs::rename(&staged, path).map_err(io_err("renaming", &staged))?;
+    Ok(path.to_path_buf())
 }
