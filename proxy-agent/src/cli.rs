@@ -238,9 +238,10 @@ pub struct NodeArgs {
     /// Serve NodePorts only on node addresses within these CIDRs [default: all]
     #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
     pub nodeport_addresses: Vec<model::Cidr>,
-    /// The pods' CIDR: ClusterIP traffic from other sources is masqueraded
-    #[arg(long, value_name = "CIDR", value_parser = parse_cidr)]
-    pub cluster_cidr: Option<model::Cidr>,
+    /// The pods' CIDRs, at most one per IP family (dual stack: `v4,v6`):
+    /// ClusterIP traffic from other sources is masqueraded
+    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
+    pub cluster_cidr: Vec<model::Cidr>,
     /// Masquerade all ClusterIP traffic (translated per packet, or by iptables)
     #[arg(long)]
     pub masquerade_all: bool,
@@ -371,10 +372,14 @@ pub struct RunArgs {
 }
 
 fn parse_cidr(text: &str) -> Result<model::Cidr, String> {
-    match model::Cidr::parse(text) {
-        Ok(Some(cidr)) => Ok(cidr),
-        Ok(None) => Err("only IPv4 is supported".into()),
-        Err(_) => Err("expected an IPv4 CIDR such as 10.244.0.0/16".into()),
+    model::Cidr::parse(text)
+        .map_err(|_| "expected a CIDR such as 10.244.0.0/16 or fd00:10:244::/64".into())
+}
+
+impl NodeArgs {
+    /// The `--cluster-cidr` of this family (the first one given).
+    pub fn cluster_cidr(&self, family: model::IpFamily) -> Option<model::Cidr> {
+        self.cluster_cidr.iter().copied().find(|c| c.family() == family)
     }
 }
 
@@ -468,7 +473,8 @@ mod tests {
         assert_eq!(parse_port_range("61000-65000"), Ok((61000, 65000)));
         assert!(parse_port_range("65000-61000").is_err());
         assert_eq!(parse_cidr("10.244.0.0/16").unwrap().to_string(), "10.244.0.0/16");
-        assert!(parse_cidr("fd00::/64").is_err());
+        assert_eq!(parse_cidr("fd00::1/64").unwrap().to_string(), "fd00::/64");
+        assert!(parse_cidr("10.0.0.0/33").is_err());
     }
 
     #[test]

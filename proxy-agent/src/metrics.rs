@@ -104,6 +104,8 @@ pub struct Metrics {
     pub no_local_endpoints_external: AtomicU64,
     pub frontends: AtomicU64,
     pub backends: AtomicU64,
+    /// IPv6 service ports in the model: no datapath serves them yet.
+    pub unserved_ipv6_ports: AtomicU64,
     pub conntrack_entries: AtomicU64,
     /// Entries of each BPF map the agent writes.
     map_entries: Mutex<BTreeMap<&'static str, u64>>,
@@ -162,6 +164,7 @@ impl Metrics {
             no_local_endpoints_external: AtomicU64::new(0),
             frontends: AtomicU64::new(0),
             backends: AtomicU64::new(0),
+            unserved_ipv6_ports: AtomicU64::new(0),
             conntrack_entries: AtomicU64::new(0),
             map_entries: Mutex::default(),
             carried: Mutex::default(),
@@ -433,6 +436,13 @@ impl Metrics {
             "gauge",
             "Distinct backends the datapath serves.",
             &one(self.backends.load(Relaxed)),
+        );
+        samples(
+            &mut out,
+            "proxy_unserved_service_ports",
+            "gauge",
+            "Service ports of an IP family this proxy's datapath does not serve yet.",
+            &[(r#"{ip_family="IPv6"}"#.into(), self.unserved_ipv6_ports.load(Relaxed).to_string())],
         );
         let invalid: Vec<_> = self
             .invalid

@@ -92,8 +92,9 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
     let check_addresses = if args.node.nodeport_addresses.is_empty() {
         Vec::new()
     } else {
-        let within =
-            |ip: &std::net::Ipv4Addr| args.node.nodeport_addresses.iter().any(|c| c.contains(*ip));
+        let within = |ip: &std::net::Ipv4Addr| {
+            args.node.nodeport_addresses.iter().any(|c| c.contains((*ip).into()))
+        };
         node.ips.iter().copied().filter(within).collect()
     };
     Ok(Start {

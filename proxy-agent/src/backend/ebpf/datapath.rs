@@ -22,7 +22,7 @@ use crate::{
     cli::{RunArgs, TcAttachArg},
     fit::{self, Capacity, Refusal},
     metrics::Metrics,
-    model::{Model, ServiceName},
+    model::{IpFamily, Model, ServiceName},
     node,
     plan::{Frontend, Node, Plan},
     sys,
@@ -325,7 +325,11 @@ impl Datapath for EbpfDatapath {
 
 /// The datapath's settings from the flags.
 fn config(args: &RunArgs, node_ips: &[Ipv4Addr], host_netns_cookie: u64) -> Config {
-    let (cidr, prefix) = args.node.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
+    let cluster_cidr = args.node.cluster_cidr(IpFamily::V4).and_then(|c| match c.addr {
+        std::net::IpAddr::V4(addr) => Some((addr.octets(), c.len)),
+        std::net::IpAddr::V6(_) => None,
+    });
+    let (cidr, prefix) = cluster_cidr.unwrap_or(([0; 4], 0));
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
     Config {
         // No node address (ClusterIPs only): nothing is SNATed to the node.

@@ -24,7 +24,7 @@ use std::{
     net::Ipv4Addr,
 };
 
-use crate::model::{Model, Protocol, ServicePort, ServicePortName};
+use crate::model::{IpFamily, Model, Protocol, ServicePort, ServicePortName, v4};
 
 /// The frontends of one UDP service port and the endpoints it sends to.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -42,7 +42,7 @@ pub type UdpServices = BTreeMap<ServicePortName, UdpService>;
 /// The UDP service ports of `model` on a node with `node_ips`.
 pub fn udp_services(model: &Model, node_ips: &[Ipv4Addr]) -> UdpServices {
     model
-        .ports()
+        .ports_of(IpFamily::V4)
         .filter(|p| p.protocol == Protocol::Udp)
         .map(|p| {
             let service = UdpService {
@@ -53,7 +53,7 @@ pub fn udp_services(model: &Model, node_ips: &[Ipv4Addr]) -> UdpServices {
                     .endpoints
                     .iter()
                     .filter(|e| e.ready || e.serving)
-                    .map(|e| *e.addr.ip())
+                    .filter_map(|e| v4(e.addr.ip()))
                     .collect(),
             };
             (p.name.clone(), service)
@@ -65,14 +65,14 @@ fn service_frontends(p: &ServicePort) -> impl Iterator<Item = (Ipv4Addr, u16)> +
     std::iter::once(&p.cluster_ip)
         .chain(&p.external_ips)
         .chain(&p.load_balancer_ips)
-        .map(|ip| (*ip, p.port))
+        .filter_map(|ip| Some((v4(*ip)?, p.port)))
 }
 
 /// Every address clients reach services on: cluster, external and
 /// load-balancer IPs with the port, node addresses with the NodePort.
 pub fn frontends(model: &Model, node_ips: &[Ipv4Addr]) -> BTreeSet<(Protocol, Ipv4Addr, u16)> {
     model
-        .ports()
+        .ports_of(IpFamily::V4)
         .flat_map(|p| {
             let node_ports =
                 p.node_port.into_iter().flat_map(|np| node_ips.iter().map(move |ip| (*ip, np)));

@@ -159,7 +159,7 @@ pub fn render_options(node: &Node, args: &NodeArgs, nfacct: bool) -> render::Opt
         zone: node.zone.clone(),
         node_ips: node.ips.clone(),
         nodeport_addresses: args.nodeport_addresses.clone(),
-        cluster_cidr: args.cluster_cidr,
+        cluster_cidr: args.cluster_cidr(crate::model::IpFamily::V4),
         masquerade_all: args.masquerade_all,
         localhost_nodeports: args.iptables_localhost_nodeports,
         nfacct,

@@ -11,11 +11,11 @@ use std::{
     collections::{BTreeMap, HashSet},
     fmt::{self, Write as _},
     hash::{DefaultHasher, Hasher as _},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
 };
 
 use super::chains::{ServiceChains, endpoint_chain, is_service_chain};
-use crate::model::{Cidr, Endpoint, Model, ServicePort};
+use crate::model::{Cidr, Endpoint, IpFamily, Model, ServicePort};
 
 /// kube-proxy's masquerade mark (bit 14), as it formats it.
 const MARK: &str = "0x00004000";
@@ -59,7 +59,7 @@ impl Options {
     pub fn localhost_nodeports(&self) -> bool {
         self.localhost_nodeports
             && (self.nodeports_everywhere()
-                || self.nodeport_addresses.iter().any(|c| c.contains(Ipv4Addr::LOCALHOST)))
+                || self.nodeport_addresses.iter().any(|c| c.contains(Ipv4Addr::LOCALHOST.into())))
     }
 }
 
@@ -263,9 +263,10 @@ fn probability(left: usize) -> String {
     format!("{:.10}", 1.0 / left as f64)
 }
 
-/// The rules for `model`.
+/// The rules for `model`'s IPv4 ports (the IPv6 family is not rendered yet).
 pub fn render(model: &Model, opts: &Options) -> Ruleset {
-    let large = model.ports().map(|p| p.endpoints.len()).sum::<usize>() > LARGE_CLUSTER_ENDPOINTS;
+    let ports = || model.ports_of(IpFamily::V4);
+    let large = ports().map(|p| p.endpoints.len()).sum::<usize>() > LARGE_CLUSTER_ENDPOINTS;
     let mut filter = Table::default();
     let mut nat = Table::default();
     for chain in [
@@ -321,7 +322,7 @@ pub fn render(model: &Model, opts: &Options) -> Ruleset {
     nat.rule("KUBE-POSTROUTING", &masquerade);
     nat.rule("KUBE-MARK-MASQ", &["-j", "MARK", "--or-mark", MARK]);
 
-    for port in model.ports() {
+    for port in ports() {
         ServiceRules::new(port, opts, large).write(&mut filter, &mut nat);
     }
 
@@ -339,7 +340,7 @@ pub fn render(model: &Model, opts: &Options) -> Ruleset {
         for ip in opts
             .node_ips
             .iter()
-            .filter(|ip| opts.nodeport_addresses.iter().any(|c| c.contains(**ip)))
+            .filter(|ip| opts.nodeport_addresses.iter().any(|c| c.contains(IpAddr::V4(**ip))))
         {
             let ip = ip.to_string();
             nat.rule(
@@ -696,11 +697,9 @@ impl<'a> ServiceRules<'a> {
                 );
             }
             // kube-proxy checks its primary node IP only.
-            let admits_node = self
-                .opts
-                .node_ips
-                .first()
-                .is_some_and(|node| self.port.source_ranges.iter().any(|r| r.contains(*node)));
+            let admits_node = self.opts.node_ips.first().is_some_and(|node| {
+                self.port.source_ranges.iter().any(|r| r.contains(IpAddr::V4(*node)))
+            });
             if admits_node {
                 for ip in &self.port.load_balancer_ips {
                     let ip = ip.to_string();
@@ -847,7 +846,7 @@ pub(crate) mod tests {
             zone: None,
             node_ips: vec![Ipv4Addr::new(192, 168, 100, 11)],
             nodeport_addresses: vec![],
-            cluster_cidr: Cidr::parse("10.244.0.0/16").unwrap(),
+            cluster_cidr: Some(Cidr::parse("10.244.0.0/16").unwrap()),
             masquerade_all: false,
             localhost_nodeports: true,
             nfacct: true,
@@ -885,6 +884,18 @@ COMMIT
         endpoints: Vec<EndpointBuilder>,
     ) -> test_objects::SliceBuilder {
         service.slice().port("http", 8080, Tcp).port(None, 8080, Tcp).endpoints(endpoints)
+    }
+
+    #[test]
+    fn the_ipv6_family_of_a_dual_stack_service_is_not_rendered() {
+        let endpoints = || vec![ep("10.244.1.2").node("node-a")];
+        let dual = web().cluster_ips(&["10.96.0.50", "fd00:96::50"]);
+        let v6 = service("default", "v6").cluster_ip("fd00:96::51").port(port("http", 80));
+        let both = render(&model(&[(dual, endpoints()), (v6, vec![])]), &options());
+        assert_eq!(
+            both.to_string(),
+            render(&model(&[(web(), endpoints())]), &options()).to_string()
+        );
     }
 
     #[test]
@@ -1032,7 +1043,7 @@ COMMIT
     fn masquerade_all_and_nodeport_addresses() {
         let mut opts = options();
         opts.masquerade_all = true;
-        opts.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap().unwrap()];
+        opts.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap()];
         let l = lines(web(), vec![ep("10.244.1.2")], &opts);
         has(
             &l,
