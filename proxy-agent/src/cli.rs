@@ -2,7 +2,7 @@
 //! concept exists).
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     time::Duration,
 };
@@ -230,11 +230,11 @@ pub struct NodeArgs {
     /// endpoints) [default: the hostname]
     #[arg(long, value_name = "NAME")]
     pub hostname_override: Option<String>,
-    /// This node's IPv4 addresses: NodePorts are served on them and clients
-    /// are SNATed to the first [default: the addresses of its non-pod
-    /// interfaces, the default route's first]
+    /// This node's addresses, of either family: NodePorts are served on
+    /// them and clients are SNATed to the first IPv4 one [default: the
+    /// addresses of its non-pod interfaces, the default route's first]
     #[arg(long, value_name = "IP[,IP]", value_delimiter = ',')]
-    pub node_ip: Vec<Ipv4Addr>,
+    pub node_ip: Vec<IpAddr>,
     /// Serve NodePorts only on node addresses within these CIDRs [default: all]
     #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
     pub nodeport_addresses: Vec<model::Cidr>,

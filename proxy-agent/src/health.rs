@@ -224,8 +224,8 @@ pub struct ServiceChecks {
     /// The endpoints' runtime, where the listeners run.
     runtime: tokio::runtime::Handle,
     /// `--nodeport-addresses` matched against the node's addresses: the
-    /// addresses to listen on; empty means all (0.0.0.0).
-    addresses: Vec<Ipv4Addr>,
+    /// addresses to listen on (either family); empty means all (0.0.0.0).
+    addresses: Vec<IpAddr>,
     checks: Arc<Mutex<BTreeMap<u16, ServiceCheck>>>,
     listeners: BTreeMap<u16, Vec<tokio::task::JoinHandle<()>>>,
 }
@@ -234,7 +234,7 @@ impl ServiceChecks {
     pub fn new(
         health: Arc<ProxyHealth>,
         runtime: tokio::runtime::Handle,
-        addresses: Vec<Ipv4Addr>,
+        addresses: Vec<IpAddr>,
     ) -> Self {
         ServiceChecks {
             health,
@@ -261,7 +261,7 @@ impl ServiceChecks {
                 continue;
             }
             let addresses = if self.addresses.is_empty() {
-                vec![Ipv4Addr::UNSPECIFIED]
+                vec![Ipv4Addr::UNSPECIFIED.into()]
             } else {
                 self.addresses.clone()
             };

@@ -156,8 +156,9 @@ impl Plan {
 #[derive(Clone, Debug, Default)]
 pub struct Node {
     pub name: String,
-    /// Its addresses: NodePorts are served on those in `nodeport_addresses`.
-    pub ips: Vec<Ipv4Addr>,
+    /// Its addresses, of both families: NodePorts are served on those in
+    /// `nodeport_addresses` (the IPv4 ones, as the plan is of that family).
+    pub ips: Vec<IpAddr>,
     /// `--nodeport-addresses`; empty means every node address.
     pub nodeport_addresses: Vec<Cidr>,
     /// Its `topology.kubernetes.io/zone`, for EndpointSlice hints.
@@ -166,10 +167,11 @@ pub struct Node {
 
 impl Node {
     fn nodeport_ips(&self) -> impl Iterator<Item = Ipv4Addr> + '_ {
-        self.ips.iter().copied().filter(|ip| {
+        let within = |ip: &IpAddr| {
             self.nodeport_addresses.is_empty()
-                || self.nodeport_addresses.iter().any(|c| c.contains(IpAddr::V4(*ip)))
-        })
+                || self.nodeport_addresses.iter().any(|c| c.contains(*ip))
+        };
+        self.ips.iter().filter(move |ip| within(ip)).filter_map(|ip| v4(*ip))
     }
 }
 
@@ -364,7 +366,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
                 SocketAddr::V4(addr) => Some(BackendPlan {
                     addr,
                     local: e.node_name.as_deref() == Some(&node.name),
-                    host: node.ips.contains(addr.ip()),
+                    host: node.ips.contains(&IpAddr::V4(*addr.ip())),
                 }),
                 SocketAddr::V6(_) => None,
             })
@@ -451,7 +453,11 @@ mod tests {
     fn node() -> Node {
         Node {
             name: "node-a".into(),
-            ips: vec![Ipv4Addr::new(192, 168, 100, 11), Ipv4Addr::new(172, 16, 0, 11)],
+            ips: vec![
+                Ipv4Addr::new(192, 168, 100, 11).into(),
+                Ipv4Addr::new(172, 16, 0, 11).into(),
+                "fd00:100::11".parse().unwrap(),
+            ],
             nodeport_addresses: vec![],
             zone: None,
         }

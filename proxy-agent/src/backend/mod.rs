@@ -6,7 +6,7 @@
 pub mod ebpf;
 pub mod iptables;
 
-use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
+use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 
 use crate::{
     cli::{ProxyMode, RunArgs},
@@ -68,10 +68,10 @@ pub trait Datapath {
     }
 
     /// Follows the interfaces of now (see `follows_interfaces`).
-    fn scan_interfaces(&mut self, _node_ips: &[Ipv4Addr]) {}
+    fn scan_interfaces(&mut self, _node_ips: &[IpAddr]) {}
 
     /// Takes over: makes this agent's datapath the one that serves.
-    fn take_over(&mut self, node_ips: &[Ipv4Addr], metrics: &Metrics) -> anyhow::Result<()>;
+    fn take_over(&mut self, node_ips: &[IpAddr], metrics: &Metrics) -> anyhow::Result<()>;
 
     /// Removes what the other mode left (once this one serves).
     fn remove_other_mode(&self) -> anyhow::Result<()>;

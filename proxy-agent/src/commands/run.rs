@@ -92,9 +92,8 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
     let check_addresses = if args.node.nodeport_addresses.is_empty() {
         Vec::new()
     } else {
-        let within = |ip: &std::net::Ipv4Addr| {
-            args.node.nodeport_addresses.iter().any(|c| c.contains((*ip).into()))
-        };
+        let within =
+            |ip: &std::net::IpAddr| args.node.nodeport_addresses.iter().any(|c| c.contains(*ip));
         node.ips.iter().copied().filter(within).collect()
     };
     Ok(Start {
@@ -123,7 +122,7 @@ async fn source(args: &RunArgs, node_name: &str) -> anyhow::Result<Source> {
 
 /// `--node-ip`; else the Node object's InternalIPs (waiting a while for
 /// it); else the interfaces' addresses.
-async fn node_ips(args: &RunArgs, source: &Source) -> anyhow::Result<Vec<std::net::Ipv4Addr>> {
+async fn node_ips(args: &RunArgs, source: &Source) -> anyhow::Result<Vec<std::net::IpAddr>> {
     if !args.node.node_ip.is_empty() {
         return Ok(args.node.node_ip.clone());
     }

@@ -2,7 +2,7 @@
 //! ([`IptablesBackend`]), their canary, and the eBPF mode's leftovers.
 
 use std::{
-    collections::BTreeSet, net::Ipv4Addr, path::PathBuf, sync::atomic::Ordering::Relaxed,
+    collections::BTreeSet, net::IpAddr, path::PathBuf, sync::atomic::Ordering::Relaxed,
     time::Duration,
 };
 
@@ -137,7 +137,7 @@ impl Datapath for IptablesDatapath {
     }
 
     /// Rules serve as soon as they are applied.
-    fn take_over(&mut self, _node_ips: &[Ipv4Addr], _metrics: &Metrics) -> anyhow::Result<()> {
+    fn take_over(&mut self, _node_ips: &[IpAddr], _metrics: &Metrics) -> anyhow::Result<()> {
         Ok(())
     }
 
@@ -157,7 +157,7 @@ pub fn render_options(node: &Node, args: &NodeArgs, nfacct: bool) -> render::Opt
     render::Options {
         node_name: node.name.clone(),
         zone: node.zone.clone(),
-        node_ips: node.ips.clone(),
+        node_ips: node.ips.iter().filter_map(|ip| crate::model::v4(*ip)).collect(),
         nodeport_addresses: args.nodeport_addresses.clone(),
         cluster_cidr: args.cluster_cidr(crate::model::IpFamily::V4),
         masquerade_all: args.masquerade_all,
