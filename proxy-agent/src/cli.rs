@@ -169,6 +169,14 @@ pub struct RenderIptablesArgs {
     /// hints
     #[arg(long, value_name = "ZONE")]
     pub zone: Option<String>,
+    /// Only this family's rules (`IPv4`: iptables-restore input, `IPv6`:
+    /// ip6tables-restore input) [default: both, each after a comment line]
+    #[arg(long, value_name = "FAMILY", value_parser = parse_ip_family)]
+    pub ip_family: Option<model::IpFamily>,
+}
+
+fn parse_ip_family(text: &str) -> Result<model::IpFamily, String> {
+    model::IpFamily::parse(text).ok_or_else(|| "expected IPv4 or IPv6".into())
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -104,6 +104,8 @@ fn the_applied_rules_are_the_rendered_ones_and_cleanup_removes_them() {
                 "--node-ip",
                 &lab.nodes()[0].ip,
                 "--no-nfacct",
+                "--ip-family",
+                "IPv4",
             ],
         )
         .unwrap();

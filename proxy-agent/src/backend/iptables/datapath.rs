@@ -11,7 +11,7 @@ use crate::{
     backend::{Datapath, Synced, ebpf},
     cli::{NodeArgs, RunArgs},
     metrics::Metrics,
-    model::Model,
+    model::{IpFamily, Model},
     plan::{Frontend, Node, Plan},
     sys,
 };
@@ -32,7 +32,7 @@ pub struct IptablesDatapath {
 
 impl IptablesDatapath {
     pub fn new(args: &RunArgs, node: &Node) -> Self {
-        let options = render_options(node, &args.node, false);
+        let options = render_options(node, &args.node, false, IpFamily::V4);
         if options.localhost_nodeports() {
             // As kube-proxy: NodePorts on 127.0.0.1 need DNAT of loopback traffic.
             if let Err(e) = sys::set_sysctl("net/ipv4/conf/all/route_localnet", "1") {
@@ -152,14 +152,20 @@ impl Datapath for IptablesDatapath {
     }
 }
 
-/// What the iptables rules depend on besides the services.
-pub fn render_options(node: &Node, args: &NodeArgs, nfacct: bool) -> render::Options {
+/// What the iptables rules of `family` depend on besides the services.
+pub fn render_options(
+    node: &Node,
+    args: &NodeArgs,
+    nfacct: bool,
+    family: IpFamily,
+) -> render::Options {
     render::Options {
+        family,
         node_name: node.name.clone(),
         zone: node.zone.clone(),
-        node_ips: node.ips.iter().filter_map(|ip| crate::model::v4(*ip)).collect(),
+        node_ips: node.ips.iter().copied().filter(|ip| IpFamily::of(*ip) == family).collect(),
         nodeport_addresses: args.nodeport_addresses.clone(),
-        cluster_cidr: args.cluster_cidr(crate::model::IpFamily::V4),
+        cluster_cidr: args.cluster_cidr(family),
         masquerade_all: args.masquerade_all,
         localhost_nodeports: args.iptables_localhost_nodeports,
         nfacct,

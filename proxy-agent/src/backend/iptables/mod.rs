@@ -128,6 +128,11 @@ pub struct IptablesBackend<R: Runner> {
 }
 
 impl<R: Runner> IptablesBackend<R> {
+    /// The node's IPv4 addresses: the conntrack cleanup is IPv4's.
+    fn node_ipv4s(&self) -> Vec<std::net::Ipv4Addr> {
+        self.options.node_ips.iter().filter_map(|ip| crate::model::v4(*ip)).collect()
+    }
+
     pub fn new(runner: R, options: Options) -> Self {
         IptablesBackend {
             runner,
@@ -170,7 +175,7 @@ impl<R: Runner> IptablesBackend<R> {
         if full {
             self.last_full = Some(Instant::now());
         }
-        let udp = udp_services(model, &self.options.node_ips);
+        let udp = udp_services(model, &self.node_ipv4s());
         let mut stale = stale_flows(&self.udp, &udp);
         stale.append(&mut self.pending_flows);
         self.udp = udp;
@@ -286,7 +291,7 @@ impl<R: Runner> IptablesBackend<R> {
             Ok(listing) => listing,
             Err(e) => return report.flow_errors.push(format!("listing conntrack: {e}")),
         };
-        let frontends = frontends(model, &self.options.node_ips);
+        let frontends = frontends(model, &self.node_ipv4s());
         for entry in untranslated(&listing, &frontends) {
             let args = entry.delete_args();
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
