@@ -1051,37 +1051,16 @@ mod tests {
     fn a_dual_stack_service_has_a_port_per_family_with_its_family_s_addresses() {
         let model = build(&[dual_stack().build()], &[]);
         assert!(model.errors.is_empty(), "{:?}", model.errors);
+        // Cluster IP, external IPs, load-balancer IPs, source ranges.
         let text = |port: &ServicePort| {
-            let ips = |ips: &[IpAddr]| ips.iter().map(|ip| ip.to_string()).collect::<Vec<_>>();
             let ranges: Vec<String> = port.source_ranges.iter().map(|c| c.to_string()).collect();
-            (
-                port.cluster_ip.to_string(),
-                ips(&port.external_ips),
-                ips(&port.load_balancer_ips),
-                ranges,
-            )
+            let (ext, lb) = (&port.external_ips, &port.load_balancer_ips);
+            format!("{} {ext:?} {lb:?} {ranges:?}", port.cluster_ip)
         };
         let v4: Vec<_> = model.ports_of(IpFamily::V4).map(text).collect();
         let v6: Vec<_> = model.ports_of(IpFamily::V6).map(text).collect();
-        let strings = |s: &[&str]| s.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(
-            v4,
-            [(
-                "10.96.0.4".to_string(),
-                strings(&["10.200.0.5"]),
-                strings(&["10.201.0.1"]),
-                strings(&["192.168.0.0/16"])
-            )]
-        );
-        assert_eq!(
-            v6,
-            [(
-                "fd00:96::10".to_string(),
-                strings(&["fd00:200::5"]),
-                strings(&["fd00:201::1"]),
-                strings(&["fd00:c0::/48"])
-            )]
-        );
+        assert_eq!(v4, [r#"10.96.0.4 [10.200.0.5] [10.201.0.1] ["192.168.0.0/16"]"#]);
+        assert_eq!(v6, [r#"fd00:96::10 [fd00:200::5] [fd00:201::1] ["fd00:c0::/48"]"#]);
         assert!(model.ports().all(|p| p.node_port == Some(30080) && p.name.port == "http"));
         // IPv4 first in the model's order, then IPv6.
         let families: Vec<_> = model.ports().map(ServicePort::family).collect();

@@ -74,20 +74,28 @@ fn restore(netns: &str, program: &str, args: &[&str], input: &str) -> std::proce
     child.wait_with_output().unwrap()
 }
 
+/// `render iptables` of [`MANIFEST`] for a dual-stack `lab-node`.
+fn render(lab: &Lab, extra: &[&str]) -> String {
+    let manifest = lab.write_manifest(MANIFEST).unwrap().to_string_lossy().into_owned();
+    let mut args =
+        vec!["render", "iptables", "--manifests", &manifest, "--hostname-override", "lab-node"];
+    args.extend(["--node-ip", "192.168.100.11,fd00:100::11"]);
+    args.extend(["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56"]);
+    args.extend(extra);
+    sh(&target_bin("proxy-agent").to_string_lossy(), &args).unwrap()
+}
+
+/// Applies `input` with `program` in the lab node; `save`'s output after.
+fn apply(lab: &Lab, program: &str, save: &str, input: &str) -> String {
+    let applied = restore(&lab.node, program, &["--noflush"], input);
+    assert!(applied.status.success(), "{program}: {}", String::from_utf8_lossy(&applied.stderr));
+    sh("ip", &["netns", "exec", &lab.node, save]).unwrap()
+}
+
 #[test]
 fn rendered_rules_are_accepted_and_applied_by_iptables_restore() {
     let lab = Lab::new().unwrap();
-    let manifest = lab.write_manifest(MANIFEST).unwrap();
-    let agent = target_bin("proxy-agent");
-    let manifest = manifest.to_string_lossy().into_owned();
-    let render = |extra: &[&str]| {
-        let mut args =
-            vec!["render", "iptables", "--manifests", &manifest, "--hostname-override", "lab-node"];
-        args.extend(["--node-ip", "192.168.100.11,fd00:100::11"]);
-        args.extend(["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56"]);
-        args.extend(extra);
-        sh(&agent.to_string_lossy(), &args).unwrap()
-    };
+    let render = |extra: &[&str]| render(&lab, extra);
     let both = render(&[]);
     assert!(both.contains("# IPv4: iptables-restore input\n*filter"), "{both}");
     assert!(both.contains("# IPv6: ip6tables-restore input\n*filter"), "{both}");
@@ -112,13 +120,7 @@ fn rendered_rules_are_accepted_and_applied_by_iptables_restore() {
             "{program} --test: {}",
             String::from_utf8_lossy(&test.stderr)
         );
-        let applied = restore(&lab.node, program, &["--noflush"], &applicable);
-        assert!(
-            applied.status.success(),
-            "{program}: {}",
-            String::from_utf8_lossy(&applied.stderr)
-        );
-        let saved = sh("ip", &["netns", "exec", &lab.node, save]).unwrap();
+        let saved = apply(&lab, program, save, &applicable);
         for chain in [
             "KUBE-SERVICES",
             "KUBE-FW-",
@@ -135,25 +137,7 @@ fn rendered_rules_are_accepted_and_applied_by_iptables_restore() {
 #[test]
 fn an_ipv6_only_service_s_rules_are_applied_by_ip6tables_restore() {
     let lab = Lab::new().unwrap();
-    let manifest = lab.write_manifest(MANIFEST).unwrap();
-    let agent = target_bin("proxy-agent");
-    let manifest = manifest.to_string_lossy().into_owned();
-    let args = [
-        "render",
-        "iptables",
-        "--manifests",
-        &manifest,
-        "--hostname-override",
-        "lab-node",
-        "--node-ip",
-        "192.168.100.11,fd00:100::11",
-        "--cluster-cidr",
-        "10.244.0.0/16,fd00:10:244::/56",
-        "--ip-family",
-        "IPv6",
-        "--no-nfacct",
-    ];
-    let rules = sh(&agent.to_string_lossy(), &args).unwrap();
+    let rules = render(&lab, &["--ip-family", "IPv6", "--no-nfacct"]);
     assert!(!rules.contains("10.96.0.10"), "the IPv4 services are not in the IPv6 rules");
     for line in [
         "-A KUBE-SERVICES -m comment --comment \"lab/web6:http cluster IP\" -m tcp -p tcp -d fd00:96::10 --dport 80 -j KUBE-SVC-",
@@ -166,13 +150,7 @@ fn an_ipv6_only_service_s_rules_are_applied_by_ip6tables_restore() {
         ("ip6tables-restore", "ip6tables-save"),
         ("ip6tables-legacy-restore", "ip6tables-legacy-save"),
     ] {
-        let applied = restore(&lab.node, program, &["--noflush"], &rules);
-        assert!(
-            applied.status.success(),
-            "{program}: {}",
-            String::from_utf8_lossy(&applied.stderr)
-        );
-        let saved = sh("ip", &["netns", "exec", &lab.node, save]).unwrap();
+        let saved = apply(&lab, program, save, &rules);
         for chain in ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-EXT-", "KUBE-SVC-", "KUBE-SEP-"] {
             assert!(saved.contains(chain), "{save} has no {chain}:\n{saved}");
         }

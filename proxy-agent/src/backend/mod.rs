@@ -62,6 +62,11 @@ pub trait Datapath {
     /// a full resync is due.
     fn look_after(&mut self, polls: u32, metrics: &Metrics) -> bool;
 
+    /// Whether it serves the IPv6 family's service ports.
+    fn serves_ipv6(&self) -> bool {
+        false
+    }
+
     /// Whether the datapath follows interfaces as they come and go.
     fn follows_interfaces(&self) -> bool {
         false

@@ -28,7 +28,7 @@ use self::{
     exec::{ExecError, Runner},
     render::{ChainRef, Digests, KUBELET_FIREWALL, Options, Ruleset, Scope, jump_rules, render},
 };
-use crate::model::Model;
+use crate::model::{IpFamily, Model};
 
 const IPTABLES: &str = "iptables";
 const RESTORE: &str = "iptables-restore";
@@ -145,6 +145,11 @@ impl<R: Runner> IptablesBackend<R> {
         }
     }
 
+    /// The family whose rules it writes.
+    pub fn family(&self) -> IpFamily {
+        self.options.family
+    }
+
     /// This node's zone changed: the next sync renders for the new one.
     pub fn set_zone(&mut self, zone: Option<String>) {
         self.options.zone = zone;
@@ -174,6 +179,10 @@ impl<R: Runner> IptablesBackend<R> {
         self.applied = Some(ruleset.digests());
         if full {
             self.last_full = Some(Instant::now());
+        }
+        // The conntrack cleanup is the IPv4 family's only, so far.
+        if self.options.family == IpFamily::V6 {
+            return Ok(report);
         }
         let udp = udp_services(model, &self.node_ipv4s());
         let mut stale = stale_flows(&self.udp, &udp);
@@ -351,11 +360,14 @@ fn is_ours(chain: &str) -> bool {
 }
 
 /// [`cleanup`] in both iptables implementations (an agent may have used
-/// either); those whose tools are missing have nothing to remove.
+/// either) and both families; those whose tools are missing have nothing to
+/// remove.
 pub fn cleanup_every_backend() -> Result<usize, IptablesError> {
     let mut chains = 0;
     for xtables in [exec::Xtables::Nft, exec::Xtables::Legacy] {
-        chains += cleanup(&mut exec::System::new(xtables))?;
+        for family in IpFamily::ALL {
+            chains += cleanup(&mut exec::System::new(xtables).for_family(family))?;
+        }
     }
     Ok(chains)
 }
@@ -583,6 +595,39 @@ mod tests {
             backend.runner.log
         );
         assert!(!backend.runner.chains["nat"].iter().any(|c| c == "KUBE-SEP-BFA6ODZ6ZPLOWUHI"));
+    }
+
+    #[test]
+    fn the_ipv6_backend_writes_the_ipv6_ports_and_leaves_conntrack_alone() {
+        use test_objects::{Protocol::*, ep, port, service};
+        let v6 = Options {
+            family: IpFamily::V6,
+            node_ips: vec!["fd00::11".parse().unwrap()],
+            ..options()
+        };
+        let mut backend = IptablesBackend::new(Fake::default(), v6);
+        let dns = service("default", "dns").cluster_ip("10.96.0.10");
+        let dns = dns.cluster_ips(&["10.96.0.10", "fd00:96::10"]);
+        let dns = dns.port(port("dns", 53).udp());
+        let slice = |family: &str, name: &str, ip: &str| {
+            let slice = test_objects::slice("default", name).service("dns").address_type(family);
+            slice.port("dns", 5353, Udp).endpoint(ep(ip)).build()
+        };
+        let model = |v6_endpoint: &str| {
+            crate::source::model_of(
+                &[dns.clone().build()],
+                &[slice("IPv4", "dns-1", "10.244.1.2"), slice("IPv6", "dns-2", v6_endpoint)],
+            )
+        };
+        backend.sync(&model("fd00:244::2")).unwrap();
+        let seps = |b: &IptablesBackend<Fake>| {
+            b.runner.chains["nat"].iter().filter(|c| c.starts_with("KUBE-SEP-")).count()
+        };
+        assert_eq!(seps(&backend), 1, "the IPv6 endpoint's chain only");
+        backend.sync(&model("fd00:244::3")).unwrap();
+        assert_eq!(seps(&backend), 1, "the old endpoint's chain deleted");
+        let cleanups = backend.runner.log.iter().filter(|l| l.starts_with("conntrack "));
+        assert_eq!(cleanups.count(), 0, "no IPv6 conntrack cleanup yet");
     }
 
     #[test]
