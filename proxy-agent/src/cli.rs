@@ -385,6 +385,16 @@ fn parse_cidr(text: &str) -> Result<model::Cidr, String> {
 }
 
 impl NodeArgs {
+    /// kube-proxy's rule: at most one `--cluster-cidr` per family.
+    pub fn check(&self) -> Result<(), String> {
+        for family in model::IpFamily::ALL {
+            if self.cluster_cidr.iter().filter(|c| c.family() == family).count() > 1 {
+                return Err(format!("--cluster-cidr: more than one {family} CIDR"));
+            }
+        }
+        Ok(())
+    }
+
     /// The `--cluster-cidr` of this family (the first one given).
     pub fn cluster_cidr(&self, family: model::IpFamily) -> Option<model::Cidr> {
         self.cluster_cidr.iter().copied().find(|c| c.family() == family)
@@ -483,6 +493,25 @@ mod tests {
         assert_eq!(parse_cidr("10.244.0.0/16").unwrap().to_string(), "10.244.0.0/16");
         assert_eq!(parse_cidr("fd00::1/64").unwrap().to_string(), "fd00::/64");
         assert!(parse_cidr("10.0.0.0/33").is_err());
+    }
+
+    #[test]
+    fn cluster_cidrs_are_one_per_family() {
+        let node = |cidrs: &[&str]| {
+            let cli = Cli::try_parse_from(
+                ["proxy-agent", "render", "iptables", "--manifests", "m", "--cluster-cidr"]
+                    .into_iter()
+                    .chain([cidrs.join(",").as_str()]),
+            )
+            .unwrap();
+            let Command::Render(RenderCommand::Iptables(args)) = cli.command else { panic!() };
+            args.node
+        };
+        let dual = node(&["10.244.0.0/16", "fd00:10:244::/56"]);
+        assert!(dual.check().is_ok());
+        let v6 = dual.cluster_cidr(model::IpFamily::V6).unwrap();
+        assert_eq!(v6.to_string(), "fd00:10:244::/56");
+        assert!(node(&["10.244.0.0/16", "10.245.0.0/16"]).check().is_err());
     }
 
     #[test]

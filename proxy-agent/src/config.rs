@@ -365,7 +365,7 @@ iptables:
   syncPeriod: 1m0s
 metricsBindAddress: 127.0.0.1:10249
 mode: iptables
-nodePortAddresses: [192.168.100.0/24]
+nodePortAddresses: [192.168.100.0/24, 'fd00:100::/64']
 oomScoreAdj: null
 someFutureField: true
 unreadableSourceGrace: 2s
@@ -415,7 +415,8 @@ bpfLogLevel: debug
         assert_eq!(args.sync_period, Duration::from_secs(5), "the flag wins");
         assert_eq!(args.proxy_mode, ProxyMode::Iptables, "the file beats the default");
         assert!(args.node.masquerade_all);
-        assert_eq!(args.node.nodeport_addresses.len(), 1);
+        assert_eq!(args.node.nodeport_addresses.len(), 2, "both families");
+        assert_eq!(args.node.cluster_cidr.len(), 2, "one per family");
         assert_eq!(args.min_sync_period, Some(Duration::from_secs(2)));
         assert_eq!(args.bpf_log_level, BpfLogLevel::Debug);
     }

@@ -11,6 +11,7 @@ use crate::{
 
 /// `render iptables`: kube-proxy's restore input for the manifests, on stdout.
 pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
+    args.node.check().map_err(anyhow::Error::msg)?;
     let mut manifests = Manifests::new(&args.manifests);
     // New bytes are taken on the second read that finds them.
     manifests.reload();

@@ -29,6 +29,7 @@ const NODE_POLL: Duration = Duration::from_millis(200);
 /// `run`, with `matches` telling which flags the command line gave.
 pub fn run(args: RunArgs, matches: &clap::ArgMatches) -> anyhow::Result<()> {
     let args = with_config(args, matches)?;
+    args.node.check().map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let start = start(&args).await?;
