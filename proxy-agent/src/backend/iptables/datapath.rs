@@ -4,8 +4,8 @@
 //! As kube-proxy runs a proxier per family, there is a backend per family
 //! the node has an address of: IPv4 always (its rules serve ClusterIPs even
 //! before the node has an address), IPv6 when a node address is IPv6
-//! (`ip6tables-restore`).  Stale UDP conntrack entries are cleaned for IPv4
-//! only so far.
+//! (`ip6tables-restore`; its stale conntrack entries with `conntrack -f
+//! ipv6`).
 
 use std::{
     collections::BTreeSet, net::IpAddr, path::PathBuf, sync::atomic::Ordering::Relaxed,

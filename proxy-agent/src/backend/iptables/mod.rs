@@ -128,9 +128,15 @@ pub struct IptablesBackend<R: Runner> {
 }
 
 impl<R: Runner> IptablesBackend<R> {
-    /// The node's IPv4 addresses: the conntrack cleanup is IPv4's.
-    fn node_ipv4s(&self) -> Vec<std::net::Ipv4Addr> {
-        self.options.node_ips.iter().filter_map(|ip| crate::model::v4(*ip)).collect()
+    /// Runs `conntrack` on this family's table (the tool lists and
+    /// deletes IPv4 entries unless told `-f ipv6`).
+    fn conntrack(&mut self, args: &[&str]) -> Result<String, ExecError> {
+        let mut words = match self.options.family {
+            IpFamily::V4 => vec![],
+            IpFamily::V6 => vec!["-f", "ipv6"],
+        };
+        words.extend(args);
+        self.runner.run(CONNTRACK, &words, None)
     }
 
     pub fn new(runner: R, options: Options) -> Self {
@@ -180,11 +186,7 @@ impl<R: Runner> IptablesBackend<R> {
         if full {
             self.last_full = Some(Instant::now());
         }
-        // The conntrack cleanup is the IPv4 family's only, so far.
-        if self.options.family == IpFamily::V6 {
-            return Ok(report);
-        }
-        let udp = udp_services(model, &self.node_ipv4s());
+        let udp = udp_services(model, self.options.family, &self.options.node_ips);
         let mut stale = stale_flows(&self.udp, &udp);
         stale.append(&mut self.pending_flows);
         self.udp = udp;
@@ -282,7 +284,7 @@ impl<R: Runner> IptablesBackend<R> {
         for flows in stale {
             let args = flows.args();
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            match self.runner.run(CONNTRACK, &args, None) {
+            match self.conntrack(&args) {
                 Ok(_) => report.flows_flushed += 1,
                 Err(e) if nothing_matched(&e) => {}
                 Err(e) => {
@@ -296,15 +298,15 @@ impl<R: Runner> IptablesBackend<R> {
     /// Deletes the unanswered entries to service addresses that were not
     /// translated.
     fn delete_untranslated(&mut self, model: &Model, report: &mut SyncReport) {
-        let listing = match self.runner.run(CONNTRACK, &["-L"], None) {
+        let listing = match self.conntrack(&["-L"]) {
             Ok(listing) => listing,
             Err(e) => return report.flow_errors.push(format!("listing conntrack: {e}")),
         };
-        let frontends = frontends(model, &self.node_ipv4s());
+        let frontends = frontends(model, self.options.family, &self.options.node_ips);
         for entry in untranslated(&listing, &frontends) {
             let args = entry.delete_args();
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            match self.runner.run(CONNTRACK, &args, None) {
+            match self.conntrack(&args) {
                 Ok(_) => report.untranslated_deleted += 1,
                 Err(e) if nothing_matched(&e) => {} // gone meanwhile
                 Err(e) => report.flow_errors.push(format!("{entry:?}: {e}")),
@@ -598,7 +600,7 @@ mod tests {
     }
 
     #[test]
-    fn the_ipv6_backend_writes_the_ipv6_ports_and_leaves_conntrack_alone() {
+    fn the_ipv6_backend_writes_the_ipv6_ports_and_cleans_ipv6_conntrack_entries() {
         use test_objects::{Protocol::*, ep, port, service};
         let v6 = Options {
             family: IpFamily::V6,
@@ -626,8 +628,11 @@ mod tests {
         assert_eq!(seps(&backend), 1, "the IPv6 endpoint's chain only");
         backend.sync(&model("fd00:244::3")).unwrap();
         assert_eq!(seps(&backend), 1, "the old endpoint's chain deleted");
-        let cleanups = backend.runner.log.iter().filter(|l| l.starts_with("conntrack "));
-        assert_eq!(cleanups.count(), 0, "no IPv6 conntrack cleanup yet");
+        let cleanups: Vec<&String> =
+            backend.runner.log.iter().filter(|l| l.starts_with("conntrack ")).collect();
+        let gone = "conntrack -f ipv6 -D -p udp --orig-dst fd00:96::10 --orig-port-dst 53 --dst-nat fd00:244::2";
+        assert!(cleanups.iter().any(|l| *l == gone), "{cleanups:?}");
+        assert!(cleanups.iter().all(|l| l.starts_with("conntrack -f ipv6 ")), "{cleanups:?}");
     }
 
     #[test]
