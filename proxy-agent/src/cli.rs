@@ -2,7 +2,7 @@
 //! concept exists).
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     time::Duration,
 };
@@ -180,6 +180,14 @@ pub struct RenderIptablesArgs {
     /// hints
     #[arg(long, value_name = "ZONE")]
     pub zone: Option<String>,
+    /// Only this family's rules (`IPv4`: iptables-restore input, `IPv6`:
+    /// ip6tables-restore input) [default: both, each after a comment line]
+    #[arg(long, value_name = "FAMILY", value_parser = parse_ip_family)]
+    pub ip_family: Option<model::IpFamily>,
+}
+
+fn parse_ip_family(text: &str) -> Result<model::IpFamily, String> {
+    model::IpFamily::parse(text).ok_or_else(|| "expected IPv4 or IPv6".into())
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -241,17 +249,18 @@ pub struct NodeArgs {
     /// endpoints) [default: the hostname]
     #[arg(long, value_name = "NAME")]
     pub hostname_override: Option<String>,
-    /// This node's IPv4 addresses: NodePorts are served on them and clients
-    /// are SNATed to the first [default: the addresses of its non-pod
-    /// interfaces, the default route's first]
+    /// This node's addresses, of either family: NodePorts are served on
+    /// them and clients are SNATed to the first IPv4 one [default: the
+    /// addresses of its non-pod interfaces, the default route's first]
     #[arg(long, value_name = "IP[,IP]", value_delimiter = ',')]
-    pub node_ip: Vec<Ipv4Addr>,
+    pub node_ip: Vec<IpAddr>,
     /// Serve NodePorts only on node addresses within these CIDRs [default: all]
     #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
     pub nodeport_addresses: Vec<model::Cidr>,
-    /// The pods' CIDR: ClusterIP traffic from other sources is masqueraded
-    #[arg(long, value_name = "CIDR", value_parser = parse_cidr)]
-    pub cluster_cidr: Option<model::Cidr>,
+    /// The pods' CIDRs, at most one per IP family (dual stack: `v4,v6`):
+    /// ClusterIP traffic from other sources is masqueraded
+    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', value_parser = parse_cidr)]
+    pub cluster_cidr: Vec<model::Cidr>,
     /// Masquerade all ClusterIP traffic (translated per packet, or by iptables)
     #[arg(long)]
     pub masquerade_all: bool,
@@ -382,10 +391,24 @@ pub struct RunArgs {
 }
 
 fn parse_cidr(text: &str) -> Result<model::Cidr, String> {
-    match model::Cidr::parse(text) {
-        Ok(Some(cidr)) => Ok(cidr),
-        Ok(None) => Err("only IPv4 is supported".into()),
-        Err(_) => Err("expected an IPv4 CIDR such as 10.244.0.0/16".into()),
+    model::Cidr::parse(text)
+        .map_err(|_| "expected a CIDR such as 10.244.0.0/16 or fd00:10:244::/64".into())
+}
+
+impl NodeArgs {
+    /// kube-proxy's rule: at most one `--cluster-cidr` per family.
+    pub fn check(&self) -> Result<(), String> {
+        for family in model::IpFamily::ALL {
+            if self.cluster_cidr.iter().filter(|c| c.family() == family).count() > 1 {
+                return Err(format!("--cluster-cidr: more than one {family} CIDR"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The `--cluster-cidr` of this family (the first one given).
+    pub fn cluster_cidr(&self, family: model::IpFamily) -> Option<model::Cidr> {
+        self.cluster_cidr.iter().copied().find(|c| c.family() == family)
     }
 }
 
@@ -479,7 +502,27 @@ mod tests {
         assert_eq!(parse_port_range("61000-65000"), Ok((61000, 65000)));
         assert!(parse_port_range("65000-61000").is_err());
         assert_eq!(parse_cidr("10.244.0.0/16").unwrap().to_string(), "10.244.0.0/16");
-        assert!(parse_cidr("fd00::/64").is_err());
+        assert_eq!(parse_cidr("fd00::1/64").unwrap().to_string(), "fd00::/64");
+        assert!(parse_cidr("10.0.0.0/33").is_err());
+    }
+
+    #[test]
+    fn cluster_cidrs_are_one_per_family() {
+        let node = |cidrs: &[&str]| {
+            let cli = Cli::try_parse_from(
+                ["proxy-agent", "render", "iptables", "--manifests", "m", "--cluster-cidr"]
+                    .into_iter()
+                    .chain([cidrs.join(",").as_str()]),
+            )
+            .unwrap();
+            let Command::Render(RenderCommand::Iptables(args)) = cli.command else { panic!() };
+            args.node
+        };
+        let dual = node(&["10.244.0.0/16", "fd00:10:244::/56"]);
+        assert!(dual.check().is_ok());
+        let v6 = dual.cluster_cidr(model::IpFamily::V6).unwrap();
+        assert_eq!(v6.to_string(), "fd00:10:244::/56");
+        assert!(node(&["10.244.0.0/16", "10.245.0.0/16"]).check().is_err());
     }
 
     #[test]

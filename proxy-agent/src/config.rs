@@ -136,7 +136,7 @@ pub struct Settings {
     pub healthz_bind_address: Option<SocketAddr>,
     pub metrics_bind_address: Option<SocketAddr>,
     pub proxy_mode: Option<ProxyMode>,
-    pub cluster_cidr: Option<Cidr>,
+    pub cluster_cidr: Option<Vec<Cidr>>,
     pub nodeport_addresses: Option<Vec<Cidr>>,
     pub masquerade_all: Option<bool>,
     pub sync_period: Option<Duration>,
@@ -161,7 +161,7 @@ fn duration(text: &str) -> Result<Option<Duration>, String> {
     parse_go_duration(text).map(|d| Some(d).filter(|d| !d.is_zero()))
 }
 
-fn cidr(text: &str) -> Result<Option<Cidr>, String> {
+fn cidr(text: &str) -> Result<Cidr, String> {
     Cidr::parse(text).map_err(|e| e.to_string())
 }
 
@@ -217,12 +217,9 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
         }
     };
     if let Some(cidrs) = file.cluster_cidr.filter(|c| !c.is_empty()) {
-        // Dual-stack "v4,v6": the IPv4 one.
-        for text in cidrs.split(',') {
-            if let Some(c) = cidr(text).map_err(bad("clusterCIDR"))? {
-                s.cluster_cidr.get_or_insert(c);
-            }
-        }
+        // Dual stack: "v4,v6".
+        let cidrs: Result<Vec<Cidr>, String> = cidrs.split(',').map(cidr).collect();
+        s.cluster_cidr = Some(cidrs.map_err(bad("clusterCIDR"))?);
     }
     if let Some(list) = file.node_port_addresses {
         let mut cidrs = Vec::new();
@@ -231,7 +228,7 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
                 warnings.push("nodePortAddresses \"primary\": use --node-ip instead".into());
                 continue;
             }
-            cidrs.extend(cidr(text).map_err(bad("nodePortAddresses"))?);
+            cidrs.push(cidr(text).map_err(bad("nodePortAddresses"))?);
         }
         s.nodeport_addresses = Some(cidrs);
     }
@@ -309,7 +306,7 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
     set!("healthz_bind_address", args.healthz_bind_address, settings.healthz_bind_address);
     set!("metrics_bind_address", args.metrics_bind_address, settings.metrics_bind_address);
     set!("proxy_mode", args.proxy_mode, settings.proxy_mode);
-    set!("cluster_cidr", args.node.cluster_cidr, settings.cluster_cidr.map(Some));
+    set!("cluster_cidr", args.node.cluster_cidr, settings.cluster_cidr);
     set!("nodeport_addresses", args.node.nodeport_addresses, settings.nodeport_addresses);
     set!("masquerade_all", args.node.masquerade_all, settings.masquerade_all);
     set!("sync_period", args.sync_period, settings.sync_period);
@@ -368,7 +365,7 @@ iptables:
   syncPeriod: 1m0s
 metricsBindAddress: 127.0.0.1:10249
 mode: iptables
-nodePortAddresses: [192.168.100.0/24]
+nodePortAddresses: [192.168.100.0/24, 'fd00:100::/64']
 oomScoreAdj: null
 someFutureField: true
 unreadableSourceGrace: 2s
@@ -392,7 +389,9 @@ bpfLogLevel: debug
         assert_eq!(settings.kubeconfig, Some("/var/lib/kube-proxy/kubeconfig.conf".into()));
         assert_eq!(settings.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
         assert_eq!(settings.proxy_mode, Some(ProxyMode::Iptables));
-        assert_eq!(settings.cluster_cidr.unwrap().to_string(), "10.244.0.0/16");
+        let cidrs: Vec<String> =
+            settings.cluster_cidr.iter().flatten().map(|c| c.to_string()).collect();
+        assert_eq!(cidrs, ["10.244.0.0/16", "fd00:10:244::/56"]);
         assert_eq!(settings.sync_period, Some(Duration::from_secs(60)));
         assert_eq!(settings.min_sync_period, Some(Duration::from_secs(2)));
         assert_eq!(settings.conntrack_tcp_timeout_established, Some(Duration::from_secs(43_200)));
@@ -416,7 +415,8 @@ bpfLogLevel: debug
         assert_eq!(args.sync_period, Duration::from_secs(5), "the flag wins");
         assert_eq!(args.proxy_mode, ProxyMode::Iptables, "the file beats the default");
         assert!(args.node.masquerade_all);
-        assert_eq!(args.node.nodeport_addresses.len(), 1);
+        assert_eq!(args.node.nodeport_addresses.len(), 2, "both families");
+        assert_eq!(args.node.cluster_cidr.len(), 2, "one per family");
         assert_eq!(args.min_sync_period, Some(Duration::from_secs(2)));
         assert_eq!(args.bpf_log_level, BpfLogLevel::Debug);
     }

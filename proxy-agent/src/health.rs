@@ -9,14 +9,14 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::{Arc, Mutex},
     time::{Duration, SystemTime},
 };
 
 use crate::{
     http::{self, Reply},
-    model::{ServiceName, ServicePort},
+    model::{IpFamily, ServiceName, ServicePort},
     time,
 };
 
@@ -176,24 +176,30 @@ pub struct ServiceCheck {
 }
 
 /// The health-check node ports service `ports` ask for on node `node_name`.
+/// A dual-stack service's local endpoints are counted in its first family
+/// (a pod is in both).
 pub fn service_checks(ports: &[ServicePort], node_name: &str) -> BTreeMap<u16, ServiceCheck> {
-    let mut checks: BTreeMap<u16, (ServiceName, std::collections::BTreeSet<Ipv4Addr>)> =
-        BTreeMap::new();
+    type Check = (ServiceName, IpFamily, std::collections::BTreeSet<IpAddr>);
+    let mut checks: BTreeMap<u16, Check> = BTreeMap::new();
     for port in ports {
         let Some(hc) = port.health_check_node_port else { continue };
-        let (_, ips) =
-            checks.entry(hc).or_insert_with(|| (port.name.service.clone(), Default::default()));
+        let (_, family, ips) = checks
+            .entry(hc)
+            .or_insert_with(|| (port.name.service.clone(), port.family(), Default::default()));
+        if *family != port.family() {
+            continue;
+        }
         // Ready only: a node with only terminating endpoints should lose
         // its load-balancer traffic.
         let local = port
             .endpoints
             .iter()
             .filter(|e| e.ready && !e.terminating && e.node_name.as_deref() == Some(node_name));
-        ips.extend(local.map(|e| *e.addr.ip()));
+        ips.extend(local.map(|e| e.addr.ip()));
     }
     checks
         .into_iter()
-        .map(|(hc, (service, ips))| (hc, ServiceCheck { service, local_endpoints: ips.len() }))
+        .map(|(hc, (service, _, ips))| (hc, ServiceCheck { service, local_endpoints: ips.len() }))
         .collect()
 }
 
@@ -218,8 +224,8 @@ pub struct ServiceChecks {
     /// The endpoints' runtime, where the listeners run.
     runtime: tokio::runtime::Handle,
     /// `--nodeport-addresses` matched against the node's addresses: the
-    /// addresses to listen on; empty means all (0.0.0.0).
-    addresses: Vec<Ipv4Addr>,
+    /// addresses to listen on (either family); empty means all (0.0.0.0).
+    addresses: Vec<IpAddr>,
     checks: Arc<Mutex<BTreeMap<u16, ServiceCheck>>>,
     listeners: BTreeMap<u16, Vec<tokio::task::JoinHandle<()>>>,
 }
@@ -228,7 +234,7 @@ impl ServiceChecks {
     pub fn new(
         health: Arc<ProxyHealth>,
         runtime: tokio::runtime::Handle,
-        addresses: Vec<Ipv4Addr>,
+        addresses: Vec<IpAddr>,
     ) -> Self {
         ServiceChecks {
             health,
@@ -255,7 +261,7 @@ impl ServiceChecks {
                 continue;
             }
             let addresses = if self.addresses.is_empty() {
-                vec![Ipv4Addr::UNSPECIFIED]
+                vec![Ipv4Addr::UNSPECIFIED.into()]
             } else {
                 self.addresses.clone()
             };

@@ -23,7 +23,7 @@ pub struct LinkEvents {
 
 impl LinkEvents {
     /// Opens the socket (non-blocking, close-on-exec) and joins the
-    /// RTMGRP_LINK and RTMGRP_IPV4_IFADDR multicast groups.
+    /// RTMGRP_LINK, RTMGRP_IPV4_IFADDR and RTMGRP_IPV6_IFADDR multicast groups.
     pub fn open() -> io::Result<Self> {
         // SAFETY: plain socket(2); the descriptor is owned below.
         let fd = unsafe {
@@ -41,7 +41,8 @@ impl LinkEvents {
         // SAFETY: sockaddr_nl is plain data; all-zero is its unbound state.
         let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
         addr.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-        addr.nl_groups = (libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR) as u32;
+        addr.nl_groups =
+            (libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR) as u32;
         // SAFETY: a valid sockaddr_nl and its size.
         let rc = unsafe {
             libc::bind(

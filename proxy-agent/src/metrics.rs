@@ -155,6 +155,8 @@ pub struct Metrics {
     pub no_local_endpoints_external: AtomicU64,
     pub frontends: AtomicU64,
     pub backends: AtomicU64,
+    /// IPv6 service ports in the model: no datapath serves them yet.
+    pub unserved_ipv6_ports: AtomicU64,
     pub conntrack_entries: AtomicU64,
     /// Entries of each BPF map the agent writes.
     map_entries: Mutex<BTreeMap<&'static str, u64>>,
@@ -213,6 +215,7 @@ impl Metrics {
             no_local_endpoints_external: AtomicU64::new(0),
             frontends: AtomicU64::new(0),
             backends: AtomicU64::new(0),
+            unserved_ipv6_ports: AtomicU64::new(0),
             conntrack_entries: AtomicU64::new(0),
             map_entries: Mutex::default(),
             carried: Mutex::default(),
@@ -433,6 +436,11 @@ impl Metrics {
             "proxy_backends",
             "Distinct backends the datapath serves.",
             self.backends.load(Relaxed),
+        )?;
+        out.gauges(
+            "proxy_unserved_service_ports",
+            "Service ports of an IP family this proxy's datapath does not serve yet.",
+            [(label("ip_family", "IPv6"), self.unserved_ipv6_ports.load(Relaxed))],
         )?;
         let invalid = self.invalid.lock().map(|m| m.clone()).unwrap_or_default();
         out.counters(
@@ -704,6 +712,7 @@ mod tests {
             "proxy_mode_cleanup_failures_total",
             "proxy_source_errors_total",
             "proxy_sync_total",
+            "proxy_unserved_service_ports",
         ];
         let ebpf = [
             "proxy_conntrack_entries",

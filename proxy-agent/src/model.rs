@@ -11,12 +11,18 @@
 //! - Ready endpoints are used; when none is ready, the serving and
 //!   terminating ones are (graceful termination).
 //! - A Service the API server would have refused (bad IP, port out of range,
-//!   unknown protocol, duplicate port) is skipped whole and reported by name.
+//!   unknown protocol, duplicate port, cluster IPs that disagree with
+//!   `ipFamilies` or `ipFamilyPolicy`) is skipped whole and reported by name.
+//! - Dual stack as kube-proxy's proxier per family sees it: a service has a
+//!   set of ports per family of its `clusterIPs` (`ipFamilies` tells which
+//!   is which), each with only that family's externalIPs, load-balancer IPs
+//!   and source ranges, and the endpoints of that family's EndpointSlices
+//!   (`addressType`; FQDN slices are ignored).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    net::{IpAddr, Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::Arc,
     time::SystemTime,
 };
@@ -106,10 +112,66 @@ impl Protocol {
     }
 }
 
+/// An IP family, as Kubernetes names it in `ipFamilies`, an EndpointSlice's
+/// `addressType` and kube-proxy's `ip_family` metric label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub const ALL: [IpFamily; 2] = [IpFamily::V4, IpFamily::V6];
+
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(_) => IpFamily::V4,
+            IpAddr::V6(_) => IpFamily::V6,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IpFamily::V4 => "IPv4",
+            IpFamily::V6 => "IPv6",
+        }
+    }
+
+    /// `IPv4` or `IPv6`; anything else (`FQDN`) is no IP family.
+    pub fn parse(name: &str) -> Option<Self> {
+        IpFamily::ALL.into_iter().find(|f| f.as_str() == name)
+    }
+
+    /// Parses an address of this family (an IPv4 address is not read as an
+    /// IPv6 one, nor the other way round).
+    fn parse_ip(self, text: &str) -> Option<IpAddr> {
+        match self {
+            IpFamily::V4 => text.parse::<Ipv4Addr>().ok().map(IpAddr::V4),
+            IpFamily::V6 => text.parse::<Ipv6Addr>().ok().map(IpAddr::V6),
+        }
+    }
+}
+
+/// The IPv4 address, if `ip` is one: how the IPv4-only parts of the
+/// datapaths take the addresses of IPv4 ports.
+pub fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
+    match ip {
+        IpAddr::V4(ip) => Some(ip),
+        IpAddr::V6(_) => None,
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One endpoint of a service port, with the EndpointSlice conditions.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Endpoint {
-    pub addr: SocketAddrV4,
+    /// Of the family of its service port's cluster IP.
+    pub addr: SocketAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
@@ -144,20 +206,23 @@ impl Endpoint {
     }
 }
 
-/// One proxied port of a service: what kube-proxy calls a ServicePort.
+/// One proxied port of a service in one IP family: what kube-proxy's
+/// proxier of that family calls a ServicePort. Every address in it is of
+/// the family of `cluster_ip`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort {
     pub name: ServicePortName,
     pub protocol: Protocol,
     pub port: u16,
-    pub cluster_ip: Ipv4Addr,
+    pub cluster_ip: IpAddr,
     /// `nodePort` of a NodePort or LoadBalancer service.
     pub node_port: Option<u16>,
-    /// `spec.externalIPs` (IPv4).
-    pub external_ips: Vec<Ipv4Addr>,
-    /// `status.loadBalancer.ingress[].ip` (IPv4) of a LoadBalancer service.
-    pub load_balancer_ips: Vec<Ipv4Addr>,
-    /// `loadBalancerSourceRanges` (IPv4): who may reach the load-balancer IPs.
+    /// `spec.externalIPs` of this family.
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip` of this family (LoadBalancer).
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// `loadBalancerSourceRanges` of this family: who may reach the
+    /// load-balancer IPs.
     pub source_ranges: Vec<Cidr>,
     /// `externalTrafficPolicy: Local` on a service with external addresses.
     pub external_local: bool,
@@ -172,6 +237,10 @@ pub struct ServicePort {
 }
 
 impl ServicePort {
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(self.cluster_ip)
+    }
+
     /// The endpoints traffic goes to: the ready ones, or when none is ready
     /// the serving and terminating ones. With `local_node`, only those on
     /// that node (the fallback applies among them, as in kube-proxy).
@@ -223,35 +292,52 @@ impl ServicePort {
 #[error("invalid CIDR {0:?}")]
 pub struct InvalidCidr(pub String);
 
-/// An IPv4 prefix.
+/// An IPv4 or IPv6 prefix, its host bits cleared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Cidr {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub len: u8,
 }
 
 impl Cidr {
-    /// Parses `a.b.c.d/n` (a bare address is a /32); `Ok(None)` for IPv6.
-    pub fn parse(text: &str) -> Result<Option<Self>, InvalidCidr> {
+    /// Parses `a.b.c.d/n` or `x::y/n` (a bare address is a /32 or /128).
+    pub fn parse(text: &str) -> Result<Self, InvalidCidr> {
         let invalid = || InvalidCidr(text.to_string());
-        let (addr, len) = text.trim().split_once('/').unwrap_or((text.trim(), "32"));
-        match addr.parse::<IpAddr>() {
-            Ok(IpAddr::V4(addr)) => {
-                let len: u8 = len.parse().map_err(|_| invalid())?;
-                if len > 32 {
-                    return Err(invalid());
-                }
-                let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
-                Ok(Some(Cidr { addr: Ipv4Addr::from(u32::from(addr) & mask), len }))
-            }
-            Ok(IpAddr::V6(_)) => Ok(None),
-            Err(_) => Err(invalid()),
+        let (addr, len) = match text.trim().split_once('/') {
+            Some((addr, len)) => (addr, Some(len)),
+            None => (text.trim(), None),
+        };
+        let addr: IpAddr = addr.parse().map_err(|_| invalid())?;
+        let max = Self::max_len(addr);
+        let len = match len {
+            Some(len) => len.parse::<u8>().ok().filter(|l| *l <= max).ok_or_else(invalid)?,
+            None => max,
+        };
+        Ok(Cidr { addr: Self::masked(addr, len), len })
+    }
+
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(self.addr)
+    }
+
+    /// An address of another family is never inside.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        IpFamily::of(ip) == self.family() && Self::masked(ip, self.len) == self.addr
+    }
+
+    fn max_len(addr: IpAddr) -> u8 {
+        match addr {
+            IpAddr::V4(_) => 32,
+            IpAddr::V6(_) => 128,
         }
     }
 
-    pub fn contains(&self, ip: Ipv4Addr) -> bool {
-        let mask = if self.len == 0 { 0 } else { u32::MAX << (32 - self.len) };
-        u32::from(ip) & mask == u32::from(self.addr)
+    fn masked(addr: IpAddr, len: u8) -> IpAddr {
+        let keep = |bits: u32| u128::MAX.checked_shl(bits - u32::from(len)).unwrap_or(0);
+        match addr {
+            IpAddr::V4(v4) => IpAddr::V4(Ipv4Addr::from(u32::from(v4) & keep(32) as u32)),
+            IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & keep(128))),
+        }
     }
 }
 
@@ -266,6 +352,8 @@ impl fmt::Display for Cidr {
 pub enum ModelError {
     #[error("Service {service}: invalid clusterIP {value:?}")]
     InvalidClusterIp { service: ServiceName, value: String },
+    #[error("Service {service}: {why}")]
+    InvalidIpFamilies { service: ServiceName, why: String },
     #[error("Service {service}: port {port_name:?} has invalid port number {port}")]
     InvalidPort { service: ServiceName, port_name: String, port: i32 },
     #[error("Service {service}: port {port_name:?} has unsupported protocol {protocol:?}")]
@@ -325,9 +413,15 @@ impl Model {
         model
     }
 
-    /// Every port, by service name, port name and protocol.
+    /// Every port, by service name, port name, family and protocol.
     pub fn ports(&self) -> impl Iterator<Item = &ServicePort> {
         self.services.values().flatten()
+    }
+
+    /// The ports of one family: what kube-proxy's proxier of that family
+    /// serves.
+    pub fn ports_of(&self, family: IpFamily) -> impl Iterator<Item = &ServicePort> {
+        self.ports().filter(move |p| p.family() == family)
     }
 
     /// The ports of one service (none if it is not proxied).
@@ -344,7 +438,10 @@ impl Model {
         if ports.is_empty() {
             self.services.remove(&name);
         } else {
-            ports.sort_by(|a, b| a.name.cmp(&b.name).then(a.protocol.cmp(&b.protocol)));
+            ports.sort_by(|a, b| {
+                let key = |p: &ServicePort| (p.family(), p.protocol);
+                a.name.cmp(&b.name).then(key(a).cmp(&key(b)))
+            });
             self.services.insert(name, ports);
         }
     }
@@ -397,9 +494,11 @@ const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ParsedSlice {
     /// The service it belongs to (`kubernetes.io/service-name`, in its
-    /// namespace); `None` when the proxy has no use for it (IPv6, FQDN,
+    /// namespace); `None` when the proxy has no use for it (FQDN,
     /// unlabelled).
     pub service: Option<ServiceName>,
+    /// Its `addressType` (meaningless without `service`).
+    family: Option<IpFamily>,
     ports: Vec<(SlicePortKey, u16)>,
     /// Its endpoints, with port 0: each slice port gives them its number.
     endpoints: Vec<Endpoint>,
@@ -415,13 +514,14 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
     let annotations = slice.metadata.annotations.as_ref();
     let trigger_time = annotations.and_then(|a| crate::time::parse_rfc3339(a.get(TRIGGER_TIME)?));
     let mut parsed = ParsedSlice { trigger_time, ..ParsedSlice::default() };
-    // IPv6 and FQDN slices are not proxied (IPv4-only datapath).
+    // FQDN slices are not proxied, as in kube-proxy.
     let label = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
-    let Some(service) = label.filter(|_| slice.address_type == "IPv4") else {
+    let (Some(service), Some(family)) = (label, IpFamily::parse(&slice.address_type)) else {
         return Ok((slice_name, parsed));
     };
     parsed.service =
         Some(ServiceName { namespace: slice_name.namespace.clone(), name: service.clone() });
+    parsed.family = Some(family);
     for port in slice.ports.iter().flatten() {
         let port_name = port.name.clone().unwrap_or_default();
         let protocol = match Protocol::parse(port.protocol.as_deref()) {
@@ -451,7 +551,7 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
     for endpoint in &slice.endpoints {
         // kube-proxy uses the first address of an endpoint.
         let Some(address) = endpoint.addresses.first() else { continue };
-        let Ok(ip) = address.parse::<Ipv4Addr>() else {
+        let Some(ip) = family.parse_ip(address) else {
             parsed.errors.push(ModelError::InvalidEndpointAddress {
                 slice: slice_name.clone(),
                 value: address.clone(),
@@ -461,7 +561,7 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
         let conditions = endpoint.conditions.clone().unwrap_or_default();
         let hints = endpoint.hints.clone().unwrap_or_default();
         parsed.endpoints.push(Endpoint {
-            addr: SocketAddrV4::new(ip, 0),
+            addr: SocketAddr::new(ip, 0),
             // Unset conditions mean ready, serving, not terminating (as
             // kube-proxy reads them).
             ready: conditions.ready.unwrap_or(true),
@@ -491,17 +591,19 @@ fn intern(names: &mut Vec<Arc<str>>, name: &str) -> Arc<str> {
 
 /// A service's ports (from [`parse_service`]) with the endpoints of its
 /// slices: merged, one per address; a service port takes the number of the
-/// slice port with its name and protocol.
+/// slice port of its family with its name and protocol.
 pub fn with_endpoints<'a>(
     ports: &[ServicePort],
     slices: impl IntoIterator<Item = &'a ParsedSlice>,
 ) -> Vec<ServicePort> {
-    let mut merged: BTreeMap<&SlicePortKey, BTreeMap<SocketAddrV4, Endpoint>> = BTreeMap::new();
+    type Merged<'s> =
+        BTreeMap<(Option<IpFamily>, &'s SlicePortKey), BTreeMap<SocketAddr, Endpoint>>;
+    let mut merged: Merged = BTreeMap::new();
     for slice in slices {
         for (key, number) in &slice.ports {
-            let by_addr = merged.entry(key).or_default();
+            let by_addr = merged.entry((slice.family, key)).or_default();
             for endpoint in &slice.endpoints {
-                let addr = SocketAddrV4::new(*endpoint.addr.ip(), *number);
+                let addr = SocketAddr::new(endpoint.addr.ip(), *number);
                 // The same endpoint in two slices (during a slice rebalance):
                 // keep the one in the better state.
                 by_addr
@@ -519,7 +621,8 @@ pub fn with_endpoints<'a>(
         .iter()
         .map(|port| {
             let key = (port.name.port.clone(), port.protocol);
-            let endpoints = merged.get(&key).map(|e| e.values().cloned().collect());
+            let endpoints =
+                merged.get(&(Some(port.family()), &key)).map(|e| e.values().cloned().collect());
             ServicePort { endpoints: endpoints.unwrap_or_default(), ..port.clone() }
         })
         .collect()
@@ -563,16 +666,36 @@ fn affinity_timeout(name: &ServiceName, spec: &ServiceSpec) -> Result<Option<u32
 /// the field is empty.
 const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 
-/// The service-wide part of its external exposure.
+/// The service-wide part of its external exposure (both families).
 struct Externals {
     has_node_ports: bool,
-    external_ips: Vec<Ipv4Addr>,
-    load_balancer_ips: Vec<Ipv4Addr>,
+    external_ips: Vec<IpAddr>,
+    load_balancer_ips: Vec<IpAddr>,
     source_ranges: Vec<Cidr>,
     external_local: bool,
 }
 
 impl Externals {
+    /// `port` at `cluster_ip`, with the external addresses of its family.
+    fn in_family(&self, port: &ServicePort, cluster_ip: IpAddr) -> ServicePort {
+        let family = IpFamily::of(cluster_ip);
+        let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> {
+            ips.iter().copied().filter(|ip| IpFamily::of(*ip) == family).collect()
+        };
+        ServicePort {
+            cluster_ip,
+            external_ips: of_family(&self.external_ips),
+            load_balancer_ips: of_family(&self.load_balancer_ips),
+            source_ranges: self
+                .source_ranges
+                .iter()
+                .copied()
+                .filter(|c| c.family() == family)
+                .collect(),
+            ..port.clone()
+        }
+    }
+
     fn of(name: &ServiceName, service: &Service, spec: &ServiceSpec) -> Result<Self, ModelError> {
         let kind = spec.type_.as_deref().unwrap_or("ClusterIP");
         let load_balancer = kind == "LoadBalancer";
@@ -583,11 +706,7 @@ impl Externals {
         };
         let mut external_ips = Vec::new();
         for raw in spec.external_ips.iter().flatten() {
-            match raw.parse::<IpAddr>() {
-                Ok(IpAddr::V4(ip)) => external_ips.push(ip),
-                Ok(IpAddr::V6(_)) => {}
-                Err(_) => return Err(invalid("externalIPs", raw)),
-            }
+            external_ips.push(raw.parse().map_err(|_| invalid("externalIPs", raw))?);
         }
         let mut load_balancer_ips = Vec::new();
         if load_balancer {
@@ -599,11 +718,8 @@ impl Externals {
                 if entry.ip_mode.as_deref() == Some("Proxy") {
                     continue;
                 }
-                match raw.parse::<IpAddr>() {
-                    Ok(IpAddr::V4(ip)) => load_balancer_ips.push(ip),
-                    Ok(IpAddr::V6(_)) => {}
-                    Err(_) => return Err(invalid("status.loadBalancer.ingress", raw)),
-                }
+                let ip = raw.parse().map_err(|_| invalid("status.loadBalancer.ingress", raw))?;
+                load_balancer_ips.push(ip);
             }
         }
         let annotation = service
@@ -618,11 +734,8 @@ impl Externals {
         };
         let mut source_ranges = Vec::new();
         for raw in ranges.iter().filter(|r| !r.trim().is_empty()) {
-            match Cidr::parse(raw) {
-                Ok(Some(cidr)) => source_ranges.push(cidr),
-                Ok(None) => {}
-                Err(_) => return Err(invalid("loadBalancerSourceRanges", raw)),
-            }
+            source_ranges
+                .push(Cidr::parse(raw).map_err(|_| invalid("loadBalancerSourceRanges", raw))?);
         }
         let has_node_ports = kind == "NodePort" || load_balancer;
         let external = has_node_ports || !external_ips.is_empty();
@@ -636,31 +749,50 @@ impl Externals {
     }
 }
 
-/// The service's IPv4 cluster IP: the first IPv4 of `clusterIPs` (dual
-/// stack), else `clusterIP`. `None` for an IPv6-only service; an error when
-/// any of them is not an IP address.
-fn ipv4_cluster_ip(name: &ServiceName, spec: &ServiceSpec) -> Result<Option<Ipv4Addr>, ModelError> {
-    let primary = spec.cluster_ip.iter();
-    let all: Vec<&String> = match &spec.cluster_ips {
+/// The service's cluster IPs, one per family, as the API server validates
+/// them: `clusterIPs` (else `clusterIP`), its first entry `clusterIP`, at
+/// most one per family, the family of each the one `ipFamilies` names at
+/// its index, as many as `ipFamilyPolicy` allows.
+fn cluster_ips(name: &ServiceName, spec: &ServiceSpec) -> Result<Vec<IpAddr>, ModelError> {
+    let invalid = |why: String| ModelError::InvalidIpFamilies { service: name.clone(), why };
+    let raw: Vec<&String> = match &spec.cluster_ips {
         Some(ips) if !ips.is_empty() => ips.iter().collect(),
-        _ => primary.collect(),
+        _ => spec.cluster_ip.iter().collect(),
     };
-    let mut first_v4 = None;
-    for raw in all {
-        match raw.parse::<IpAddr>() {
-            Ok(IpAddr::V4(ip)) => {
-                first_v4.get_or_insert(ip);
-            }
-            Ok(IpAddr::V6(_)) => {}
-            Err(_) => {
-                return Err(ModelError::InvalidClusterIp {
-                    service: name.clone(),
-                    value: raw.clone(),
-                });
-            }
+    let mut ips = Vec::new();
+    for value in raw {
+        let ip = value.parse::<IpAddr>().map_err(|_| ModelError::InvalidClusterIp {
+            service: name.clone(),
+            value: value.clone(),
+        })?;
+        ips.push(ip);
+    }
+    if let (Some(primary), Some(first)) = (&spec.cluster_ip, ips.first())
+        && primary.parse::<IpAddr>().ok() != Some(*first)
+    {
+        return Err(invalid(format!("clusterIP {primary} is not clusterIPs[0] {first}")));
+    }
+    let families: Vec<IpFamily> = ips.iter().map(|ip| IpFamily::of(*ip)).collect();
+    if families.len() > 2 || (families.len() == 2 && families[0] == families[1]) {
+        return Err(invalid(format!("clusterIPs {ips:?} are not one per IP family")));
+    }
+    for (index, declared) in spec.ip_families.iter().flatten().enumerate() {
+        let family = IpFamily::parse(declared)
+            .ok_or_else(|| invalid(format!("unknown ipFamilies entry {declared:?}")))?;
+        if families.get(index).is_some_and(|f| *f != family) {
+            return Err(invalid(format!(
+                "ipFamilies[{index}] {declared} is not clusterIPs[{index}]'s family"
+            )));
         }
     }
-    Ok(first_v4)
+    match (spec.ip_family_policy.as_deref(), ips.len()) {
+        (None | Some("PreferDualStack"), _)
+        | (Some("SingleStack"), 1)
+        | (Some("RequireDualStack"), 2) => Ok(ips),
+        (Some(policy), n) => {
+            Err(invalid(format!("ipFamilyPolicy {policy} with {n} cluster IP(s)")))
+        }
+    }
 }
 
 /// Reads a Service as the API server would have validated it: its proxied
@@ -672,10 +804,7 @@ pub fn parse_service(service: &Service) -> Result<Vec<ServicePort>, ModelError> 
     if !is_proxied(service, spec) {
         return Ok(Vec::new());
     }
-    let Some(cluster_ip) = ipv4_cluster_ip(&name, spec)? else {
-        tracing::debug!(service = %name, "IPv6-only service: not proxied");
-        return Ok(Vec::new());
-    };
+    let cluster_ips = cluster_ips(&name, spec)?;
     let affinity_timeout_secs = affinity_timeout(&name, spec)?;
     let externals = Externals::of(&name, service, spec)?;
 
@@ -720,15 +849,15 @@ pub fn parse_service(service: &Service) -> Result<Vec<ServicePort>, ModelError> 
             }
             _ => None,
         };
-        ports.push(ServicePort {
+        let template = ServicePort {
             name: ServicePortName { service: name.clone(), port: port_name },
             protocol,
             port: number,
-            cluster_ip,
+            cluster_ip: Ipv4Addr::UNSPECIFIED.into(),
             node_port,
-            external_ips: externals.external_ips.clone(),
-            load_balancer_ips: externals.load_balancer_ips.clone(),
-            source_ranges: externals.source_ranges.clone(),
+            external_ips: Vec::new(),
+            load_balancer_ips: Vec::new(),
+            source_ranges: Vec::new(),
             external_local: externals.external_local,
             // Only LoadBalancer services with policy Local have one (the API
             // server clears it otherwise; manifests are not validated).
@@ -743,7 +872,8 @@ pub fn parse_service(service: &Service) -> Result<Vec<ServicePort>, ModelError> 
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout_secs,
             endpoints: Vec::new(),
-        });
+        };
+        ports.extend(cluster_ips.iter().map(|ip| externals.in_family(&template, *ip)));
     }
     Ok(ports)
 }
@@ -895,23 +1025,118 @@ mod tests {
     }
 
     #[test]
-    fn sctp_ports_and_ipv6_services_are_skipped_not_rejected() {
+    fn sctp_ports_are_skipped_not_rejected() {
         let sctp =
             svc("a", "10.96.0.3").port(port("x", 80)).port(port("y", 90).protocol(Sctp)).build();
         let model = build(std::slice::from_ref(&sctp), &[]);
         assert!(model.errors.is_empty());
         assert_eq!(model.ports().count(), 1, "the TCP port is still served");
-        let v6 = svc("b", "fd00::10").cluster_ips(&["fd00::10"]).port(port(None, 80));
-        let model = build(&[v6.build()], &[]);
-        assert!(model.errors.is_empty() && model.ports().next().is_none());
-        let dual = svc("c", "fd00::10").cluster_ips(&["fd00::10", "10.96.0.4"]);
-        assert_eq!(
-            build(&[dual.port(port(None, 80)).build()], &[]).ports().next().unwrap().cluster_ip,
-            Ipv4Addr::new(10, 96, 0, 4)
-        );
         let sctp_slice = slice("default", "s").service("a").port("y", 90, Sctp);
         let sctp_slice = sctp_slice.endpoint(ep("10.244.0.2")).build();
         assert!(build(&[sctp], &[sctp_slice]).errors.is_empty());
+    }
+
+    /// `default/dual`: IPv6 first, then IPv4 (as `ipFamilies` says), with
+    /// external addresses and source ranges of both families.
+    fn dual_stack() -> ServiceBuilder {
+        let dual = svc("dual", "fd00:96::10").cluster_ips(&["fd00:96::10", "10.96.0.4"]);
+        let dual = dual.ip_families(&["IPv6", "IPv4"]).ip_family_policy("RequireDualStack");
+        let dual = dual.load_balancer_type().port(port("http", 80).node_port(30080));
+        let dual = dual.external_ips(&["10.200.0.5", "fd00:200::5"]);
+        let dual = dual.ingress_ip("fd00:201::1").ingress_ip("10.201.0.1");
+        dual.source_ranges(&["192.168.0.0/16", "fd00:c0::/48"])
+    }
+
+    #[test]
+    fn a_dual_stack_service_has_a_port_per_family_with_its_family_s_addresses() {
+        let model = build(&[dual_stack().build()], &[]);
+        assert!(model.errors.is_empty(), "{:?}", model.errors);
+        // Cluster IP, external IPs, load-balancer IPs, source ranges.
+        let text = |port: &ServicePort| {
+            let ranges: Vec<String> = port.source_ranges.iter().map(|c| c.to_string()).collect();
+            let (ext, lb) = (&port.external_ips, &port.load_balancer_ips);
+            format!("{} {ext:?} {lb:?} {ranges:?}", port.cluster_ip)
+        };
+        let v4: Vec<_> = model.ports_of(IpFamily::V4).map(text).collect();
+        let v6: Vec<_> = model.ports_of(IpFamily::V6).map(text).collect();
+        assert_eq!(v4, [r#"10.96.0.4 [10.200.0.5] [10.201.0.1] ["192.168.0.0/16"]"#]);
+        assert_eq!(v6, [r#"fd00:96::10 [fd00:200::5] [fd00:201::1] ["fd00:c0::/48"]"#]);
+        assert!(model.ports().all(|p| p.node_port == Some(30080) && p.name.port == "http"));
+        // IPv4 first in the model's order, then IPv6.
+        let families: Vec<_> = model.ports().map(ServicePort::family).collect();
+        assert_eq!(families, [IpFamily::V4, IpFamily::V6]);
+    }
+
+    #[test]
+    fn each_family_takes_only_its_own_slices_and_fqdn_slices_are_ignored() {
+        let dual = dual_stack();
+        let v4 = dual.slice().port("http", 8080, Tcp).endpoint(ep("10.244.0.2"));
+        let v6 = slice("default", "dual-2").service("dual").address_type("IPv6");
+        let v6 = v6.port("http", 8080, Tcp).endpoint(ep("fd00:244::2"));
+        let fqdn = slice("default", "dual-3").service("dual").address_type("FQDN");
+        let fqdn = fqdn.port("http", 8080, Tcp).endpoint(ep("web.example"));
+        let slices = [v4.build(), v6.build(), fqdn.build()];
+        let model = build(&[dual.build()], &slices);
+        assert!(model.errors.is_empty(), "{:?}", model.errors);
+        let endpoints = |family| addrs(model.ports_of(family).next().unwrap());
+        assert_eq!(endpoints(IpFamily::V4), ["10.244.0.2:8080"]);
+        assert_eq!(endpoints(IpFamily::V6), ["[fd00:244::2]:8080"]);
+
+        // An address of the other family in a slice is skipped and reported.
+        let wrong = slice("default", "dual-4").service("dual").address_type("IPv6");
+        let wrong = wrong.port("http", 8080, Tcp).endpoint(ep("10.244.0.3")).build();
+        let model = build(&[dual_stack().build()], &[wrong]);
+        assert_eq!(model.errors.len(), 1, "{:?}", model.errors);
+        assert!(model.ports().all(|p| p.endpoints.is_empty()));
+    }
+
+    #[test]
+    fn single_family_services_of_either_family() {
+        let v6 = svc("b", "fd00::10").cluster_ips(&["fd00::10"]).ip_families(&["IPv6"]);
+        let model = build(&[v6.ip_family_policy("SingleStack").port(port(None, 80)).build()], &[]);
+        assert!(model.errors.is_empty(), "{:?}", model.errors);
+        let families: Vec<_> = model.ports().map(ServicePort::family).collect();
+        assert_eq!(families, [IpFamily::V6]);
+        // No clusterIPs (an older API server): clusterIP alone.
+        let v4 = build(&[svc("a", "10.96.0.3").port(port(None, 80)).build()], &[]);
+        assert_eq!(v4.ports().next().unwrap().cluster_ip.to_string(), "10.96.0.3");
+    }
+
+    #[test]
+    fn cluster_ips_the_api_server_would_refuse_are_reported() {
+        let bad = [
+            svc("a", "10.96.0.3").cluster_ips(&["10.96.0.3", "10.96.0.4"]),
+            svc("b", "10.96.0.3").cluster_ips(&["10.96.0.9"]),
+            svc("c", "10.96.0.3").cluster_ips(&["10.96.0.3"]).ip_families(&["IPv6"]),
+            svc("d", "10.96.0.3").ip_family_policy("RequireDualStack"),
+            svc("e", "10.96.0.3")
+                .cluster_ips(&["10.96.0.3", "fd00::3"])
+                .ip_family_policy("SingleStack"),
+            svc("f", "10.96.0.3").ip_families(&["IPv5"]),
+            svc("g", "10.96.0.3").ip_family_policy("Sometimes"),
+        ];
+        for service in bad {
+            let model = build(&[service.clone().port(port(None, 80)).build()], &[]);
+            assert_eq!(model.errors.len(), 1, "{service:?}");
+            assert!(model.ports().next().is_none(), "{service:?}");
+        }
+    }
+
+    #[test]
+    fn cidrs_of_both_families() {
+        let cidr = |text| Cidr::parse(text).unwrap();
+        assert_eq!(cidr("10.244.1.7/16").to_string(), "10.244.0.0/16");
+        assert_eq!(cidr("10.0.0.1").to_string(), "10.0.0.1/32");
+        assert_eq!(cidr("fd00:10:244::7/56").to_string(), "fd00:10:244::/56");
+        assert_eq!(cidr("fd00::1").to_string(), "fd00::1/128");
+        assert_eq!(cidr("::/0").to_string(), "::/0");
+        assert!(cidr("0.0.0.0/0").contains("10.1.2.3".parse().unwrap()));
+        assert!(!cidr("0.0.0.0/0").contains("fd00::1".parse().unwrap()), "another family");
+        assert!(cidr("fd00:10::/32").contains("fd00:10:ffff::1".parse().unwrap()));
+        assert!(!cidr("fd00:10::/32").contains("fd00:11::1".parse().unwrap()));
+        for bad in ["10.0.0.0/33", "fd00::/129", "10.0.0.0/x", "nope/8"] {
+            assert!(Cidr::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -931,7 +1156,7 @@ mod tests {
         };
         let model = build(&[lb("Local")], &[]);
         let port = model.ports().next().unwrap();
-        assert_eq!(port.load_balancer_ips, vec![Ipv4Addr::new(10, 200, 0, 1)]);
+        assert_eq!(port.load_balancer_ips, vec![IpAddr::from([10, 200, 0, 1])]);
         assert_eq!(port.health_check_node_port, Some(32000));
         assert_eq!(
             build(&[lb("Cluster")], &[]).ports().next().unwrap().health_check_node_port,

@@ -3,7 +3,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use anyhow::Context as _;
@@ -40,22 +40,29 @@ pub enum AddressSource {
     AwaitingInterfaces { pod_interfaces: Vec<String> },
 }
 
-/// The IPv4 addresses of the interfaces that are neither loopback nor
-/// pod-facing, those of the default route's interface first (the first is
-/// the SNAT address: replies must find their way back to it). Possibly
-/// none.
-pub fn interface_ips(pod_interfaces: &[String]) -> anyhow::Result<Vec<Ipv4Addr>> {
-    let mut interfaces: Vec<(String, Vec<Ipv4Addr>)> =
+/// The IPv4 and IPv6 addresses of the interfaces that are neither loopback
+/// nor pod-facing, those of the default route's interface first (the first
+/// IPv4 one is the SNAT address: replies must find their way back to it).
+/// Link-local addresses are not node addresses. Possibly none.
+pub fn interface_ips(pod_interfaces: &[String]) -> anyhow::Result<Vec<IpAddr>> {
+    let mut interfaces: Vec<(String, Vec<IpAddr>)> =
         sys::interfaces().context("listing interfaces")?.into_iter().collect();
     let uplink = sys::default_route_interface();
     interfaces.sort_by_key(|(name, _)| Some(name) != uplink.as_ref());
-    let ips: Vec<Ipv4Addr> = interfaces
+    let ips: Vec<IpAddr> = interfaces
         .iter()
         .filter(|(name, _)| !is_pod_facing(name, pod_interfaces))
         .flat_map(|(_, addrs)| addrs.iter().copied())
-        .filter(|ip| !ip.is_loopback() && !ip.is_link_local())
+        .filter(|ip| is_node_address(*ip))
         .collect();
     Ok(ips)
+}
+
+fn is_node_address(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(ip) => !ip.is_loopback() && !ip.is_link_local(),
+        IpAddr::V6(ip) => !ip.is_loopback() && !ip.is_unicast_link_local(),
+    }
 }
 
 fn is_pod_facing(name: &str, prefixes: &[String]) -> bool {
@@ -65,8 +72,8 @@ fn is_pod_facing(name: &str, prefixes: &[String]) -> bool {
 /// The interfaces whose ingress runs the per-packet program: those holding a
 /// node address, and pod-facing ones (by name prefix).
 pub fn tc_interfaces(
-    interfaces: &BTreeMap<String, Vec<Ipv4Addr>>,
-    node_ips: &[Ipv4Addr],
+    interfaces: &BTreeMap<String, Vec<IpAddr>>,
+    node_ips: &[IpAddr],
     pod_prefixes: &[String],
 ) -> BTreeSet<String> {
     interfaces
@@ -84,8 +91,8 @@ pub fn tc_interfaces(
 pub struct NodeInfo {
     pub zone: Option<String>,
     pub eligibility: NodeEligibility,
-    /// `status.addresses` of type InternalIP (IPv4), in order.
-    pub internal_ips: Vec<Ipv4Addr>,
+    /// `status.addresses` of type InternalIP (both families), in order.
+    pub internal_ips: Vec<IpAddr>,
 }
 
 impl NodeInfo {
@@ -127,27 +134,31 @@ impl NodeInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::Ipv4Addr;
 
     #[test]
     fn per_packet_interfaces_are_node_and_pod_facing_ones() {
-        let interfaces: BTreeMap<String, Vec<Ipv4Addr>> = [
-            ("lo", vec![Ipv4Addr::LOCALHOST]),
-            ("eth0", vec![Ipv4Addr::new(192, 168, 100, 11)]),
-            ("eth1", vec![Ipv4Addr::new(172, 16, 0, 1)]),
-            ("veth1", vec![Ipv4Addr::new(169, 254, 1, 1)]),
+        let interfaces: BTreeMap<String, Vec<IpAddr>> = [
+            ("lo", vec!["127.0.0.1"]),
+            ("eth0", vec!["192.168.100.11"]),
+            ("eth1", vec!["172.16.0.1"]),
+            ("eth2", vec!["fd00:100::11", "fe80::1"]),
+            ("veth1", vec!["169.254.1.1"]),
             ("lxc12", vec![]),
-            ("docker0", vec![Ipv4Addr::new(172, 17, 0, 1)]),
+            ("docker0", vec!["172.17.0.1"]),
         ]
         .into_iter()
-        .map(|(n, a)| (n.to_string(), a))
+        .map(|(n, a)| (n.to_string(), a.iter().map(|a| a.parse().unwrap()).collect()))
         .collect();
-        let wanted = tc_interfaces(
-            &interfaces,
-            &[Ipv4Addr::new(192, 168, 100, 11)],
-            &["veth".into(), "lxc".into()],
-        );
+        let node_ips = ["192.168.100.11".parse().unwrap(), "fd00:100::11".parse().unwrap()];
+        let wanted = tc_interfaces(&interfaces, &node_ips, &["veth".into(), "lxc".into()]);
         let names: Vec<&str> = wanted.iter().map(String::as_str).collect();
-        assert_eq!(names, ["eth0", "lxc12", "veth1"]);
+        assert_eq!(names, ["eth0", "eth2", "lxc12", "veth1"]);
+        let node_addresses: Vec<bool> =
+            ["10.0.0.1", "127.0.0.1", "169.254.0.1", "fd00::1", "::1", "fe80::1"]
+                .map(|ip| is_node_address(ip.parse().unwrap()))
+                .into();
+        assert_eq!(node_addresses, [true, false, false, true, false, false]);
     }
 
     #[test]
@@ -158,7 +169,9 @@ mod tests {
         .unwrap();
         let info = NodeInfo::of(Some(&node));
         assert_eq!(info.zone.as_deref(), Some("zone-a"));
-        assert_eq!(info.internal_ips, [Ipv4Addr::new(192, 168, 100, 11)]);
+        let both: [IpAddr; 2] =
+            [Ipv4Addr::new(192, 168, 100, 11).into(), "fd00::1".parse().unwrap()];
+        assert_eq!(info.internal_ips, both);
         assert_eq!(info.eligibility, NodeEligibility::Eligible);
         let tainted: Node = crate::yaml::from_str(
             "metadata: {name: n1}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}",

@@ -11,13 +11,16 @@
 //! the node) get every endpoint instead, as kube-proxy short-circuits them
 //! to the service's cluster-wide chain: the plan holds for them a second
 //! frontend at that address, of internal scope.
+//!
+//! The plan is of the IPv4 family: the model's IPv6 ports have no frontend
+//! in it (the eBPF datapath does not serve IPv6 yet).
 
 use std::{
     collections::{BTreeMap, BTreeSet, btree_map::Entry},
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
 };
 
-use crate::model::{Cidr, Model, Protocol, ServiceName, ServicePort, ServicePortName};
+use crate::model::{Cidr, Model, Protocol, ServiceName, ServicePort, ServicePortName, v4};
 
 /// An address clients connect to, and which of its clients it serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -105,7 +108,8 @@ pub struct FrontendPlan {
     /// No backend here but endpoints elsewhere: drop rather than refuse.
     pub drop_when_empty: bool,
     /// Only these sources may connect (load-balancer IPs with
-    /// loadBalancerSourceRanges); empty means anyone.
+    /// loadBalancerSourceRanges); empty means anyone. Of the frontend's
+    /// family.
     pub source_ranges: Vec<Cidr>,
     /// In-cluster clients get the internal-scope frontend at this address
     /// (an external frontend with the Local policy).
@@ -152,8 +156,9 @@ impl Plan {
 #[derive(Clone, Debug, Default)]
 pub struct Node {
     pub name: String,
-    /// Its addresses: NodePorts are served on those in `nodeport_addresses`.
-    pub ips: Vec<Ipv4Addr>,
+    /// Its addresses, of both families: NodePorts are served on those in
+    /// `nodeport_addresses` (the IPv4 ones, as the plan is of that family).
+    pub ips: Vec<IpAddr>,
     /// `--nodeport-addresses`; empty means every node address.
     pub nodeport_addresses: Vec<Cidr>,
     /// Its `topology.kubernetes.io/zone`, for EndpointSlice hints.
@@ -162,10 +167,11 @@ pub struct Node {
 
 impl Node {
     fn nodeport_ips(&self) -> impl Iterator<Item = Ipv4Addr> + '_ {
-        self.ips.iter().copied().filter(|ip| {
+        let within = |ip: &IpAddr| {
             self.nodeport_addresses.is_empty()
                 || self.nodeport_addresses.iter().any(|c| c.contains(*ip))
-        })
+        };
+        self.ips.iter().filter(move |ip| within(ip)).filter_map(|ip| v4(*ip))
     }
 }
 
@@ -345,6 +351,7 @@ impl Planner {
 }
 
 fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
+    let Some(cluster_ip) = v4(port.cluster_ip) else { return Vec::new() };
     let at = |ip, number| Frontend::new(ip, number, port.protocol);
     let for_policy = |kind: FrontendKind, local: bool, source_ranges: Vec<Cidr>| {
         let external = kind != FrontendKind::ClusterIp;
@@ -355,10 +362,13 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
         };
         let mut backends: Vec<_> = endpoints
             .iter()
-            .map(|e| BackendPlan {
-                addr: e.addr,
-                local: e.node_name.as_deref() == Some(&node.name),
-                host: node.ips.contains(e.addr.ip()),
+            .filter_map(|e| match e.addr {
+                SocketAddr::V4(addr) => Some(BackendPlan {
+                    addr,
+                    local: e.node_name.as_deref() == Some(&node.name),
+                    host: node.ips.contains(&IpAddr::V4(*addr.ip())),
+                }),
+                SocketAddr::V6(_) => None,
             })
             .collect();
         backends.sort();
@@ -387,17 +397,20 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             in_cluster.clone().map(|twin| FrontendPlan { kind, external: false, ..twin });
         Claim { plan, internal }
     };
-    let cluster_ip = for_policy(FrontendKind::ClusterIp, port.internal_local, vec![]);
+    let cluster_ip_plan = for_policy(FrontendKind::ClusterIp, port.internal_local, vec![]);
     let mut out =
-        vec![(at(port.cluster_ip, port.port), Claim { plan: cluster_ip, internal: None })];
+        vec![(at(cluster_ip, port.port), Claim { plan: cluster_ip_plan, internal: None })];
     if let Some(node_port) = port.node_port {
         let node_port_claim = claim(FrontendKind::NodePort, vec![]);
         out.extend(node.nodeport_ips().map(|ip| (at(ip, node_port), node_port_claim.clone())));
     }
     let balanced = claim(FrontendKind::LoadBalancer, port.source_ranges.clone());
-    out.extend(port.load_balancer_ips.iter().map(|ip| (at(*ip, port.port), balanced.clone())));
+    let ips = |ips: &[IpAddr]| ips.iter().filter_map(|ip| v4(*ip)).collect::<Vec<_>>();
+    out.extend(
+        ips(&port.load_balancer_ips).into_iter().map(|ip| (at(ip, port.port), balanced.clone())),
+    );
     let external = claim(FrontendKind::ExternalIp, vec![]);
-    out.extend(port.external_ips.iter().map(|ip| (at(*ip, port.port), external.clone())));
+    out.extend(ips(&port.external_ips).into_iter().map(|ip| (at(ip, port.port), external.clone())));
     out
 }
 
@@ -440,7 +453,11 @@ mod tests {
     fn node() -> Node {
         Node {
             name: "node-a".into(),
-            ips: vec![Ipv4Addr::new(192, 168, 100, 11), Ipv4Addr::new(172, 16, 0, 11)],
+            ips: vec![
+                Ipv4Addr::new(192, 168, 100, 11).into(),
+                Ipv4Addr::new(172, 16, 0, 11).into(),
+                "fd00:100::11".parse().unwrap(),
+            ],
             nodeport_addresses: vec![],
             zone: None,
         }
@@ -480,12 +497,24 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_ports_have_no_frontend_in_the_ipv4_plan() {
+        let mut v6 = port("a", [0; 4], &[("[fd00:244::2]:8080", true, "node-a")]);
+        v6.cluster_ip = "fd00:96::1".parse().unwrap();
+        v6.node_port = Some(30080);
+        v6.external_ips = vec!["fd00:200::5".parse().unwrap()];
+        let v4 = port("a", [10, 96, 0, 1], &[("10.0.0.2:8080", true, "node-a")]);
+        let plan = one(vec![v4, v6]);
+        let ips: Vec<String> = plan.frontends.keys().map(|f| f.ip.to_string()).collect();
+        assert_eq!(ips, ["10.96.0.1"]);
+    }
+
+    #[test]
     fn node_ports_external_and_load_balancer_ips_become_external_frontends() {
         let mut p = port("a", [10, 96, 0, 1], &[("10.0.0.2:8080", true, "node-b")]);
         p.node_port = Some(30080);
-        p.external_ips = vec![Ipv4Addr::new(10, 200, 0, 5)];
-        p.load_balancer_ips = vec![Ipv4Addr::new(10, 200, 0, 6)];
-        p.source_ranges = vec![Cidr::parse("192.168.100.101/32").unwrap().unwrap()];
+        p.external_ips = vec![Ipv4Addr::new(10, 200, 0, 5).into()];
+        p.load_balancer_ips = vec![Ipv4Addr::new(10, 200, 0, 6).into()];
+        p.source_ranges = vec![Cidr::parse("192.168.100.101/32").unwrap()];
         let plan = one(vec![p.clone()]);
         assert_eq!(plan.frontends.len(), 5, "cluster IP, two node ports, external IP, LB IP");
         for (ip, port) in
@@ -503,7 +532,7 @@ mod tests {
 
         // --nodeport-addresses narrows the node ports.
         let mut n = node();
-        n.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap().unwrap()];
+        n.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap()];
         let (narrowed, _) = super::plan(&model::Model::from_ports([p]), &n);
         assert_eq!(narrowed.frontends.len(), 4);
     }
@@ -547,9 +576,9 @@ mod tests {
             &[("10.0.0.2:80", true, "node-a"), ("10.0.0.3:80", true, "node-b")],
         );
         p.node_port = Some(30080);
-        p.external_ips = vec![Ipv4Addr::new(10, 200, 0, 5)];
-        p.load_balancer_ips = vec![Ipv4Addr::new(10, 200, 0, 6)];
-        p.source_ranges = vec![Cidr::parse("192.168.100.101/32").unwrap().unwrap()];
+        p.external_ips = vec![Ipv4Addr::new(10, 200, 0, 5).into()];
+        p.load_balancer_ips = vec![Ipv4Addr::new(10, 200, 0, 6).into()];
+        p.source_ranges = vec![Cidr::parse("192.168.100.101/32").unwrap()];
         p.external_local = true;
         // The twins ignore internalTrafficPolicy, as kube-proxy's KUBE-SVC.
         p.internal_local = true;
@@ -584,10 +613,10 @@ mod tests {
     fn a_contested_address_and_its_twin_go_to_the_same_service() {
         let ip = Ipv4Addr::new(10, 200, 0, 5);
         let mut local = port("b", [10, 96, 0, 2], &[("10.0.0.3:80", true, "node-b")]);
-        local.external_ips = vec![ip];
+        local.external_ips = vec![ip.into()];
         local.external_local = true;
         let mut cluster = port("c", [10, 96, 0, 3], &[("10.0.0.4:80", true, "node-b")]);
-        cluster.external_ips = vec![ip];
+        cluster.external_ips = vec![ip.into()];
         let external = Frontend::new(ip, 80, Protocol::Tcp);
         let mut planner = Planner::new(node());
         let model = model::Model::from_ports([local.clone(), cluster.clone()]);
@@ -598,7 +627,7 @@ mod tests {
         // "a" (policy Cluster) takes the address over: b's twin goes with it.
         let mut first = cluster.clone();
         first.name.service.name = "a".into();
-        first.cluster_ip = Ipv4Addr::new(10, 96, 0, 1);
+        first.cluster_ip = Ipv4Addr::new(10, 96, 0, 1).into();
         let model = model::Model::from_ports([first.clone(), local.clone(), cluster.clone()]);
         let changed = planner.update(&model, &BTreeSet::from([first.name.service.clone()]));
         assert!(changed.contains(&external) && changed.contains(&external.internal()));
@@ -725,8 +754,8 @@ mod tests {
             .map(|_| {
                 let ready = rng.chance(70);
                 Endpoint {
-                    addr: SocketAddrV4::new(
-                        Ipv4Addr::new(10, 244, 0, 1 + rng.below(8) as u8),
+                    addr: SocketAddr::new(
+                        Ipv4Addr::new(10, 244, 0, 1 + rng.below(8) as u8).into(),
                         8080,
                     ),
                     ready,
@@ -746,8 +775,9 @@ mod tests {
     /// collide with each other (and a port with itself).
     fn random_service(rng: &mut Lcg, name: &ServiceName) -> Vec<ServicePort> {
         let cluster_ip = Ipv4Addr::new(10, 96, 0, 1 + rng.below(6) as u8);
-        let some_ips = |rng: &mut Lcg| -> Vec<Ipv4Addr> {
-            (0..rng.below(3)).map(|_| Ipv4Addr::new(10, 200, 0, 1 + rng.below(4) as u8)).collect()
+        let some_ips = |rng: &mut Lcg| -> Vec<IpAddr> {
+            let ip = |rng: &mut Lcg| Ipv4Addr::new(10, 200, 0, 1 + rng.below(4) as u8).into();
+            (0..rng.below(3)).map(|_| ip(rng)).collect()
         };
         (0..1 + rng.below(3))
             .map(|_| ServicePort {
@@ -757,12 +787,12 @@ mod tests {
                 },
                 protocol: rng.pick(&[Protocol::Tcp, Protocol::Udp]),
                 port: rng.pick(&[80, 443]),
-                cluster_ip,
+                cluster_ip: cluster_ip.into(),
                 node_port: rng.chance(30).then(|| 30_000 + rng.below(4) as u16),
                 external_ips: some_ips(rng),
                 load_balancer_ips: some_ips(rng),
                 source_ranges: if rng.chance(30) {
-                    vec![Cidr::parse("192.168.100.0/24").unwrap().unwrap()]
+                    vec![Cidr::parse("192.168.100.0/24").unwrap()]
                 } else {
                     vec![]
                 },

@@ -108,10 +108,10 @@ fn mount_bpffs(at: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// The node's network interfaces and their IPv4 addresses, in the agent's
-/// network namespace (netlink-backed `getifaddrs`, not /sys, which may
-/// belong to another namespace).
-pub fn interfaces() -> io::Result<std::collections::BTreeMap<String, Vec<std::net::Ipv4Addr>>> {
+/// The node's network interfaces and their IPv4 and IPv6 addresses, in the
+/// agent's network namespace (netlink-backed `getifaddrs`, not /sys, which
+/// may belong to another namespace).
+pub fn interfaces() -> io::Result<std::collections::BTreeMap<String, Vec<std::net::IpAddr>>> {
     let mut ifaddrs: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills a list we free below.
     if unsafe { libc::getifaddrs(&mut ifaddrs) } != 0 {
@@ -126,14 +126,21 @@ pub fn interfaces() -> io::Result<std::collections::BTreeMap<String, Vec<std::ne
         // SAFETY: ifa_name is a NUL-terminated string.
         let name =
             unsafe { std::ffi::CStr::from_ptr(entry.ifa_name) }.to_string_lossy().into_owned();
-        let addrs: &mut Vec<std::net::Ipv4Addr> = out.entry(name).or_default();
+        let addrs: &mut Vec<std::net::IpAddr> = out.entry(name).or_default();
         if entry.ifa_addr.is_null() {
             continue;
         }
         // SAFETY: ifa_addr points to a sockaddr of the family it names.
-        if unsafe { (*entry.ifa_addr).sa_family } as i32 == libc::AF_INET {
-            let sin = unsafe { &*(entry.ifa_addr as *const libc::sockaddr_in) };
-            addrs.push(std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+        match unsafe { (*entry.ifa_addr).sa_family } as i32 {
+            libc::AF_INET => {
+                let sin = unsafe { &*(entry.ifa_addr as *const libc::sockaddr_in) };
+                addrs.push(std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)).into());
+            }
+            libc::AF_INET6 => {
+                let sin6 = unsafe { &*(entry.ifa_addr as *const libc::sockaddr_in6) };
+                addrs.push(std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr).into());
+            }
+            _ => {}
         }
     }
     // SAFETY: the list came from getifaddrs.

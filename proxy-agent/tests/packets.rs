@@ -57,7 +57,7 @@ fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -
         external,
         local: false,
         drop_when_empty: false,
-        source_ranges: ranges.iter().map(|r| Cidr::parse(r).unwrap().unwrap()).collect(),
+        source_ranges: ranges.iter().map(|r| Cidr::parse(r).unwrap()).collect(),
         two_scopes: false,
         serves_terminating: false,
     }

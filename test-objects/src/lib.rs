@@ -124,6 +124,16 @@ impl ServiceBuilder {
         self.with(|s| s.cluster_ips = strings(ips))
     }
 
+    /// `ipFamilies` (`IPv4`, `IPv6`), in the order of `clusterIPs`.
+    pub fn ip_families(self, families: &[&str]) -> Self {
+        self.with(|s| s.ip_families = strings(families))
+    }
+
+    /// `ipFamilyPolicy`: SingleStack, PreferDualStack or RequireDualStack.
+    pub fn ip_family_policy(self, policy: &str) -> Self {
+        self.with(|s| s.ip_family_policy = Some(policy.to_string()))
+    }
+
     /// `clusterIP: None`.
     pub fn headless(self) -> Self {
         self.cluster_ip("None")
@@ -272,6 +282,12 @@ pub struct SliceBuilder(EndpointSlice);
 impl SliceBuilder {
     pub fn build(self) -> EndpointSlice {
         self.0
+    }
+
+    /// `addressType`: IPv4 (the default), IPv6 or FQDN.
+    pub fn address_type(mut self, address_type: &str) -> Self {
+        self.0.address_type = address_type.to_string();
+        self
     }
 
     /// The service the slice belongs to (its `kubernetes.io/service-name`).

@@ -1,5 +1,6 @@
-//! `proxy-agent render iptables` produces input that iptables-restore (nft
-//! and legacy backends) accepts and applies, inside a lab node namespace.
+//! `proxy-agent render iptables` produces input that iptables-restore and
+//! ip6tables-restore (nft and legacy backends) accept and apply, inside a lab
+//! node namespace.
 
 use std::{
     io::Write,
@@ -37,6 +38,27 @@ ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]
 endpoints:
 - {addresses: [10.244.1.2], nodeName: lab-node}
 - {addresses: [10.244.2.2], nodeName: lab-node2}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web6, namespace: lab}
+spec:
+  type: NodePort
+  clusterIP: fd00:96::10
+  clusterIPs: [fd00:96::10]
+  ipFamilies: [IPv6]
+  ipFamilyPolicy: SingleStack
+  externalIPs: [fd00:200::11]
+  ports: [{name: http, port: 80, nodePort: 30082}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web6-1, namespace: lab, labels: {kubernetes.io/service-name: web6}}
+addressType: IPv6
+ports: [{name: http, port: 8080}]
+endpoints:
+- {addresses: ['fd00:244:1::2'], nodeName: lab-node}
+- {addresses: ['fd00:244:2::2'], nodeName: lab-node2}
 "#;
 
 fn restore(netns: &str, program: &str, args: &[&str], input: &str) -> std::process::Output {
@@ -52,23 +74,36 @@ fn restore(netns: &str, program: &str, args: &[&str], input: &str) -> std::proce
     child.wait_with_output().unwrap()
 }
 
+/// `render iptables` of [`MANIFEST`] for a dual-stack `lab-node`.
+fn render(lab: &Lab, extra: &[&str]) -> String {
+    let manifest = lab.write_manifest(MANIFEST).unwrap().to_string_lossy().into_owned();
+    let mut args =
+        vec!["render", "iptables", "--manifests", &manifest, "--hostname-override", "lab-node"];
+    args.extend(["--node-ip", "192.168.100.11,fd00:100::11"]);
+    args.extend(["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56"]);
+    args.extend(extra);
+    sh(&target_bin("proxy-agent").to_string_lossy(), &args).unwrap()
+}
+
+/// Applies `input` with `program` in the lab node; `save`'s output after.
+fn apply(lab: &Lab, program: &str, save: &str, input: &str) -> String {
+    let applied = restore(&lab.node, program, &["--noflush"], input);
+    assert!(applied.status.success(), "{program}: {}", String::from_utf8_lossy(&applied.stderr));
+    sh("ip", &["netns", "exec", &lab.node, save]).unwrap()
+}
+
 #[test]
 fn rendered_rules_are_accepted_and_applied_by_iptables_restore() {
     let lab = Lab::new().unwrap();
-    let manifest = lab.write_manifest(MANIFEST).unwrap();
-    let agent = target_bin("proxy-agent");
-    let manifest = manifest.to_string_lossy().into_owned();
-    let render = |extra: &[&str]| {
-        let mut args =
-            vec!["render", "iptables", "--manifests", &manifest, "--hostname-override", "lab-node"];
-        args.extend(["--node-ip", "192.168.100.11", "--cluster-cidr", "10.244.0.0/16"]);
-        args.extend(extra);
-        sh(&agent.to_string_lossy(), &args).unwrap()
-    };
-    let rules = render(&[]);
+    let render = |extra: &[&str]| render(&lab, extra);
+    let both = render(&[]);
+    assert!(both.contains("# IPv4: iptables-restore input\n*filter"), "{both}");
+    assert!(both.contains("# IPv6: ip6tables-restore input\n*filter"), "{both}");
+    let rules = render(&["--ip-family", "IPv4"]);
     // nfacct matches need their counters, which kube-proxy creates first:
     // apply the variant without them.
-    let applicable = render(&["--no-nfacct"]);
+    let applicable = render(&["--ip-family", "IPv4", "--no-nfacct"]);
+    assert!(!rules.contains("fd00:"), "the IPv6 service is not in the IPv4 rules");
     for line in [
         "-A KUBE-NODEPORTS -m comment --comment \"lab/web:http health check node port\" -m tcp -p tcp --dport 32000 -j ACCEPT",
         "-A KUBE-SERVICES -m comment --comment \"lab/empty has no endpoints\" -m tcp -p tcp -d 10.96.0.20 --dport 80 -j REJECT",
@@ -85,13 +120,7 @@ fn rendered_rules_are_accepted_and_applied_by_iptables_restore() {
             "{program} --test: {}",
             String::from_utf8_lossy(&test.stderr)
         );
-        let applied = restore(&lab.node, program, &["--noflush"], &applicable);
-        assert!(
-            applied.status.success(),
-            "{program}: {}",
-            String::from_utf8_lossy(&applied.stderr)
-        );
-        let saved = sh("ip", &["netns", "exec", &lab.node, save]).unwrap();
+        let saved = apply(&lab, program, save, &applicable);
         for chain in [
             "KUBE-SERVICES",
             "KUBE-FW-",
@@ -102,5 +131,29 @@ fn rendered_rules_are_accepted_and_applied_by_iptables_restore() {
         ] {
             assert!(saved.contains(chain), "{save} has no {chain}:\n{saved}");
         }
+    }
+}
+
+#[test]
+fn an_ipv6_only_service_s_rules_are_applied_by_ip6tables_restore() {
+    let lab = Lab::new().unwrap();
+    let rules = render(&lab, &["--ip-family", "IPv6", "--no-nfacct"]);
+    assert!(!rules.contains("10.96.0.10"), "the IPv4 services are not in the IPv6 rules");
+    for line in [
+        "-A KUBE-SERVICES -m comment --comment \"lab/web6:http cluster IP\" -m tcp -p tcp -d fd00:96::10 --dport 80 -j KUBE-SVC-",
+        "-j DNAT --to-destination [fd00:244:1::2]:8080",
+        "-m addrtype --dst-type LOCAL ! -d ::1/128 -j KUBE-NODEPORTS",
+    ] {
+        assert!(rules.contains(line), "missing {line}\n{rules}");
+    }
+    for (program, save) in [
+        ("ip6tables-restore", "ip6tables-save"),
+        ("ip6tables-legacy-restore", "ip6tables-legacy-save"),
+    ] {
+        let saved = apply(&lab, program, save, &rules);
+        for chain in ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-EXT-", "KUBE-SVC-", "KUBE-SEP-"] {
+            assert!(saved.contains(chain), "{save} has no {chain}:\n{saved}");
+        }
+        assert!(saved.contains("fd00:96::10/128"), "{save}:\n{saved}");
     }
 }

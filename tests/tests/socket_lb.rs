@@ -23,6 +23,7 @@ both_modes!(
     client_ip_affinity_sticks_until_the_timeout,
     multi_port_service_with_a_named_target_port_per_endpoint,
     malformed_services_are_reported_and_the_good_ones_served,
+    a_dual_stack_service_is_served_in_ipv4_and_its_ipv6_ports_counted,
     the_datapath_survives_an_agent_crash_and_a_restart_replaces_it,
 );
 
@@ -368,6 +369,35 @@ spec: {clusterIP: 10.96.0.33, ports: [{port: eighty}]}
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
     assert!(lab.agent_log().contains("serving the last good version"));
     assert!(lab.agent_alive());
+}
+
+/// A dual-stack service on a node without an IPv6 address: its IPv4 family
+/// is served as any service, its IPv6 ports are counted and logged (no
+/// IPv6 traffic in the lab yet).
+fn a_dual_stack_service_is_served_in_ipv4_and_its_ipv6_ports_counted(setup: Setup) {
+    let (mut lab, pods, client) = web_lab(setup, 2);
+    let web = web_service(VIP, None)
+        .cluster_ips(&[VIP, "fd00:96::10"])
+        .ip_families(&["IPv4", "IPv6"])
+        .ip_family_policy("RequireDualStack");
+    let v6 = slice("lab", "web-2").service("web").address_type("IPv6");
+    let v6 = v6.port("http", 8080, Tcp).port("dns", 5353, Udp).endpoint(ep("fd00:244:1::2"));
+    let pods: Vec<&Pod> = pods.iter().collect();
+    lab.write_manifest(&(with_slice(web, &pods) + "---\n" + &manifest(&[&v6]))).unwrap();
+    lab.start_agent(&[]).unwrap();
+
+    let attempts = tcp(&lab, &client, "10.96.0.10:80", 20);
+    all_ok(&attempts);
+    assert_eq!(tally(&attempts).len(), 2, "only the IPv4 endpoints: {attempts:?}");
+    let unserved = "proxy_unserved_service_ports{ip_family=\"IPv6\"} 2\n";
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !lab.metrics().unwrap().contains(unserved) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let metrics = lab.metrics().unwrap();
+    assert!(metrics.contains(unserved), "{metrics}");
+    let log = lab.agent_log();
+    assert_eq!(log.matches("IPv6 service ports are not served").count(), 1, "{log}");
 }
 
 #[test]

@@ -586,6 +586,14 @@ impl Agent {
         let (internal, external) = self.services.stats.no_local_endpoints();
         m.no_local_endpoints_internal.store(internal, Relaxed);
         m.no_local_endpoints_external.store(external, Relaxed);
+        let ipv6 = if self.datapath.serves_ipv6() { 0 } else { self.services.stats.ipv6_ports() };
+        if m.unserved_ipv6_ports.swap(ipv6, Relaxed) == 0 && ipv6 > 0 {
+            tracing::warn!(
+                ports = ipv6,
+                mode = self.datapath.mode(),
+                "IPv6 service ports are not served: this datapath serves the IPv4 family only (counted in proxy_unserved_service_ports)"
+            );
+        }
         self.update_service_checks();
     }
 

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use crate::{
     health::{self, ServiceCheck},
-    model::{Model, ServiceName, ServicePort},
+    model::{IpFamily, Model, ServiceName, ServicePort},
 };
 
 /// What the metrics and health checks need from each service, kept up to
@@ -18,6 +18,8 @@ pub struct ServiceStats {
     no_local: BTreeMap<ServiceName, (u64, u64)>,
     /// Health-check node ports, by service.
     checks: BTreeMap<ServiceName, BTreeMap<u16, ServiceCheck>>,
+    /// IPv6 service ports, by service (not served yet).
+    ipv6_ports: BTreeMap<ServiceName, u64>,
 }
 
 impl ServiceStats {
@@ -33,6 +35,10 @@ impl ServiceStats {
                 (0, 0) => self.no_local.remove(name),
                 counts => self.no_local.insert(name.clone(), counts),
             };
+            match ports.iter().filter(|p| p.family() == IpFamily::V6).count() {
+                0 => self.ipv6_ports.remove(name),
+                n => self.ipv6_ports.insert(name.clone(), n as u64),
+            };
             let checks = health::service_checks(ports, node_name);
             match checks.is_empty() {
                 true => self.checks.remove(name),
@@ -46,6 +52,11 @@ impl ServiceStats {
         self.no_local.values().fold((0, 0), |(i, e), (di, de)| (i + di, e + de))
     }
 
+    /// The model's IPv6 service ports.
+    pub fn ipv6_ports(&self) -> u64 {
+        self.ipv6_ports.values().sum()
+    }
+
     pub fn service_checks(&self) -> BTreeMap<u16, ServiceCheck> {
         self.checks.values().flat_map(|c| c.iter().map(|(p, c)| (*p, c.clone()))).collect()
     }
@@ -55,7 +66,8 @@ impl ServiceStats {
 /// usable on this node (internal, external).
 fn no_local_endpoints(ports: &[ServicePort], node_name: &str) -> (u64, u64) {
     let mut counts = (0, 0);
-    for port in ports.iter().filter(|p| p.has_endpoints()) {
+    // The IPv4 family's gauge: the one served.
+    for port in ports.iter().filter(|p| p.family() == IpFamily::V4 && p.has_endpoints()) {
         let none_here = port.usable_endpoints(Some(node_name)).is_empty();
         let external = port.node_port.is_some()
             || !port.external_ips.is_empty()
@@ -81,5 +93,17 @@ mod tests {
         assert_eq!(stats.no_local_endpoints(), (1, 1));
         stats.update(&model, model.service_names(), "other");
         assert_eq!(stats.no_local_endpoints(), (0, 0));
+        assert_eq!(stats.ipv6_ports(), 0);
+    }
+
+    #[test]
+    fn ipv6_ports_are_counted_apart() {
+        let model = crate::source::model_from_yaml(
+            "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, clusterIPs: [10.96.0.1, 'fd00::1'], internalTrafficPolicy: Local, ports: [{port: 80}, {name: b, port: 81}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: a-1, labels: {kubernetes.io/service-name: a}}\naddressType: IPv6\nports: [{port: 8080}]\nendpoints: [{addresses: ['fd00::2'], nodeName: other}]\n",
+        );
+        let mut stats = ServiceStats::default();
+        stats.update(&model, model.service_names(), "here");
+        assert_eq!(stats.ipv6_ports(), 2);
+        assert_eq!(stats.no_local_endpoints(), (0, 0), "the IPv4 family's gauge");
     }
 }

@@ -6,7 +6,7 @@
 pub mod ebpf;
 pub mod iptables;
 
-use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
+use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 
 use crate::{
     cli::{ProxyMode, RunArgs},
@@ -62,16 +62,21 @@ pub trait Datapath {
     /// a full resync is due.
     fn look_after(&mut self, polls: u32, metrics: &Metrics) -> bool;
 
+    /// Whether it serves the IPv6 family's service ports.
+    fn serves_ipv6(&self) -> bool {
+        false
+    }
+
     /// Whether the datapath follows interfaces as they come and go.
     fn follows_interfaces(&self) -> bool {
         false
     }
 
     /// Follows the interfaces of now (see `follows_interfaces`).
-    fn scan_interfaces(&mut self, _node_ips: &[Ipv4Addr]) {}
+    fn scan_interfaces(&mut self, _node_ips: &[IpAddr]) {}
 
     /// Takes over: makes this agent's datapath the one that serves.
-    fn take_over(&mut self, node_ips: &[Ipv4Addr], metrics: &Metrics) -> anyhow::Result<()>;
+    fn take_over(&mut self, node_ips: &[IpAddr], metrics: &Metrics) -> anyhow::Result<()>;
 
     /// Removes what the other mode left (once this one serves).
     fn remove_other_mode(&self) -> anyhow::Result<()>;

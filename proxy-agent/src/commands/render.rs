@@ -3,6 +3,7 @@
 use crate::{
     backend::iptables::{datapath::render_options, render},
     cli::RenderIptablesArgs,
+    model::IpFamily,
     node,
     plan::Node,
     source::{Store, manifests::Manifests},
@@ -10,6 +11,7 @@ use crate::{
 
 /// `render iptables`: kube-proxy's restore input for the manifests, on stdout.
 pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
+    args.node.check().map_err(anyhow::Error::msg)?;
     let mut manifests = Manifests::new(&args.manifests);
     // New bytes are taken on the second read that finds them.
     manifests.reload();
@@ -42,7 +44,26 @@ pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
         nodeport_addresses: args.node.nodeport_addresses.clone(),
         zone: args.zone.clone(),
     };
-    let options = render_options(&node, &args.node, !args.no_nfacct);
-    print!("{}", render::render(&model, &options));
+    let families = match args.ip_family {
+        Some(family) => vec![family],
+        None => IpFamily::ALL.to_vec(),
+    };
+    for family in &families {
+        let options = render_options(&node, &args.node, !args.no_nfacct, *family);
+        if families.len() > 1 {
+            println!("{}", family_header(*family));
+        }
+        print!("{}", render::render(&model, &options));
+    }
     Ok(())
+}
+
+/// Where one family's part starts when both are printed (a comment to
+/// `iptables-restore`).
+fn family_header(family: IpFamily) -> String {
+    let program = match family {
+        IpFamily::V4 => "iptables-restore",
+        IpFamily::V6 => "ip6tables-restore",
+    };
+    format!("# {family}: {program} input")
 }

@@ -29,6 +29,7 @@ const NODE_POLL: Duration = Duration::from_millis(200);
 /// `run`, with `matches` telling which flags the command line gave.
 pub fn run(args: RunArgs, matches: &clap::ArgMatches) -> anyhow::Result<()> {
     let args = with_config(args, matches)?;
+    args.node.check().map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async move {
         let start = start(&args).await?;
@@ -93,7 +94,7 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
         Vec::new()
     } else {
         let within =
-            |ip: &std::net::Ipv4Addr| args.node.nodeport_addresses.iter().any(|c| c.contains(*ip));
+            |ip: &std::net::IpAddr| args.node.nodeport_addresses.iter().any(|c| c.contains(*ip));
         node.ips.iter().copied().filter(within).collect()
     };
     Ok(Start {
@@ -122,7 +123,7 @@ async fn source(args: &RunArgs, node_name: &str) -> anyhow::Result<Source> {
 
 /// `--node-ip`; else the Node object's InternalIPs (waiting a while for
 /// it); else the interfaces' addresses.
-async fn node_ips(args: &RunArgs, source: &Source) -> anyhow::Result<Vec<std::net::Ipv4Addr>> {
+async fn node_ips(args: &RunArgs, source: &Source) -> anyhow::Result<Vec<std::net::IpAddr>> {
     if !args.node.node_ip.is_empty() {
         return Ok(args.node.node_ip.clone());
     }

@@ -4,7 +4,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
     path::PathBuf,
     sync::atomic::Ordering::Relaxed,
     time::{Duration, Instant},
@@ -22,7 +22,7 @@ use crate::{
     cli::{RunArgs, TcAttachArg},
     fit::{self, Capacity, Refusal},
     metrics::Metrics,
-    model::{Model, ServiceName},
+    model::{IpFamily, Model, ServiceName, v4},
     node,
     plan::{Frontend, Node, Plan},
     sys,
@@ -205,7 +205,7 @@ impl EbpfDatapath {
         self.refused = refused;
     }
 
-    fn wanted_interfaces(&self, node_ips: &[Ipv4Addr]) -> std::io::Result<BTreeSet<String>> {
+    fn wanted_interfaces(&self, node_ips: &[IpAddr]) -> std::io::Result<BTreeSet<String>> {
         let interfaces = sys::interfaces()?;
         Ok(node::tc_interfaces(&interfaces, node_ips, &self.pod_interfaces))
     }
@@ -293,7 +293,7 @@ impl Datapath for EbpfDatapath {
         true
     }
 
-    fn scan_interfaces(&mut self, node_ips: &[Ipv4Addr]) {
+    fn scan_interfaces(&mut self, node_ips: &[IpAddr]) {
         match self.wanted_interfaces(node_ips) {
             Ok(wanted) => self.backend.set_tc_interfaces(&self.root, &wanted),
             Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
@@ -301,7 +301,7 @@ impl Datapath for EbpfDatapath {
     }
 
     /// Attaches the programs (beside a previous agent's, which then go).
-    fn take_over(&mut self, node_ips: &[Ipv4Addr], metrics: &Metrics) -> anyhow::Result<()> {
+    fn take_over(&mut self, node_ips: &[IpAddr], metrics: &Metrics) -> anyhow::Result<()> {
         let wanted = self.wanted_interfaces(node_ips).context("listing interfaces")?;
         self.backend
             .activate(&self.cgroup, &wanted, &self.root)
@@ -324,12 +324,14 @@ impl Datapath for EbpfDatapath {
 }
 
 /// The datapath's settings from the flags.
-fn config(args: &RunArgs, node_ips: &[Ipv4Addr], host_netns_cookie: u64) -> Config {
-    let (cidr, prefix) = args.node.cluster_cidr.map_or(([0; 4], 0), |c| (c.addr.octets(), c.len));
+fn config(args: &RunArgs, node_ips: &[IpAddr], host_netns_cookie: u64) -> Config {
+    let cluster_cidr =
+        args.node.cluster_cidr(IpFamily::V4).and_then(|c| Some((v4(c.addr)?.octets(), c.len)));
+    let (cidr, prefix) = cluster_cidr.unwrap_or(([0; 4], 0));
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
     Config {
         // No node address (ClusterIPs only): nothing is SNATed to the node.
-        snat_addr: node_ips.first().map_or([0; 4], |ip| ip.octets()),
+        snat_addr: node_ips.iter().find_map(|ip| v4(*ip)).map_or([0; 4], |ip| ip.octets()),
         cluster_cidr: cidr,
         cluster_cidr_prefix: prefix,
         masquerade_all: args.node.masquerade_all as u8,

@@ -225,11 +225,14 @@ impl MapWriter for Maps {
     }
 }
 
+/// The plan holds IPv4 frontends only, so their ranges are IPv4 (an IPv6
+/// one would be a bug, written as a key no IPv4 packet matches).
 fn source_range_key(rev_nat_id: u32, cidr: &crate::model::Cidr) -> Key<SourceRangeKey> {
-    Key::new(
-        SOURCE_RANGE_PREFIX_BITS + cidr.len as u32,
-        SourceRangeKey { rev_nat_id, address: cidr.addr.octets() },
-    )
+    let address = match cidr.addr {
+        std::net::IpAddr::V4(addr) => addr.octets(),
+        std::net::IpAddr::V6(_) => [0xff; 4],
+    };
+    Key::new(SOURCE_RANGE_PREFIX_BITS + cidr.len as u32, SourceRangeKey { rev_nat_id, address })
 }
 
 /// How the per-packet program is attached to an interface's ingress.

@@ -909,7 +909,7 @@ mod tests {
         for (frontend, backends, affinity) in frontends {
             // Frontends on 10.96.0.2 are load-balancer IPs with a source range.
             let ranges: Vec<Cidr> = (frontend.ip.octets()[3] == 2)
-                .then(|| Cidr::parse("192.168.0.0/16").unwrap().unwrap())
+                .then(|| Cidr::parse("192.168.0.0/16").unwrap())
                 .into_iter()
                 .collect();
             plan.frontends.insert(
@@ -1382,7 +1382,7 @@ mod tests {
             let ranges: Vec<Cidr> = svc
                 .ranges
                 .iter()
-                .map(|r| Cidr { addr: Ipv4Addr::new(172, 16, *r, 0), len: 24 })
+                .map(|r| Cidr { addr: Ipv4Addr::new(172, 16, *r, 0).into(), len: 24 })
                 .collect();
             let frontends = svc_frontends(s as u8);
             for (i, frontend) in
@@ -1588,7 +1588,7 @@ mod tests {
             ]
             .into(),
         };
-        let range = Cidr { addr: Ipv4Addr::new(172, 16, 0, 0), len: 12 };
+        let range = Cidr { addr: Ipv4Addr::new(172, 16, 0, 0).into(), len: 12 };
         let target: Plan = Plan {
             frontends: [
                 (cluster, frontend_plan(eps(&[2, 3, 6, 7]), Some(5), vec![])),

@@ -21,28 +21,29 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
-use crate::model::{Model, Protocol, ServicePort, ServicePortName};
+use crate::model::{IpFamily, Model, Protocol, ServicePort, ServicePortName};
 
 /// The frontends of one UDP service port and the endpoints it sends to.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UdpService {
     /// Cluster IP, external IPs and load-balancer IPs, with the port.
-    pub frontends: Vec<(Ipv4Addr, u16)>,
+    pub frontends: Vec<(IpAddr, u16)>,
     pub node_port: Option<u16>,
     /// This node's addresses (where untranslated NodePort flows went).
-    pub node_ips: Vec<Ipv4Addr>,
-    pub endpoints: BTreeSet<Ipv4Addr>,
+    pub node_ips: Vec<IpAddr>,
+    pub endpoints: BTreeSet<IpAddr>,
 }
 
 pub type UdpServices = BTreeMap<ServicePortName, UdpService>;
 
-/// The UDP service ports of `model` on a node with `node_ips`.
-pub fn udp_services(model: &Model, node_ips: &[Ipv4Addr]) -> UdpServices {
+/// The UDP service ports of `model`'s `family` on a node with `node_ips`
+/// (of that family).
+pub fn udp_services(model: &Model, family: IpFamily, node_ips: &[IpAddr]) -> UdpServices {
     model
-        .ports()
+        .ports_of(family)
         .filter(|p| p.protocol == Protocol::Udp)
         .map(|p| {
             let service = UdpService {
@@ -53,7 +54,7 @@ pub fn udp_services(model: &Model, node_ips: &[Ipv4Addr]) -> UdpServices {
                     .endpoints
                     .iter()
                     .filter(|e| e.ready || e.serving)
-                    .map(|e| *e.addr.ip())
+                    .map(|e| e.addr.ip())
                     .collect(),
             };
             (p.name.clone(), service)
@@ -61,7 +62,7 @@ pub fn udp_services(model: &Model, node_ips: &[Ipv4Addr]) -> UdpServices {
         .collect()
 }
 
-fn service_frontends(p: &ServicePort) -> impl Iterator<Item = (Ipv4Addr, u16)> + '_ {
+fn service_frontends(p: &ServicePort) -> impl Iterator<Item = (IpAddr, u16)> + '_ {
     std::iter::once(&p.cluster_ip)
         .chain(&p.external_ips)
         .chain(&p.load_balancer_ips)
@@ -70,9 +71,13 @@ fn service_frontends(p: &ServicePort) -> impl Iterator<Item = (Ipv4Addr, u16)> +
 
 /// Every address clients reach services on: cluster, external and
 /// load-balancer IPs with the port, node addresses with the NodePort.
-pub fn frontends(model: &Model, node_ips: &[Ipv4Addr]) -> BTreeSet<(Protocol, Ipv4Addr, u16)> {
+pub fn frontends(
+    model: &Model,
+    family: IpFamily,
+    node_ips: &[IpAddr],
+) -> BTreeSet<(Protocol, IpAddr, u16)> {
     model
-        .ports()
+        .ports_of(family)
         .flat_map(|p| {
             let node_ports =
                 p.node_port.into_iter().flat_map(|np| node_ips.iter().map(move |ip| (*ip, np)));
@@ -86,11 +91,11 @@ pub fn frontends(model: &Model, node_ips: &[Ipv4Addr]) -> BTreeSet<(Protocol, Ip
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
     pub protocol: Protocol,
-    pub src: Ipv4Addr,
-    pub dst: Ipv4Addr,
+    pub src: IpAddr,
+    pub dst: IpAddr,
     pub sport: u16,
     pub dport: u16,
-    pub reply_src: Ipv4Addr,
+    pub reply_src: IpAddr,
     pub reply_sport: u16,
     pub unreplied: bool,
 }
@@ -147,7 +152,7 @@ impl Entry {
 
 /// The entries of a `conntrack -L` listing sent to one of `frontends`,
 /// never translated and never answered.
-pub fn untranslated(listing: &str, frontends: &BTreeSet<(Protocol, Ipv4Addr, u16)>) -> Vec<Entry> {
+pub fn untranslated(listing: &str, frontends: &BTreeSet<(Protocol, IpAddr, u16)>) -> Vec<Entry> {
     listing
         .lines()
         .filter_map(Entry::parse)
@@ -161,19 +166,19 @@ pub fn untranslated(listing: &str, frontends: &BTreeSet<(Protocol, Ipv4Addr, u16
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum StaleFlows {
     /// Sent to `ip:port`, DNATed to `endpoint`.
-    ToEndpoint { ip: Ipv4Addr, port: u16, endpoint: Ipv4Addr },
+    ToEndpoint { ip: IpAddr, port: u16, endpoint: IpAddr },
     /// Sent to NodePort `port` on any local address, DNATed to `endpoint`.
-    NodePortToEndpoint { port: u16, endpoint: Ipv4Addr },
+    NodePortToEndpoint { port: u16, endpoint: IpAddr },
     /// Sent to `ip:port` and not translated (there was no endpoint): the
     /// reply would come from `ip` itself. Translated flows are kept.
-    Untranslated { ip: Ipv4Addr, port: u16 },
+    Untranslated { ip: IpAddr, port: u16 },
 }
 
 impl StaleFlows {
     /// `conntrack` arguments deleting these entries.
     pub fn args(&self) -> Vec<String> {
         let mut args: Vec<String> = ["-D", "-p", "udp"].map(String::from).to_vec();
-        let dst = |ip: &Ipv4Addr| ["--orig-dst".to_string(), ip.to_string()];
+        let dst = |ip: &IpAddr| ["--orig-dst".to_string(), ip.to_string()];
         let port = |port: &u16| ["--orig-port-dst".to_string(), port.to_string()];
         match self {
             StaleFlows::ToEndpoint { ip, port: p, endpoint } => {
@@ -212,7 +217,7 @@ pub fn stale_flows(old: &UdpServices, new: &UdpServices) -> BTreeSet<StaleFlows>
     let mut stale = BTreeSet::new();
     for (name, was) in old {
         let now = new.get(name);
-        let kept = |endpoint: &Ipv4Addr| now.is_some_and(|n| n.endpoints.contains(endpoint));
+        let kept = |endpoint: &IpAddr| now.is_some_and(|n| n.endpoints.contains(endpoint));
         for &endpoint in was.endpoints.iter().filter(|e| !kept(e)) {
             for &(ip, port) in &was.frontends {
                 stale.insert(StaleFlows::ToEndpoint { ip, port, endpoint });
@@ -241,6 +246,7 @@ pub fn stale_flows(old: &UdpServices, new: &UdpServices) -> BTreeSet<StaleFlows>
 mod tests {
     use super::*;
     use crate::model::ServiceName;
+    use std::net::Ipv4Addr;
 
     fn name(n: &str) -> ServicePortName {
         ServicePortName {
@@ -249,15 +255,15 @@ mod tests {
         }
     }
 
-    const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-    const NODE: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 11);
+    const VIP: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10));
+    const NODE: IpAddr = IpAddr::V4(Ipv4Addr::new(192, 168, 100, 11));
 
     fn dns(endpoints: &[[u8; 4]]) -> UdpService {
         UdpService {
             frontends: vec![(VIP, 53)],
             node_port: Some(30053),
             node_ips: vec![NODE],
-            endpoints: endpoints.iter().map(|e| Ipv4Addr::from(*e)).collect(),
+            endpoints: endpoints.iter().map(|e| IpAddr::from(*e)).collect(),
         }
     }
 
@@ -265,7 +271,7 @@ mod tests {
     fn a_removed_endpoint_loses_its_flows_on_every_frontend() {
         let old = UdpServices::from([(name("dns"), dns(&[[10, 244, 1, 2], [10, 244, 1, 3]]))]);
         let new = UdpServices::from([(name("dns"), dns(&[[10, 244, 1, 3]]))]);
-        let gone = Ipv4Addr::new(10, 244, 1, 2);
+        let gone = IpAddr::from([10, 244, 1, 2]);
         let stale: Vec<_> = stale_flows(&old, &new).into_iter().collect();
         assert_eq!(
             stale,
@@ -340,13 +346,13 @@ icmp     1 29 src=10.244.1.100 dst=10.96.0.10 type=8 code=0 id=7 src=10.96.0.10 
             ep("10.244.1.4").ready(false).serving(false),
         ]);
         let m = crate::source::model_of(&[dns.build()], &[slice.build()]);
-        let other = Ipv4Addr::new(172, 16, 0, 1);
-        let udp = udp_services(&m, &[NODE, other]);
+        let other = IpAddr::from([172, 16, 0, 1]);
+        let udp = udp_services(&m, IpFamily::V4, &[NODE, other]);
         assert_eq!(udp.len(), 1);
         // A terminating endpoint still serving keeps its flows, as kube-proxy.
         let endpoints: Vec<_> = udp.values().next().unwrap().endpoints.iter().copied().collect();
-        assert_eq!(endpoints, [Ipv4Addr::new(10, 244, 1, 2), Ipv4Addr::new(10, 244, 1, 3)]);
-        let all = frontends(&m, &[NODE, other]);
+        assert_eq!(endpoints, [IpAddr::from([10, 244, 1, 2]), IpAddr::from([10, 244, 1, 3])]);
+        let all = frontends(&m, IpFamily::V4, &[NODE, other]);
         assert!(all.contains(&(Protocol::Udp, other, 30053)));
         assert!(all.contains(&(Protocol::Tcp, VIP, 53)));
         let new = stale_flows(&UdpServices::new(), &udp);

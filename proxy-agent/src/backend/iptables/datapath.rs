@@ -1,8 +1,14 @@
 //! The iptables mode as the agent's loop drives it: kube-proxy's rules
 //! ([`IptablesBackend`]), their canary, and the eBPF mode's leftovers.
+//!
+//! As kube-proxy runs a proxier per family, there is a backend per family
+//! the node has an address of: IPv4 always (its rules serve ClusterIPs even
+//! before the node has an address), IPv6 when a node address is IPv6
+//! (`ip6tables-restore`; its stale conntrack entries with `conntrack -f
+//! ipv6`).
 
 use std::{
-    collections::BTreeSet, net::Ipv4Addr, path::PathBuf, sync::atomic::Ordering::Relaxed,
+    collections::BTreeSet, net::IpAddr, path::PathBuf, sync::atomic::Ordering::Relaxed,
     time::Duration,
 };
 
@@ -11,7 +17,7 @@ use crate::{
     backend::{Datapath, Synced, ebpf},
     cli::{NodeArgs, RunArgs},
     metrics::Metrics,
-    model::Model,
+    model::{IpFamily, Model},
     plan::{Frontend, Node, Plan},
     sys,
 };
@@ -22,7 +28,8 @@ const CANARY_EVERY: u32 = 10;
 const THOROUGH_CANARY_EVERY: u32 = 15;
 
 pub struct IptablesDatapath {
-    backend: IptablesBackend<System>,
+    /// One per family served, IPv4 first.
+    backends: Vec<IptablesBackend<System>>,
     /// The eBPF mode's pins, removed once the rules serve.
     pins: PathBuf,
     /// A previous agent's rules (or eBPF datapath, which serves in front
@@ -32,19 +39,32 @@ pub struct IptablesDatapath {
 
 impl IptablesDatapath {
     pub fn new(args: &RunArgs, node: &Node) -> Self {
-        let options = render_options(node, &args.node, false);
-        if options.localhost_nodeports() {
+        if render_options(node, &args.node, false, IpFamily::V4).localhost_nodeports() {
             // As kube-proxy: NodePorts on 127.0.0.1 need DNAT of loopback traffic.
             if let Err(e) = sys::set_sysctl("net/ipv4/conf/all/route_localnet", "1") {
                 tracing::warn!("could not enable route_localnet (localhost NodePorts): {e}");
             }
         }
         let xtables = args.iptables_backend.resolve(&mut System::default());
-        tracing::info!(backend = ?xtables, "iptables implementation");
-        let mut backend = IptablesBackend::new(System::new(xtables), options);
-        let previous = backend.rules_present() || ebpf::pinned(&args.pins.bpffs_root);
-        IptablesDatapath { backend, pins: args.pins.bpffs_root.clone(), previous }
+        let families = families(node);
+        tracing::info!(backend = ?xtables, ?families, "iptables implementation");
+        let mut backends: Vec<_> = families
+            .into_iter()
+            .map(|family| {
+                let options = render_options(node, &args.node, false, family);
+                IptablesBackend::new(System::new(xtables).for_family(family), options)
+            })
+            .collect();
+        let previous = backends.first_mut().is_some_and(|b| b.rules_present())
+            || ebpf::pinned(&args.pins.bpffs_root);
+        IptablesDatapath { backends, pins: args.pins.bpffs_root.clone(), previous }
     }
+}
+
+/// The families served: IPv4, and IPv6 when the node has an IPv6 address.
+fn families(node: &Node) -> Vec<IpFamily> {
+    let v6 = node.ips.iter().any(|ip| IpFamily::of(*ip) == IpFamily::V6);
+    if v6 { IpFamily::ALL.to_vec() } else { vec![IpFamily::V4] }
 }
 
 impl Datapath for IptablesDatapath {
@@ -66,7 +86,11 @@ impl Datapath for IptablesDatapath {
     }
 
     fn set_zone(&mut self, zone: Option<String>) {
-        self.backend.set_zone(zone);
+        self.backends.iter_mut().for_each(|b| b.set_zone(zone.clone()));
+    }
+
+    fn serves_ipv6(&self) -> bool {
+        self.backends.iter().any(|b| b.family() == IpFamily::V6)
     }
 
     /// Renders the rules from `model`; the plan only counts backends.
@@ -77,41 +101,27 @@ impl Datapath for IptablesDatapath {
         _dirty: Option<&BTreeSet<Frontend>>,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
-        let report = self.backend.sync(model).inspect_err(|err| {
-            if let IptablesError::Restore { full, .. } = err {
-                metrics.restore_failures.fetch_add(1, Relaxed);
-                if !full {
-                    metrics.partial_restore_failures.fetch_add(1, Relaxed);
+        let mut full = None;
+        for backend in &mut self.backends {
+            let report = backend.sync(model).inspect_err(|err| {
+                if let IptablesError::Restore { full, .. } = err {
+                    metrics.restore_failures.fetch_add(1, Relaxed);
+                    if !full {
+                        metrics.partial_restore_failures.fetch_add(1, Relaxed);
+                    }
                 }
-            }
-        })?;
-        tracing::info!(
-            full = report.full,
-            chains_written = report.chains_written,
-            chains_deleted = report.chains_deleted,
-            "rules synced"
-        );
-        metrics.set_iptables_rules(&report.rules_written);
-        if report.flows_flushed > 0 {
-            tracing::info!(sets = report.flows_flushed, "stale UDP conntrack entries deleted");
-        }
-        if report.untranslated_deleted > 0 {
-            tracing::info!(
-                flows = report.untranslated_deleted,
-                "conntrack entries made while the rules were missing deleted"
-            );
-        }
-        for e in &report.flow_errors {
-            metrics.conntrack_cleanup_failures.fetch_add(1, Relaxed);
-            tracing::warn!("could not delete stale conntrack entries (will retry): {e}");
+            })?;
+            let family = backend.family();
+            report_sync(family, &report, metrics);
+            full.get_or_insert(report.full);
         }
         let backends: BTreeSet<_> =
             plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
-        Ok(Synced { full: Some(report.full), backends: backends.len() })
+        Ok(Synced { full, backends: backends.len() })
     }
 
-    /// Checks the canary chains: a full resync is due when one is gone, or
-    /// when the backend asks for one.
+    /// Checks the canary chains of each family: a full resync is due when
+    /// one is gone, or when a backend asks for one.
     fn look_after(&mut self, polls: u32, metrics: &Metrics) -> bool {
         if !polls.is_multiple_of(CANARY_EVERY) {
             return false;
@@ -119,25 +129,15 @@ impl Datapath for IptablesDatapath {
         // mangle's canary is cheap to check; nat's and filter's (a copy of
         // the whole table with iptables-legacy) rarely.
         let thorough = polls.is_multiple_of(CANARY_EVERY * THOROUGH_CANARY_EVERY);
-        match self.backend.canary_gone(thorough) {
-            Ok(Some(table)) => {
-                tracing::warn!(
-                    table,
-                    "{CANARY} is gone: another program flushed the rules; full resync"
-                );
-                metrics.canary_resyncs.fetch_add(1, Relaxed);
-                true
-            }
-            Ok(None) => self.backend.full_sync_due(),
-            Err(e) => {
-                tracing::warn!("could not check {CANARY}: {e}");
-                false
-            }
+        let mut due = false;
+        for backend in &mut self.backends {
+            due |= look_after_family(backend, thorough, metrics);
         }
+        due
     }
 
     /// Rules serve as soon as they are applied.
-    fn take_over(&mut self, _node_ips: &[Ipv4Addr], _metrics: &Metrics) -> anyhow::Result<()> {
+    fn take_over(&mut self, _node_ips: &[IpAddr], _metrics: &Metrics) -> anyhow::Result<()> {
         Ok(())
     }
 
@@ -152,14 +152,74 @@ impl Datapath for IptablesDatapath {
     }
 }
 
-/// What the iptables rules depend on besides the services.
-pub fn render_options(node: &Node, args: &NodeArgs, nfacct: bool) -> render::Options {
+/// Logs and counts what one family's sync did. The rules-written metric is
+/// the IPv4 family's (its series carries `ip_family="IPv4"`).
+fn report_sync(family: IpFamily, report: &super::SyncReport, metrics: &Metrics) {
+    tracing::info!(
+        %family,
+        full = report.full,
+        chains_written = report.chains_written,
+        chains_deleted = report.chains_deleted,
+        "rules synced"
+    );
+    if family == IpFamily::V4 {
+        metrics.set_iptables_rules(&report.rules_written);
+    }
+    if report.flows_flushed > 0 {
+        tracing::info!(sets = report.flows_flushed, "stale UDP conntrack entries deleted");
+    }
+    if report.untranslated_deleted > 0 {
+        tracing::info!(
+            flows = report.untranslated_deleted,
+            "conntrack entries made while the rules were missing deleted"
+        );
+    }
+    for e in &report.flow_errors {
+        metrics.conntrack_cleanup_failures.fetch_add(1, Relaxed);
+        tracing::warn!("could not delete stale conntrack entries (will retry): {e}");
+    }
+}
+
+/// Whether one family's rules need a full resync: its canary is gone (then
+/// counted and logged) or its backend asks for one.
+fn look_after_family(
+    backend: &mut IptablesBackend<System>,
+    thorough: bool,
+    metrics: &Metrics,
+) -> bool {
+    match backend.canary_gone(thorough) {
+        Ok(Some(table)) => {
+            let family = backend.family();
+            tracing::warn!(
+                table,
+                %family,
+                "{CANARY} is gone: another program flushed the rules; full resync"
+            );
+            metrics.canary_resyncs.fetch_add(1, Relaxed);
+            true
+        }
+        Ok(None) => backend.full_sync_due(),
+        Err(e) => {
+            tracing::warn!("could not check {CANARY}: {e}");
+            false
+        }
+    }
+}
+
+/// What the iptables rules of `family` depend on besides the services.
+pub fn render_options(
+    node: &Node,
+    args: &NodeArgs,
+    nfacct: bool,
+    family: IpFamily,
+) -> render::Options {
     render::Options {
+        family,
         node_name: node.name.clone(),
         zone: node.zone.clone(),
-        node_ips: node.ips.clone(),
+        node_ips: node.ips.iter().copied().filter(|ip| IpFamily::of(*ip) == family).collect(),
         nodeport_addresses: args.nodeport_addresses.clone(),
-        cluster_cidr: args.cluster_cidr,
+        cluster_cidr: args.cluster_cidr(family),
         masquerade_all: args.masquerade_all,
         localhost_nodeports: args.iptables_localhost_nodeports,
         nfacct,

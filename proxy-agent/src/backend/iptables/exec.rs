@@ -6,6 +6,8 @@ use std::{
     process::{Command, Stdio},
 };
 
+use crate::model::IpFamily;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
     #[error("{program} is not installed")]
@@ -104,18 +106,31 @@ pub fn choose(legacy: Option<&str>, nft: Option<&str>) -> Xtables {
 
 /// The programs of this machine, found in `PATH`; `iptables`,
 /// `iptables-save` and `iptables-restore` those of one backend when it is
-/// set (else the node's `iptables` alternative).
-#[derive(Clone, Copy, Debug, Default)]
+/// set (else the node's `iptables` alternative), and of one IP family
+/// (`ip6tables…` for IPv6).
+#[derive(Clone, Copy, Debug)]
 pub struct System {
     xtables: Xtables,
+    family: IpFamily,
+}
+
+impl Default for System {
+    fn default() -> Self {
+        System::new(Xtables::default())
+    }
 }
 
 impl System {
     pub fn new(xtables: Xtables) -> Self {
-        System { xtables }
+        System { xtables, family: IpFamily::V4 }
     }
 
-    /// `program` as this backend names it.
+    /// The same implementation's tools for `family`.
+    pub fn for_family(self, family: IpFamily) -> Self {
+        System { family, ..self }
+    }
+
+    /// `program` as this backend and family name it.
     fn program<'a>(&self, program: &'a str) -> std::borrow::Cow<'a, str> {
         let tool = match program {
             "iptables" => "",
@@ -123,9 +138,13 @@ impl System {
             "iptables-restore" => "-restore",
             _ => return program.into(),
         };
+        let base = match self.family {
+            IpFamily::V4 => "iptables",
+            IpFamily::V6 => "ip6tables",
+        };
         match self.xtables.suffix() {
-            Some(suffix) => format!("iptables-{suffix}{tool}").into(),
-            None => program.into(),
+            Some(suffix) => format!("{base}-{suffix}{tool}").into(),
+            None => format!("{base}{tool}").into(),
         }
     }
 }
@@ -190,5 +209,9 @@ mod tests {
         assert_eq!(legacy.program("iptables"), "iptables-legacy");
         assert_eq!(legacy.program("conntrack"), "conntrack");
         assert_eq!(System::default().program("iptables-save"), "iptables-save");
+        let v6 = legacy.for_family(IpFamily::V6);
+        assert_eq!(v6.program("iptables-restore"), "ip6tables-legacy-restore");
+        assert_eq!(v6.program("conntrack"), "conntrack");
+        assert_eq!(System::default().for_family(IpFamily::V6).program("iptables"), "ip6tables");
     }
 }

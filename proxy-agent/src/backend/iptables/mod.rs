@@ -28,7 +28,7 @@ use self::{
     exec::{ExecError, Runner},
     render::{ChainRef, Digests, KUBELET_FIREWALL, Options, Ruleset, Scope, jump_rules, render},
 };
-use crate::model::Model;
+use crate::model::{IpFamily, Model};
 
 const IPTABLES: &str = "iptables";
 const RESTORE: &str = "iptables-restore";
@@ -128,6 +128,17 @@ pub struct IptablesBackend<R: Runner> {
 }
 
 impl<R: Runner> IptablesBackend<R> {
+    /// Runs `conntrack` on this family's table (the tool lists and
+    /// deletes IPv4 entries unless told `-f ipv6`).
+    fn conntrack(&mut self, args: &[&str]) -> Result<String, ExecError> {
+        let mut words = match self.options.family {
+            IpFamily::V4 => vec![],
+            IpFamily::V6 => vec!["-f", "ipv6"],
+        };
+        words.extend(args);
+        self.runner.run(CONNTRACK, &words, None)
+    }
+
     pub fn new(runner: R, options: Options) -> Self {
         IptablesBackend {
             runner,
@@ -138,6 +149,11 @@ impl<R: Runner> IptablesBackend<R> {
             pending_flows: BTreeSet::new(),
             rules_were_missing: false,
         }
+    }
+
+    /// The family whose rules it writes.
+    pub fn family(&self) -> IpFamily {
+        self.options.family
     }
 
     /// This node's zone changed: the next sync renders for the new one.
@@ -170,7 +186,7 @@ impl<R: Runner> IptablesBackend<R> {
         if full {
             self.last_full = Some(Instant::now());
         }
-        let udp = udp_services(model, &self.options.node_ips);
+        let udp = udp_services(model, self.options.family, &self.options.node_ips);
         let mut stale = stale_flows(&self.udp, &udp);
         stale.append(&mut self.pending_flows);
         self.udp = udp;
@@ -268,7 +284,7 @@ impl<R: Runner> IptablesBackend<R> {
         for flows in stale {
             let args = flows.args();
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            match self.runner.run(CONNTRACK, &args, None) {
+            match self.conntrack(&args) {
                 Ok(_) => report.flows_flushed += 1,
                 Err(e) if nothing_matched(&e) => {}
                 Err(e) => {
@@ -282,15 +298,15 @@ impl<R: Runner> IptablesBackend<R> {
     /// Deletes the unanswered entries to service addresses that were not
     /// translated.
     fn delete_untranslated(&mut self, model: &Model, report: &mut SyncReport) {
-        let listing = match self.runner.run(CONNTRACK, &["-L"], None) {
+        let listing = match self.conntrack(&["-L"]) {
             Ok(listing) => listing,
             Err(e) => return report.flow_errors.push(format!("listing conntrack: {e}")),
         };
-        let frontends = frontends(model, &self.options.node_ips);
+        let frontends = frontends(model, self.options.family, &self.options.node_ips);
         for entry in untranslated(&listing, &frontends) {
             let args = entry.delete_args();
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            match self.runner.run(CONNTRACK, &args, None) {
+            match self.conntrack(&args) {
                 Ok(_) => report.untranslated_deleted += 1,
                 Err(e) if nothing_matched(&e) => {} // gone meanwhile
                 Err(e) => report.flow_errors.push(format!("{entry:?}: {e}")),
@@ -346,11 +362,14 @@ fn is_ours(chain: &str) -> bool {
 }
 
 /// [`cleanup`] in both iptables implementations (an agent may have used
-/// either); those whose tools are missing have nothing to remove.
+/// either) and both families; those whose tools are missing have nothing to
+/// remove.
 pub fn cleanup_every_backend() -> Result<usize, IptablesError> {
     let mut chains = 0;
     for xtables in [exec::Xtables::Nft, exec::Xtables::Legacy] {
-        chains += cleanup(&mut exec::System::new(xtables))?;
+        for family in IpFamily::ALL {
+            chains += cleanup(&mut exec::System::new(xtables).for_family(family))?;
+        }
     }
     Ok(chains)
 }
@@ -578,6 +597,42 @@ mod tests {
             backend.runner.log
         );
         assert!(!backend.runner.chains["nat"].iter().any(|c| c == "KUBE-SEP-BFA6ODZ6ZPLOWUHI"));
+    }
+
+    #[test]
+    fn the_ipv6_backend_writes_the_ipv6_ports_and_cleans_ipv6_conntrack_entries() {
+        use test_objects::{Protocol::*, ep, port, service};
+        let v6 = Options {
+            family: IpFamily::V6,
+            node_ips: vec!["fd00::11".parse().unwrap()],
+            ..options()
+        };
+        let mut backend = IptablesBackend::new(Fake::default(), v6);
+        let dns = service("default", "dns").cluster_ip("10.96.0.10");
+        let dns = dns.cluster_ips(&["10.96.0.10", "fd00:96::10"]);
+        let dns = dns.port(port("dns", 53).udp());
+        let slice = |family: &str, name: &str, ip: &str| {
+            let slice = test_objects::slice("default", name).service("dns").address_type(family);
+            slice.port("dns", 5353, Udp).endpoint(ep(ip)).build()
+        };
+        let model = |v6_endpoint: &str| {
+            crate::source::model_of(
+                &[dns.clone().build()],
+                &[slice("IPv4", "dns-1", "10.244.1.2"), slice("IPv6", "dns-2", v6_endpoint)],
+            )
+        };
+        backend.sync(&model("fd00:244::2")).unwrap();
+        let seps = |b: &IptablesBackend<Fake>| {
+            b.runner.chains["nat"].iter().filter(|c| c.starts_with("KUBE-SEP-")).count()
+        };
+        assert_eq!(seps(&backend), 1, "the IPv6 endpoint's chain only");
+        backend.sync(&model("fd00:244::3")).unwrap();
+        assert_eq!(seps(&backend), 1, "the old endpoint's chain deleted");
+        let cleanups: Vec<&String> =
+            backend.runner.log.iter().filter(|l| l.starts_with("conntrack ")).collect();
+        let gone = "conntrack -f ipv6 -D -p udp --orig-dst fd00:96::10 --orig-port-dst 53 --dst-nat fd00:244::2";
+        assert!(cleanups.iter().any(|l| *l == gone), "{cleanups:?}");
+        assert!(cleanups.iter().all(|l| l.starts_with("conntrack -f ipv6 ")), "{cleanups:?}");
     }
 
     #[test]

@@ -6,16 +6,22 @@
 //! its services in Go map order, we walk them by name). The jumps from the
 //! built-in chains are not part of the restore input; kube-proxy ensures
 //! them with separate `iptables -C/-I` commands, listed by [`jump_rules`].
+//!
+//! One ruleset per IP family, as kube-proxy runs one proxier per family:
+//! the IPv6 one (`ip6tables-restore` input) differs only where kube-proxy's
+//! does: no localhost NodePorts (never served on `::1`, and kubelet's
+//! `KUBE-FIREWALL` martian rule is IPv4's), so the NodePort jump excludes
+//! `::1/128`.
 
 use std::{
     collections::{BTreeMap, HashSet},
     fmt::{self, Write as _},
     hash::{DefaultHasher, Hasher as _},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
 };
 
 use super::chains::{ServiceChains, endpoint_chain, is_service_chain};
-use crate::model::{Cidr, Endpoint, Model, ServicePort};
+use crate::model::{Cidr, Endpoint, IpFamily, Model, ServicePort};
 
 /// kube-proxy's masquerade mark (bit 14), as it formats it.
 const MARK: &str = "0x00004000";
@@ -25,16 +31,18 @@ const LARGE_CLUSTER_ENDPOINTS: usize = 1000;
 /// What the rules depend on besides the services.
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// The family rendered: its service ports, addresses and CIDRs only.
+    pub family: IpFamily,
     /// This node's name: endpoints with this `nodeName` are local.
     pub node_name: String,
     /// Its zone, for EndpointSlice hints.
     pub zone: Option<String>,
-    /// This node's addresses (for loadBalancerSourceRanges that admit the
-    /// node, and `--nodeport-addresses`).
-    pub node_ips: Vec<Ipv4Addr>,
+    /// This node's addresses of `family` (for loadBalancerSourceRanges that
+    /// admit the node, and `--nodeport-addresses`).
+    pub node_ips: Vec<IpAddr>,
     /// `--nodeport-addresses`; empty means every local address.
     pub nodeport_addresses: Vec<Cidr>,
-    /// `--cluster-cidr`: the local-traffic detector.
+    /// `--cluster-cidr` of `family`: the local-traffic detector.
     pub cluster_cidr: Option<Cidr>,
     pub masquerade_all: bool,
     /// NodePorts answer on 127.0.0.0/8 (kube-proxy's default for IPv4).
@@ -49,17 +57,20 @@ pub struct Options {
 }
 
 impl Options {
-    /// `--nodeport-addresses` matches every address (none given, or a /0).
+    /// `--nodeport-addresses` of this family: none given means every
+    /// address, and so does a /0 of the family.
     fn nodeports_everywhere(&self) -> bool {
-        self.nodeport_addresses.is_empty() || self.nodeport_addresses.iter().any(|c| c.len == 0)
+        self.nodeport_addresses.is_empty()
+            || self.nodeport_addresses.iter().any(|c| c.len == 0 && c.family() == self.family)
     }
 
-    /// Localhost NodePorts are on, as kube-proxy turns them off when
-    /// `--nodeport-addresses` leaves out loopback.
+    /// Localhost NodePorts are on: IPv4 only, and kube-proxy turns them off
+    /// when `--nodeport-addresses` leaves out loopback.
     pub fn localhost_nodeports(&self) -> bool {
-        self.localhost_nodeports
+        self.family == IpFamily::V4
+            && self.localhost_nodeports
             && (self.nodeports_everywhere()
-                || self.nodeport_addresses.iter().any(|c| c.contains(Ipv4Addr::LOCALHOST)))
+                || self.nodeport_addresses.iter().any(|c| c.contains(Ipv4Addr::LOCALHOST.into())))
     }
 }
 
@@ -263,9 +274,10 @@ fn probability(left: usize) -> String {
     format!("{:.10}", 1.0 / left as f64)
 }
 
-/// The rules for `model`.
+/// The rules for `model`'s ports of `opts.family`.
 pub fn render(model: &Model, opts: &Options) -> Ruleset {
-    let large = model.ports().map(|p| p.endpoints.len()).sum::<usize>() > LARGE_CLUSTER_ENDPOINTS;
+    let ports = || model.ports_of(opts.family);
+    let large = ports().map(|p| p.endpoints.len()).sum::<usize>() > LARGE_CLUSTER_ENDPOINTS;
     let mut filter = Table::default();
     let mut nat = Table::default();
     for chain in [
@@ -321,7 +333,7 @@ pub fn render(model: &Model, opts: &Options) -> Ruleset {
     nat.rule("KUBE-POSTROUTING", &masquerade);
     nat.rule("KUBE-MARK-MASQ", &["-j", "MARK", "--or-mark", MARK]);
 
-    for port in model.ports() {
+    for port in ports() {
         ServiceRules::new(port, opts, large).write(&mut filter, &mut nat);
     }
 
@@ -330,8 +342,12 @@ pub fn render(model: &Model, opts: &Options) -> Ruleset {
     if opts.nodeports_everywhere() {
         let mut words =
             vec!["-m", "comment", "--comment", nodeports, "-m", "addrtype", "--dst-type", "LOCAL"];
-        if !opts.localhost_nodeports() {
-            words.extend(["!", "-d", "127.0.0.0/8"]);
+        match opts.family {
+            IpFamily::V6 => words.extend(["!", "-d", "::1/128"]),
+            IpFamily::V4 if !opts.localhost_nodeports() => {
+                words.extend(["!", "-d", "127.0.0.0/8"]);
+            }
+            IpFamily::V4 => {}
         }
         words.extend(["-j", "KUBE-NODEPORTS"]);
         nat.rule("KUBE-SERVICES", &words);
@@ -843,11 +859,12 @@ pub(crate) mod tests {
     /// 10.244.0.0/16; the iptables backend's tests use them too.
     pub(crate) fn options() -> Options {
         Options {
+            family: IpFamily::V4,
             node_name: "node-a".into(),
             zone: None,
-            node_ips: vec![Ipv4Addr::new(192, 168, 100, 11)],
+            node_ips: vec![Ipv4Addr::new(192, 168, 100, 11).into()],
             nodeport_addresses: vec![],
-            cluster_cidr: Cidr::parse("10.244.0.0/16").unwrap(),
+            cluster_cidr: Some(Cidr::parse("10.244.0.0/16").unwrap()),
             masquerade_all: false,
             localhost_nodeports: true,
             nfacct: true,
@@ -885,6 +902,60 @@ COMMIT
         endpoints: Vec<EndpointBuilder>,
     ) -> test_objects::SliceBuilder {
         service.slice().port("http", 8080, Tcp).port(None, 8080, Tcp).endpoints(endpoints)
+    }
+
+    /// Options for the IPv6 family of node `node-a` at fd00:100::11, cluster
+    /// CIDR fd00:10:244::/56.
+    fn options_v6() -> Options {
+        Options {
+            family: IpFamily::V6,
+            node_ips: vec!["fd00:100::11".parse().unwrap()],
+            cluster_cidr: Some(Cidr::parse("fd00:10:244::/56").unwrap()),
+            ..options()
+        }
+    }
+
+    #[test]
+    fn each_family_renders_only_its_own_ports() {
+        let endpoints = || vec![ep("10.244.1.2").node("node-a")];
+        let dual = web().cluster_ips(&["10.96.0.50", "fd00:96::50"]);
+        let v6 = service("default", "v6").cluster_ip("fd00:96::51").port(port("http", 80));
+        let both = model(&[(dual, endpoints()), (v6, vec![])]);
+        let v4_alone = render(&model(&[(web(), endpoints())]), &options());
+        assert_eq!(render(&both, &options()).to_string(), v4_alone.to_string());
+        let v6_rules = render(&both, &options_v6()).to_string();
+        assert!(!v6_rules.contains("10.96.0.50") && v6_rules.contains("fd00:96::51"));
+    }
+
+    #[test]
+    fn the_ipv6_family_as_kube_proxy_writes_it() {
+        let np = svc("web", "fd00:96::50").cluster_ips(&["fd00:96::50"]).node_port_type();
+        let np = np.port(port("http", 80).node_port(30080));
+        let v6_slice = np.slice().address_type("IPv6").port("http", 8080, Tcp);
+        let v6_slice = v6_slice.endpoint(ep("fd00:244::2").node("node-a"));
+        let m = crate::source::model_of(&[np.build()], &[v6_slice.build()]);
+        let rules = render(&m, &options_v6()).to_string();
+        for line in [
+            "-A KUBE-SERVICES -m comment --comment \"default/web:http cluster IP\" -m tcp -p tcp -d fd00:96::50 --dport 80 -j KUBE-SVC-",
+            "-A KUBE-SVC-",
+            " ! -s fd00:10:244::/56 -j KUBE-MARK-MASQ",
+            " -s fd00:244::2 -j KUBE-MARK-MASQ",
+            " -m tcp -p tcp -j DNAT --to-destination [fd00:244::2]:8080",
+            "-A KUBE-NODEPORTS -m comment --comment default/web:http -m tcp -p tcp --dport 30080 -j KUBE-EXT-",
+            "-m addrtype --dst-type LOCAL ! -d ::1/128 -j KUBE-NODEPORTS",
+        ] {
+            assert!(rules.contains(line), "missing {line}\n{rules}");
+        }
+        // No localhost NodePorts on IPv6, hence no martian guard either.
+        for absent in ["127.0.0.0/8", "KUBE-FIREWALL", "localhost_nps_accepted_pkts"] {
+            assert!(!rules.contains(absent), "{absent} in\n{rules}");
+        }
+        // --nodeport-addresses of the other family only: no NodePort address.
+        let v4_only = Options {
+            nodeport_addresses: vec![Cidr::parse("192.168.100.0/24").unwrap()],
+            ..options_v6()
+        };
+        assert!(!render(&m, &v4_only).to_string().contains("-j KUBE-NODEPORTS"));
     }
 
     #[test]
@@ -1032,7 +1103,7 @@ COMMIT
     fn masquerade_all_and_nodeport_addresses() {
         let mut opts = options();
         opts.masquerade_all = true;
-        opts.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap().unwrap()];
+        opts.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap()];
         let l = lines(web(), vec![ep("10.244.1.2")], &opts);
         has(
             &l,
