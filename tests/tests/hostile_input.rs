@@ -151,7 +151,9 @@ fn a_file_that_never_stops_changing_is_given_up_after_the_grace() {
     let (mut lab, pod, client) = lab(Mode::Ebpf);
     let dir = lab.use_manifest_dir().unwrap();
     lab.write_manifest_file("good.yaml", web("web", "10.96.0.10", &[&pod]).as_bytes()).unwrap();
-    // Rewritten every 20 ms (for a minute at most): no two reads agree.
+    // Rewritten every 20 ms (for a minute at most): no two reads agree. It
+    // is there before the agent starts, whenever the writer gets a core.
+    lab.write_manifest_file("moving.yaml", b"# start\n").unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
         let (stop, path) = (stop.clone(), dir.join("moving.yaml"));
