@@ -406,29 +406,17 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     }
     // The per-packet program at 2 services (a NodePort and a ClusterIP)
     // and at 100,000.
-    crate::cargo(&[
-        "build",
-        "--quiet",
-        "--release",
-        "-p",
-        "proxy-agent",
-        "--example",
-        "packet_bench",
-    ])?;
+    build_packet_bench()?;
     // Alternating rounds, the median of each figure: one run is noisy.
     let mut runs: Vec<(usize, Vec<Value>)> = vec![(2, vec![]), (100_000, vec![])];
     for _ in 0..opts.rounds {
         for (n, values) in runs.iter_mut() {
             eprintln!("per-packet program: {n} services");
-            values.push(per_packet(*n)?);
+            values.push(per_packet(PACKET_BENCH, *n)?);
         }
     }
     for (n, values) in runs {
-        let mut result = json!({"services": n, "rounds": values.len()});
-        for key in ["miss_ns", "node_port_new_ns", "cluster_ip_new_ns", "tracked_ns"] {
-            result[key] = json!(median(values.iter().filter_map(|v| v[key].as_f64()).collect()));
-        }
-        push(&mut results, "per_packet", result);
+        push(&mut results, "per_packet", medians(n, &values));
     }
     results["duration_s"] = json!(started.elapsed().as_secs_f64());
     std::fs::write(Path::new(OUT).join("results.json"), serde_json::to_string_pretty(&results)?)?;
@@ -479,10 +467,68 @@ pub fn iptables_backends(sizes: &[usize], full: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `packet_bench --services n`: nanoseconds per packet by path, from its
-/// `name ns` lines.
-fn per_packet(n: usize) -> anyhow::Result<Value> {
-    let out = sh("target/release/examples/packet_bench", &["--services", &n.to_string()])?;
+const PACKET_BENCH: &str = "target/release/examples/packet_bench";
+/// The figures `packet_bench` prints.
+const PER_PACKET: [&str; 4] = ["miss_ns", "node_port_new_ns", "cluster_ip_new_ns", "tracked_ns"];
+
+fn build_packet_bench() -> anyhow::Result<()> {
+    crate::cargo(&[
+        "build",
+        "--quiet",
+        "--release",
+        "-p",
+        "proxy-agent",
+        "--example",
+        "packet_bench",
+    ])
+}
+
+/// The median of each figure over `values` (runs at `n` services).
+fn medians(n: usize, values: &[Value]) -> Value {
+    let mut result = json!({"services": n, "rounds": values.len()});
+    for key in PER_PACKET {
+        result[key] = json!(median(values.iter().filter_map(|v| v[key].as_f64()).collect()));
+    }
+    result
+}
+
+/// `cargo xtask packet-bench --base BIN`: this tree's `packet_bench` and
+/// another build's (`BIN`, e.g. one built from main and kept aside), run
+/// alternately on the same machine, `rounds` times at each size (who goes
+/// first alternates too); prints the medians and their ratios.
+pub fn packet_ab(base: &Path, sizes: &[usize], rounds: usize) -> anyhow::Result<()> {
+    build_packet_bench()?;
+    let base = base.to_str().context("--base: not UTF-8")?;
+    let sizes = if sizes.is_empty() { &[2, 100_000][..] } else { sizes };
+    println!("| services | figure | base ns | this tree ns | ratio |");
+    println!("|---|---|---|---|---|");
+    for &n in sizes {
+        let (mut before, mut after) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            eprintln!("per-packet program: {n} services, round {}", round + 1);
+            let mut pair = [(base, &mut before), (PACKET_BENCH, &mut after)];
+            if round % 2 == 1 {
+                pair.reverse();
+            }
+            for (bin, values) in pair {
+                values.push(per_packet(bin, n)?);
+            }
+        }
+        let (before, after) = (medians(n, &before), medians(n, &after));
+        for key in PER_PACKET {
+            if let (Some(b), Some(a)) = (before[key].as_f64(), after[key].as_f64()) {
+                let name = key.trim_end_matches("_ns");
+                println!("| {n} | {name} | {b:.0} | {a:.0} | {:.2}x |", a / b);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `packet_bench --services n` of the build `bin`: nanoseconds per packet
+/// by path, from its `name ns` lines.
+fn per_packet(bin: &str, n: usize) -> anyhow::Result<Value> {
+    let out = sh(bin, &["--services", &n.to_string()])?;
     let mut result = json!({"services": n});
     for line in out.lines() {
         let mut words = line.split_whitespace();
