@@ -1,4 +1,5 @@
-//! Developer tasks: `cargo xtask setup | demo | test | bench | soak | vmtest`.
+//! Developer tasks: `cargo xtask setup | demo | test | bench | packet-bench | soak |
+//! vmtest`.
 
 mod bench;
 mod demo;
