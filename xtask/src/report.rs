@@ -10,6 +10,11 @@ fn num(v: &Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or(f64::NAN)
 }
 
+/// A ratio to three decimals, "–" when absent.
+fn ratio(v: &Value, key: &str) -> String {
+    v[key].as_f64().map_or("–".into(), |v| format!("{v:.3}"))
+}
+
 fn rows<'a>(results: &'a Value, key: &str) -> impl Iterator<Item = &'a Value> {
     results[key].as_array().into_iter().flatten()
 }
@@ -23,7 +28,7 @@ fn cpu_table(out: &mut String, results: &Value) {
         "\n### CPU time per 10,000 connections (wrk + nginx, user + system), as a ratio to a direct connection without any proxy\n\n| mode | services | baseline ms | direct, N installed | ClusterIP | ClusterIP per packet | NodePort | ClusterIP ÷ direct with the agent |\n|---|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in rows(results, "connection_rates").filter(|r| r["failed"].is_null()) {
-        let ratio = |k: &str| r[k].as_f64().map_or("–".into(), |v| format!("{v:.3}"));
+        let ratio = |k: &str| ratio(r, k);
         let _ = writeln!(
             out,
             "| {} | {} | {:.0} | {} | {} | {} | {} | {} |",
@@ -62,10 +67,7 @@ pub fn markdown(results: &Value) -> String {
             let _ = writeln!(out, "| {mode} | {n} | failed: {why} | | | | | | |");
             continue;
         }
-        let ratio = |k: &str| match r[k].as_f64() {
-            Some(v) => format!("{v:.3}"),
-            None => "–".into(),
-        };
+        let ratio = |k: &str| ratio(r, k);
         let _ = writeln!(
             out,
             "| {} | {} | {:.0} | {} | {} | {} | {} | {:.1} | {:.1} |",
