@@ -11,6 +11,7 @@ mod lb;
 mod log;
 mod maps;
 mod packet;
+mod prefilter;
 mod reject;
 mod sock_end;
 mod sock_lb;

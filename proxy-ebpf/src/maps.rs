@@ -11,7 +11,7 @@ use proxy_common::{
     FragRewrite, FrontendInfo, Layouts, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_FRAGMENTS,
     MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOCK_ENDS, MAX_SOCK_FLOWS, MAX_SOCK_REV_NAT,
     MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue, SockEndKey, SockFlow, SockFlowKey,
-    SockRevNat, SockRevNatKey, SourceRangeKey,
+    SockRevNat, SockRevNatKey, SourceRangeKey, prefilter,
 };
 
 #[btf_map]
@@ -64,6 +64,11 @@ pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8, { MAX_SOURCE_RANGES as usi
 
 #[btf_map]
 pub static CONFIG: Array<Config, 1> = Array::new();
+
+/// The per-packet programs' pre-filter (`proxy_common::prefilter`): bits
+/// the agent sets, the programs only read.
+#[btf_map]
+pub static PREFILTER: Array<u64, { prefilter::WORDS as usize }> = Array::new();
 
 /// Datagrams whose first fragment was translated: their later fragments
 /// (no ports) get the same addresses.

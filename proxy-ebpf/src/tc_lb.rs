@@ -29,6 +29,7 @@ use crate::{
     log::{self, Outcome},
     maps::{CONFIG, FRAGMENTS, SOURCE_RANGES, count},
     packet::{self, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
+    prefilter::{self, Filter, Hook},
     reject,
     tc_act::{NEXT, SHOT, STACK},
 };
@@ -37,13 +38,16 @@ const AF_INET: u8 = 2;
 
 #[inline(always)]
 pub fn try_ingress(ctx: &TcContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    if filtered(ctx, cfg, Hook::Ingress) {
+        return NEXT;
+    }
     let pkt = match packet::parse(ctx) {
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Fragment(key)) => return later_fragment(ctx, &key),
         Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, true),
         None => return NEXT,
     };
-    let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
 
     if let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) {
@@ -63,6 +67,13 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
         return SHOT;
     }
     new_flow(ctx, cfg, &pkt, &key, &svc, now)
+}
+
+/// Whether the pre-filter passes the packet on untouched. At `trace`, where
+/// every packet of no flow is recorded, every packet takes the full path.
+#[inline(always)]
+fn filtered(ctx: &TcContext, cfg: &Config, hook: Hook) -> bool {
+    cfg.log_level < log_level::TRACE && prefilter::check(ctx, cfg, hook) == Filter::Pass
 }
 
 /// A new flow to the frontend `svc` (found at `key`): a backend, SNAT where
@@ -194,16 +205,20 @@ fn source_allowed(svc: &ServiceValue, saddr: [u8; 4]) -> bool {
 
 /// Egress of the same interfaces: replies of host-network backends, which
 /// the stack sends (translated packets it delivered locally), are reverse
-/// translated on their way out. Packets this program redirected were
-/// translated already; their tuples are no conntrack keys.
+/// translated on their way out. The pre-filter lets only those (and ICMP
+/// errors) reach the conntrack lookup: packets this datapath redirected, and
+/// every other packet leaving towards a pod, pass at the cost of one bit.
 #[inline(always)]
 pub fn try_egress(ctx: &TcContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    if filtered(ctx, cfg, Hook::Egress) {
+        return NEXT;
+    }
     let pkt = match packet::parse(ctx) {
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, false),
         _ => return NEXT,
     };
-    let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let now = unsafe { bpf_ktime_get_ns() };
     let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) else {
         record(cfg, log_level::TRACE, false, &pkt.tuple, Outcome::NoFlow);

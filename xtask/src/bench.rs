@@ -10,7 +10,10 @@
 //!   per packet), and through a NodePort (policy Local: no SNAT) from an
 //!   external client; the
 //!   direct runs use another backend port than the service runs, so
-//!   conntrack TIME_WAIT entries of one never meet the other;
+//!   conntrack TIME_WAIT entries of one never meet the other; and what the
+//!   same runs cost: CPU time of client and server per 10,000 connections
+//!   (a cost, steadier than a rate on a loaded machine), as ratios to the
+//!   baseline and, for the socket LB, to the direct run with the agent;
 //! - programming time: N services × 10 endpoints listed from the test API
 //!   server to the datapath serving, and the agent's first sync (iptables
 //!   only while a size finishes within the limit, and not at the next size
@@ -152,22 +155,62 @@ fn lab(setup: Setup) -> anyhow::Result<(Lab, Pod, Pod, Pod)> {
     Ok((lab, client, per_packet, ext))
 }
 
-/// Connections per second wrk makes to `addr` from `client`.
-fn rate(lab: &Lab, client: &Pod, in_cgroup: bool, addr: &str, seconds: u64) -> anyhow::Result<f64> {
+/// One wrk run: connections per second, and the CPU they cost.
+#[derive(Clone, Copy)]
+struct Run {
+    per_s: f64,
+    /// CPU time of client (wrk) and server (nginx) per 10,000 connections,
+    /// in ms: user, system, and the softirq work done in their context
+    /// (most of the network stack's, veth included). A cost, where a rate
+    /// swings with the machine's load.
+    cpu_ms_per_10k: f64,
+}
+
+/// The CPU seconds of this process's reaped children (each wrk run).
+fn children_cpu_s() -> f64 {
+    // SAFETY: plain out-parameter.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
+/// The CPU seconds process `pid` used so far (utime + stime of
+/// /proc/PID/stat); 0 when it cannot be read.
+fn process_cpu_s(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): utime and
+    // stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let ticks: f64 =
+        rest.split_whitespace().skip(11).take(2).filter_map(|t| t.parse::<f64>().ok()).sum();
+    // SAFETY: no preconditions.
+    ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+/// A wrk run to `addr` from `client`: its rate and CPU cost.
+fn rate(lab: &Lab, client: &Pod, in_cgroup: bool, addr: &str, seconds: u64) -> anyhow::Result<Run> {
     let url = format!("http://{addr}/");
     let duration = format!("{seconds}s");
     let args = ["-t1", "-c8", "-d", &duration, "-H", "Connection: close", &url];
     let cgroup = in_cgroup.then_some(lab.cgroup.as_path());
+    let nginx = std::fs::read_to_string(lab.dir.join("nginx.pid")).unwrap_or_default();
+    let cpu_before = children_cpu_s() + process_cpu_s(&nginx);
     let out = lab.run_in(&client.netns, cgroup, "wrk", &args)?;
-    let rate = out
+    let cpu = children_cpu_s() + process_cpu_s(&nginx) - cpu_before;
+    let per_s = out
         .lines()
         .find_map(|l| l.strip_prefix("Requests/sec:")?.trim().parse().ok())
         .with_context(|| format!("no rate from wrk:\n{out}"))?;
+    let requests: f64 = out
+        .lines()
+        .find_map(|l| l.trim().split_once(" requests in ")?.0.parse().ok())
+        .with_context(|| format!("no request count from wrk:\n{out}"))?;
     if let Some(errors) = out.lines().find(|l| l.contains("Socket errors") || l.contains("Non-2xx"))
     {
         eprintln!("  wrk to {addr}: {}", errors.trim());
     }
-    Ok(rate)
+    Ok(Run { per_s, cpu_ms_per_10k: cpu * 1000.0 * 10_000.0 / requests.max(1.0) })
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -217,11 +260,11 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     let direct = format!("{POD}:{DIRECT_PORT}");
     let warm = |lab: &Lab| rate(lab, &client, false, &direct, 1);
     warm(&lab)?;
-    let baseline = median(
-        (0..opts.rounds)
-            .map(|_| rate(&lab, &client, false, &direct, s))
-            .collect::<anyhow::Result<_>>()?,
-    );
+    let baseline: Vec<Run> = (0..opts.rounds)
+        .map(|_| rate(&lab, &client, false, &direct, s))
+        .collect::<anyhow::Result<_>>()?;
+    let baseline_cpu = median(baseline.iter().map(|r| r.cpu_ms_per_10k).collect());
+    let baseline = median(baseline.iter().map(|r| r.per_s).collect());
     lab.write_manifest(&manifest(n, 1))?;
     let max = map_max(n, 1);
     if let Err(e) = lab.start_agent_within(0, &["--bpf-lb-map-max", &max], LIMIT) {
@@ -231,7 +274,7 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     }
     let vip = "10.96.0.10:80";
     let node_port = "192.168.100.11:30080";
-    let mut runs: Vec<(&str, Vec<f64>)> =
+    let mut runs: Vec<(&str, Vec<Run>)> =
         vec![("direct", vec![]), ("vip", vec![]), ("node_port", vec![])];
     if mode == Mode::Ebpf {
         runs.push(("vip_per_packet", vec![]));
@@ -253,13 +296,23 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
         "mode": mode.as_arg(),
         "services": n,
         "baseline_per_s": baseline,
+        "baseline_cpu_ms_per_10k": baseline_cpu,
         "agent_peak_rss_mib": lab.agent_pid_on(0).map_or(f64::NAN, peak_rss_mib),
         "map_memory_mib": map_memory_mib(&lab),
     });
     for (name, values) in runs {
-        let m = median(values);
+        let m = median(values.iter().map(|r| r.per_s).collect());
         result[format!("{name}_per_s")] = json!(m);
         result[format!("{name}_ratio")] = json!(m / baseline);
+        let cpu = median(values.iter().map(|r| r.cpu_ms_per_10k).collect());
+        result[format!("{name}_cpu_ms_per_10k")] = json!(cpu);
+        result[format!("{name}_cpu_ratio")] = json!(cpu / baseline_cpu);
+    }
+    // The socket LB's cost over a direct connection, both with the agent.
+    if let (Some(vip), Some(direct)) =
+        (result["vip_cpu_ms_per_10k"].as_f64(), result["direct_cpu_ms_per_10k"].as_f64())
+    {
+        result["vip_cpu_vs_direct"] = json!(vip / direct);
     }
     eprintln!("  {}", result);
     Ok(result)
@@ -406,29 +459,17 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     }
     // The per-packet program at 2 services (a NodePort and a ClusterIP)
     // and at 100,000.
-    crate::cargo(&[
-        "build",
-        "--quiet",
-        "--release",
-        "-p",
-        "proxy-agent",
-        "--example",
-        "packet_bench",
-    ])?;
+    build_packet_bench()?;
     // Alternating rounds, the median of each figure: one run is noisy.
     let mut runs: Vec<(usize, Vec<Value>)> = vec![(2, vec![]), (100_000, vec![])];
     for _ in 0..opts.rounds {
         for (n, values) in runs.iter_mut() {
             eprintln!("per-packet program: {n} services");
-            values.push(per_packet(*n)?);
+            values.push(per_packet(PACKET_BENCH, *n)?);
         }
     }
     for (n, values) in runs {
-        let mut result = json!({"services": n, "rounds": values.len()});
-        for key in ["miss_ns", "node_port_new_ns", "cluster_ip_new_ns", "tracked_ns"] {
-            result[key] = json!(median(values.iter().filter_map(|v| v[key].as_f64()).collect()));
-        }
-        push(&mut results, "per_packet", result);
+        push(&mut results, "per_packet", medians(n, &values));
     }
     results["duration_s"] = json!(started.elapsed().as_secs_f64());
     std::fs::write(Path::new(OUT).join("results.json"), serde_json::to_string_pretty(&results)?)?;
@@ -479,10 +520,68 @@ pub fn iptables_backends(sizes: &[usize], full: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `packet_bench --services n`: nanoseconds per packet by path, from its
-/// `name ns` lines.
-fn per_packet(n: usize) -> anyhow::Result<Value> {
-    let out = sh("target/release/examples/packet_bench", &["--services", &n.to_string()])?;
+const PACKET_BENCH: &str = "target/release/examples/packet_bench";
+/// The figures `packet_bench` prints.
+const PER_PACKET: [&str; 4] = ["miss_ns", "node_port_new_ns", "cluster_ip_new_ns", "tracked_ns"];
+
+fn build_packet_bench() -> anyhow::Result<()> {
+    crate::cargo(&[
+        "build",
+        "--quiet",
+        "--release",
+        "-p",
+        "proxy-agent",
+        "--example",
+        "packet_bench",
+    ])
+}
+
+/// The median of each figure over `values` (runs at `n` services).
+fn medians(n: usize, values: &[Value]) -> Value {
+    let mut result = json!({"services": n, "rounds": values.len()});
+    for key in PER_PACKET {
+        result[key] = json!(median(values.iter().filter_map(|v| v[key].as_f64()).collect()));
+    }
+    result
+}
+
+/// `cargo xtask packet-bench --base BIN`: this tree's `packet_bench` and
+/// another build's (`BIN`, e.g. one built from main and kept aside), run
+/// alternately on the same machine, `rounds` times at each size (who goes
+/// first alternates too); prints the medians and their ratios.
+pub fn packet_ab(base: &Path, sizes: &[usize], rounds: usize) -> anyhow::Result<()> {
+    build_packet_bench()?;
+    let base = base.to_str().context("--base: not UTF-8")?;
+    let sizes = if sizes.is_empty() { &[2, 100_000][..] } else { sizes };
+    println!("| services | figure | base ns | this tree ns | ratio |");
+    println!("|---|---|---|---|---|");
+    for &n in sizes {
+        let (mut before, mut after) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            eprintln!("per-packet program: {n} services, round {}", round + 1);
+            let mut pair = [(base, &mut before), (PACKET_BENCH, &mut after)];
+            if round % 2 == 1 {
+                pair.reverse();
+            }
+            for (bin, values) in pair {
+                values.push(per_packet(bin, n)?);
+            }
+        }
+        let (before, after) = (medians(n, &before), medians(n, &after));
+        for key in PER_PACKET {
+            if let (Some(b), Some(a)) = (before[key].as_f64(), after[key].as_f64()) {
+                let name = key.trim_end_matches("_ns");
+                println!("| {n} | {name} | {b:.0} | {a:.0} | {:.2}x |", a / b);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `packet_bench --services n` of the build `bin`: nanoseconds per packet
+/// by path, from its `name ns` lines.
+fn per_packet(bin: &str, n: usize) -> anyhow::Result<Value> {
+    let out = sh(bin, &["--services", &n.to_string()])?;
     let mut result = json!({"services": n});
     for line in out.lines() {
         let mut words = line.split_whitespace();

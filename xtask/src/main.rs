@@ -1,4 +1,5 @@
-//! Developer tasks: `cargo xtask setup | demo | test | bench | soak | vmtest`.
+//! Developer tasks: `cargo xtask setup | demo | test | bench | packet-bench | soak |
+//! vmtest`.
 
 mod bench;
 mod demo;
@@ -63,6 +64,22 @@ enum Task {
         /// 10,000)
         #[arg(long)]
         iptables_backends: bool,
+    },
+    /// The per-packet program's nanoseconds per packet (`packet_bench`) of
+    /// this tree against another build's, run alternately on the same
+    /// machine; prints the medians and the ratios.
+    PacketBench {
+        /// The other build's packet_bench binary (e.g. built from main:
+        /// `cargo build --release -p proxy-agent --example packet_bench`,
+        /// then copied aside)
+        #[arg(long)]
+        base: std::path::PathBuf,
+        /// Rounds per size (the median is reported)
+        #[arg(long, default_value_t = 7)]
+        rounds: usize,
+        /// Services installed (default 2 and 100,000)
+        #[arg(long, value_delimiter = ',')]
+        sizes: Vec<usize>,
     },
     /// The agent under steady churn of services and endpoints (from the
     /// test API server) with traffic through a stable service: RSS, fds,
@@ -148,6 +165,10 @@ fn main() -> anyhow::Result<()> {
             }
             let modes = modes.into_iter().map(DemoMode::lab).collect();
             bench::run(bench::Options { full, seconds, rounds, sizes, modes, docs })
+        }
+        Task::PacketBench { base, rounds, sizes } => {
+            require_root()?;
+            bench::packet_ab(&base, &sizes, rounds)
         }
         Task::Soak { minutes, mode, rate, warm_up } => {
             setup::run()?;

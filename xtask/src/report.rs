@@ -10,8 +10,38 @@ fn num(v: &Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or(f64::NAN)
 }
 
+/// A ratio to three decimals, "–" when absent.
+fn ratio(v: &Value, key: &str) -> String {
+    v[key].as_f64().map_or("–".into(), |v| format!("{v:.3}"))
+}
+
 fn rows<'a>(results: &'a Value, key: &str) -> impl Iterator<Item = &'a Value> {
     results[key].as_array().into_iter().flatten()
+}
+
+/// CPU time (client and server) per 10,000 connections, as a ratio to the
+/// direct connection without an agent; and the socket LB's over a direct
+/// connection with the agent.
+fn cpu_table(out: &mut String, results: &Value) {
+    let _ = writeln!(
+        out,
+        "\n### CPU time per 10,000 connections (wrk + nginx, user + system), as a ratio to a direct connection without any proxy\n\n| mode | services | baseline ms | direct, N installed | ClusterIP | ClusterIP per packet | NodePort | ClusterIP ÷ direct with the agent |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for r in rows(results, "connection_rates").filter(|r| r["failed"].is_null()) {
+        let ratio = |k: &str| ratio(r, k);
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.0} | {} | {} | {} | {} | {} |",
+            r["mode"].as_str().unwrap_or(""),
+            r["services"],
+            num(r, "baseline_cpu_ms_per_10k"),
+            ratio("direct_cpu_ratio"),
+            ratio("vip_cpu_ratio"),
+            ratio("vip_per_packet_cpu_ratio"),
+            ratio("node_port_cpu_ratio"),
+            ratio("vip_cpu_vs_direct"),
+        );
+    }
 }
 
 pub fn markdown(results: &Value) -> String {
@@ -37,10 +67,7 @@ pub fn markdown(results: &Value) -> String {
             let _ = writeln!(out, "| {mode} | {n} | failed: {why} | | | | | | |");
             continue;
         }
-        let ratio = |k: &str| match r[k].as_f64() {
-            Some(v) => format!("{v:.3}"),
-            None => "–".into(),
-        };
+        let ratio = |k: &str| ratio(r, k);
         let _ = writeln!(
             out,
             "| {} | {} | {:.0} | {} | {} | {} | {} | {:.1} | {:.1} |",
@@ -55,6 +82,7 @@ pub fn markdown(results: &Value) -> String {
             num(r, "map_memory_mib"),
         );
     }
+    cpu_table(&mut out, results);
     let _ = writeln!(out, "\n### Programming N services × 10 endpoints, and one endpoint change\n");
     let _ = writeln!(
         out,

@@ -15,6 +15,7 @@ pub mod carry;
 pub mod conntrack;
 pub mod datapath;
 pub mod departures;
+pub mod prefilter;
 pub mod records;
 pub mod sock_end;
 pub mod sync;
@@ -52,6 +53,7 @@ use proxy_common::{
 
 use carry::{Carry, Conversion, Pinned, STATE_MAPS};
 use departures::Departures;
+use prefilter::Prefilter;
 use sock_end::{Iterators, SocketDestroy, SocketEnding};
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
 use sync::{MapOp, MapWriter};
@@ -125,6 +127,7 @@ struct Maps {
     sock_flows: Map,
     counters: Map,
     layout: Map,
+    prefilter: Prefilter,
 }
 
 impl Maps {
@@ -146,6 +149,7 @@ impl Maps {
             sock_flows: take(map_names::SOCK_FLOWS)?,
             counters: take(map_names::COUNTERS)?,
             layout: take(map_names::LAYOUT)?,
+            prefilter: Prefilter::new(take(map_names::PREFILTER)?),
         })
     }
 
@@ -160,7 +164,7 @@ impl Maps {
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 13] {
+    fn by_name(&self) -> [(&'static str, &Map); 14] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
@@ -175,6 +179,7 @@ impl Maps {
             (map_names::SOCK_FLOWS, &self.sock_flows),
             (map_names::COUNTERS, &self.counters),
             (map_names::LAYOUT, &self.layout),
+            (map_names::PREFILTER, self.prefilter.map()),
         ]
     }
 }
@@ -182,6 +187,8 @@ impl Maps {
 impl MapWriter for Maps {
     fn apply(&mut self, op: &MapOp) -> Result<(), io::Error> {
         let mut write = || -> Result<(), MapError> {
+            // The pre-filter lets the entry's packets through before it exists.
+            self.prefilter.set(prefilter::bits_of(op))?;
             match op {
                 MapOp::PutBackend { id, backend } => {
                     HashMap::<_, u32, Backend>::try_from(&mut self.backends)?.insert(id, backend, 0)
@@ -537,6 +544,7 @@ impl EbpfBackend {
             let link = FdLink::try_from(link).map_err(|source| EbpfError::Link { name, source })?;
             links.push((name, link));
         }
+        self.mark_flows()?;
         let mut tc_links = Vec::new();
         for interface in interfaces {
             // One interface that will not take the program (gone already, an
@@ -588,6 +596,10 @@ impl EbpfBackend {
                     tracing::warn!(map = name, error = %e, "could not convert the entries made during the takeover")
                 }
             }
+        }
+        // Flows the old programs made since `activate` looked.
+        if let Err(e) = self.mark_flows() {
+            tracing::warn!(error = %e, "could not mark the flows made during the takeover in the pre-filter");
         }
         let released = self.state.release_reserved();
         let departures = Departures::gone(released.backends);
@@ -728,6 +740,15 @@ impl EbpfBackend {
                 Err(e) => tracing::warn!(%interface, error = %e, "could not attach"),
             }
         }
+    }
+
+    /// Sets the pre-filter bits of every flow in `CONNTRACK` (carried over
+    /// from a previous agent), so their packets keep reaching it.
+    fn mark_flows(&mut self) -> Result<(), EbpfError> {
+        let entries = self.conntrack_entries()?;
+        let bits = entries.iter().flat_map(|(key, entry)| prefilter::flow_bits(key, entry));
+        let name = map_names::PREFILTER;
+        self.maps.prefilter.set(bits).map_err(|source| EbpfError::Map { name, source })
     }
 
     fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtEntry)>, EbpfError> {
