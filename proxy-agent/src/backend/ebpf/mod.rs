@@ -11,6 +11,7 @@
 //! ([`carry`]), attaches its programs beside the old ones (or in place of the
 //! old filters), then retires the old pins; `cleanup` removes them all.
 
+pub mod batch;
 pub mod carry;
 pub mod conntrack;
 pub mod datapath;
@@ -54,7 +55,7 @@ use carry::{Carry, Conversion, Pinned, STATE_MAPS};
 use departures::Departures;
 use sock_end::{Iterators, SocketDestroy, SocketEnding};
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
-use sync::{MapOp, MapWriter};
+use sync::{BatchKind, MapOp, MapWriter, apply_each};
 
 use crate::{
     plan::{Frontend, Plan},
@@ -222,6 +223,42 @@ impl MapWriter for Maps {
             }
         };
         write().map_err(io::Error::other)
+    }
+
+    fn apply_run(&mut self, ops: &[MapOp]) -> (usize, Result<(), io::Error>) {
+        // A single write needs no batch.
+        match ops.len() {
+            2.. => self.apply_batched(ops),
+            _ => None,
+        }
+        .unwrap_or_else(|| apply_each(self, ops))
+    }
+}
+
+/// The fd of a hash map (plain or LRU), for the batched operations.
+fn hash_fd(map: &Map) -> Option<std::os::fd::BorrowedFd<'_>> {
+    use std::os::fd::AsFd;
+    match map {
+        Map::HashMap(data) | Map::LruHashMap(data) => Some(data.fd().as_fd()),
+        _ => None,
+    }
+}
+
+impl Maps {
+    /// `ops` (of one [`MapOp::batch_kind`]) in batches, where the kernel
+    /// and the map have them.
+    fn apply_batched(&self, ops: &[MapOp]) -> Option<batch::Outcome> {
+        let fd = match ops.first()?.batch_kind()? {
+            BatchKind::PutService | BatchKind::DeleteService => hash_fd(&self.services)?,
+            BatchKind::PutBackend | BatchKind::DeleteBackend => hash_fd(&self.backends)?,
+        };
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        for op in ops {
+            let (key, value) = op.entry()?;
+            keys.extend_from_slice(key);
+            values.extend_from_slice(value.unwrap_or_default());
+        }
+        batch::write(fd, &keys, &values, ops.len())
     }
 }
 
@@ -728,9 +765,18 @@ impl EbpfBackend {
         }
     }
 
+    /// Every flow, read in batches where the kernel has them.
     fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtEntry)>, EbpfError> {
         let name = map_names::CONNTRACK;
         let err = |source| EbpfError::Map { name, source };
+        if let Some(read) = hash_fd(&self.maps.conntrack).and_then(batch::lookup_all) {
+            return read.map_err(|io_error| {
+                err(MapError::SyscallError(aya::sys::SyscallError {
+                    call: "BPF_MAP_LOOKUP_BATCH",
+                    io_error,
+                }))
+            });
+        }
         let map = HashMap::<_, CtKey, CtEntry>::try_from(&self.maps.conntrack).map_err(err)?;
         Ok(map.iter().filter_map(Result::ok).collect())
     }
