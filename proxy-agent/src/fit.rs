@@ -218,18 +218,17 @@ pub fn fit(desired: &Plan, served: &Plan, capacity: Capacity) -> Fitted {
     Fitted { plan: Plan { frontends: frontends.collect() }, refused }
 }
 
-/// The entries `plan` takes in each map, on its own.
+/// The entries `plan` takes in each map, on its own (one pass, counting
+/// the backends shared between frontends of one protocol once).
 pub fn needed(plan: &Plan) -> Capacity {
-    let mut usage = Usage::default();
-    for form in by_service(plan).values() {
-        usage.add(form);
+    let mut backends = BTreeSet::new();
+    let (mut services, mut source_ranges) = (0, 0);
+    for (frontend, fp) in &plan.frontends {
+        services += 1 + fp.backends.len();
+        source_ranges += fp.source_ranges.len();
+        backends.extend(fp.backends.iter().map(|b| (frontend.protocol, b)));
     }
-    Capacity {
-        services: usage.services,
-        backends: usage.backends.len(),
-        rev_nat: usage.rev_nat,
-        source_ranges: usage.source_ranges,
-    }
+    Capacity { services, backends: backends.len(), rev_nat: plan.frontends.len(), source_ranges }
 }
 
 /// The sizes the service maps grow to so that `needed` fits with room to

@@ -260,7 +260,16 @@ impl EbpfDatapath {
         let old = std::mem::replace(&mut self.backend, backend);
         self.capacity = larger;
         let mut fill = || -> anyhow::Result<SyncReport> {
-            let report = self.sync_fitted(plan, served, metrics).context("filling them")?;
+            // Whole where it fits (the usual case, and the cheap one).
+            let report = match self.backend.sync(plan, None) {
+                Err(SyncError::Capacity { .. }) => self.sync_fitted(plan, served, metrics),
+                Ok(report) => {
+                    self.report_refused(BTreeMap::new(), plan, metrics);
+                    Ok(report)
+                }
+                Err(e) => Err(e),
+            }
+            .context("filling them")?;
             if let Some(node_ips) = self.serving.clone() {
                 // The programs attached now serve until the new ones are.
                 self.activate(&node_ips, metrics).context("attaching to them")?;
