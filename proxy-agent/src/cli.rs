@@ -203,6 +203,9 @@ pub enum ProxyMode {
 
 /// `--pod-interfaces` when not given.
 pub const DEFAULT_POD_INTERFACES: &str = "veth,lxc,cali";
+/// The default bound of the service maps: 4 Mi entries, room for 100,000
+/// services of 10 endpoints with the growth's headroom.
+pub const BPF_LB_MAP_MAX: u32 = 1 << 22;
 
 /// How the per-packet program is attached to interfaces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -359,10 +362,11 @@ pub struct RunArgs {
     /// they are also scanned at least this often, in case one was missed
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub interface_rescan_period: Duration,
-    /// Entries of the SERVICES map (a frontend plus one per backend of it),
-    /// the BACKENDS map and the REV_NAT map (one per frontend); services
-    /// that do not fit are refused, the others served
-    #[arg(long, value_name = "N", default_value_t = proxy_common::MAX_SERVICE_ENTRIES)]
+    /// The most entries the SERVICES map (a frontend plus one per backend
+    /// of it), the BACKENDS map and the REV_NAT map (one per frontend) grow
+    /// to: they start at 65536 (or this), grow with the services, and
+    /// services that do not fit at this bound are refused, the others served
+    #[arg(long, value_name = "N", default_value_t = BPF_LB_MAP_MAX)]
     pub bpf_lb_map_max: u32,
     /// Source ports SNAT allocates from (below the NodePort and ephemeral
     /// ranges); reserved in the node's net.ipv4.ip_local_reserved_ports

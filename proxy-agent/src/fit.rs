@@ -218,6 +218,39 @@ pub fn fit(desired: &Plan, served: &Plan, capacity: Capacity) -> Fitted {
     Fitted { plan: Plan { frontends: frontends.collect() }, refused }
 }
 
+/// The entries `plan` takes in each map, on its own (one pass, counting
+/// the backends shared between frontends of one protocol once).
+pub fn needed(plan: &Plan) -> Capacity {
+    let mut backends = BTreeSet::new();
+    let (mut services, mut source_ranges) = (0, 0);
+    for (frontend, fp) in &plan.frontends {
+        services += 1 + fp.backends.len();
+        source_ranges += fp.source_ranges.len();
+        backends.extend(fp.backends.iter().map(|b| (frontend.protocol, b)));
+    }
+    Capacity { services, backends: backends.len(), rev_nat: plan.frontends.len(), source_ranges }
+}
+
+/// The sizes the service maps grow to so that `needed` fits with room to
+/// spare (a quarter more, rounded up to a power of two: growing is rare),
+/// each at most `bound`; `None` when no map outgrew `current` or none can
+/// grow. Source ranges live in a map of fixed size.
+pub fn grown(current: Capacity, needed: Capacity, bound: usize) -> Option<Capacity> {
+    let size = |current: usize, needed: usize| {
+        if needed <= current {
+            return current;
+        }
+        (needed + needed / 4).next_power_of_two().min(bound).max(current)
+    };
+    let grown = Capacity {
+        services: size(current.services, needed.services),
+        backends: size(current.backends, needed.backends),
+        rev_nat: size(current.rev_nat, needed.rev_nat),
+        source_ranges: current.source_ranges,
+    };
+    (grown != current).then_some(grown)
+}
+
 /// The frontends to sync at each step from `served` to `target`, so that
 /// no service's old and new entries wait on another's: first what goes
 /// away, then each service of `target` in name order (its new entries
@@ -380,6 +413,20 @@ mod tests {
         assert_eq!(fitted.plan, served);
         assert!(fitted.refused[&name("a")].kept_previous);
         assert_eq!(fitted.refused[&name("b")].reason, Reason::AddressHeld);
+    }
+
+    #[test]
+    fn the_maps_grow_with_room_to_spare_up_to_the_bound() {
+        let mut plan = Plan::default();
+        add(&mut plan, "a", 1, &[1, 2]);
+        add(&mut plan, "b", 2, &[1, 3]);
+        let needed = needed(&plan);
+        assert_eq!(needed, Capacity { services: 6, backends: 3, rev_nat: 2, source_ranges: 0 });
+        assert_eq!(grown(cap(8), needed, 1024), None, "it fits");
+        let small = Capacity { services: 4, ..cap(8) };
+        assert_eq!(grown(small, needed, 1024), Some(cap(8)), "6 and a quarter: 8");
+        assert_eq!(grown(small, needed, 5), Some(Capacity { services: 5, ..cap(8) }));
+        assert_eq!(grown(Capacity { services: 5, ..cap(8) }, needed, 5), None, "at the bound");
     }
 
     #[test]

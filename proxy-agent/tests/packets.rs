@@ -212,6 +212,22 @@ fn node_port_flow_is_translated_both_ways_with_valid_checksums() {
     assert_eq!(tuple(&again.packet), tuple(&out.packet));
 }
 
+/// The conntrack collection reads the map in batches (the kernel has them:
+/// 5.6+) and sees both directions of a live flow; the sync wrote its
+/// service slots and backends in batches too.
+#[test]
+fn the_conntrack_collection_reads_live_flows_in_batches() {
+    let backends: Vec<([u8; 4], u16)> = (0..50).map(|i| ([10, 244, 3, i], 8080)).collect();
+    let mut dp =
+        datapath(vec![(frontend(NODE, 30080, Protocol::Tcp), frontend_plan(&backends, true, &[]))]);
+    for port in 40000..40010 {
+        let out = run(&mut dp, &tcp((CLIENT, port), (NODE, 30080), SYN));
+        assert_eq!(out.verdict, STACK);
+    }
+    assert_eq!(dp.collect_conntrack().unwrap(), (0, 20), "ten flows, both directions");
+    assert!(proxy_agent::backend::ebpf::batch::supported());
+}
+
 #[test]
 fn a_direct_connection_reusing_a_closed_flows_tuple_is_left_alone() {
     const FIN: u8 = 0x01;

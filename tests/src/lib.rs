@@ -1027,6 +1027,14 @@ impl Lab {
         self.exec_on(node, &agent.to_string_lossy(), &args)
     }
 
+    /// The entries a pinned map of node 0 holds at most (`bpftool map show`).
+    pub fn map_capacity(&self, name: &str) -> anyhow::Result<u64> {
+        let path = self.nodes[0].pins.join("maps").join(name);
+        let out = sh("bpftool", &["-j", "map", "show", "pinned", &path.to_string_lossy()])?;
+        let json: serde_json::Value = serde_json::from_str(&out)?;
+        json["max_entries"].as_u64().context("max_entries")
+    }
+
     pub fn dump_map(&self, name: &str) -> anyhow::Result<String> {
         self.dump_map_on(0, name)
     }

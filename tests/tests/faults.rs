@@ -13,6 +13,10 @@
 //!   change of a service served goes through meanwhile; a replacement that
 //!   fits on its own is applied even where old and new do not fit side by
 //!   side. (iptables mode has no capacity to overflow: nothing to refuse.)
+//! - Maps that size themselves (eBPF): services that outgrow the maps
+//!   while the agent serves move into larger ones under steady load, not
+//!   one exchange failing; a new agent sizes its maps from the source
+//!   before it serves.
 
 use std::{
     process::{Child, Output},
@@ -389,4 +393,60 @@ fn full_maps_refuse_only_the_services_that_do_not_fit() {
     assert_eq!(refused_gauge(&b.lab), r#"proxy_services_refused{reason="services_map_full"} 0"#);
     let metrics = b.lab.metrics().unwrap();
     assert!(metrics.contains("proxy_map_entries{map=\"SERVICES\"} 36\n"), "{metrics}");
+}
+
+/// `n` services of lab/crowd-`i` at 10.96.2.`i`:80, each over the same
+/// `endpoints` addresses no pod answers on: a frontend and `endpoints`
+/// slots each in SERVICES, `endpoints` entries in BACKENDS.
+fn crowd(n: u8, endpoints: usize) -> String {
+    let addresses: Vec<String> =
+        (0..endpoints).map(|i| format!("10.245.{}.{}", i / 250, 1 + i % 250)).collect();
+    let mut yaml = String::new();
+    for i in 0..n {
+        let svc = service("lab", &format!("crowd-{i}"))
+            .cluster_ip(&format!("10.96.2.{i}"))
+            .port(port("http", 80).target(8080));
+        let slice = svc.slice().port("http", 8080, Tcp);
+        let slice = slice.endpoints(addresses.iter().map(|e| ep(e).node("lab-node")));
+        yaml += &manifest(&[&svc, &slice]);
+    }
+    yaml
+}
+
+/// The default maps hold 65,536 entries; 70 services of 1,000 endpoints
+/// take 70,070 in SERVICES.
+#[test]
+fn service_maps_grow_under_load_and_are_sized_at_start() {
+    let mut b = Bench::new(Setup::EBPF);
+    b.lab.write_manifest(&services(0)).unwrap();
+    b.lab.start_agent(&[]).unwrap();
+    assert_eq!(b.lab.map_capacity("SERVICES").unwrap(), 65_536);
+    let load = b.load();
+
+    let big = services(0) + &crowd(70, 1000) + &padded("late", 1, &["10.244.1.4".into()]);
+    b.lab.write_manifest(&big).unwrap();
+    wait_for_pod(&b, 1, "web-2");
+    // Said once the new programs are attached, a moment after they serve.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !b.lab.agent_log().contains("the service maps grew") {
+        assert!(Instant::now() < deadline, "{}", b.lab.agent_log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = b.lab.agent_log();
+    // 70,070 and a quarter, to a power of two; BACKENDS (1,004) kept its size.
+    assert_eq!(b.lab.map_capacity("SERVICES").unwrap(), 131_072);
+    assert_eq!(b.lab.map_capacity("BACKENDS").unwrap(), 65_536);
+    assert_eq!(refusals(&log, "lab/late"), 0);
+    std::thread::sleep(Duration::from_secs(1));
+    load.check(Setup::EBPF, &log);
+
+    // A new agent grows its maps before it serves: never too small.
+    b.lab.kill_agent();
+    let before = b.lab.agent_log().len();
+    b.lab.start_agent(&[]).unwrap();
+    let log = b.lab.agent_log()[before..].to_string();
+    let grown = log.find("the service maps grew").expect(&log);
+    assert!(grown < log.find("datapath ready; serving").unwrap(), "{log}");
+    assert_eq!(b.lab.map_capacity("SERVICES").unwrap(), 131_072);
+    wait_for_pod(&b, 1, "web-2");
 }

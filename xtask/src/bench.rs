@@ -111,11 +111,6 @@ fn manifest(n: usize, endpoints: usize) -> String {
     out
 }
 
-/// `--bpf-lb-map-max` for N services of `endpoints` endpoints.
-fn map_max(n: usize, endpoints: usize) -> String {
-    (n * (endpoints + 1) + 1024).max(65_536).to_string()
-}
-
 /// A lab: nginx in a pod (one process, no master: stopping it leaves no
 /// worker behind), two client pods (one for the runs through the
 /// socket-LB cgroup and direct, one for the per-packet runs: a 4-tuple the
@@ -266,8 +261,8 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     let baseline_cpu = median(baseline.iter().map(|r| r.cpu_ms_per_10k).collect());
     let baseline = median(baseline.iter().map(|r| r.per_s).collect());
     lab.write_manifest(&manifest(n, 1))?;
-    let max = map_max(n, 1);
-    if let Err(e) = lab.start_agent_within(0, &["--bpf-lb-map-max", &max], LIMIT) {
+    // The defaults: the maps size themselves.
+    if let Err(e) = lab.start_agent_within(0, &[], LIMIT) {
         let result = json!({"mode": mode.as_arg(), "services": n, "failed": format!("{e:#}")});
         eprintln!("  {result}");
         return Ok(result);
@@ -330,10 +325,8 @@ fn programming_with(mode: Mode, n: usize, full: bool, extra: &[&str]) -> anyhow:
     let mut lab = Lab::with(Setup { mode, source: Source::ApiServer })?;
     let written = manifest(n, 10);
     lab.write_manifest(&written)?;
-    let max = map_max(n, 10);
-    let flags = [&["--bpf-lb-map-max", max.as_str()], extra].concat();
     let start = Instant::now();
-    lab.spawn_agent_on(0, &flags)?;
+    lab.spawn_agent_on(0, extra)?;
     let limit = limit(mode, full);
     let mut listed = None;
     let outcome = loop {
@@ -379,8 +372,7 @@ fn change_latency(mode: Mode, n: usize, full: bool) -> anyhow::Result<Value> {
     let changes = if mode == Mode::Iptables && !full { QUICK_IPTABLES_CHANGES } else { CHANGES };
     let mut lab = Lab::with(Setup { mode, source: Source::ApiServer })?;
     lab.write_manifest(&manifest(n, 10))?;
-    let max = map_max(n, 10);
-    lab.start_agent_within(0, &["--bpf-lb-map-max", &max, "--min-sync-period", "0s"], LIMIT)?;
+    lab.start_agent_within(0, &["--min-sync-period", "0s"], LIMIT)?;
     let api = lab.api().context("API server")?;
     let mut latencies = Vec::with_capacity(changes);
     for i in 0..changes {

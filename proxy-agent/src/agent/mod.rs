@@ -670,10 +670,19 @@ impl Agent {
         if !self.phase.synced_whole() {
             let since = *waiting_since.get_or_insert_with(Instant::now);
             if since.elapsed() > Duration::from_secs(2) {
-                tracing::warn!(
-                    source = self.source.name(),
-                    "waiting for the whole source to be readable before taking over the datapath"
-                );
+                let source = self.source.name();
+                if self.phase.source_whole() {
+                    // The sync's own error says why (logged as it fails).
+                    tracing::warn!(
+                        source,
+                        "the source is read whole, but its plan is not in the datapath yet: no sync succeeded; waiting for one before taking over the datapath"
+                    );
+                } else {
+                    tracing::warn!(
+                        source,
+                        "waiting for the whole source to be readable before taking over the datapath"
+                    );
+                }
                 *waiting_since = Some(Instant::now());
             }
             return Ok(());

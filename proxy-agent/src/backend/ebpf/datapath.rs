@@ -11,10 +11,11 @@ use std::{
 };
 
 use anyhow::Context as _;
-use proxy_common::Config;
+use proxy_common::{Config, MAX_SERVICE_ENTRIES};
 
 use super::{
     CounterReader, EbpfBackend, MapSizes, TcAttach,
+    sock_end::SocketDestroy,
     sync::{SyncError, SyncReport},
 };
 use crate::{
@@ -39,7 +40,7 @@ const GC_MIN: Duration = Duration::from_secs(1);
 /// ...and at most this rarely.
 const GC_MAX: Duration = Duration::from_secs(30);
 /// Entries walked per second of interval: a collection reads the whole map
-/// (two syscalls an entry), so its interval grows with the map and the
+/// (in batches) and each expired entry again, so its interval grows with the map and the
 /// agent's share of a CPU stays small under heavy traffic. The programs
 /// ignore expired entries, and the LRU map evicts under pressure: the
 /// collection only frees room early.
@@ -57,8 +58,8 @@ fn gc_interval(entries: usize) -> Duration {
 /// The eBPF datapath and what looking after it needs.
 pub struct EbpfDatapath {
     backend: EbpfBackend,
+    loading: Loading,
     cgroup: PathBuf,
-    root: PathBuf,
     /// Name prefixes of pod-facing interfaces.
     pod_interfaces: Vec<String>,
     /// When expired conntrack entries are next collected.
@@ -66,13 +67,59 @@ pub struct EbpfDatapath {
     /// A previous agent's maps were pinned here at start.
     previous: bool,
     capacity: Capacity,
+    /// The most entries a service map may grow to (`--bpf-lb-map-max`).
+    bound: usize,
+    /// Whether they may still grow (not after growing failed).
+    growable: bool,
+    /// The node addresses it took over with (`None`: not yet serving).
+    serving: Option<Vec<IpAddr>>,
     /// The services that did not fit, as last logged.
     refused: BTreeMap<ServiceName, Refusal>,
 }
 
+/// What loading the programs takes, kept to load them again into larger
+/// maps.
+struct Loading {
+    tc_mode: TcAttach,
+    root: PathBuf,
+    config: Config,
+    socket_destroy: SocketDestroy,
+    terminate_tcp: bool,
+}
+
+impl Loading {
+    /// Loads the programs into service maps of `capacity`, carrying the
+    /// state maps pinned under the root over (a previous agent's, or this
+    /// one's when they grow), and configures them; nothing is attached.
+    fn load(&self, capacity: Capacity) -> anyhow::Result<EbpfBackend> {
+        let sizes = MapSizes {
+            services: map_size(capacity.services),
+            backends: map_size(capacity.backends),
+            rev_nat: map_size(capacity.rev_nat),
+        };
+        let mut backend = EbpfBackend::load_with(self.tc_mode, sizes, Some(&self.root))
+            .context("loading the BPF programs")?;
+        backend.configure(&self.config).context("writing the datapath settings")?;
+        // Read whatever the level: it can change while the programs run.
+        match backend.take_records_with(super::records::ToTracing) {
+            Ok(records) => super::records::drain(records),
+            Err(e) => tracing::warn!(error = %e, "the programs' decision records cannot be read"),
+        }
+        let ending = backend.choose_socket_ending(self.socket_destroy, self.terminate_tcp);
+        tracing::info!(way = ending.describe(), "sockets connected to removed endpoints are ended");
+        Ok(backend)
+    }
+}
+
+fn map_size(entries: usize) -> u32 {
+    u32::try_from(entries).unwrap_or(u32::MAX)
+}
+
 impl EbpfDatapath {
-    /// Loads the programs (carrying a previous agent's state over),
-    /// configures them and reserves the SNAT ports; nothing is attached yet.
+    /// Loads the programs (carrying a previous agent's state over) into
+    /// maps of the default size (at most `--bpf-lb-map-max`: the first
+    /// sync grows them to what the source holds), configures them and
+    /// reserves the SNAT ports; nothing is attached yet.
     pub fn new(args: &RunArgs, node: &Node) -> anyhow::Result<Self> {
         let cgroup = match &args.cgroup_path {
             Some(path) => path.clone(),
@@ -86,28 +133,27 @@ impl EbpfDatapath {
             TcAttachArg::Tcx => TcAttach::Tcx,
             TcAttachArg::Netlink => TcAttach::Netlink,
         };
-        let max = args.bpf_lb_map_max;
-        let sizes = MapSizes { services: max, backends: max, rev_nat: max };
+        let bound = args.bpf_lb_map_max as usize;
+        let start = (MAX_SERVICE_ENTRIES as usize).min(bound);
         let capacity = Capacity {
-            services: max as usize,
-            backends: max as usize,
-            rev_nat: max as usize,
+            services: start,
+            backends: start,
+            rev_nat: start,
             source_ranges: proxy_common::MAX_SOURCE_RANGES as usize,
         };
-        let mut backend = EbpfBackend::load_with(tc_mode, sizes, Some(&root))
-            .context("loading the BPF programs")?;
         let host_netns_cookie = if args.socket_lb_host_netns_only {
             sys::netns_cookie().context("reading this network namespace's cookie")?
         } else {
             0
         };
-        let config = config(args, &node.ips, host_netns_cookie);
-        backend.configure(&config).context("writing the datapath settings")?;
-        // Read whatever the level: it can change while the programs run.
-        match backend.take_records_with(super::records::ToTracing) {
-            Ok(records) => super::records::drain(records),
-            Err(e) => tracing::warn!(error = %e, "the programs' decision records cannot be read"),
-        }
+        let loading = Loading {
+            tc_mode,
+            root,
+            config: config(args, &node.ips, host_netns_cookie),
+            socket_destroy: args.socket_destroy,
+            terminate_tcp: args.terminate_tcp_on_endpoint_removal,
+        };
+        let backend = loading.load(capacity)?;
         let (min, max) = args.snat_port_range;
         if let Some((low, high)) = sys::ephemeral_ports()
             && min <= high
@@ -124,25 +170,26 @@ impl EbpfDatapath {
             "the node's network namespace only"
         };
         let bpf_log_level = args.bpf_log_level;
-        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %root.display(), socket_lb, ?bpf_log_level, "BPF programs loaded");
+        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, "BPF programs loaded");
         let pod_interfaces = args.pod_interfaces.clone();
-        let ending = backend
-            .choose_socket_ending(args.socket_destroy, args.terminate_tcp_on_endpoint_removal);
-        tracing::info!(way = ending.describe(), "sockets connected to removed endpoints are ended");
         let next_gc = Instant::now();
         Ok(EbpfDatapath {
             backend,
+            loading,
             cgroup,
-            root,
             pod_interfaces,
             next_gc,
             previous,
             capacity,
+            bound,
+            growable: true,
+            serving: None,
             refused: BTreeMap::new(),
         })
     }
 
-    /// Brings the maps to `plan`, or while it does not fit to the part of
+    /// Brings the maps to `plan`; when it outgrew them, into larger maps
+    /// (see [`Self::grow`]); while it does not fit even so, to the part of
     /// it that does (see [`fit`]).
     fn sync_maps(
         &mut self,
@@ -161,16 +208,99 @@ impl EbpfDatapath {
             .backend
             .state()
             .installed_plan(|f| plan.frontends.get(f).map(|fp| fp.service.clone()));
-        let mut fitted = fit::fit(plan, &served, self.capacity);
+        let larger = fit::grown(self.capacity, fit::needed(plan), self.bound);
+        if let Some(larger) = larger.filter(|_| self.growable) {
+            match self.grow(plan, &served, larger, metrics) {
+                Ok(report) => return Ok(report),
+                Err(e) => {
+                    // Not tried again at every sync.
+                    tracing::error!(
+                        "could not grow the service maps, serving what fits in them: {e:#}"
+                    );
+                    self.growable = false;
+                }
+            }
+        }
+        self.sync_fitted(plan, &served, metrics)
+    }
+
+    /// Syncs the part of `plan` the maps hold, given what they serve now.
+    fn sync_fitted(
+        &mut self,
+        plan: &Plan,
+        served: &Plan,
+        metrics: &Metrics,
+    ) -> Result<SyncReport, SyncError> {
+        let mut fitted = fit::fit(plan, served, self.capacity);
         let refused = std::mem::take(&mut fitted.refused);
         self.report_refused(refused, &fitted.plan, metrics);
         match self.backend.sync(&fitted.plan, None) {
             Err(SyncError::Capacity { .. }) => {
                 tracing::info!("{STEPWISE}");
-                self.backend.sync_in_steps(&served, &fitted.plan)
+                self.backend.sync_in_steps(served, &fitted.plan)
             }
             result => result,
         }
+    }
+
+    /// Make-before-break: loads the programs again into maps of `larger`
+    /// capacity (the state maps carried over, ids kept), fills them, and
+    /// once serving attaches them beside the running programs, which then
+    /// go with their pins, as when an agent replaces another.
+    fn grow(
+        &mut self,
+        plan: &Plan,
+        served: &Plan,
+        larger: Capacity,
+        metrics: &Metrics,
+    ) -> anyhow::Result<SyncReport> {
+        let before = self.capacity;
+        tracing::info!(from = ?before, to = ?larger, "the services outgrew the maps: growing them");
+        let backend = self.loading.load(larger)?;
+        let old = std::mem::replace(&mut self.backend, backend);
+        self.capacity = larger;
+        let mut fill = || -> anyhow::Result<SyncReport> {
+            // Whole where it fits (the usual case, and the cheap one).
+            let report = match self.backend.sync(plan, None) {
+                Err(SyncError::Capacity { .. }) => self.sync_fitted(plan, served, metrics),
+                Ok(report) => {
+                    self.report_refused(BTreeMap::new(), plan, metrics);
+                    Ok(report)
+                }
+                Err(e) => Err(e),
+            }
+            .context("filling them")?;
+            if let Some(node_ips) = self.serving.clone() {
+                // The programs attached now serve until the new ones are.
+                self.activate(&node_ips, metrics).context("attaching to them")?;
+            }
+            Ok(report)
+        };
+        match fill() {
+            Ok(report) => {
+                tracing::info!(capacity = ?larger, "the service maps grew");
+                Ok(report)
+            }
+            Err(e) => {
+                self.backend = old;
+                self.capacity = before;
+                Err(e)
+            }
+        }
+    }
+
+    /// Attaches the programs (beside what serves now, which then goes).
+    fn activate(&mut self, node_ips: &[IpAddr], metrics: &Metrics) -> anyhow::Result<()> {
+        let wanted = self.wanted_interfaces(node_ips).context("listing interfaces")?;
+        let root = &self.loading.root;
+        self.backend
+            .activate(&self.cgroup, &wanted, root)
+            .with_context(|| format!("attaching to {} and {wanted:?}", self.cgroup.display()))?;
+        metrics.set_datapath(CounterReader::open(root)?);
+        let carried = self.backend.carried().iter().map(|(m, c)| (*m, c.as_str())).collect();
+        metrics.set_carried(carried);
+        self.serving = Some(node_ips.to_vec());
+        Ok(())
     }
 
     /// Logs each service that stopped or started fitting once, and counts
@@ -181,7 +311,7 @@ impl EbpfDatapath {
         served: &Plan,
         metrics: &Metrics,
     ) {
-        let max = self.capacity.services;
+        let bound = self.bound;
         for (name, refusal) in &refused {
             if self.refused.get(name) == Some(refusal) {
                 continue;
@@ -191,7 +321,7 @@ impl EbpfDatapath {
             } else {
                 "it is not served"
             };
-            tracing::warn!(service = %name, reason = refusal.reason.label(), "Service {name} does not fit: {}, {what} (--bpf-lb-map-max {max})", refusal.reason);
+            tracing::warn!(service = %name, reason = refusal.reason.label(), "Service {name} does not fit: {}, {what} (the service maps are at their bound, --bpf-lb-map-max {bound})", refusal.reason);
         }
         for name in self.refused.keys().filter(|n| !refused.contains_key(*n)) {
             // Rare (a refusal ending): the walk over the plan is fine.
@@ -295,21 +425,14 @@ impl Datapath for EbpfDatapath {
 
     fn scan_interfaces(&mut self, node_ips: &[IpAddr]) {
         match self.wanted_interfaces(node_ips) {
-            Ok(wanted) => self.backend.set_tc_interfaces(&self.root, &wanted),
+            Ok(wanted) => self.backend.set_tc_interfaces(&self.loading.root, &wanted),
             Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
         }
     }
 
     /// Attaches the programs (beside a previous agent's, which then go).
     fn take_over(&mut self, node_ips: &[IpAddr], metrics: &Metrics) -> anyhow::Result<()> {
-        let wanted = self.wanted_interfaces(node_ips).context("listing interfaces")?;
-        self.backend
-            .activate(&self.cgroup, &wanted, &self.root)
-            .with_context(|| format!("attaching to {} and {wanted:?}", self.cgroup.display()))?;
-        metrics.set_datapath(CounterReader::open(&self.root)?);
-        let carried = self.backend.carried().iter().map(|(m, c)| (*m, c.as_str())).collect();
-        metrics.set_carried(carried);
-        Ok(())
+        self.activate(node_ips, metrics)
     }
 
     /// Rules would still catch host-network clients: they go once the

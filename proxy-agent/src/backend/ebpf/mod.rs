@@ -11,6 +11,7 @@
 //! ([`carry`]), attaches its programs beside the old ones (or in place of the
 //! old filters), then retires the old pins; `cleanup` removes them all.
 
+pub mod batch;
 pub mod carry;
 pub mod conntrack;
 pub mod datapath;
@@ -56,7 +57,7 @@ use departures::Departures;
 use prefilter::Prefilter;
 use sock_end::{Iterators, SocketDestroy, SocketEnding};
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
-use sync::{MapOp, MapWriter};
+use sync::{BatchKind, MapOp, MapWriter, apply_each};
 
 use crate::{
     plan::{Frontend, Plan},
@@ -229,6 +230,45 @@ impl MapWriter for Maps {
             }
         };
         write().map_err(io::Error::other)
+    }
+
+    fn apply_run(&mut self, ops: &[MapOp]) -> (usize, Result<(), io::Error>) {
+        // A single write needs no batch.
+        if ops.len() < 2 {
+            return apply_each(self, ops);
+        }
+        // The pre-filter lets the entries' packets through before they exist.
+        if let Err(e) = self.prefilter.set(ops.iter().flat_map(prefilter::bits_of)) {
+            return (0, Err(io::Error::other(e)));
+        }
+        self.apply_batched(ops).unwrap_or_else(|| apply_each(self, ops))
+    }
+}
+
+/// The fd of a hash map (plain or LRU), for the batched operations.
+fn hash_fd(map: &Map) -> Option<std::os::fd::BorrowedFd<'_>> {
+    use std::os::fd::AsFd;
+    match map {
+        Map::HashMap(data) | Map::LruHashMap(data) => Some(data.fd().as_fd()),
+        _ => None,
+    }
+}
+
+impl Maps {
+    /// `ops` (of one [`MapOp::batch_kind`]) in batches, where the kernel
+    /// and the map have them.
+    fn apply_batched(&self, ops: &[MapOp]) -> Option<batch::Outcome> {
+        let fd = match ops.first()?.batch_kind()? {
+            BatchKind::PutService | BatchKind::DeleteService => hash_fd(&self.services)?,
+            BatchKind::PutBackend | BatchKind::DeleteBackend => hash_fd(&self.backends)?,
+        };
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        for op in ops {
+            let (key, value) = op.entry()?;
+            keys.extend_from_slice(key);
+            values.extend_from_slice(value.unwrap_or_default());
+        }
+        batch::write(fd, &keys, &values, ops.len())
     }
 }
 
@@ -751,9 +791,18 @@ impl EbpfBackend {
         self.maps.prefilter.set(bits).map_err(|source| EbpfError::Map { name, source })
     }
 
+    /// Every flow, read in batches where the kernel has them.
     fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtEntry)>, EbpfError> {
         let name = map_names::CONNTRACK;
         let err = |source| EbpfError::Map { name, source };
+        if let Some(read) = hash_fd(&self.maps.conntrack).and_then(batch::lookup_all) {
+            return read.map_err(|io_error| {
+                err(MapError::SyscallError(aya::sys::SyscallError {
+                    call: "BPF_MAP_LOOKUP_BATCH",
+                    io_error,
+                }))
+            });
+        }
         let map = HashMap::<_, CtKey, CtEntry>::try_from(&self.maps.conntrack).map_err(err)?;
         Ok(map.iter().filter_map(Result::ok).collect())
     }

@@ -33,7 +33,7 @@ use proxy_common::{
     SCOPE_EXTERNAL, SCOPE_INTERNAL, ServiceFlags, ServiceKey, ServiceValue,
 };
 
-use super::{carry::Reserved, departures::Departures};
+use super::{batch, carry::Reserved, departures::Departures};
 use crate::{
     fit,
     model::{Cidr, Protocol, ServiceName, ServicePortName},
@@ -83,6 +83,63 @@ pub enum MapOp {
 /// Applies map operations; the real one writes BPF maps.
 pub trait MapWriter {
     fn apply(&mut self, op: &MapOp) -> Result<(), std::io::Error>;
+
+    /// Applies `ops`, all of one [`MapOp::batch_kind`], in order (in one
+    /// go where the writer can); returns how many were applied, and the
+    /// error that stopped the next one.
+    fn apply_run(&mut self, ops: &[MapOp]) -> (usize, Result<(), std::io::Error>) {
+        apply_each(self, ops)
+    }
+}
+
+/// Applies `ops` one by one, in order, up to the first failure.
+pub fn apply_each<W: MapWriter + ?Sized>(
+    writer: &mut W,
+    ops: &[MapOp],
+) -> (usize, Result<(), std::io::Error>) {
+    for (i, op) in ops.iter().enumerate() {
+        if let Err(e) = writer.apply(op) {
+            return (i, Err(e));
+        }
+    }
+    (ops.len(), Ok(()))
+}
+
+/// Which map and way an operation writes, for the ones worth batching
+/// (service slots and backends: nearly every write of a large sync).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchKind {
+    PutService,
+    DeleteService,
+    PutBackend,
+    DeleteBackend,
+}
+
+impl MapOp {
+    pub fn batch_kind(&self) -> Option<BatchKind> {
+        match self {
+            MapOp::PutService { .. } => Some(BatchKind::PutService),
+            MapOp::DeleteService { .. } => Some(BatchKind::DeleteService),
+            MapOp::PutBackend { .. } => Some(BatchKind::PutBackend),
+            MapOp::DeleteBackend { .. } => Some(BatchKind::DeleteBackend),
+            _ => None,
+        }
+    }
+
+    /// The key and (a put's) value a batchable op writes, as the map
+    /// holds them.
+    pub fn entry(&self) -> Option<(&[u8], Option<&[u8]>)> {
+        fn one<T: aya::Pod>(value: &T) -> &[u8] {
+            batch::bytes_of(std::slice::from_ref(value))
+        }
+        match self {
+            MapOp::PutService { key, value } => Some((one(key), Some(one(value)))),
+            MapOp::DeleteService { key } => Some((one(key), None)),
+            MapOp::PutBackend { id, backend } => Some((one(id), Some(one(backend)))),
+            MapOp::DeleteBackend { id } => Some((one(id), None)),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -379,11 +436,18 @@ impl SyncState {
         // Owed from now on: a write below may fail after slots changed.
         self.pending_purge.extend(purge);
         let departures = self.departures(&ops, &left);
-        for op in &ops {
-            writer
-                .apply(op)
-                .map_err(|source| SyncError::Write { op: Box::new(op.clone()), source })?;
-            self.record(op);
+        // In order, runs of one kind together: a batch writes its entries
+        // in order too, so make-before-break holds entry by entry.
+        for run in batch::runs(&ops, batch::CHUNK, MapOp::batch_kind) {
+            let ops = &ops[run];
+            let (applied, result) = writer.apply_run(ops);
+            for op in &ops[..applied] {
+                self.record(op);
+            }
+            if let Err(source) = result {
+                let op = Box::new(ops[applied.min(ops.len() - 1)].clone());
+                return Err(SyncError::Write { op, source });
+            }
         }
         Ok(SyncReport { writes: ops.len(), departures })
     }
