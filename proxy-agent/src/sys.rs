@@ -245,6 +245,16 @@ pub fn set_sysctl(key: &str, value: &str) -> io::Result<()> {
 
 /// Lets BPF maps be created on kernels that still charge them to
 /// RLIMIT_MEMLOCK (before 5.11).
+/// Hands the heap's free pages back to the kernel. Parsing the kernel's BTF
+/// makes and frees hundreds of thousands of small allocations, which the
+/// allocator would otherwise keep resident.
+pub fn release_freed_memory() {
+    // SAFETY: malloc_trim only releases memory the allocator holds free.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 pub fn raise_memlock_rlimit() {
     let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
     // SAFETY: a valid rlimit struct.

@@ -324,7 +324,7 @@ pub struct EbpfBackend {
     /// the takeover, for the flows the old programs made meanwhile.
     conversions: Vec<Conversion>,
     /// The running kernel's BTF, where it has one (the socket iterators'
-    /// attach targets and kfunc).
+    /// attach targets and kfunc), until the way sockets end is chosen.
     kernel_btf: Option<aya::Btf>,
     /// How sockets connected to departed backends are ended, and of which
     /// protocols (see [`EbpfBackend::choose_socket_ending`]).
@@ -461,6 +461,10 @@ impl EbpfBackend {
         };
         self.socket_protocols =
             if tcp { vec![IPPROTO_UDP, IPPROTO_TCP] } else { vec![IPPROTO_UDP] };
+        // The kernel's types served the iterators' loading only: tens of
+        // megabytes parsed, not to be held for the agent's life.
+        self.kernel_btf = None;
+        crate::sys::release_freed_memory();
         &self.socket_ending
     }
 
