@@ -207,6 +207,20 @@ pub const DEFAULT_POD_INTERFACES: &str = "veth,lxc,cali";
 /// services of 10 endpoints with the growth's headroom.
 pub const BPF_LB_MAP_MAX: u32 = 1 << 22;
 
+/// What the per-packet programs do on pod-facing interfaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PodInterfacePrograms {
+    /// `replies` where the socket programs cover every pod (attached to the
+    /// cgroup2 root, for every network namespace), `full` otherwise
+    Auto,
+    /// What they do on node interfaces: new flows to frontends (ClusterIP
+    /// traffic that escaped the socket LB, hairpin), both directions
+    Full,
+    /// Only replies of per-packet flows to pods here (NodePort, externalIP,
+    /// LB IP), at ingress: pods' own connections are the socket LB's
+    Replies,
+}
+
 /// How the per-packet program is attached to interfaces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum TcAttachArg {
@@ -332,6 +346,9 @@ pub struct RunArgs {
         default_value = DEFAULT_POD_INTERFACES
     )]
     pub pod_interfaces: Vec<String>,
+    /// What the per-packet programs do on pod-facing interfaces
+    #[arg(long, value_enum, default_value = "auto")]
+    pub pod_interface_programs: PodInterfacePrograms,
     /// How the per-packet program is attached to interfaces
     #[arg(long, value_enum, default_value = "auto")]
     pub tc_attach: TcAttachArg,

@@ -1,10 +1,7 @@
 //! This node: its name, its addresses, and what its Node object says (zone
 //! for topology hints, whether load balancers should still send it traffic).
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
-};
+use std::{collections::BTreeMap, net::IpAddr};
 
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::Node;
@@ -69,20 +66,35 @@ fn is_pod_facing(name: &str, prefixes: &[String]) -> bool {
     prefixes.iter().any(|p| !p.is_empty() && name.starts_with(p.as_str()))
 }
 
-/// The interfaces whose ingress runs the per-packet program: those holding a
-/// node address, and pod-facing ones (by name prefix).
+/// Which side of the node an interface faces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Facing {
+    /// It holds a node address: clients outside the node come in here.
+    Node,
+    /// Its name says a pod is behind it.
+    Pod,
+}
+
+/// The interfaces the per-packet programs go on, and the side each faces:
+/// those holding a node address, and pod-facing ones (by name prefix).
 pub fn tc_interfaces(
     interfaces: &BTreeMap<String, Vec<IpAddr>>,
     node_ips: &[IpAddr],
     pod_prefixes: &[String],
-) -> BTreeSet<String> {
+) -> BTreeMap<String, Facing> {
     interfaces
         .iter()
-        .filter(|(name, addrs)| {
-            is_pod_facing(name, pod_prefixes) || addrs.iter().any(|a| node_ips.contains(a))
+        .filter(|(name, _)| name.as_str() != "lo")
+        .filter_map(|(name, addrs)| {
+            let facing = if addrs.iter().any(|a| node_ips.contains(a)) {
+                Facing::Node
+            } else if is_pod_facing(name, pod_prefixes) {
+                Facing::Pod
+            } else {
+                return None;
+            };
+            Some((name.clone(), facing))
         })
-        .map(|(name, _)| name.clone())
-        .filter(|name| name != "lo")
         .collect()
 }
 
@@ -152,8 +164,9 @@ mod tests {
         .collect();
         let node_ips = ["192.168.100.11".parse().unwrap(), "fd00:100::11".parse().unwrap()];
         let wanted = tc_interfaces(&interfaces, &node_ips, &["veth".into(), "lxc".into()]);
-        let names: Vec<&str> = wanted.iter().map(String::as_str).collect();
-        assert_eq!(names, ["eth0", "eth2", "lxc12", "veth1"]);
+        let facing: Vec<(&str, Facing)> = wanted.iter().map(|(n, f)| (n.as_str(), *f)).collect();
+        let (node, pod) = (Facing::Node, Facing::Pod);
+        assert_eq!(facing, [("eth0", node), ("eth2", node), ("lxc12", pod), ("veth1", pod)]);
         let node_addresses: Vec<bool> =
             ["10.0.0.1", "127.0.0.1", "169.254.0.1", "fd00::1", "::1", "fe80::1"]
                 .map(|ip| is_node_address(ip.parse().unwrap()))

@@ -150,6 +150,14 @@ pub fn run() -> Vec<Feature> {
 }
 
 /// The probe as a table, one line per feature, and the decision.
+/// Where the eBPF mode's programs go, and why.
+const ATTACHMENTS: &str = "\
+It attaches:
+  connect4, sendmsg4, recvmsg4, getpeername4  the cgroup2 root (--cgroup-path): every socket's service connections, translated once
+  tc_ingress + tc_egress                      interfaces holding a node address: NodePort, externalIP, LB IP and forwarded ClusterIP traffic
+  tc_pod_replies (ingress only)               pod interfaces (--pod-interfaces): only replies of those per-packet flows to pods, as the socket LB covers the pods
+                                              (tc_ingress + tc_egress there too with --pod-interface-programs full, a --cgroup-path below the root, or --socket-lb-host-netns-only)";
+
 pub fn report(features: &[Feature]) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "{:<58} {:<9} {:<6} detail", "feature", "needed", "found");
@@ -159,7 +167,7 @@ pub fn report(features: &[Feature]) -> String {
         let _ = writeln!(out, "{:<58} {needed:<9} {found:<6} {}", f.name, f.summary());
     }
     let _ = match decide(features) {
-        Decision::Ebpf => writeln!(out, "--proxy-mode auto would run: ebpf"),
+        Decision::Ebpf => writeln!(out, "--proxy-mode auto would run: ebpf\n\n{ATTACHMENTS}"),
         Decision::Iptables { missing } => {
             writeln!(out, "--proxy-mode auto would run: iptables (missing: {missing})")
         }
@@ -196,6 +204,8 @@ mod tests {
     #[test]
     fn a_complete_kernel_runs_ebpf() {
         assert_eq!(decide(&kernel(&[])), Decision::Ebpf);
+        let table = report(&kernel(&[]));
+        assert!(table.contains("tc_pod_replies (ingress only)"), "where programs go: {table}");
         // Without TCX the per-packet program uses clsact filters.
         assert_eq!(decide(&kernel(&[TCX])), Decision::Ebpf);
     }

@@ -212,6 +212,30 @@ fn node_port_flow_is_translated_both_ways_with_valid_checksums() {
     assert_eq!(tuple(&again.packet), tuple(&out.packet));
 }
 
+/// Where the socket LB translates every pod's connections, pod interfaces
+/// run `tc_pod_replies`: a pod's packet to a frontend passes as it is, while
+/// the reply of a NodePort flow to a pod here is translated back.
+#[test]
+fn pod_interfaces_covered_by_the_socket_lb_translate_only_replies() {
+    let vip = [10, 96, 0, 10];
+    let mut dp = datapath(vec![
+        (frontend(NODE, 30080, Protocol::Tcp), frontend_plan(&[(POD, 8080)], true, &[])),
+        (frontend(vip, 80, Protocol::Tcp), frontend_plan(&[(POD, 8080)], false, &[])),
+    ]);
+    let pod_replies = |dp: &mut EbpfBackend, p: &[u8]| dp.run_tc_pod_replies(p, 1).unwrap();
+    let to_service = tcp(([10, 244, 1, 5], 50000), (vip, 80), SYN);
+    let out = pod_replies(&mut dp, &to_service);
+    assert_eq!((out.verdict, &out.packet), (NEXT, &to_service), "left to the socket LB");
+    assert_eq!(run(&mut dp, &to_service).verdict, STACK, "tc_ingress translates it");
+
+    let out = run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30080), SYN));
+    let ((_, sport), _) = tuple(&out.packet);
+    let back = pod_replies(&mut dp, &tcp((POD, 8080), (NODE, sport), SYN | ACK));
+    assert_eq!(back.verdict, STACK);
+    assert_eq!(tuple(&back.packet), ((NODE, 30080), (CLIENT, 40000)));
+    assert_checksums(&back.packet);
+}
+
 /// The conntrack collection reads the map in batches (the kernel has them:
 /// 5.6+) and sees both directions of a live flow; the sync wrote its
 /// service slots and backends in batches too.

@@ -23,6 +23,7 @@ use aya_ebpf::{
     programs::{SockAddrContext, TcContext},
 };
 use sock_lb::Hook;
+use tc_lb::Scope;
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
@@ -47,7 +48,15 @@ pub fn getpeername4(ctx: SockAddrContext) -> i32 {
 /// Ingress of node and pod interfaces: per-packet service translation.
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    tc_lb::try_ingress(&ctx)
+    tc_lb::try_ingress(&ctx, Scope::Everything)
+}
+
+/// Ingress of pod interfaces when the socket LB translates every pod's
+/// connections: only replies of per-packet flows (NodePort and others to a
+/// pod here) are left to do.
+#[classifier]
+pub fn tc_pod_replies(ctx: TcContext) -> i32 {
+    tc_lb::try_ingress(&ctx, Scope::TrackedOnly)
 }
 
 /// Egress of the same interfaces: replies the stack sends for translated

@@ -37,11 +37,14 @@ pub enum Filter {
 }
 
 /// Where the program runs: ingress inspects what a frontend, a SNAT port or
-/// a flow's reply could be; egress only replies of host-network backends.
+/// a flow's reply could be; egress only replies of host-network backends;
+/// a pod-facing ingress where the socket LB translates every pod's
+/// connections only what comes from a backend (a reply).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Hook {
     Ingress,
     Egress,
+    PodReplies,
 }
 
 /// Bytes at `off`, in the HEADERS the caller checked are in the linear data
@@ -86,6 +89,7 @@ pub fn check(ctx: &TcContext, cfg: &Config, hook: Hook) -> Filter {
     let sport = u16::from_be_bytes(read(ctx, L4_OFF + SPORT));
     let ours = match hook {
         Hook::Egress => known(Kind::HostBackend, saddr, sport, proto),
+        Hook::PodReplies => known(Kind::Backend, saddr, sport, proto),
         Hook::Ingress => {
             let daddr = read(ctx, IP_OFF + offset_of!(Ipv4Hdr, dst_addr));
             let dport = u16::from_be_bytes(read(ctx, L4_OFF + DPORT));

@@ -36,10 +36,27 @@ use crate::{
 
 const AF_INET: u8 = 2;
 
+/// What an ingress program translates.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// New flows to frontends and the packets of tracked flows: node
+    /// interfaces, and pod-facing ones where some pod's connections escape
+    /// the socket LB.
+    Everything,
+    /// Only the packets of tracked flows (replies of per-packet flows to a
+    /// pod backend): pod-facing interfaces where the socket LB translates
+    /// every pod's connections, so a pod never sends to a frontend.
+    TrackedOnly,
+}
+
 #[inline(always)]
-pub fn try_ingress(ctx: &TcContext) -> i32 {
+pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
-    if filtered(ctx, cfg, Hook::Ingress) {
+    let hook = match scope {
+        Scope::Everything => Hook::Ingress,
+        Scope::TrackedOnly => Hook::PodReplies,
+    };
+    if filtered(ctx, cfg, hook) {
         return NEXT;
     }
     let pkt = match packet::parse(ctx) {
@@ -53,6 +70,9 @@ pub fn try_ingress(ctx: &TcContext) -> i32 {
     if let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) {
         count(Counter::CtHit);
         return forward(ctx, &pkt, &entry.rewritten(pkt.tuple.proto));
+    }
+    if scope == Scope::TrackedOnly {
+        return NEXT;
     }
 
     let key = ServiceKey::new(pkt.tuple.daddr, pkt.tuple.dport, pkt.tuple.proto, 0);

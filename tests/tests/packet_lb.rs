@@ -647,3 +647,105 @@ fn a_node_without_an_address_serves_cluster_ips_then_node_ports_once_it_has_one(
         assert_eq!(tally(&attempts).get("web-a"), Some(&5), "{attempts:?}");
     }
 }
+
+/// eBPF only (an attachment choice; the iptables mode has no hooks to
+/// choose): where the socket LB covers every pod, pod interfaces run only
+/// the replies program at ingress; NodePort flows to a pod here still work
+/// (their replies are translated back there), pods reach services through
+/// the socket LB; and a role change at a restart swaps the programs,
+/// clsact filters (`netlink`) included.
+#[test]
+fn ebpf_pod_interfaces_covered_by_the_socket_lb_run_only_the_replies_program() {
+    pod_interfaces_replies_only(&[]);
+}
+
+#[test]
+fn ebpf_pod_interfaces_replies_only_with_clsact_filters() {
+    pod_interfaces_replies_only(&["--tc-attach", "netlink"]);
+}
+
+fn pod_interfaces_replies_only(attach: &[&str]) {
+    let mut lab = Lab::new().unwrap();
+    let web_a = lab.add_pod("web-a", "10.244.1.2").unwrap();
+    lab.serve(&web_a, &[8080], &[5353]).unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    lab.write_manifest(&web(&["a"])).unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    let replies: Vec<&str> =
+        [attach, &["--pod-interface-programs", "replies"]].concat().into_iter().collect();
+    lab.start_agent(&replies).unwrap();
+    // What runs at each hook of an interface: a pinned TCX link's program,
+    // or a clsact filter's (which `tc` names).
+    let (node, links) = (lab.node.clone(), lab.pins.join("links"));
+    let programs = |interface: &str| -> Vec<String> {
+        let mut found = Vec::new();
+        for (hook, pin) in [("egress", "tc-egress"), ("ingress", "tc")] {
+            let pin = links.join(format!("{pin}-{interface}"));
+            let mut shown = String::new();
+            if pin.exists() {
+                let link = proxy_lab::sh(
+                    "bpftool",
+                    &["link", "show", "pinned"]
+                        .into_iter()
+                        .chain([pin.to_str().unwrap()])
+                        .collect::<Vec<_>>(),
+                )
+                .unwrap();
+                let id = link.split_whitespace().skip_while(|w| *w != "prog").nth(1).unwrap();
+                shown += &proxy_lab::sh("bpftool", &["prog", "show", "id", id]).unwrap();
+            }
+            let tc = ["-n", &node, "filter", "show", "dev", interface, hook];
+            shown += &proxy_lab::sh("tc", &tc).unwrap();
+            for program in ["tc_egress", "tc_ingress", "tc_pod_replies"] {
+                if shown.split_whitespace().any(|w| w == program) {
+                    found.push(format!("{hook}:{program}"));
+                }
+            }
+        }
+        found
+    };
+    let full = ["egress:tc_egress", "ingress:tc_ingress"];
+    assert_eq!(programs("eth0"), full, "node interfaces keep both");
+    for veth in ["veth1", "veth2"] {
+        assert_eq!(programs(veth), ["ingress:tc_pod_replies"], "{veth}");
+    }
+    let log = lab.agent_log();
+    assert!(log.contains("replies of per-packet flows only"), "the log says why: {log}");
+
+    // NodePort (policy Cluster: SNAT) to the pod here, TCP and UDP: the
+    // replies are translated back on its veth.
+    for proto in ["tcp", "udp"] {
+        let to = if proto == "tcp" { "192.168.100.11:30080" } else { "192.168.100.11:30053" };
+        for (name, peer, from) in
+            ok_attempts(&lab.client_outside(&ext, &[proto, to, "10"]).unwrap())
+        {
+            assert_eq!((name.as_str(), peer_ip(&peer)), ("web-a", "192.168.100.11"));
+            assert_eq!(from, to, "{proto} replies come from the NodePort");
+        }
+    }
+    // A pod in the socket-LB cgroup: translated at connect().
+    for (name, _, from) in
+        ok_attempts(&lab.client(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
+    {
+        assert_eq!((name.as_str(), from.as_str()), ("web-a", "10.96.0.10:80"));
+    }
+
+    // Back to full programs at a restart (the lab's cgroup is not the root:
+    // `auto` gives full), and per-packet ClusterIP from outside the cgroup.
+    lab.stop_agent_on(0);
+    lab.start_agent(attach).unwrap();
+    for veth in ["veth1", "veth2"] {
+        assert_eq!(programs(veth), full, "{veth}");
+    }
+    for (name, _, from) in
+        ok_attempts(&lab.client_outside(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
+    {
+        assert_eq!((name.as_str(), from.as_str()), ("web-a", "10.96.0.10:80"));
+    }
+    // And to replies again: the egress programs go.
+    lab.stop_agent_on(0);
+    lab.start_agent(&replies).unwrap();
+    assert_eq!(programs("veth2"), ["ingress:tc_pod_replies"]);
+    ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "5"]).unwrap());
+}

@@ -5,7 +5,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::atomic::Ordering::Relaxed,
     time::{Duration, Instant},
 };
@@ -14,13 +14,13 @@ use anyhow::Context as _;
 use proxy_common::{Config, MAX_SERVICE_ENTRIES};
 
 use super::{
-    CounterReader, EbpfBackend, MapSizes, TcAttach,
+    CounterReader, EbpfBackend, MapSizes, TcAttach, TcRole,
     sock_end::SocketDestroy,
     sync::{SyncError, SyncReport},
 };
 use crate::{
     backend::{Datapath, Synced, iptables},
-    cli::{RunArgs, TcAttachArg},
+    cli::{PodInterfacePrograms, RunArgs, TcAttachArg},
     fit::{self, Capacity, Refusal},
     metrics::Metrics,
     model::{IpFamily, Model, ServiceName, v4},
@@ -62,6 +62,8 @@ pub struct EbpfDatapath {
     cgroup: PathBuf,
     /// Name prefixes of pod-facing interfaces.
     pod_interfaces: Vec<String>,
+    /// What the per-packet programs do there.
+    pod_role: TcRole,
     /// When expired conntrack entries are next collected.
     next_gc: Instant,
     /// A previous agent's maps were pinned here at start.
@@ -109,6 +111,37 @@ impl Loading {
         tracing::info!(way = ending.describe(), "sockets connected to removed endpoints are ended");
         Ok(backend)
     }
+}
+
+/// What the per-packet programs do on pod interfaces: only replies where
+/// the socket programs translate every pod's connections (`auto`: they are
+/// attached to the cgroup2 root for every network namespace; `replies`: the
+/// operator says so for another cgroup). A pod's ClusterIP traffic must meet
+/// one or the other.
+fn pod_role(
+    wanted: PodInterfacePrograms,
+    at_cgroup_root: bool,
+    host_netns_only: bool,
+) -> anyhow::Result<TcRole> {
+    Ok(match wanted {
+        PodInterfacePrograms::Full => TcRole::Full,
+        PodInterfacePrograms::Auto if at_cgroup_root && !host_netns_only => TcRole::PodReplies,
+        PodInterfacePrograms::Auto => TcRole::Full,
+        PodInterfacePrograms::Replies => {
+            anyhow::ensure!(
+                !host_netns_only,
+                "--pod-interface-programs replies with --socket-lb-host-netns-only would translate pods' service traffic nowhere"
+            );
+            TcRole::PodReplies
+        }
+    })
+}
+
+/// Whether `cgroup` is the cgroup2 mount's root (every process is in it).
+fn is_cgroup2_root(cgroup: &Path) -> bool {
+    let canonical = |p: &Path| std::fs::canonicalize(p).ok();
+    let root = sys::cgroup2_root().ok();
+    root.and_then(|root| canonical(&root)).is_some_and(|root| Some(root) == canonical(cgroup))
 }
 
 fn map_size(entries: usize) -> u32 {
@@ -170,7 +203,18 @@ impl EbpfDatapath {
             "the node's network namespace only"
         };
         let bpf_log_level = args.bpf_log_level;
-        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, "BPF programs loaded");
+        let pod_role = pod_role(
+            args.pod_interface_programs,
+            is_cgroup2_root(&cgroup),
+            args.socket_lb_host_netns_only,
+        )?;
+        let pod_interfaces = match pod_role {
+            TcRole::Full => "new flows to frontends and their replies, both directions",
+            TcRole::PodReplies => {
+                "replies of per-packet flows only, at ingress (the socket LB translates every pod's connections)"
+            }
+        };
+        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, node_interfaces = "new flows to frontends and their replies, both directions", pod_interfaces, "BPF programs loaded");
         let pod_interfaces = args.pod_interfaces.clone();
         let next_gc = Instant::now();
         Ok(EbpfDatapath {
@@ -178,6 +222,7 @@ impl EbpfDatapath {
             loading,
             cgroup,
             pod_interfaces,
+            pod_role,
             next_gc,
             previous,
             capacity,
@@ -335,9 +380,14 @@ impl EbpfDatapath {
         self.refused = refused;
     }
 
-    fn wanted_interfaces(&self, node_ips: &[IpAddr]) -> std::io::Result<BTreeSet<String>> {
+    fn wanted_interfaces(&self, node_ips: &[IpAddr]) -> std::io::Result<BTreeMap<String, TcRole>> {
         let interfaces = sys::interfaces()?;
-        Ok(node::tc_interfaces(&interfaces, node_ips, &self.pod_interfaces))
+        let facing = node::tc_interfaces(&interfaces, node_ips, &self.pod_interfaces);
+        let role = |facing| match facing {
+            node::Facing::Node => TcRole::Full,
+            node::Facing::Pod => self.pod_role,
+        };
+        Ok(facing.into_iter().map(|(name, facing)| (name, role(facing))).collect())
     }
 }
 
@@ -482,5 +532,17 @@ mod tests {
         assert_eq!(gc_interval(2_000), GC_MIN, "a small map is collected every second");
         assert_eq!(gc_interval(100_000), Duration::from_secs(10));
         assert_eq!(gc_interval(1_000_000), GC_MAX);
+    }
+
+    #[test]
+    fn pod_interfaces_keep_only_replies_where_the_socket_lb_covers_every_pod() {
+        use PodInterfacePrograms::*;
+        let role = |wanted, at_root, host_only| pod_role(wanted, at_root, host_only).ok();
+        assert_eq!(role(Auto, true, false), Some(TcRole::PodReplies));
+        assert_eq!(role(Auto, false, false), Some(TcRole::Full), "a cgroup below the root");
+        assert_eq!(role(Auto, true, true), Some(TcRole::Full), "pods' sockets untranslated");
+        assert_eq!(role(Full, true, false), Some(TcRole::Full));
+        assert_eq!(role(Replies, false, false), Some(TcRole::PodReplies), "the operator knows");
+        assert_eq!(role(Replies, true, true), None, "nothing would translate pods' traffic");
     }
 }

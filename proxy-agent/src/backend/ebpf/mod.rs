@@ -22,7 +22,7 @@ pub mod sock_end;
 pub mod sync;
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fs::File,
     io,
     path::{Path, PathBuf},
@@ -70,9 +70,49 @@ pub const PROGRAMS: [&str; 4] = ["connect4", "sendmsg4", "recvmsg4", "getpeernam
 pub const TC_INGRESS: &str = "tc_ingress";
 /// Its egress companion (replies the stack sends for translated flows).
 pub const TC_EGRESS: &str = "tc_egress";
-/// Per interface: program, hook, and the prefix of its pin under `links/`.
-const TC_HOOKS: [(&str, TcAttachType, &str); 2] =
-    [(TC_INGRESS, TcAttachType::Ingress, "tc"), (TC_EGRESS, TcAttachType::Egress, "tc-egress")];
+/// The ingress program of pod interfaces whose pods the socket LB covers:
+/// replies of per-packet flows only.
+pub const TC_POD_REPLIES: &str = "tc_pod_replies";
+/// A per-packet program: its name, hook, and the prefix of its pin under
+/// `links/`. Both ingress programs pin as `tc-IFACE`, so a role change
+/// replaces one with the other in place.
+type TcHook = (&'static str, TcAttachType, &'static str);
+const INGRESS: TcHook = (TC_INGRESS, TcAttachType::Ingress, "tc");
+const EGRESS: TcHook = (TC_EGRESS, TcAttachType::Egress, "tc-egress");
+const POD_REPLIES: TcHook = (TC_POD_REPLIES, TcAttachType::Ingress, "tc");
+/// Every per-packet program (loading, cleanup).
+const TC_PROGRAMS: [TcHook; 3] = [INGRESS, EGRESS, POD_REPLIES];
+
+/// What the per-packet programs do on an interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TcRole {
+    /// Translate new flows to frontends and the flows they track, both
+    /// directions: node interfaces, and pod interfaces whose pods' sockets
+    /// the socket LB does not all cover.
+    Full,
+    /// Only replies of per-packet flows, at ingress: pod interfaces whose
+    /// pods' connections the socket LB translates (it covers the root
+    /// cgroup for every network namespace), so a pod never sends to a
+    /// frontend, and no reply the stack sends a pod was per-packet
+    /// translated.
+    PodReplies,
+}
+
+impl TcRole {
+    fn hooks(self) -> &'static [TcHook] {
+        match self {
+            TcRole::Full => &[INGRESS, EGRESS],
+            TcRole::PodReplies => &[POD_REPLIES],
+        }
+    }
+
+    /// The hooks the role leaves empty.
+    fn unused(self) -> impl Iterator<Item = TcHook> {
+        [INGRESS, EGRESS]
+            .into_iter()
+            .filter(move |(_, _, prefix)| self.hooks().iter().all(|h| h.2 != *prefix))
+    }
+}
 
 /// The socket programs' global saying whether they may call
 /// `bpf_set_retval`.
@@ -315,9 +355,9 @@ pub struct EbpfBackend {
     maps: Maps,
     state: SyncState,
     tc_mode: TcAttach,
-    /// Interfaces running the per-packet programs (held by pins or, as
-    /// filters, by the kernel).
-    tc_interfaces: BTreeSet<String>,
+    /// Interfaces running the per-packet programs, and which (held by pins
+    /// or, as filters, by the kernel).
+    tc_interfaces: BTreeMap<String, TcRole>,
     /// What became of each state map of the previous agent.
     carried: Vec<(&'static str, Carry)>,
     /// Previous maps whose entries are converted into ours: once more after
@@ -394,7 +434,7 @@ impl EbpfBackend {
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
-        for (name, _, _) in TC_HOOKS {
+        for (name, _, _) in TC_PROGRAMS {
             program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
@@ -416,7 +456,7 @@ impl EbpfBackend {
                 .map_err(|source| EbpfError::Map { name, source })?;
             tracing::info!(map = name, entries = copied, "converted the previous agent's entries");
         }
-        let tc_interfaces = BTreeSet::new();
+        let tc_interfaces = BTreeMap::new();
         Ok(Self {
             ebpf,
             maps,
@@ -572,7 +612,7 @@ impl EbpfBackend {
     pub fn activate(
         &mut self,
         cgroup: &Path,
-        interfaces: &BTreeSet<String>,
+        interfaces: &BTreeMap<String, TcRole>,
         root: &Path,
     ) -> Result<(), EbpfError> {
         let cgroup_dir = File::open(cgroup).map_err(io_err("opening cgroup", cgroup))?;
@@ -590,12 +630,12 @@ impl EbpfBackend {
         }
         self.mark_flows()?;
         let mut tc_links = Vec::new();
-        for interface in interfaces {
+        for (interface, &role) in interfaces {
             // One interface that will not take the program (gone already, an
             // odd device) must not keep the others unserved: the periodic
             // scan tries it again.
-            match self.attach_tc(interface) {
-                Ok(links) => tc_links.push((interface.clone(), links)),
+            match self.attach_tc(interface, role) {
+                Ok(links) => tc_links.push((interface.clone(), role, links)),
                 Err(e) => tracing::warn!(%interface, error = %e, "could not attach; will retry"),
             }
         }
@@ -614,8 +654,8 @@ impl EbpfBackend {
             // The pin keeps the attachment; our fd closes when this drops.
             pinned.insert(pin_replacing(&links_dir.join(name), |p| link.pin(p).map(drop))?);
         }
-        for (interface, link) in tc_links {
-            pinned.extend(self.keep_tc(root, &interface, link)?);
+        for (interface, role, links) in tc_links {
+            pinned.extend(self.keep_tc(root, &interface, role, links)?);
         }
         remove_pins_except(root, &pinned)?;
         self.finish_takeover();
@@ -675,11 +715,11 @@ impl EbpfBackend {
         }
     }
 
-    /// Attaches the per-packet programs to both hooks of `interface`.
-    fn attach_tc(&mut self, interface: &str) -> Result<Vec<Attached>, EbpfError> {
+    /// Attaches the per-packet programs of `role` to `interface`.
+    fn attach_tc(&mut self, interface: &str, role: TcRole) -> Result<Vec<Attached>, EbpfError> {
         let tc_mode = self.tc_mode;
         let mut attached = Vec::new();
-        for (name, hook, prefix) in TC_HOOKS {
+        for &(name, hook, prefix) in role.hooks() {
             let err = |source| EbpfError::Program { name, source };
             let prog: &mut SchedClassifier = program(&mut self.ebpf, name)?;
             let link = match tc_mode {
@@ -726,11 +766,14 @@ impl EbpfBackend {
         Ok(attached)
     }
 
-    /// Keeps new attachments: pins TCX links, leaves filters to the kernel.
+    /// Keeps new attachments of `role`: pins TCX links, leaves filters to
+    /// the kernel; and empties the hook the role leaves unused (a previous
+    /// role's, or a previous agent's).
     fn keep_tc(
         &mut self,
         root: &Path,
         interface: &str,
+        role: TcRole,
         links: Vec<Attached>,
     ) -> Result<Vec<PathBuf>, EbpfError> {
         let mut pinned = Vec::new();
@@ -745,41 +788,62 @@ impl EbpfBackend {
                 Attached::Filter(link) => std::mem::forget(link),
             }
         }
-        self.tc_interfaces.insert(interface.to_string());
+        for hook in role.unused() {
+            self.detach_tc(root, interface, hook);
+        }
+        self.tc_interfaces.insert(interface.to_string(), role);
         Ok(pinned)
     }
 
-    /// Attaches the per-packet program to interfaces that appeared, and
-    /// detaches it from those that are gone or no longer wanted.
-    pub fn set_tc_interfaces(&mut self, root: &Path, wanted: &BTreeSet<String>) {
-        let stale: Vec<String> = self.tc_interfaces.difference(wanted).cloned().collect();
-        for interface in stale {
+    /// Empties `hook` of `interface`: its pin (TCX) or our filter (netlink).
+    fn detach_tc(&self, root: &Path, interface: &str, (_, hook, prefix): TcHook) {
+        let path = root.join("links").join(format!("{prefix}-{interface}"));
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(%interface, error = %e, "could not unpin"),
+        }
+        if self.tc_mode == TcAttach::Netlink {
+            // Gone with its interface, most often.
+            let filter = SchedClassifierLink::attached(
+                interface,
+                hook,
+                FILTER_PRIORITY,
+                FILTER_HANDLE,
+                None,
+            );
+            let _ = filter.map(Link::detach);
+        }
+    }
+
+    /// Attaches the per-packet programs to interfaces that appeared (or
+    /// whose role changed), and detaches them from those that are gone or
+    /// no longer wanted.
+    pub fn set_tc_interfaces(&mut self, root: &Path, wanted: &BTreeMap<String, TcRole>) {
+        let stale: Vec<(String, TcRole)> = self
+            .tc_interfaces
+            .iter()
+            .filter(|(interface, _)| !wanted.contains_key(*interface))
+            .map(|(interface, role)| (interface.clone(), *role))
+            .collect();
+        for (interface, role) in stale {
             self.tc_interfaces.remove(&interface);
-            for (_, hook, prefix) in TC_HOOKS {
-                let path = root.join("links").join(format!("{prefix}-{interface}"));
-                match std::fs::remove_file(&path) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => tracing::warn!(%interface, error = %e, "could not unpin"),
-                }
-                if self.tc_mode == TcAttach::Netlink {
-                    // Gone with its interface, most often.
-                    let filter = SchedClassifierLink::attached(
-                        &interface,
-                        hook,
-                        FILTER_PRIORITY,
-                        FILTER_HANDLE,
-                        None,
-                    );
-                    let _ = filter.map(Link::detach);
-                }
+            for &hook in role.hooks() {
+                self.detach_tc(root, &interface, hook);
             }
             tracing::info!(%interface, "per-packet programs detached");
         }
-        let new: Vec<String> = wanted.difference(&self.tc_interfaces).cloned().collect();
-        for interface in new {
-            match self.attach_tc(&interface).and_then(|link| self.keep_tc(root, &interface, link)) {
-                Ok(_) => tracing::info!(%interface, "per-packet programs attached"),
+        let new: Vec<(String, TcRole)> = wanted
+            .iter()
+            .filter(|(interface, role)| self.tc_interfaces.get(*interface) != Some(role))
+            .map(|(interface, role)| (interface.clone(), *role))
+            .collect();
+        for (interface, role) in new {
+            let attached = self
+                .attach_tc(&interface, role)
+                .and_then(|links| self.keep_tc(root, &interface, role, links));
+            match attached {
+                Ok(_) => tracing::info!(%interface, ?role, "per-packet programs attached"),
                 // The interface may be gone again already; the next scan retries.
                 Err(e) => tracing::warn!(%interface, error = %e, "could not attach"),
             }
@@ -977,7 +1041,7 @@ pub fn remove_tc_filters() -> usize {
     let Ok(interfaces) = crate::sys::interfaces() else { return 0 };
     interfaces
         .keys()
-        .flat_map(|interface| TC_HOOKS.map(|(name, hook, _)| (interface, name, hook)))
+        .flat_map(|interface| TC_PROGRAMS.map(|(name, hook, _)| (interface, name, hook)))
         .filter(|(interface, name, hook)| qdisc_detach_program(interface, *hook, name).is_ok())
         .count()
 }
@@ -1003,6 +1067,16 @@ impl EbpfBackend {
     /// As `run_tc`, with the egress program (packets the node's stack sends).
     pub fn run_tc_egress(&mut self, packet: &[u8], repeat: u32) -> Result<PacketRun, EbpfError> {
         self.run_program(TC_EGRESS, packet, repeat)
+    }
+
+    /// As `run_tc`, with the ingress program of pod interfaces the socket LB
+    /// covers (replies only).
+    pub fn run_tc_pod_replies(
+        &mut self,
+        packet: &[u8],
+        repeat: u32,
+    ) -> Result<PacketRun, EbpfError> {
+        self.run_program(TC_POD_REPLIES, packet, repeat)
     }
 
     fn run_program(
