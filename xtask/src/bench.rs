@@ -13,7 +13,12 @@
 //!   conntrack TIME_WAIT entries of one never meet the other; and what the
 //!   same runs cost: CPU time of client and server per 10,000 connections
 //!   (a cost, steadier than a rate on a loaded machine), as ratios to the
-//!   baseline and, for the socket LB, to the direct run with the agent;
+//!   baseline and, for the socket LB, to the direct run with the agent. Each
+//!   round runs them all in turn, the baseline with the agent stopped and
+//!   its datapath removed, so a change in the machine's load meets every
+//!   kind alike; in eBPF mode a last direct run per round has the pod
+//!   interfaces' replies-only programs, as a node whose socket LB covers
+//!   every pod has them;
 //! - programming time: N services × 10 endpoints listed from the test API
 //!   server to the datapath serving, and the agent's first sync (iptables
 //!   only while a size finishes within the limit, and not at the next size
@@ -249,32 +254,32 @@ pub(crate) fn metric(lab: &Lab, name: &str) -> anyhow::Result<f64> {
 }
 
 /// Connection rates at size `n` in `mode`, `rounds` alternating rounds.
+/// Each round starts with the baseline (no agent, its datapath cleaned up)
+/// and then starts the agent for the other runs, so a change in the
+/// machine's load meets every kind of run alike.
 fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Value> {
     let (mut lab, client, per_packet, ext) = lab(Setup { mode, source: Source::Manifests })?;
     let s = opts.seconds;
     let direct = format!("{POD}:{DIRECT_PORT}");
-    let warm = |lab: &Lab| rate(lab, &client, false, &direct, 1);
-    warm(&lab)?;
-    let baseline: Vec<Run> = (0..opts.rounds)
-        .map(|_| rate(&lab, &client, false, &direct, s))
-        .collect::<anyhow::Result<_>>()?;
-    let baseline_cpu = median(baseline.iter().map(|r| r.cpu_ms_per_10k).collect());
-    let baseline = median(baseline.iter().map(|r| r.per_s).collect());
+    rate(&lab, &client, false, &direct, 1)?;
     lab.write_manifest(&manifest(n, 1))?;
-    // The defaults: the maps size themselves.
-    if let Err(e) = lab.start_agent_within(0, &[], LIMIT) {
-        let result = json!({"mode": mode.as_arg(), "services": n, "failed": format!("{e:#}")});
-        eprintln!("  {result}");
-        return Ok(result);
-    }
     let vip = "10.96.0.10:80";
     let node_port = "192.168.100.11:30080";
+    let (mut baseline, mut direct_replies): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
     let mut runs: Vec<(&str, Vec<Run>)> =
         vec![("direct", vec![]), ("vip", vec![]), ("node_port", vec![])];
     if mode == Mode::Ebpf {
         runs.push(("vip_per_packet", vec![]));
     }
-    for _ in 0..opts.rounds {
+    for round in 0..opts.rounds {
+        baseline.push(rate(&lab, &client, false, &direct, s)?);
+        // The defaults: the maps size themselves.
+        if let Err(e) = lab.start_agent_within(0, &[], LIMIT) {
+            anyhow::ensure!(round == 0, "the agent did not start again: {e:#}");
+            let result = json!({"mode": mode.as_arg(), "services": n, "failed": format!("{e:#}")});
+            eprintln!("  {result}");
+            return Ok(result);
+        }
         for (name, values) in runs.iter_mut() {
             let r = match *name {
                 "direct" => rate(&lab, &client, false, &direct, s)?,
@@ -286,7 +291,22 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
             };
             values.push(r);
         }
+        if mode == Mode::Ebpf {
+            // Pod interfaces as on a node whose socket LB covers every pod
+            // (its default): the replies program at their ingress only.
+            lab.stop_agent_on(0);
+            lab.start_agent_within(0, &["--pod-interface-programs", "replies"], LIMIT)?;
+            direct_replies.push(rate(&lab, &client, false, &direct, s)?);
+        }
+        if round + 1 < opts.rounds {
+            stop_and_clean(&mut lab)?;
+        }
     }
+    if mode == Mode::Ebpf {
+        runs.push(("direct_replies_only", direct_replies));
+    }
+    let baseline_cpu = median(baseline.iter().map(|r| r.cpu_ms_per_10k).collect());
+    let baseline = median(baseline.iter().map(|r| r.per_s).collect());
     let mut result = json!({
         "mode": mode.as_arg(),
         "services": n,
@@ -311,6 +331,14 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     }
     eprintln!("  {}", result);
     Ok(result)
+}
+
+/// Stops the agent and removes its datapath (which outlives it by design),
+/// leaving the lab as it was before the agent started.
+fn stop_and_clean(lab: &mut Lab) -> anyhow::Result<()> {
+    lab.stop_agent_on(0);
+    lab.cleanup_on(0).context("cleanup between rounds")?;
+    Ok(())
 }
 
 /// From starting the agent on N services × 10 endpoints (listed from the
