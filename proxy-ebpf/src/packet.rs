@@ -116,15 +116,30 @@ pub fn ipv4_len(ip: &Ipv4Hdr) -> Option<usize> {
     (ip.version() == 4 && ihl >= Ipv4Hdr::LEN).then_some(ihl)
 }
 
+/// The `T` at `off`: read in place where it lies in the packet's linear
+/// data (direct packet access, no helper call: the common case), else
+/// copied out with `bpf_skb_load_bytes` (headers beyond the linear part).
+#[inline(always)]
+pub fn header<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
+    let start = ctx.data() + off;
+    if start + core::mem::size_of::<T>() <= ctx.data_end() {
+        // SAFETY: within the linear data, as just checked; read unaligned,
+        // as headers lie at any offset.
+        Some(unsafe { core::ptr::read_unaligned(start as *const T) })
+    } else {
+        ctx.load(off).ok()
+    }
+}
+
 /// Reads the ports (and TCP flags) of the TCP or UDP header at `off`.
 #[inline(always)]
 pub fn load_ports(ctx: &TcContext, off: usize, proto: u8) -> Option<(u16, u16, u8)> {
-    // One load per header: each bpf_skb_load_bytes is a helper call.
+    // One read per header.
     if proto == IPPROTO_TCP {
-        let tcp: TcpHdr = ctx.load(off).ok()?;
+        let tcp: TcpHdr = header(ctx, off)?;
         Some((u16::from_be_bytes(tcp.source), u16::from_be_bytes(tcp.dest), tcp_flags(&tcp)))
     } else {
-        let udp: UdpHdr = ctx.load(off).ok()?;
+        let udp: UdpHdr = header(ctx, off)?;
         Some((udp.src_port(), udp.dst_port(), 0))
     }
 }
@@ -133,13 +148,13 @@ pub fn load_ports(ctx: &TcContext, off: usize, proto: u8) -> Option<(u16, u16, u
 /// (other protocols, IPv6, ARP) is `None` and passes untouched.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Parsed> {
-    // One load per header: each bpf_skb_load_bytes is a helper call, and
-    // this runs for every packet of every watched interface.
-    let ethertype: u16 = ctx.load(offset_of!(EthHdr, ether_type)).ok()?;
+    // One read per header, in place: this runs for every packet the
+    // pre-filter could not pass.
+    let ethertype: u16 = header(ctx, offset_of!(EthHdr, ether_type))?;
     if ethertype != EtherType::Ipv4 as u16 {
         return None;
     }
-    let ip: Ipv4Hdr = ctx.load(IP_OFF).ok()?;
+    let ip: Ipv4Hdr = header(ctx, IP_OFF)?;
     let ihl = ipv4_len(&ip)?;
     let (saddr, daddr, proto) = (ip.src_addr, ip.dst_addr, ip.proto);
     let more_fragments = ip.frag_flags() & MORE_FRAGMENTS != 0;
