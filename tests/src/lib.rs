@@ -7,6 +7,14 @@
 //! node namespace has no default route: an address nobody serves is
 //! unreachable, never sent off the machine.
 //!
+//! A dual-stack lab ([`Lab::dual_stack`]) adds the IPv6 twin of each address
+//! (see [`v6`]): pods fd00:244:N::M/128 behind the link-local gateway fe80::1
+//! (as CNIs do), nodes and external clients fd00:100::X/64 on the fabric,
+//! ClusterIPs in fd00:96::/112 and external service IPs in fd00:200::/112
+//! routed as their IPv4 ranges are. Addresses skip duplicate address
+//! detection (`nodad`, `accept_dad=0`): nothing else claims them, and a lab
+//! must not wait a second per address.
+//!
 //! Everything a lab creates is named `pxl-<pid>-<n>-…` and removed when the
 //! `Lab` drops, also when a test panics; labs left by a killed run are swept
 //! by name when the next lab starts.
@@ -25,6 +33,7 @@ use anyhow::{Context, bail};
 pub mod apiserver;
 
 const GATEWAY: &str = "169.254.1.1";
+const GATEWAY6: &str = "fe80::1";
 const PREFIX: &str = "pxl-";
 const CGROUP2: &str = "/sys/fs/cgroup/unified";
 /// Each lab's own bpffs, mounted in its scratch dir (so nothing appears in
@@ -239,6 +248,8 @@ pub struct Node {
     pub netns: String,
     /// Its address on the fabric, 192.168.100.(11 + index).
     pub ip: String,
+    /// Its IPv6 address on the fabric in a dual-stack lab, fd00:100::(11 + index).
+    pub ip6: Option<String>,
     /// Its pod CIDR, 10.244.(1 + index).0/24, routed to it from the others.
     pub pod_cidr: String,
     /// The name EndpointSlices use for it (`nodeName`).
@@ -257,6 +268,15 @@ pub struct Node {
 }
 
 impl Node {
+    /// Its addresses as `--node-ip` takes them: IPv4, and IPv6 in a
+    /// dual-stack lab.
+    fn node_ips(&self) -> String {
+        match &self.ip6 {
+            Some(ip6) => format!("{},{ip6}", self.ip),
+            None => self.ip.clone(),
+        }
+    }
+
     /// `proxy-agent cleanup` in this node's namespace: its pins, filters
     /// and iptables rules (never the host's).
     fn cleanup(&self) -> anyhow::Result<String> {
@@ -295,6 +315,8 @@ pub struct Lab {
     externals: usize,
     netns: Vec<String>,
     children: Vec<Child>,
+    /// Dual stack: new pods, nodes and external clients get IPv6 too.
+    ipv6: bool,
 }
 
 /// Addresses of external clients and node uplinks share 192.168.100.0/24;
@@ -306,6 +328,22 @@ pub const EXTERNAL_SERVICE_RANGE: &str = "10.200.0.0/24";
 const API_ADDR: &str = "192.168.100.1";
 /// Cluster IPs.
 pub const SERVICE_RANGE: &str = "10.96.0.0/12";
+/// IPv6 cluster IPs and external service IPs (dual-stack labs).
+pub const SERVICE_RANGE6: &str = "fd00:96::/112";
+pub const EXTERNAL_SERVICE_RANGE6: &str = "fd00:200::/112";
+/// Every pod's IPv6 address (dual-stack labs): `--cluster-cidr`'s second.
+pub const CLUSTER_CIDR6: &str = "fd00:244::/32";
+
+/// The IPv6 twin of a lab address in a dual-stack lab: pods 10.244.N.M are
+/// also fd00:244:N::M, nodes and external clients 192.168.100.X also
+/// fd00:100::X (the decimal digits read as hex: short, and easy to match).
+pub fn v6(v4: &str) -> String {
+    match v4.split('.').collect::<Vec<_>>()[..] {
+        ["10", "244", n, m] => format!("fd00:244:{n}::{m}"),
+        ["192", "168", "100", x] => format!("fd00:100::{x}"),
+        _ => panic!("{v4} has no IPv6 twin in the lab"),
+    }
+}
 /// The router of [`Lab::add_far_external`] on the fabric, and the subnet
 /// behind it.
 pub const FAR_ROUTER: &str = "192.168.100.254";
@@ -352,6 +390,7 @@ impl Lab {
             externals: 0,
             netns: Vec::new(),
             children: Vec::new(),
+            ipv6: false,
         };
         std::fs::create_dir_all(&lab.dir)?;
         mount_bpffs(&lab.dir.join(BPFFS_DIR))?;
@@ -369,7 +408,51 @@ impl Lab {
     fn add_netns(&mut self, name: &str) -> anyhow::Result<()> {
         ip(&["netns", "add", name])?;
         self.netns.push(name.to_string());
+        // Interfaces made from now on (both ends of a veth are made in the
+        // namespace that creates the pair) skip duplicate address detection.
+        for conf in ["all", "default"] {
+            sysctl(name, &format!("net.ipv6.conf.{conf}.accept_dad"), "0")?;
+        }
         ip(&["-n", name, "link", "set", "lo", "up"])?;
+        Ok(())
+    }
+
+    /// Makes the lab dual-stack: the nodes so far get their IPv6 addresses
+    /// and routes, and every pod, node and external client added from now
+    /// on its IPv6 twin too (see [`v6`]); agents are given both node
+    /// addresses. Call it before adding pods.
+    pub fn dual_stack(&mut self) -> anyhow::Result<()> {
+        self.ipv6 = true;
+        for index in 0..self.nodes.len() {
+            self.node_ipv6(index)?;
+        }
+        if let Some(api) = &self.api {
+            for node in &self.nodes {
+                api.apply(&node_object(node))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Node `index`'s IPv6: forwarding, its fabric address, the service
+    /// ranges to `svc0`, and routes between its pod range and the others'.
+    fn node_ipv6(&mut self, index: usize) -> anyhow::Result<()> {
+        let node_ip6 = v6(&self.nodes[index].ip);
+        let netns = self.nodes[index].netns.clone();
+        sysctl(&netns, "net.ipv6.conf.all.forwarding", "1")?;
+        let addr = format!("{node_ip6}/64");
+        ip(&["-n", &netns, "-6", "addr", "add", &addr, "dev", "eth0", "nodad"])?;
+        for range in [SERVICE_RANGE6, EXTERNAL_SERVICE_RANGE6] {
+            ip(&["-n", &netns, "-6", "route", "add", range, "dev", "svc0"])?;
+        }
+        let pod_range = |index: usize| format!("fd00:244:{}::/64", 1 + index);
+        for (other, node) in self.nodes.iter().enumerate().filter(|(i, _)| *i != index) {
+            let Some(other_ip6) = &node.ip6 else { continue };
+            ip(&["-n", &netns, "-6", "route", "add", &pod_range(other), "via", other_ip6])?;
+            let mine = pod_range(index);
+            ip(&["-n", &node.netns, "-6", "route", "add", &mine, "via", &node_ip6])?;
+        }
+        self.nodes[index].ip6 = Some(node_ip6);
         Ok(())
     }
 
@@ -414,6 +497,7 @@ impl Lab {
         self.nodes.push(Node {
             netns,
             ip: node_ip,
+            ip6: None,
             pod_cidr,
             name: if index == 0 { "lab-node".into() } else { format!("lab-node{}", index + 1) },
             cgroup,
@@ -425,6 +509,9 @@ impl Lab {
             pass_node_ip: true,
             veths: 0,
         });
+        if self.ipv6 {
+            self.node_ipv6(index)?;
+        }
         if let Some(api) = &self.api {
             api.apply(&node_object(&self.nodes[index]))?;
         }
@@ -461,6 +548,11 @@ impl Lab {
         self.externals += 1;
         self.uplink(&netns, &format!("x{}", self.externals), addr)?;
         ip(&["-n", &netns, "route", "add", EXTERNAL_SERVICE_RANGE, "via", &self.nodes[0].ip])?;
+        if let Some(node_ip6) = self.nodes[0].ip6.clone().filter(|_| self.ipv6) {
+            let addr6 = format!("{}/64", v6(addr));
+            ip(&["-n", &netns, "-6", "addr", "add", &addr6, "dev", "eth0", "nodad"])?;
+            ip(&["-n", &netns, "-6", "route", "add", EXTERNAL_SERVICE_RANGE6, "via", &node_ip6])?;
+        }
         Ok(Pod { name: name.to_string(), netns, ip: addr.to_string() })
     }
 
@@ -523,24 +615,12 @@ impl Lab {
     /// in a node, which reverse-translated packets must never meet.
     pub fn drop_invalid_forwards(&self, node: usize) -> anyhow::Result<()> {
         let netns = &self.nodes[node].netns;
-        sh(
-            "ip",
-            &[
-                "netns",
-                "exec",
-                netns,
-                "iptables",
-                "-A",
-                "FORWARD",
-                "-m",
-                "conntrack",
-                "--ctstate",
-                "INVALID",
-                "-j",
-                "DROP",
-            ],
-        )
-        .map(drop)
+        let families: &[&str] = if self.ipv6 { &["iptables", "ip6tables"] } else { &["iptables"] };
+        for program in families {
+            let rule = ["-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"];
+            sh("ip", &[&["netns", "exec", netns, program][..], &rule[..]].concat())?;
+        }
+        Ok(())
     }
 
     /// A pod on node 0.
@@ -576,6 +656,15 @@ impl Lab {
         ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
         ip(&["-n", &netns, "route", "add", GATEWAY, "dev", "eth0", "scope", "link"])?;
         ip(&["-n", &netns, "route", "add", "default", "via", GATEWAY, "dev", "eth0"])?;
+        if self.ipv6 {
+            let pod_ip6 = v6(pod_ip);
+            let gateway = format!("{GATEWAY6}/64");
+            ip(&["-n", &node_ns, "-6", "addr", "add", &gateway, "dev", &host_if, "nodad"])?;
+            let host = format!("{pod_ip6}/128");
+            ip(&["-n", &node_ns, "-6", "route", "add", &host, "dev", &host_if])?;
+            ip(&["-n", &netns, "-6", "addr", "add", &host, "dev", "eth0", "nodad"])?;
+            ip(&["-n", &netns, "-6", "route", "add", "default", "via", GATEWAY6, "dev", "eth0"])?;
+        }
         wait_link_up(&netns, "eth0")?;
         wait_link_up(&node_ns, &host_if)?;
         self.wait_tc_attached(node, &host_if)?;
@@ -655,6 +744,9 @@ impl Lab {
     fn start_server(&mut self, pod: &Pod, args: &[String]) -> anyhow::Result<()> {
         let mut cmd = Command::new(target_bin("labpod"));
         cmd.args(["--netns", &pod.netns, "serve", "--name", &pod.name]).args(args);
+        if self.ipv6 {
+            cmd.arg("--dual-stack");
+        }
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?;
         let stdout = child.stdout.take().context("server stdout")?;
         self.children.push(child);
@@ -830,7 +922,11 @@ impl Lab {
             .arg("--bpffs-root")
             .arg(&host.pins)
             .args(["--hostname-override", &host.name])
-            .args(if host.pass_node_ip { vec!["--node-ip", &host.ip] } else { vec![] })
+            .args(if host.pass_node_ip {
+                vec!["--node-ip".into(), host.node_ips()]
+            } else {
+                vec![]
+            })
             .args(mode)
             .args(extra)
             .env("RUST_LOG", "info")
@@ -1121,8 +1217,13 @@ fn wait_link_up(netns: &str, dev: &str) -> anyhow::Result<()> {
 fn node_object(node: &Node) -> String {
     let index = node.ip.rsplit('.').next().and_then(|i| i.parse::<u32>().ok()).unwrap_or(11) - 11;
     format!(
-        "apiVersion: v1\nkind: Node\nmetadata: {{name: {}, labels: {{topology.kubernetes.io/zone: zone-{index}}}}}\nstatus: {{addresses: [{{type: InternalIP, address: {}}}, {{type: Hostname, address: {}}}]}}\n",
-        node.name, node.ip, node.name
+        "apiVersion: v1\nkind: Node\nmetadata: {{name: {}, labels: {{topology.kubernetes.io/zone: zone-{index}}}}}\nstatus: {{addresses: [{{type: InternalIP, address: {}}}, {}{{type: Hostname, address: {}}}]}}\n",
+        node.name,
+        node.ip,
+        node.ip6
+            .as_ref()
+            .map_or(String::new(), |ip6| format!("{{type: InternalIP, address: '{ip6}'}}, ")),
+        node.name
     )
 }
 

@@ -19,7 +19,7 @@ use std::{
 use anyhow::{Context, bail};
 
 const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS] \
-    (serve --name NAME [--tcp PORT]... [--udp PORT]... [--echo PORT]... \
+    (serve --name NAME [--dual-stack] [--tcp PORT]... [--udp PORT]... [--echo PORT]... \
     | tcp ADDR COUNT [--interval-ms MS] | tcp-concurrent ADDR COUNT \
     | stream ADDR COUNT [--interval-ms MS] \
     | udp ADDR COUNT [--interval-ms MS] [--connect [--reconnect]] [--socket-per-datagram] \
@@ -84,14 +84,28 @@ fn enter_netns(name: &str) -> anyhow::Result<()> {
 }
 
 fn answer(name: &str, local: SocketAddr, peer: SocketAddr) -> String {
-    format!("name={name} local={local} peer={peer}")
+    format!("name={name} local={} peer={}", canonical(local), canonical(peer))
+}
+
+/// An IPv4 address as IPv4, also where a dual-stack socket saw it as
+/// v4-mapped IPv6 (`::ffff:a.b.c.d`).
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
 }
 
 fn serve(args: &mut Vec<String>) -> anyhow::Result<()> {
     let name = take_opt(args, "--name").context(USAGE)?;
+    // Dual-stack sockets take both families (IPv4 as v4-mapped addresses).
+    let any = match args.iter().position(|a| a == "--dual-stack") {
+        Some(i) => {
+            args.remove(i);
+            "[::]"
+        }
+        None => "0.0.0.0",
+    };
     let mut threads = Vec::new();
     for port in take_all(args, "--tcp") {
-        let listener = TcpListener::bind(format!("0.0.0.0:{port}"))?;
+        let listener = TcpListener::bind(format!("{any}:{port}"))?;
         let name = name.clone();
         threads.push(std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -101,7 +115,7 @@ fn serve(args: &mut Vec<String>) -> anyhow::Result<()> {
         }));
     }
     for port in take_all(args, "--echo") {
-        let listener = TcpListener::bind(format!("0.0.0.0:{port}"))?;
+        let listener = TcpListener::bind(format!("{any}:{port}"))?;
         let name = name.clone();
         threads.push(std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -111,7 +125,7 @@ fn serve(args: &mut Vec<String>) -> anyhow::Result<()> {
         }));
     }
     for port in take_all(args, "--udp") {
-        let socket = UdpSocket::bind(format!("0.0.0.0:{port}"))?;
+        let socket = UdpSocket::bind(format!("{any}:{port}"))?;
         let name = name.clone();
         threads.push(std::thread::spawn(move || {
             let mut buf = [0u8; 65536];
@@ -319,7 +333,7 @@ fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
     let reconnect = flag("--reconnect").is_some();
     let (addr, count) = target(args)?;
     let open = || -> std::io::Result<UdpSocket> {
-        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        let socket = UdpSocket::bind(if addr.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" })?;
         socket.set_read_timeout(Some(timeout))?;
         if connect {
             socket.connect(addr)?;
