@@ -16,9 +16,9 @@
 //!   baseline and, for the socket LB, to the direct run with the agent. Each
 //!   round runs them all in turn, the baseline with the agent stopped and
 //!   its datapath removed, so a change in the machine's load meets every
-//!   kind alike; in eBPF mode a last direct run per round has the pod
-//!   interfaces' replies-only programs, as a node whose socket LB covers
-//!   every pod has them;
+//!   kind alike; in eBPF mode two last direct runs per round have the pod
+//!   interfaces' replies-only programs (as a node whose socket LB covers
+//!   every pod has them), and no program on pod interfaces;
 //! - programming time: N services × 10 endpoints listed from the test API
 //!   server to the datapath serving, and the agent's first sync (iptables
 //!   only while a size finishes within the limit, and not at the next size
@@ -265,7 +265,8 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     lab.write_manifest(&manifest(n, 1))?;
     let vip = "10.96.0.10:80";
     let node_port = "192.168.100.11:30080";
-    let (mut baseline, mut direct_replies): (Vec<Run>, Vec<Run>) = (Vec::new(), Vec::new());
+    let (mut baseline, mut direct_replies, mut direct_no_pod_programs) =
+        (Vec::<Run>::new(), Vec::new(), Vec::new());
     let mut runs: Vec<(&str, Vec<Run>)> =
         vec![("direct", vec![]), ("vip", vec![]), ("node_port", vec![])];
     if mode == Mode::Ebpf {
@@ -293,10 +294,16 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
         }
         if mode == Mode::Ebpf {
             // Pod interfaces as on a node whose socket LB covers every pod
-            // (its default): the replies program at their ingress only.
-            lab.stop_agent_on(0);
-            lab.start_agent_within(0, &["--pod-interface-programs", "replies"], LIMIT)?;
-            direct_replies.push(rate(&lab, &client, false, &direct, s)?);
+            // (its default): the replies program at their ingress only; and,
+            // to tell the programs' share from the rest of the agent's, none.
+            for (flags, runs) in [
+                (["--pod-interface-programs", "replies"], &mut direct_replies),
+                (["--pod-interfaces", ""], &mut direct_no_pod_programs),
+            ] {
+                lab.stop_agent_on(0);
+                lab.start_agent_within(0, &flags, LIMIT)?;
+                runs.push(rate(&lab, &client, false, &direct, s)?);
+            }
         }
         if round + 1 < opts.rounds {
             stop_and_clean(&mut lab)?;
@@ -304,6 +311,7 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     }
     if mode == Mode::Ebpf {
         runs.push(("direct_replies_only", direct_replies));
+        runs.push(("direct_no_pod_programs", direct_no_pod_programs));
     }
     let baseline_cpu = median(baseline.iter().map(|r| r.cpu_ms_per_10k).collect());
     let baseline = median(baseline.iter().map(|r| r.per_s).collect());

@@ -25,18 +25,19 @@ fn rows<'a>(results: &'a Value, key: &str) -> impl Iterator<Item = &'a Value> {
 fn cpu_table(out: &mut String, results: &Value) {
     let _ = writeln!(
         out,
-        "\n### CPU time per 10,000 connections (wrk + nginx, user + system), as a ratio to a direct connection without any proxy\n\n| mode | services | baseline ms | direct, N installed | direct, pod interfaces replies-only | ClusterIP | ClusterIP per packet | NodePort | ClusterIP ÷ direct with the agent |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "\n### CPU time per 10,000 connections (wrk + nginx, user + system), as a ratio to a direct connection without any proxy\n\n| mode | services | baseline ms | direct, N installed | direct, pod interfaces replies-only | direct, no pod-interface programs | ClusterIP | ClusterIP per packet | NodePort | ClusterIP ÷ direct with the agent |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in rows(results, "connection_rates").filter(|r| r["failed"].is_null()) {
         let ratio = |k: &str| ratio(r, k);
         let _ = writeln!(
             out,
-            "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} |",
             r["mode"].as_str().unwrap_or(""),
             r["services"],
             num(r, "baseline_cpu_ms_per_10k"),
             ratio("direct_cpu_ratio"),
             ratio("direct_replies_only_cpu_ratio"),
+            ratio("direct_no_pod_programs_cpu_ratio"),
             ratio("vip_cpu_ratio"),
             ratio("vip_per_packet_cpu_ratio"),
             ratio("node_port_cpu_ratio"),
