@@ -8,7 +8,7 @@ use std::{
     fmt,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
     },
     time::{Duration, SystemTime},
 };
@@ -29,6 +29,7 @@ use crate::{
     backend::ebpf::CounterReader,
     health::ProxyHealth,
     http::{self, Reply},
+    model::IpFamily,
 };
 
 /// What Prometheus is told it scrapes.
@@ -169,12 +170,11 @@ pub struct Metrics {
     services_refused: Mutex<BTreeMap<&'static str, u64>>,
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
-    /// iptables mode: failed `iptables-restore` runs, and those of them
-    /// that were partial syncs.
-    pub restore_failures: AtomicU64,
-    pub partial_restore_failures: AtomicU64,
-    /// iptables mode: rules written per table by the last sync.
-    iptables_rules_last: Mutex<Vec<(&'static str, usize)>>,
+    /// iptables mode: each family's rules (IPv4, IPv6).
+    rules: [FamilyRules; 2],
+    /// Whether the datapath serves the IPv6 family: its `ip_family="IPv6"`
+    /// series are shown then.
+    pub ipv6_served: AtomicBool,
     /// iptables mode: stale conntrack entries that could not be deleted.
     pub conntrack_cleanup_failures: AtomicU64,
     /// Failed attempts to attach the programs (or take over the datapath).
@@ -222,9 +222,8 @@ impl Metrics {
             map_update_failures: AtomicU64::new(0),
             services_refused: Mutex::default(),
             kept_objects: AtomicU64::new(0),
-            restore_failures: AtomicU64::new(0),
-            partial_restore_failures: AtomicU64::new(0),
-            iptables_rules_last: Mutex::default(),
+            rules: Default::default(),
+            ipv6_served: AtomicBool::new(false),
             conntrack_cleanup_failures: AtomicU64::new(0),
             activation_failures: AtomicU64::new(0),
             mode_cleanup_failures: AtomicU64::new(0),
@@ -284,10 +283,9 @@ impl Metrics {
         }
     }
 
-    pub fn set_iptables_rules(&self, rules: &[(&'static str, usize)]) {
-        if let Ok(mut last) = self.iptables_rules_last.lock() {
-            *last = rules.to_vec();
-        }
+    /// iptables mode: what `family`'s rules did.
+    pub fn rules(&self, family: IpFamily) -> &FamilyRules {
+        &self.rules[family as usize]
     }
 
     pub fn set_apiserver_errors(&self, errors: BTreeMap<&'static str, u64>) {
@@ -305,8 +303,13 @@ impl Metrics {
     }
 
     /// kube-proxy's metrics that carry `ip_family` (a constant label of
-    /// their sub-registry, written first as kube-proxy does).
-    fn encode_per_family(&self, mut out: Families) -> fmt::Result {
+    /// their sub-registry, written first as kube-proxy does). One sync
+    /// programs every family: its duration, timestamps and programming
+    /// latency are each family's; the rules' figures are the family's own.
+    fn encode_per_family(&self, family: IpFamily, mut out: Families) -> fmt::Result {
+        if family == IpFamily::V6 && !self.ipv6_served.load(Relaxed) {
+            return Ok(());
+        }
         out.histogram(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "[ALPHA] SyncProxyRules latency in seconds",
@@ -355,17 +358,18 @@ impl Metrics {
             "[ALPHA] SyncProxyRules latency in seconds for partial resyncs",
             &self.partial_sync_duration,
         )?;
+        let rules = self.rules(family);
         out.counter(
             "kubeproxy_sync_proxy_rules_iptables_restore_failures",
             "[ALPHA] Cumulative proxy iptables restore failures",
-            self.restore_failures.load(Relaxed),
+            rules.restore_failures.load(Relaxed),
         )?;
         out.counter(
             "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures",
             "[ALPHA] Cumulative proxy iptables partial restore failures",
-            self.partial_restore_failures.load(Relaxed),
+            rules.partial_restore_failures.load(Relaxed),
         )?;
-        let last = self.iptables_rules_last.lock().map(|l| l.clone()).unwrap_or_default();
+        let last = rules.last.lock().map(|l| l.clone()).unwrap_or_default();
         out.gauges(
             "kubeproxy_sync_proxy_rules_iptables_last",
             "[ALPHA] Number of iptables rules written by kube-proxy in last sync",
@@ -538,9 +542,11 @@ impl Metrics {
     pub fn registry(self: &Arc<Self>) -> Registry {
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Collected(self.clone())));
-        registry
-            .sub_registry_with_label(("ip_family".into(), "IPv4".into()))
-            .register_collector(Box::new(PerFamily(self.clone())));
+        for family in IpFamily::ALL {
+            registry
+                .sub_registry_with_label(("ip_family".into(), family.as_str().into()))
+                .register_collector(Box::new(PerFamily(self.clone(), family)));
+        }
         registry
     }
 
@@ -588,13 +594,32 @@ impl Collector for Collected {
     }
 }
 
-/// The metrics of the `ip_family="IPv4"` sub-registry.
+/// The metrics of an `ip_family` sub-registry.
 #[derive(Debug)]
-struct PerFamily(Arc<Metrics>);
+struct PerFamily(Arc<Metrics>, IpFamily);
 
 impl Collector for PerFamily {
     fn encode(&self, encoder: DescriptorEncoder) -> fmt::Result {
-        self.0.encode_per_family(Families(encoder))
+        self.0.encode_per_family(self.1, Families(encoder))
+    }
+}
+
+/// What one family's iptables rules did.
+#[derive(Debug, Default)]
+pub struct FamilyRules {
+    /// Failed `ip(6)tables-restore` runs, and those of them that were
+    /// partial syncs.
+    pub restore_failures: AtomicU64,
+    pub partial_restore_failures: AtomicU64,
+    /// Rules written per table by the last sync.
+    last: Mutex<Vec<(&'static str, usize)>>,
+}
+
+impl FamilyRules {
+    pub fn set_written(&self, rules: &[(&'static str, usize)]) {
+        if let Ok(mut last) = self.last.lock() {
+            *last = rules.to_vec();
+        }
     }
 }
 
@@ -685,6 +710,29 @@ mod tests {
         assert!(!text.contains("proxy_datapath_events_total"));
     }
 
+    /// The IPv6 family's series, once the datapath serves it: its rules'
+    /// figures are its own, the sync's are both families'.
+    #[test]
+    fn ipv6_series_appear_beside_ipv4_once_served() {
+        let m = metrics("iptables");
+        m.rules(IpFamily::V6).restore_failures.fetch_add(2, Relaxed);
+        m.rules(IpFamily::V6).set_written(&[("nat", 7)]);
+        m.rules(IpFamily::V4).set_written(&[("nat", 10)]);
+        let before = text(&m);
+        assert!(!before.contains("_seconds_count{ip_family=\"IPv6\"}"), "not served:\n{before}");
+        m.ipv6_served.store(true, Relaxed);
+        let text = text(&m);
+        for line in [
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv4\"} 0\n",
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv6\"} 2\n",
+            "kubeproxy_sync_proxy_rules_iptables_last{ip_family=\"IPv4\",table=\"nat\"} 10\n",
+            "kubeproxy_sync_proxy_rules_iptables_last{ip_family=\"IPv6\",table=\"nat\"} 7\n",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"} 0\n",
+        ] {
+            assert!(text.contains(line), "{line} missing:\n{text}");
+        }
+    }
+
     /// Every sample name the hand-written text format had, in each mode.
     #[test]
     fn sample_names_are_unchanged() {
@@ -743,7 +791,7 @@ mod tests {
             m.set_apiserver_errors([("Service", 1)].into());
             m.set_map_entries(&[("SERVICES", 2)]);
             m.set_carried(vec![("CONNTRACK", "reused")]);
-            m.set_iptables_rules(&[("nat", 10)]);
+            m.rules(IpFamily::V4).set_written(&[("nat", 10)]);
             let mut expected: Vec<String> =
                 common.iter().chain(own).map(ToString::to_string).collect();
             expected.extend(histograms(&kube_histograms));

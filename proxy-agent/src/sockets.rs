@@ -50,24 +50,45 @@ pub struct Peer {
     pub port: u16,
 }
 
+/// The families whose sockets the socket LB connects: IPv4, and IPv6 to
+/// v4-mapped addresses.
+const FAMILIES: [u8; 2] = [libc::AF_INET as u8, libc::AF_INET6 as u8];
+
+/// The prefix of a v4-mapped IPv6 address (`::ffff:0:0/96`).
+const V4_MAPPED: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
+
 impl SockId {
     /// The socket cookie (its last 8 bytes, host order as two u32), its
-    /// destination address (the first 4 of 16 bytes at 20) and port (2,
-    /// network order).
-    fn peer(&self) -> Peer {
+    /// destination port (2 bytes at 2, network order) and IPv4 address (the
+    /// 16 bytes at 20 hold an IPv4 socket's in the first 4, an IPv6
+    /// socket's v4-mapped one in the last 4); `None` for an IPv6 socket
+    /// connected to an IPv6 address.
+    fn peer(&self, family: u8) -> Option<Peer> {
         let lo = u32::from_ne_bytes(self.0[40..44].try_into().unwrap_or_default());
         let hi = u32::from_ne_bytes(self.0[44..48].try_into().unwrap_or_default());
-        Peer {
+        let address = match family {
+            f if f == libc::AF_INET6 as u8 => {
+                (self.0[20..32] == V4_MAPPED).then(|| self.0[32..36].try_into())?
+            }
+            _ => self.0[20..24].try_into(),
+        };
+        Some(Peer {
             cookie: (u64::from(hi) << 32) | u64::from(lo),
-            address: self.0[20..24].try_into().unwrap_or_default(),
+            address: address.unwrap_or_default(),
             port: u16::from_be_bytes([self.0[2], self.0[3]]),
-        }
+        })
     }
 }
 
-/// A netlink message: header, then an `inet_diag_req_v2` for IPv4 sockets
-/// of `protocol` in any state, naming `id` (zeros for a dump).
-fn request(kind: u16, flags: u16, seq: u32, protocol: u8, id: Option<&SockId>) -> Vec<u8> {
+/// A netlink message: header, then an `inet_diag_req_v2` for `family`
+/// sockets of `protocol` in any state, naming `id` (zeros for a dump).
+fn request(
+    kind: u16,
+    flags: u16,
+    seq: u32,
+    (family, protocol): (u8, u8),
+    id: Option<&SockId>,
+) -> Vec<u8> {
     let len = NLMSG_HDRLEN + REQ_LEN;
     let mut msg = Vec::with_capacity(len);
     msg.extend_from_slice(&(len as u32).to_ne_bytes());
@@ -75,7 +96,7 @@ fn request(kind: u16, flags: u16, seq: u32, protocol: u8, id: Option<&SockId>) -
     msg.extend_from_slice(&(flags | NLM_F_REQUEST).to_ne_bytes());
     msg.extend_from_slice(&seq.to_ne_bytes());
     msg.extend_from_slice(&0u32.to_ne_bytes());
-    msg.extend_from_slice(&[libc::AF_INET as u8, protocol, 0, 0]);
+    msg.extend_from_slice(&[family, protocol, 0, 0]);
     msg.extend_from_slice(&u32::MAX.to_ne_bytes());
     msg.extend_from_slice(id.map_or(&[0; SOCKID_LEN], |id| &id.0));
     msg
@@ -166,21 +187,25 @@ impl Diag {
         Ok(all)
     }
 
-    /// Destroys the `protocol` sockets of this namespace `must_end` picks;
-    /// returns how many.
+    /// Destroys the `protocol` sockets of this namespace `must_end` picks,
+    /// of both families; returns how many.
     fn destroy(&mut self, protocol: u8, must_end: &MustEnd) -> io::Result<usize> {
-        self.seq += 1;
-        let dump =
-            self.exchange(&request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, self.seq, protocol, None))?;
         let mut destroyed = 0;
-        for id in dump.sockets.iter().filter(|id| must_end(&id.peer())) {
+        for family in FAMILIES {
+            let of = (family, protocol);
             self.seq += 1;
-            let msg = request(SOCK_DESTROY, NLM_F_ACK, self.seq, protocol, Some(id));
-            match self.exchange(&msg)?.error {
-                Some(0) | None => destroyed += 1,
-                // Gone meanwhile.
-                Some(libc::ENOENT) => {}
-                Some(errno) => return Err(io::Error::from_raw_os_error(errno)),
+            let dump =
+                self.exchange(&request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, self.seq, of, None))?;
+            let chosen = |id: &&SockId| id.peer(family).is_some_and(|peer| must_end(&peer));
+            for id in dump.sockets.iter().filter(chosen) {
+                self.seq += 1;
+                let msg = request(SOCK_DESTROY, NLM_F_ACK, self.seq, of, Some(id));
+                match self.exchange(&msg)?.error {
+                    Some(0) | None => destroyed += 1,
+                    // Gone meanwhile.
+                    Some(libc::ENOENT) => {}
+                    Some(errno) => return Err(io::Error::from_raw_os_error(errno)),
+                }
             }
         }
         Ok(destroyed)
@@ -265,15 +290,12 @@ pub fn probe() -> io::Result<()> {
     let socket = std::net::UdpSocket::bind("127.0.0.1:0")?;
     socket.connect(socket.local_addr()?)?;
     let mut diag = Diag::open()?;
-    let dump =
-        diag.exchange(&request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, 1, libc::IPPROTO_UDP as u8, None))?;
+    let udp4 = (libc::AF_INET as u8, libc::IPPROTO_UDP as u8);
+    let dump = diag.exchange(&request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, 1, udp4, None))?;
     let local = socket.local_addr()?.port().to_be_bytes();
     let ours = dump.sockets.iter().find(|id| id.0[0..2] == local).copied();
     let id = ours.ok_or_else(|| io::Error::other("own socket not listed"))?;
-    match diag
-        .exchange(&request(SOCK_DESTROY, NLM_F_ACK, 2, libc::IPPROTO_UDP as u8, Some(&id)))?
-        .error
-    {
+    match diag.exchange(&request(SOCK_DESTROY, NLM_F_ACK, 2, udp4, Some(&id)))?.error {
         Some(0) | None => Ok(()),
         Some(errno) => Err(io::Error::from_raw_os_error(errno)),
     }
@@ -303,14 +325,23 @@ mod tests {
         id[20..24].copy_from_slice(&[10, 244, 0, 5]);
         let id = SockId(id);
         let peer = Peer { cookie: (1 << 32) | 7, address: [10, 244, 0, 5], port: 53 };
-        assert_eq!(id.peer(), peer);
+        let (inet, inet6) = (libc::AF_INET as u8, libc::AF_INET6 as u8);
+        assert_eq!(id.peer(inet), Some(peer));
+        // The same socket as IPv6 to ::ffff:10.244.0.5, and to an IPv6 peer.
+        let mut mapped = id;
+        mapped.0[20..36].copy_from_slice(&[&V4_MAPPED[..], &[10, 244, 0, 5]].concat());
+        assert_eq!(mapped.peer(inet6), Some(peer));
+        let mut ipv6 = mapped;
+        ipv6.0[20..22].copy_from_slice(&[0xfd, 0]);
+        assert_eq!(ipv6.peer(inet6), None, "not the socket LB's");
 
-        let msg = request(SOCK_DESTROY, NLM_F_ACK, 9, 17, Some(&id));
+        let msg = request(SOCK_DESTROY, NLM_F_ACK, 9, (inet, 17), Some(&id));
         assert_eq!(msg.len(), 72, "nlmsghdr + inet_diag_req_v2");
         assert_eq!(&msg[16..20], &[libc::AF_INET as u8, 17, 0, 0]);
         assert_eq!(&msg[20..24], &u32::MAX.to_ne_bytes(), "every state");
         assert_eq!(&msg[24..], &id.0);
-        let dump = request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, 1, 17, None);
+        let dump = request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, 1, (inet6, 17), None);
+        assert_eq!(dump[16], inet6);
         assert_eq!(u16::from_ne_bytes([dump[6], dump[7]]), NLM_F_DUMP | NLM_F_REQUEST);
 
         // A dump reply: an inet_diag_msg (72 bytes) per socket, then DONE.

@@ -5,7 +5,8 @@
 //! network namespace after a sync that removed backends; where the kernel
 //! lacks the kfunc it uses `sock_diag` instead.
 //!
-//! The socket's peer is the backend (`connect4` rewrote it); `SOCK_REV_NAT`
+//! The socket's peer is the backend (`connect4` or, for an IPv6 socket to a
+//! v4-mapped address, `connect6` rewrote it); `SOCK_REV_NAT`
 //! holds only sockets the socket LB translated, and says for which frontend,
 //! so a socket the application connected to a pod directly is never touched.
 
@@ -17,6 +18,7 @@ use proxy_common::{SOCK_DESTROY_CALL, SockEndKey, SockRevNatKey};
 use crate::maps::{SOCK_ENDS, SOCK_REV_NAT};
 
 const AF_INET: u16 = 2;
+const AF_INET6: u16 = 10;
 
 /// The leading fields of the kernel's `struct sock_common`, whose offsets
 /// have not moved since these iterators exist.
@@ -59,7 +61,9 @@ pub unsafe fn try_end(ctx: *const c_void, proto: u8) -> i32 {
     }
     // SAFETY: a trusted kernel pointer the verifier lets us read.
     let (family, daddr, dport) = unsafe { ((*sk).family, (*sk).daddr, (*sk).dport) };
-    if family != AF_INET {
+    // An IPv6 socket connected to a v4-mapped address holds the IPv4 one in
+    // `daddr` too; one connected elsewhere has no entry under its cookie.
+    if family != AF_INET && family != AF_INET6 {
         return 0;
     }
     // SAFETY: the helper takes any socket pointer of the iterator.

@@ -1,7 +1,9 @@
 //! Socket-level load balancing: translate the destination once per socket
 //! (TCP, connected UDP) or per datagram (unconnected UDP, whose datagrams to
 //! a service keep to one backend while the flow is fresh), so packets travel
-//! straight to the pod with no per-packet NAT.
+//! straight to the pod with no per-packet NAT. The `*6` hooks serve IPv6
+//! sockets that reach an IPv4 service through its v4-mapped address
+//! (`::ffff:10.96.0.10`), as dual-stack applications do, from the same maps.
 
 use aya_ebpf::{
     EbpfContext,
@@ -30,6 +32,19 @@ pub enum Hook {
     Datagram,
 }
 
+/// Which address of the context a hook reads and writes: the IPv4 one (the
+/// `*4` hooks), or the IPv4 address inside an IPv6 socket's v4-mapped one
+/// (the `*6` hooks; other IPv6 addresses pass untouched).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V4Mapped,
+}
+
+/// The third word of a v4-mapped IPv6 address (`::ffff:0:0/96`), as it lies
+/// in memory.
+const V4_MAPPED: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
 /// Return codes of cgroup sock_addr programs.
 pub const ALLOW: i32 = 1;
 pub const REJECT: i32 = 0;
@@ -49,24 +64,43 @@ fn sock_addr(ctx: &SockAddrContext) -> &bpf_sock_addr {
     unsafe { &*ctx.sock_addr }
 }
 
-/// Rewrites the address the syscall uses (destination, or the source a
-/// reply is reported from).
+/// The IPv4 address the syscall uses, if the hook's family has one: a
+/// `*6` hook's address must be v4-mapped. (Each hook reads only the words
+/// the verifier lets it: the family is a constant of the program.)
 #[inline(always)]
-fn set_user_addr(ctx: &SockAddrContext, address: [u8; 4], port: u16) {
-    // SAFETY: valid context; user_ip4/user_port are writable in these hooks.
+fn user_ip4(sa: &bpf_sock_addr, family: Family) -> Option<[u8; 4]> {
+    match family {
+        Family::V4 => Some(sa.user_ip4.to_ne_bytes()),
+        Family::V4Mapped => {
+            let mapped = sa.user_ip6[0] == 0 && sa.user_ip6[1] == 0 && sa.user_ip6[2] == V4_MAPPED;
+            mapped.then(|| sa.user_ip6[3].to_ne_bytes())
+        }
+    }
+}
+
+/// Rewrites the address the syscall uses (destination, or the source a
+/// reply is reported from); a v4-mapped one keeps its `::ffff:` prefix.
+#[inline(always)]
+fn set_user_addr(ctx: &SockAddrContext, family: Family, address: [u8; 4], port: u16) {
+    // SAFETY: valid context; the hook's address words and user_port are
+    // writable in these hooks.
     unsafe {
-        (*ctx.sock_addr).user_ip4 = u32::from_ne_bytes(address);
+        match family {
+            Family::V4 => (*ctx.sock_addr).user_ip4 = u32::from_ne_bytes(address),
+            Family::V4Mapped => (*ctx.sock_addr).user_ip6[3] = u32::from_ne_bytes(address),
+        }
         (*ctx.sock_addr).user_port = u16::to_be(port) as u32;
     }
 }
 
 #[inline(always)]
-fn service_key(sa: &bpf_sock_addr) -> Option<ServiceKey> {
+fn service_key(sa: &bpf_sock_addr, family: Family) -> Option<ServiceKey> {
     let proto = sa.protocol as u8;
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return None;
     }
-    Some(ServiceKey::new(sa.user_ip4.to_ne_bytes(), u16::from_be(sa.user_port as u16), proto, 0))
+    let address = user_ip4(sa, family)?;
+    Some(ServiceKey::new(address, u16::from_be(sa.user_port as u16), proto, 0))
 }
 
 /// Whether sockets of the network namespace `netns` (a cookie) are
@@ -85,27 +119,32 @@ fn in_scope(ctx: &SockAddrContext, cfg: &Config) -> bool {
 impl Hook {
     /// The program's name, for the decision records.
     #[inline(always)]
-    fn program(self, translate: bool) -> &'static str {
-        match (self, translate) {
-            (Hook::Socket, true) => "connect4",
-            (Hook::Datagram, true) => "sendmsg4",
-            (Hook::Socket, false) => "getpeername4",
-            (Hook::Datagram, false) => "recvmsg4",
+    fn program(self, family: Family, translate: bool) -> &'static str {
+        match (self, family, translate) {
+            (Hook::Socket, Family::V4, true) => "connect4",
+            (Hook::Datagram, Family::V4, true) => "sendmsg4",
+            (Hook::Socket, Family::V4, false) => "getpeername4",
+            (Hook::Datagram, Family::V4, false) => "recvmsg4",
+            (Hook::Socket, Family::V4Mapped, true) => "connect6",
+            (Hook::Datagram, Family::V4Mapped, true) => "sendmsg6",
+            (Hook::Socket, Family::V4Mapped, false) => "getpeername6",
+            (Hook::Datagram, Family::V4Mapped, false) => "recvmsg6",
         }
     }
 }
 
-/// `connect4` and `sendmsg4`: pick a backend and rewrite the destination.
-/// The clients are pods and node processes, in-cluster clients all (the
-/// node's own as kube-proxy's "LOCAL traffic" rules treat it).
+/// `connect4` and `sendmsg4` (and their `*6` twins for v4-mapped
+/// addresses): pick a backend and rewrite the destination. The clients are
+/// pods and node processes, in-cluster clients all (the node's own as
+/// kube-proxy's "LOCAL traffic" rules treat it).
 #[inline(always)]
-pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
+pub fn try_translate(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
     let sa = sock_addr(ctx);
-    let Some(key) = service_key(sa) else {
+    let Some(key) = service_key(sa, family) else {
         return ALLOW;
     };
     let Some(cfg) = CONFIG.get(0) else { return ALLOW };
-    let program = hook.program(true);
+    let program = hook.program(family, true);
     let Some(svc) = lb::lookup_frontend(&key) else {
         record!(
             cfg,
@@ -194,7 +233,7 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook) -> i32 {
                 SockRevNatKey { cookie, address: backend.address, port: backend.port, _pad: 0 };
             let rev = SockRevNat { address: key.address, port: key.port, _pad: 0, rev_nat_id };
             let _ = SOCK_REV_NAT.insert(rev_key, rev, 0);
-            set_user_addr(ctx, backend.address, backend.port);
+            set_user_addr(ctx, family, backend.address, backend.port);
             ALLOW
         }
     }
@@ -227,19 +266,15 @@ fn remember(key: &SockFlowKey, backend_id: u32) {
     let _ = SOCK_FLOWS.insert(key, flow, 0);
 }
 
-/// `recvmsg4` and `getpeername4`: show the service address instead of the
-/// backend's to the socket that was translated. A datagram's reply marks
-/// its socket's flow answered (it then lives longer).
+/// `recvmsg4` and `getpeername4` (and their `*6` twins): show the service
+/// address instead of the backend's to the socket that was translated. A
+/// datagram's reply marks its socket's flow answered (it then lives longer).
 #[inline(always)]
-pub fn try_reverse(ctx: &SockAddrContext, hook: Hook) -> i32 {
+pub fn try_reverse(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
     let sa = sock_addr(ctx);
+    let Some(address) = user_ip4(sa, family) else { return ALLOW };
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let key = SockRevNatKey {
-        cookie,
-        address: sa.user_ip4.to_ne_bytes(),
-        port: u16::from_be(sa.user_port as u16),
-        _pad: 0,
-    };
+    let key = SockRevNatKey { cookie, address, port: u16::from_be(sa.user_port as u16), _pad: 0 };
     // SAFETY: copied out at once.
     let Some(rev) = (unsafe { SOCK_REV_NAT.get(key).copied() }) else {
         return ALLOW;
@@ -253,7 +288,7 @@ pub fn try_reverse(ctx: &SockAddrContext, hook: Hook) -> i32 {
             record!(
                 cfg,
                 ctx,
-                hook.program(false),
+                hook.program(family, false),
                 DEBUG,
                 "{:i}:{}: its service {:i}:{} is gone, the peer's own address shown",
                 key.address,
@@ -268,7 +303,7 @@ pub fn try_reverse(ctx: &SockAddrContext, hook: Hook) -> i32 {
         || lb::in_cluster_scope(&frontend, &svc).1.rev_nat_id == rev.rev_nat_id
     {
         count(Counter::RevNat);
-        set_user_addr(ctx, rev.address, rev.port);
+        set_user_addr(ctx, family, rev.address, rev.port);
         if hook == Hook::Datagram {
             let flow = SockFlowKey { cookie, rev_nat_id: rev.rev_nat_id, _pad: 0 };
             if let Some(entry) = SOCK_FLOWS.get_ptr_mut(flow) {

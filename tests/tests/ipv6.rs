@@ -312,4 +312,17 @@ fn an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains(setup: Setup
     assert!(!saved.contains("lab/v6only"), "IPv6 service in iptables:\n{saved}");
     // The IPv4 family's chains are there too, for the dual-stack node.
     assert!(saved.contains(":KUBE-SERVICES"), "{saved}");
+    // kube-proxy's per-family series: each family's rules are its own.
+    let metrics = c.lab.metrics().unwrap();
+    let nat_rules = |family: &str| {
+        let series = format!(
+            "kubeproxy_sync_proxy_rules_iptables_last{{ip_family=\"{family}\",table=\"nat\"}} "
+        );
+        let line = metrics.lines().find_map(|l| l.strip_prefix(series.as_str()));
+        line.and_then(|n| n.parse::<u64>().ok()).unwrap_or_else(|| panic!("{series}:\n{metrics}"))
+    };
+    assert!(nat_rules("IPv6") > 0 && nat_rules("IPv4") > 0);
+    let failures =
+        "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv6\"} 0";
+    assert!(metrics.contains(failures), "{metrics}");
 }

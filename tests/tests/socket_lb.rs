@@ -24,6 +24,7 @@ both_modes!(
     multi_port_service_with_a_named_target_port_per_endpoint,
     malformed_services_are_reported_and_the_good_ones_served,
     a_dual_stack_service_is_served_in_ipv4_and_its_ipv6_ports_counted,
+    ipv6_sockets_reach_an_ipv4_cluster_ip_through_its_v4_mapped_address,
     the_datapath_survives_an_agent_crash_and_a_restart_replaces_it,
 );
 
@@ -400,6 +401,35 @@ fn a_dual_stack_service_is_served_in_ipv4_and_its_ipv6_ports_counted(setup: Setu
     assert_eq!(log.matches("IPv6 service ports are not served").count(), 1, "{log}");
 }
 
+/// Scenario 2 of issue 12: an AF_INET6 socket reaching an IPv4 ClusterIP
+/// through its v4-mapped address, as dual-stack applications do: TCP and
+/// UDP reach the IPv4 endpoints, and the socket sees `::ffff:10.96.0.10`
+/// as its peer and its replies' source. eBPF: translated at `connect()` by
+/// `connect6` (no per-packet flow); iptables: the kernel sends such a
+/// socket's packets as IPv4, which the rules translate.
+fn ipv6_sockets_reach_an_ipv4_cluster_ip_through_its_v4_mapped_address(setup: Setup) {
+    let (mut lab, pods, client) = web_lab(setup, 2);
+    lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
+    lab.start_agent(&[]).unwrap();
+    let per_packet = || match setup.mode {
+        Mode::Ebpf => lab.counter(Counter::CtNew).unwrap(),
+        Mode::Iptables => 0,
+    };
+    let before = per_packet();
+    let attempts = tcp(&lab, &client, "[::ffff:10.96.0.10]:80", 20);
+    all_ok(&attempts);
+    assert_eq!(tally(&attempts).len(), 2, "both endpoints: {attempts:?}");
+    let udp = lab.client(&client, &["udp", "[::ffff:10.96.0.10]:53", "5"]).unwrap();
+    all_ok(&udp);
+    for (attempt, expected) in
+        attempts.iter().map(|a| (a, "80")).chain(udp.iter().map(|a| (a, "53")))
+    {
+        let Attempt::Ok { from, .. } = attempt else { unreachable!() };
+        assert_eq!(*from, format!("[::ffff:10.96.0.10]:{expected}"), "the service, v4-mapped");
+    }
+    assert_eq!(per_packet(), before, "translated at the socket, not per packet");
+}
+
 #[test]
 fn maps_dump_with_field_names_and_cleanup_removes_everything() {
     let (mut lab, pods, _client) = web_lab(Setup::EBPF, 1);
@@ -413,7 +443,8 @@ fn maps_dump_with_field_names_and_cleanup_removes_everything() {
 
     let cgroup = lab.cgroup.to_string_lossy().into_owned();
     let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
-    for program in ["connect4", "sendmsg4", "recvmsg4", "getpeername4"] {
+    let programs = ["connect4", "sendmsg4", "recvmsg4", "getpeername4"];
+    for program in programs.iter().chain(&["connect6", "sendmsg6", "recvmsg6", "getpeername6"]) {
         assert!(attached.contains(program), "{attached}");
     }
     lab.cleanup_on(0).unwrap();
@@ -465,7 +496,7 @@ fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it(setup: Setup) 
             let cgroup = lab.cgroup.to_string_lossy().into_owned();
             let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
             assert_eq!(attached.matches("connect4").count(), 1, "{attached}");
-            assert_eq!(attached.lines().count(), 5, "a header and four programs: {attached}");
+            assert_eq!(attached.lines().count(), 9, "a header and eight programs: {attached}");
         }
         Mode::Iptables => {
             let saved = lab.iptables_save_on(0).unwrap();
@@ -509,6 +540,7 @@ fn ebpf_host_netns_only_leaves_pods_to_the_per_packet_path() {
 both_modes!(
     a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second,
     a_connected_udp_socket_leaves_a_deleted_pod_within_a_second,
+    a_v4_mapped_connected_udp_socket_leaves_a_removed_endpoint_within_a_second,
     a_pod_leaving_one_service_keeps_the_sockets_of_another,
 );
 
@@ -518,23 +550,32 @@ both_modes!(
 /// entry is flushed), and after reconnecting only live pods answer. eBPF
 /// mode on this kernel: the socket iterators end it.
 fn a_connected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Setup) {
-    connected_udp_socket_after_its_pod_leaves(setup, false, &[])
+    connected_udp_socket_after_its_pod_leaves(setup, false, &[], VIP_DNS)
 }
 
 /// The same when the pod is deleted with its endpoint (its network gone).
 fn a_connected_udp_socket_leaves_a_deleted_pod_within_a_second(setup: Setup) {
-    connected_udp_socket_after_its_pod_leaves(setup, true, &[])
+    connected_udp_socket_after_its_pod_leaves(setup, true, &[], VIP_DNS)
 }
 
-/// Both cases again with sock_diag ending the socket, the way kernels
+/// The same for an IPv6 socket connected to the v4-mapped cluster IP.
+fn a_v4_mapped_connected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Setup) {
+    connected_udp_socket_after_its_pod_leaves(setup, false, &[], MAPPED_DNS)
+}
+
+const VIP_DNS: &str = "10.96.0.10:53";
+const MAPPED_DNS: &str = "[::ffff:10.96.0.10]:53";
+
+/// The cases again with sock_diag ending the socket, the way kernels
 /// without `bpf_sock_destroy` (before 6.5) take.
 #[test]
 fn ebpf_sock_diag_ends_a_connected_udp_socket_whose_pod_leaves() {
-    for delete_pod in [false, true] {
+    for (delete_pod, vip) in [(false, VIP_DNS), (true, VIP_DNS), (false, MAPPED_DNS)] {
         connected_udp_socket_after_its_pod_leaves(
             Setup::EBPF,
             delete_pod,
             &["--socket-destroy", "sock-diag"],
+            vip,
         );
     }
 }
@@ -608,11 +649,16 @@ fn answered_without(after: &[(Duration, Attempt)], gone: &str, vip: &str) {
     }
 }
 
-fn connected_udp_socket_after_its_pod_leaves(setup: Setup, delete_pod: bool, agent: &[&str]) {
+fn connected_udp_socket_after_its_pod_leaves(
+    setup: Setup,
+    delete_pod: bool,
+    agent: &[&str],
+    vip: &str,
+) {
     let (mut lab, pods, client) = web_lab(setup, 3);
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(agent).unwrap();
-    let follow = connected_udp(&mut lab, &client, "10.96.0.10:53");
+    let follow = connected_udp(&mut lab, &client, vip);
     let Attempt::Ok { name: gone, .. } = follow.next().1 else { panic!("first datagram") };
     let kept: Vec<&Pod> = pods.iter().filter(|p| p.name != gone).collect();
     lab.write_manifest(&web_manifest(&kept, None)).unwrap();
@@ -621,7 +667,7 @@ fn connected_udp_socket_after_its_pod_leaves(setup: Setup, delete_pod: bool, age
     }
     let after = follow.take(40, Instant::now());
     follow.stop();
-    answered_without(&after, &gone, "10.96.0.10:53");
+    answered_without(&after, &gone, vip);
 }
 
 /// A pod behind two services leaves one of them: a connected socket to

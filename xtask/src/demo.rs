@@ -75,6 +75,18 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
         }
     }
 
+    println!(
+        "\n== 3 HTTP requests from an IPv6 socket of the client to [::ffff:10.96.0.10]:80 (the ClusterIP, v4-mapped, as dual-stack programs reach IPv4)"
+    );
+    for attempt in lab.client(&client, &["tcp", "[::ffff:10.96.0.10]:80", "3"])? {
+        match attempt {
+            Attempt::Ok { name, from, .. } => {
+                println!("   answered by {name}; the IPv6 socket sees its peer as {from}")
+            }
+            Attempt::Err { kind, .. } => println!("   failed: {kind}"),
+        }
+    }
+
     println!("\n== proxy-agent lb list (what the datapath holds, read back from the kernel)");
     for line in lab.inspect_on(0, &["lb", "list"])?.lines() {
         println!("   {line}");

@@ -586,7 +586,9 @@ impl Agent {
         let (internal, external) = self.services.stats.no_local_endpoints();
         m.no_local_endpoints_internal.store(internal, Relaxed);
         m.no_local_endpoints_external.store(external, Relaxed);
-        let ipv6 = if self.datapath.serves_ipv6() { 0 } else { self.services.stats.ipv6_ports() };
+        let serves_ipv6 = self.datapath.serves_ipv6();
+        m.ipv6_served.store(serves_ipv6, Relaxed);
+        let ipv6 = if serves_ipv6 { 0 } else { self.services.stats.ipv6_ports() };
         if m.unserved_ipv6_ports.swap(ipv6, Relaxed) == 0 && ipv6 > 0 {
             tracing::warn!(
                 ports = ipv6,

@@ -64,8 +64,19 @@ use crate::{
     sockets::Peer,
 };
 
-/// The socket-LB programs, by their function names in proxy-ebpf.
-pub const PROGRAMS: [&str; 4] = ["connect4", "sendmsg4", "recvmsg4", "getpeername4"];
+/// The socket-LB programs, by their function names in proxy-ebpf: IPv4
+/// sockets, and IPv6 ones reaching IPv4 services through v4-mapped
+/// addresses.
+pub const PROGRAMS: [&str; 8] = [
+    "connect4",
+    "sendmsg4",
+    "recvmsg4",
+    "getpeername4",
+    "connect6",
+    "sendmsg6",
+    "recvmsg6",
+    "getpeername6",
+];
 /// The per-packet program, attached to the ingress of node and pod interfaces.
 pub const TC_INGRESS: &str = "tc_ingress";
 /// Its egress companion (replies the stack sends for translated flows).

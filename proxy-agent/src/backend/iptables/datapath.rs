@@ -103,15 +103,16 @@ impl Datapath for IptablesDatapath {
     ) -> anyhow::Result<Synced> {
         let mut full = None;
         for backend in &mut self.backends {
+            let family = backend.family();
             let report = backend.sync(model).inspect_err(|err| {
                 if let IptablesError::Restore { full, .. } = err {
-                    metrics.restore_failures.fetch_add(1, Relaxed);
+                    let rules = metrics.rules(family);
+                    rules.restore_failures.fetch_add(1, Relaxed);
                     if !full {
-                        metrics.partial_restore_failures.fetch_add(1, Relaxed);
+                        rules.partial_restore_failures.fetch_add(1, Relaxed);
                     }
                 }
             })?;
-            let family = backend.family();
             report_sync(family, &report, metrics);
             full.get_or_insert(report.full);
         }
@@ -152,8 +153,7 @@ impl Datapath for IptablesDatapath {
     }
 }
 
-/// Logs and counts what one family's sync did. The rules-written metric is
-/// the IPv4 family's (its series carries `ip_family="IPv4"`).
+/// Logs and counts what one family's sync did.
 fn report_sync(family: IpFamily, report: &super::SyncReport, metrics: &Metrics) {
     tracing::info!(
         %family,
@@ -162,9 +162,7 @@ fn report_sync(family: IpFamily, report: &super::SyncReport, metrics: &Metrics) 
         chains_deleted = report.chains_deleted,
         "rules synced"
     );
-    if family == IpFamily::V4 {
-        metrics.set_iptables_rules(&report.rules_written);
-    }
+    metrics.rules(family).set_written(&report.rules_written);
     if report.flows_flushed > 0 {
         tracing::info!(sets = report.flows_flushed, "stale UDP conntrack entries deleted");
     }
