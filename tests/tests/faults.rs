@@ -440,13 +440,16 @@ fn service_maps_grow_under_load_and_are_sized_at_start() {
     std::thread::sleep(Duration::from_secs(1));
     load.check(Setup::EBPF, &log);
 
-    // A new agent grows its maps before it serves: never too small.
+    // A new agent sizes its maps for what the source holds before its first
+    // sync writes anything, and before it serves: never too small.
     b.lab.kill_agent();
     let before = b.lab.agent_log().len();
     b.lab.start_agent(&[]).unwrap();
     let log = b.lab.agent_log()[before..].to_string();
+    let sized = log.find("sizing the service maps for what the source holds").expect(&log);
     let grown = log.find("the service maps grew").expect(&log);
-    assert!(grown < log.find("datapath ready; serving").unwrap(), "{log}");
+    assert!(sized < grown && grown < log.find("datapath ready; serving").unwrap(), "{log}");
+    assert!(!log.contains("outgrew"), "no failed attempt at the default size: {log}");
     assert_eq!(b.lab.map_capacity("SERVICES").unwrap(), 131_072);
     wait_for_pod(&b, 1, "web-2");
 }

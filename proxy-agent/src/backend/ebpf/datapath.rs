@@ -242,7 +242,12 @@ impl EbpfDatapath {
         dirty: Option<&BTreeSet<Frontend>>,
         metrics: &Metrics,
     ) -> Result<SyncReport, SyncError> {
-        if self.refused.is_empty() {
+        // Before serving (the first sync), the plan's size is checked first:
+        // maps too small for what the source holds are sized for it before
+        // anything is written, not after a failed attempt to fill them.
+        let outgrown = self.serving.is_none()
+            && fit::grown(self.capacity, fit::needed(plan), self.bound).is_some();
+        if self.refused.is_empty() && !outgrown {
             match self.backend.sync(plan, dirty) {
                 Err(SyncError::Capacity { .. }) => {}
                 result => return result,
@@ -300,7 +305,14 @@ impl EbpfDatapath {
         metrics: &Metrics,
     ) -> anyhow::Result<SyncReport> {
         let before = self.capacity;
-        tracing::info!(from = ?before, to = ?larger, "the services outgrew the maps: growing them");
+        match self.serving {
+            None => {
+                tracing::info!(from = ?before, to = ?larger, "sizing the service maps for what the source holds")
+            }
+            Some(_) => {
+                tracing::info!(from = ?before, to = ?larger, "the services outgrew the maps: growing them")
+            }
+        }
         let backend = self.loading.load(larger)?;
         let old = std::mem::replace(&mut self.backend, backend);
         self.capacity = larger;
