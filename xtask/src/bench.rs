@@ -18,7 +18,9 @@
 //!   its datapath removed, so a change in the machine's load meets every
 //!   kind alike; in eBPF mode two last direct runs per round have the pod
 //!   interfaces' replies-only programs (as a node whose socket LB covers
-//!   every pod has them), and no program on pod interfaces;
+//!   every pod has them), and no program on pod interfaces; in the
+//!   dual-stack lab, a direct IPv6 connection and (iptables mode) one
+//!   through an IPv6 ClusterIP, as a ratio to it;
 //! - programming time: N services × 10 endpoints listed from the test API
 //!   server to the datapath serving, and the agent's first sync (iptables
 //!   only while a size finishes within the limit, and not at the next size
@@ -48,6 +50,12 @@ const OUT: &str = "target/bench";
 const SERVICE_PORT: u16 = 8080;
 const DIRECT_PORT: u16 = 8081;
 const POD: &str = "10.244.1.2";
+/// The dual-stack lab's IPv6 twin of `POD`, and an IPv6-only service on it
+/// beside the N services (the IPv6 runs: iptables mode only, the eBPF mode
+/// serves the IPv4 family so far).
+const POD6: &str = "fd00:244:1::2";
+const VIP6: &str = "[fd00:96::a]:80";
+const IPV6_SERVICE: &str = "---\napiVersion: v1\nkind: Service\nmetadata: {name: v6, namespace: bench}\nspec: {clusterIP: 'fd00:96::a', clusterIPs: ['fd00:96::a'], ipFamilies: [IPv6], ports: [{name: http, port: 80, targetPort: 8080}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: v6-1, namespace: bench, labels: {kubernetes.io/service-name: v6}}\naddressType: IPv6\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: ['fd00:244:1::2'], nodeName: lab-node}]\n";
 /// Endpoint changes timed per size (fewer in iptables mode in the quick
 /// profile: each rewrites the large top-level chains).
 const CHANGES: usize = 100;
@@ -124,12 +132,13 @@ fn manifest(n: usize, endpoints: usize) -> String {
 /// pod directly; client ports opened up.
 fn lab(setup: Setup) -> anyhow::Result<(Lab, Pod, Pod, Pod)> {
     let mut lab = Lab::with(setup)?;
+    lab.dual_stack()?;
     let web = lab.add_pod("web-0", POD)?;
     let conf = lab.dir.join("nginx.conf");
     std::fs::write(
         &conf,
         format!(
-            "daemon off; master_process off; worker_processes 1; pid {dir}/nginx.pid; error_log {dir}/nginx.log;\nevents {{ worker_connections 4096; }}\nhttp {{ access_log off; keepalive_timeout 0;\n  server {{ listen {SERVICE_PORT} reuseport; listen {DIRECT_PORT} reuseport; location / {{ return 200 \"ok\\n\"; }} }} }}\n",
+            "daemon off; master_process off; worker_processes 1; pid {dir}/nginx.pid; error_log {dir}/nginx.log;\nevents {{ worker_connections 4096; }}\nhttp {{ access_log off; keepalive_timeout 0;\n  server {{ listen {SERVICE_PORT} reuseport; listen {DIRECT_PORT} reuseport; listen [::]:{SERVICE_PORT} reuseport; listen [::]:{DIRECT_PORT} reuseport; location / {{ return 200 \"ok\\n\"; }} }} }}\n",
             dir = lab.dir.display()
         ),
     )?;
@@ -262,15 +271,17 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     let s = opts.seconds;
     let direct = format!("{POD}:{DIRECT_PORT}");
     rate(&lab, &client, false, &direct, 1)?;
-    lab.write_manifest(&manifest(n, 1))?;
+    lab.write_manifest(&(manifest(n, 1) + IPV6_SERVICE))?;
     let vip = "10.96.0.10:80";
+    let direct6 = format!("[{POD6}]:{DIRECT_PORT}");
     let node_port = "192.168.100.11:30080";
     let (mut baseline, mut direct_replies, mut direct_no_pod_programs) =
         (Vec::<Run>::new(), Vec::new(), Vec::new());
     let mut runs: Vec<(&str, Vec<Run>)> =
-        vec![("direct", vec![]), ("vip", vec![]), ("node_port", vec![])];
-    if mode == Mode::Ebpf {
-        runs.push(("vip_per_packet", vec![]));
+        vec![("direct", vec![]), ("vip", vec![]), ("node_port", vec![]), ("direct6", vec![])];
+    match mode {
+        Mode::Ebpf => runs.push(("vip_per_packet", vec![])),
+        Mode::Iptables => runs.push(("vip6", vec![])),
     }
     for round in 0..opts.rounds {
         baseline.push(rate(&lab, &client, false, &direct, s)?);
@@ -288,6 +299,8 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
                 // the cgroup changes nothing.
                 "vip" => rate(&lab, &client, true, vip, s)?,
                 "vip_per_packet" => rate(&lab, &per_packet, false, vip, s)?,
+                "direct6" => rate(&lab, &client, false, &direct6, s)?,
+                "vip6" => rate(&lab, &client, true, VIP6, s)?,
                 _ => rate(&lab, &ext, false, node_port, s)?,
             };
             values.push(r);
@@ -331,11 +344,19 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
         result[format!("{name}_cpu_ms_per_10k")] = json!(cpu);
         result[format!("{name}_cpu_ratio")] = json!(cpu / baseline_cpu);
     }
-    // The socket LB's cost over a direct connection, both with the agent.
-    if let (Some(vip), Some(direct)) =
-        (result["vip_cpu_ms_per_10k"].as_f64(), result["direct_cpu_ms_per_10k"].as_f64())
+    // The socket LB's cost over a direct connection, both with the agent;
+    // and an IPv6 ClusterIP's over a direct IPv6 connection.
+    for (vip, direct, key) in
+        [("vip", "direct", "vip_cpu_vs_direct"), ("vip6", "direct6", "vip6_cpu_vs_direct6")]
     {
-        result["vip_cpu_vs_direct"] = json!(vip / direct);
+        let cpu = |name: &str| result[format!("{name}_cpu_ms_per_10k")].as_f64();
+        if let (Some(through), Some(straight)) = (cpu(vip), cpu(direct)) {
+            result[key] = json!(through / straight);
+        }
+        let rate = |name: &str| result[format!("{name}_per_s")].as_f64();
+        if let (Some(through), Some(straight)) = (rate(vip), rate(direct)) {
+            result[format!("{vip}_rate_vs_{direct}")] = json!(through / straight);
+        }
     }
     eprintln!("  {}", result);
     Ok(result)

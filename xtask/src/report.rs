@@ -46,6 +46,29 @@ fn cpu_table(out: &mut String, results: &Value) {
     }
 }
 
+/// IPv6 in the dual-stack lab: a direct IPv6 connection with the agent,
+/// and through an IPv6 ClusterIP (iptables mode; the eBPF mode serves the
+/// IPv4 family only so far).
+fn ipv6_table(out: &mut String, results: &Value) {
+    let _ = writeln!(
+        out,
+        "\n### IPv6 (dual-stack lab): an IPv6 ClusterIP against a direct IPv6 connection, both with the agent\n\n| mode | services | direct IPv6 conn/s | IPv6 ClusterIP conn/s | rate ratio | CPU ratio |\n|---|---:|---:|---:|---:|---:|"
+    );
+    for r in rows(results, "connection_rates").filter(|r| r["failed"].is_null()) {
+        let rate = |k: &str| r[k].as_f64().map_or("–".into(), |v| format!("{v:.0}"));
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            r["mode"].as_str().unwrap_or(""),
+            r["services"],
+            rate("direct6_per_s"),
+            rate("vip6_per_s"),
+            ratio(r, "vip6_rate_vs_direct6"),
+            ratio(r, "vip6_cpu_vs_direct6"),
+        );
+    }
+}
+
 pub fn markdown(results: &Value) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -85,6 +108,7 @@ pub fn markdown(results: &Value) -> String {
         );
     }
     cpu_table(&mut out, results);
+    ipv6_table(&mut out, results);
     let _ = writeln!(out, "\n### Programming N services × 10 endpoints, and one endpoint change\n");
     let _ = writeln!(
         out,
