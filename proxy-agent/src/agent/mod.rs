@@ -59,12 +59,16 @@ pub enum Source {
 }
 
 impl Source {
-    fn reload(&mut self) -> Reload {
+    /// What changed since the last reload; `None` where there is nothing to
+    /// look at: manifest files are read at polls only, so that their new
+    /// bytes are taken when two reads a poll apart agree (other rounds, a
+    /// link event or a due sync, may come a moment after a read).
+    fn reload(&mut self, polled: bool) -> Option<Reload> {
         match self {
-            Source::Manifests(manifests) => manifests.reload(),
+            Source::Manifests(manifests) => polled.then(|| manifests.reload()),
             Source::Kube(kube) => {
                 let (changed, complete) = kube.poll();
-                Reload { changed, complete, ..Reload::default() }
+                Some(Reload { changed, complete, ..Reload::default() })
             }
         }
     }
@@ -324,16 +328,8 @@ impl Agent {
     /// when due; at polls, look after the datapath. Never fails: errors are
     /// logged, counted and retried.
     fn tick(&mut self, polled: bool) {
-        let reload = self.source.reload();
-        self.report_source_errors(&reload);
-        let changes = reload.changed.then(|| self.take_changes());
-        let mut needs_sync = changes.unwrap_or(false);
-        if !self.phase.source_whole() && self.source_taken(&reload) {
-            self.advance(Event::SourceWhole);
-            needs_sync = true;
-        }
-        if needs_sync {
-            self.schedule_sync();
+        if let Some(reload) = self.source.reload(polled) {
+            self.take_reload(&reload);
         }
         if self.may_sync() && self.pacing.due.is_some_and(|due| Instant::now() >= due) {
             self.sync();
@@ -351,6 +347,21 @@ impl Agent {
             self.datapath.scan_interfaces(&self.node.ips);
             self.rescan.scanned(Instant::now());
             self.await_addresses();
+        }
+    }
+
+    /// What a reload found: errors reported, changes taken, a sync scheduled
+    /// when they change the desired state or complete the source.
+    fn take_reload(&mut self, reload: &Reload) {
+        self.report_source_errors(reload);
+        let changes = reload.changed.then(|| self.take_changes());
+        let mut needs_sync = changes.unwrap_or(false);
+        if !self.phase.source_whole() && self.source_taken(reload) {
+            self.advance(Event::SourceWhole);
+            needs_sync = true;
+        }
+        if needs_sync {
+            self.schedule_sync();
         }
     }
 
