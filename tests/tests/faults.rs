@@ -398,6 +398,25 @@ fn full_maps_refuse_only_the_services_that_do_not_fit() {
 /// `n` services of lab/crowd-`i` at 10.96.2.`i`:80, each over the same
 /// `endpoints` addresses no pod answers on: a frontend and `endpoints`
 /// slots each in SERVICES, `endpoints` entries in BACKENDS.
+/// The `AYA_LOGS` ring buffers (decision records) process `pid` holds open:
+/// its fds' map ids (`/proc/PID/fdinfo`), named as bpftool lists them.
+fn ring_buffers_held(pid: u32) -> usize {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fdinfo")).unwrap();
+    let held: std::collections::BTreeSet<u64> = fds
+        .flatten()
+        .filter_map(|fd| std::fs::read_to_string(fd.path()).ok())
+        .filter_map(|info| {
+            info.lines().find_map(|l| l.strip_prefix("map_id:")?.trim().parse().ok())
+        })
+        .collect();
+    let shown = proxy_lab::sh("bpftool", &["-j", "map", "show"]).unwrap();
+    let maps: Vec<serde_json::Value> = serde_json::from_str(&shown).unwrap();
+    let ours = |m: &&serde_json::Value| {
+        m["name"] == "AYA_LOGS" && m["id"].as_u64().is_some_and(|id| held.contains(&id))
+    };
+    maps.iter().filter(ours).count()
+}
+
 fn crowd(n: u8, endpoints: usize) -> String {
     let addresses: Vec<String> =
         (0..endpoints).map(|i| format!("10.245.{}.{}", i / 250, 1 + i % 250)).collect();
@@ -433,6 +452,14 @@ fn service_maps_grow_under_load_and_are_sized_at_start() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let log = b.lab.agent_log();
+    // The replaced load's decision-record reader stopped with it: the agent
+    // holds one records ring buffer, not one per load.
+    let agent = b.lab.agent_pid_on(0).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ring_buffers_held(agent) != 1 {
+        assert!(Instant::now() < deadline, "{} held", ring_buffers_held(agent));
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // 70,070 and a quarter, to a power of two; BACKENDS (1,004) kept its size.
     assert_eq!(b.lab.map_capacity("SERVICES").unwrap(), 131_072);
     assert_eq!(b.lab.map_capacity("BACKENDS").unwrap(), 65_536);

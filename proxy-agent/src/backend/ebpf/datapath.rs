@@ -104,7 +104,7 @@ impl Loading {
         backend.configure(&self.config).context("writing the datapath settings")?;
         // Read whatever the level: it can change while the programs run.
         match backend.take_records_with(super::records::ToTracing) {
-            Ok(records) => super::records::drain(records),
+            Ok(records) => backend.keep_records_reader(super::records::drain(records)),
             Err(e) => tracing::warn!(error = %e, "the programs' decision records cannot be read"),
         }
         let ending = backend.choose_socket_ending(self.socket_destroy, self.terminate_tcp);

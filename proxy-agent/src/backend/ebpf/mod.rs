@@ -381,6 +381,8 @@ pub struct EbpfBackend {
     /// protocols (see [`EbpfBackend::choose_socket_ending`]).
     socket_ending: SocketEnding,
     socket_protocols: Vec<u8>,
+    /// The task reading these programs' decision records, stopped with them.
+    records: Option<records::Reader>,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).
@@ -478,6 +480,7 @@ impl EbpfBackend {
             conversions,
             kernel_btf,
             socket_ending: SocketEnding::Unavailable,
+            records: None,
             socket_protocols: Vec::new(),
         })
     }
@@ -558,6 +561,11 @@ impl EbpfBackend {
         logger: L,
     ) -> Result<aya_log::EbpfLogger<L>, aya_log::Error> {
         aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, logger)
+    }
+
+    /// Keeps the task reading the records: it stops when these programs go.
+    pub fn keep_records_reader(&mut self, reader: records::Reader) {
+        self.records = Some(reader);
     }
 
     /// Brings the maps to `plan` (see [`sync`] for the write order), then

@@ -23,9 +23,20 @@ impl log::Log for ToTracing {
     fn flush(&self) {}
 }
 
-/// Reads the records as they come, until the runtime stops.
-pub fn drain(logger: EbpfLogger<ToTracing>) {
-    tokio::spawn(async move {
+/// The task reading one load's records; it stops when this drops (with the
+/// programs it reads for: a load replaced when the maps grow).
+pub struct Reader(tokio::task::AbortHandle);
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads the records as they come, until the runtime stops or the returned
+/// reader drops.
+pub fn drain(logger: EbpfLogger<ToTracing>) -> Reader {
+    let task = tokio::spawn(async move {
         // SAFETY: the logger owns its ring buffer's fd and keeps it open
         // (and unreplaced) while the `AsyncFd` holds it.
         let registered =
@@ -49,4 +60,5 @@ pub fn drain(logger: EbpfLogger<ToTracing>) {
             ready.clear_ready();
         }
     });
+    Reader(task.abort_handle())
 }
