@@ -1300,6 +1300,27 @@ fn remove_scratch(dir: &Path) {
 }
 
 /// How many attempts each pod answered.
+/// The pods that answered the attempts a streaming client sent more than
+/// `settle` after `changed`, from its output lines as they come (`<lost>`
+/// for a failed one). A line comes when its attempt ends, which was sent
+/// its duration earlier: a reply in flight at the change may be lost (as
+/// with kube-proxy's conntrack deletion), and its line comes late.
+pub fn answered_after(
+    lines: impl IntoIterator<Item = std::io::Result<String>>,
+    changed: Instant,
+    settle: Duration,
+) -> Vec<String> {
+    let mut after = Vec::new();
+    for line in lines.into_iter().map_while(Result::ok) {
+        let Some(attempt) = Attempt::parse(&line) else { continue };
+        let sent = Instant::now() - Duration::from_secs_f64(attempt.ms() / 1000.0);
+        if sent > changed + settle {
+            after.push(attempt.pod().unwrap_or("<lost>").to_string());
+        }
+    }
+    after
+}
+
 pub fn tally(attempts: &[Attempt]) -> std::collections::BTreeMap<String, usize> {
     let mut counts = std::collections::BTreeMap::new();
     for pod in attempts.iter().filter_map(Attempt::pod) {

@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, tally, v6};
+use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, answered_after, tally, v6};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service, slice};
 
 /// `mod <scenario> { fn iptables(); fn iptables_api(); }`.
@@ -267,16 +267,7 @@ fn ipv6_udp_flows_move_off_a_removed_endpoint(setup: Setup) {
     let remaining: Vec<&str> =
         ["a", "b", "c"].into_iter().filter(|p| format!("web-{p}") != stuck_to).collect();
     c.lab.write_manifest(&over(web(), "web", &[], &remaining)).unwrap();
-    let changed = Instant::now();
-    let mut after = Vec::new();
-    for line in lines {
-        let attempt = Attempt::parse(&line.unwrap()).unwrap();
-        // A reply in flight when the flow went is lost, as with kube-proxy.
-        let sent = Instant::now() - Duration::from_secs_f64(attempt.ms() / 1000.0);
-        if sent > changed + Duration::from_secs(1) {
-            after.push(attempt.pod().unwrap_or("<lost>").to_string());
-        }
-    }
+    let after = answered_after(lines, Instant::now(), Duration::from_secs(1));
     client.wait().unwrap();
     assert!(after.len() > 5, "{after:?}");
     assert!(after.iter().all(|n| *n != stuck_to && n != "<lost>"), "left {stuck_to}: {after:?}");

@@ -11,7 +11,9 @@ use std::{
 };
 
 use proxy_common::Counter;
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, both_modes, tally, two_node_endpoints};
+use proxy_lab::{
+    Attempt, Lab, Mode, Pod, Setup, answered_after, both_modes, tally, two_node_endpoints,
+};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
 both_modes!(
@@ -305,18 +307,7 @@ fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(setup: Setup) {
     let remaining: Vec<&str> =
         ["a", "b", "c"].into_iter().filter(|p| format!("web-{p}") != stuck_to).collect();
     c.lab.write_manifest(&web(&remaining)).unwrap();
-    let changed = Instant::now();
-    let mut after = Vec::new();
-    for line in lines {
-        let attempt = Attempt::parse(&line.unwrap()).unwrap();
-        // When the datagram left: a reply in flight when its flow was
-        // flushed is lost (as with kube-proxy's conntrack deletion), and
-        // its line only comes after the client's timeout.
-        let sent = Instant::now() - Duration::from_secs_f64(attempt.ms() / 1000.0);
-        if sent > changed + Duration::from_secs(1) {
-            after.push(attempt.pod().unwrap_or("<lost>").to_string());
-        }
-    }
+    let after = answered_after(lines, Instant::now(), Duration::from_secs(1));
     client.wait().unwrap();
     assert!(after.len() > 5, "{after:?}");
     assert!(
