@@ -23,6 +23,10 @@ pub mod map_names {
     pub const SOCK_ENDS: &str = "SOCK_ENDS";
     pub const FRONTEND_INFO: &str = "FRONTEND_INFO";
     pub const PREFILTER: &str = "PREFILTER";
+    pub const SERVICES6: &str = "SERVICES6";
+    pub const BACKENDS6: &str = "BACKENDS6";
+    pub const REV_NAT6: &str = "REV_NAT6";
+    pub const SOCK_REV_NAT6: &str = "SOCK_REV_NAT6";
 }
 
 /// Layout versions of the maps, so a new agent can tell whether a previous
@@ -38,6 +42,7 @@ pub mod layout {
     pub const SOCK_REV_NAT: u32 = 1;
     pub const FRAGMENTS: u32 = 1;
     pub const SOCK_FLOWS: u32 = 1;
+    pub const SOCK_REV_NAT6: u32 = 1;
 }
 
 /// Value of the one-element `LAYOUT` map: the layout version of each map as
@@ -54,7 +59,8 @@ pub struct Layouts {
     pub sock_rev_nat: u32,
     pub fragments: u32,
     pub sock_flows: u32,
-    pub _reserved: [u32; 9],
+    pub sock_rev_nat6: u32,
+    pub _reserved: [u32; 8],
 }
 
 impl Layouts {
@@ -67,7 +73,8 @@ impl Layouts {
         sock_rev_nat: layout::SOCK_REV_NAT,
         fragments: layout::FRAGMENTS,
         sock_flows: layout::SOCK_FLOWS,
-        _reserved: [0; 9],
+        sock_rev_nat6: layout::SOCK_REV_NAT6,
+        _reserved: [0; 8],
     };
 
     /// What unversioned pins (the first release) hold.
@@ -78,9 +85,10 @@ impl Layouts {
         affinity: 1,
         sock_rev_nat: 1,
         fragments: 1,
-        // The first release had no such map.
+        // The first release had no such maps.
         sock_flows: 0,
-        _reserved: [0; 9],
+        sock_rev_nat6: 0,
+        _reserved: [0; 8],
     };
 }
 
@@ -89,6 +97,7 @@ pub const MAX_SERVICE_ENTRIES: u32 = 65_536;
 pub const MAX_BACKENDS: u32 = 65_536;
 pub const MAX_REV_NAT: u32 = 65_536;
 pub const MAX_SOCK_REV_NAT: u32 = 262_144;
+pub const MAX_SOCK_REV_NAT6: u32 = 65_536;
 pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_CONNTRACK: u32 = 262_144;
 pub const MAX_SOURCE_RANGES: u32 = 16_384;
@@ -258,6 +267,80 @@ pub struct SockRevNatKey {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SockRevNat {
     pub address: [u8; 4],
+    pub port: u16,
+    pub _pad: u16,
+    pub rev_nat_id: u32,
+}
+
+/// The IPv6 family's own maps (`SERVICES6`, `BACKENDS6`, `REV_NAT6`,
+/// `SOCK_REV_NAT6`) hold these: the IPv4 types with 16-byte addresses.
+/// Separate maps keep IPv4 keys at 12 bytes and let `bpftool` print each
+/// family's addresses as they are. Reverse-NAT and backend ids come from
+/// one space for both families, so the maps keyed by id alone
+/// (`FRONTEND_INFO`, `AFFINITY`, `SOCK_FLOWS`) serve both.
+pub type Ipv6Octets = [u8; 16];
+
+/// Key of `SERVICES6`: as [`ServiceKey`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey6 {
+    pub address: Ipv6Octets,
+    pub port: u16,
+    pub slot: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub _pad: [u8; 2],
+}
+
+impl ServiceKey6 {
+    pub const fn new(address: Ipv6Octets, port: u16, proto: u8, slot: u16) -> Self {
+        Self { address, port, slot, proto, scope: SCOPE_EXTERNAL, _pad: [0; 2] }
+    }
+
+    pub const fn with_slot(self, slot: u16) -> Self {
+        Self { slot, ..self }
+    }
+
+    pub const fn with_scope(self, scope: u8) -> Self {
+        Self { scope, ..self }
+    }
+}
+
+/// Value of `BACKENDS6`, keyed by a `u32` backend id: as [`Backend`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Backend6 {
+    pub address: Ipv6Octets,
+    pub port: u16,
+    pub proto: u8,
+    pub flags: BackendFlags,
+}
+
+/// Value of `REV_NAT6`, keyed by a `u32` reverse-NAT id: as [`RevNat`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RevNat6 {
+    pub address: Ipv6Octets,
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// Key of `SOCK_REV_NAT6`: as [`SockRevNatKey`], for IPv6 sockets sent to
+/// an IPv6 backend (`connect6`, `sendmsg6`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey6 {
+    pub cookie: u64,
+    pub address: Ipv6Octets,
+    pub port: u16,
+    pub _pad: [u8; 6],
+}
+
+/// Value of `SOCK_REV_NAT6`: as [`SockRevNat`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNat6 {
+    pub address: Ipv6Octets,
     pub port: u16,
     pub _pad: u16,
     pub rev_nat_id: u32,
@@ -877,6 +960,11 @@ mod pod {
     unsafe impl aya::Pod for FragRewrite {}
     unsafe impl aya::Pod for SockFlowKey {}
     unsafe impl aya::Pod for SockFlow {}
+    unsafe impl aya::Pod for ServiceKey6 {}
+    unsafe impl aya::Pod for Backend6 {}
+    unsafe impl aya::Pod for RevNat6 {}
+    unsafe impl aya::Pod for SockRevNatKey6 {}
+    unsafe impl aya::Pod for SockRevNat6 {}
 }
 
 #[cfg(test)]
@@ -917,6 +1005,11 @@ mod tests {
         assert_eq!(size_of::<Config>(), 48);
         assert_eq!(size_of::<SockFlowKey>(), 16);
         assert_eq!(size_of::<SockFlow>(), 16);
+        assert_eq!(size_of::<ServiceKey6>(), 24);
+        assert_eq!(size_of::<Backend6>(), 20);
+        assert_eq!(size_of::<RevNat6>(), 20);
+        assert_eq!(size_of::<SockRevNatKey6>(), 32);
+        assert_eq!(size_of::<SockRevNat6>(), 24);
     }
 
     #[test]

@@ -1,18 +1,84 @@
-//! Service lookup and backend selection, independent of the hook that asks.
+//! Service lookup and backend selection, independent of the hook that asks
+//! and of the address family (each has its own services and backends maps,
+//! found through the key's type).
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Counter, SCOPE_INTERNAL, ServiceKey, ServiceValue,
+    AffinityKey, AffinityValue, Backend, Backend6, Counter, SCOPE_INTERNAL, ServiceKey,
+    ServiceKey6, ServiceValue,
 };
 
-use crate::maps::{AFFINITY, BACKENDS, SERVICES, count};
+use crate::maps::{AFFINITY, BACKENDS, BACKENDS6, SERVICES, SERVICES6, count};
+
+/// A services-map key, and so an address family: where its frontends and
+/// backends are.
+pub trait ServiceMapKey: Copy {
+    type Backend: Copy;
+    /// The entry at this key (frontend or slot), copied out.
+    fn lookup(&self) -> Option<ServiceValue>;
+    fn backend(id: u32) -> Option<Self::Backend>;
+    fn with_slot(self, slot: u16) -> Self;
+    fn with_scope(self, scope: u8) -> Self;
+}
+
+impl ServiceMapKey for ServiceKey {
+    type Backend = Backend;
+
+    #[inline(always)]
+    fn lookup(&self) -> Option<ServiceValue> {
+        // SAFETY: the value is copied out at once, before any other map operation.
+        unsafe { SERVICES.get(self).copied() }
+    }
+
+    #[inline(always)]
+    fn backend(id: u32) -> Option<Backend> {
+        // SAFETY: copied out at once.
+        unsafe { BACKENDS.get(id).copied() }
+    }
+
+    #[inline(always)]
+    fn with_slot(self, slot: u16) -> Self {
+        ServiceKey::with_slot(self, slot)
+    }
+
+    #[inline(always)]
+    fn with_scope(self, scope: u8) -> Self {
+        ServiceKey::with_scope(self, scope)
+    }
+}
+
+impl ServiceMapKey for ServiceKey6 {
+    type Backend = Backend6;
+
+    #[inline(always)]
+    fn lookup(&self) -> Option<ServiceValue> {
+        // SAFETY: as above.
+        unsafe { SERVICES6.get(self).copied() }
+    }
+
+    #[inline(always)]
+    fn backend(id: u32) -> Option<Backend6> {
+        // SAFETY: as above.
+        unsafe { BACKENDS6.get(id).copied() }
+    }
+
+    #[inline(always)]
+    fn with_slot(self, slot: u16) -> Self {
+        ServiceKey6::with_slot(self, slot)
+    }
+
+    #[inline(always)]
+    fn with_scope(self, scope: u8) -> Self {
+        ServiceKey6::with_scope(self, scope)
+    }
+}
 
 /// What the choice of a backend for a frontend decided.
-pub enum Verdict {
+pub enum Verdict<B> {
     /// A service with no backend: refuse.
     NoBackend,
     /// Send to this backend; replies must look like they come from the service.
-    Backend { backend: Backend, backend_id: u32, rev_nat_id: u32, via: Via },
+    Backend { backend: B, backend_id: u32, rev_nat_id: u32, via: Via },
 }
 
 /// How a backend was chosen (for the decision records).
@@ -27,15 +93,8 @@ pub enum Via {
 }
 
 #[inline(always)]
-pub fn lookup_frontend(key: &ServiceKey) -> Option<ServiceValue> {
-    // SAFETY: the value is copied out at once, before any other map operation.
-    unsafe { SERVICES.get(key).copied() }
-}
-
-#[inline(always)]
-pub fn backend(id: u32) -> Option<Backend> {
-    // SAFETY: copied out at once.
-    unsafe { BACKENDS.get(id).copied() }
+pub fn lookup_frontend<K: ServiceMapKey>(key: &K) -> Option<ServiceValue> {
+    key.lookup()
 }
 
 /// The frontend an in-cluster client (a pod, the node) of `key`, found as
@@ -45,7 +104,7 @@ pub fn backend(id: u32) -> Option<Backend> {
 /// chain); else, or while that entry is missing (mid-sync), `svc` itself.
 /// One flag test for every other frontend.
 #[inline(always)]
-pub fn in_cluster_scope(key: &ServiceKey, svc: &ServiceValue) -> (ServiceKey, ServiceValue) {
+pub fn in_cluster_scope<K: ServiceMapKey>(key: &K, svc: &ServiceValue) -> (K, ServiceValue) {
     if svc.flags.has_two_scopes() {
         let internal = key.with_scope(SCOPE_INTERNAL);
         if let Some(value) = lookup_frontend(&internal) {
@@ -58,7 +117,12 @@ pub fn in_cluster_scope(key: &ServiceKey, svc: &ServiceValue) -> (ServiceKey, Se
 /// Picks a backend of the frontend `svc` (found at `key`) for `client`, an
 /// address or a netns cookie as `kind` says.
 #[inline(always)]
-pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Verdict {
+pub fn choose<K: ServiceMapKey>(
+    key: &K,
+    svc: &ServiceValue,
+    client: u64,
+    kind: u8,
+) -> Verdict<K::Backend> {
     count(Counter::ServiceHit);
     if svc.count == 0 {
         count(Counter::NoBackend);
@@ -67,7 +131,7 @@ pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Ve
     let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, kind, _pad: [0; 3] };
     let affine = svc.flags.is_affinity();
     let now = unsafe { bpf_ktime_get_ns() };
-    if affine && let Some((backend_id, backend)) = affine_backend(&affinity_key, svc, now) {
+    if affine && let Some((backend_id, backend)) = affine_backend::<K>(&affinity_key, svc, now) {
         count(Counter::AffinityHit);
         return Verdict::Backend {
             backend,
@@ -92,7 +156,11 @@ pub fn choose(key: &ServiceKey, svc: &ServiceValue, client: u64, kind: u8) -> Ve
 /// service's timeout and the backend still exists. A hit refreshes the entry,
 /// as kube-proxy's `-m recent --set` does on every new connection.
 #[inline(always)]
-fn affine_backend(key: &AffinityKey, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
+fn affine_backend<K: ServiceMapKey>(
+    key: &AffinityKey,
+    svc: &ServiceValue,
+    now: u64,
+) -> Option<(u32, K::Backend)> {
     let entry = AFFINITY.get_ptr_mut(key)?;
     // SAFETY: the LRU entry may be recycled concurrently; at worst we read a
     // stale backend id, which is then checked against the backends map.
@@ -101,14 +169,14 @@ fn affine_backend(key: &AffinityKey, svc: &ServiceValue, now: u64) -> Option<(u3
     if now.wrapping_sub(last_used) > timeout_ns {
         return None;
     }
-    let backend = backend(backend_id)?;
+    let backend = K::backend(backend_id)?;
     unsafe { (*entry).last_used_ns = now };
     Some((backend_id, backend))
 }
 
 /// Uniform choice over slots `1..=count`, as iptables' statistic chain.
 #[inline(always)]
-fn random_backend(key: &ServiceKey, count: u16) -> Option<(u32, Backend)> {
+fn random_backend<K: ServiceMapKey>(key: &K, count: u16) -> Option<(u32, K::Backend)> {
     let slot = (unsafe { bpf_get_prandom_u32() } % count as u32) as u16 + 1;
     let id = lookup_frontend(&key.with_slot(slot))
         // A slot beyond a count that shrank after we read it: fall back to
@@ -116,5 +184,5 @@ fn random_backend(key: &ServiceKey, count: u16) -> Option<(u32, Backend)> {
         // (then the caller refuses, as it would a moment later).
         .or_else(|| lookup_frontend(&key.with_slot(1)))?
         .backend_id;
-    Some((id, backend(id)?))
+    Some((id, K::backend(id)?))
 }

@@ -22,49 +22,49 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
 };
-use sock_lb::{Family, Hook};
+use sock_lb::{Hook, V4};
 use tc_lb::Scope;
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_translate(&ctx, Hook::Socket, Family::V4)
+    sock_lb::try_translate::<V4>(&ctx, Hook::Socket)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_translate(&ctx, Hook::Datagram, Family::V4)
+    sock_lb::try_translate::<V4>(&ctx, Hook::Datagram)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_reverse(&ctx, Hook::Datagram, Family::V4)
+    sock_lb::try_reverse::<V4>(&ctx, Hook::Datagram)
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn getpeername4(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_reverse(&ctx, Hook::Socket, Family::V4)
+    sock_lb::try_reverse::<V4>(&ctx, Hook::Socket)
 }
 
-/// IPv6 sockets: those reaching an IPv4 service through its v4-mapped
-/// address (`::ffff:10.96.0.10`).
+/// IPv6 sockets: to IPv6 services, and to IPv4 ones through their
+/// v4-mapped address (`::ffff:10.96.0.10`).
 #[cgroup_sock_addr(connect6)]
 pub fn connect6(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_translate(&ctx, Hook::Socket, Family::V4Mapped)
+    sock_lb::try_translate6(&ctx, Hook::Socket)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_translate(&ctx, Hook::Datagram, Family::V4Mapped)
+    sock_lb::try_translate6(&ctx, Hook::Datagram)
 }
 
 #[cgroup_sock_addr(recvmsg6)]
 pub fn recvmsg6(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_reverse(&ctx, Hook::Datagram, Family::V4Mapped)
+    sock_lb::try_reverse6(&ctx, Hook::Datagram)
 }
 
 #[cgroup_sock_addr(getpeername6)]
 pub fn getpeername6(ctx: SockAddrContext) -> i32 {
-    sock_lb::try_reverse(&ctx, Hook::Socket, Family::V4Mapped)
+    sock_lb::try_reverse6(&ctx, Hook::Socket)
 }
 
 /// Ingress of node and pod interfaces: per-packet service translation.

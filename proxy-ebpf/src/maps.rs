@@ -13,6 +13,9 @@ use proxy_common::{
     MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue, SockEndKey, SockFlow, SockFlowKey,
     SockRevNat, SockRevNatKey, SourceRangeKey, prefilter,
 };
+use proxy_common::{
+    Backend6, MAX_SOCK_REV_NAT6, RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6,
+};
 
 #[btf_map]
 pub static SERVICES: HashMap<ServiceKey, ServiceValue, { MAX_SERVICE_ENTRIES as usize }> =
@@ -33,6 +36,37 @@ pub static FRONTEND_INFO: HashMap<
     { MAX_REV_NAT as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
+
+/// The IPv6 family's services, backends and reverse-NAT addresses, by the
+/// same ids as the IPv4 maps. Allocated per entry: a cluster without IPv6
+/// services pays nothing for them.
+#[btf_map]
+pub static SERVICES6: HashMap<
+    ServiceKey6,
+    ServiceValue,
+    { MAX_SERVICE_ENTRIES as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+#[btf_map]
+pub static BACKENDS6: HashMap<
+    u32,
+    Backend6,
+    { MAX_BACKENDS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+#[btf_map]
+pub static REV_NAT6: HashMap<
+    u32,
+    RevNat6,
+    { MAX_REV_NAT as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+#[btf_map]
+pub static SOCK_REV_NAT6: LruHashMap<SockRevNatKey6, SockRevNat6, { MAX_SOCK_REV_NAT6 as usize }> =
+    LruHashMap::new();
 
 #[btf_map]
 pub static SOCK_REV_NAT: LruHashMap<SockRevNatKey, SockRevNat, { MAX_SOCK_REV_NAT as usize }> =

@@ -1,9 +1,10 @@
 //! Socket-level load balancing: translate the destination once per socket
 //! (TCP, connected UDP) or per datagram (unconnected UDP, whose datagrams to
 //! a service keep to one backend while the flow is fresh), so packets travel
-//! straight to the pod with no per-packet NAT. The `*6` hooks serve IPv6
+//! straight to the pod with no per-packet NAT. The `*4` hooks serve IPv4
+//! services; the `*6` hooks serve IPv6 services from the IPv6 maps, and IPv6
 //! sockets that reach an IPv4 service through its v4-mapped address
-//! (`::ffff:10.96.0.10`), as dual-stack applications do, from the same maps.
+//! (`::ffff:10.96.0.10`), as dual-stack applications do, from the IPv4 maps.
 
 use aya_ebpf::{
     EbpfContext,
@@ -13,15 +14,17 @@ use aya_ebpf::{
     },
     programs::SockAddrContext,
 };
+use aya_log_ebpf::macro_support::{Argument, IpFormatter};
 use proxy_common::{
-    AFFINITY_CLIENT_NETNS, Backend, Config, Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey,
-    ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey, log_level,
+    AFFINITY_CLIENT_NETNS, Config, Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceKey6,
+    ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6,
+    log_level,
 };
 
 use crate::{
-    lb::{self, Verdict, Via},
+    lb::{self, ServiceMapKey, Verdict, Via},
     log::{self, record},
-    maps::{CONFIG, SOCK_FLOWS, SOCK_REV_NAT, count},
+    maps::{CONFIG, SOCK_FLOWS, SOCK_REV_NAT, SOCK_REV_NAT6, count},
 };
 
 /// What the hook sees: a socket's one destination (connect, getpeername)
@@ -30,15 +33,6 @@ use crate::{
 pub enum Hook {
     Socket,
     Datagram,
-}
-
-/// Which address of the context a hook reads and writes: the IPv4 one (the
-/// `*4` hooks), or the IPv4 address inside an IPv6 socket's v4-mapped one
-/// (the `*6` hooks; other IPv6 addresses pass untouched).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    V4,
-    V4Mapped,
 }
 
 /// The third word of a v4-mapped IPv6 address (`::ffff:0:0/96`), as it lies
@@ -64,43 +58,178 @@ fn sock_addr(ctx: &SockAddrContext) -> &bpf_sock_addr {
     unsafe { &*ctx.sock_addr }
 }
 
-/// The IPv4 address the syscall uses, if the hook's family has one: a
-/// `*6` hook's address must be v4-mapped. (Each hook reads only the words
-/// the verifier lets it: the family is a constant of the program.)
+/// An address and port.
+type Addr<A> = (A, u16);
+
+/// An address of a family the socket LB serves, and its maps.
+pub trait SockAddress: Copy + PartialEq + IpFormatter + Argument {
+    type Key: ServiceMapKey;
+    fn key(self, port: u16, proto: u8) -> Self::Key;
+    fn backend_addr(backend: &<Self::Key as ServiceMapKey>::Backend) -> Addr<Self>;
+    /// Remembers that the socket `cookie`, sent to `backend`, was meant for
+    /// `service` (its frontend `rev_nat_id`).
+    fn remember_reverse(cookie: u64, backend: Addr<Self>, service: Addr<Self>, rev_nat_id: u32);
+    /// What [`Self::remember_reverse`] remembered: the service address and
+    /// its frontend's reverse-NAT id.
+    fn reverse(cookie: u64, backend: Addr<Self>) -> Option<(Addr<Self>, u32)>;
+}
+
+impl SockAddress for [u8; 4] {
+    type Key = ServiceKey;
+
+    #[inline(always)]
+    fn key(self, port: u16, proto: u8) -> ServiceKey {
+        ServiceKey::new(self, port, proto, 0)
+    }
+
+    #[inline(always)]
+    fn backend_addr(backend: &proxy_common::Backend) -> Addr<Self> {
+        (backend.address, backend.port)
+    }
+
+    #[inline(always)]
+    fn remember_reverse(cookie: u64, backend: Addr<Self>, service: Addr<Self>, rev_nat_id: u32) {
+        let key = SockRevNatKey { cookie, address: backend.0, port: backend.1, _pad: 0 };
+        let rev = SockRevNat { address: service.0, port: service.1, _pad: 0, rev_nat_id };
+        let _ = SOCK_REV_NAT.insert(key, rev, 0);
+    }
+
+    #[inline(always)]
+    fn reverse(cookie: u64, backend: Addr<Self>) -> Option<(Addr<Self>, u32)> {
+        let key = SockRevNatKey { cookie, address: backend.0, port: backend.1, _pad: 0 };
+        // SAFETY: copied out at once.
+        let rev = unsafe { SOCK_REV_NAT.get(key).copied() }?;
+        Some(((rev.address, rev.port), rev.rev_nat_id))
+    }
+}
+
+impl SockAddress for [u8; 16] {
+    type Key = ServiceKey6;
+
+    #[inline(always)]
+    fn key(self, port: u16, proto: u8) -> ServiceKey6 {
+        ServiceKey6::new(self, port, proto, 0)
+    }
+
+    #[inline(always)]
+    fn backend_addr(backend: &proxy_common::Backend6) -> Addr<Self> {
+        (backend.address, backend.port)
+    }
+
+    #[inline(always)]
+    fn remember_reverse(cookie: u64, backend: Addr<Self>, service: Addr<Self>, rev_nat_id: u32) {
+        let key = SockRevNatKey6 { cookie, address: backend.0, port: backend.1, _pad: [0; 6] };
+        let rev = SockRevNat6 { address: service.0, port: service.1, _pad: 0, rev_nat_id };
+        let _ = SOCK_REV_NAT6.insert(key, rev, 0);
+    }
+
+    #[inline(always)]
+    fn reverse(cookie: u64, backend: Addr<Self>) -> Option<(Addr<Self>, u32)> {
+        let key = SockRevNatKey6 { cookie, address: backend.0, port: backend.1, _pad: [0; 6] };
+        // SAFETY: copied out at once.
+        let rev = unsafe { SOCK_REV_NAT6.get(key).copied() }?;
+        Some(((rev.address, rev.port), rev.rev_nat_id))
+    }
+}
+
+/// Where a hook finds the address the syscall uses (destination, or the
+/// source a reply is reported from): the IPv4 one (the `*4` hooks), the
+/// IPv4 address inside a v4-mapped IPv6 one, or an IPv6 one (both in the
+/// `*6` hooks, which tell them apart per call). Each reads only the
+/// address words the verifier lets its hooks read.
+pub trait SockFamily {
+    type Address: SockAddress;
+    /// Whether the hooks are the `*6` ones (for the records).
+    const IPV6_HOOKS: bool;
+    /// The address, if it is of this family.
+    fn user_addr(sa: &bpf_sock_addr) -> Option<Self::Address>;
+    /// Rewrites it (a v4-mapped one keeps its `::ffff:` prefix).
+    fn set_user_addr(sa: &mut bpf_sock_addr, address: Self::Address);
+}
+
+/// IPv4 sockets: the `*4` hooks.
+pub enum V4 {}
+/// IPv6 sockets addressing an IPv4 service through its v4-mapped address.
+pub enum V4Mapped {}
+/// IPv6 sockets addressing an IPv6 service.
+pub enum V6 {}
+
+impl SockFamily for V4 {
+    type Address = [u8; 4];
+    const IPV6_HOOKS: bool = false;
+
+    #[inline(always)]
+    fn user_addr(sa: &bpf_sock_addr) -> Option<[u8; 4]> {
+        Some(sa.user_ip4.to_ne_bytes())
+    }
+
+    #[inline(always)]
+    fn set_user_addr(sa: &mut bpf_sock_addr, address: [u8; 4]) {
+        sa.user_ip4 = u32::from_ne_bytes(address);
+    }
+}
+
 #[inline(always)]
-fn user_ip4(sa: &bpf_sock_addr, family: Family) -> Option<[u8; 4]> {
-    match family {
-        Family::V4 => Some(sa.user_ip4.to_ne_bytes()),
-        Family::V4Mapped => {
-            let mapped = sa.user_ip6[0] == 0 && sa.user_ip6[1] == 0 && sa.user_ip6[2] == V4_MAPPED;
-            mapped.then(|| sa.user_ip6[3].to_ne_bytes())
+fn is_v4_mapped(sa: &bpf_sock_addr) -> bool {
+    sa.user_ip6[0] == 0 && sa.user_ip6[1] == 0 && sa.user_ip6[2] == V4_MAPPED
+}
+
+impl SockFamily for V4Mapped {
+    type Address = [u8; 4];
+    const IPV6_HOOKS: bool = true;
+
+    #[inline(always)]
+    fn user_addr(sa: &bpf_sock_addr) -> Option<[u8; 4]> {
+        is_v4_mapped(sa).then(|| sa.user_ip6[3].to_ne_bytes())
+    }
+
+    #[inline(always)]
+    fn set_user_addr(sa: &mut bpf_sock_addr, address: [u8; 4]) {
+        sa.user_ip6[3] = u32::from_ne_bytes(address);
+    }
+}
+
+impl SockFamily for V6 {
+    type Address = [u8; 16];
+    const IPV6_HOOKS: bool = true;
+
+    #[inline(always)]
+    fn user_addr(sa: &bpf_sock_addr) -> Option<[u8; 16]> {
+        let mut address = [0u8; 16];
+        for (i, word) in sa.user_ip6.iter().enumerate() {
+            address[i * 4..i * 4 + 4].copy_from_slice(&word.to_ne_bytes());
+        }
+        Some(address)
+    }
+
+    #[inline(always)]
+    fn set_user_addr(sa: &mut bpf_sock_addr, address: [u8; 16]) {
+        for (i, word) in sa.user_ip6.iter_mut().enumerate() {
+            let b = &address[i * 4..i * 4 + 4];
+            *word = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
         }
     }
 }
 
-/// Rewrites the address the syscall uses (destination, or the source a
-/// reply is reported from); a v4-mapped one keeps its `::ffff:` prefix.
+/// Rewrites the address and port the syscall uses.
 #[inline(always)]
-fn set_user_addr(ctx: &SockAddrContext, family: Family, address: [u8; 4], port: u16) {
+fn set_user<F: SockFamily>(ctx: &SockAddrContext, (address, port): Addr<F::Address>) {
     // SAFETY: valid context; the hook's address words and user_port are
     // writable in these hooks.
-    unsafe {
-        match family {
-            Family::V4 => (*ctx.sock_addr).user_ip4 = u32::from_ne_bytes(address),
-            Family::V4Mapped => (*ctx.sock_addr).user_ip6[3] = u32::from_ne_bytes(address),
-        }
-        (*ctx.sock_addr).user_port = u16::to_be(port) as u32;
-    }
+    let sa = unsafe { &mut *ctx.sock_addr };
+    F::set_user_addr(sa, address);
+    sa.user_port = u16::to_be(port) as u32;
 }
 
+/// The service (address, port, protocol) the syscall addresses, if TCP or
+/// UDP of the family.
 #[inline(always)]
-fn service_key(sa: &bpf_sock_addr, family: Family) -> Option<ServiceKey> {
+fn destination<F: SockFamily>(sa: &bpf_sock_addr) -> Option<(Addr<F::Address>, u8)> {
     let proto = sa.protocol as u8;
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return None;
     }
-    let address = user_ip4(sa, family)?;
-    Some(ServiceKey::new(address, u16::from_be(sa.user_port as u16), proto, 0))
+    Some(((F::user_addr(sa)?, u16::from_be(sa.user_port as u16)), proto))
 }
 
 /// Whether sockets of the network namespace `netns` (a cookie) are
@@ -119,43 +248,55 @@ fn in_scope(ctx: &SockAddrContext, cfg: &Config) -> bool {
 impl Hook {
     /// The program's name, for the decision records.
     #[inline(always)]
-    fn program(self, family: Family, translate: bool) -> &'static str {
-        match (self, family, translate) {
-            (Hook::Socket, Family::V4, true) => "connect4",
-            (Hook::Datagram, Family::V4, true) => "sendmsg4",
-            (Hook::Socket, Family::V4, false) => "getpeername4",
-            (Hook::Datagram, Family::V4, false) => "recvmsg4",
-            (Hook::Socket, Family::V4Mapped, true) => "connect6",
-            (Hook::Datagram, Family::V4Mapped, true) => "sendmsg6",
-            (Hook::Socket, Family::V4Mapped, false) => "getpeername6",
-            (Hook::Datagram, Family::V4Mapped, false) => "recvmsg6",
+    fn program<F: SockFamily>(self, translate: bool) -> &'static str {
+        match (self, translate, F::IPV6_HOOKS) {
+            (Hook::Socket, true, false) => "connect4",
+            (Hook::Datagram, true, false) => "sendmsg4",
+            (Hook::Socket, false, false) => "getpeername4",
+            (Hook::Datagram, false, false) => "recvmsg4",
+            (Hook::Socket, true, true) => "connect6",
+            (Hook::Datagram, true, true) => "sendmsg6",
+            (Hook::Socket, false, true) => "getpeername6",
+            (Hook::Datagram, false, true) => "recvmsg6",
         }
     }
 }
 
-/// `connect4` and `sendmsg4` (and their `*6` twins for v4-mapped
-/// addresses): pick a backend and rewrite the destination. The clients are
-/// pods and node processes, in-cluster clients all (the node's own as
-/// kube-proxy's "LOCAL traffic" rules treat it).
+/// `connect6` and `sendmsg6`: a v4-mapped destination is an IPv4 service's
+/// address, any other an IPv6 one's.
 #[inline(always)]
-pub fn try_translate(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
-    let sa = sock_addr(ctx);
-    let Some(key) = service_key(sa, family) else {
+pub fn try_translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
+    if is_v4_mapped(sock_addr(ctx)) {
+        try_translate::<V4Mapped>(ctx, hook)
+    } else {
+        try_translate::<V6>(ctx, hook)
+    }
+}
+
+/// `recvmsg6` and `getpeername6`, as [`try_translate6`].
+#[inline(always)]
+pub fn try_reverse6(ctx: &SockAddrContext, hook: Hook) -> i32 {
+    if is_v4_mapped(sock_addr(ctx)) {
+        try_reverse::<V4Mapped>(ctx, hook)
+    } else {
+        try_reverse::<V6>(ctx, hook)
+    }
+}
+
+/// `connect4` and `sendmsg4` (and their `*6` twins): pick a backend and
+/// rewrite the destination. The clients are pods and node processes,
+/// in-cluster clients all (the node's own as kube-proxy's "LOCAL traffic"
+/// rules treat it).
+#[inline(always)]
+pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
+    let Some(((address, port), proto)) = destination::<F>(sock_addr(ctx)) else {
         return ALLOW;
     };
     let Some(cfg) = CONFIG.get(0) else { return ALLOW };
-    let program = hook.program(family, true);
+    let program = hook.program::<F>(true);
+    let key = address.key(port, proto);
     let Some(svc) = lb::lookup_frontend(&key) else {
-        record!(
-            cfg,
-            ctx,
-            program,
-            TRACE,
-            "{:i}:{} proto {}: no service",
-            key.address,
-            key.port,
-            key.proto
-        );
+        record!(cfg, ctx, program, TRACE, "{:i}:{} proto {}: no service", address, port, proto);
         return ALLOW;
     };
     if !in_scope(ctx, cfg) {
@@ -165,9 +306,9 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
             program,
             TRACE,
             "{:i}:{} proto {}: a pod's socket, left to the per-packet path",
-            key.address,
-            key.port,
-            key.proto
+            address,
+            port,
+            proto
         );
         return ALLOW;
     }
@@ -177,12 +318,15 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
     // while the flow is fresh, as conntrack keeps a 5-tuple on one pod.
     // Affinity decides alone where the service has it.
     let flow = (hook == Hook::Datagram
-        && key.proto == IPPROTO_UDP
+        && proto == IPPROTO_UDP
         && svc.count != 0
         && !svc.flags.is_affinity())
     .then_some(SockFlowKey { cookie, rev_nat_id: svc.rev_nat_id, _pad: 0 });
     // A flow to start: none remembered (or it went stale).
-    let (verdict, new_flow) = match flow.as_ref().and_then(|flow| flow_backend(cfg, flow, &svc)) {
+    let (verdict, new_flow) = match flow
+        .as_ref()
+        .and_then(|flow| flow_backend::<<F::Address as SockAddress>::Key>(cfg, flow, &svc))
+    {
         Some(verdict) => (verdict, None),
         None => {
             let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
@@ -197,9 +341,9 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
                 program,
                 INFO,
                 "{:i}:{} proto {}: no endpoint, refused (ECONNREFUSED)",
-                key.address,
-                key.port,
-                key.proto
+                address,
+                port,
+                proto
             );
             // Fail the call at once with ECONNREFUSED instead of EPERM.
             // SAFETY: reading a global the loader initialised.
@@ -212,6 +356,7 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
             if let Some(flow) = new_flow {
                 remember(&flow, backend_id);
             }
+            let to = F::Address::backend_addr(&backend);
             if cfg.log_level >= log_level::DEBUG {
                 let (how, among) = log::why(via, svc.flags);
                 record!(
@@ -220,20 +365,17 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
                     program,
                     DEBUG,
                     "{:i}:{} proto {}: backend {:i}:{} by {} among {}",
-                    key.address,
-                    key.port,
-                    key.proto,
-                    backend.address,
-                    backend.port,
+                    address,
+                    port,
+                    proto,
+                    to.0,
+                    to.1,
                     how,
                     among
                 );
             }
-            let rev_key =
-                SockRevNatKey { cookie, address: backend.address, port: backend.port, _pad: 0 };
-            let rev = SockRevNat { address: key.address, port: key.port, _pad: 0, rev_nat_id };
-            let _ = SOCK_REV_NAT.insert(rev_key, rev, 0);
-            set_user_addr(ctx, family, backend.address, backend.port);
+            F::Address::remember_reverse(cookie, to, (address, port), rev_nat_id);
+            set_user::<F>(ctx, to);
             ALLOW
         }
     }
@@ -242,7 +384,11 @@ pub fn try_translate(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
 /// The backend of the socket's flow `key` to `svc`, if the flow is fresh
 /// and the backend still exists; the datagram refreshes it.
 #[inline(always)]
-fn flow_backend(cfg: &Config, key: &SockFlowKey, svc: &ServiceValue) -> Option<Verdict> {
+fn flow_backend<K: ServiceMapKey>(
+    cfg: &Config,
+    key: &SockFlowKey,
+    svc: &ServiceValue,
+) -> Option<Verdict<K::Backend>> {
     let entry = SOCK_FLOWS.get_ptr_mut(key)?;
     let now = unsafe { bpf_ktime_get_ns() };
     // SAFETY: the LRU entry may be recycled concurrently; at worst we read a
@@ -251,7 +397,7 @@ fn flow_backend(cfg: &Config, key: &SockFlowKey, svc: &ServiceValue) -> Option<V
     if !flow.is_fresh(cfg, now) {
         return None;
     }
-    let backend: Backend = lb::backend(flow.backend_id)?;
+    let backend = K::backend(flow.backend_id)?;
     unsafe { (*entry).last_used_ns = now };
     count(Counter::ServiceHit);
     let (backend_id, rev_nat_id) = (flow.backend_id, svc.rev_nat_id);
@@ -270,42 +416,41 @@ fn remember(key: &SockFlowKey, backend_id: u32) {
 /// address instead of the backend's to the socket that was translated. A
 /// datagram's reply marks its socket's flow answered (it then lives longer).
 #[inline(always)]
-pub fn try_reverse(ctx: &SockAddrContext, hook: Hook, family: Family) -> i32 {
+pub fn try_reverse<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let sa = sock_addr(ctx);
-    let Some(address) = user_ip4(sa, family) else { return ALLOW };
+    let Some(address) = F::user_addr(sa) else { return ALLOW };
+    let peer = (address, u16::from_be(sa.user_port as u16));
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let key = SockRevNatKey { cookie, address, port: u16::from_be(sa.user_port as u16), _pad: 0 };
-    // SAFETY: copied out at once.
-    let Some(rev) = (unsafe { SOCK_REV_NAT.get(key).copied() }) else {
+    let Some((service, rev_nat_id)) = F::Address::reverse(cookie, peer) else {
         return ALLOW;
     };
     // Only while the service still exists: a reply from a pod that is no
     // longer behind it should show its own address. The socket got either
     // scope of the address (the internal one has its own id).
-    let frontend = ServiceKey::new(rev.address, rev.port, sa.protocol as u8, 0);
+    let frontend = service.0.key(service.1, sa.protocol as u8);
     let Some(svc) = lb::lookup_frontend(&frontend) else {
         if let Some(cfg) = CONFIG.get(0) {
             record!(
                 cfg,
                 ctx,
-                hook.program(family, false),
+                hook.program::<F>(false),
                 DEBUG,
                 "{:i}:{}: its service {:i}:{} is gone, the peer's own address shown",
-                key.address,
-                key.port,
-                rev.address,
-                rev.port
+                peer.0,
+                peer.1,
+                service.0,
+                service.1
             );
         }
         return ALLOW;
     };
-    if svc.rev_nat_id == rev.rev_nat_id
-        || lb::in_cluster_scope(&frontend, &svc).1.rev_nat_id == rev.rev_nat_id
+    if svc.rev_nat_id == rev_nat_id
+        || lb::in_cluster_scope(&frontend, &svc).1.rev_nat_id == rev_nat_id
     {
         count(Counter::RevNat);
-        set_user_addr(ctx, family, rev.address, rev.port);
+        set_user::<F>(ctx, service);
         if hook == Hook::Datagram {
-            let flow = SockFlowKey { cookie, rev_nat_id: rev.rev_nat_id, _pad: 0 };
+            let flow = SockFlowKey { cookie, rev_nat_id, _pad: 0 };
             if let Some(entry) = SOCK_FLOWS.get_ptr_mut(flow) {
                 // SAFETY: a one-byte store into a live entry.
                 unsafe { (*entry).answered = 1 };
