@@ -97,7 +97,7 @@ fn main() -> anyhow::Result<()> {
     }
     let backends = (0..100u8)
         .map(|i| BackendPlan {
-            addr: SocketAddrV4::new([10, 244, 2, i + 2].into(), 8080),
+            addr: SocketAddrV4::new([10, 244, 2, i + 2].into(), 8080).into(),
             local: false,
             host: false,
         })
@@ -124,7 +124,7 @@ fn main() -> anyhow::Result<()> {
     );
     for i in 1..services {
         let backend = BackendPlan {
-            addr: SocketAddrV4::new((0x0af5_0000 + i).into(), 8080),
+            addr: SocketAddrV4::new((0x0af5_0000 + i).into(), 8080).into(),
             local: false,
             host: false,
         };

@@ -279,13 +279,13 @@ mod tests {
     }
 
     fn backend(e: u8) -> BackendPlan {
-        let addr = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, e), 8080);
+        let addr = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, e), 8080).into();
         BackendPlan { addr, local: false, host: false }
     }
 
     /// Service `n` on cluster IP 10.96.0.`ip`:80 over endpoints `eps`.
     fn add(plan: &mut Plan, n: &str, ip: u8, eps: &[u8]) {
-        let frontend = Frontend::new(Ipv4Addr::new(10, 96, 0, ip), 80, Protocol::Tcp);
+        let frontend = Frontend::new(Ipv4Addr::new(10, 96, 0, ip).into(), 80, Protocol::Tcp);
         let service = ServicePortName { service: name(n), port: String::new() };
         let fp = FrontendPlan {
             service,
@@ -435,10 +435,10 @@ mod tests {
         add(&mut served, "a", 1, &[1]);
         add(&mut served, "b", 2, &[2]);
         let mut target = served.clone();
-        target.frontends.remove(&Frontend::new(Ipv4Addr::new(10, 96, 0, 2), 80, Protocol::Tcp));
+        target.frontends.remove(&Frontend::new([10, 96, 0, 2].into(), 80, Protocol::Tcp));
         add(&mut target, "a", 1, &[1, 3]);
         add(&mut target, "c", 3, &[3]);
-        let ip = |i| Frontend::new(Ipv4Addr::new(10, 96, 0, i), 80, Protocol::Tcp);
+        let ip = |i| Frontend::new(Ipv4Addr::new(10, 96, 0, i).into(), 80, Protocol::Tcp);
         assert_eq!(
             steps(&served, &target),
             [BTreeSet::from([ip(2)]), BTreeSet::from([ip(1)]), BTreeSet::from([ip(3)])]

@@ -12,20 +12,21 @@
 //! to the service's cluster-wide chain: the plan holds for them a second
 //! frontend at that address, of internal scope.
 //!
-//! The plan is of the IPv4 family: the model's IPv6 ports have no frontend
-//! in it (the eBPF datapath does not serve IPv6 yet).
+//! The plan holds both families: each service port is of one (the model
+//! splits a dual-stack service per family), and its frontends are addresses
+//! of that family, its backends endpoints of that family.
 
 use std::{
     collections::{BTreeMap, BTreeSet, btree_map::Entry},
-    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
 };
 
-use crate::model::{Cidr, Model, Protocol, ServiceName, ServicePort, ServicePortName, v4};
+use crate::model::{Cidr, IpFamily, Model, Protocol, ServiceName, ServicePort, ServicePortName};
 
 /// An address clients connect to, and which of its clients it serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Frontend {
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
     pub scope: Scope,
@@ -43,8 +44,12 @@ pub enum Scope {
 
 impl Frontend {
     /// A frontend of external scope: every one but the in-cluster twins.
-    pub fn new(ip: Ipv4Addr, port: u16, protocol: Protocol) -> Self {
+    pub fn new(ip: IpAddr, port: u16, protocol: Protocol) -> Self {
         Frontend { ip, port, protocol, scope: Scope::External }
+    }
+
+    pub fn family(&self) -> IpFamily {
+        IpFamily::of(self.ip)
     }
 
     /// The internal-scope frontend at the same address.
@@ -56,7 +61,8 @@ impl Frontend {
 /// One backend of a frontend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BackendPlan {
-    pub addr: SocketAddrV4,
+    /// Of its frontend's family.
+    pub addr: SocketAddr,
     /// The endpoint runs on this node.
     pub local: bool,
     /// The endpoint's address is one of this node's (host network).
@@ -157,7 +163,7 @@ impl Plan {
 pub struct Node {
     pub name: String,
     /// Its addresses, of both families: NodePorts are served on those in
-    /// `nodeport_addresses` (the IPv4 ones, as the plan is of that family).
+    /// `nodeport_addresses`, each family's on its service ports.
     pub ips: Vec<IpAddr>,
     /// `--nodeport-addresses`; empty means every node address.
     pub nodeport_addresses: Vec<Cidr>,
@@ -166,12 +172,12 @@ pub struct Node {
 }
 
 impl Node {
-    fn nodeport_ips(&self) -> impl Iterator<Item = Ipv4Addr> + '_ {
+    fn nodeport_ips(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
         let within = |ip: &IpAddr| {
             self.nodeport_addresses.is_empty()
                 || self.nodeport_addresses.iter().any(|c| c.contains(*ip))
         };
-        self.ips.iter().filter(move |ip| within(ip)).filter_map(|ip| v4(*ip))
+        self.ips.iter().copied().filter(move |ip| IpFamily::of(*ip) == family && within(ip))
     }
 }
 
@@ -351,7 +357,8 @@ impl Planner {
 }
 
 fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
-    let Some(cluster_ip) = v4(port.cluster_ip) else { return Vec::new() };
+    let (cluster_ip, family) = (port.cluster_ip, port.family());
+    let of_family = move |ip: &IpAddr| IpFamily::of(*ip) == family;
     let at = |ip, number| Frontend::new(ip, number, port.protocol);
     let for_policy = |kind: FrontendKind, local: bool, source_ranges: Vec<Cidr>| {
         let external = kind != FrontendKind::ClusterIp;
@@ -362,13 +369,11 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
         };
         let mut backends: Vec<_> = endpoints
             .iter()
-            .filter_map(|e| match e.addr {
-                SocketAddr::V4(addr) => Some(BackendPlan {
-                    addr,
-                    local: e.node_name.as_deref() == Some(&node.name),
-                    host: node.ips.contains(&IpAddr::V4(*addr.ip())),
-                }),
-                SocketAddr::V6(_) => None,
+            .filter(|e| of_family(&e.addr.ip()))
+            .map(|e| BackendPlan {
+                addr: e.addr,
+                local: e.node_name.as_deref() == Some(&node.name),
+                host: node.ips.contains(&e.addr.ip()),
             })
             .collect();
         backends.sort();
@@ -402,10 +407,12 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
         vec![(at(cluster_ip, port.port), Claim { plan: cluster_ip_plan, internal: None })];
     if let Some(node_port) = port.node_port {
         let node_port_claim = claim(FrontendKind::NodePort, vec![]);
-        out.extend(node.nodeport_ips().map(|ip| (at(ip, node_port), node_port_claim.clone())));
+        out.extend(
+            node.nodeport_ips(family).map(|ip| (at(ip, node_port), node_port_claim.clone())),
+        );
     }
     let balanced = claim(FrontendKind::LoadBalancer, port.source_ranges.clone());
-    let ips = |ips: &[IpAddr]| ips.iter().filter_map(|ip| v4(*ip)).collect::<Vec<_>>();
+    let ips = |ips: &[IpAddr]| ips.iter().copied().filter(of_family).collect::<Vec<_>>();
     out.extend(
         ips(&port.load_balancer_ips).into_iter().map(|ip| (at(ip, port.port), balanced.clone())),
     );
@@ -416,6 +423,8 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
 
 #[cfg(test)]
 mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
     use super::*;
     use crate::model::{self, Endpoint, Hints};
 
@@ -482,7 +491,7 @@ mod tests {
             &[("10.0.0.2:80", true, "node-a"), ("10.0.0.3:80", false, "node-a")],
         )]);
         let fp = at(&plan, [10, 96, 0, 1], 80);
-        let addr = "10.0.0.2:80".parse::<SocketAddrV4>().unwrap();
+        let addr = "10.0.0.2:80".parse().unwrap();
         assert_eq!(fp.backends, vec![BackendPlan { addr, local: true, host: false }]);
         assert!(!fp.external && !fp.local && !fp.drop_when_empty && !fp.serves_terminating);
     }
@@ -497,15 +506,44 @@ mod tests {
     }
 
     #[test]
-    fn ipv6_ports_have_no_frontend_in_the_ipv4_plan() {
+    fn each_family_has_its_own_frontends_and_endpoints() {
         let mut v6 = port("a", [0; 4], &[("[fd00:244::2]:8080", true, "node-a")]);
         v6.cluster_ip = "fd00:96::1".parse().unwrap();
         v6.node_port = Some(30080);
         v6.external_ips = vec!["fd00:200::5".parse().unwrap()];
-        let v4 = port("a", [10, 96, 0, 1], &[("10.0.0.2:8080", true, "node-a")]);
+        // An endpoint of the other family never backs a frontend.
+        v6.endpoints.extend(port("x", [0; 4], &[("10.0.0.9:8080", true, "node-a")]).endpoints);
+        let mut v4 = port("a", [10, 96, 0, 1], &[("10.0.0.2:8080", true, "node-a")]);
+        v4.node_port = Some(30080);
         let plan = one(vec![v4, v6]);
         let ips: Vec<String> = plan.frontends.keys().map(|f| f.ip.to_string()).collect();
-        assert_eq!(ips, ["10.96.0.1"]);
+        assert_eq!(
+            ips,
+            [
+                "10.96.0.1",
+                "172.16.0.11",
+                "192.168.100.11",
+                "fd00:96::1",
+                "fd00:100::11",
+                "fd00:200::5"
+            ],
+            "each family's cluster IP, node addresses and external IPs"
+        );
+        let v6_backend =
+            BackendPlan { addr: "[fd00:244::2]:8080".parse().unwrap(), local: true, host: false };
+        for (frontend, fp) in &plan.frontends {
+            let backends: Vec<_> = fp.backends.iter().map(|b| IpFamily::of(b.addr.ip())).collect();
+            assert_eq!(backends, [frontend.family()], "{frontend:?}");
+            if frontend.family() == IpFamily::V6 {
+                assert_eq!(fp.backends, [v6_backend]);
+            }
+        }
+        let node_port = Frontend::new(
+            Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 0x11).into(),
+            30080,
+            Protocol::Tcp,
+        );
+        assert_eq!(plan.frontends[&node_port].kind, FrontendKind::NodePort);
     }
 
     #[test]
@@ -617,7 +655,7 @@ mod tests {
         local.external_local = true;
         let mut cluster = port("c", [10, 96, 0, 3], &[("10.0.0.4:80", true, "node-b")]);
         cluster.external_ips = vec![ip.into()];
-        let external = Frontend::new(ip, 80, Protocol::Tcp);
+        let external = Frontend::new(ip.into(), 80, Protocol::Tcp);
         let mut planner = Planner::new(node());
         let model = model::Model::from_ports([local.clone(), cluster.clone()]);
         planner.rebuild(&model);

@@ -48,7 +48,7 @@ fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -
         backends: backends
             .iter()
             .map(|(ip, port)| BackendPlan {
-                addr: SocketAddrV4::new((*ip).into(), *port),
+                addr: SocketAddrV4::new((*ip).into(), *port).into(),
                 local: false,
                 host: false,
             })

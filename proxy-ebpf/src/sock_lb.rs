@@ -263,7 +263,8 @@ impl Hook {
 }
 
 /// `connect6` and `sendmsg6`: a v4-mapped destination is an IPv4 service's
-/// address, any other an IPv6 one's.
+/// address, any other an IPv6 one's. Each family's path is a BPF call of
+/// its own, so the verifier's 512-byte stack holds one of them at a time.
 #[inline(always)]
 pub fn try_translate6(ctx: &SockAddrContext, hook: Hook) -> i32 {
     if is_v4_mapped(sock_addr(ctx)) {
@@ -287,7 +288,7 @@ pub fn try_reverse6(ctx: &SockAddrContext, hook: Hook) -> i32 {
 /// rewrite the destination. The clients are pods and node processes,
 /// in-cluster clients all (the node's own as kube-proxy's "LOCAL traffic"
 /// rules treat it).
-#[inline(always)]
+#[inline(never)]
 pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let Some(((address, port), proto)) = destination::<F>(sock_addr(ctx)) else {
         return ALLOW;
@@ -415,7 +416,7 @@ fn remember(key: &SockFlowKey, backend_id: u32) {
 /// `recvmsg4` and `getpeername4` (and their `*6` twins): show the service
 /// address instead of the backend's to the socket that was translated. A
 /// datagram's reply marks its socket's flow answered (it then lives longer).
-#[inline(always)]
+#[inline(never)]
 pub fn try_reverse<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     let sa = sock_addr(ctx);
     let Some(address) = F::user_addr(sa) else { return ALLOW };

@@ -2,10 +2,11 @@
 //! pods with an IPv4 /32 and an IPv6 /128 behind the link-local gateway
 //! fe80::1, nodes and an external client on both families of the fabric.
 //!
-//! Each scenario takes a [`Setup`], like the `both_modes!` scenarios, but
-//! runs in the iptables mode only (from manifests and from the test API
-//! server): the eBPF mode serves the IPv4 family only so far (see
-//! docs/datapath.md). Once it serves IPv6, these lists become `both_modes!`.
+//! The scenarios a pod's socket reaches through the socket LB run in both
+//! modes (`both_modes!`); those the per-packet path serves (NodePorts from
+//! outside, hairpin from a pod outside the socket-LB cgroup) run in the
+//! iptables mode only (from manifests and from the test API server) until
+//! the eBPF mode's tc programs serve IPv6 (see docs/datapath.md).
 
 use std::{
     collections::BTreeSet,
@@ -14,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, answered_after, tally, v6};
+use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, answered_after, both_modes, tally, v6};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service, slice};
 
 /// `mod <scenario> { fn iptables(); fn iptables_api(); }`.
@@ -34,14 +35,18 @@ macro_rules! iptables_modes {
     )*};
 }
 
-iptables_modes!(
+both_modes!(
     a_dual_stack_service_reaches_each_familys_endpoints_on_each_cluster_ip,
+    ipv6_services_without_endpoints_refuse_pods,
+    ipv6_udp_flows_move_off_a_removed_endpoint,
+    an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains,
+);
+
+iptables_modes!(
     ipv6_node_port_cluster_policy_reaches_the_backend_from_the_nodes_ipv6_address,
     ipv6_node_port_local_policy_keeps_the_clients_ipv6_address,
     ipv6_hairpin_a_pod_reaches_itself_through_its_cluster_ip,
-    ipv6_services_without_endpoints_refuse,
-    ipv6_udp_flows_move_off_a_removed_endpoint,
-    an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains,
+    ipv6_node_ports_without_endpoints_refuse,
 );
 
 const NODE6: &str = "fd00:100::11";
@@ -223,29 +228,42 @@ fn ipv6_hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {
     }
 }
 
-/// Scenario 4: no endpoints is a refusal (ICMPv6 port unreachable), from a
-/// pod and through a NodePort, never a timeout. Over TCP the client sees it
-/// at the SYN's first retransmission (about 1 s; over IPv4 and UDP at once):
-/// the error for the first SYN reaches the client's socket while it is still
-/// locked by `connect()`, which Linux's TCP over IPv6 keeps as a soft error
-/// here; the rules are kube-proxy's, so a kube-proxy node behaves the same.
-fn ipv6_services_without_endpoints_refuse(setup: Setup) {
-    let empty = node_ports(dual("empty", "10.96.0.30", "fd00:96::30"), 30090, 30093);
-    let c = dual_lab(setup, &manifest(&[&empty]));
-    let refused = |attempts: Vec<Attempt>, within_ms: f64| {
-        assert!(!attempts.is_empty());
-        for attempt in &attempts {
-            assert!(
-                matches!(attempt, Attempt::Err { kind, ms } if kind == "ConnectionRefused" && *ms < within_ms),
-                "{attempts:?}"
-            );
-        }
-    };
-    let (vip, node_port) = (at("fd00:96::30", 80), at(NODE6, 30090));
-    refused(c.lab.client(&c.client, &["tcp", &vip, "3"]).unwrap(), 1500.0);
-    refused(c.lab.client_outside(&c.ext, &["tcp", &node_port, "3"]).unwrap(), 1500.0);
+/// Every attempt refused (ECONNREFUSED), each within `within_ms`.
+fn refused(attempts: Vec<Attempt>, within_ms: f64) {
+    assert!(!attempts.is_empty());
+    for attempt in &attempts {
+        assert!(
+            matches!(attempt, Attempt::Err { kind, ms } if kind == "ConnectionRefused" && *ms < within_ms),
+            "{attempts:?}"
+        );
+    }
+}
+
+/// The dual-stack service without endpoints of the refusal scenarios.
+fn empty_service() -> String {
+    manifest(&[&node_ports(dual("empty", "10.96.0.30", "fd00:96::30"), 30090, 30093)])
+}
+
+/// Scenario 4: no endpoints is a refusal, never a timeout, for a pod. The
+/// socket LB fails `connect()` at once; in the iptables mode, over TCP the
+/// client sees the ICMPv6 port unreachable at the SYN's first
+/// retransmission (about 1 s; over IPv4 and UDP at once): the error for the
+/// first SYN reaches the client's socket while it is still locked by
+/// `connect()`, which Linux's TCP over IPv6 keeps as a soft error here; the
+/// rules are kube-proxy's, so a kube-proxy node behaves the same.
+fn ipv6_services_without_endpoints_refuse_pods(setup: Setup) {
+    let c = dual_lab(setup, &empty_service());
+    refused(c.lab.client(&c.client, &["tcp", &at("fd00:96::30", 80), "3"]).unwrap(), 1500.0);
     let dns = at("fd00:96::30", 53);
     refused(c.lab.client(&c.client, &["udp", &dns, "3", "--connect"]).unwrap(), 100.0);
+}
+
+/// Scenario 4, through the IPv6 NodePort from outside (within the same
+/// second as above over TCP).
+fn ipv6_node_ports_without_endpoints_refuse(setup: Setup) {
+    let c = dual_lab(setup, &empty_service());
+    let node_port = at(NODE6, 30090);
+    refused(c.lab.client_outside(&c.ext, &["tcp", &node_port, "3"]).unwrap(), 1500.0);
 }
 
 /// Scenario 4: a UDP flow to an IPv6 cluster IP stays on one endpoint, and

@@ -340,16 +340,28 @@ fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
         }
         Ok(socket)
     };
-    let mut socket = open()?;
+    // A refused connect() (the socket LB refusing a service without
+    // endpoints) is the attempt's result; the next attempt opens again.
+    let mut socket: Option<UdpSocket> = None;
     let mut buf = [0u8; 1500];
     for i in 0..count {
         if i > 0 {
             std::thread::sleep(Duration::from_millis(interval));
             if per_datagram {
-                socket = open()?;
+                socket = None;
             }
         }
         let start = Instant::now();
+        if socket.is_none() {
+            match open() {
+                Ok(opened) => socket = Some(opened),
+                Err(e) => {
+                    report(start, Err(e));
+                    continue;
+                }
+            }
+        }
+        let Some(socket) = &socket else { continue };
         let sent = if connect { socket.send(&payload) } else { socket.send_to(&payload, addr) };
         let result = sent.and_then(|_| {
             let (n, from) = socket.recv_from(&mut buf)?;

@@ -19,13 +19,13 @@ use aya::{
     maps::{Array, HashMap, Map, MapData, MapError, MapType},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, CtEntry, CtEntryV1, CtEntryV2, CtKey, FragKey,
+    AffinityKey, AffinityValue, Backend, Backend6, CtEntry, CtEntryV1, CtEntryV2, CtKey, FragKey,
     FragRewrite, Layouts, MAX_AFFINITY, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_SOCK_FLOWS,
-    MAX_SOCK_REV_NAT, ServiceKey, ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey,
-    map_names,
+    MAX_SOCK_REV_NAT, MAX_SOCK_REV_NAT6, ServiceKey, ServiceKey6, ServiceValue, SockFlow,
+    SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
 };
 
-use super::sync::frontend_of_key;
+use super::entries::{BackendEntry, SlotKey};
 use crate::plan::Frontend;
 
 /// What a map looks like to the kernel: a pinned map is used as it is only
@@ -59,7 +59,7 @@ const fn lru<K, V>(max_entries: u32) -> Shape {
 }
 
 /// The state maps, in the order they are carried.
-pub const STATE_MAPS: [StateMap; 5] = [
+pub const STATE_MAPS: [StateMap; 6] = [
     StateMap {
         name: map_names::CONNTRACK,
         version: |l| l.conntrack,
@@ -89,6 +89,12 @@ pub const STATE_MAPS: [StateMap; 5] = [
         version: |l| l.sock_flows,
         reads: &[1],
         shape: lru::<SockFlowKey, SockFlow>(MAX_SOCK_FLOWS),
+    },
+    StateMap {
+        name: map_names::SOCK_REV_NAT6,
+        version: |l| l.sock_rev_nat6,
+        reads: &[1],
+        shape: lru::<SockRevNatKey6, SockRevNat6>(MAX_SOCK_REV_NAT6),
     },
 ];
 
@@ -200,18 +206,66 @@ impl Pinned {
             );
             return Ok(Reserved::default());
         }
-        let services = open(&self.maps, map_names::SERVICES)?;
-        let services = HashMap::<_, ServiceKey, ServiceValue>::try_from(&services)?;
+        let mut reserved = Reserved::default();
+        reserved.read::<ServiceKey>(&self.maps, map_names::SERVICES, map_names::BACKENDS)?;
+        // The IPv6 maps, where the previous agent had them.
+        if self.maps.join(map_names::SERVICES6).exists() {
+            let (services, backends) = (map_names::SERVICES6, map_names::BACKENDS6);
+            reserved.read::<ServiceKey6>(&self.maps, services, backends)?;
+        }
+        Ok(reserved)
+    }
+}
+
+/// A family's services-map key and backend, as the maps hold them.
+trait FamilyMaps: Pod {
+    type Backend: Pod;
+    fn slot_key(self) -> SlotKey;
+    fn backend_entry(backend: Self::Backend) -> BackendEntry;
+}
+
+impl FamilyMaps for ServiceKey {
+    type Backend = Backend;
+    fn slot_key(self) -> SlotKey {
+        SlotKey::V4(self)
+    }
+    fn backend_entry(backend: Backend) -> BackendEntry {
+        BackendEntry::V4(backend)
+    }
+}
+
+impl FamilyMaps for ServiceKey6 {
+    type Backend = Backend6;
+    fn slot_key(self) -> SlotKey {
+        SlotKey::V6(self)
+    }
+    fn backend_entry(backend: Backend6) -> BackendEntry {
+        BackendEntry::V6(backend)
+    }
+}
+
+impl Reserved {
+    /// Adds the ids one family's pinned maps give.
+    fn read<K: FamilyMaps>(
+        &mut self,
+        dir: &Path,
+        services: &str,
+        backends: &str,
+    ) -> Result<(), MapError> {
+        let services = open(dir, services)?;
+        let services = HashMap::<_, K, ServiceValue>::try_from(&services)?;
         let frontends = services
             .iter()
             .filter_map(Result::ok)
-            .filter(|(key, _)| key.slot == 0)
-            .map(|(key, value)| (frontend_of_key(&key), value.rev_nat_id))
-            .collect();
-        let backends = open(&self.maps, map_names::BACKENDS)?;
-        let backends = HashMap::<_, u32, Backend>::try_from(&backends)?;
-        let backends = backends.iter().filter_map(Result::ok).map(|(id, b)| (b, id)).collect();
-        Ok(Reserved { frontends, backends })
+            .map(|(key, value)| (key.slot_key(), value))
+            .filter(|(key, _)| key.slot() == 0)
+            .map(|(key, value)| (key.frontend(), value.rev_nat_id));
+        self.frontends.extend(frontends);
+        let backends = open(dir, backends)?;
+        let backends = HashMap::<_, u32, K::Backend>::try_from(&backends)?;
+        let backends = backends.iter().filter_map(Result::ok);
+        self.backends.extend(backends.map(|(id, b)| (K::backend_entry(b), id)));
+        Ok(())
     }
 }
 
@@ -223,7 +277,7 @@ fn open(dir: &Path, name: &str) -> Result<Map, MapError> {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Reserved {
     pub frontends: BTreeMap<Frontend, u32>,
-    pub backends: BTreeMap<Backend, u32>,
+    pub backends: BTreeMap<BackendEntry, u32>,
 }
 
 /// A previous agent's state map whose entries are converted into ours.
@@ -253,6 +307,9 @@ impl Conversion {
             }
             (map_names::SOCK_FLOWS, _) => {
                 copy::<SockFlowKey, SockFlow, SockFlow>(&self.old, new, flags)
+            }
+            (map_names::SOCK_REV_NAT6, _) => {
+                copy::<SockRevNatKey6, SockRevNat6, SockRevNat6>(&self.old, new, flags)
             }
             _ => copy::<FragKey, FragRewrite, FragRewrite>(&self.old, new, flags),
         }

@@ -56,6 +56,8 @@ mod tests {
     use super::*;
     use proxy_common::{Backend, BackendFlags, CT_FLAG_SNAT, IPPROTO_UDP};
 
+    use crate::backend::ebpf::entries::BackendEntry;
+
     /// A flow client:40000 -> 10.96.0.10:53 sent to backend:5353, SNATed to
     /// 192.168.1.1:61000.
     fn flow(client: u8, backend: u8, expires: [u64; 2]) -> [(CtKey, CtEntry); 2] {
@@ -107,12 +109,12 @@ mod tests {
         let mut entries = Vec::new();
         entries.extend(flow(1, 2, [10, 10]));
         entries.extend(flow(2, 3, [10, 10]));
-        let backend = Backend {
+        let backend = BackendEntry::V4(Backend {
             address: [10, 244, 0, 2],
             port: 5353,
             proto: IPPROTO_UDP,
             flags: BackendFlags::EMPTY,
-        };
+        });
         let departed = Departures::gone([(9, backend)]);
         let gone = flows_to(&entries, &departed);
         assert_eq!(gone.len(), 2);

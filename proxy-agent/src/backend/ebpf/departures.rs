@@ -11,7 +11,9 @@
 
 use std::collections::BTreeSet;
 
-use proxy_common::{Backend, SockEndKey};
+use proxy_common::SockEndKey;
+
+use super::entries::BackendEntry;
 
 /// Stands for every frontend in [`SockEndKey::rev_nat_id`]; real reverse-NAT
 /// ids start at 1.
@@ -21,24 +23,27 @@ pub const EVERY_FRONTEND: u32 = 0;
 pub struct Departures {
     /// (reverse-NAT id or [`EVERY_FRONTEND`], backend id).
     by_id: BTreeSet<(u32, u32)>,
-    /// The same departures by the backend's address, as flows and sockets
-    /// name it.
+    /// The same departures of IPv4 backends by the backend's address, as
+    /// per-packet flows and the socket iterators name it.
     by_address: BTreeSet<SockEndKey>,
 }
 
-fn key(rev_nat_id: u32, backend: &Backend) -> SockEndKey {
-    SockEndKey {
-        address: backend.address,
-        port: backend.port,
-        proto: backend.proto,
-        _pad: 0,
-        rev_nat_id,
+fn key(rev_nat_id: u32, backend: &BackendEntry) -> Option<SockEndKey> {
+    match backend {
+        BackendEntry::V4(b) => Some(SockEndKey {
+            address: b.address,
+            port: b.port,
+            proto: b.proto,
+            _pad: 0,
+            rev_nat_id,
+        }),
+        BackendEntry::V6(_) => None,
     }
 }
 
 impl Departures {
     /// Backends (with their ids) no frontend names any more.
-    pub fn gone(backends: impl IntoIterator<Item = (u32, Backend)>) -> Self {
+    pub fn gone(backends: impl IntoIterator<Item = (u32, BackendEntry)>) -> Self {
         let mut departures = Self::default();
         for (id, backend) in backends {
             departures.add(EVERY_FRONTEND, id, &backend);
@@ -48,9 +53,9 @@ impl Departures {
 
     /// Backend `id` left the frontend `rev_nat_id` (or, with
     /// [`EVERY_FRONTEND`], every frontend).
-    pub fn add(&mut self, rev_nat_id: u32, id: u32, backend: &Backend) {
+    pub fn add(&mut self, rev_nat_id: u32, id: u32, backend: &BackendEntry) {
         self.by_id.insert((rev_nat_id, id));
-        self.by_address.insert(key(rev_nat_id, backend));
+        self.by_address.extend(key(rev_nat_id, backend));
     }
 
     /// These and `more`'s.
@@ -98,10 +103,11 @@ impl Departures {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proxy_common::{BackendFlags, IPPROTO_TCP, IPPROTO_UDP};
+    use proxy_common::{Backend, BackendFlags, IPPROTO_TCP, IPPROTO_UDP};
 
-    fn backend(last: u8, proto: u8) -> Backend {
-        Backend { address: [10, 244, 0, last], port: 53, proto, flags: BackendFlags::default() }
+    fn backend(last: u8, proto: u8) -> BackendEntry {
+        let flags = BackendFlags::default();
+        BackendEntry::V4(Backend { address: [10, 244, 0, last], port: 53, proto, flags })
     }
 
     #[test]
@@ -130,7 +136,7 @@ mod tests {
         let mut departures = Departures::gone([(2, backend(2, IPPROTO_TCP))]);
         departures.add(7, 1, &backend(1, IPPROTO_UDP));
         let udp = departures.socket_keys(&[IPPROTO_UDP]);
-        assert_eq!(udp, vec![key(7, &backend(1, IPPROTO_UDP))]);
+        assert_eq!(udp, Vec::from_iter(key(7, &backend(1, IPPROTO_UDP))));
         assert_eq!(departures.socket_keys(&[IPPROTO_UDP, IPPROTO_TCP]).len(), 2);
         assert!(departures.has_proto(IPPROTO_TCP) && !Departures::default().has_proto(IPPROTO_UDP));
     }

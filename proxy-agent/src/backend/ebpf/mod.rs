@@ -16,6 +16,7 @@ pub mod carry;
 pub mod conntrack;
 pub mod datapath;
 pub mod departures;
+pub mod entries;
 pub mod prefilter;
 pub mod records;
 pub mod sock_end;
@@ -46,20 +47,22 @@ use aya::{
     util::KernelVersion,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Config, Counter, CtEntry, CtKey, FrontendInfo,
+    AffinityKey, AffinityValue, Backend, Backend6, Config, Counter, CtEntry, CtKey, FrontendInfo,
     IPPROTO_TCP, IPPROTO_UDP, Layouts, MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat,
-    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SockFlow, SockFlowKey, SockRevNat,
-    SockRevNatKey, SourceRangeKey, map_names,
+    RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceKey6, ServiceValue, SockFlow,
+    SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey, map_names,
 };
 
 use carry::{Carry, Conversion, Pinned, STATE_MAPS};
 use departures::Departures;
+use entries::{BackendEntry, RevNatEntry, SlotKey};
 use prefilter::Prefilter;
 use sock_end::{Iterators, SocketDestroy, SocketEnding};
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
 use sync::{BatchKind, MapOp, MapWriter, apply_each};
 
 use crate::{
+    model::IpFamily,
     plan::{Frontend, Plan},
     sockets::Peer,
 };
@@ -169,6 +172,10 @@ struct Maps {
     services: Map,
     backends: Map,
     rev_nat: Map,
+    services6: Map,
+    backends6: Map,
+    rev_nat6: Map,
+    sock_rev_nat6: Map,
     frontend_info: Map,
     sock_rev_nat: Map,
     affinity: Map,
@@ -191,6 +198,10 @@ impl Maps {
             services: take(map_names::SERVICES)?,
             backends: take(map_names::BACKENDS)?,
             rev_nat: take(map_names::REV_NAT)?,
+            services6: take(map_names::SERVICES6)?,
+            backends6: take(map_names::BACKENDS6)?,
+            rev_nat6: take(map_names::REV_NAT6)?,
+            sock_rev_nat6: take(map_names::SOCK_REV_NAT6)?,
             frontend_info: take(map_names::FRONTEND_INFO)?,
             sock_rev_nat: take(map_names::SOCK_REV_NAT)?,
             affinity: take(map_names::AFFINITY)?,
@@ -212,11 +223,12 @@ impl Maps {
             map_names::AFFINITY => &mut self.affinity,
             map_names::SOCK_REV_NAT => &mut self.sock_rev_nat,
             map_names::SOCK_FLOWS => &mut self.sock_flows,
+            map_names::SOCK_REV_NAT6 => &mut self.sock_rev_nat6,
             _ => &mut self.fragments,
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 14] {
+    fn by_name(&self) -> [(&'static str, &Map); 18] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
@@ -232,6 +244,10 @@ impl Maps {
             (map_names::COUNTERS, &self.counters),
             (map_names::LAYOUT, &self.layout),
             (map_names::PREFILTER, self.prefilter.map()),
+            (map_names::SERVICES6, &self.services6),
+            (map_names::BACKENDS6, &self.backends6),
+            (map_names::REV_NAT6, &self.rev_nat6),
+            (map_names::SOCK_REV_NAT6, &self.sock_rev_nat6),
         ]
     }
 }
@@ -242,29 +258,60 @@ impl MapWriter for Maps {
             // The pre-filter lets the entry's packets through before it exists.
             self.prefilter.set(prefilter::bits_of(op))?;
             match op {
-                MapOp::PutBackend { id, backend } => {
+                MapOp::PutBackend { id, backend: BackendEntry::V4(backend) } => {
                     HashMap::<_, u32, Backend>::try_from(&mut self.backends)?.insert(id, backend, 0)
                 }
-                MapOp::DeleteBackend { id } => {
+                MapOp::PutBackend { id, backend: BackendEntry::V6(backend) } => {
+                    HashMap::<_, u32, Backend6>::try_from(&mut self.backends6)?
+                        .insert(id, backend, 0)
+                }
+                MapOp::DeleteBackend { id, family: IpFamily::V4 } => {
                     HashMap::<_, u32, Backend>::try_from(&mut self.backends)?.remove(id)
                 }
+                MapOp::DeleteBackend { id, family: IpFamily::V6 } => {
+                    HashMap::<_, u32, Backend6>::try_from(&mut self.backends6)?.remove(id)
+                }
                 MapOp::PutRevNat { id, value, info, .. } => {
-                    HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?.insert(id, value, 0)?;
+                    match value {
+                        RevNatEntry::V4(value) => {
+                            HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?
+                                .insert(id, value, 0)?
+                        }
+                        RevNatEntry::V6(value) => {
+                            HashMap::<_, u32, RevNat6>::try_from(&mut self.rev_nat6)?
+                                .insert(id, value, 0)?
+                        }
+                    }
                     HashMap::<_, u32, FrontendInfo>::try_from(&mut self.frontend_info)?
                         .insert(id, info, 0)
                 }
-                MapOp::DeleteRevNat { id, .. } => {
+                MapOp::DeleteRevNat { frontend, id } => {
                     // Absent when a previous write failed: fine.
                     let _ = HashMap::<_, u32, FrontendInfo>::try_from(&mut self.frontend_info)?
                         .remove(id);
-                    HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?.remove(id)
+                    match frontend.family() {
+                        IpFamily::V4 => {
+                            HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?.remove(id)
+                        }
+                        IpFamily::V6 => {
+                            HashMap::<_, u32, RevNat6>::try_from(&mut self.rev_nat6)?.remove(id)
+                        }
+                    }
                 }
-                MapOp::PutService { key, value } => {
+                MapOp::PutService { key: SlotKey::V4(key), value } => {
                     HashMap::<_, ServiceKey, ServiceValue>::try_from(&mut self.services)?
                         .insert(key, value, 0)
                 }
-                MapOp::DeleteService { key } => {
+                MapOp::PutService { key: SlotKey::V6(key), value } => {
+                    HashMap::<_, ServiceKey6, ServiceValue>::try_from(&mut self.services6)?
+                        .insert(key, value, 0)
+                }
+                MapOp::DeleteService { key: SlotKey::V4(key) } => {
                     HashMap::<_, ServiceKey, ServiceValue>::try_from(&mut self.services)?
+                        .remove(key)
+                }
+                MapOp::DeleteService { key: SlotKey::V6(key) } => {
+                    HashMap::<_, ServiceKey6, ServiceValue>::try_from(&mut self.services6)?
                         .remove(key)
                 }
                 MapOp::PutSourceRange { rev_nat_id, cidr, .. } => {
@@ -310,8 +357,18 @@ impl Maps {
     /// and the map have them.
     fn apply_batched(&self, ops: &[MapOp]) -> Option<batch::Outcome> {
         let fd = match ops.first()?.batch_kind()? {
-            BatchKind::PutService | BatchKind::DeleteService => hash_fd(&self.services)?,
-            BatchKind::PutBackend | BatchKind::DeleteBackend => hash_fd(&self.backends)?,
+            BatchKind::PutService(IpFamily::V4) | BatchKind::DeleteService(IpFamily::V4) => {
+                hash_fd(&self.services)?
+            }
+            BatchKind::PutService(IpFamily::V6) | BatchKind::DeleteService(IpFamily::V6) => {
+                hash_fd(&self.services6)?
+            }
+            BatchKind::PutBackend(IpFamily::V4) | BatchKind::DeleteBackend(IpFamily::V4) => {
+                hash_fd(&self.backends)?
+            }
+            BatchKind::PutBackend(IpFamily::V6) | BatchKind::DeleteBackend(IpFamily::V6) => {
+                hash_fd(&self.backends6)?
+            }
         };
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         for op in ops {
@@ -424,6 +481,11 @@ impl EbpfBackend {
             .map_max_entries(map_names::SERVICES, sizes.services)
             .map_max_entries(map_names::BACKENDS, sizes.backends)
             .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
+            // Each family's maps are sized alike, for both families' entries
+            // together (the IPv6 ones are allocated per entry).
+            .map_max_entries(map_names::SERVICES6, sizes.services)
+            .map_max_entries(map_names::BACKENDS6, sizes.backends)
+            .map_max_entries(map_names::REV_NAT6, sizes.rev_nat)
             .map_max_entries(map_names::FRONTEND_INFO, sizes.rev_nat);
         let pinned = root.map(Pinned::open).transpose().unwrap_or_else(|e| {
             tracing::warn!(error = %e, "could not read the previous agent's map layouts; starting afresh");

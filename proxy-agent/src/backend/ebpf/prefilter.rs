@@ -13,7 +13,10 @@ use proxy_common::{
     prefilter::{self, Kind, bit},
 };
 
-use super::sync::MapOp;
+use super::{
+    entries::{BackendEntry, SlotKey},
+    sync::MapOp,
+};
 
 /// The bitmap in the kernel and this agent's copy of it.
 pub struct Prefilter {
@@ -44,11 +47,12 @@ impl Prefilter {
     }
 }
 
-/// The bits a map write needs set first: a frontend's, a backend's.
+/// The bits a map write needs set first: a frontend's, a backend's. The
+/// bitmap is of the IPv4 family (IPv6 packets take the full path).
 pub fn bits_of(op: &MapOp) -> Vec<u32> {
     match op {
-        MapOp::PutService { key, .. } => vec![frontend_bit(key)],
-        MapOp::PutBackend { backend, .. } => backend_bits(backend),
+        MapOp::PutService { key: SlotKey::V4(key), .. } => vec![frontend_bit(key)],
+        MapOp::PutBackend { backend: BackendEntry::V4(backend), .. } => backend_bits(backend),
         _ => Vec::new(),
     }
 }
@@ -92,19 +96,20 @@ mod tests {
     fn writes_set_the_bits_packets_are_checked_against() {
         let vip = [10, 96, 0, 10];
         let put = MapOp::PutService {
-            key: ServiceKey::new(vip, 80, IPPROTO_TCP, 0),
+            key: SlotKey::V4(ServiceKey::new(vip, 80, IPPROTO_TCP, 0)),
             value: ServiceValue::default(),
         };
         assert_eq!(bits_of(&put), [bit(Kind::Frontend, vip, 80, IPPROTO_TCP)]);
         let pod = [10, 244, 1, 2];
         let mut backend =
             Backend { address: pod, port: 8080, proto: IPPROTO_TCP, ..Default::default() };
-        let put = MapOp::PutBackend { id: 1, backend };
+        let put = MapOp::PutBackend { id: 1, backend: BackendEntry::V4(backend) };
         assert_eq!(bits_of(&put), [bit(Kind::Backend, pod, 8080, IPPROTO_TCP)]);
         backend.flags = BackendFlags::default().with_host(true);
-        let put = MapOp::PutBackend { id: 1, backend };
+        let put = MapOp::PutBackend { id: 1, backend: BackendEntry::V4(backend) };
         assert_eq!(bits_of(&put)[1], bit(Kind::HostBackend, pod, 8080, IPPROTO_TCP));
-        assert!(bits_of(&MapOp::DeleteBackend { id: 1 }).is_empty());
+        let family = crate::model::IpFamily::V4;
+        assert!(bits_of(&MapOp::DeleteBackend { id: 1, family }).is_empty());
     }
 
     #[test]

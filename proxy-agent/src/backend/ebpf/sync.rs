@@ -22,21 +22,22 @@
 //! 100,000 services. Backends are collected by reference count (how many
 //! installed slots name each), and map sizes are kept as running counts.
 
-use std::{
-    collections::{BTreeMap, BTreeSet, btree_map::Entry},
-    net::SocketAddrV4,
-};
+use std::collections::{BTreeMap, BTreeSet, btree_map::Entry};
 
 use proxy_common::{
-    Backend, BackendFlags, FrontendInfo, IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP,
-    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, MAX_SOURCE_RANGES, RevNat,
-    SCOPE_EXTERNAL, SCOPE_INTERNAL, ServiceFlags, ServiceKey, ServiceValue,
+    FrontendInfo, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT,
+    MAX_SOURCE_RANGES, ServiceFlags, ServiceValue,
 };
 
-use super::{batch, carry::Reserved, departures::Departures};
+use super::{
+    batch,
+    carry::Reserved,
+    departures::Departures,
+    entries::{BackendEntry, RevNatEntry, SlotKey},
+};
 use crate::{
     fit,
-    model::{Cidr, Protocol, ServiceName, ServicePortName},
+    model::{Cidr, IpFamily, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan, Scope},
 };
 
@@ -45,21 +46,21 @@ use crate::{
 pub enum MapOp {
     PutBackend {
         id: u32,
-        backend: Backend,
+        backend: BackendEntry,
     },
     /// Also the frontend's [`FrontendInfo`], which alone may change later.
     PutRevNat {
         frontend: Frontend,
         id: u32,
-        value: RevNat,
+        value: RevNatEntry,
         info: FrontendInfo,
     },
     PutService {
-        key: ServiceKey,
+        key: SlotKey,
         value: ServiceValue,
     },
     DeleteService {
-        key: ServiceKey,
+        key: SlotKey,
     },
     DeleteRevNat {
         frontend: Frontend,
@@ -77,6 +78,7 @@ pub enum MapOp {
     },
     DeleteBackend {
         id: u32,
+        family: IpFamily,
     },
 }
 
@@ -109,19 +111,19 @@ pub fn apply_each<W: MapWriter + ?Sized>(
 /// (service slots and backends: nearly every write of a large sync).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BatchKind {
-    PutService,
-    DeleteService,
-    PutBackend,
-    DeleteBackend,
+    PutService(IpFamily),
+    DeleteService(IpFamily),
+    PutBackend(IpFamily),
+    DeleteBackend(IpFamily),
 }
 
 impl MapOp {
     pub fn batch_kind(&self) -> Option<BatchKind> {
         match self {
-            MapOp::PutService { .. } => Some(BatchKind::PutService),
-            MapOp::DeleteService { .. } => Some(BatchKind::DeleteService),
-            MapOp::PutBackend { .. } => Some(BatchKind::PutBackend),
-            MapOp::DeleteBackend { .. } => Some(BatchKind::DeleteBackend),
+            MapOp::PutService { key, .. } => Some(BatchKind::PutService(key.family())),
+            MapOp::DeleteService { key } => Some(BatchKind::DeleteService(key.family())),
+            MapOp::PutBackend { backend, .. } => Some(BatchKind::PutBackend(backend.family())),
+            MapOp::DeleteBackend { family, .. } => Some(BatchKind::DeleteBackend(*family)),
             _ => None,
         }
     }
@@ -132,11 +134,22 @@ impl MapOp {
         fn one<T: aya::Pod>(value: &T) -> &[u8] {
             batch::bytes_of(std::slice::from_ref(value))
         }
+        fn key(key: &SlotKey) -> &[u8] {
+            match key {
+                SlotKey::V4(key) => one(key),
+                SlotKey::V6(key) => one(key),
+            }
+        }
         match self {
-            MapOp::PutService { key, value } => Some((one(key), Some(one(value)))),
-            MapOp::DeleteService { key } => Some((one(key), None)),
-            MapOp::PutBackend { id, backend } => Some((one(id), Some(one(backend)))),
-            MapOp::DeleteBackend { id } => Some((one(id), None)),
+            MapOp::PutService { key: k, value } => Some((key(k), Some(one(value)))),
+            MapOp::DeleteService { key: k } => Some((key(k), None)),
+            MapOp::PutBackend { id, backend: BackendEntry::V4(backend) } => {
+                Some((one(id), Some(one(backend))))
+            }
+            MapOp::PutBackend { id, backend: BackendEntry::V6(backend) } => {
+                Some((one(id), Some(one(backend))))
+            }
+            MapOp::DeleteBackend { id, .. } => Some((one(id), None)),
             _ => None,
         }
     }
@@ -193,8 +206,8 @@ static NOT_INSTALLED: InstalledFrontend = InstalledFrontend {
 /// What the maps hold, as far as the agent wrote them.
 #[derive(Debug, Default)]
 pub struct SyncState {
-    backends: BTreeMap<Backend, u32>,
-    backend_by_id: BTreeMap<u32, Backend>,
+    backends: BTreeMap<BackendEntry, u32>,
+    backend_by_id: BTreeMap<u32, BackendEntry>,
     /// How many installed slots name each backend id (absent: none).
     refs: BTreeMap<u32, u32>,
     /// Installed backends no slot names (left by a failed sync, or whose
@@ -229,7 +242,7 @@ struct ReservedIds {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Released {
     /// With the ids the previous agent gave them.
-    pub backends: Vec<(u32, Backend)>,
+    pub backends: Vec<(u32, BackendEntry)>,
     pub rev_nat_ids: Vec<u32>,
 }
 
@@ -270,22 +283,6 @@ fn kind_of(info: &FrontendInfo) -> FrontendKind {
         KIND_LOAD_BALANCER => FrontendKind::LoadBalancer,
         _ => FrontendKind::ClusterIp,
     }
-}
-
-fn proto(protocol: Protocol) -> u8 {
-    match protocol {
-        Protocol::Tcp => IPPROTO_TCP,
-        Protocol::Udp => IPPROTO_UDP,
-    }
-}
-
-pub fn service_key(frontend: &Frontend, slot: u16) -> ServiceKey {
-    let scope = match frontend.scope {
-        Scope::External => SCOPE_EXTERNAL,
-        Scope::Internal => SCOPE_INTERNAL,
-    };
-    ServiceKey::new(frontend.ip.octets(), frontend.port, proto(frontend.protocol), slot)
-        .with_scope(scope)
 }
 
 /// Ids are handed out round-robin, skipping those in use, so a freed id is
@@ -376,11 +373,7 @@ impl SyncState {
                 .slots
                 .values()
                 .filter_map(|id| self.backend_by_id.get(id))
-                .map(|b| BackendPlan {
-                    addr: SocketAddrV4::new(b.address.into(), b.port),
-                    local: b.flags.is_local(),
-                    host: b.flags.is_host(),
-                })
+                .map(BackendEntry::plan)
                 .collect();
             backends.sort();
             backends.dedup();
@@ -458,7 +451,7 @@ impl SyncState {
         let deleted: BTreeSet<u32> = ops
             .iter()
             .filter_map(|op| match op {
-                MapOp::DeleteBackend { id } => Some(*id),
+                MapOp::DeleteBackend { id, .. } => Some(*id),
                 _ => None,
             })
             .collect();
@@ -573,7 +566,7 @@ impl SyncState {
         let mut last_id = self.last_backend_id;
         for (frontend, fp) in &kept {
             for addr in &fp.backends {
-                let backend = backend(frontend, addr);
+                let backend = BackendEntry::new(frontend, addr);
                 if self.backends.contains_key(&backend) || new_ids.contains_key(&backend) {
                     continue;
                 }
@@ -589,7 +582,7 @@ impl SyncState {
             }
         }
         added.backends = new_ids.len();
-        let id_of = |backend: &Backend| self.backends.get(backend).or(new_ids.get(backend));
+        let id_of = |backend: &BackendEntry| self.backends.get(backend).or(new_ids.get(backend));
 
         // 2. Frontends to create or update.
         let mut last_rev = self.last_rev_nat_id;
@@ -597,7 +590,7 @@ impl SyncState {
         for (frontend, fp) in &kept {
             let installed = self.frontends.get(*frontend).unwrap_or(&NOT_INSTALLED);
             let info = frontend_info(fp);
-            let value = RevNat { address: frontend.ip.octets(), port: frontend.port, _pad: 0 };
+            let value = RevNatEntry::new(frontend);
             let rev_nat_id = if installed.rev_nat_id != 0 {
                 if installed.info != Some(info) {
                     // Another service's now, or another kind of address.
@@ -620,14 +613,17 @@ impl SyncState {
             let backend_ids: Vec<u32> = fp
                 .backends
                 .iter()
-                .map(|b| *id_of(&backend(frontend, b)).expect("every planned backend has an id"))
+                .map(|b| {
+                    *id_of(&BackendEntry::new(frontend, b))
+                        .expect("every planned backend has an id")
+                })
                 .collect();
             let slots = assign_slots(&installed.slots, &backend_ids);
             for (slot, id) in &slots {
                 let old = installed.slots.get(slot);
                 if old != Some(id) {
                     let value = ServiceValue { backend_id: *id, rev_nat_id, ..Default::default() };
-                    ops.push(MapOp::PutService { key: service_key(frontend, *slot), value });
+                    ops.push(MapOp::PutService { key: SlotKey::new(frontend, *slot), value });
                     *refs_delta.entry(*id).or_default() += 1;
                     match old {
                         Some(old) => *refs_delta.entry(*old).or_default() -= 1,
@@ -648,12 +644,12 @@ impl SyncState {
                 flags: flags(fp),
             };
             if installed.value != Some(value) {
-                ops.push(MapOp::PutService { key: service_key(frontend, 0), value });
+                ops.push(MapOp::PutService { key: SlotKey::new(frontend, 0), value });
                 added.services += usize::from(installed.value.is_none());
             }
             let beyond = installed.slots.iter().filter(|(s, _)| **s as usize > backend_ids.len());
             for (slot, id) in beyond {
-                ops.push(MapOp::DeleteService { key: service_key(frontend, *slot) });
+                ops.push(MapOp::DeleteService { key: SlotKey::new(frontend, *slot) });
                 *refs_delta.entry(*id).or_default() -= 1;
             }
             for cidr in installed.source_ranges.difference(&wanted) {
@@ -677,10 +673,10 @@ impl SyncState {
         // 3. Frontends that are gone: frontend slot first.
         for (frontend, installed) in &removed {
             if installed.value.is_some() {
-                ops.push(MapOp::DeleteService { key: service_key(frontend, 0) });
+                ops.push(MapOp::DeleteService { key: SlotKey::new(frontend, 0) });
             }
             for (slot, id) in &installed.slots {
-                ops.push(MapOp::DeleteService { key: service_key(frontend, *slot) });
+                ops.push(MapOp::DeleteService { key: SlotKey::new(frontend, *slot) });
                 *refs_delta.entry(*id).or_default() -= 1;
             }
             for cidr in &installed.source_ranges {
@@ -706,8 +702,10 @@ impl SyncState {
             let refs = i64::from(self.refs.get(&id).copied().unwrap_or(0))
                 + refs_delta.get(&id).copied().unwrap_or(0);
             debug_assert!(refs >= 0, "backend {id}: {refs} references");
-            if refs == 0 && self.backend_by_id.contains_key(&id) {
-                ops.push(MapOp::DeleteBackend { id });
+            if refs == 0
+                && let Some(backend) = self.backend_by_id.get(&id)
+            {
+                ops.push(MapOp::DeleteBackend { id, family: backend.family() });
             }
         }
         Changes { ops, purge, added, left }
@@ -748,7 +746,7 @@ impl SyncState {
                     self.unreferenced.insert(*id);
                 }
             }
-            MapOp::DeleteBackend { id } => {
+            MapOp::DeleteBackend { id, .. } => {
                 if let Some(backend) = self.backend_by_id.remove(id) {
                     self.backends.remove(&backend);
                 }
@@ -786,13 +784,13 @@ impl SyncState {
                 }
             }
             MapOp::PutService { key, value } => {
-                let entry = self.frontends.entry(frontend_of_key(key)).or_default();
-                if key.slot == 0 {
+                let entry = self.frontends.entry(key.frontend()).or_default();
+                if key.slot() == 0 {
                     if entry.value.replace(*value).is_none() {
                         self.service_entries += 1;
                     }
                 } else {
-                    let old = entry.slots.insert(key.slot, value.backend_id);
+                    let old = entry.slots.insert(key.slot(), value.backend_id);
                     self.add_ref(value.backend_id);
                     match old {
                         Some(old) => self.drop_ref(old),
@@ -801,12 +799,12 @@ impl SyncState {
                 }
             }
             MapOp::DeleteService { key } => {
-                let Some(entry) = self.frontends.get_mut(&frontend_of_key(key)) else { return };
-                if key.slot == 0 {
+                let Some(entry) = self.frontends.get_mut(&key.frontend()) else { return };
+                if key.slot() == 0 {
                     if entry.value.take().is_some() {
                         self.service_entries -= 1;
                     }
-                } else if let Some(old) = entry.slots.remove(&key.slot) {
+                } else if let Some(old) = entry.slots.remove(&key.slot()) {
                     self.service_entries -= 1;
                     self.drop_ref(old);
                 }
@@ -871,39 +869,31 @@ fn assign_slots(installed: &BTreeMap<u16, u32>, backend_ids: &[u32]) -> BTreeMap
     slots
 }
 
-pub(crate) fn frontend_of_key(key: &ServiceKey) -> Frontend {
-    let protocol = if key.proto == IPPROTO_UDP { Protocol::Udp } else { Protocol::Tcp };
-    let frontend = Frontend::new(key.address.into(), key.port, protocol);
-    if key.scope == SCOPE_INTERNAL { frontend.internal() } else { frontend }
-}
-
-fn backend(frontend: &Frontend, planned: &BackendPlan) -> Backend {
-    Backend {
-        address: planned.addr.ip().octets(),
-        port: planned.addr.port(),
-        proto: proto(frontend.protocol),
-        flags: BackendFlags::EMPTY.with_local(planned.local).with_host(planned.host),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::net::{Ipv4Addr, SocketAddrV4};
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+
+    use proxy_common::ServiceKey;
 
     use super::*;
     use crate::{
-        model::{ServiceName, ServicePortName},
+        model::{Protocol, ServiceName, ServicePortName},
         plan::{BackendPlan, FrontendKind, FrontendPlan},
     };
+
+    /// The same frontend's entry in another slot.
+    fn with_slot(key: &SlotKey, slot: u16) -> SlotKey {
+        SlotKey::new(&key.frontend(), slot)
+    }
 
     /// The maps in memory. After every write it checks what a BPF program
     /// relies on: a frontend's slots `1..=count` exist and name backends that
     /// exist, and every frontend has its reverse-NAT entry.
     #[derive(Default)]
     struct Maps {
-        services: BTreeMap<ServiceKey, ServiceValue>,
-        backends: BTreeMap<u32, Backend>,
-        rev_nat: BTreeMap<u32, RevNat>,
+        services: BTreeMap<SlotKey, ServiceValue>,
+        backends: BTreeMap<u32, BackendEntry>,
+        rev_nat: BTreeMap<u32, RevNatEntry>,
         source_ranges: BTreeSet<(u32, Cidr)>,
         writes: usize,
         fail_at: Option<usize>,
@@ -913,24 +903,24 @@ mod tests {
 
     impl Maps {
         fn check(&self) {
-            for (key, value) in self.services.iter().filter(|(k, _)| k.slot == 0) {
+            for (key, value) in self.services.iter().filter(|(k, _)| k.slot() == 0) {
                 assert!(self.rev_nat.contains_key(&value.rev_nat_id), "{key:?} without rev nat");
                 if value.flags.has_source_ranges() {
                     let rev = value.rev_nat_id;
                     assert!(self.source_ranges.iter().any(|(r, _)| *r == rev), "{key:?} ranges");
                 }
                 if value.flags.has_two_scopes() {
-                    let twin = key.with_scope(SCOPE_INTERNAL);
+                    let twin = SlotKey::new(&key.frontend().internal(), 0);
                     assert!(self.services.contains_key(&twin), "{key:?} without its twin");
                 }
                 for slot in 1..=value.count {
-                    let slot_value = self.services.get(&key.with_slot(slot));
+                    let slot_value = self.services.get(&with_slot(key, slot));
                     let slot_value =
                         slot_value.unwrap_or_else(|| panic!("{key:?} slot {slot} missing"));
                     assert!(self.backends.contains_key(&slot_value.backend_id), "dangling slot");
                 }
             }
-            for (key, value) in self.services.iter().filter(|(k, _)| k.slot != 0) {
+            for (key, value) in self.services.iter().filter(|(k, _)| k.slot() != 0) {
                 assert!(self.backends.contains_key(&value.backend_id), "{key:?} dangling");
             }
         }
@@ -945,7 +935,7 @@ mod tests {
             self.writes += 1;
             match op {
                 MapOp::PutBackend { id, backend } => drop(self.backends.insert(*id, *backend)),
-                MapOp::DeleteBackend { id } => drop(self.backends.remove(id)),
+                MapOp::DeleteBackend { id, .. } => drop(self.backends.remove(id)),
                 MapOp::PutRevNat { id, value, .. } => drop(self.rev_nat.insert(*id, *value)),
                 MapOp::DeleteRevNat { id, .. } => drop(self.rev_nat.remove(id)),
                 MapOp::PutService { key, value } => drop(self.services.insert(*key, *value)),
@@ -965,14 +955,14 @@ mod tests {
     }
 
     fn frontend(last: u8, protocol: Protocol) -> Frontend {
-        Frontend::new(Ipv4Addr::new(10, 96, 0, last), 53, protocol)
+        Frontend::new(Ipv4Addr::new(10, 96, 0, last).into(), 53, protocol)
     }
 
     fn plan(frontends: &[(Frontend, &[u8], Option<u32>)]) -> Plan {
         let mut plan = Plan::default();
         for (frontend, backends, affinity) in frontends {
             // Frontends on 10.96.0.2 are load-balancer IPs with a source range.
-            let ranges: Vec<Cidr> = (frontend.ip.octets()[3] == 2)
+            let ranges: Vec<Cidr> = (frontend.ip == Ipv4Addr::new(10, 96, 0, 2))
                 .then(|| Cidr::parse("192.168.0.0/16").unwrap())
                 .into_iter()
                 .collect();
@@ -987,7 +977,7 @@ mod tests {
                     backends: backends
                         .iter()
                         .map(|b| BackendPlan {
-                            addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, *b), 8080),
+                            addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, *b), 8080).into(),
                             local: *b % 2 == 0,
                             host: false,
                         })
@@ -1006,13 +996,13 @@ mod tests {
     }
 
     /// What a program would choose from, per frontend: the backend addresses.
-    fn view(maps: &Maps) -> BTreeMap<(ServiceKey, u16), Vec<[u8; 4]>> {
+    fn view(maps: &Maps) -> BTreeMap<(SlotKey, u16), Vec<IpAddr>> {
         maps.services
             .iter()
-            .filter(|(k, _)| k.slot == 0)
+            .filter(|(k, _)| k.slot() == 0)
             .map(|(k, v)| {
                 let backends = (1..=v.count)
-                    .map(|s| maps.backends[&maps.services[&k.with_slot(s)].backend_id].address)
+                    .map(|s| maps.backends[&maps.services[&with_slot(k, s)].backend_id].addr().ip())
                     .collect();
                 ((*k, v.count), backends)
             })
@@ -1023,18 +1013,24 @@ mod tests {
     fn keys_encode_as_the_programs_build_them_from_a_sockaddr() {
         // connect4 builds the key from user_ip4 (network order: wire bytes)
         // and ntohs(user_port); padding is zero.
-        let udp = Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Udp);
-        let key = service_key(&udp, 2);
+        let udp = Frontend::new(Ipv4Addr::new(10, 96, 0, 10).into(), 80, Protocol::Udp);
+        let v4 = |key: SlotKey| match key {
+            SlotKey::V4(key) => key,
+            SlotKey::V6(_) => panic!("an IPv4 frontend in the IPv6 map"),
+        };
+        let key: ServiceKey = v4(SlotKey::new(&udp, 2));
         // SAFETY: ServiceKey is repr(C) without implicit padding.
         let bytes: [u8; 12] = unsafe { std::mem::transmute(key) };
         assert_eq!(bytes, [10, 96, 0, 10, 80, 0, 2, 0, 17, 0, 0, 0]);
-        let bytes: [u8; 12] = unsafe { std::mem::transmute(service_key(&udp.internal(), 0)) };
+        let bytes: [u8; 12] = unsafe { std::mem::transmute(v4(SlotKey::new(&udp.internal(), 0))) };
         assert_eq!(bytes, [10, 96, 0, 10, 80, 0, 0, 0, 17, 1, 0, 0], "scope 1");
-        assert_eq!(frontend_of_key(&service_key(&udp.internal(), 3)), udp.internal());
-        let backend = backend(
-            &Frontend::new(Ipv4Addr::new(10, 96, 0, 10), 80, Protocol::Tcp),
+        assert_eq!(key.scope, 0);
+        assert_eq!(SlotKey::new(&udp.internal(), 3).frontend(), udp.internal());
+        let backend = BackendEntry::new(
+            &Frontend::new(Ipv4Addr::new(10, 96, 0, 10).into(), 80, Protocol::Tcp),
             &BackendPlan { addr: "10.244.1.2:8080".parse().unwrap(), local: true, host: false },
         );
+        let BackendEntry::V4(backend) = backend else { panic!("an IPv4 backend") };
         let bytes: [u8; 8] = unsafe { std::mem::transmute(backend) };
         assert_eq!(bytes, [10, 244, 1, 2, 0x90, 0x1f, 6, 1], "flags: local");
     }
@@ -1056,10 +1052,11 @@ mod tests {
             state.sync(step, None, &mut maps).unwrap();
             assert_eq!(view(&maps).len(), step.frontends.len());
             for (f, fp) in &step.frontends {
-                let key = service_key(f, 0);
+                let key = SlotKey::new(f, 0);
                 let value = maps.services[&key];
                 assert_eq!(value.count as usize, fp.backends.len());
-                let slots = maps.services.keys().filter(|k| k.slot != 0 && k.with_slot(0) == key);
+                let slots =
+                    maps.services.keys().filter(|k| k.slot() != 0 && with_slot(k, 0) == key);
                 assert_eq!(slots.count(), fp.backends.len(), "no stale slots");
             }
             let used: BTreeSet<u32> = maps.services.values().map(|v| v.backend_id).collect();
@@ -1069,6 +1066,72 @@ mod tests {
         }
         assert!(maps.services.is_empty() && maps.backends.is_empty() && maps.rev_nat.is_empty());
         assert!(maps.source_ranges.is_empty());
+    }
+
+    /// `v4`'s plan with an IPv6 twin of each frontend: the same backends
+    /// in `fd00:244::/64`.
+    fn dual_stack(v4: Plan) -> Plan {
+        let mut plan = v4.clone();
+        for (frontend, fp) in v4.frontends {
+            let ip = match frontend.ip {
+                IpAddr::V4(ip) => ip.to_ipv6_mapped().octets(),
+                IpAddr::V6(ip) => ip.octets(),
+            };
+            let six = |mut octets: [u8; 16]| {
+                octets[..4].copy_from_slice(&[0xfd, 0, 0, 0x96]);
+                IpAddr::from(octets)
+            };
+            let twin = Frontend { ip: six(ip), ..frontend };
+            let backends = fp.backends.iter().map(|b| {
+                let ip = match b.addr.ip() {
+                    IpAddr::V4(ip) => ip.to_ipv6_mapped().octets(),
+                    IpAddr::V6(ip) => ip.octets(),
+                };
+                BackendPlan { addr: SocketAddr::new(six(ip), b.addr.port()), ..*b }
+            });
+            let backends = backends.collect();
+            plan.frontends.insert(twin, FrontendPlan { backends, source_ranges: vec![], ..fp });
+        }
+        plan
+    }
+
+    #[test]
+    fn each_family_has_its_own_maps_and_both_share_the_id_spaces() {
+        let (tcp, udp) = (frontend(1, Protocol::Tcp), frontend(3, Protocol::Udp));
+        let both = dual_stack(plan(&[(tcp, &[2, 3], None), (udp, &[3, 4], Some(10))]));
+        let mut maps = Maps::default();
+        let mut state = SyncState::default();
+        state.sync(&both, None, &mut maps).unwrap();
+        state.assert_consistent();
+        let families = |keys: Vec<IpFamily>| {
+            [IpFamily::V4, IpFamily::V6].map(|f| keys.iter().filter(|k| **k == f).count())
+        };
+        let slots = families(maps.services.keys().map(SlotKey::family).collect());
+        assert_eq!(slots, [6, 6], "two frontends and four slots in each family's map");
+        let backends = families(maps.backends.values().map(BackendEntry::family).collect());
+        assert_eq!(backends, [4, 4], "a backend per address and protocol: {:?}", maps.backends);
+        assert_eq!(maps.rev_nat.len(), 4, "one reverse-NAT id space");
+        let v6_rev_nat = maps.rev_nat.values().filter(|r| matches!(r, RevNatEntry::V6(_)));
+        assert_eq!(v6_rev_nat.count(), 2);
+        for (frontend, fp) in &both.frontends {
+            let key = SlotKey::new(frontend, 0);
+            assert_eq!(key.family(), frontend.family());
+            assert_eq!(maps.services[&key].count as usize, fp.backends.len());
+        }
+        // The IPv6 half goes; the IPv4 one stays as it was.
+        let v4 = plan(&[(tcp, &[2, 3], None), (udp, &[3, 4], Some(10))]);
+        let before: Vec<_> = maps
+            .services
+            .iter()
+            .filter(|(k, _)| k.family() == IpFamily::V4)
+            .map(|(k, v)| (*k, *v))
+            .collect();
+        state.sync(&v4, None, &mut maps).unwrap();
+        state.assert_consistent();
+        let after: Vec<_> = maps.services.iter().map(|(k, v)| (*k, *v)).collect();
+        assert_eq!(after, before);
+        assert!(maps.backends.values().all(|b| b.family() == IpFamily::V4));
+        assert_eq!(maps.rev_nat.len(), 2);
     }
 
     #[test]
@@ -1123,7 +1186,8 @@ mod tests {
             state.sync(&target, None, &mut maps).unwrap();
             let (_, mut backends) = view(&maps).into_iter().next().unwrap();
             backends.sort();
-            assert_eq!(backends, vec![[10, 244, 0, 2], [10, 244, 0, 3], [10, 244, 0, 6]]);
+            let pods = [2, 3, 6].map(|p| IpAddr::from([10, 244, 0, p]));
+            assert_eq!(backends, pods);
             assert_eq!(maps.backends.len(), 3);
             assert_eq!(maps.rev_nat.len(), 1);
             // The cleanup owed for backend 7 survives the failure.
@@ -1204,8 +1268,8 @@ mod tests {
             frontends: old
                 .services
                 .iter()
-                .filter(|(k, _)| k.slot == 0)
-                .map(|(k, v)| (frontend_of_key(k), v.rev_nat_id))
+                .filter(|(k, _)| k.slot() == 0)
+                .map(|(k, v)| (k.frontend(), v.rev_nat_id))
                 .collect(),
             backends: old.backends.iter().map(|(id, b)| (*b, *id)).collect(),
         };
@@ -1217,7 +1281,7 @@ mod tests {
         let mut new = Maps::default();
         let now = plan(&[(frontend(4, tcp), &[4], None), (frontend(1, tcp), &[4, 2, 1], Some(30))]);
         after.sync(&now, None, &mut new).unwrap();
-        let rev_of = |maps: &Maps, f: &Frontend| maps.services[&service_key(f, 0)].rev_nat_id;
+        let rev_of = |maps: &Maps, f: &Frontend| maps.services[&SlotKey::new(f, 0)].rev_nat_id;
         assert_eq!(rev_of(&new, &frontend(1, tcp)), rev_of(&old, &frontend(1, tcp)));
         for (backend, id) in &reserved.backends {
             if new.backends.values().any(|b| b == backend) {
@@ -1229,11 +1293,19 @@ mod tests {
             !reserved.frontends.values().any(|id| *id == new_rev),
             "no reserved id is handed out"
         );
-        let new_backend = new.backends.iter().find(|(_, b)| b.address == [10, 244, 0, 4]).unwrap();
+        let new_backend = new
+            .backends
+            .iter()
+            .find(|(_, b)| b.addr().ip() == Ipv4Addr::new(10, 244, 0, 4))
+            .unwrap();
         assert!(!reserved.backends.values().any(|id| id == new_backend.0));
 
         let released = after.release_reserved();
-        let udp_backend = reserved.backends.keys().find(|b| b.address == [10, 244, 0, 3]).unwrap();
+        let udp_backend = reserved
+            .backends
+            .keys()
+            .find(|b| b.addr().ip() == Ipv4Addr::new(10, 244, 0, 3))
+            .unwrap();
         let udp_id = reserved.backends[udp_backend];
         assert_eq!(released.backends, vec![(udp_id, *udp_backend)], "its flows are stale");
         assert_eq!(released.rev_nat_ids, vec![reserved.frontends[&frontend(3, udp)]]);
@@ -1255,7 +1327,7 @@ mod tests {
     fn plans_that_do_not_fit_are_refused_before_any_write() {
         let mut big = Plan::default();
         for i in 0..101 {
-            let frontend = Frontend::new(Ipv4Addr::from(0x0a60_0000 + i), 80, Protocol::Tcp);
+            let frontend = Frontend::new(Ipv4Addr::from(0x0a60_0000 + i).into(), 80, Protocol::Tcp);
             big.frontends.insert(
                 frontend,
                 FrontendPlan {
@@ -1295,7 +1367,7 @@ mod tests {
         let plan = |prefix: &str, base: u32| {
             let mut plan = Plan::default();
             for i in 0..4 {
-                let frontend = Frontend::new(Ipv4Addr::from(base + i), 80, Protocol::Tcp);
+                let frontend = Frontend::new(Ipv4Addr::from(base + i).into(), 80, Protocol::Tcp);
                 let mut fp = frontend_plan(vec![endpoint(base as u8 + i as u8)], None, vec![]);
                 fp.service.service.name = format!("{prefix}{i}");
                 plan.frontends.insert(frontend, fp);
@@ -1321,8 +1393,8 @@ mod tests {
     /// frontend its flags, affinity, backends, reverse-NAT entry and source
     /// ranges; the backends map; every map's size (no stale entries).
     type Content = (
-        BTreeMap<ServiceKey, (u16, ServiceFlags, u32, Vec<Backend>, [u8; 4], u16, Vec<Cidr>)>,
-        Vec<Backend>,
+        BTreeMap<SlotKey, (u16, ServiceFlags, u32, Vec<BackendEntry>, RevNatEntry, Vec<Cidr>)>,
+        Vec<BackendEntry>,
         [usize; 4],
     );
 
@@ -1330,20 +1402,20 @@ mod tests {
         let frontends = maps
             .services
             .iter()
-            .filter(|(k, _)| k.slot == 0)
+            .filter(|(k, _)| k.slot() == 0)
             .map(|(k, v)| {
-                let mut backends: Vec<Backend> = (1..=v.count)
-                    .map(|s| maps.backends[&maps.services[&k.with_slot(s)].backend_id])
+                let mut backends: Vec<BackendEntry> = (1..=v.count)
+                    .map(|s| maps.backends[&maps.services[&with_slot(k, s)].backend_id])
                     .collect();
                 backends.sort();
                 let rev = maps.rev_nat[&v.rev_nat_id];
                 let ranges = maps.source_ranges.iter().filter(|(r, _)| *r == v.rev_nat_id);
                 let ranges = ranges.map(|(_, c)| *c).collect();
                 let value = (v.count, v.flags, v.affinity_timeout_secs, backends);
-                (*k, (value.0, value.1, value.2, value.3, rev.address, rev.port, ranges))
+                (*k, (value.0, value.1, value.2, value.3, rev, ranges))
             })
             .collect();
-        let mut backends: Vec<Backend> = maps.backends.values().copied().collect();
+        let mut backends: Vec<BackendEntry> = maps.backends.values().copied().collect();
         backends.sort();
         let sizes = [
             maps.services.len(),
@@ -1399,9 +1471,9 @@ mod tests {
     }
 
     fn svc_frontends(s: u8) -> [Frontend; 4] {
-        let cluster = Ipv4Addr::new(10, 96, 1, s);
+        let cluster = Ipv4Addr::new(10, 96, 1, s).into();
         let node_port =
-            Frontend::new(Ipv4Addr::new(192, 168, 1, 1), 30000 + s as u16, Protocol::Tcp);
+            Frontend::new(Ipv4Addr::new(192, 168, 1, 1).into(), 30000 + s as u16, Protocol::Tcp);
         [
             Frontend::new(cluster, 80, Protocol::Tcp),
             node_port,
@@ -1412,7 +1484,7 @@ mod tests {
 
     fn endpoint(e: u8) -> BackendPlan {
         BackendPlan {
-            addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, e), 8080),
+            addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, e), 8080).into(),
             local: e.is_multiple_of(3),
             host: e.is_multiple_of(5),
         }
@@ -1577,7 +1649,7 @@ mod tests {
             assert_counts(&state, &maps);
             assert_eq!(content(&maps), fresh(&plan), "step {step}");
             for (f, fp) in &plan.frontends {
-                assert_eq!(maps.services[&service_key(f, 0)].count as usize, fp.backends.len());
+                assert_eq!(maps.services[&SlotKey::new(f, 0)].count as usize, fp.backends.len());
             }
             assert_eq!(state.sync(&plan, None, &mut maps).unwrap().writes, 0, "step {step}");
             state.take_affinity_purge();
@@ -1632,7 +1704,7 @@ mod tests {
         // both naming the address.
         let mut maps = Maps::default();
         SyncState::default().sync(&local_policy, None, &mut maps).unwrap();
-        let [outer, inner] = [nodeport, twin].map(|f| maps.services[&service_key(&f, 0)]);
+        let [outer, inner] = [nodeport, twin].map(|f| maps.services[&SlotKey::new(&f, 0)]);
         assert!(outer.flags.has_two_scopes() && !inner.flags.has_two_scopes());
         assert_ne!(outer.rev_nat_id, inner.rev_nat_id);
         assert_eq!(maps.rev_nat[&outer.rev_nat_id], maps.rev_nat[&inner.rev_nat_id]);
@@ -1688,17 +1760,17 @@ mod tests {
     fn one_frontend_of_ten_thousand_costs_its_own_writes_and_shared_backends_stay() {
         // 5,000 services, each a ClusterIP and a NodePort on the same 3 endpoints.
         let frontends = |s: u32| {
-            let cluster = Ipv4Addr::from(0x0a60_0000 + s);
+            let cluster = Ipv4Addr::from(0x0a60_0000 + s).into();
             [
                 Frontend::new(cluster, 80, Protocol::Tcp),
-                Frontend::new(Ipv4Addr::new(192, 168, 1, 1), 1000 + s as u16, Protocol::Tcp),
+                Frontend::new(Ipv4Addr::new(192, 168, 1, 1).into(), 1000 + s as u16, Protocol::Tcp),
             ]
         };
         let endpoints = |s: u32, extra: &[u32]| -> Vec<BackendPlan> {
             (0..3)
                 .chain(extra.iter().copied())
                 .map(|i| BackendPlan {
-                    addr: SocketAddrV4::new(Ipv4Addr::from(0x0af4_0000 + s * 16 + i), 8080),
+                    addr: SocketAddrV4::new(Ipv4Addr::from(0x0af4_0000 + s * 16 + i), 8080).into(),
                     local: false,
                     host: false,
                 })
