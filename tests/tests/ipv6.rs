@@ -39,6 +39,7 @@ both_modes!(
     a_dual_stack_service_reaches_each_familys_endpoints_on_each_cluster_ip,
     ipv6_services_without_endpoints_refuse_pods,
     ipv6_udp_flows_move_off_a_removed_endpoint,
+    ipv6_connected_udp_sockets_move_off_a_removed_endpoint,
     an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains,
 );
 
@@ -269,11 +270,22 @@ fn ipv6_node_ports_without_endpoints_refuse(setup: Setup) {
 /// Scenario 4: a UDP flow to an IPv6 cluster IP stays on one endpoint, and
 /// leaves it within a second of its removal (no stale flow).
 fn ipv6_udp_flows_move_off_a_removed_endpoint(setup: Setup) {
+    udp_moves_off_a_removed_endpoint(setup, &[])
+}
+
+/// The same from a connected socket: the eBPF mode ends the socket the
+/// socket LB connected to the pod (the client connects again), the iptables
+/// mode deletes the flow's conntrack entry.
+fn ipv6_connected_udp_sockets_move_off_a_removed_endpoint(setup: Setup) {
+    udp_moves_off_a_removed_endpoint(setup, &["--connect", "--reconnect"])
+}
+
+fn udp_moves_off_a_removed_endpoint(setup: Setup, socket: &[&str]) {
     let web = || web_ports(ipv6_only("web", "fd00:96::10"));
     let mut c = dual_lab(setup, &over(web(), "web", &[], &["a", "b", "c"]));
     let vip = at("fd00:96::10", 53);
-    let mut client =
-        c.lab.spawn_client(&c.client, &["udp", &vip, "30", "--interval-ms", "100"]).unwrap();
+    let args = [&["udp", &vip, "30", "--interval-ms", "100"], socket].concat();
+    let mut client = c.lab.spawn_client(&c.client, &args).unwrap();
     let mut lines = BufReader::new(client.stdout.take().unwrap()).lines();
     let mut next = || Attempt::parse(&lines.next().unwrap().unwrap()).unwrap();
     let first = next();

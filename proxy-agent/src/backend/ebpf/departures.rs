@@ -11,7 +11,7 @@
 
 use std::collections::BTreeSet;
 
-use proxy_common::SockEndKey;
+use proxy_common::{SockEndKey, v4_mapped};
 
 use super::entries::BackendEntry;
 
@@ -23,22 +23,17 @@ pub const EVERY_FRONTEND: u32 = 0;
 pub struct Departures {
     /// (reverse-NAT id or [`EVERY_FRONTEND`], backend id).
     by_id: BTreeSet<(u32, u32)>,
-    /// The same departures of IPv4 backends by the backend's address, as
-    /// per-packet flows and the socket iterators name it.
+    /// The same departures by the backend's address (IPv4 ones
+    /// v4-mapped), as flows and the socket iterators name it.
     by_address: BTreeSet<SockEndKey>,
 }
 
-fn key(rev_nat_id: u32, backend: &BackendEntry) -> Option<SockEndKey> {
-    match backend {
-        BackendEntry::V4(b) => Some(SockEndKey {
-            address: b.address,
-            port: b.port,
-            proto: b.proto,
-            _pad: 0,
-            rev_nat_id,
-        }),
-        BackendEntry::V6(_) => None,
-    }
+fn key(rev_nat_id: u32, backend: &BackendEntry) -> SockEndKey {
+    let (address, port, proto) = match backend {
+        BackendEntry::V4(b) => (v4_mapped(b.address), b.port, b.proto),
+        BackendEntry::V6(b) => (b.address, b.port, b.proto),
+    };
+    SockEndKey { address, port, proto, _pad: 0, rev_nat_id }
 }
 
 impl Departures {
@@ -55,7 +50,7 @@ impl Departures {
     /// [`EVERY_FRONTEND`], every frontend).
     pub fn add(&mut self, rev_nat_id: u32, id: u32, backend: &BackendEntry) {
         self.by_id.insert((rev_nat_id, id));
-        self.by_address.extend(key(rev_nat_id, backend));
+        self.by_address.insert(key(rev_nat_id, backend));
     }
 
     /// These and `more`'s.
@@ -80,8 +75,9 @@ impl Departures {
             || self.by_id.contains(&(rev_nat_id, backend_id))
     }
 
-    /// The same, for a flow that names its backend by address.
+    /// The same, for an IPv4 flow that names its backend by address.
     pub fn ends_flow_to(&self, rev_nat_id: u32, proto: u8, address: [u8; 4], port: u16) -> bool {
+        let address = v4_mapped(address);
         let mut key = SockEndKey { address, port, proto, _pad: 0, rev_nat_id: EVERY_FRONTEND };
         self.by_address.contains(&key) || {
             key.rev_nat_id = rev_nat_id;
@@ -132,11 +128,28 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_backends_are_named_by_their_own_address_ipv4_ones_v4_mapped() {
+        let v6 = BackendEntry::V6(proxy_common::Backend6 {
+            address: [0xfd, 0, 0, 0, 2, 0x44, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2],
+            port: 53,
+            proto: IPPROTO_UDP,
+            flags: BackendFlags::default(),
+        });
+        let mut departures = Departures::gone([(3, v6)]);
+        departures.add(7, 1, &backend(1, IPPROTO_UDP));
+        let addresses: Vec<[u8; 16]> =
+            departures.socket_keys(&[IPPROTO_UDP]).iter().map(|k| k.address).collect();
+        let mapped = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 244, 0, 1];
+        assert_eq!(addresses, [mapped, [0xfd, 0, 0, 0, 2, 0x44, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2]]);
+        assert!(departures.ends(9, 3), "gone from every frontend");
+    }
+
+    #[test]
     fn socket_keys_are_filtered_by_protocol() {
         let mut departures = Departures::gone([(2, backend(2, IPPROTO_TCP))]);
         departures.add(7, 1, &backend(1, IPPROTO_UDP));
         let udp = departures.socket_keys(&[IPPROTO_UDP]);
-        assert_eq!(udp, Vec::from_iter(key(7, &backend(1, IPPROTO_UDP))));
+        assert_eq!(udp, vec![key(7, &backend(1, IPPROTO_UDP))]);
         assert_eq!(departures.socket_keys(&[IPPROTO_UDP, IPPROTO_TCP]).len(), 2);
         assert!(departures.has_proto(IPPROTO_TCP) && !Departures::default().has_proto(IPPROTO_UDP));
     }
