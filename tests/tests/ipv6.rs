@@ -65,6 +65,11 @@ struct DualLab {
 }
 
 fn dual_lab(setup: Setup, manifest: &str) -> DualLab {
+    dual_lab_with(setup, manifest, &[])
+}
+
+/// The same, the agent taking `args` too.
+fn dual_lab_with(setup: Setup, manifest: &str, args: &[&str]) -> DualLab {
     let mut lab = Lab::with(setup).unwrap();
     lab.dual_stack().unwrap();
     let mut pods = Vec::new();
@@ -77,7 +82,7 @@ fn dual_lab(setup: Setup, manifest: &str) -> DualLab {
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
     lab.write_manifest(manifest).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
-    lab.start_agent(&["--cluster-cidr", CLUSTER_CIDRS]).unwrap();
+    lab.start_agent(&[&["--cluster-cidr", CLUSTER_CIDRS], args].concat()).unwrap();
     DualLab { lab, pods, client, ext }
 }
 
@@ -270,19 +275,27 @@ fn ipv6_node_ports_without_endpoints_refuse(setup: Setup) {
 /// Scenario 4: a UDP flow to an IPv6 cluster IP stays on one endpoint, and
 /// leaves it within a second of its removal (no stale flow).
 fn ipv6_udp_flows_move_off_a_removed_endpoint(setup: Setup) {
-    udp_moves_off_a_removed_endpoint(setup, &[])
+    udp_moves_off_a_removed_endpoint(setup, &[], &[])
 }
 
 /// The same from a connected socket: the eBPF mode ends the socket the
 /// socket LB connected to the pod (the client connects again), the iptables
 /// mode deletes the flow's conntrack entry.
 fn ipv6_connected_udp_sockets_move_off_a_removed_endpoint(setup: Setup) {
-    udp_moves_off_a_removed_endpoint(setup, &["--connect", "--reconnect"])
+    udp_moves_off_a_removed_endpoint(setup, &["--connect", "--reconnect"], &[])
 }
 
-fn udp_moves_off_a_removed_endpoint(setup: Setup, socket: &[&str]) {
+/// The same with sock_diag ending the socket, the way kernels without
+/// `bpf_sock_destroy` (before 6.5) take.
+#[test]
+fn ebpf_sock_diag_ends_a_connected_ipv6_udp_socket_whose_pod_leaves() {
+    let sock_diag = ["--socket-destroy", "sock-diag"];
+    udp_moves_off_a_removed_endpoint(Setup::EBPF, &["--connect", "--reconnect"], &sock_diag)
+}
+
+fn udp_moves_off_a_removed_endpoint(setup: Setup, socket: &[&str], agent: &[&str]) {
     let web = || web_ports(ipv6_only("web", "fd00:96::10"));
-    let mut c = dual_lab(setup, &over(web(), "web", &[], &["a", "b", "c"]));
+    let mut c = dual_lab_with(setup, &over(web(), "web", &[], &["a", "b", "c"]), agent);
     let vip = at("fd00:96::10", 53);
     let args = [&["udp", &vip, "30", "--interval-ms", "100"], socket].concat();
     let mut client = c.lab.spawn_client(&c.client, &args).unwrap();

@@ -41,7 +41,7 @@ pub fn names_departed(key: &CtKey, entry: &CtEntry, departures: &Departures) -> 
     } else {
         (entry.daddr, entry.dport)
     };
-    departures.ends_flow_to(entry.rev_nat_id, key.proto, addr, port)
+    departures.ends_flow_to(entry.rev_nat_id, key.proto, addr.into(), port)
 }
 
 /// Entries of flows of departed (frontend, backend) pairs, and their pairs:

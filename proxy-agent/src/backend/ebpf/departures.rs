@@ -11,6 +11,8 @@
 
 use std::collections::BTreeSet;
 
+use std::net::IpAddr;
+
 use proxy_common::{SockEndKey, v4_mapped};
 
 use super::entries::BackendEntry;
@@ -75,9 +77,12 @@ impl Departures {
             || self.by_id.contains(&(rev_nat_id, backend_id))
     }
 
-    /// The same, for an IPv4 flow that names its backend by address.
-    pub fn ends_flow_to(&self, rev_nat_id: u32, proto: u8, address: [u8; 4], port: u16) -> bool {
-        let address = v4_mapped(address);
+    /// The same, for a flow or socket that names its backend by address.
+    pub fn ends_flow_to(&self, rev_nat_id: u32, proto: u8, address: IpAddr, port: u16) -> bool {
+        let address = match address {
+            IpAddr::V4(ip) => v4_mapped(ip.octets()),
+            IpAddr::V6(ip) => ip.octets(),
+        };
         let mut key = SockEndKey { address, port, proto, _pad: 0, rev_nat_id: EVERY_FRONTEND };
         self.by_address.contains(&key) || {
             key.rev_nat_id = rev_nat_id;
@@ -112,10 +117,10 @@ mod tests {
         departures.add(7, 1, &backend(1, IPPROTO_UDP));
         assert!(departures.ends(7, 1));
         assert!(!departures.ends(8, 1), "the backend still serves frontend 8");
-        assert!(departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1], 53));
-        assert!(!departures.ends_flow_to(8, IPPROTO_UDP, [10, 244, 0, 1], 53));
-        assert!(!departures.ends_flow_to(7, IPPROTO_TCP, [10, 244, 0, 1], 53));
-        assert!(!departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1], 54));
+        assert!(departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1].into(), 53));
+        assert!(!departures.ends_flow_to(8, IPPROTO_UDP, [10, 244, 0, 1].into(), 53));
+        assert!(!departures.ends_flow_to(7, IPPROTO_TCP, [10, 244, 0, 1].into(), 53));
+        assert!(!departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1].into(), 54));
     }
 
     #[test]
@@ -123,7 +128,7 @@ mod tests {
         let departures = Departures::gone([(2, backend(2, IPPROTO_UDP))]);
         assert!(departures.ends(7, 2) && departures.ends(8, 2));
         assert!(!departures.ends(7, 3));
-        assert!(departures.ends_flow_to(9, IPPROTO_UDP, [10, 244, 0, 2], 53));
+        assert!(departures.ends_flow_to(9, IPPROTO_UDP, [10, 244, 0, 2].into(), 53));
         assert_eq!(departures.len(), 1);
     }
 
