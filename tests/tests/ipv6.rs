@@ -41,6 +41,7 @@ both_modes!(
     ipv6_udp_flows_move_off_a_removed_endpoint,
     ipv6_connected_udp_sockets_move_off_a_removed_endpoint,
     an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains,
+    lb_and_ct_list_show_both_families,
 );
 
 iptables_modes!(
@@ -359,4 +360,40 @@ fn an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains(setup: Setup
     let failures =
         "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv6\"} 0";
     assert!(metrics.contains(failures), "{metrics}");
+}
+
+/// `proxy-agent lb list` and `ct list` read both families back (the IPv6
+/// maps, or `ip6tables-save` and `conntrack -f ipv6`), IPv6 addresses in
+/// brackets as sockets print them.
+fn lb_and_ct_list_show_both_families(setup: Setup) {
+    let web = web_ports(dual("web", "10.96.0.10", "fd00:96::10"));
+    let c = dual_lab(setup, &over(web, "web", &["a", "b"], &["c"]));
+    let json = c.lab.inspect_on(0, &["lb", "list", "-o", "json"]).unwrap();
+    let entries: Vec<serde_json::Value> = serde_json::from_str(&json).expect(&json);
+    let backends = |frontend: &str| -> BTreeSet<String> {
+        let entry = entries.iter().find(|e| e["frontend"] == frontend);
+        let entry = entry.unwrap_or_else(|| panic!("no {frontend}: {json}"));
+        assert_eq!(entry["kind"], "ClusterIP");
+        let list = entry["backends"].as_array().unwrap().iter();
+        list.map(|b| b["address"].as_str().unwrap().to_string()).collect()
+    };
+    let set = |items: &[&str]| items.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+    assert_eq!(backends("10.96.0.10:80/tcp"), set(&["10.244.1.2:8080", "10.244.1.3:8080"]));
+    assert_eq!(backends("[fd00:96::10]:80/tcp"), set(&["[fd00:244:1::4]:8080"]));
+    assert_eq!(backends("[fd00:96::10]:53/udp"), set(&["[fd00:244:1::4]:5353"]));
+
+    let dns = at("fd00:96::10", 53);
+    assert_eq!(answers(&c.lab.client(&c.client, &["udp", &dns, "3"]).unwrap()).len(), 3);
+    let flows = c.lab.inspect_on(0, &["ct", "list", "--backend", "fd00:244:1::4", "-o", "json"]);
+    let flows = flows.unwrap();
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&flows).expect(&flows);
+    assert!(!rows.is_empty(), "the UDP flow: {flows}");
+    for row in &rows {
+        assert_eq!(
+            (row["frontend"].as_str(), row["service"].as_str()),
+            (Some(dns.as_str()), Some("lab/web:dns")),
+            "{flows}"
+        );
+        assert_eq!(row["backend"], "[fd00:244:1::4]:5353", "{flows}");
+    }
 }
