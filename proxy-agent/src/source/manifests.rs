@@ -378,7 +378,7 @@ metadata: {name: ignored}
         assert!(errors.is_empty(), "{errors:?}");
         assert_eq!(format!("{json:?}"), format!("{yaml:?}"));
         assert_eq!(json.services.len(), 1);
-        let broken = parse(Path::new("x.json"), list[..list.len() - 1].as_bytes()).unwrap_err();
+        let broken = parse(Path::new("x.json"), &list.as_bytes()[..list.len() - 1]).unwrap_err();
         let error = ManifestError::Syntax { path: "x.json".into(), source: broken };
         assert_eq!(error.kind(), "json");
         assert!(error.to_string().starts_with("x.json: not valid JSON, keeping"), "{error}");
