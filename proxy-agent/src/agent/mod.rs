@@ -552,11 +552,6 @@ impl Agent {
         self.report.metrics.sync_duration.observe(took);
         match result {
             Ok(synced) => {
-                match synced.full {
-                    Some(true) => self.report.metrics.full_sync_duration.observe(took),
-                    Some(false) => self.report.metrics.partial_sync_duration.observe(took),
-                    None => {}
-                }
                 self.pacing.dirty = Some(BTreeSet::new());
                 self.synced(synced.backends);
             }

@@ -19,8 +19,6 @@ use crate::{
 /// What a successful sync did, for the metrics.
 #[derive(Debug, Default)]
 pub struct Synced {
-    /// iptables mode: whether it was a full sync.
-    pub full: Option<bool>,
     /// Distinct backends served.
     pub backends: usize,
 }

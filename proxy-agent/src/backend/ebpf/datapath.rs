@@ -460,7 +460,7 @@ impl Datapath for EbpfDatapath {
                 tracing::warn!(error = %e, "could not end sockets connected to removed endpoints")
             }
         }
-        Ok(Synced { full: None, backends })
+        Ok(Synced { backends })
     }
 
     /// Collects expired flows, less often as the map fills.

@@ -104,9 +104,9 @@ impl Datapath for IptablesDatapath {
         _dirty: Option<&BTreeSet<Frontend>>,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
-        let mut full = None;
         for backend in &mut self.backends {
             let family = backend.family();
+            let start = std::time::Instant::now();
             let report = backend.sync(model).inspect_err(|err| {
                 if let IptablesError::Restore { full, .. } = err {
                     let rules = metrics.rules(family);
@@ -116,12 +116,12 @@ impl Datapath for IptablesDatapath {
                     }
                 }
             })?;
+            metrics.rules(family).synced(start.elapsed(), report.full);
             report_sync(family, &report, metrics);
-            full.get_or_insert(report.full);
         }
         let backends: BTreeSet<_> =
             plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
-        Ok(Synced { full, backends: backends.len() })
+        Ok(Synced { backends: backends.len() })
     }
 
     /// Checks the canary chains of each family: a full resync is due when
