@@ -740,6 +740,7 @@ fn ipv6_node_port_flow_is_snated_and_translated_back_with_valid_checksums() {
 
     let again = run(&mut dp, &syn);
     assert_eq!(tuple6(&again.packet), tuple6(&out.packet), "the same flow");
+    assert_eq!(dp.collect_conntrack().unwrap(), (0, 2), "both directions in CONNTRACK6");
     // The frontend is IPv6 only: the IPv4 node address at that port is none.
     let v4 = run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30080), SYN));
     assert_eq!(v4.verdict, NEXT);

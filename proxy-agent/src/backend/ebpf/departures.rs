@@ -9,7 +9,7 @@
 //! ClusterIP stays): only that frontend's flows go. A backend no frontend
 //! names any more is gone: all its flows go.
 
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, net::IpAddr};
 
 use proxy_common::SockEndKey;
 
@@ -26,6 +26,9 @@ pub struct Departures {
     /// The same departures of IPv4 backends by the backend's address, as
     /// per-packet flows and the socket iterators name it.
     by_address: BTreeSet<SockEndKey>,
+    /// Those of IPv6 backends, as their per-packet flows name them:
+    /// (reverse-NAT id or [`EVERY_FRONTEND`], protocol, address, port).
+    by_address6: BTreeSet<(u32, u8, [u8; 16], u16)>,
 }
 
 fn key(rev_nat_id: u32, backend: &BackendEntry) -> Option<SockEndKey> {
@@ -56,12 +59,16 @@ impl Departures {
     pub fn add(&mut self, rev_nat_id: u32, id: u32, backend: &BackendEntry) {
         self.by_id.insert((rev_nat_id, id));
         self.by_address.extend(key(rev_nat_id, backend));
+        if let BackendEntry::V6(b) = backend {
+            self.by_address6.insert((rev_nat_id, b.proto, b.address, b.port));
+        }
     }
 
     /// These and `more`'s.
     pub fn merge(&mut self, more: Departures) {
         self.by_id.extend(more.by_id);
         self.by_address.extend(more.by_address);
+        self.by_address6.extend(more.by_address6);
     }
 
     pub fn is_empty(&self) -> bool {
@@ -81,17 +88,33 @@ impl Departures {
     }
 
     /// The same, for a flow that names its backend by address.
-    pub fn ends_flow_to(&self, rev_nat_id: u32, proto: u8, address: [u8; 4], port: u16) -> bool {
-        let mut key = SockEndKey { address, port, proto, _pad: 0, rev_nat_id: EVERY_FRONTEND };
-        self.by_address.contains(&key) || {
-            key.rev_nat_id = rev_nat_id;
-            self.by_address.contains(&key)
+    pub fn ends_flow_to(
+        &self,
+        rev_nat_id: u32,
+        proto: u8,
+        address: impl Into<IpAddr>,
+        port: u16,
+    ) -> bool {
+        match address.into() {
+            IpAddr::V4(address) => {
+                let address = address.octets();
+                let mut key =
+                    SockEndKey { address, port, proto, _pad: 0, rev_nat_id: EVERY_FRONTEND };
+                self.by_address.contains(&key) || {
+                    key.rev_nat_id = rev_nat_id;
+                    self.by_address.contains(&key)
+                }
+            }
+            IpAddr::V6(address) => [EVERY_FRONTEND, rev_nat_id]
+                .iter()
+                .any(|&id| self.by_address6.contains(&(id, proto, address.octets(), port))),
         }
     }
 
     /// Whether any departure is of a `proto` backend.
     pub fn has_proto(&self, proto: u8) -> bool {
         self.by_address.iter().any(|k| k.proto == proto)
+            || self.by_address6.iter().any(|&(_, p, _, _)| p == proto)
     }
 
     /// The departures of `protocols`, as the socket iterators read them.
@@ -129,6 +152,21 @@ mod tests {
         assert!(!departures.ends(7, 3));
         assert!(departures.ends_flow_to(9, IPPROTO_UDP, [10, 244, 0, 2], 53));
         assert_eq!(departures.len(), 1);
+    }
+
+    #[test]
+    fn ipv6_backends_end_their_flows_by_address() {
+        use proxy_common::Backend6;
+        let address = [0xfd, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
+        let flags = BackendFlags::default();
+        let b = BackendEntry::V6(Backend6 { address, port: 53, proto: IPPROTO_UDP, flags });
+        let mut departures = Departures::default();
+        departures.add(7, 1, &b);
+        assert!(departures.has_proto(IPPROTO_UDP));
+        assert!(departures.ends_flow_to(7, IPPROTO_UDP, address, 53));
+        assert!(!departures.ends_flow_to(8, IPPROTO_UDP, address, 53));
+        assert!(Departures::gone([(1, b)]).ends_flow_to(8, IPPROTO_UDP, address, 53));
+        assert!(departures.socket_keys(&[IPPROTO_UDP]).is_empty(), "no IPv4 socket key");
     }
 
     #[test]
