@@ -815,3 +815,41 @@ fn ipv6_packets_the_datapath_does_not_handle_pass_untouched() {
         assert_eq!(out.packet, p);
     }
 }
+
+#[test]
+fn ipv6_source_ranges_affinity_and_local_policy() {
+    let (lb, local) = (CLUSTER_IP6.map(|b| b ^ 0x01), CLUSTER_IP6.map(|b| b ^ 0x02));
+    let pod = |i: u8| {
+        let mut address = POD6;
+        address[15] = i;
+        (address, 8080)
+    };
+    let pods: Vec<Endpoint6> = (1..=8).map(pod).collect();
+    let mut sticky = frontend_plan(&pods, false, &[]);
+    sticky.affinity_timeout_secs = Some(100);
+    let mut empty_local = frontend_plan::<[u8; 16]>(&[], true, &[]);
+    (empty_local.local, empty_local.drop_when_empty) = (true, true);
+    let mut dp = datapath(vec![
+        (
+            frontend(lb, 80, Protocol::Tcp),
+            frontend_plan(&[(POD6, 8080)], true, &["2001:db8::100/120"]),
+        ),
+        (frontend(CLUSTER_IP6, 80, Protocol::Tcp), sticky),
+        (frontend(local, 80, Protocol::Tcp), empty_local),
+    ]);
+    let inside = run(&mut dp, &tcp6((CLIENT6, 40000), (lb, 80), SYN));
+    assert_eq!(tuple6(&inside.packet).1, (POD6, 8080));
+    let mut stranger = CLIENT6;
+    stranger[13] = 1;
+    assert_eq!(run(&mut dp, &tcp6((stranger, 40000), (lb, 80), SYN)).verdict, SHOT);
+
+    // Every connection of one client to the same pod (AFFINITY6).
+    let first = tuple6(&run(&mut dp, &tcp6((CLIENT6, 41000), (CLUSTER_IP6, 80), SYN)).packet).1;
+    for port in 41001..41010 {
+        let next = run(&mut dp, &tcp6((CLIENT6, port), (CLUSTER_IP6, 80), SYN));
+        assert_eq!(tuple6(&next.packet).1, first, "affinity");
+    }
+
+    // Policy Local without a local endpoint: dropped, not refused.
+    assert_eq!(run(&mut dp, &tcp6((CLIENT6, 40000), (local, 80), SYN)).verdict, SHOT);
+}
