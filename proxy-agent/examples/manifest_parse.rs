@@ -1,6 +1,8 @@
 //! Time and peak memory of parsing one large manifest file, as the
 //! manifests source does: `manifest_parse generate FILE N` writes N
-//! ClusterIP Services and an EndpointSlice of 2 endpoints for each;
+//! ClusterIP Services and an EndpointSlice of 2 endpoints for each (YAML
+//! documents, or for `*.json` one `kind: List` as `kubectl get -o json`
+//! writes it);
 //! `manifest_parse parse FILE` reads it (twice: new bytes are taken once two
 //! reads agree), parses it, and prints the parse's wall time and the
 //! process's peak RSS. Run it in release (docs/benchmarks.md).
@@ -10,9 +12,22 @@ use std::{fmt::Write as _, time::Instant};
 use proxy_agent::source::manifests::Manifests;
 
 fn generate(path: &str, services: u32) -> std::io::Result<()> {
-    let mut out = String::new();
+    let json = path.ends_with(".json");
+    let mut out = String::from(if json { "{\"apiVersion\": \"v1\", \"items\": [\n" } else { "" });
     for i in 0..services {
         let (hi, lo) = (i / 250 % 250, i % 250 + 1);
+        if json {
+            let comma = if i + 1 < services { "," } else { "" };
+            let _ = write!(
+                out,
+                "{{\"apiVersion\": \"v1\", \"kind\": \"Service\", \"metadata\": {{\"name\": \"svc-{i}\", \"namespace\": \"bench\"}}, \
+                 \"spec\": {{\"type\": \"ClusterIP\", \"clusterIP\": \"10.96.{hi}.{lo}\", \"ports\": [{{\"name\": \"http\", \"port\": 80, \"protocol\": \"TCP\", \"targetPort\": 8080}}]}}}},\n\
+                 {{\"apiVersion\": \"discovery.k8s.io/v1\", \"kind\": \"EndpointSlice\", \"metadata\": {{\"name\": \"svc-{i}-1\", \"namespace\": \"bench\", \"labels\": {{\"kubernetes.io/service-name\": \"svc-{i}\"}}}}, \
+                 \"addressType\": \"IPv4\", \"ports\": [{{\"name\": \"http\", \"port\": 8080, \"protocol\": \"TCP\"}}], \
+                 \"endpoints\": [{{\"addresses\": [\"10.244.{hi}.{lo}\"], \"conditions\": {{\"ready\": true}}}}, {{\"addresses\": [\"10.245.{hi}.{lo}\"], \"conditions\": {{\"ready\": true}}}}]}}{comma}\n"
+            );
+            continue;
+        }
         let _ = write!(
             out,
             "---\napiVersion: v1\nkind: Service\nmetadata:\n  name: svc-{i}\n  namespace: bench\n\
@@ -24,6 +39,9 @@ fn generate(path: &str, services: u32) -> std::io::Result<()> {
              - addresses: [10.244.{hi}.{lo}]\n  conditions: {{ready: true}}\n\
              - addresses: [10.245.{hi}.{lo}]\n  conditions: {{ready: true}}\n"
         );
+    }
+    if json {
+        out.push_str("], \"kind\": \"List\", \"metadata\": {}}\n");
     }
     std::fs::write(path, out)
 }

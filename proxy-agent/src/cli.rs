@@ -2,7 +2,7 @@
 //! concept exists).
 
 use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     time::Duration,
 };
@@ -89,7 +89,7 @@ pub struct CtListArgs {
     pub service: Option<String>,
     /// Only flows to this backend address
     #[arg(long, value_name = "IP")]
-    pub backend: Option<Ipv4Addr>,
+    pub backend: Option<IpAddr>,
 }
 
 #[derive(Subcommand)]

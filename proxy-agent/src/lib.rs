@@ -13,6 +13,7 @@ pub mod fit;
 pub mod health;
 pub mod http;
 pub mod inspect;
+pub mod json;
 pub mod link_events;
 pub mod metrics;
 pub mod model;

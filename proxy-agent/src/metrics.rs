@@ -144,8 +144,6 @@ pub struct Metrics {
     last_sync: AtomicU64,
     last_queued: AtomicU64,
     pub sync_duration: Histogram,
-    pub full_sync_duration: Histogram,
-    pub partial_sync_duration: Histogram,
     pub network_programming: Histogram,
     pub service_changes: AtomicU64,
     pub service_changes_pending: AtomicU64,
@@ -204,8 +202,6 @@ impl Metrics {
             last_sync: AtomicU64::new(0),
             last_queued: AtomicU64::new(0),
             sync_duration: Histogram::sync_latency(),
-            full_sync_duration: Histogram::sync_latency(),
-            partial_sync_duration: Histogram::sync_latency(),
             network_programming: Histogram::programming_latency(),
             service_changes: AtomicU64::new(0),
             service_changes_pending: AtomicU64::new(0),
@@ -304,16 +300,20 @@ impl Metrics {
 
     /// kube-proxy's metrics that carry `ip_family` (a constant label of
     /// their sub-registry, written first as kube-proxy does). One sync
-    /// programs every family: its duration, timestamps and programming
-    /// latency are each family's; the rules' figures are the family's own.
+    /// programs every family: its timestamps and programming latency are
+    /// each family's; in iptables mode each family's rules are timed and
+    /// counted apart (as kube-proxy's proxier per family), in eBPF mode the
+    /// one map sync is the IPv4 family's.
     fn encode_per_family(&self, family: IpFamily, mut out: Families) -> fmt::Result {
         if family == IpFamily::V6 && !self.ipv6_served.load(Relaxed) {
             return Ok(());
         }
+        let rules = self.rules(family);
+        let iptables = self.mode == "iptables";
         out.histogram(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "[ALPHA] SyncProxyRules latency in seconds",
-            &self.sync_duration,
+            if iptables { &rules.sync_duration } else { &self.sync_duration },
         )?;
         out.histogram(
             "kubeproxy_network_programming_duration_seconds",
@@ -351,14 +351,13 @@ impl Metrics {
         out.histogram(
             "kubeproxy_sync_full_proxy_rules_duration_seconds",
             "[ALPHA] SyncProxyRules latency in seconds for full resyncs",
-            &self.full_sync_duration,
+            &rules.full_sync_duration,
         )?;
         out.histogram(
             "kubeproxy_sync_partial_proxy_rules_duration_seconds",
             "[ALPHA] SyncProxyRules latency in seconds for partial resyncs",
-            &self.partial_sync_duration,
+            &rules.partial_sync_duration,
         )?;
-        let rules = self.rules(family);
         out.counter(
             "kubeproxy_sync_proxy_rules_iptables_restore_failures",
             "[ALPHA] Cumulative proxy iptables restore failures",
@@ -604,8 +603,9 @@ impl Collector for PerFamily {
     }
 }
 
-/// What one family's iptables rules did.
-#[derive(Debug, Default)]
+/// What one family's iptables rules did: kube-proxy's proxier per family
+/// times and counts its own syncs.
+#[derive(Debug)]
 pub struct FamilyRules {
     /// Failed `ip(6)tables-restore` runs, and those of them that were
     /// partial syncs.
@@ -613,9 +613,36 @@ pub struct FamilyRules {
     pub partial_restore_failures: AtomicU64,
     /// Rules written per table by the last sync.
     last: Mutex<Vec<(&'static str, usize)>>,
+    /// This family's share of each sync (rendering and restoring its rules),
+    /// of all syncs and of full and partial ones.
+    sync_duration: Histogram,
+    full_sync_duration: Histogram,
+    partial_sync_duration: Histogram,
+}
+
+impl Default for FamilyRules {
+    fn default() -> Self {
+        FamilyRules {
+            restore_failures: AtomicU64::new(0),
+            partial_restore_failures: AtomicU64::new(0),
+            last: Mutex::default(),
+            sync_duration: Histogram::sync_latency(),
+            full_sync_duration: Histogram::sync_latency(),
+            partial_sync_duration: Histogram::sync_latency(),
+        }
+    }
 }
 
 impl FamilyRules {
+    /// One sync of this family's rules took `took`.
+    pub fn synced(&self, took: Duration, full: bool) {
+        self.sync_duration.observe(took);
+        match full {
+            true => self.full_sync_duration.observe(took),
+            false => self.partial_sync_duration.observe(took),
+        }
+    }
+
     pub fn set_written(&self, rules: &[(&'static str, usize)]) {
         if let Ok(mut last) = self.last.lock() {
             *last = rules.to_vec();
@@ -718,6 +745,9 @@ mod tests {
         m.rules(IpFamily::V6).restore_failures.fetch_add(2, Relaxed);
         m.rules(IpFamily::V6).set_written(&[("nat", 7)]);
         m.rules(IpFamily::V4).set_written(&[("nat", 10)]);
+        // Each family's rules timed apart: a full IPv4 sync, a partial IPv6 one.
+        m.rules(IpFamily::V4).synced(Duration::from_millis(3), true);
+        m.rules(IpFamily::V6).synced(Duration::from_millis(500), false);
         let before = text(&m);
         assert!(!before.contains("_seconds_count{ip_family=\"IPv6\"}"), "not served:\n{before}");
         m.ipv6_served.store(true, Relaxed);
@@ -727,7 +757,12 @@ mod tests {
             "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv6\"} 2\n",
             "kubeproxy_sync_proxy_rules_iptables_last{ip_family=\"IPv4\",table=\"nat\"} 10\n",
             "kubeproxy_sync_proxy_rules_iptables_last{ip_family=\"IPv6\",table=\"nat\"} 7\n",
-            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"} 0\n",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"} 1\n",
+            "kubeproxy_sync_proxy_rules_duration_seconds_sum{ip_family=\"IPv6\"} 0.5\n",
+            "kubeproxy_sync_proxy_rules_duration_seconds_sum{ip_family=\"IPv4\"} 0.003\n",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1\n",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"} 0\n",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"} 1\n",
         ] {
             assert!(text.contains(line), "{line} missing:\n{text}");
         }

@@ -8,7 +8,11 @@ use std::fmt::Write as _;
 use aya::util::KernelVersion;
 
 use crate::{
-    backend::ebpf::{EbpfBackend, TcAttach},
+    backend::{
+        ebpf::{EbpfBackend, TcAttach},
+        iptables::exec::{Runner as _, System},
+    },
+    model::IpFamily,
     sys,
 };
 
@@ -59,6 +63,7 @@ pub const TCX: &str = "TCX attachment (6.6+; else clsact filters)";
 pub const SOCK_ITERATORS: &str = "bpf_sock_destroy from socket iterators (6.5+)";
 pub const SOCK_DESTROY: &str = "sock_diag SOCK_DESTROY (ends sockets to removed pods)";
 pub const SET_RETVAL: &str = "bpf_set_retval (5.18+; else refusals are EPERM)";
+pub const IPV6: &str = "IPv6 stack and ip6tables (IPv6 services)";
 
 /// Picks the mode: eBPF when every required feature is there.
 pub fn decide(features: &[Feature]) -> Decision {
@@ -79,6 +84,7 @@ pub fn run() -> Vec<Feature> {
     let iterators = programs.as_mut().ok().map(EbpfBackend::load_socket_iterators);
     let destroy = crate::sockets::probe();
     let set_retval = crate::backend::ebpf::has_set_retval();
+    let ipv6 = ipv6();
     vec![
         Feature {
             name: BTF,
@@ -146,7 +152,32 @@ pub fn run() -> Vec<Feature> {
                 ),
             },
         },
+        Feature {
+            name: IPV6,
+            required: false,
+            found: ipv6.is_ok(),
+            detail: match ipv6 {
+                Ok(version) => format!(
+                    "enabled, {version}: the eBPF mode serves IPv6 ClusterIPs to sockets (its per-packet path: IPv4 so far), the iptables mode writes IPv6 rules on a node with an IPv6 address"
+                ),
+                Err(why) => format!("{why}: IPv6 services are not served"),
+            },
+        },
     ]
+}
+
+/// What serving IPv6 needs beyond the programs: the kernel's IPv6 stack,
+/// enabled, and `ip6tables-restore` (for the iptables mode); its version.
+fn ipv6() -> Result<String, String> {
+    let disabled = std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6");
+    match disabled.as_deref().map(str::trim) {
+        Ok("0") => {}
+        Ok(_) => return Err("disabled (net.ipv6.conf.all.disable_ipv6)".into()),
+        Err(_) => return Err("no IPv6 stack in this kernel".into()),
+    }
+    let mut tools = System::default().for_family(IpFamily::V6);
+    let version = tools.run("iptables-restore", &["--version"], None);
+    version.map(|v| v.trim().to_string()).map_err(|e| format!("IPv6 enabled, but {e}"))
 }
 
 /// The probe as a table, one line per feature, and the decision.
@@ -154,7 +185,7 @@ pub fn run() -> Vec<Feature> {
 const ATTACHMENTS: &str = "\
 It attaches:
   connect4, sendmsg4, recvmsg4, getpeername4  the cgroup2 root (--cgroup-path): every socket's service connections, translated once
-  connect6, sendmsg6, recvmsg6, getpeername6  the same: IPv6 sockets reaching IPv4 services through v4-mapped addresses (IPv6 services: iptables mode only so far)
+  connect6, sendmsg6, recvmsg6, getpeername6  the same for IPv6 sockets: IPv6 services, and IPv4 ones through v4-mapped addresses
   tc_ingress + tc_egress                      interfaces holding a node address: NodePort, externalIP, LB IP and forwarded ClusterIP traffic
   tc_pod_replies (ingress only)               pod interfaces (--pod-interfaces): only replies of those per-packet flows to pods, as the socket LB covers the pods
                                               (tc_ingress + tc_egress there too with --pod-interface-programs full, a --cgroup-path below the root, or --socket-lb-host-netns-only)";

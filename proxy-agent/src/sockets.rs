@@ -18,6 +18,7 @@
 use std::{
     collections::BTreeSet,
     io,
+    net::IpAddr,
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
 };
 
@@ -42,16 +43,16 @@ const MSG_ID_END: usize = 4 + SOCKID_LEN;
 struct SockId([u8; SOCKID_LEN]);
 
 /// A connected socket as the socket LB recorded it: its cookie and its
-/// peer, the backend `connect()` was sent to.
+/// peer, the backend `connect()` was sent to (an IPv6 socket's v4-mapped
+/// peer as the IPv4 address it is).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Peer {
     pub cookie: u64,
-    pub address: [u8; 4],
+    pub address: IpAddr,
     pub port: u16,
 }
 
-/// The families whose sockets the socket LB connects: IPv4, and IPv6 to
-/// v4-mapped addresses.
+/// The families whose sockets the socket LB connects.
 const FAMILIES: [u8; 2] = [libc::AF_INET as u8, libc::AF_INET6 as u8];
 
 /// The prefix of a v4-mapped IPv6 address (`::ffff:0:0/96`).
@@ -59,24 +60,25 @@ const V4_MAPPED: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
 
 impl SockId {
     /// The socket cookie (its last 8 bytes, host order as two u32), its
-    /// destination port (2 bytes at 2, network order) and IPv4 address (the
-    /// 16 bytes at 20 hold an IPv4 socket's in the first 4, an IPv6
-    /// socket's v4-mapped one in the last 4); `None` for an IPv6 socket
-    /// connected to an IPv6 address.
-    fn peer(&self, family: u8) -> Option<Peer> {
+    /// destination port (2 bytes at 2, network order) and address (the 16
+    /// bytes at 20 hold an IPv4 socket's in the first 4, an IPv6 socket's
+    /// whole, a v4-mapped one's IPv4 address in the last 4).
+    fn peer(&self, family: u8) -> Peer {
         let lo = u32::from_ne_bytes(self.0[40..44].try_into().unwrap_or_default());
         let hi = u32::from_ne_bytes(self.0[44..48].try_into().unwrap_or_default());
+        let word = |at: usize| -> [u8; 4] { self.0[at..at + 4].try_into().unwrap_or_default() };
         let address = match family {
+            f if f == libc::AF_INET6 as u8 && self.0[20..32] == V4_MAPPED => IpAddr::from(word(32)),
             f if f == libc::AF_INET6 as u8 => {
-                (self.0[20..32] == V4_MAPPED).then(|| self.0[32..36].try_into())?
+                IpAddr::from(<[u8; 16]>::try_from(&self.0[20..36]).unwrap_or_default())
             }
-            _ => self.0[20..24].try_into(),
+            _ => IpAddr::from(word(20)),
         };
-        Some(Peer {
+        Peer {
             cookie: (u64::from(hi) << 32) | u64::from(lo),
-            address: address.unwrap_or_default(),
+            address,
             port: u16::from_be_bytes([self.0[2], self.0[3]]),
-        })
+        }
     }
 }
 
@@ -196,7 +198,7 @@ impl Diag {
             self.seq += 1;
             let dump =
                 self.exchange(&request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, self.seq, of, None))?;
-            let chosen = |id: &&SockId| id.peer(family).is_some_and(|peer| must_end(&peer));
+            let chosen = |id: &&SockId| must_end(&id.peer(family));
             for id in dump.sockets.iter().filter(chosen) {
                 self.seq += 1;
                 let msg = request(SOCK_DESTROY, NLM_F_ACK, self.seq, of, Some(id));
@@ -324,16 +326,18 @@ mod tests {
         id[2..4].copy_from_slice(&53u16.to_be_bytes());
         id[20..24].copy_from_slice(&[10, 244, 0, 5]);
         let id = SockId(id);
-        let peer = Peer { cookie: (1 << 32) | 7, address: [10, 244, 0, 5], port: 53 };
+        let address = IpAddr::from([10, 244, 0, 5]);
+        let peer = Peer { cookie: (1 << 32) | 7, address, port: 53 };
         let (inet, inet6) = (libc::AF_INET as u8, libc::AF_INET6 as u8);
-        assert_eq!(id.peer(inet), Some(peer));
+        assert_eq!(id.peer(inet), peer);
         // The same socket as IPv6 to ::ffff:10.244.0.5, and to an IPv6 peer.
         let mut mapped = id;
         mapped.0[20..36].copy_from_slice(&[&V4_MAPPED[..], &[10, 244, 0, 5]].concat());
-        assert_eq!(mapped.peer(inet6), Some(peer));
+        assert_eq!(mapped.peer(inet6), peer);
         let mut ipv6 = mapped;
         ipv6.0[20..22].copy_from_slice(&[0xfd, 0]);
-        assert_eq!(ipv6.peer(inet6), None, "not the socket LB's");
+        let address: IpAddr = "fd00::ffff:af4:5".parse().unwrap();
+        assert_eq!(ipv6.peer(inet6), Peer { address, ..peer });
 
         let msg = request(SOCK_DESTROY, NLM_F_ACK, 9, (inet, 17), Some(&id));
         assert_eq!(msg.len(), 72, "nlmsghdr + inet_diag_req_v2");

@@ -294,6 +294,12 @@ pub struct SockRevNat {
 /// (`FRONTEND_INFO`, `AFFINITY`, `SOCK_FLOWS`) serve both.
 pub type Ipv6Octets = [u8; 16];
 
+/// `address` as a v4-mapped IPv6 address (`::ffff:a.b.c.d`).
+pub const fn v4_mapped(address: [u8; 4]) -> Ipv6Octets {
+    let [a, b, c, d] = address;
+    [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, a, b, c, d]
+}
+
 /// Key of `SERVICES6`: as [`ServiceKey`]. The IPv6 types on the per-packet
 /// path are aligned as their size allows (the layout stays): the BPF target
 /// copies byte arrays it cannot assume aligned one byte at a time, and
@@ -438,11 +444,12 @@ pub const SOCK_DESTROY_CALL: u64 = (0x5ec0_de57 << 32) | 0x2085;
 /// `address:port` (`proto`) for the frontend `rev_nat_id` must end, the
 /// backend having left it; `rev_nat_id` 0 stands for every frontend (the
 /// backend left them all). Written by the agent, read by the socket
-/// iterators.
+/// iterators. Of both families: an IPv4 backend's address is v4-mapped
+/// (`::ffff:a.b.c.d`), as the map lives only for one run of the iterators.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SockEndKey {
-    pub address: [u8; 4],
+    pub address: Ipv6Octets,
     pub port: u16,
     pub proto: u8,
     pub _pad: u8,
@@ -1187,7 +1194,7 @@ mod tests {
         assert_eq!(size_of::<RevNat>(), 8);
         assert_eq!(size_of::<SockRevNatKey>(), 16);
         assert_eq!(size_of::<SockRevNat>(), 12);
-        assert_eq!(size_of::<SockEndKey>(), 12);
+        assert_eq!(size_of::<SockEndKey>(), 24);
         assert_eq!(size_of::<FrontendInfo>(), 152);
         assert_eq!(size_of::<AffinityKey>(), 16);
         assert_eq!(size_of::<AffinityValue>(), 16);

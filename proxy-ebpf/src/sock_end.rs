@@ -5,17 +5,17 @@
 //! network namespace after a sync that removed backends; where the kernel
 //! lacks the kfunc it uses `sock_diag` instead.
 //!
-//! The socket's peer is the backend (`connect4` or, for an IPv6 socket to a
-//! v4-mapped address, `connect6` rewrote it); `SOCK_REV_NAT`
-//! holds only sockets the socket LB translated, and says for which frontend,
-//! so a socket the application connected to a pod directly is never touched.
+//! The socket's peer is the backend (`connect4` or `connect6` rewrote it);
+//! `SOCK_REV_NAT` (`SOCK_REV_NAT6` for IPv6 backends) holds only sockets
+//! the socket LB translated, and says for which frontend, so a socket the
+//! application connected to a pod directly is never touched.
 
 use core::ffi::c_void;
 
-use aya_ebpf::helpers::{bpf_get_socket_cookie, generated::bpf_seq_write};
-use proxy_common::{SOCK_DESTROY_CALL, SockEndKey, SockRevNatKey};
+use aya_ebpf::helpers::{bpf_get_socket_cookie, bpf_probe_read_kernel, generated::bpf_seq_write};
+use proxy_common::{SOCK_DESTROY_CALL, SockEndKey, SockRevNatKey, SockRevNatKey6, v4_mapped};
 
-use crate::maps::{SOCK_ENDS, SOCK_REV_NAT};
+use crate::maps::{SOCK_ENDS, SOCK_REV_NAT, SOCK_REV_NAT6};
 
 const AF_INET: u16 = 2;
 const AF_INET6: u16 = 10;
@@ -31,6 +31,10 @@ struct SockCommon {
     num: u16,
     family: u16,
 }
+
+/// Where `skc_v6_daddr` lies in `struct sock_common` (64-bit kernels built
+/// with IPv6 and network namespaces: Debian's 5.10 to 6.18 alike).
+const V6_DADDR_OFFSET: usize = 56;
 
 /// `struct bpf_iter_meta`: the seq_file the iterator writes to.
 #[repr(C)]
@@ -69,12 +73,16 @@ pub unsafe fn try_end(ctx: *const c_void, proto: u8) -> i32 {
     // SAFETY: the helper takes any socket pointer of the iterator.
     let cookie = unsafe { bpf_get_socket_cookie(sk as *mut c_void) };
     let port = u16::from_be(dport);
-    let translated = SockRevNatKey { cookie, address: daddr, port, _pad: 0 };
-    // SAFETY: a plain lookup; the value is copied out at once.
-    let Some(rev) = (unsafe { SOCK_REV_NAT.get(translated) }).map(|v| v.rev_nat_id) else {
+    let translated = if family == AF_INET6 { translated6(sk, cookie, port) } else { None };
+    let Some((address, rev)) = translated.or_else(|| {
+        let translated = SockRevNatKey { cookie, address: daddr, port, _pad: 0 };
+        // SAFETY: a plain lookup; the value is copied out at once.
+        let rev = unsafe { SOCK_REV_NAT.get(translated) }.map(|v| v.rev_nat_id)?;
+        Some((v4_mapped(daddr), rev))
+    }) else {
         return 0;
     };
-    let key = SockEndKey { address: daddr, port, proto, _pad: 0, rev_nat_id: rev };
+    let key = SockEndKey { address, port, proto, _pad: 0, rev_nat_id: rev };
     // Rev-NAT id 0: the backend left every frontend.
     let every = SockEndKey { rev_nat_id: 0, ..key };
     // SAFETY: plain lookups.
@@ -87,6 +95,20 @@ pub unsafe fn try_end(ctx: *const c_void, proto: u8) -> i32 {
         }
     }
     0
+}
+
+/// An IPv6 socket the socket LB sent to an IPv6 backend: the backend's
+/// address and the frontend's reverse-NAT id.
+#[inline(always)]
+fn translated6(sk: *mut SockCommon, cookie: u64, port: u16) -> Option<([u8; 16], u32)> {
+    // SAFETY: a kernel read within the socket's sock_common.
+    let address: [u8; 16] = unsafe {
+        bpf_probe_read_kernel((sk as *const u8).add(V6_DADDR_OFFSET) as *const [u8; 16]).ok()?
+    };
+    let key = SockRevNatKey6 { cookie, address, port, _pad: [0; 6] };
+    // SAFETY: a plain lookup; the value is copied out at once.
+    let rev = unsafe { SOCK_REV_NAT6.get(key) }.map(|v| v.rev_nat_id)?;
+    Some((address, rev))
 }
 
 /// `int bpf_sock_destroy(struct sock_common *sk)`.

@@ -39,7 +39,9 @@ both_modes!(
     a_dual_stack_service_reaches_each_familys_endpoints_on_each_cluster_ip,
     ipv6_services_without_endpoints_refuse_pods,
     ipv6_udp_flows_move_off_a_removed_endpoint,
+    ipv6_connected_udp_sockets_move_off_a_removed_endpoint,
     an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains,
+    lb_and_ct_list_show_both_families,
 );
 
 iptables_modes!(
@@ -64,6 +66,11 @@ struct DualLab {
 }
 
 fn dual_lab(setup: Setup, manifest: &str) -> DualLab {
+    dual_lab_with(setup, manifest, &[])
+}
+
+/// The same, the agent taking `args` too.
+fn dual_lab_with(setup: Setup, manifest: &str, args: &[&str]) -> DualLab {
     let mut lab = Lab::with(setup).unwrap();
     lab.dual_stack().unwrap();
     let mut pods = Vec::new();
@@ -76,7 +83,7 @@ fn dual_lab(setup: Setup, manifest: &str) -> DualLab {
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
     lab.write_manifest(manifest).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
-    lab.start_agent(&["--cluster-cidr", CLUSTER_CIDRS]).unwrap();
+    lab.start_agent(&[&["--cluster-cidr", CLUSTER_CIDRS], args].concat()).unwrap();
     DualLab { lab, pods, client, ext }
 }
 
@@ -269,11 +276,30 @@ fn ipv6_node_ports_without_endpoints_refuse(setup: Setup) {
 /// Scenario 4: a UDP flow to an IPv6 cluster IP stays on one endpoint, and
 /// leaves it within a second of its removal (no stale flow).
 fn ipv6_udp_flows_move_off_a_removed_endpoint(setup: Setup) {
+    udp_moves_off_a_removed_endpoint(setup, &[], &[])
+}
+
+/// The same from a connected socket: the eBPF mode ends the socket the
+/// socket LB connected to the pod (the client connects again), the iptables
+/// mode deletes the flow's conntrack entry.
+fn ipv6_connected_udp_sockets_move_off_a_removed_endpoint(setup: Setup) {
+    udp_moves_off_a_removed_endpoint(setup, &["--connect", "--reconnect"], &[])
+}
+
+/// The same with sock_diag ending the socket, the way kernels without
+/// `bpf_sock_destroy` (before 6.5) take.
+#[test]
+fn ebpf_sock_diag_ends_a_connected_ipv6_udp_socket_whose_pod_leaves() {
+    let sock_diag = ["--socket-destroy", "sock-diag"];
+    udp_moves_off_a_removed_endpoint(Setup::EBPF, &["--connect", "--reconnect"], &sock_diag)
+}
+
+fn udp_moves_off_a_removed_endpoint(setup: Setup, socket: &[&str], agent: &[&str]) {
     let web = || web_ports(ipv6_only("web", "fd00:96::10"));
-    let mut c = dual_lab(setup, &over(web(), "web", &[], &["a", "b", "c"]));
+    let mut c = dual_lab_with(setup, &over(web(), "web", &[], &["a", "b", "c"]), agent);
     let vip = at("fd00:96::10", 53);
-    let mut client =
-        c.lab.spawn_client(&c.client, &["udp", &vip, "30", "--interval-ms", "100"]).unwrap();
+    let args = [&["udp", &vip, "30", "--interval-ms", "100"], socket].concat();
+    let mut client = c.lab.spawn_client(&c.client, &args).unwrap();
     let mut lines = BufReader::new(client.stdout.take().unwrap()).lines();
     let mut next = || Attempt::parse(&lines.next().unwrap().unwrap()).unwrap();
     let first = next();
@@ -334,4 +360,40 @@ fn an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains(setup: Setup
     let failures =
         "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv6\"} 0";
     assert!(metrics.contains(failures), "{metrics}");
+}
+
+/// `proxy-agent lb list` and `ct list` read both families back (the IPv6
+/// maps, or `ip6tables-save` and `conntrack -f ipv6`), IPv6 addresses in
+/// brackets as sockets print them.
+fn lb_and_ct_list_show_both_families(setup: Setup) {
+    let web = web_ports(dual("web", "10.96.0.10", "fd00:96::10"));
+    let c = dual_lab(setup, &over(web, "web", &["a", "b"], &["c"]));
+    let json = c.lab.inspect_on(0, &["lb", "list", "-o", "json"]).unwrap();
+    let entries: Vec<serde_json::Value> = serde_json::from_str(&json).expect(&json);
+    let backends = |frontend: &str| -> BTreeSet<String> {
+        let entry = entries.iter().find(|e| e["frontend"] == frontend);
+        let entry = entry.unwrap_or_else(|| panic!("no {frontend}: {json}"));
+        assert_eq!(entry["kind"], "ClusterIP");
+        let list = entry["backends"].as_array().unwrap().iter();
+        list.map(|b| b["address"].as_str().unwrap().to_string()).collect()
+    };
+    let set = |items: &[&str]| items.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+    assert_eq!(backends("10.96.0.10:80/tcp"), set(&["10.244.1.2:8080", "10.244.1.3:8080"]));
+    assert_eq!(backends("[fd00:96::10]:80/tcp"), set(&["[fd00:244:1::4]:8080"]));
+    assert_eq!(backends("[fd00:96::10]:53/udp"), set(&["[fd00:244:1::4]:5353"]));
+
+    let dns = at("fd00:96::10", 53);
+    assert_eq!(answers(&c.lab.client(&c.client, &["udp", &dns, "3"]).unwrap()).len(), 3);
+    let flows = c.lab.inspect_on(0, &["ct", "list", "--backend", "fd00:244:1::4", "-o", "json"]);
+    let flows = flows.unwrap();
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&flows).expect(&flows);
+    assert!(!rows.is_empty(), "the UDP flow: {flows}");
+    for row in &rows {
+        assert_eq!(
+            (row["frontend"].as_str(), row["service"].as_str()),
+            (Some(dns.as_str()), Some("lab/web:dns")),
+            "{flows}"
+        );
+        assert_eq!(row["backend"], "[fd00:244:1::4]:5353", "{flows}");
+    }
 }

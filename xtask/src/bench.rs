@@ -19,8 +19,8 @@
 //!   kind alike; in eBPF mode two last direct runs per round have the pod
 //!   interfaces' replies-only programs (as a node whose socket LB covers
 //!   every pod has them), and no program on pod interfaces; in the
-//!   dual-stack lab, a direct IPv6 connection and (iptables mode) one
-//!   through an IPv6 ClusterIP, as a ratio to it;
+//!   dual-stack lab, beside the N IPv4 services N IPv6 ones: a direct IPv6
+//!   connection and one through an IPv6 ClusterIP, as a ratio to it;
 //! - programming time: N services × 10 endpoints listed from the test API
 //!   server to the datapath serving, and the agent's first sync (iptables
 //!   only while a size finishes within the limit, and not at the next size
@@ -50,12 +50,10 @@ const OUT: &str = "target/bench";
 const SERVICE_PORT: u16 = 8080;
 const DIRECT_PORT: u16 = 8081;
 const POD: &str = "10.244.1.2";
-/// The dual-stack lab's IPv6 twin of `POD`, and an IPv6-only service on it
-/// beside the N services (the IPv6 runs: iptables mode only, the eBPF mode
-/// serves the IPv4 family so far).
+/// The dual-stack lab's IPv6 twin of `POD`, and the first of the IPv6
+/// services (`manifest6`).
 const POD6: &str = "fd00:244:1::2";
 const VIP6: &str = "[fd00:96::a]:80";
-const IPV6_SERVICE: &str = "---\napiVersion: v1\nkind: Service\nmetadata: {name: v6, namespace: bench}\nspec: {clusterIP: 'fd00:96::a', clusterIPs: ['fd00:96::a'], ipFamilies: [IPv6], ports: [{name: http, port: 80, targetPort: 8080}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: v6-1, namespace: bench, labels: {kubernetes.io/service-name: v6}}\naddressType: IPv6\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: ['fd00:244:1::2'], nodeName: lab-node}]\n";
 /// Endpoint changes timed per size (fewer in iptables mode in the quick
 /// profile: each rewrites the large top-level chains).
 const CHANGES: usize = 100;
@@ -87,6 +85,27 @@ fn sizes(opts: &Options) -> Vec<usize> {
         (true, true) => vec![1, 1_000, 10_000, 100_000],
         (false, true) => vec![1, 1_000, 10_000],
     }
+}
+
+/// `n` IPv6-only ClusterIP services `v0..` from `fd00:96::a`, one endpoint
+/// each: `v0`'s the backend pod's IPv6 address, the others' addresses
+/// nothing answers.
+fn manifest6(n: usize) -> String {
+    let first = u128::from(std::net::Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0xa));
+    let mut out = String::with_capacity(n * 600);
+    for i in 0..n {
+        let ip = std::net::Ipv6Addr::from(first + i as u128);
+        let endpoint = match i {
+            0 => POD6.to_string(),
+            _ => std::net::Ipv6Addr::new(0xfd00, 0x128, 0, 0, 0, 0, (i >> 16) as u16, i as u16)
+                .to_string(),
+        };
+        let _ = write!(
+            out,
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: v{i}, namespace: bench}}\nspec: {{clusterIP: '{ip}', clusterIPs: ['{ip}'], ipFamilies: [IPv6], ports: [{{name: http, port: 80, targetPort: {SERVICE_PORT}}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: v{i}-1, namespace: bench, labels: {{kubernetes.io/service-name: v{i}}}}}\naddressType: IPv6\nports: [{{name: http, port: {SERVICE_PORT}}}]\nendpoints: [{{addresses: ['{endpoint}'], nodeName: lab-node}}]\n"
+        );
+    }
+    out
 }
 
 /// `N` services: `s0` (NodePort 30080) and N-1 others, each with
@@ -271,17 +290,21 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     let s = opts.seconds;
     let direct = format!("{POD}:{DIRECT_PORT}");
     rate(&lab, &client, false, &direct, 1)?;
-    lab.write_manifest(&(manifest(n, 1) + IPV6_SERVICE))?;
+    lab.write_manifest(&(manifest(n, 1) + &manifest6(n)))?;
     let vip = "10.96.0.10:80";
     let direct6 = format!("[{POD6}]:{DIRECT_PORT}");
     let node_port = "192.168.100.11:30080";
     let (mut baseline, mut direct_replies, mut direct_no_pod_programs) =
         (Vec::<Run>::new(), Vec::new(), Vec::new());
-    let mut runs: Vec<(&str, Vec<Run>)> =
-        vec![("direct", vec![]), ("vip", vec![]), ("node_port", vec![]), ("direct6", vec![])];
-    match mode {
-        Mode::Ebpf => runs.push(("vip_per_packet", vec![])),
-        Mode::Iptables => runs.push(("vip6", vec![])),
+    let mut runs: Vec<(&str, Vec<Run>)> = vec![
+        ("direct", vec![]),
+        ("vip", vec![]),
+        ("node_port", vec![]),
+        ("direct6", vec![]),
+        ("vip6", vec![]),
+    ];
+    if mode == Mode::Ebpf {
+        runs.push(("vip_per_packet", vec![]));
     }
     for round in 0..opts.rounds {
         baseline.push(rate(&lab, &client, false, &direct, s)?);

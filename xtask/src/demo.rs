@@ -12,11 +12,13 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     let manifest =
         std::fs::read_to_string(MANIFEST).with_context(|| format!("reading {MANIFEST}"))?;
     let mut lab = Lab::with_mode(mode)?;
+    lab.dual_stack()?;
     println!("== lab: node namespace {}, test cgroup {}", lab.node, lab.cgroup.display());
     for (name, ip) in PODS {
         let pod = lab.add_pod(name, ip)?;
         lab.serve(&pod, &[8080], &[5353])?;
-        println!("   pod {name:6} {ip:12} serves TCP 8080 and UDP 5353");
+        let ip6 = proxy_lab::v6(ip);
+        println!("   pod {name:6} {ip:12} {ip6:15} serves TCP 8080 and UDP 5353");
     }
     let client = lab.add_pod("client", "10.244.1.100")?;
     match mode {
@@ -29,7 +31,7 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     }
     let ext = lab.add_external("ext", "192.168.100.101")?;
     println!(
-        "   external client 192.168.100.101 on the node's network (the node is 192.168.100.11)"
+        "   external client 192.168.100.101 on the node's network (the node is 192.168.100.11 and fd00:100::11)"
     );
 
     lab.write_manifest(&manifest)?;
@@ -76,7 +78,21 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     }
 
     println!(
-        "\n== 3 HTTP requests from an IPv6 socket of the client to [::ffff:10.96.0.10]:80 (the ClusterIP, v4-mapped, as dual-stack programs reach IPv4)"
+        "\n== 3 HTTP requests from the client to the IPv6 ClusterIP [fd00:96::10]:80 (the service is dual-stack)"
+    );
+    for attempt in lab.client(&client, &["tcp", "[fd00:96::10]:80", "3"])? {
+        match attempt {
+            Attempt::Ok { name, local, from, .. } => {
+                println!(
+                    "   answered by {name} at {local}; the client's socket sees its peer as {from}"
+                )
+            }
+            Attempt::Err { kind, .. } => println!("   failed: {kind}"),
+        }
+    }
+
+    println!(
+        "\n== 3 HTTP requests from an IPv6 socket of the client to [::ffff:10.96.0.10]:80 (the IPv4 ClusterIP, v4-mapped, as dual-stack programs reach IPv4)"
     );
     for attempt in lab.client(&client, &["tcp", "[::ffff:10.96.0.10]:80", "3"])? {
         match attempt {

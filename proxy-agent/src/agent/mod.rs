@@ -18,7 +18,7 @@ use self::{
     stats::ServiceStats,
 };
 use crate::{
-    backend::Datapath,
+    backend::{Datapath, Ipv6Support},
     health::{ProxyHealth, ServiceChecks},
     link_events::{LinkEvents, Rescan},
     metrics::Metrics,
@@ -552,11 +552,6 @@ impl Agent {
         self.report.metrics.sync_duration.observe(took);
         match result {
             Ok(synced) => {
-                match synced.full {
-                    Some(true) => self.report.metrics.full_sync_duration.observe(took),
-                    Some(false) => self.report.metrics.partial_sync_duration.observe(took),
-                    None => {}
-                }
                 self.pacing.dirty = Some(BTreeSet::new());
                 self.synced(synced.backends);
             }
@@ -597,15 +592,19 @@ impl Agent {
         let (internal, external) = self.services.stats.no_local_endpoints();
         m.no_local_endpoints_internal.store(internal, Relaxed);
         m.no_local_endpoints_external.store(external, Relaxed);
-        let serves_ipv6 = self.datapath.serves_ipv6();
-        m.ipv6_served.store(serves_ipv6, Relaxed);
-        let ipv6 = if serves_ipv6 { 0 } else { self.services.stats.ipv6_ports() };
+        let support = self.datapath.ipv6_support();
+        m.ipv6_served.store(support == Ipv6Support::Full, Relaxed);
+        let ipv6 = self.services.stats.unserved_ipv6_ports(support);
         if m.unserved_ipv6_ports.swap(ipv6, Relaxed) == 0 && ipv6 > 0 {
-            tracing::warn!(
-                ports = ipv6,
-                mode = self.datapath.mode(),
-                "IPv6 service ports are not served: this datapath serves the IPv4 family only (counted in proxy_unserved_service_ports)"
-            );
+            let what = match support {
+                Ipv6Support::Sockets => {
+                    "the NodePorts, externalIPs and load-balancer IPs of IPv6 service ports are not served: this datapath serves IPv6 ClusterIPs through the socket LB, its per-packet path the IPv4 family only (counted in proxy_unserved_service_ports)"
+                }
+                _ => {
+                    "IPv6 service ports are not served: this datapath serves the IPv4 family only (counted in proxy_unserved_service_ports)"
+                }
+            };
+            tracing::warn!(ports = ipv6, mode = self.datapath.mode(), "{what}");
         }
         self.update_service_checks();
     }

@@ -8,6 +8,7 @@ use crate::{
     backend::iptables::exec::{Runner as _, System, Xtables},
     cli::{BpfLogLevelArgs, CtListArgs, InspectArgs, InspectMode, LbListArgs, Output},
     inspect::{self, LbEntry, ct::CtRow},
+    model::IpFamily,
     sys,
 };
 
@@ -20,13 +21,18 @@ pub fn mode(args: &InspectArgs) -> InspectMode {
     }
 }
 
-/// The service table of the datapath `args` names.
+/// The service table of the datapath `args` names: in the iptables mode,
+/// of both families' rules (a node without IPv6 rules has none of them).
 fn lb_entries(args: &InspectArgs) -> anyhow::Result<Vec<LbEntry>> {
     Ok(match mode(args) {
         InspectMode::Iptables => {
-            let mut tools = System::new(Xtables::Auto.resolve(&mut System::default()));
-            let save = tools.run("iptables-save", &[], None).context("reading the rules")?;
-            inspect::iptables::entries(&save)
+            let tools = System::new(Xtables::Auto.resolve(&mut System::default()));
+            let save = tools.for_family(IpFamily::V4).run("iptables-save", &[], None);
+            let mut entries = inspect::iptables::entries(&save.context("reading the rules")?);
+            if let Ok(save6) = tools.for_family(IpFamily::V6).run("iptables-save", &[], None) {
+                entries.extend(inspect::iptables::entries(&save6));
+            }
+            entries
         }
         _ => inspect::maps::read_pinned(&args.pins.bpffs_root)?,
     })
@@ -47,8 +53,12 @@ pub fn ct_list(args: &CtListArgs) -> anyhow::Result<()> {
     let mut rows: Vec<CtRow> = match mode(inspect) {
         InspectMode::Iptables => {
             let lb = lb_entries(inspect)?;
-            let text =
-                System::default().run("conntrack", &["-L"], None).context("reading conntrack")?;
+            // Both families' entries (`-L` alone lists IPv4's).
+            let mut text = String::new();
+            for family in ["ipv4", "ipv6"] {
+                let listed = System::default().run("conntrack", &["-L", "-f", family], None);
+                text += &listed.context("reading conntrack")?;
+            }
             inspect::ct::conntrack(&text, &lb)
         }
         _ => inspect::maps::read_flows(&inspect.pins.bpffs_root, sys::monotonic_ns())?,

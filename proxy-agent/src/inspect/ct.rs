@@ -1,19 +1,19 @@
 //! The flows of service traffic, as `proxy-agent ct list` prints them: in
 //! the eBPF mode the per-packet conntrack entries (`CONNTRACK`, the forward
 //! entry of each flow) and the sockets the socket LB connected
-//! (`SOCK_REV_NAT`); in the iptables mode the kernel's conntrack entries
+//! (`SOCK_REV_NAT`, `SOCK_REV_NAT6`); in the iptables mode the kernel's conntrack entries
 //! whose original destination is a service frontend. Building the rows is
 //! pure; the readers hand in entries or `conntrack -L` text.
 
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, SocketAddr, SocketAddrV4},
 };
 
 use proxy_common::{
     CT_FLAG_CLOSED, CT_FLAG_ESTABLISHED, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CtEntryV1, CtKey,
-    FrontendInfo, SockRevNat, SockRevNatKey,
+    FrontendInfo, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6,
 };
 use serde::Serialize;
 
@@ -92,8 +92,39 @@ pub fn flows(
 
 /// The sockets the socket LB translated (`SOCK_REV_NAT`); `proto` is not
 /// recorded there, the frontend's is.
+/// A socket the socket LB translated (`SOCK_REV_NAT`, `SOCK_REV_NAT6`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TranslatedSocket {
+    pub cookie: u64,
+    pub backend: SocketAddr,
+    pub service: SocketAddr,
+    pub rev_nat_id: u32,
+}
+
+impl From<(SockRevNatKey, SockRevNat)> for TranslatedSocket {
+    fn from((k, v): (SockRevNatKey, SockRevNat)) -> Self {
+        TranslatedSocket {
+            cookie: k.cookie,
+            backend: SocketAddr::from((k.address, k.port)),
+            service: SocketAddr::from((v.address, v.port)),
+            rev_nat_id: v.rev_nat_id,
+        }
+    }
+}
+
+impl From<(SockRevNatKey6, SockRevNat6)> for TranslatedSocket {
+    fn from((k, v): (SockRevNatKey6, SockRevNat6)) -> Self {
+        TranslatedSocket {
+            cookie: k.cookie,
+            backend: SocketAddr::from((k.address, k.port)),
+            service: SocketAddr::from((v.address, v.port)),
+            rev_nat_id: v.rev_nat_id,
+        }
+    }
+}
+
 pub fn sockets(
-    entries: &[(SockRevNatKey, SockRevNat)],
+    entries: &[TranslatedSocket],
     infos: &BTreeMap<u32, FrontendInfo>,
     lb: &[LbEntry],
 ) -> Vec<CtRow> {
@@ -103,19 +134,19 @@ pub fn sockets(
         lb.iter().filter_map(|e| e.frontend.rsplit_once('/')).collect();
     entries
         .iter()
-        .map(|(k, v)| {
-            let frontend = addr(v.address, v.port);
+        .map(|s| {
+            let frontend = s.service.to_string();
             let proto = protocols.get(frontend.as_str()).copied().unwrap_or("?");
             CtRow {
                 path: "socket",
                 proto: proto.into(),
-                client: format!("cookie {}", k.cookie),
+                client: format!("cookie {}", s.cookie),
                 frontend,
-                backend: addr(k.address, k.port),
+                backend: s.backend.to_string(),
                 snat: None,
                 state: "connected".into(),
                 expires_secs: None,
-                service: service(infos, v.rev_nat_id),
+                service: service(infos, s.rev_nat_id),
             }
         })
         .collect()
@@ -162,21 +193,21 @@ pub fn conntrack(text: &str, lb: &[LbEntry]) -> Vec<CtRow> {
         else {
             continue;
         };
-        let frontend = format!("{dst}:{dport}");
+        let frontend = host_port(dst, dport);
         let exact = format!("{frontend}/{proto}");
         let any = format!("*:{dport}/{proto}");
         let Some(entry) = lb.iter().find(|e| e.frontend == exact || e.frontend == any) else {
             continue;
         };
-        let seen_as = format!("{rdst}:{rdport}");
-        let client = format!("{src}:{sport}");
+        let seen_as = host_port(rdst, rdport);
+        let client = host_port(src, sport);
         rows.push(CtRow {
             path: "conntrack",
             proto: proto.clone(),
             snat: (seen_as != client).then_some(seen_as),
             client,
             frontend,
-            backend: format!("{rsrc}:{rsport}"),
+            backend: host_port(rsrc, rsport),
             state: state.unwrap_or_else(|| "-".into()),
             expires_secs: line.split_whitespace().nth(2).and_then(|t| t.parse().ok()),
             service: entry.service.clone(),
@@ -185,9 +216,17 @@ pub fn conntrack(text: &str, lb: &[LbEntry]) -> Vec<CtRow> {
     rows
 }
 
+/// `address:port` as `conntrack -L` gives them, an IPv6 address in brackets.
+fn host_port(address: &str, port: &str) -> String {
+    match address.contains(':') {
+        true => format!("[{address}]:{port}"),
+        false => format!("{address}:{port}"),
+    }
+}
+
 /// Whether the row's backend is at `ip`.
-pub fn is_to(row: &CtRow, ip: Ipv4Addr) -> bool {
-    row.backend.split_once(':').is_some_and(|(a, _)| a == ip.to_string())
+pub fn is_to(row: &CtRow, ip: IpAddr) -> bool {
+    row.backend.parse::<SocketAddr>().is_ok_and(|backend| backend.ip() == ip)
 }
 
 /// The table, one flow a line.
@@ -294,7 +333,7 @@ mod tests {
             (r.expires_secs, r.state.as_str(), r.service.as_str()),
             (Some(28), "-", "demo/web:echo")
         );
-        assert!(is_to(r, Ipv4Addr::new(10, 244, 1, 2)) && !is_to(r, Ipv4Addr::new(10, 244, 1, 20)));
+        assert!(is_to(r, [10, 244, 1, 2].into()) && !is_to(r, [10, 244, 1, 20].into()));
         let table = table(&rows);
         let cells: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
         assert_eq!(

@@ -40,16 +40,22 @@ impl Rule {
         self.opt("--comment").unwrap_or("")
     }
 
-    /// `-d`, without the `/32` `iptables-save` adds.
+    /// `-d`, without the `/32` (`/128`) `iptables-save` (`ip6tables-save`)
+    /// adds.
     fn destination(&self) -> Option<&str> {
-        self.opt("-d").map(|d| d.strip_suffix("/32").unwrap_or(d))
+        self.opt("-d")
+            .map(|d| d.strip_suffix("/32").or_else(|| d.strip_suffix("/128")).unwrap_or(d))
     }
 
-    /// `address:port/protocol` of a frontend rule (`*` without `-d`).
+    /// `address:port/protocol` of a frontend rule (`*` without `-d`), an
+    /// IPv6 address in brackets.
     fn frontend(&self) -> Option<String> {
         let port = self.opt("--dport")?;
         let proto = self.opt("-p")?;
-        Some(format!("{}:{port}/{proto}", self.destination().unwrap_or("*")))
+        Some(match self.destination() {
+            Some(ipv6) if ipv6.contains(':') => format!("[{ipv6}]:{port}/{proto}"),
+            address => format!("{}:{port}/{proto}", address.unwrap_or("*")),
+        })
     }
 }
 

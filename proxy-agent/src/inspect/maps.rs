@@ -1,21 +1,26 @@
-//! The service table from the eBPF mode's pinned maps: `SERVICES` (each
-//! frontend's slot 0 and its backend slots), `BACKENDS` and
-//! `FRONTEND_INFO` (service name and kind, by reverse-NAT id).
+//! The service table from the eBPF mode's pinned maps: `SERVICES` and
+//! `SERVICES6` (each frontend's slot 0 and its backend slots), `BACKENDS`
+//! and `BACKENDS6`, and `FRONTEND_INFO` (service name and kind, by
+//! reverse-NAT id).
 
-use std::{
-    collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
-    path::Path,
-};
+use std::{collections::BTreeMap, net::SocketAddr, path::Path};
 
 use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common::{
-    Backend, CtEntryV1, CtEntryV2, CtKey, FrontendInfo, IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP,
-    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, SCOPE_INTERNAL, ServiceKey, ServiceValue,
-    SockRevNat, SockRevNatKey, map_names,
+    Backend, Backend6, CtEntryV1, CtEntryV2, CtKey, FrontendInfo, IPPROTO_TCP, IPPROTO_UDP,
+    KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, ServiceKey, ServiceKey6,
+    ServiceValue, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
 };
 
-use super::{LbBackend, LbEntry, ct, ct::CtRow, flag};
+use super::{
+    LbBackend, LbEntry, ct,
+    ct::{CtRow, TranslatedSocket},
+    flag,
+};
+use crate::{
+    backend::ebpf::entries::{BackendEntry, SlotKey},
+    plan::Scope,
+};
 
 #[derive(Debug, thiserror::Error)]
 #[error(
@@ -38,12 +43,30 @@ pub fn read<K: aya::Pod, V: aya::Pod, C: FromIterator<(K, V)>>(
     Ok(map.iter().filter_map(Result::ok).collect())
 }
 
+/// A pinned map of the IPv6 family: none where an agent without them
+/// pinned the maps.
+fn read_ipv6<K: aya::Pod, V: aya::Pod>(
+    root: &Path,
+    name: &'static str,
+) -> Result<Vec<(K, V)>, ReadError> {
+    match root.join("maps").join(name).exists() {
+        true => read(root, name),
+        false => Ok(Vec::new()),
+    }
+}
+
 /// The table of the maps pinned under `root`.
 pub fn read_pinned(root: &Path) -> Result<Vec<LbEntry>, ReadError> {
-    let services = read(root, map_names::SERVICES)?;
-    let backends = read(root, map_names::BACKENDS)?;
+    let v4: Vec<(ServiceKey, ServiceValue)> = read(root, map_names::SERVICES)?;
+    let v6: Vec<(ServiceKey6, ServiceValue)> = read_ipv6(root, map_names::SERVICES6)?;
+    let services = v4.into_iter().map(|(k, v)| (SlotKey::V4(k), v));
+    let services = services.chain(v6.into_iter().map(|(k, v)| (SlotKey::V6(k), v))).collect();
+    let v4: Vec<(u32, Backend)> = read(root, map_names::BACKENDS)?;
+    let v6: Vec<(u32, Backend6)> = read_ipv6(root, map_names::BACKENDS6)?;
+    let backends = v4.into_iter().map(|(id, b)| (id, BackendEntry::V4(b)));
+    let backends = backends.chain(v6.into_iter().map(|(id, b)| (id, BackendEntry::V6(b))));
     let infos = read(root, map_names::FRONTEND_INFO)?;
-    Ok(entries(&services, &backends, &infos))
+    Ok(entries(&services, &backends.collect(), &infos))
 }
 
 /// The flows of the maps pinned under `root` at `now_ns`: per packet
@@ -59,7 +82,10 @@ pub fn read_flows(root: &Path, now_ns: u64) -> Result<Vec<CtRow>, ReadError> {
             v2.into_iter().map(|(k, v2)| (k, v2.into())).collect()
         }
     };
-    let sockets: Vec<(SockRevNatKey, SockRevNat)> = read(root, map_names::SOCK_REV_NAT)?;
+    let v4: Vec<(SockRevNatKey, SockRevNat)> = read(root, map_names::SOCK_REV_NAT)?;
+    let v6: Vec<(SockRevNatKey6, SockRevNat6)> = read_ipv6(root, map_names::SOCK_REV_NAT6)?;
+    let sockets: Vec<TranslatedSocket> =
+        v4.into_iter().map(Into::into).chain(v6.into_iter().map(Into::into)).collect();
     let mut rows = ct::flows(&conntrack, &infos, now_ns);
     rows.extend(ct::sockets(&sockets, &infos, &lb));
     Ok(rows)
@@ -85,14 +111,15 @@ pub fn kind(info: &FrontendInfo) -> &'static str {
 
 /// The table of these map contents.
 pub fn entries(
-    services: &BTreeMap<ServiceKey, ServiceValue>,
-    backends: &BTreeMap<u32, Backend>,
+    services: &BTreeMap<SlotKey, ServiceValue>,
+    backends: &BTreeMap<u32, BackendEntry>,
     infos: &BTreeMap<u32, FrontendInfo>,
 ) -> Vec<LbEntry> {
     services
         .iter()
-        .filter(|(key, _)| key.slot == 0)
+        .filter(|(key, _)| key.slot() == 0)
         .map(|(key, value)| {
+            let frontend = key.frontend();
             let info = infos.get(&value.rev_nat_id);
             let f = value.flags;
             let flags = [
@@ -100,24 +127,21 @@ pub fn entries(
                 (f.is_local_only(), flag::LOCAL_POLICY),
                 (f.has_source_ranges(), flag::SOURCE_RANGES),
                 (f.drops_when_empty(), flag::DROP_WHEN_EMPTY),
-                (key.scope == SCOPE_INTERNAL, flag::IN_CLUSTER),
+                (frontend.scope == Scope::Internal, flag::IN_CLUSTER),
             ];
-            let slots = (1..=value.count).filter_map(|slot| services.get(&key.with_slot(slot)));
+            let slot = |slot| services.get(&SlotKey::new(&frontend, slot));
+            let slots = (1..=value.count).filter_map(slot);
+            let protocol = frontend.protocol.as_str().to_lowercase();
             LbEntry {
-                frontend: format!(
-                    "{}:{}/{}",
-                    Ipv4Addr::from(key.address),
-                    key.port,
-                    protocol(key.proto)
-                ),
+                frontend: format!("{}/{protocol}", SocketAddr::new(frontend.ip, frontend.port)),
                 kind: info.map_or("?", kind).to_string(),
                 service: info.map_or("?", FrontendInfo::name).to_string(),
                 flags: flags.into_iter().filter(|(on, _)| *on).map(|(_, name)| name).collect(),
                 backends: slots
                     .filter_map(|slot| backends.get(&slot.backend_id))
                     .map(|b| LbBackend {
-                        address: SocketAddrV4::new(b.address.into(), b.port).to_string(),
-                        local: Some(b.flags.is_local()),
+                        address: b.addr().to_string(),
+                        local: Some(b.flags().is_local()),
                     })
                     .collect(),
             }
@@ -134,21 +158,42 @@ mod tests {
     #[test]
     fn frontends_are_joined_with_their_backends_and_names() {
         let key = ServiceKey::new([10, 96, 0, 10], 53, IPPROTO_UDP, 0);
+        let key6 = ServiceKey6::new(
+            [0xfd, 0, 0, 0x96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10],
+            80,
+            IPPROTO_TCP,
+            0,
+        );
         let flags = ServiceFlags::EMPTY.with_affinity(true);
         let front = ServiceValue { count: 2, rev_nat_id: 7, flags, ..Default::default() };
-        let slot = |slot, backend_id| {
-            (key.with_slot(slot), ServiceValue { backend_id, rev_nat_id: 7, ..Default::default() })
+        let front6 = ServiceValue { count: 1, rev_nat_id: 8, ..Default::default() };
+        let slot =
+            |backend_id, rev_nat_id| ServiceValue { backend_id, rev_nat_id, ..Default::default() };
+        let services = BTreeMap::from([
+            (SlotKey::V4(key), front),
+            (SlotKey::V4(key.with_slot(1)), slot(1, 7)),
+            (SlotKey::V4(key.with_slot(2)), slot(2, 7)),
+            (SlotKey::V6(key6), front6),
+            (SlotKey::V6(key6.with_slot(1)), slot(3, 8)),
+        ]);
+        let backend = |last, flags| {
+            BackendEntry::V4(Backend { address: [10, 244, 1, last], port: 5353, proto: 17, flags })
         };
-        let services = BTreeMap::from([(key, front), slot(1, 1), slot(2, 2)]);
-        let backend =
-            |last, flags| Backend { address: [10, 244, 1, last], port: 5353, proto: 17, flags };
+        let mut address6 = key6.address;
+        address6[3] = 0x44;
+        let backend6 =
+            Backend6 { address: address6, port: 8080, proto: 6, flags: BackendFlags::EMPTY };
         let backends = BTreeMap::from([
             (1, backend(2, BackendFlags::EMPTY.with_local(true))),
             (2, backend(3, BackendFlags::EMPTY)),
+            (3, BackendEntry::V6(backend6)),
         ]);
-        let infos = BTreeMap::from([(7, FrontendInfo::new(KIND_CLUSTER_IP, "demo/web:dns"))]);
+        let infos = BTreeMap::from([
+            (7, FrontendInfo::new(KIND_CLUSTER_IP, "demo/web:dns")),
+            (8, FrontendInfo::new(KIND_CLUSTER_IP, "demo/web:http")),
+        ]);
         let table = entries(&services, &backends, &infos);
-        assert_eq!(table.len(), 1);
+        assert_eq!(table.len(), 2);
         let e = &table[0];
         assert_eq!((e.frontend.as_str(), e.kind.as_str()), ("10.96.0.10:53/udp", "ClusterIP"));
         assert_eq!(
@@ -157,5 +202,11 @@ mod tests {
         );
         let addrs: Vec<_> = e.backends.iter().map(|b| (b.address.as_str(), b.local)).collect();
         assert_eq!(addrs, [("10.244.1.2:5353", Some(true)), ("10.244.1.3:5353", Some(false))]);
+        let e = &table[1];
+        assert_eq!(
+            (e.frontend.as_str(), e.service.as_str()),
+            ("[fd00:96::10]:80/tcp", "demo/web:http")
+        );
+        assert_eq!(e.backends[0].address, "[fd00:44::10]:8080");
     }
 }

@@ -52,7 +52,7 @@ where
         let to = entry.rewritten(key.proto());
         (to.daddr(), to.dport())
     };
-    departures.ends_flow_to(entry.rev_nat_id(), key.proto(), addr, port)
+    departures.ends_flow_to(entry.rev_nat_id(), key.proto(), addr.into(), port)
 }
 
 /// Entries of flows of departed (frontend, backend) pairs, and their pairs:

@@ -19,7 +19,7 @@ use super::{
     sync::{SyncError, SyncReport},
 };
 use crate::{
-    backend::{Datapath, Synced, iptables},
+    backend::{Datapath, Ipv6Support, Synced, iptables},
     cli::{PodInterfacePrograms, RunArgs, TcAttachArg},
     fit::{self, Capacity, Refusal},
     metrics::Metrics,
@@ -404,6 +404,10 @@ impl EbpfDatapath {
 }
 
 impl Datapath for EbpfDatapath {
+    fn ipv6_support(&self) -> Ipv6Support {
+        Ipv6Support::Sockets
+    }
+
     fn mode(&self) -> &'static str {
         "ebpf"
     }
@@ -456,7 +460,7 @@ impl Datapath for EbpfDatapath {
                 tracing::warn!(error = %e, "could not end sockets connected to removed endpoints")
             }
         }
-        Ok(Synced { full: None, backends })
+        Ok(Synced { backends })
     }
 
     /// Collects expired flows, less often as the map fills.

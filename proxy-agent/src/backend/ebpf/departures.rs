@@ -9,9 +9,11 @@
 //! ClusterIP stays): only that frontend's flows go. A backend no frontend
 //! names any more is gone: all its flows go.
 
-use std::{collections::BTreeSet, net::IpAddr};
+use std::collections::BTreeSet;
 
-use proxy_common::SockEndKey;
+use std::net::IpAddr;
+
+use proxy_common::{SockEndKey, v4_mapped};
 
 use super::entries::BackendEntry;
 
@@ -23,25 +25,17 @@ pub const EVERY_FRONTEND: u32 = 0;
 pub struct Departures {
     /// (reverse-NAT id or [`EVERY_FRONTEND`], backend id).
     by_id: BTreeSet<(u32, u32)>,
-    /// The same departures of IPv4 backends by the backend's address, as
-    /// per-packet flows and the socket iterators name it.
+    /// The same departures by the backend's address (IPv4 ones
+    /// v4-mapped), as flows and the socket iterators name it.
     by_address: BTreeSet<SockEndKey>,
-    /// Those of IPv6 backends, as their per-packet flows name them:
-    /// (reverse-NAT id or [`EVERY_FRONTEND`], protocol, address, port).
-    by_address6: BTreeSet<(u32, u8, [u8; 16], u16)>,
 }
 
-fn key(rev_nat_id: u32, backend: &BackendEntry) -> Option<SockEndKey> {
-    match backend {
-        BackendEntry::V4(b) => Some(SockEndKey {
-            address: b.address,
-            port: b.port,
-            proto: b.proto,
-            _pad: 0,
-            rev_nat_id,
-        }),
-        BackendEntry::V6(_) => None,
-    }
+fn key(rev_nat_id: u32, backend: &BackendEntry) -> SockEndKey {
+    let (address, port, proto) = match backend {
+        BackendEntry::V4(b) => (v4_mapped(b.address), b.port, b.proto),
+        BackendEntry::V6(b) => (b.address, b.port, b.proto),
+    };
+    SockEndKey { address, port, proto, _pad: 0, rev_nat_id }
 }
 
 impl Departures {
@@ -58,17 +52,13 @@ impl Departures {
     /// [`EVERY_FRONTEND`], every frontend).
     pub fn add(&mut self, rev_nat_id: u32, id: u32, backend: &BackendEntry) {
         self.by_id.insert((rev_nat_id, id));
-        self.by_address.extend(key(rev_nat_id, backend));
-        if let BackendEntry::V6(b) = backend {
-            self.by_address6.insert((rev_nat_id, b.proto, b.address, b.port));
-        }
+        self.by_address.insert(key(rev_nat_id, backend));
     }
 
     /// These and `more`'s.
     pub fn merge(&mut self, more: Departures) {
         self.by_id.extend(more.by_id);
         self.by_address.extend(more.by_address);
-        self.by_address6.extend(more.by_address6);
     }
 
     pub fn is_empty(&self) -> bool {
@@ -87,34 +77,22 @@ impl Departures {
             || self.by_id.contains(&(rev_nat_id, backend_id))
     }
 
-    /// The same, for a flow that names its backend by address.
-    pub fn ends_flow_to(
-        &self,
-        rev_nat_id: u32,
-        proto: u8,
-        address: impl Into<IpAddr>,
-        port: u16,
-    ) -> bool {
-        match address.into() {
-            IpAddr::V4(address) => {
-                let address = address.octets();
-                let mut key =
-                    SockEndKey { address, port, proto, _pad: 0, rev_nat_id: EVERY_FRONTEND };
-                self.by_address.contains(&key) || {
-                    key.rev_nat_id = rev_nat_id;
-                    self.by_address.contains(&key)
-                }
-            }
-            IpAddr::V6(address) => [EVERY_FRONTEND, rev_nat_id]
-                .iter()
-                .any(|&id| self.by_address6.contains(&(id, proto, address.octets(), port))),
+    /// The same, for a flow or socket that names its backend by address.
+    pub fn ends_flow_to(&self, rev_nat_id: u32, proto: u8, address: IpAddr, port: u16) -> bool {
+        let address = match address {
+            IpAddr::V4(ip) => v4_mapped(ip.octets()),
+            IpAddr::V6(ip) => ip.octets(),
+        };
+        let mut key = SockEndKey { address, port, proto, _pad: 0, rev_nat_id: EVERY_FRONTEND };
+        self.by_address.contains(&key) || {
+            key.rev_nat_id = rev_nat_id;
+            self.by_address.contains(&key)
         }
     }
 
     /// Whether any departure is of a `proto` backend.
     pub fn has_proto(&self, proto: u8) -> bool {
         self.by_address.iter().any(|k| k.proto == proto)
-            || self.by_address6.iter().any(|&(_, p, _, _)| p == proto)
     }
 
     /// The departures of `protocols`, as the socket iterators read them.
@@ -139,10 +117,10 @@ mod tests {
         departures.add(7, 1, &backend(1, IPPROTO_UDP));
         assert!(departures.ends(7, 1));
         assert!(!departures.ends(8, 1), "the backend still serves frontend 8");
-        assert!(departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1], 53));
-        assert!(!departures.ends_flow_to(8, IPPROTO_UDP, [10, 244, 0, 1], 53));
-        assert!(!departures.ends_flow_to(7, IPPROTO_TCP, [10, 244, 0, 1], 53));
-        assert!(!departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1], 54));
+        assert!(departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1].into(), 53));
+        assert!(!departures.ends_flow_to(8, IPPROTO_UDP, [10, 244, 0, 1].into(), 53));
+        assert!(!departures.ends_flow_to(7, IPPROTO_TCP, [10, 244, 0, 1].into(), 53));
+        assert!(!departures.ends_flow_to(7, IPPROTO_UDP, [10, 244, 0, 1].into(), 54));
     }
 
     #[test]
@@ -150,23 +128,25 @@ mod tests {
         let departures = Departures::gone([(2, backend(2, IPPROTO_UDP))]);
         assert!(departures.ends(7, 2) && departures.ends(8, 2));
         assert!(!departures.ends(7, 3));
-        assert!(departures.ends_flow_to(9, IPPROTO_UDP, [10, 244, 0, 2], 53));
+        assert!(departures.ends_flow_to(9, IPPROTO_UDP, [10, 244, 0, 2].into(), 53));
         assert_eq!(departures.len(), 1);
     }
 
     #[test]
-    fn ipv6_backends_end_their_flows_by_address() {
-        use proxy_common::Backend6;
-        let address = [0xfd, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
-        let flags = BackendFlags::default();
-        let b = BackendEntry::V6(Backend6 { address, port: 53, proto: IPPROTO_UDP, flags });
-        let mut departures = Departures::default();
-        departures.add(7, 1, &b);
-        assert!(departures.has_proto(IPPROTO_UDP));
-        assert!(departures.ends_flow_to(7, IPPROTO_UDP, address, 53));
-        assert!(!departures.ends_flow_to(8, IPPROTO_UDP, address, 53));
-        assert!(Departures::gone([(1, b)]).ends_flow_to(8, IPPROTO_UDP, address, 53));
-        assert!(departures.socket_keys(&[IPPROTO_UDP]).is_empty(), "no IPv4 socket key");
+    fn ipv6_backends_are_named_by_their_own_address_ipv4_ones_v4_mapped() {
+        let v6 = BackendEntry::V6(proxy_common::Backend6 {
+            address: [0xfd, 0, 0, 0, 2, 0x44, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2],
+            port: 53,
+            proto: IPPROTO_UDP,
+            flags: BackendFlags::default(),
+        });
+        let mut departures = Departures::gone([(3, v6)]);
+        departures.add(7, 1, &backend(1, IPPROTO_UDP));
+        let addresses: Vec<[u8; 16]> =
+            departures.socket_keys(&[IPPROTO_UDP]).iter().map(|k| k.address).collect();
+        let mapped = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 244, 0, 1];
+        assert_eq!(addresses, [mapped, [0xfd, 0, 0, 0, 2, 0x44, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2]]);
+        assert!(departures.ends(9, 3), "gone from every frontend");
     }
 
     #[test]
@@ -174,7 +154,7 @@ mod tests {
         let mut departures = Departures::gone([(2, backend(2, IPPROTO_TCP))]);
         departures.add(7, 1, &backend(1, IPPROTO_UDP));
         let udp = departures.socket_keys(&[IPPROTO_UDP]);
-        assert_eq!(udp, Vec::from_iter(key(7, &backend(1, IPPROTO_UDP))));
+        assert_eq!(udp, vec![key(7, &backend(1, IPPROTO_UDP))]);
         assert_eq!(departures.socket_keys(&[IPPROTO_UDP, IPPROTO_TCP]).len(), 2);
         assert!(departures.has_proto(IPPROTO_TCP) && !Departures::default().has_proto(IPPROTO_UDP));
     }

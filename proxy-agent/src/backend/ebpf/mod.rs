@@ -51,7 +51,7 @@ use proxy_common::{
     AffinityKey, AffinityValue, Backend, Backend6, Config, Counter, CtEntry, CtKey, FrontendInfo,
     IPPROTO_TCP, IPPROTO_UDP, Layouts, MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat,
     RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceKey6, ServiceValue, SockFlow,
-    SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey, map_names,
+    SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, SourceRangeKey, map_names,
 };
 use proxy_common::{AffinityKey6, CtEntry6, CtKey6, CtTuple, CtValue, SourceRangeKey6};
 
@@ -981,26 +981,35 @@ impl EbpfBackend {
         match &mut self.socket_ending {
             SocketEnding::Iterators(iterators) => iterators.end(&mut self.ebpf, &keys, protocols),
             SocketEnding::SockDiag => {
-                let name = map_names::SOCK_REV_NAT;
+                let map_err = |name| move |source| EbpfError::Map { name, source };
+                let (v4, v6) = (map_names::SOCK_REV_NAT, map_names::SOCK_REV_NAT6);
                 let map =
                     HashMap::<_, SockRevNatKey, SockRevNat>::try_from(&self.maps.sock_rev_nat)
-                        .map_err(|source| EbpfError::Map { name, source })?;
+                        .map_err(map_err(v4))?;
+                let map6 =
+                    HashMap::<_, SockRevNatKey6, SockRevNat6>::try_from(&self.maps.sock_rev_nat6)
+                        .map_err(map_err(v6))?;
+                // The frontend the socket LB sent the socket's peer for.
+                let frontend = |peer: &Peer| {
+                    let (cookie, port) = (peer.cookie, peer.port);
+                    match peer.address {
+                        IpAddr::V4(ip) => {
+                            let address = ip.octets();
+                            let key = SockRevNatKey { cookie, address, port, _pad: 0 };
+                            map.get(&key, 0).ok().map(|t| t.rev_nat_id)
+                        }
+                        IpAddr::V6(ip) => {
+                            let address = ip.octets();
+                            let key = SockRevNatKey6 { cookie, address, port, _pad: [0; 6] };
+                            map6.get(&key, 0).ok().map(|t| t.rev_nat_id)
+                        }
+                    }
+                };
                 let mut ended = 0;
                 for proto in protocols.iter().filter(|p| departures.has_proto(**p)) {
                     let must_end = |peer: &Peer| {
-                        let key = SockRevNatKey {
-                            cookie: peer.cookie,
-                            address: peer.address,
-                            port: peer.port,
-                            _pad: 0,
-                        };
-                        map.get(&key, 0).is_ok_and(|translated| {
-                            departures.ends_flow_to(
-                                translated.rev_nat_id,
-                                *proto,
-                                peer.address,
-                                peer.port,
-                            )
+                        frontend(peer).is_some_and(|rev_nat_id| {
+                            departures.ends_flow_to(rev_nat_id, *proto, peer.address, peer.port)
                         })
                     };
                     ended += crate::sockets::destroy(*proto, &must_end).map_err(io)?;

@@ -14,7 +14,7 @@ use std::{
 
 use super::{CANARY, IptablesBackend, IptablesError, exec::System, render};
 use crate::{
-    backend::{Datapath, Synced, ebpf},
+    backend::{Datapath, Ipv6Support, Synced, ebpf},
     cli::{NodeArgs, RunArgs},
     metrics::Metrics,
     model::{IpFamily, Model},
@@ -89,8 +89,11 @@ impl Datapath for IptablesDatapath {
         self.backends.iter_mut().for_each(|b| b.set_zone(zone.clone()));
     }
 
-    fn serves_ipv6(&self) -> bool {
-        self.backends.iter().any(|b| b.family() == IpFamily::V6)
+    fn ipv6_support(&self) -> Ipv6Support {
+        match self.backends.iter().any(|b| b.family() == IpFamily::V6) {
+            true => Ipv6Support::Full,
+            false => Ipv6Support::None,
+        }
     }
 
     /// Renders the rules from `model`; the plan only counts backends.
@@ -101,9 +104,9 @@ impl Datapath for IptablesDatapath {
         _dirty: Option<&BTreeSet<Frontend>>,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
-        let mut full = None;
         for backend in &mut self.backends {
             let family = backend.family();
+            let start = std::time::Instant::now();
             let report = backend.sync(model).inspect_err(|err| {
                 if let IptablesError::Restore { full, .. } = err {
                     let rules = metrics.rules(family);
@@ -113,12 +116,12 @@ impl Datapath for IptablesDatapath {
                     }
                 }
             })?;
+            metrics.rules(family).synced(start.elapsed(), report.full);
             report_sync(family, &report, metrics);
-            full.get_or_insert(report.full);
         }
         let backends: BTreeSet<_> =
             plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
-        Ok(Synced { full, backends: backends.len() })
+        Ok(Synced { backends: backends.len() })
     }
 
     /// Checks the canary chains of each family: a full resync is due when
