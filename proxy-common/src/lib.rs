@@ -30,7 +30,17 @@ pub mod map_names {
     pub const CONNTRACK6: &str = "CONNTRACK6";
     pub const AFFINITY6: &str = "AFFINITY6";
     pub const SOURCE_RANGES6: &str = "SOURCE_RANGES6";
+    pub const TC6: &str = "TC6";
 }
+
+/// The IPv6 per-packet programs, by their slot in the `TC6` program array:
+/// the IPv4 programs enter them by a tail call, which gives the IPv6 path a
+/// stack of its own (the IPv4 path's frame would leave it too little of the
+/// 512 bytes a chain of calls shares), and costs the IPv4 path nothing.
+pub const TC6_PROGRAMS: [&str; 3] = ["tc_ingress6", "tc_pod_replies6", "tc_egress6"];
+pub const TC6_INGRESS: u32 = 0;
+pub const TC6_POD_REPLIES: u32 = 1;
+pub const TC6_EGRESS: u32 = 2;
 
 /// Layout versions of the maps, so a new agent can tell whether a previous
 /// agent's pinned maps hold entries it can read: the same version is reused

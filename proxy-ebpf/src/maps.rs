@@ -4,7 +4,7 @@
 use crate::packet::Flow;
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
     macros::{btf_map, map},
 };
 use proxy_common::{
@@ -16,7 +16,7 @@ use proxy_common::{
 };
 use proxy_common::{
     AffinityKey6, Backend6, CtEntry6, CtKey6, MAX_AFFINITY6, MAX_CONNTRACK6, MAX_SOCK_REV_NAT6,
-    RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6, SourceRangeKey6,
+    RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6, SourceRangeKey6, TC6_PROGRAMS,
 };
 
 #[btf_map]
@@ -102,6 +102,11 @@ pub static CONNTRACK6: LruHashMap<CtKey6, CtEntry6, { MAX_CONNTRACK6 as usize }>
 #[btf_map]
 pub static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue, { MAX_AFFINITY6 as usize }> =
     LruHashMap::new();
+
+/// The IPv6 per-packet programs (`proxy_common::TC6_PROGRAMS`), entered by
+/// a tail call; the agent fills it.
+#[btf_map]
+pub static TC6: ProgramArray<{ TC6_PROGRAMS.len() }> = ProgramArray::new();
 
 /// The IPv6 per-packet path's packet and tuples (`packet::Flow`), one per
 /// CPU: off the stack. No BTF: scratch space, never read from outside.

@@ -19,7 +19,8 @@ use aya_ebpf::{
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
-    Config, Counter, CtKey, CtTuple, CtValue, FragKey, ServiceFlags, ServiceValue, log_level,
+    Config, Counter, CtKey, CtTuple, CtValue, FragKey, ServiceFlags, ServiceValue, TC6_EGRESS,
+    TC6_INGRESS, TC6_POD_REPLIES, log_level,
 };
 
 use crate::{
@@ -28,7 +29,7 @@ use crate::{
     icmp,
     lb::{self, Verdict, Via},
     log::{self, Outcome, Printable},
-    maps::{CONFIG, FLOW6, FRAGMENTS, count},
+    maps::{CONFIG, FLOW6, FRAGMENTS, TC6, count},
     packet::{self, Flow, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
     prefilter::{self, Filter, Hook},
     reject,
@@ -50,39 +51,46 @@ pub enum Scope {
 
 #[inline(always)]
 pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
-    // Each family's path is a BPF call of its own: the verifier counts the
-    // frames of a call chain together, and the IPv4 path's frame alone
-    // would leave the IPv6 path too little of the 512 bytes.
-    if packet::is_ipv6(ctx) { ingress6(ctx, scope) } else { ingress4(ctx, scope) }
-}
-
-/// The configuration, unless the pre-filter passes the packet on untouched.
-#[inline(always)]
-fn config(ctx: &TcContext, scope: Scope) -> Option<&'static Config> {
-    let cfg = CONFIG.get(0)?;
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let hook = match scope {
         Scope::Everything => Hook::Ingress,
         Scope::TrackedOnly => Hook::PodReplies,
     };
-    (!filtered(ctx, cfg, hook)).then_some(cfg)
-}
-
-#[inline(never)]
-fn ingress4(ctx: &TcContext, scope: Scope) -> i32 {
-    let Some(cfg) = config(ctx, scope) else { return NEXT };
+    if filtered(ctx, cfg, hook) {
+        return NEXT;
+    }
     let pkt = match packet::parse(ctx) {
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Fragment(key)) => return later_fragment(ctx, &key),
         Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, true),
-        None => return NEXT,
+        None => {
+            let slot = match scope {
+                Scope::Everything => TC6_INGRESS,
+                Scope::TrackedOnly => TC6_POD_REPLIES,
+            };
+            return to_ipv6(ctx, slot);
+        }
     };
     let mut flow = Flow { to: pkt.tuple, pkt, now: unsafe { bpf_ktime_get_ns() } };
     translate::<Ipv4Hdr>(ctx, cfg, &mut flow, scope)
 }
 
-#[inline(never)]
-fn ingress6(ctx: &TcContext, scope: Scope) -> i32 {
-    let Some(cfg) = config(ctx, scope) else { return NEXT };
+/// An IPv6 packet goes on in the IPv6 program at `slot` of `TC6` (a tail
+/// call: a stack of its own); anything else, or with no such program,
+/// passes untouched.
+#[inline(always)]
+fn to_ipv6(ctx: &TcContext, slot: u32) -> i32 {
+    if packet::is_ipv6(ctx) {
+        // SAFETY: returns only if the slot is empty.
+        unsafe { TC6.tail_call(ctx, slot) };
+    }
+    NEXT
+}
+
+/// The IPv6 programs' ingress (`tc_ingress6`, `tc_pod_replies6`).
+#[inline(always)]
+pub fn try_ingress6(ctx: &TcContext, scope: Scope) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
     // Off the stack (see `FLOW6`).
     let Some(flow) = FLOW6.get_ptr_mut(0) else { return NEXT };
     // SAFETY: this CPU's slot; a tc program is not preempted by another
@@ -98,8 +106,9 @@ fn ingress6(ctx: &TcContext, scope: Scope) -> i32 {
 
 /// A TCP or UDP packet: of a tracked flow, or a new flow to a frontend.
 /// Each step is a BPF call of its own in the IPv6 path (`Family::step`),
-/// one after the other from here, so their frames never add up; they fill
-/// or read `flow.to` in place.
+/// one after the other from here, so their frames never add up (the
+/// compiler's copies of 16-byte addresses would not fit one frame); they
+/// fill or read `flow.to` in place.
 #[inline(always)]
 fn translate<F: Family>(ctx: &TcContext, cfg: &Config, f: &mut Flow<F::Tuple>, scope: Scope) -> i32
 where
@@ -299,21 +308,21 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
     if filtered(ctx, cfg, Hook::Egress) {
         return NEXT;
     }
-    if packet::is_ipv6(ctx) {
-        return egress6(ctx, cfg);
-    }
     let pkt = match packet::parse(ctx) {
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, false),
-        _ => return NEXT,
+        Some(Parsed::Fragment(_)) => return NEXT,
+        None => return to_ipv6(ctx, TC6_EGRESS),
     };
     reverse::<Ipv4Hdr>(ctx, cfg, &pkt)
 }
 
-#[inline(never)]
-fn egress6(ctx: &TcContext, cfg: &Config) -> i32 {
+/// The IPv6 program's egress (`tc_egress6`).
+#[inline(always)]
+pub fn try_egress6(ctx: &TcContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
     let Some(flow) = FLOW6.get_ptr_mut(0) else { return NEXT };
-    // SAFETY: as in `ingress6`.
+    // SAFETY: as in `try_ingress6`.
     let pkt = unsafe { &mut (*flow).pkt };
     if !packet::parse6(ctx, pkt) {
         return NEXT;

@@ -33,7 +33,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{
-        Array, HashMap, Map, MapData, MapError, PerCpuArray,
+        Array, HashMap, Map, MapData, MapError, PerCpuArray, ProgramArray,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
@@ -53,7 +53,9 @@ use proxy_common::{
     RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceKey6, ServiceValue, SockFlow,
     SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, SourceRangeKey, map_names,
 };
-use proxy_common::{AffinityKey6, CtEntry6, CtKey6, CtTuple, CtValue, SourceRangeKey6};
+use proxy_common::{
+    AffinityKey6, CtEntry6, CtKey6, CtTuple, CtValue, SourceRangeKey6, TC6_PROGRAMS,
+};
 
 use carry::{Carry, Conversion, Pinned, STATE_MAPS};
 use departures::Departures;
@@ -181,6 +183,7 @@ struct Maps {
     conntrack6: Map,
     affinity6: Map,
     source_ranges6: Map,
+    tc6: Map,
     frontend_info: Map,
     sock_rev_nat: Map,
     affinity: Map,
@@ -210,6 +213,7 @@ impl Maps {
             conntrack6: take(map_names::CONNTRACK6)?,
             affinity6: take(map_names::AFFINITY6)?,
             source_ranges6: take(map_names::SOURCE_RANGES6)?,
+            tc6: take(map_names::TC6)?,
             frontend_info: take(map_names::FRONTEND_INFO)?,
             sock_rev_nat: take(map_names::SOCK_REV_NAT)?,
             affinity: take(map_names::AFFINITY)?,
@@ -238,7 +242,7 @@ impl Maps {
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 21] {
+    fn by_name(&self) -> [(&'static str, &Map); 22] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
@@ -261,7 +265,25 @@ impl Maps {
             (map_names::CONNTRACK6, &self.conntrack6),
             (map_names::AFFINITY6, &self.affinity6),
             (map_names::SOURCE_RANGES6, &self.source_ranges6),
+            // Pinned so the IPv6 programs stay in it while no agent runs
+            // (the kernel empties a program array its last holder closes).
+            (map_names::TC6, &self.tc6),
         ]
+    }
+
+    /// Puts the IPv6 per-packet programs in `TC6`, where the IPv4 ones
+    /// enter them by tail call.
+    fn fill_tc6(&mut self, ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+        let name = map_names::TC6;
+        let mut array = ProgramArray::try_from(&mut self.tc6)
+            .map_err(|source| EbpfError::Map { name, source })?;
+        for (slot, program_name) in (0..).zip(TC6_PROGRAMS) {
+            let prog = program::<SchedClassifier>(ebpf, program_name)?;
+            let fd =
+                prog.fd().map_err(|source| EbpfError::Program { name: program_name, source })?;
+            array.set(slot, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
+        }
+        Ok(())
     }
 }
 
@@ -535,12 +557,13 @@ impl EbpfBackend {
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
-        for (name, _, _) in TC_PROGRAMS {
+        for name in TC_PROGRAMS.map(|(name, _, _)| name).into_iter().chain(TC6_PROGRAMS) {
             program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
         let mut maps = Maps::take(&mut ebpf)?;
+        maps.fill_tc6(&mut ebpf)?;
         let mut state = SyncState::with_capacity(sizes);
         if let Some(pinned) = &pinned {
             match pinned.reserved() {
