@@ -145,4 +145,23 @@ mod tests {
         elsewhere.add(2, 9, &backend);
         assert!(flows_to(&entries, &elsewhere).is_empty());
     }
+
+    #[test]
+    fn ipv6_flows_expire_and_leave_with_their_backend_as_ipv4_ones() {
+        use proxy_common::{Backend6, CtEntry6, CtKey6};
+        let ip = |last: u8| [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, last];
+        let orig = CtKey6::new(ip(1), ip(10), 40000, 53, IPPROTO_UDP);
+        let xlated = CtKey6::new(ip(1), ip(2), 40000, 5353, IPPROTO_UDP);
+        let forward = CtEntry6::new(10, &xlated, 1, 0);
+        let reply = CtEntry6::new(10, &orig.reversed(), 1, CT_FLAG_REPLY);
+        let entries = [(orig, forward), (xlated.reversed(), reply)];
+        assert_eq!(expired(&entries, 50).len(), 2);
+        assert!(expired(&entries, 5).is_empty());
+        let flags = BackendFlags::EMPTY;
+        let backend = Backend6 { address: ip(2), port: 5353, proto: IPPROTO_UDP, flags };
+        let departed = Departures::gone([(9, BackendEntry::V6(backend))]);
+        assert_eq!(flows_to(&entries, &departed).len(), 2);
+        let other = Backend6 { address: ip(3), ..backend };
+        assert!(flows_to(&entries, &Departures::gone([(9, BackendEntry::V6(other))])).is_empty());
+    }
 }
