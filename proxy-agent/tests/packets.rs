@@ -853,3 +853,40 @@ fn ipv6_source_ranges_affinity_and_local_policy() {
     // Policy Local without a local endpoint: dropped, not refused.
     assert_eq!(run(&mut dp, &tcp6((CLIENT6, 40000), (local, 80), SYN)).verdict, SHOT);
 }
+
+/// Runs `ip` or `sysctl` in this test's network namespace (a child
+/// process shares the namespace of the thread that starts it).
+fn sh(program: &str, args: &str) {
+    let status = std::process::Command::new(program).args(args.split(' ')).status().unwrap();
+    assert!(status.success(), "{program} {args}");
+}
+
+#[test]
+fn ipv6_packets_are_forwarded_by_a_fib_lookup_with_the_hop_limit_decremented() {
+    let mut dp = datapath(vec![(
+        frontend(NODE6, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD6, 8080)], true, &[]),
+    )]);
+    // A link towards the pod's network, and IPv6 forwarding on (else the FIB
+    // lookup leaves the packet to the stack).
+    sh("ip", "link add pods type veth peer name pods-peer");
+    sh("ip", "link set pods-peer up");
+    sh("ip", "link set pods up");
+    sh("ip", "-6 addr add fd00:10:244:2::1/64 dev pods nodad");
+    sh("sysctl", "-qw net.ipv6.conf.all.forwarding=1");
+
+    // No neighbour entry yet: bpf_redirect_neigh resolves it.
+    let out = run(&mut dp, &tcp6((CLIENT6, 40000), (NODE6, 30080), SYN));
+    assert_eq!(out.verdict, REDIRECT);
+    assert_eq!(out.packet[21], 63, "hop limit decremented");
+    assert_eq!(tuple6(&out.packet).1, (POD6, 8080));
+    assert_checksums6(&out.packet);
+
+    // A known neighbour: its MAC address, and a plain redirect.
+    sh("ip", "-6 neigh add fd00:10:244:2::2 lladdr 02:00:00:00:00:22 dev pods");
+    let out = run(&mut dp, &tcp6((CLIENT6, 40001), (NODE6, 30080), SYN));
+    assert_eq!(out.verdict, REDIRECT);
+    assert_eq!(out.packet[0..6], [2, 0, 0, 0, 0, 0x22], "the neighbour's MAC");
+    assert_eq!(out.packet[21], 63);
+    assert_checksums6(&out.packet);
+}
