@@ -161,6 +161,14 @@ pub fn v4(ip: IpAddr) -> Option<Ipv4Addr> {
     }
 }
 
+/// The IPv6 address, if `ip` is one.
+pub fn v6(ip: IpAddr) -> Option<Ipv6Addr> {
+    match ip {
+        IpAddr::V4(_) => None,
+        IpAddr::V6(ip) => Some(ip),
+    }
+}
+
 impl fmt::Display for IpFamily {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())

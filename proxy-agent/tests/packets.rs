@@ -5,7 +5,7 @@
 //! lookups find no route and translated packets are handed to the "stack").
 //! Needs root.
 
-use std::net::SocketAddrV4;
+use std::net::{IpAddr, SocketAddr};
 
 use proxy_agent::{
     backend::ebpf::{EbpfBackend, PacketRun, TcAttach},
@@ -34,11 +34,16 @@ fn in_own_netns() {
     assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare(CLONE_NEWNET)");
 }
 
-fn frontend(ip: [u8; 4], port: u16, protocol: Protocol) -> Frontend {
+fn frontend(ip: impl Into<IpAddr>, port: u16, protocol: Protocol) -> Frontend {
     Frontend::new(ip.into(), port, protocol)
 }
 
-fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -> FrontendPlan {
+/// Of either family: `[u8; 4]` or `[u8; 16]` addresses.
+fn frontend_plan<A: Into<IpAddr> + Copy>(
+    backends: &[(A, u16)],
+    external: bool,
+    ranges: &[&str],
+) -> FrontendPlan {
     FrontendPlan {
         service: ServicePortName {
             service: ServiceName { namespace: "t".into(), name: "svc".into() },
@@ -48,7 +53,7 @@ fn frontend_plan(backends: &[([u8; 4], u16)], external: bool, ranges: &[&str]) -
         backends: backends
             .iter()
             .map(|(ip, port)| BackendPlan {
-                addr: SocketAddrV4::new((*ip).into(), *port).into(),
+                addr: SocketAddr::new((*ip).into(), *port),
                 local: false,
                 host: false,
             })
@@ -80,6 +85,9 @@ fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
             tcp_time_wait_timeout_secs: 120,
             udp_timeout_secs: 30,
             udp_stream_timeout_secs: 120,
+            snat_addr6: NODE6,
+            cluster_cidr6: POD_CLIENT6,
+            cluster_cidr6_prefix: 48,
             ..Config::default()
         })
         .unwrap();
@@ -109,19 +117,29 @@ fn packet(proto: u8, src: ([u8; 4], u16), dst: ([u8; 4], u16), l4_rest: &[u8]) -
 /// A 32-byte TCP header with the given flags, seq 1000, MSS and SACK options, and a
 /// valid checksum.
 fn tcp(src: ([u8; 4], u16), dst: ([u8; 4], u16), flags: u8) -> Vec<u8> {
-    let mut rest = vec![0, 0, 0x03, 0xe8, 0, 0, 0, 0, 0x80, flags, 0xfa, 0xf0, 0, 0, 0, 0];
-    rest.extend_from_slice(&[2, 4, 0x05, 0xb4, 4, 2, 1, 1, 1, 1, 1, 0]);
-    let mut p = packet(TCP, src, dst, &rest);
+    let mut p = packet(TCP, src, dst, &tcp_rest(flags));
     set_l4_checksum(&mut p);
     p
 }
 
-fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), with_checksum: bool) -> Vec<u8> {
+/// A TCP header after its ports: seq 1000, MSS and SACK options.
+fn tcp_rest(flags: u8) -> Vec<u8> {
+    let mut rest = vec![0, 0, 0x03, 0xe8, 0, 0, 0, 0, 0x80, flags, 0xfa, 0xf0, 0, 0, 0, 0];
+    rest.extend_from_slice(&[2, 4, 0x05, 0xb4, 4, 2, 1, 1, 1, 1, 1, 0]);
+    rest
+}
+
+/// A UDP header after its ports (checksum 0) and a payload.
+fn udp_rest() -> Vec<u8> {
     let payload = b"hello";
     let mut rest = vec![0, 0, 0, 0];
     rest[0..2].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
     rest.extend_from_slice(payload);
-    let mut p = packet(UDP, src, dst, &rest);
+    rest
+}
+
+fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), with_checksum: bool) -> Vec<u8> {
+    let mut p = packet(UDP, src, dst, &udp_rest());
     if with_checksum {
         set_l4_checksum(&mut p);
     }
@@ -365,8 +383,10 @@ fn fragments_of_a_datagram_follow_the_first() {
 
 #[test]
 fn a_service_without_endpoints_answers_a_syn_with_a_valid_rst() {
-    let mut dp =
-        datapath(vec![(frontend(NODE, 30080, Protocol::Tcp), frontend_plan(&[], true, &[]))]);
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30080, Protocol::Tcp),
+        frontend_plan::<[u8; 4]>(&[], true, &[]),
+    )]);
     let syn = tcp((CLIENT, 40000), (NODE, 30080), SYN);
     let out = run(&mut dp, &syn);
     assert_eq!(out.verdict, REDIRECT, "sent back out of the interface it came from");
@@ -381,8 +401,10 @@ fn a_service_without_endpoints_answers_a_syn_with_a_valid_rst() {
 
 #[test]
 fn a_service_without_endpoints_answers_udp_with_port_unreachable() {
-    let mut dp =
-        datapath(vec![(frontend(NODE, 30053, Protocol::Udp), frontend_plan(&[], true, &[]))]);
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30053, Protocol::Udp),
+        frontend_plan::<[u8; 4]>(&[], true, &[]),
+    )]);
     let datagram = udp((CLIENT, 40000), (NODE, 30053), true);
     let out = run(&mut dp, &datagram);
     assert_eq!(out.verdict, REDIRECT);
@@ -614,4 +636,257 @@ fn icmp_errors_about_no_translated_flow_pass_untouched() {
         assert_eq!(out.verdict, NEXT, "{p:02x?}");
         assert_eq!(out.packet, p);
     }
+}
+
+// IPv6: the same paths, with the family's own header (no header checksum;
+// the L4 pseudo-header holds the 16-byte addresses). The frontends are
+// written by `sync` into SERVICES6/BACKENDS6.
+
+const NODE6: [u8; 16] = [0xfd, 0, 0, 0x64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x11];
+const CLIENT6: [u8; 16] = [0x20, 0x01, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x1, 0x01];
+const POD6: [u8; 16] = [0xfd, 0, 0, 0x10, 0x02, 0x44, 0, 2, 0, 0, 0, 0, 0, 0, 0, 2];
+/// In the IPv6 cluster CIDR of `datapath` (its /48).
+const POD_CLIENT6: [u8; 16] = [0xfd, 0, 0, 0x10, 0x02, 0x44, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+const CLUSTER_IP6: [u8; 16] = [0xfd, 0, 0, 0x96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
+const ICMPV6: u8 = 58;
+
+type Endpoint6 = ([u8; 16], u16);
+
+/// Ethernet + IPv6 (next header `proto`) + L4 header and payload.
+fn packet6(proto: u8, src: Endpoint6, dst: Endpoint6, l4_rest: &[u8]) -> Vec<u8> {
+    let mut p = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x86, 0xdd, 0x60, 0, 0, 0];
+    p.extend_from_slice(&((4 + l4_rest.len()) as u16).to_be_bytes());
+    p.extend_from_slice(&[proto, 64]);
+    p.extend_from_slice(&src.0);
+    p.extend_from_slice(&dst.0);
+    p.extend_from_slice(&src.1.to_be_bytes());
+    p.extend_from_slice(&dst.1.to_be_bytes());
+    p.extend_from_slice(l4_rest);
+    p
+}
+
+fn tcp6(src: Endpoint6, dst: Endpoint6, flags: u8) -> Vec<u8> {
+    let mut p = packet6(TCP, src, dst, &tcp_rest(flags));
+    set_l4_checksum6(&mut p);
+    p
+}
+
+fn udp6(src: Endpoint6, dst: Endpoint6) -> Vec<u8> {
+    let mut p = packet6(UDP, src, dst, &udp_rest());
+    set_l4_checksum6(&mut p);
+    p
+}
+
+/// The L4 (or ICMPv6) sum with the IPv6 pseudo-header.
+fn l4_sum6(p: &[u8]) -> u32 {
+    let l4 = &p[54..];
+    let mut pseudo = p[22..54].to_vec();
+    pseudo.extend_from_slice(&(l4.len() as u32).to_be_bytes());
+    pseudo.extend_from_slice(&[0, 0, 0, p[20]]);
+    sum16(&pseudo) + sum16(l4)
+}
+
+fn csum_offset6(p: &[u8]) -> usize {
+    54 + match p[20] {
+        TCP => 16,
+        UDP => 6,
+        _ => 2,
+    }
+}
+
+fn set_l4_checksum6(p: &mut [u8]) {
+    let off = csum_offset6(p);
+    p[off..off + 2].copy_from_slice(&[0, 0]);
+    let sum = fold(l4_sum6(p));
+    p[off..off + 2].copy_from_slice(&sum.to_be_bytes());
+}
+
+/// Checks the TCP, UDP or ICMPv6 checksum (a UDP one must not be zero).
+fn assert_checksums6(p: &[u8]) {
+    assert_eq!(u16::from_be_bytes([p[18], p[19]]) as usize, p.len() - 54, "payload length");
+    let off = csum_offset6(p);
+    assert_ne!(p[off..off + 2], [0, 0], "IPv6 checksums are never zero");
+    assert_eq!(fold(l4_sum6(p)), 0, "L4 checksum of {p:02x?}");
+}
+
+fn tuple6(p: &[u8]) -> (Endpoint6, Endpoint6) {
+    let addr = |o: usize| <[u8; 16]>::try_from(&p[o..o + 16]).unwrap();
+    let port = |o: usize| u16::from_be_bytes([p[o], p[o + 1]]);
+    ((addr(22), port(54)), (addr(38), port(56)))
+}
+
+#[test]
+fn ipv6_node_port_flow_is_snated_and_translated_back_with_valid_checksums() {
+    let mut dp = datapath(vec![(
+        frontend(NODE6, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD6, 8080)], true, &[]),
+    )]);
+    let syn = tcp6((CLIENT6, 40000), (NODE6, 30080), SYN);
+    let out = run(&mut dp, &syn);
+    assert_eq!(out.verdict, STACK, "no route in an empty netns: the stack gets it");
+    let ((src, sport), dst) = tuple6(&out.packet);
+    assert_eq!(src, NODE6, "external traffic with policy Cluster is SNATed");
+    assert!((61000..=65000).contains(&sport), "SNAT port {sport} in range");
+    assert_eq!(dst, (POD6, 8080));
+    assert_eq!(out.packet.len(), syn.len());
+    assert_checksums6(&out.packet);
+    assert_eq!(out.packet[54 + 20..], syn[54 + 20..], "options untouched");
+
+    let syn_ack = tcp6((POD6, 8080), (NODE6, sport), SYN | ACK);
+    let back = run(&mut dp, &syn_ack);
+    assert_eq!(back.verdict, STACK);
+    assert_eq!(tuple6(&back.packet), ((NODE6, 30080), (CLIENT6, 40000)));
+    assert_checksums6(&back.packet);
+
+    let again = run(&mut dp, &syn);
+    assert_eq!(tuple6(&again.packet), tuple6(&out.packet), "the same flow");
+    assert_eq!(dp.collect_conntrack().unwrap(), (0, 2), "both directions in CONNTRACK6");
+    // The frontend is IPv6 only: the IPv4 node address at that port is none.
+    let v4 = run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30080), SYN));
+    assert_eq!(v4.verdict, NEXT);
+}
+
+#[test]
+fn ipv6_cluster_ip_datagrams_from_a_pod_keep_its_address_and_come_back_from_the_service() {
+    let mut dp = datapath(vec![(
+        frontend(CLUSTER_IP6, 53, Protocol::Udp),
+        frontend_plan(&[(POD6, 5353)], false, &[]),
+    )]);
+    let mut client = POD_CLIENT6;
+    client[15] = 5;
+    let query = udp6((client, 40000), (CLUSTER_IP6, 53));
+    let out = run(&mut dp, &query);
+    assert_eq!(tuple6(&out.packet), ((client, 40000), (POD6, 5353)), "DNAT only");
+    assert_checksums6(&out.packet);
+
+    let answer = run(&mut dp, &udp6((POD6, 5353), (client, 40000)));
+    assert_eq!(tuple6(&answer.packet), ((CLUSTER_IP6, 53), (client, 40000)));
+    assert_checksums6(&answer.packet);
+
+    // From outside the cluster CIDR: masqueraded.
+    let outside = run(&mut dp, &udp6((CLIENT6, 40001), (CLUSTER_IP6, 53)));
+    assert_eq!(tuple6(&outside.packet).0.0, NODE6);
+    assert_checksums6(&outside.packet);
+}
+
+#[test]
+fn ipv6_services_without_endpoints_answer_with_a_valid_rst_or_port_unreachable() {
+    let mut dp = datapath(vec![
+        (frontend(NODE6, 30080, Protocol::Tcp), frontend_plan::<[u8; 16]>(&[], true, &[])),
+        (frontend(NODE6, 30053, Protocol::Udp), frontend_plan::<[u8; 16]>(&[], true, &[])),
+    ]);
+    let syn = tcp6((CLIENT6, 40000), (NODE6, 30080), SYN);
+    let out = run(&mut dp, &syn);
+    assert_eq!(out.verdict, REDIRECT, "sent back out of the interface it came from");
+    let p = &out.packet;
+    assert_eq!(tuple6(p), ((NODE6, 30080), (CLIENT6, 40000)));
+    assert_eq!(p[0..6], syn[6..12], "MACs swapped");
+    assert_eq!(p[54 + 13], RST | ACK);
+    assert_eq!(u32::from_be_bytes(p[58..62].try_into().unwrap()), 0, "seq 0");
+    assert_eq!(u32::from_be_bytes(p[62..66].try_into().unwrap()), 1001, "acks the SYN");
+    assert_checksums6(p);
+
+    let datagram = udp6((CLIENT6, 40000), (NODE6, 30053));
+    let out = run(&mut dp, &datagram);
+    assert_eq!(out.verdict, REDIRECT);
+    let p = &out.packet;
+    assert_eq!(p.len(), 14 + 40 + 8 + 48);
+    assert_eq!((p[12..14].to_vec(), p[14] >> 4, p[20], p[21]), (vec![0x86, 0xdd], 6, ICMPV6, 64));
+    assert_eq!((p[22..38].to_vec(), p[38..54].to_vec()), (NODE6.to_vec(), CLIENT6.to_vec()));
+    assert_eq!(p[54..56], [1, 4], "destination unreachable, port unreachable");
+    assert_eq!(p[62..110], datagram[14..62], "quotes the IPv6 header and 8 bytes");
+    assert_checksums6(p);
+}
+
+#[test]
+fn ipv6_packets_the_datapath_does_not_handle_pass_untouched() {
+    let mut dp = datapath(vec![(
+        frontend(NODE6, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD6, 8080)], true, &[]),
+    )]);
+    // A hop-by-hop options header before the TCP header.
+    let mut extension = tcp6((CLIENT6, 40000), (NODE6, 30080), SYN);
+    extension[20] = 0;
+    let neighbour_solicitation = packet6(ICMPV6, (CLIENT6, 0x8700), (NODE6, 0), &[0; 20]);
+    let not_a_service = tcp6((CLIENT6, 40000), (NODE6, 22), SYN);
+    for p in [extension, neighbour_solicitation, not_a_service] {
+        let out = run(&mut dp, &p);
+        assert_eq!(out.verdict, NEXT, "{p:02x?}");
+        assert_eq!(out.packet, p);
+    }
+}
+
+#[test]
+fn ipv6_source_ranges_affinity_and_local_policy() {
+    let (lb, local) = (CLUSTER_IP6.map(|b| b ^ 0x01), CLUSTER_IP6.map(|b| b ^ 0x02));
+    let pod = |i: u8| {
+        let mut address = POD6;
+        address[15] = i;
+        (address, 8080)
+    };
+    let pods: Vec<Endpoint6> = (1..=8).map(pod).collect();
+    let mut sticky = frontend_plan(&pods, false, &[]);
+    sticky.affinity_timeout_secs = Some(100);
+    let mut empty_local = frontend_plan::<[u8; 16]>(&[], true, &[]);
+    (empty_local.local, empty_local.drop_when_empty) = (true, true);
+    let mut dp = datapath(vec![
+        (
+            frontend(lb, 80, Protocol::Tcp),
+            frontend_plan(&[(POD6, 8080)], true, &["2001:db8::100/120"]),
+        ),
+        (frontend(CLUSTER_IP6, 80, Protocol::Tcp), sticky),
+        (frontend(local, 80, Protocol::Tcp), empty_local),
+    ]);
+    let inside = run(&mut dp, &tcp6((CLIENT6, 40000), (lb, 80), SYN));
+    assert_eq!(tuple6(&inside.packet).1, (POD6, 8080));
+    let mut stranger = CLIENT6;
+    stranger[13] = 1;
+    assert_eq!(run(&mut dp, &tcp6((stranger, 40000), (lb, 80), SYN)).verdict, SHOT);
+
+    // Every connection of one client to the same pod (AFFINITY6).
+    let first = tuple6(&run(&mut dp, &tcp6((CLIENT6, 41000), (CLUSTER_IP6, 80), SYN)).packet).1;
+    for port in 41001..41010 {
+        let next = run(&mut dp, &tcp6((CLIENT6, port), (CLUSTER_IP6, 80), SYN));
+        assert_eq!(tuple6(&next.packet).1, first, "affinity");
+    }
+
+    // Policy Local without a local endpoint: dropped, not refused.
+    assert_eq!(run(&mut dp, &tcp6((CLIENT6, 40000), (local, 80), SYN)).verdict, SHOT);
+}
+
+/// Runs `ip` or `sysctl` in this test's network namespace (a child
+/// process shares the namespace of the thread that starts it).
+fn sh(program: &str, args: &str) {
+    let status = std::process::Command::new(program).args(args.split(' ')).status().unwrap();
+    assert!(status.success(), "{program} {args}");
+}
+
+#[test]
+fn ipv6_packets_are_forwarded_by_a_fib_lookup_with_the_hop_limit_decremented() {
+    let mut dp = datapath(vec![(
+        frontend(NODE6, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD6, 8080)], true, &[]),
+    )]);
+    // A link towards the pod's network, and IPv6 forwarding on (else the FIB
+    // lookup leaves the packet to the stack).
+    sh("ip", "link add pods type veth peer name pods-peer");
+    sh("ip", "link set pods-peer up");
+    sh("ip", "link set pods up");
+    sh("ip", "-6 addr add fd00:10:244:2::1/64 dev pods nodad");
+    sh("sysctl", "-qw net.ipv6.conf.all.forwarding=1");
+
+    // No neighbour entry yet: bpf_redirect_neigh resolves it.
+    let out = run(&mut dp, &tcp6((CLIENT6, 40000), (NODE6, 30080), SYN));
+    assert_eq!(out.verdict, REDIRECT);
+    assert_eq!(out.packet[21], 63, "hop limit decremented");
+    assert_eq!(tuple6(&out.packet).1, (POD6, 8080));
+    assert_checksums6(&out.packet);
+
+    // A known neighbour: its MAC address, and a plain redirect.
+    sh("ip", "-6 neigh add fd00:10:244:2::2 lladdr 02:00:00:00:00:22 dev pods");
+    let out = run(&mut dp, &tcp6((CLIENT6, 40001), (NODE6, 30080), SYN));
+    assert_eq!(out.verdict, REDIRECT);
+    assert_eq!(out.packet[0..6], [2, 0, 0, 0, 0, 0x22], "the neighbour's MAC");
+    assert_eq!(out.packet[21], 63);
+    assert_checksums6(&out.packet);
 }

@@ -27,7 +27,20 @@ pub mod map_names {
     pub const BACKENDS6: &str = "BACKENDS6";
     pub const REV_NAT6: &str = "REV_NAT6";
     pub const SOCK_REV_NAT6: &str = "SOCK_REV_NAT6";
+    pub const CONNTRACK6: &str = "CONNTRACK6";
+    pub const AFFINITY6: &str = "AFFINITY6";
+    pub const SOURCE_RANGES6: &str = "SOURCE_RANGES6";
+    pub const TC6: &str = "TC6";
 }
+
+/// The IPv6 per-packet programs, by their slot in the `TC6` program array:
+/// the IPv4 programs enter them by a tail call, which gives the IPv6 path a
+/// stack of its own (the IPv4 path's frame would leave it too little of the
+/// 512 bytes a chain of calls shares), and costs the IPv4 path nothing.
+pub const TC6_PROGRAMS: [&str; 3] = ["tc_ingress6", "tc_pod_replies6", "tc_egress6"];
+pub const TC6_INGRESS: u32 = 0;
+pub const TC6_POD_REPLIES: u32 = 1;
+pub const TC6_EGRESS: u32 = 2;
 
 /// Layout versions of the maps, so a new agent can tell whether a previous
 /// agent's pinned maps hold entries it can read: the same version is reused
@@ -43,6 +56,9 @@ pub mod layout {
     pub const FRAGMENTS: u32 = 1;
     pub const SOCK_FLOWS: u32 = 1;
     pub const SOCK_REV_NAT6: u32 = 1;
+    /// As `CONNTRACK`: 2 in the flow-accounting build.
+    pub const CONNTRACK6: u32 = CONNTRACK;
+    pub const AFFINITY6: u32 = 1;
 }
 
 /// Value of the one-element `LAYOUT` map: the layout version of each map as
@@ -60,7 +76,9 @@ pub struct Layouts {
     pub fragments: u32,
     pub sock_flows: u32,
     pub sock_rev_nat6: u32,
-    pub _reserved: [u32; 8],
+    pub conntrack6: u32,
+    pub affinity6: u32,
+    pub _reserved: [u32; 6],
 }
 
 impl Layouts {
@@ -74,7 +92,9 @@ impl Layouts {
         fragments: layout::FRAGMENTS,
         sock_flows: layout::SOCK_FLOWS,
         sock_rev_nat6: layout::SOCK_REV_NAT6,
-        _reserved: [0; 8],
+        conntrack6: layout::CONNTRACK6,
+        affinity6: layout::AFFINITY6,
+        _reserved: [0; 6],
     };
 
     /// What unversioned pins (the first release) hold.
@@ -88,7 +108,9 @@ impl Layouts {
         // The first release had no such maps.
         sock_flows: 0,
         sock_rev_nat6: 0,
-        _reserved: [0; 8],
+        conntrack6: 0,
+        affinity6: 0,
+        _reserved: [0; 6],
     };
 }
 
@@ -100,6 +122,8 @@ pub const MAX_SOCK_REV_NAT: u32 = 262_144;
 pub const MAX_SOCK_REV_NAT6: u32 = 65_536;
 pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_CONNTRACK: u32 = 262_144;
+pub const MAX_CONNTRACK6: u32 = 262_144;
+pub const MAX_AFFINITY6: u32 = 65_536;
 pub const MAX_SOURCE_RANGES: u32 = 16_384;
 pub const MAX_FRAGMENTS: u32 = 16_384;
 pub const MAX_SOCK_FLOWS: u32 = 65_536;
@@ -286,8 +310,11 @@ pub const fn v4_mapped(address: [u8; 4]) -> Ipv6Octets {
     [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, a, b, c, d]
 }
 
-/// Key of `SERVICES6`: as [`ServiceKey`].
-#[repr(C)]
+/// Key of `SERVICES6`: as [`ServiceKey`]. The IPv6 types on the per-packet
+/// path are aligned as their size allows (the layout stays): the BPF target
+/// copies byte arrays it cannot assume aligned one byte at a time, and
+/// 16-byte addresses copied that way fill the programs' stack.
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServiceKey6 {
     pub address: Ipv6Octets,
@@ -313,7 +340,7 @@ impl ServiceKey6 {
 }
 
 /// Value of `BACKENDS6`, keyed by a `u32` backend id: as [`Backend`].
-#[repr(C)]
+#[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Backend6 {
     pub address: Ipv6Octets,
@@ -466,7 +493,19 @@ pub struct AffinityKey {
     pub _pad: [u8; 3],
 }
 
-/// Value of the session-affinity map.
+/// Key of `AFFINITY6`, per-packet session affinity of IPv6 clients: the
+/// whole address. `AffinityKey::client` holds 64 bits, and a hash of 128
+/// would let two clients that collide share one affinity entry, so the
+/// IPv6 family has its own map keyed exactly.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey6 {
+    pub client: Ipv6Octets,
+    pub rev_nat_id: u32,
+    pub _pad: u32,
+}
+
+/// Value of the session-affinity maps.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct AffinityValue {
@@ -476,31 +515,101 @@ pub struct AffinityValue {
     pub _pad: u32,
 }
 
-/// Key of the conntrack map: a packet's tuple as it is on the wire.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CtKey {
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
-    pub sport: u16,
-    pub dport: u16,
-    pub proto: u8,
-    pub _pad: [u8; 3],
+/// A conntrack key of either family ([`CtKey`], [`CtKey6`]), for code
+/// written once for both (the programs' flow tracking, the agent's upkeep).
+pub trait CtTuple: Copy + PartialEq {
+    type Addr: Copy + PartialEq + Default;
+    fn new(saddr: Self::Addr, daddr: Self::Addr, sport: u16, dport: u16, proto: u8) -> Self;
+    fn saddr(&self) -> Self::Addr;
+    fn daddr(&self) -> Self::Addr;
+    fn sport(&self) -> u16;
+    fn dport(&self) -> u16;
+    fn proto(&self) -> u8;
+    /// The key of the packets flowing the other way.
+    fn reversed(&self) -> Self;
+    fn with_sport(self, sport: u16) -> Self;
 }
 
-impl CtKey {
-    /// The key of the packets flowing the other way.
-    pub const fn reversed(&self) -> Self {
-        Self {
-            saddr: self.daddr,
-            daddr: self.saddr,
-            sport: self.dport,
-            dport: self.sport,
-            proto: self.proto,
-            _pad: [0; 3],
+/// Declares a conntrack key: a packet's tuple as it is on the wire.
+macro_rules! ct_key {
+    ($(#[$doc:meta])* $name:ident($addr:ty)) => {
+        $(#[$doc])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name {
+            pub saddr: $addr,
+            pub daddr: $addr,
+            pub sport: u16,
+            pub dport: u16,
+            pub proto: u8,
+            pub _pad: [u8; 3],
         }
-    }
+
+        impl $name {
+            /// The key of the packets flowing the other way.
+            pub const fn reversed(&self) -> Self {
+                Self {
+                    saddr: self.daddr,
+                    daddr: self.saddr,
+                    sport: self.dport,
+                    dport: self.sport,
+                    proto: self.proto,
+                    _pad: [0; 3],
+                }
+            }
+        }
+
+        impl CtTuple for $name {
+            type Addr = $addr;
+            #[inline(always)]
+            fn new(saddr: $addr, daddr: $addr, sport: u16, dport: u16, proto: u8) -> Self {
+                Self { saddr, daddr, sport, dport, proto, _pad: [0; 3] }
+            }
+            #[inline(always)]
+            fn saddr(&self) -> $addr {
+                self.saddr
+            }
+            #[inline(always)]
+            fn daddr(&self) -> $addr {
+                self.daddr
+            }
+            #[inline(always)]
+            fn sport(&self) -> u16 {
+                self.sport
+            }
+            #[inline(always)]
+            fn dport(&self) -> u16 {
+                self.dport
+            }
+            #[inline(always)]
+            fn proto(&self) -> u8 {
+                self.proto
+            }
+            #[inline(always)]
+            fn reversed(&self) -> Self {
+                $name::reversed(self)
+            }
+            #[inline(always)]
+            fn with_sport(self, sport: u16) -> Self {
+                Self { sport, ..self }
+            }
+        }
+    };
 }
+
+ct_key!(
+    /// Key of the conntrack map.
+    CtKey([u8; 4])
+);
+
+ct_key!(
+    /// Key of `CONNTRACK6`, the IPv6 flows: as [`CtKey`]. Aligned to 8
+    /// (its size already is a multiple, so the layout stays): the BPF target
+    /// copies byte arrays it cannot assume aligned one byte at a time, and
+    /// 16-byte addresses copied that way fill the programs' stack.
+    #[repr(align(8))]
+    CtKey6(Ipv6Octets)
+);
 
 /// `CtEntry::flags`: the entry translates replies (backend to client).
 pub const CT_FLAG_REPLY: u8 = 1 << 0;
@@ -607,18 +716,33 @@ pub mod ct {
     }
 }
 
+/// A conntrack value of either family, for code written once for both.
+pub trait CtValue: Copy {
+    type Key: CtTuple;
+    /// An entry rewriting packets to `to`.
+    fn new(expires_ns: u64, to: &Self::Key, rev_nat_id: u32, flags: u8) -> Self;
+    /// The tuple this entry rewrites packets to.
+    fn rewritten(&self, proto: u8) -> Self::Key;
+    fn expires_ns(&self) -> u64;
+    fn flags(&self) -> u8;
+    fn rev_nat_id(&self) -> u32;
+    fn set_state(&mut self, flags: u8, expires_ns: u64);
+    /// Counts a packet of `len` bytes (layouts with counters; else nothing).
+    fn account(&mut self, len: u32);
+}
+
 /// Declares a conntrack value layout: the fields every version has, then
-/// the version's own (zero in a new entry).
+/// the version's own (zero in a new entry; `packets` and `bytes` count).
 macro_rules! ct_entry {
-    ($(#[$doc:meta])* $name:ident { $($(#[$fdoc:meta])* $field:ident: $ty:ty),* $(,)? }) => {
+    ($(#[$doc:meta])* $name:ident($key:ident, $addr:ty) { $($(#[$fdoc:meta])* $field:ident: $ty:ty),* $(,)? }) => {
         $(#[$doc])*
         #[repr(C)]
         #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
         pub struct $name {
             /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) after which the entry is stale.
             pub expires_ns: u64,
-            pub saddr: [u8; 4],
-            pub daddr: [u8; 4],
+            pub saddr: $addr,
+            pub daddr: $addr,
             pub sport: u16,
             pub dport: u16,
             pub rev_nat_id: u32,
@@ -629,7 +753,7 @@ macro_rules! ct_entry {
 
         impl $name {
             /// An entry rewriting packets to `to`.
-            pub const fn new(expires_ns: u64, to: &CtKey, rev_nat_id: u32, flags: u8) -> Self {
+            pub const fn new(expires_ns: u64, to: &$key, rev_nat_id: u32, flags: u8) -> Self {
                 Self {
                     expires_ns,
                     saddr: to.saddr,
@@ -644,8 +768,8 @@ macro_rules! ct_entry {
             }
 
             /// The tuple this entry rewrites packets to.
-            pub const fn rewritten(&self, proto: u8) -> CtKey {
-                CtKey {
+            pub const fn rewritten(&self, proto: u8) -> $key {
+                $key {
                     saddr: self.saddr,
                     daddr: self.daddr,
                     sport: self.sport,
@@ -653,6 +777,74 @@ macro_rules! ct_entry {
                     proto,
                     _pad: [0; 3],
                 }
+            }
+        }
+
+        impl CtValue for $name {
+            type Key = $key;
+            #[inline(always)]
+            fn new(expires_ns: u64, to: &$key, rev_nat_id: u32, flags: u8) -> Self {
+                $name::new(expires_ns, to, rev_nat_id, flags)
+            }
+            #[inline(always)]
+            fn rewritten(&self, proto: u8) -> $key {
+                $name::rewritten(self, proto)
+            }
+            #[inline(always)]
+            fn expires_ns(&self) -> u64 {
+                self.expires_ns
+            }
+            #[inline(always)]
+            fn flags(&self) -> u8 {
+                self.flags
+            }
+            #[inline(always)]
+            fn rev_nat_id(&self) -> u32 {
+                self.rev_nat_id
+            }
+            #[inline(always)]
+            fn set_state(&mut self, flags: u8, expires_ns: u64) {
+                self.flags = flags;
+                self.expires_ns = expires_ns;
+            }
+            #[inline(always)]
+            fn account(&mut self, _len: u32) {
+                $(ct_entry!(@count self, _len, $field);)*
+            }
+        }
+    };
+    (@count $self:ident, $len:ident, packets) => { $self.packets += 1 };
+    (@count $self:ident, $len:ident, bytes) => { $self.bytes += $len as u64 };
+}
+
+/// Conversions between a family's two conntrack layouts.
+macro_rules! ct_layouts_convert {
+    ($v1:ident, $v2:ident) => {
+        impl From<$v1> for $v2 {
+            /// Counting starts at the upgrade.
+            fn from(v1: $v1) -> Self {
+                let $v1 { expires_ns, saddr, daddr, sport, dport, rev_nat_id, flags, _pad } = v1;
+                $v2 {
+                    expires_ns,
+                    saddr,
+                    daddr,
+                    sport,
+                    dport,
+                    rev_nat_id,
+                    flags,
+                    _pad,
+                    packets: 0,
+                    bytes: 0,
+                }
+            }
+        }
+
+        impl From<$v2> for $v1 {
+            /// A rollback drops the counts, not the flow.
+            fn from(v2: $v2) -> Self {
+                let $v2 { expires_ns, saddr, daddr, sport, dport, rev_nat_id, flags, _pad, .. } =
+                    v2;
+                $v1 { expires_ns, saddr, daddr, sport, dport, rev_nat_id, flags, _pad }
             }
         }
     };
@@ -663,50 +855,44 @@ ct_entry!(
     /// tuple becomes, and until when the entry lives. Each flow has two
     /// entries, one per direction; each names the other by its rewritten
     /// tuple reversed.
-    CtEntryV1 {}
+    CtEntryV1(CtKey, [u8; 4]) {}
 );
 
 ct_entry!(
     /// Conntrack layout 2 (`ct-accounting`): layout 1 and what the entry's
     /// direction carried, as netfilter's `nf_conntrack_acct` counts.
-    CtEntryV2 {
+    CtEntryV2(CtKey, [u8; 4]) {
         packets: u64,
         bytes: u64,
     }
 );
 
-/// The conntrack value of this build.
+ct_layouts_convert!(CtEntryV1, CtEntryV2);
+
+ct_entry!(
+    /// Value of `CONNTRACK6`, layout 1: as [`CtEntryV1`].
+    CtEntry6V1(CtKey6, Ipv6Octets) {}
+);
+
+ct_entry!(
+    /// `CONNTRACK6` layout 2 (`ct-accounting`): as [`CtEntryV2`].
+    CtEntry6V2(CtKey6, Ipv6Octets) {
+        packets: u64,
+        bytes: u64,
+    }
+);
+
+ct_layouts_convert!(CtEntry6V1, CtEntry6V2);
+
+/// The conntrack values of this build.
 #[cfg(not(feature = "ct-accounting"))]
 pub type CtEntry = CtEntryV1;
 #[cfg(feature = "ct-accounting")]
 pub type CtEntry = CtEntryV2;
-
-impl From<CtEntryV1> for CtEntryV2 {
-    /// Counting starts at the upgrade.
-    fn from(v1: CtEntryV1) -> Self {
-        let CtEntryV1 { expires_ns, saddr, daddr, sport, dport, rev_nat_id, flags, _pad } = v1;
-        CtEntryV2 {
-            expires_ns,
-            saddr,
-            daddr,
-            sport,
-            dport,
-            rev_nat_id,
-            flags,
-            _pad,
-            packets: 0,
-            bytes: 0,
-        }
-    }
-}
-
-impl From<CtEntryV2> for CtEntryV1 {
-    /// A rollback drops the counts, not the flow.
-    fn from(v2: CtEntryV2) -> Self {
-        let CtEntryV2 { expires_ns, saddr, daddr, sport, dport, rev_nat_id, flags, _pad, .. } = v2;
-        CtEntryV1 { expires_ns, saddr, daddr, sport, dport, rev_nat_id, flags, _pad }
-    }
-}
+#[cfg(not(feature = "ct-accounting"))]
+pub type CtEntry6 = CtEntry6V1;
+#[cfg(feature = "ct-accounting")]
+pub type CtEntry6 = CtEntry6V2;
 
 /// Key of the fragments map: an IP datagram whose first fragment was
 /// translated, as its later fragments carry it (they have no ports).
@@ -738,7 +924,16 @@ pub struct SourceRangeKey {
     pub address: [u8; 4],
 }
 
-/// Bits of `SourceRangeKey` before the address.
+/// Data part of the `SOURCE_RANGES6` LPM key: as [`SourceRangeKey`], with
+/// an IPv6 source address.
+#[repr(C, align(4))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SourceRangeKey6 {
+    pub rev_nat_id: u32,
+    pub address: Ipv6Octets,
+}
+
+/// Bits of `SourceRangeKey` (and `SourceRangeKey6`) before the address.
 pub const SOURCE_RANGE_PREFIX_BITS: u32 = 32;
 
 /// ICMP errors about flows translated per packet: which flow an error is
@@ -877,6 +1072,12 @@ pub struct Config {
     /// `--socket-lb-host-netns-only`: the socket programs translate only for
     /// sockets of this network namespace (the node's); 0 for every socket.
     pub host_netns_cookie: u64,
+    /// The node's IPv6 address clients are SNATed to (all zero: none).
+    pub snat_addr6: Ipv6Octets,
+    /// The IPv6 `--cluster-cidr`; a zero prefix length means none is set.
+    pub cluster_cidr6: Ipv6Octets,
+    pub cluster_cidr6_prefix: u8,
+    pub _pad6: [u8; 7],
 }
 
 /// Indexes of the per-CPU counters array.
@@ -972,6 +1173,11 @@ mod pod {
     unsafe impl aya::Pod for RevNat6 {}
     unsafe impl aya::Pod for SockRevNatKey6 {}
     unsafe impl aya::Pod for SockRevNat6 {}
+    unsafe impl aya::Pod for CtKey6 {}
+    unsafe impl aya::Pod for CtEntry6V1 {}
+    unsafe impl aya::Pod for CtEntry6V2 {}
+    unsafe impl aya::Pod for AffinityKey6 {}
+    unsafe impl aya::Pod for SourceRangeKey6 {}
 }
 
 #[cfg(test)]
@@ -1009,7 +1215,7 @@ mod tests {
         assert_eq!(size_of::<SourceRangeKey>(), 8);
         assert_eq!(size_of::<FragKey>(), 12);
         assert_eq!(size_of::<FragRewrite>(), 8);
-        assert_eq!(size_of::<Config>(), 48);
+        assert_eq!(size_of::<Config>(), 88);
         assert_eq!(size_of::<SockFlowKey>(), 16);
         assert_eq!(size_of::<SockFlow>(), 16);
         assert_eq!(size_of::<ServiceKey6>(), 24);
@@ -1017,6 +1223,11 @@ mod tests {
         assert_eq!(size_of::<RevNat6>(), 20);
         assert_eq!(size_of::<SockRevNatKey6>(), 32);
         assert_eq!(size_of::<SockRevNat6>(), 24);
+        assert_eq!(size_of::<CtKey6>(), 40);
+        assert_eq!(size_of::<CtEntry6V1>(), 56);
+        assert_eq!(size_of::<CtEntry6V2>(), 72);
+        assert_eq!(size_of::<AffinityKey6>(), 24);
+        assert_eq!(size_of::<SourceRangeKey6>(), 20);
     }
 
     #[test]

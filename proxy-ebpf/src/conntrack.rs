@@ -1,18 +1,19 @@
 //! Per-packet flow tracking: two entries per flow (one per direction), each
 //! telling what its packets are rewritten to. The state machine and
 //! lifetimes live in `proxy_common::ct`; the agent deletes expired pairs, the
-//! LRU evicts under pressure.
+//! LRU evicts under pressure. Written once for both families (`Family`:
+//! `CONNTRACK`, `CONNTRACK6`).
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
     helpers::bpf_get_prandom_u32,
 };
 use proxy_common::{
-    CT_FLAG_REPLY, CT_FLAG_SNAT, CT_STATE_FLAGS, Config, CtEntry, CtKey,
+    CT_FLAG_REPLY, CT_FLAG_SNAT, CT_STATE_FLAGS, Config, CtKey, CtTuple, CtValue,
     ct::{Closed, lifetime_secs, next_flags, on_closed, port_reusable},
 };
 
-use crate::{maps::CONNTRACK, packet::Packet};
+use crate::{family::Family, maps::CONNTRACK, packet::Packet};
 
 const NS_PER_SEC: u64 = 1_000_000_000;
 /// Expiry is rewritten at most this often per flow while its state holds.
@@ -28,116 +29,113 @@ fn lifetime_ns(cfg: &Config, proto: u8, flags: u8) -> u64 {
 /// both directions (so a one-way flow keeps its silent side alive too).
 /// `len`: the packet's length, for the flow-accounting build.
 #[inline(always)]
-pub fn lookup(pkt: &Packet, len: u32, cfg: &Config, now: u64) -> Option<CtEntry> {
-    let entry = CONNTRACK.get_ptr_mut(pkt.tuple)?;
+pub fn lookup<F: Family>(
+    pkt: &Packet<F::Tuple>,
+    len: u32,
+    cfg: &Config,
+    now: u64,
+) -> Option<F::Entry> {
+    let entry = F::ct_get_ptr_mut(&pkt.tuple)?;
     // SAFETY: LRU values may be recycled under us; we copy and re-check.
     let current = unsafe { *entry };
-    if current.expires_ns < now {
+    if current.expires_ns() < now {
         return None;
     }
     account(entry, len);
-    match on_closed(current.flags, pkt.tcp_flags) {
+    let proto = pkt.tuple.proto();
+    match on_closed(current.flags(), pkt.tcp_flags) {
         Closed::Applies => {}
         // The caller makes a new flow (overwriting both entries).
         Closed::Restarts => return None,
         // A connection that bypassed the service reuses the closed flow's
         // tuple: its packets must not be rewritten for the closed flow.
         Closed::Stale => {
-            let _ = CONNTRACK.remove(current.rewritten(pkt.tuple.proto).reversed());
-            let _ = CONNTRACK.remove(pkt.tuple);
+            F::ct_remove(&current.rewritten(proto).reversed());
+            F::ct_remove(&pkt.tuple);
             return None;
         }
     }
-    let flags = next_flags(current.flags, pkt.tcp_flags);
-    let expires_ns = now + lifetime_ns(cfg, pkt.tuple.proto, flags);
-    if flags != current.flags || expires_ns > current.expires_ns + REFRESH_NS {
+    let flags = next_flags(current.flags(), pkt.tcp_flags);
+    let expires_ns = now + lifetime_ns(cfg, proto, flags);
+    if flags != current.flags() || expires_ns > current.expires_ns() + REFRESH_NS {
         // SAFETY: as above; a lost race costs a refresh, not correctness.
-        unsafe {
-            (*entry).flags = flags;
-            (*entry).expires_ns = expires_ns;
-        }
-        let other = current.rewritten(pkt.tuple.proto).reversed();
-        if let Some(pair) = CONNTRACK.get_ptr_mut(other) {
+        unsafe { (*entry).set_state(flags, expires_ns) };
+        let other = current.rewritten(proto).reversed();
+        if let Some(pair) = F::ct_get_ptr_mut(&other) {
             unsafe {
-                (*pair).flags = ((*pair).flags & !CT_STATE_FLAGS) | (flags & CT_STATE_FLAGS);
-                (*pair).expires_ns = expires_ns;
+                let pair_flags = ((*pair).flags() & !CT_STATE_FLAGS) | (flags & CT_STATE_FLAGS);
+                (*pair).set_state(pair_flags, expires_ns);
             }
         }
     }
     Some(current)
 }
 
-/// Counts a packet of the entry's direction (`ct-accounting` builds).
-#[cfg(feature = "ct-accounting")]
+/// Counts a packet of the entry's direction (`ct-accounting` builds: the
+/// layout without counters counts nothing).
 #[inline(always)]
-fn account(entry: *mut CtEntry, len: u32) {
+fn account<E: CtValue>(entry: *mut E, len: u32) {
     // SAFETY: a live map value. The BPF target has no atomic add in `core`:
     // two CPUs counting one flow at the same instant may lose a count.
-    unsafe {
-        (*entry).packets += 1;
-        (*entry).bytes += len as u64;
-    }
+    unsafe { (*entry).account(len) }
 }
-
-#[cfg(not(feature = "ct-accounting"))]
-#[inline(always)]
-fn account(_entry: *mut CtEntry, _len: u32) {}
 
 /// Whether the reply entry at `key` no longer holds its SNAT port.
 #[inline(always)]
-fn port_free(key: &CtKey, cfg: &Config, now: u64) -> bool {
-    let Some(entry) = CONNTRACK.get_ptr(key) else { return true };
+fn port_free<F: Family>(key: &F::Tuple, cfg: &Config, now: u64) -> bool {
+    let Some(entry) = F::ct_get_ptr_mut(key) else { return true };
     // SAFETY: read once; a racing writer at worst makes us try another port.
-    let (expires_ns, flags) = unsafe { ((*entry).expires_ns, (*entry).flags) };
+    let (expires_ns, flags) = unsafe { ((*entry).expires_ns(), (*entry).flags()) };
     port_reusable(cfg, expires_ns, flags, now)
 }
 
 /// Records a new flow `orig` translated to `xlated`. With SNAT, picks a
 /// source port in the configured range whose reply tuple is free (or held by
-/// a flow that closed long enough ago, as netfilter reuses closed tuples);
-/// `None` when no port (or no room) was found. (No reason why: returning
-/// one measured 10-20 ns slower per new flow.)
+/// a flow that closed long enough ago, as netfilter reuses closed tuples),
+/// and writes it into `xlated`; false when no port (or no room) was found.
+/// (No reason why: returning one measured 10-20 ns slower per new flow.)
 #[inline(always)]
-pub fn create(
-    orig: &CtKey,
-    mut xlated: CtKey,
+pub fn create<F: Family>(
+    orig: &F::Tuple,
+    xlated: &mut F::Tuple,
     rev_nat_id: u32,
     snat: bool,
     cfg: &Config,
     now: u64,
-) -> Option<CtKey> {
+) -> bool {
     let flags = if snat { CT_FLAG_SNAT } else { 0 };
-    let expires_ns = now + lifetime_ns(cfg, orig.proto, 0);
+    let expires_ns = now + lifetime_ns(cfg, orig.proto(), 0);
     let back = orig.reversed();
-    let mut entry = CtEntry::new(expires_ns, &back, rev_nat_id, flags | CT_FLAG_REPLY);
+    let mut entry = F::Entry::new(expires_ns, &back, rev_nat_id, flags | CT_FLAG_REPLY);
     if snat {
         let span = (cfg.snat_port_max.saturating_sub(cfg.snat_port_min)) as u32 + 1;
         let mut found = false;
         for _ in 0..SNAT_TRIES {
-            xlated.sport = cfg.snat_port_min + (unsafe { bpf_get_prandom_u32() } % span) as u16;
+            let port = cfg.snat_port_min + (unsafe { bpf_get_prandom_u32() } % span) as u16;
+            *xlated = xlated.with_sport(port);
             let key = xlated.reversed();
-            if CONNTRACK.insert(key, entry, BPF_NOEXIST as u64).is_ok()
-                || (port_free(&key, cfg, now)
-                    && CONNTRACK.insert(key, entry, BPF_ANY as u64).is_ok())
+            if F::ct_insert(&key, &entry, BPF_NOEXIST as u64).is_ok()
+                || (port_free::<F>(&key, cfg, now)
+                    && F::ct_insert(&key, &entry, BPF_ANY as u64).is_ok())
             {
                 found = true;
                 break;
             }
         }
         if !found {
-            return None;
+            return false;
         }
-    } else if CONNTRACK.insert(xlated.reversed(), entry, BPF_ANY as u64).is_err() {
-        return None;
+    } else if F::ct_insert(&xlated.reversed(), &entry, BPF_ANY as u64).is_err() {
+        return false;
     }
     // The forward entry in the reply's stack slot: the accounting layout's
     // entries are large, and the verifier adds a log call's frame to this.
-    entry = CtEntry::new(expires_ns, &xlated, rev_nat_id, flags);
-    if CONNTRACK.insert(orig, entry, BPF_ANY as u64).is_err() {
-        let _ = CONNTRACK.remove(xlated.reversed());
-        return None;
+    entry = F::Entry::new(expires_ns, xlated, rev_nat_id, flags);
+    if F::ct_insert(orig, &entry, BPF_ANY as u64).is_err() {
+        F::ct_remove(&xlated.reversed());
+        return false;
     }
-    Some(xlated)
+    true
 }
 
 /// What packets with `key` are rewritten to, if a live flow has that entry.

@@ -4,11 +4,11 @@
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, Backend6, Counter, SCOPE_INTERNAL, ServiceKey,
-    ServiceKey6, ServiceValue,
+    AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, Counter, SCOPE_INTERNAL,
+    ServiceKey, ServiceKey6, ServiceValue,
 };
 
-use crate::maps::{AFFINITY, BACKENDS, BACKENDS6, SERVICES, SERVICES6, count};
+use crate::maps::{AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, SERVICES, SERVICES6, count};
 
 /// A services-map key, and so an address family: where its frontends and
 /// backends are.
@@ -73,6 +73,54 @@ impl ServiceMapKey for ServiceKey6 {
     }
 }
 
+/// A client as session affinity knows it, and the map remembering it.
+pub trait AffinityClient: Copy {
+    type Key: Copy;
+    fn key(self, rev_nat_id: u32) -> Self::Key;
+    fn entry(key: &Self::Key) -> Option<*mut AffinityValue>;
+    fn remember(key: &Self::Key, value: AffinityValue);
+}
+
+/// A netns cookie or an IPv4 address, as its kind (`AffinityKey::kind`) says.
+impl AffinityClient for (u64, u8) {
+    type Key = AffinityKey;
+
+    #[inline(always)]
+    fn key(self, rev_nat_id: u32) -> AffinityKey {
+        AffinityKey { client: self.0, rev_nat_id, kind: self.1, _pad: [0; 3] }
+    }
+
+    #[inline(always)]
+    fn entry(key: &AffinityKey) -> Option<*mut AffinityValue> {
+        AFFINITY.get_ptr_mut(key)
+    }
+
+    #[inline(always)]
+    fn remember(key: &AffinityKey, value: AffinityValue) {
+        let _ = AFFINITY.insert(key, value, 0);
+    }
+}
+
+/// An IPv6 address, whole (see `AffinityKey6`).
+impl AffinityClient for [u8; 16] {
+    type Key = AffinityKey6;
+
+    #[inline(always)]
+    fn key(self, rev_nat_id: u32) -> AffinityKey6 {
+        AffinityKey6 { client: self, rev_nat_id, _pad: 0 }
+    }
+
+    #[inline(always)]
+    fn entry(key: &AffinityKey6) -> Option<*mut AffinityValue> {
+        AFFINITY6.get_ptr_mut(key)
+    }
+
+    #[inline(always)]
+    fn remember(key: &AffinityKey6, value: AffinityValue) {
+        let _ = AFFINITY6.insert(key, value, 0);
+    }
+}
+
 /// What the choice of a backend for a frontend decided.
 pub enum Verdict<B> {
     /// A service with no backend: refuse.
@@ -114,24 +162,22 @@ pub fn in_cluster_scope<K: ServiceMapKey>(key: &K, svc: &ServiceValue) -> (K, Se
     (*key, *svc)
 }
 
-/// Picks a backend of the frontend `svc` (found at `key`) for `client`, an
-/// address or a netns cookie as `kind` says.
+/// Picks a backend of the frontend `svc` (found at `key`) for `client`.
 #[inline(always)]
-pub fn choose<K: ServiceMapKey>(
+pub fn choose<K: ServiceMapKey, C: AffinityClient>(
     key: &K,
     svc: &ServiceValue,
-    client: u64,
-    kind: u8,
+    client: C,
 ) -> Verdict<K::Backend> {
     count(Counter::ServiceHit);
     if svc.count == 0 {
         count(Counter::NoBackend);
         return Verdict::NoBackend;
     }
-    let affinity_key = AffinityKey { client, rev_nat_id: svc.rev_nat_id, kind, _pad: [0; 3] };
+    let affinity_key = client.key(svc.rev_nat_id);
     let affine = svc.flags.is_affinity();
     let now = unsafe { bpf_ktime_get_ns() };
-    if affine && let Some((backend_id, backend)) = affine_backend::<K>(&affinity_key, svc, now) {
+    if affine && let Some((backend_id, backend)) = affine_backend::<K, C>(&affinity_key, svc, now) {
         count(Counter::AffinityHit);
         return Verdict::Backend {
             backend,
@@ -147,7 +193,7 @@ pub fn choose<K: ServiceMapKey>(
     count(Counter::BackendPicked);
     if affine {
         let value = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
-        let _ = AFFINITY.insert(affinity_key, value, 0);
+        C::remember(&affinity_key, value);
     }
     Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id, via: Via::Random }
 }
@@ -156,12 +202,12 @@ pub fn choose<K: ServiceMapKey>(
 /// service's timeout and the backend still exists. A hit refreshes the entry,
 /// as kube-proxy's `-m recent --set` does on every new connection.
 #[inline(always)]
-fn affine_backend<K: ServiceMapKey>(
-    key: &AffinityKey,
+fn affine_backend<K: ServiceMapKey, C: AffinityClient>(
+    key: &C::Key,
     svc: &ServiceValue,
     now: u64,
 ) -> Option<(u32, K::Backend)> {
-    let entry = AFFINITY.get_ptr_mut(key)?;
+    let entry = C::entry(key)?;
     // SAFETY: the LRU entry may be recycled concurrently; at worst we read a
     // stale backend id, which is then checked against the backends map.
     let (last_used, backend_id) = unsafe { ((*entry).last_used_ns, (*entry).backend_id) };

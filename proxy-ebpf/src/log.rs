@@ -26,12 +26,14 @@ macro_rules! record {
 }
 pub(crate) use record;
 
-use proxy_common::{CtKey, FragKey, ServiceFlags, log_level};
+use aya_log_ebpf::macro_support::{Argument, IpFormatter};
+use proxy_common::{CtTuple, FragKey, ServiceFlags, log_level};
 
 use crate::lb::Via;
 
 /// What became of a packet, for [`packet`].
 #[derive(Clone, Copy)]
+#[repr(u8)]
 pub enum Outcome {
     SourceOutsideRanges,
     NoLocalEndpoint,
@@ -68,20 +70,26 @@ fn tc_program(ingress: bool) -> &'static str {
 // aya-log 0.2 does not read the context its macros take: the records need
 // no `TcContext` passed along.
 
+/// A tuple of either family whose addresses the records print.
+pub trait Printable: CtTuple<Addr: Argument + IpFormatter> {}
+impl<T: CtTuple<Addr: Argument + IpFormatter>> Printable for T {}
+
 /// A packet's tuple and what became of it, at `level` (the caller checked
 /// it against the configured one).
 #[inline(never)]
-pub fn packet(level: u8, ingress: bool, t: &CtKey, outcome: Outcome) {
+pub fn packet<T: Printable>(level: u8, ingress: bool, t: &T, outcome: Outcome) {
     let (program, what) = (tc_program(ingress), outcome.text());
+    let (saddr, sport, daddr, dport, proto) =
+        (t.saddr(), t.sport(), t.daddr(), t.dport(), t.proto());
     match level {
         log_level::INFO => {
-            aya_log_ebpf::info!((), target: program, "{:i}:{} -> {:i}:{} proto {}: {}", t.saddr, t.sport, t.daddr, t.dport, t.proto, what)
+            aya_log_ebpf::info!((), target: program, "{:i}:{} -> {:i}:{} proto {}: {}", saddr, sport, daddr, dport, proto, what)
         }
         log_level::DEBUG => {
-            aya_log_ebpf::debug!((), target: program, "{:i}:{} -> {:i}:{} proto {}: {}", t.saddr, t.sport, t.daddr, t.dport, t.proto, what)
+            aya_log_ebpf::debug!((), target: program, "{:i}:{} -> {:i}:{} proto {}: {}", saddr, sport, daddr, dport, proto, what)
         }
         _ => {
-            aya_log_ebpf::trace!((), target: program, "{:i}:{} -> {:i}:{} proto {}: {}", t.saddr, t.sport, t.daddr, t.dport, t.proto, what)
+            aya_log_ebpf::trace!((), target: program, "{:i}:{} -> {:i}:{} proto {}: {}", saddr, sport, daddr, dport, proto, what)
         }
     }
 }
@@ -90,15 +98,21 @@ pub fn packet(level: u8, ingress: bool, t: &CtKey, outcome: Outcome) {
 /// record's frame is added to the packet path's by the verifier, which
 /// allows 512 bytes in all (older kernels count it more strictly).
 #[inline(never)]
-pub fn new_flow(t: &CtKey, to: &CtKey, via: Via, flags: ServiceFlags) {
+pub fn new_flow<T: Printable>(t: &T, to: &T, via: Via, flags: ServiceFlags) {
     let (how, among) = why(via, flags);
-    aya_log_ebpf::debug!((), target: "tc_ingress", "{:i}:{} -> {:i}:{} proto {}: backend {:i}:{} by {} among {}", t.saddr, t.sport, t.daddr, t.dport, t.proto, to.daddr, to.dport, how, among);
+    let (saddr, sport, daddr, dport, proto) =
+        (t.saddr(), t.sport(), t.daddr(), t.dport(), t.proto());
+    let (backend, port) = (to.daddr(), to.dport());
+    aya_log_ebpf::debug!((), target: "tc_ingress", "{:i}:{} -> {:i}:{} proto {}: backend {:i}:{} by {} among {}", saddr, sport, daddr, dport, proto, backend, port, how, among);
 }
 
 /// A new flow's SNAT (debug).
 #[inline(never)]
-pub fn snat(t: &CtKey, to: &CtKey) {
-    aya_log_ebpf::debug!((), target: "tc_ingress", "{:i}:{} -> {:i}:{} proto {}: SNAT to {:i}:{}", t.saddr, t.sport, t.daddr, t.dport, t.proto, to.saddr, to.sport);
+pub fn snat<T: Printable>(t: &T, to: &T) {
+    let (saddr, sport, daddr, dport, proto) =
+        (t.saddr(), t.sport(), t.daddr(), t.dport(), t.proto());
+    let (node, port) = (to.saddr(), to.sport());
+    aya_log_ebpf::debug!((), target: "tc_ingress", "{:i}:{} -> {:i}:{} proto {}: SNAT to {:i}:{}", saddr, sport, daddr, dport, proto, node, port);
 }
 
 /// A later fragment whose first did not come through here (debug).

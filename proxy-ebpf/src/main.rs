@@ -6,6 +6,7 @@
 #![feature(asm_experimental_arch)]
 
 mod conntrack;
+mod family;
 mod icmp;
 mod lb;
 mod log;
@@ -86,6 +87,22 @@ pub fn tc_pod_replies(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     tc_lb::try_egress(&ctx)
+}
+
+/// The three above for IPv6 packets, entered by tail call (`TC6`).
+#[classifier]
+pub fn tc_ingress6(ctx: TcContext) -> i32 {
+    tc_lb::try_ingress6(&ctx, Scope::Everything)
+}
+
+#[classifier]
+pub fn tc_pod_replies6(ctx: TcContext) -> i32 {
+    tc_lb::try_ingress6(&ctx, Scope::TrackedOnly)
+}
+
+#[classifier]
+pub fn tc_egress6(ctx: TcContext) -> i32 {
+    tc_lb::try_egress6(&ctx)
 }
 
 /// Socket iterators ending the TCP and UDP sockets connected to backends

@@ -1,10 +1,11 @@
 //! The maps, declared with BTF so `bpftool map dump` prints field names.
 //! The agent pins them under `--bpffs-root` by these names.
 
+use crate::packet::Flow;
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
-    macros::btf_map,
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
+    macros::{btf_map, map},
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey, FragKey,
@@ -14,7 +15,8 @@ use proxy_common::{
     SockRevNat, SockRevNatKey, SourceRangeKey, prefilter,
 };
 use proxy_common::{
-    Backend6, MAX_SOCK_REV_NAT6, RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6,
+    AffinityKey6, Backend6, CtEntry6, CtKey6, MAX_AFFINITY6, MAX_CONNTRACK6, MAX_SOCK_REV_NAT6,
+    RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6, SourceRangeKey6, TC6_PROGRAMS,
 };
 
 #[btf_map]
@@ -90,6 +92,32 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { MAX_AFFINITY as us
 /// Both directions of every flow translated per packet (tc).
 #[btf_map]
 pub static CONNTRACK: LruHashMap<CtKey, CtEntry, { MAX_CONNTRACK as usize }> = LruHashMap::new();
+
+/// The IPv6 flows translated per packet: as `CONNTRACK`.
+#[btf_map]
+pub static CONNTRACK6: LruHashMap<CtKey6, CtEntry6, { MAX_CONNTRACK6 as usize }> =
+    LruHashMap::new();
+
+/// Per-packet session affinity of IPv6 clients (`AffinityKey6`).
+#[btf_map]
+pub static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue, { MAX_AFFINITY6 as usize }> =
+    LruHashMap::new();
+
+/// The IPv6 per-packet programs (`proxy_common::TC6_PROGRAMS`), entered by
+/// a tail call; the agent fills it.
+#[btf_map]
+pub static TC6: ProgramArray<{ TC6_PROGRAMS.len() }> = ProgramArray::new();
+
+/// The IPv6 per-packet path's packet and tuples (`packet::Flow`), one per
+/// CPU: off the stack. No BTF: scratch space, never read from outside.
+#[map]
+pub static FLOW6: aya_ebpf::maps::PerCpuArray<Flow<CtKey6>> =
+    aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
+
+/// loadBalancerSourceRanges of IPv6 frontends: as `SOURCE_RANGES`.
+#[btf_map]
+pub static SOURCE_RANGES6: LpmTrie<SourceRangeKey6, u8, { MAX_SOURCE_RANGES as usize }> =
+    LpmTrie::new();
 
 /// loadBalancerSourceRanges: (frontend, source prefix) -> 1.
 #[btf_map]

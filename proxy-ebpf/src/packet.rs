@@ -1,22 +1,23 @@
-//! IPv4 TCP/UDP packet access for tc programs: parsing, rewriting addresses
-//! and ports with incremental checksum updates, and plain checksums for the
-//! packets we build (RST, ICMP). ICMP messages are only located here; the
-//! errors among them are read by `icmp`.
+//! IPv4 and IPv6 TCP/UDP packet access for tc programs: parsing, rewriting
+//! addresses and ports with incremental checksum updates, and plain
+//! checksums for the packets we build (RST, ICMP). ICMP messages are only
+//! located here; the errors among them are read by `icmp`.
 
 use core::mem::offset_of;
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::generated::bpf_csum_diff,
     programs::TcContext,
 };
 use network_types::{
     eth::{EthHdr, EtherType},
-    ip::Ipv4Hdr,
+    ip::{Ipv4Hdr, Ipv6Hdr},
     tcp::TcpHdr,
     udp::UdpHdr,
 };
 use proxy_common::{
-    CtKey, FragKey, FragRewrite, IPPROTO_TCP, IPPROTO_UDP,
+    CtKey, CtKey6, CtTuple, FragKey, FragRewrite, IPPROTO_TCP, IPPROTO_UDP,
     ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
@@ -26,21 +27,46 @@ pub const IP_OFF: usize = EthHdr::LEN;
 /// `Ipv4Hdr::frag_flags`: more fragments follow.
 const MORE_FRAGMENTS: u8 = 0b001;
 
-/// An IP header whose addresses the datapath rewrites: where they and the
-/// header checksum are, from the header's start. An `Ipv6Hdr` impl (no
-/// header checksum, 16-byte addresses) slots in beside this one.
+/// An IP header whose packets the datapath translates, and so an address
+/// family: where its fields are, from the header's start, and the tuple
+/// its flows are tracked by. Code generic over it is written once and
+/// compiled for each family; the constants fold the other family's
+/// branches away.
 pub trait IpHeader {
-    type Addr: Copy + PartialEq;
+    type Addr: Copy + PartialEq + Default + AsRef<[u8]>;
+    type Tuple: CtTuple<Addr = Self::Addr>;
     const SADDR: usize;
     const DADDR: usize;
-    const CSUM: usize;
+    /// The header checksum (IPv6 has none).
+    const CSUM: Option<usize>;
+    /// The TTL or hop limit.
+    const HOPS: usize;
+    /// The length field, and what it counts beyond the L4 segment (IPv4's
+    /// total length counts its plain header, IPv6's payload length nothing).
+    const LEN_FIELD: usize;
+    const LEN_BEYOND_L4: usize;
 }
 
 impl IpHeader for Ipv4Hdr {
     type Addr = [u8; 4];
+    type Tuple = CtKey;
     const SADDR: usize = offset_of!(Ipv4Hdr, src_addr);
     const DADDR: usize = offset_of!(Ipv4Hdr, dst_addr);
-    const CSUM: usize = offset_of!(Ipv4Hdr, check);
+    const CSUM: Option<usize> = Some(offset_of!(Ipv4Hdr, check));
+    const HOPS: usize = offset_of!(Ipv4Hdr, ttl);
+    const LEN_FIELD: usize = offset_of!(Ipv4Hdr, tot_len);
+    const LEN_BEYOND_L4: usize = Ipv4Hdr::LEN;
+}
+
+impl IpHeader for Ipv6Hdr {
+    type Addr = [u8; 16];
+    type Tuple = CtKey6;
+    const SADDR: usize = offset_of!(Ipv6Hdr, src_addr);
+    const DADDR: usize = offset_of!(Ipv6Hdr, dst_addr);
+    const CSUM: Option<usize> = None;
+    const HOPS: usize = offset_of!(Ipv6Hdr, hop_limit);
+    const LEN_FIELD: usize = offset_of!(Ipv6Hdr, payload_len);
+    const LEN_BEYOND_L4: usize = 0;
 }
 
 /// Where the ports are, the same in TCP and UDP headers: one read and one
@@ -49,19 +75,32 @@ pub const SPORT: usize = offset_of!(UdpHdr, src);
 pub const DPORT: usize = offset_of!(UdpHdr, dst);
 const _: () = assert!(offset_of!(TcpHdr, source) == SPORT && offset_of!(TcpHdr, dest) == DPORT);
 
-/// The fields of one IPv4 TCP or UDP packet the datapath works with.
+/// The fields of one TCP or UDP packet the datapath works with (`T`: its
+/// family's tuple).
 #[derive(Clone, Copy)]
-pub struct Packet {
-    pub tuple: CtKey,
+pub struct Packet<T = CtKey> {
+    pub tuple: T,
     /// Offset of the L4 header.
     pub l4_off: usize,
     /// TCP flags (0 for UDP).
     pub tcp_flags: u8,
-    /// The IPv4 header length is 20 (no options).
+    /// The IPv4 header length is 20 (no options); always, in IPv6.
     pub plain_ip_header: bool,
-    /// The first fragment of a fragmented datagram: its later fragments are
-    /// known by this key.
+    /// The first fragment of a fragmented IPv4 datagram: its later fragments
+    /// are known by this key. (IPv6 fragments have an extension header: they
+    /// pass untouched.)
     pub first_fragment: Option<FragKey>,
+}
+
+/// A packet on its way through the steps of the ingress path (`tc_lb`), and
+/// `to`, the tuple they fill or read in place. The IPv6 path keeps it in a
+/// per-CPU map (`FLOW6`): on the stack, its 16-byte addresses and the copies
+/// the compiler makes of them would leave the steps too little of it.
+pub struct Flow<T> {
+    pub pkt: Packet<T>,
+    pub to: T,
+    /// `bpf_ktime_get_ns()` when the packet came.
+    pub now: u64,
 }
 
 /// An unfragmented ICMP message: its IP addresses and where it starts.
@@ -74,7 +113,7 @@ pub struct IcmpMessage {
 
 /// What a tc program sees.
 pub enum Parsed {
-    /// A TCP or UDP packet, or the first fragment of a datagram.
+    /// An IPv4 TCP or UDP packet, or the first fragment of a datagram.
     Packet(Packet),
     /// A later fragment: IP header only.
     Fragment(FragKey),
@@ -82,10 +121,10 @@ pub enum Parsed {
     Icmp(IcmpMessage),
 }
 
-impl Packet {
+impl<T: CtTuple> Packet<T> {
     fn l4_csum_off(&self) -> usize {
         self.l4_off
-            + if self.tuple.proto == IPPROTO_TCP {
+            + if self.tuple.proto() == IPPROTO_TCP {
                 offset_of!(TcpHdr, check)
             } else {
                 offset_of!(UdpHdr, check)
@@ -93,8 +132,9 @@ impl Packet {
     }
 
     fn l4_flags(&self) -> u64 {
-        // A UDP checksum of zero means "none" and must stay zero.
-        if self.tuple.proto == IPPROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 }
+        // A UDP checksum of zero means "none" and must stay zero; one that
+        // comes out zero is written as 0xffff (IPv6 UDP must never carry 0).
+        if self.tuple.proto() == IPPROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 }
     }
 }
 
@@ -145,7 +185,7 @@ pub fn load_ports(ctx: &TcContext, off: usize, proto: u8) -> Option<(u16, u16, u
 }
 
 /// Parses an Ethernet + IPv4 + TCP/UDP packet or fragment. Anything else
-/// (other protocols, IPv6, ARP) is `None` and passes untouched.
+/// (other protocols, IPv6: [`parse6`], ARP) is `None` and passes untouched.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     // One read per header, in place: this runs for every packet the
@@ -181,6 +221,47 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     }))
 }
 
+/// Whether the frame carries IPv6.
+#[inline(always)]
+pub fn is_ipv6(ctx: &TcContext) -> bool {
+    header::<u16>(ctx, offset_of!(EthHdr, ether_type)) == Some(EtherType::Ipv6 as u16)
+}
+
+/// Parses an Ethernet + IPv6 packet ([`is_ipv6`]): TCP or UDP right after the fixed
+/// header. Extension headers (fragments included), ICMPv6 (neighbour
+/// discovery) and anything else are `None` and pass untouched.
+#[inline(always)]
+pub fn parse6(ctx: &TcContext, pkt: &mut Packet<CtKey6>) -> bool {
+    // The version's word and the next header, before the addresses.
+    let Some(first) = header::<[u8; 8]>(ctx, IP_OFF) else { return false };
+    let (version, proto) = (first[0] >> 4, first[offset_of!(Ipv6Hdr, next_hdr)]);
+    if version != 6 || (proto != IPPROTO_TCP && proto != IPPROTO_UDP) {
+        return false;
+    }
+    let l4_off = IP_OFF + Ipv6Hdr::LEN;
+    let Some((sport, dport, tcp_flags)) = load_ports(ctx, l4_off, proto) else { return false };
+    // Both addresses in one copy of words into the aligned key (see `CtKey6`).
+    const _: () = assert!(offset_of!(CtKey6, daddr) == 16 && Ipv6Hdr::DADDR == Ipv6Hdr::SADDR + 16);
+    let addrs = (&mut pkt.tuple as *mut CtKey6).cast::<[u64; 4]>();
+    let at = IP_OFF + Ipv6Hdr::SADDR;
+    let start = ctx.data() + at;
+    if start + 32 <= ctx.data_end() {
+        // SAFETY: within the linear data, as just checked; read as words
+        // (the packet's own alignment does not matter to the verifier where
+        // unaligned access is efficient, as on x86 and arm64).
+        unsafe { *addrs = *(start as *const [u64; 4]) };
+    } else {
+        let Ok(words) = ctx.load::<[u64; 4]>(at) else { return false };
+        // SAFETY: the key's first 32 bytes.
+        unsafe { *addrs = words };
+    }
+    (pkt.tuple.sport, pkt.tuple.dport, pkt.tuple.proto) = (sport, dport, proto);
+    pkt.tuple._pad = [0; 3];
+    (pkt.l4_off, pkt.tcp_flags, pkt.plain_ip_header, pkt.first_fragment) =
+        (l4_off, tcp_flags, true, None);
+    true
+}
+
 /// Rewrites one address of the IP header at `ip_off` (`field`: `SADDR` or
 /// `DADDR`) and the header's checksum; `l4` is the packet whose L4 checksum
 /// covers the address (none for a later fragment, which carries no L4
@@ -202,30 +283,38 @@ pub fn set_addr<H: IpHeader<Addr = [u8; 4]>>(
         let flags = BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags() | 4;
         ctx.l4_csum_replace(pkt.l4_csum_off(), old, new, flags)?;
     }
-    ctx.l3_csum_replace(ip_off + H::CSUM, old, new, 4)?;
+    if let Some(csum) = H::CSUM {
+        ctx.l3_csum_replace(ip_off + csum, old, new, 4)?;
+    }
     ctx.store(ip_off + field, &(new as u32), 0)
 }
 
-/// The ones'-complement difference that turns a sum over `old` into one over
-/// `new` (both as in memory), folded: what the csum helpers take as a
-/// precomputed difference (header field size 0).
+/// Adds to `sum` the ones'-complement difference that turns a sum over
+/// `old` into one over `new` (both as in memory, of one even length),
+/// unfolded.
 #[inline(always)]
-fn csum_diff<const N: usize>(old: [u8; N], new: [u8; N]) -> u32 {
-    let mut sum = 0u32;
+fn csum_diff_add(mut sum: u32, old: &[u8], new: &[u8]) -> u32 {
     let mut i = 0;
-    while i + 1 < N {
+    while i + 1 < old.len() && i + 1 < new.len() {
         sum += !u16::from_ne_bytes([old[i], old[i + 1]]) as u32;
         sum += u16::from_ne_bytes([new[i], new[i + 1]]) as u32;
         i += 2;
     }
+    sum
+}
+
+/// `sum` folded to 16 bits: what the csum helpers take as a precomputed
+/// difference (header field size 0).
+#[inline(always)]
+fn fold_diff(mut sum: u32) -> u32 {
     sum = (sum & 0xffff) + (sum >> 16);
     (sum & 0xffff) + (sum >> 16)
 }
 
-/// Both 4-byte values side by side, as they lie in a header.
+/// The folded difference from `old` to `new`.
 #[inline(always)]
-fn pair(a: [u8; 4], b: [u8; 4]) -> [u8; 8] {
-    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+fn csum_diff<const N: usize>(old: [u8; N], new: [u8; N]) -> u32 {
+    fold_diff(csum_diff_add(0, &old, &new))
 }
 
 /// Both ports, in network order, as they lie in the L4 header.
@@ -239,20 +328,42 @@ fn ports(sport: u16, dport: u16) -> [u8; 4] {
 /// right: the addresses in one store, the ports in another, each checksum
 /// updated by one difference computed here (five helper calls, not ten; the
 /// ports' difference apart, as an offloaded checksum covers only the
-/// pseudo-header's addresses).
+/// pseudo-header's addresses). IPv6 has no header checksum: its addresses
+/// change the L4 checksum only (through its pseudo-header).
 #[inline(always)]
-pub fn rewrite(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> Result<(), i64> {
-    const _: () = assert!(Ipv4Hdr::DADDR == Ipv4Hdr::SADDR + 4 && DPORT == SPORT + 2);
+pub fn rewrite<H: IpHeader>(
+    ctx: &TcContext,
+    pkt: &Packet<H::Tuple>,
+    to: &H::Tuple,
+) -> Result<(), i64> {
+    const { assert!(H::DADDR == H::SADDR + size_of::<H::Addr>() && DPORT == SPORT + 2) };
     let from = &pkt.tuple;
-    let (old, new) = (pair(from.saddr, from.daddr), pair(to.saddr, to.daddr));
+    let (mut old, mut new) = ([from.saddr(), from.daddr()], [to.saddr(), to.daddr()]);
     if old != new {
-        let diff = csum_diff(old, new) as u64;
-        ctx.l3_csum_replace(IP_OFF + Ipv4Hdr::CSUM, 0, diff, 0)?;
+        let diff = if H::CSUM.is_some() {
+            let sum = csum_diff_add(0, old[0].as_ref(), new[0].as_ref());
+            fold_diff(csum_diff_add(sum, old[1].as_ref(), new[1].as_ref())) as u64
+        } else {
+            // IPv6: the kernel sums the 32 bytes where they lie; done here,
+            // byte by byte, they would fill the stack with spilled bytes.
+            let size = size_of::<[H::Addr; 2]>() as u32;
+            let diff = unsafe {
+                bpf_csum_diff(old.as_mut_ptr().cast(), size, new.as_mut_ptr().cast(), size, 0)
+            };
+            if diff < 0 {
+                return Err(diff);
+            }
+            diff as u32 as u64
+        };
+        if let Some(csum) = H::CSUM {
+            ctx.l3_csum_replace(IP_OFF + csum, 0, diff, 0)?;
+        }
         let flags = BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags();
         ctx.l4_csum_replace(pkt.l4_csum_off(), 0, diff, flags)?;
-        ctx.store(IP_OFF + Ipv4Hdr::SADDR, &new, 0)?;
+        // Both addresses, side by side as in the header.
+        ctx.store(IP_OFF + H::SADDR, &new, 0)?;
     }
-    let (old, new) = (ports(from.sport, from.dport), ports(to.sport, to.dport));
+    let (old, new) = (ports(from.sport(), from.dport()), ports(to.sport(), to.dport()));
     if old != new {
         let diff = csum_diff(old, new) as u64;
         ctx.l4_csum_replace(pkt.l4_csum_off(), 0, diff, pkt.l4_flags())?;
@@ -275,19 +386,22 @@ pub fn rewrite_addrs(ctx: &TcContext, from: [[u8; 4]; 2], to: [[u8; 4]; 2]) -> R
     set_addr::<Ipv4Hdr>(ctx, None, IP_OFF, Ipv4Hdr::DADDR, from[1], to[1])
 }
 
-/// Decrements the TTL of a packet we forward ourselves; false when it ran out.
+/// Decrements the TTL (hop limit) of a packet we forward ourselves; false
+/// when it ran out.
 #[inline(always)]
-pub fn decrement_ttl(ctx: &TcContext) -> Result<bool, i64> {
-    const TTL: usize = IP_OFF + offset_of!(Ipv4Hdr, ttl);
-    let ttl: u8 = ctx.load(TTL)?;
+pub fn decrement_ttl<H: IpHeader>(ctx: &TcContext) -> Result<bool, i64> {
+    let hops_at = IP_OFF + H::HOPS;
+    let ttl: u8 = ctx.load(hops_at)?;
     if ttl <= 1 {
         return Ok(false);
     }
-    // TTL is the high byte of the 16-bit word it shares with the protocol.
-    const _: () = assert!(offset_of!(Ipv4Hdr, proto) == offset_of!(Ipv4Hdr, ttl) + 1);
-    let (old, new) = ((ttl as u16) << 8, ((ttl - 1) as u16) << 8);
-    ctx.l3_csum_replace(IP_OFF + Ipv4Hdr::CSUM, old.to_be() as u64, new.to_be() as u64, 2)?;
-    ctx.store(TTL, &(ttl - 1), 0)?;
+    if let Some(csum) = H::CSUM {
+        // TTL is the high byte of the 16-bit word it shares with the protocol.
+        const _: () = assert!(offset_of!(Ipv4Hdr, proto) == offset_of!(Ipv4Hdr, ttl) + 1);
+        let (old, new) = ((ttl as u16) << 8, ((ttl - 1) as u16) << 8);
+        ctx.l3_csum_replace(IP_OFF + csum, old.to_be() as u64, new.to_be() as u64, 2)?;
+    }
+    ctx.store(hops_at, &(ttl - 1), 0)?;
     Ok(true)
 }
 

@@ -4,7 +4,9 @@
 //! inlines), before any hash map is touched. A packet that cannot be of a
 //! frontend, of a per-packet flow's reply, or of a SNAT port goes on
 //! untouched; anything the filter cannot tell (IP options, a later fragment,
-//! ICMP, headers beyond the linear data) takes the full path.
+//! ICMP, headers beyond the linear data) takes the full path. So does every
+//! IPv6 packet: the bits stand for IPv4 endpoints only, and an IPv6 packet
+//! passed on a bit it has none of would miss its flow.
 
 use core::mem::offset_of;
 
@@ -24,6 +26,7 @@ use crate::{
 const L4_OFF: usize = IP_OFF + Ipv4Hdr::LEN;
 const HEADERS: usize = L4_OFF + UdpHdr::LEN;
 const IPV4: u16 = 0x0800;
+const IPV6: u16 = 0x86dd;
 /// Version 4, header length 5 words: no options.
 const PLAIN_IPV4: u8 = 0x45;
 
@@ -70,8 +73,10 @@ pub fn check(ctx: &TcContext, cfg: &Config, hook: Hook) -> Filter {
         return Filter::Inspect;
     }
     let ethertype: [u8; 2] = read(ctx, offset_of!(EthHdr, ether_type));
-    if u16::from_be_bytes(ethertype) != IPV4 {
-        return Filter::Pass;
+    match u16::from_be_bytes(ethertype) {
+        IPV4 => {}
+        IPV6 => return Filter::Inspect,
+        _ => return Filter::Pass,
     }
     let [vihl] = read(ctx, IP_OFF);
     let [proto] = read(ctx, IP_OFF + offset_of!(Ipv4Hdr, proto));

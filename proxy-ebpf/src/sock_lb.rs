@@ -331,7 +331,7 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
         Some(verdict) => (verdict, None),
         None => {
             let client = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-            (lb::choose(&key, &svc, client, AFFINITY_CLIENT_NETNS), flow)
+            (lb::choose(&key, &svc, (client, AFFINITY_CLIENT_NETNS)), flow)
         }
     };
     match verdict {

@@ -15,26 +15,26 @@ use aya_ebpf::{
         bpf_ktime_get_ns,
         generated::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
     },
-    maps::lpm_trie::Key,
     programs::TcContext,
 };
+use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
-    AFFINITY_CLIENT_IPV4, Backend, Config, Counter, CtKey, FragKey, FragRewrite,
-    SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceValue, SourceRangeKey, log_level,
+    Config, Counter, CtKey, CtTuple, CtValue, FragKey, ServiceFlags, ServiceValue, TC6_EGRESS,
+    TC6_INGRESS, TC6_POD_REPLIES, log_level,
 };
 
 use crate::{
-    conntrack, icmp,
-    lb::{self, Verdict},
-    log::{self, Outcome},
-    maps::{CONFIG, FRAGMENTS, SOURCE_RANGES, count},
-    packet::{self, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
+    conntrack,
+    family::Family,
+    icmp,
+    lb::{self, Verdict, Via},
+    log::{self, Outcome, Printable},
+    maps::{CONFIG, FLOW6, FRAGMENTS, TC6, count},
+    packet::{self, Flow, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
     prefilter::{self, Filter, Hook},
     reject,
     tc_act::{NEXT, SHOT, STACK},
 };
-
-const AF_INET: u8 = 2;
 
 /// What an ingress program translates.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -63,30 +63,118 @@ pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Fragment(key)) => return later_fragment(ctx, &key),
         Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, true),
-        None => return NEXT,
+        None => {
+            let slot = match scope {
+                Scope::Everything => TC6_INGRESS,
+                Scope::TrackedOnly => TC6_POD_REPLIES,
+            };
+            return to_ipv6(ctx, slot);
+        }
     };
-    let now = unsafe { bpf_ktime_get_ns() };
+    let mut flow = Flow { to: pkt.tuple, pkt, now: unsafe { bpf_ktime_get_ns() } };
+    translate::<Ipv4Hdr>(ctx, cfg, &mut flow, scope)
+}
 
-    if let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) {
+/// An IPv6 packet goes on in the IPv6 program at `slot` of `TC6` (a tail
+/// call: a stack of its own); anything else, or with no such program,
+/// passes untouched.
+#[inline(always)]
+fn to_ipv6(ctx: &TcContext, slot: u32) -> i32 {
+    if packet::is_ipv6(ctx) {
+        // SAFETY: returns only if the slot is empty.
+        unsafe { TC6.tail_call(ctx, slot) };
+    }
+    NEXT
+}
+
+/// The IPv6 programs' ingress (`tc_ingress6`, `tc_pod_replies6`).
+#[inline(always)]
+pub fn try_ingress6(ctx: &TcContext, scope: Scope) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    // Off the stack (see `FLOW6`).
+    let Some(flow) = FLOW6.get_ptr_mut(0) else { return NEXT };
+    // SAFETY: this CPU's slot; a tc program is not preempted by another
+    // program using it.
+    let flow = unsafe { &mut *flow };
+    if !packet::parse6(ctx, &mut flow.pkt) {
+        return NEXT;
+    }
+    flow.to = flow.pkt.tuple;
+    flow.now = unsafe { bpf_ktime_get_ns() };
+    translate::<Ipv6Hdr>(ctx, cfg, flow, scope)
+}
+
+/// A TCP or UDP packet: of a tracked flow, or a new flow to a frontend.
+/// Each step is a BPF call of its own in the IPv6 path (`Family::step`),
+/// one after the other from here, so their frames never add up (the
+/// compiler's copies of 16-byte addresses would not fit one frame); they
+/// fill or read `flow.to` in place.
+#[inline(always)]
+fn translate<F: Family>(ctx: &TcContext, cfg: &Config, f: &mut Flow<F::Tuple>, scope: Scope) -> i32
+where
+    F::Tuple: Printable,
+{
+    let tracked = F::step(
+        #[inline(always)]
+        || match conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now) {
+            Some(entry) => {
+                f.to = entry.rewritten(f.pkt.tuple.proto());
+                true
+            }
+            None => false,
+        },
+    );
+    if tracked {
         count(Counter::CtHit);
-        return forward(ctx, &pkt, &entry.rewritten(pkt.tuple.proto));
+        return F::step(
+            #[inline(always)]
+            || forward::<F>(ctx, &f.pkt, &f.to),
+        );
     }
     if scope == Scope::TrackedOnly {
         return NEXT;
     }
-
-    let key = ServiceKey::new(pkt.tuple.daddr, pkt.tuple.dport, pkt.tuple.proto, 0);
-    let Some(svc) = lb::lookup_frontend(&key) else {
-        record_unknown(cfg, &pkt);
-        return NEXT;
+    let decision = F::step(
+        #[inline(always)]
+        || decide::<F>(cfg, f),
+    );
+    let (rev_nat_id, snat, via, flags) = match decision {
+        Decision::Pass => {
+            record_unknown::<F>(cfg, &f.pkt);
+            return NEXT;
+        }
+        Decision::Drop(outcome) => {
+            count(Counter::Dropped);
+            record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
+            return SHOT;
+        }
+        Decision::Refuse => {
+            record(cfg, log_level::INFO, true, &f.pkt.tuple, Outcome::NoEndpoint);
+            return reject::refuse::<F>(ctx, &f.pkt);
+        }
+        Decision::Translate { rev_nat_id, snat, via, flags } => (rev_nat_id, snat, via, flags),
     };
-    let t = &pkt.tuple;
-    if svc.flags.has_source_ranges() && !source_allowed(&svc, t.saddr) {
+    let created = F::step(
+        #[inline(always)]
+        || conntrack::create::<F>(&f.pkt.tuple, &mut f.to, rev_nat_id, snat, cfg, f.now),
+    );
+    if !created {
         count(Counter::Dropped);
-        record(cfg, log_level::INFO, true, t, Outcome::SourceOutsideRanges);
+        let outcome = if snat { Outcome::NoSnatPort } else { Outcome::ConntrackFull };
+        record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
         return SHOT;
     }
-    new_flow(ctx, cfg, &pkt, &key, &svc, now)
+    count(Counter::CtNew);
+    if cfg.log_level >= log_level::DEBUG {
+        log::new_flow(&f.pkt.tuple, &f.to, via, flags);
+        if snat {
+            log::snat(&f.pkt.tuple, &f.to);
+        }
+    }
+    F::step(
+        #[inline(always)]
+        || forward::<F>(ctx, &f.pkt, &f.to),
+    )
 }
 
 /// Whether the pre-filter passes the packet on untouched. At `trace`, where
@@ -96,58 +184,50 @@ fn filtered(ctx: &TcContext, cfg: &Config, hook: Hook) -> bool {
     cfg.log_level < log_level::TRACE && prefilter::check(ctx, cfg, hook) == Filter::Pass
 }
 
-/// A new flow to the frontend `svc` (found at `key`): a backend, SNAT where
-/// kube-proxy would masquerade, two conntrack entries; or its refusal.
+/// What a packet of no flow gets. (Its tag first, where BTF can describe
+/// it: a niche inside a field is not.)
+#[repr(u8)]
+enum Decision {
+    /// It is to no frontend: passed on.
+    Pass,
+    /// Dropped, for this reason.
+    Drop(Outcome),
+    /// To a frontend without endpoints: refused.
+    Refuse,
+    /// A new flow, translated to the tuple [`decide`] wrote (its SNAT port
+    /// yet to be found).
+    Translate { rev_nat_id: u32, snat: bool, via: Via, flags: ServiceFlags },
+}
+
+/// Whether a packet of no flow starts one: its frontend, a backend, SNAT
+/// where kube-proxy would masquerade (the translated tuple in `flow.to`);
+/// or its drop or refusal. The caller counts and records: a record's frame
+/// would add to this step's.
 #[inline(always)]
-fn new_flow(
-    ctx: &TcContext,
-    cfg: &Config,
-    pkt: &Packet,
-    key: &ServiceKey,
-    svc: &ServiceValue,
-    now: u64,
-) -> i32 {
+fn decide<F: Family>(cfg: &Config, flow: &mut Flow<F::Tuple>) -> Decision {
+    let pkt = &flow.pkt;
     let t = &pkt.tuple;
-    let client = u32::from_ne_bytes(t.saddr) as u64;
-    let (scoped_key, scoped) =
-        if from_pods(cfg, t.saddr) { lb::in_cluster_scope(key, svc) } else { (*key, *svc) };
-    match lb::choose(&scoped_key, &scoped, client, AFFINITY_CLIENT_IPV4) {
+    let mut key = F::service_key(t.daddr(), t.dport(), t.proto());
+    let Some(svc) = lb::lookup_frontend(&key) else { return Decision::Pass };
+    if svc.flags.has_source_ranges() && !F::source_allowed(svc.rev_nat_id, t.saddr()) {
+        return Decision::Drop(Outcome::SourceOutsideRanges);
+    }
+    let mut scoped = svc;
+    if from_pods::<F>(cfg, t.saddr()) {
+        (key, scoped) = lb::in_cluster_scope(&key, &svc);
+    }
+    match lb::choose(&key, &scoped, F::client(t.saddr())) {
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
-            count(Counter::Dropped);
-            record(cfg, log_level::INFO, true, t, Outcome::NoLocalEndpoint);
-            SHOT
+            Decision::Drop(Outcome::NoLocalEndpoint)
         }
-        Verdict::NoBackend => {
-            record(cfg, log_level::INFO, true, t, Outcome::NoEndpoint);
-            reject::refuse(ctx, pkt)
-        }
+        Verdict::NoBackend => Decision::Refuse,
         Verdict::Backend { backend, rev_nat_id, via, .. } => {
-            let snat = needs_snat(svc, cfg, pkt, &backend);
-            let xlated = CtKey {
-                saddr: if snat { cfg.snat_addr } else { t.saddr },
-                daddr: backend.address,
-                sport: t.sport,
-                dport: backend.port,
-                proto: t.proto,
-                _pad: [0; 3],
-            };
-            let xlated = match conntrack::create(t, xlated, rev_nat_id, snat, cfg, now) {
-                Some(xlated) => xlated,
-                None => {
-                    count(Counter::Dropped);
-                    let outcome = if snat { Outcome::NoSnatPort } else { Outcome::ConntrackFull };
-                    record(cfg, log_level::INFO, true, t, outcome);
-                    return SHOT;
-                }
-            };
-            count(Counter::CtNew);
-            if cfg.log_level >= log_level::DEBUG {
-                log::new_flow(t, &xlated, via, scoped.flags);
-                if snat {
-                    log::snat(t, &xlated);
-                }
-            }
-            forward(ctx, pkt, &xlated)
+            let snat = needs_snat::<F>(&svc, cfg, pkt, &backend);
+            let (address, port, _) = F::backend(&backend);
+            let saddr = if snat { F::snat_addr(cfg) } else { t.saddr() };
+            let to = F::Tuple::new(saddr, *address, t.sport(), port, t.proto());
+            flow.to = to;
+            Decision::Translate { rev_nat_id, snat, via, flags: scoped.flags }
         }
     }
 }
@@ -155,12 +235,17 @@ fn new_flow(
 /// Records a packet of no flow to no service: a reply to a SNAT port
 /// whose flow is gone (expired, evicted) at debug, anything else at trace.
 #[inline(always)]
-fn record_unknown(cfg: &Config, pkt: &Packet) {
+fn record_unknown<F: Family>(cfg: &Config, pkt: &Packet<F::Tuple>)
+where
+    F::Tuple: Printable,
+{
     if cfg.log_level < log_level::DEBUG {
         return;
     }
     let t = &pkt.tuple;
-    if t.daddr == cfg.snat_addr && (cfg.snat_port_min..=cfg.snat_port_max).contains(&t.dport) {
+    if t.daddr() == F::snat_addr(cfg)
+        && (cfg.snat_port_min..=cfg.snat_port_max).contains(&t.dport())
+    {
         record(cfg, log_level::DEBUG, true, t, Outcome::ReplyWithoutFlow);
     } else {
         record(cfg, log_level::TRACE, true, t, Outcome::NoService);
@@ -169,7 +254,7 @@ fn record_unknown(cfg: &Config, pkt: &Packet) {
 
 /// A decision record about the packet `t`, if the configured level takes it.
 #[inline(always)]
-fn record(cfg: &Config, level: u8, ingress: bool, t: &CtKey, outcome: Outcome) {
+fn record<T: Printable>(cfg: &Config, level: u8, ingress: bool, t: &T, outcome: Outcome) {
     if cfg.log_level >= level {
         log::packet(level, ingress, t, outcome);
     }
@@ -180,8 +265,8 @@ fn record(cfg: &Config, level: u8, ingress: bool, t: &CtKey, outcome: Outcome) {
 /// addresses never passes tc ingress (only the socket hooks see it), and
 /// another node's address is external to kube-proxy too.
 #[inline(always)]
-fn from_pods(cfg: &Config, saddr: [u8; 4]) -> bool {
-    cfg.cluster_cidr_prefix != 0 && in_prefix(saddr, cfg.cluster_cidr, cfg.cluster_cidr_prefix)
+fn from_pods<F: Family>(cfg: &Config, saddr: F::Addr) -> bool {
+    F::in_cluster_cidr(cfg, saddr) == Some(true)
 }
 
 /// kube-proxy's masquerade decisions: external traffic with policy Cluster,
@@ -191,36 +276,25 @@ fn from_pods(cfg: &Config, saddr: [u8; 4]) -> bool {
 /// a Local external address are not masqueraded (kube-proxy's short-circuit
 /// skips the ClusterIP's masquerade rule, which matches the ClusterIP).
 #[inline(always)]
-fn needs_snat(svc: &ServiceValue, cfg: &Config, pkt: &Packet, backend: &Backend) -> bool {
+fn needs_snat<F: Family>(
+    svc: &ServiceValue,
+    cfg: &Config,
+    pkt: &Packet<F::Tuple>,
+    backend: &F::Backend,
+) -> bool {
+    let (address, _, flags) = F::backend(backend);
     // A host-network backend answers from this node anyway, and a packet
     // from a node address to a node address would be a martian.
-    if backend.flags.is_host() {
+    if flags.is_host() {
         return false;
     }
-    if backend.address == pkt.tuple.saddr {
+    if *address == pkt.tuple.saddr() {
         return true;
     }
     if svc.flags.is_external() {
         return !svc.flags.is_local_only();
     }
-    cfg.masquerade_all != 0
-        || (cfg.cluster_cidr_prefix != 0
-            && !in_prefix(pkt.tuple.saddr, cfg.cluster_cidr, cfg.cluster_cidr_prefix))
-}
-
-#[inline(always)]
-fn in_prefix(addr: [u8; 4], prefix: [u8; 4], len: u8) -> bool {
-    let mask = if len >= 32 { u32::MAX } else { !(u32::MAX >> len) };
-    u32::from_be_bytes(addr) & mask == u32::from_be_bytes(prefix) & mask
-}
-
-#[inline(always)]
-fn source_allowed(svc: &ServiceValue, saddr: [u8; 4]) -> bool {
-    let key = Key::new(
-        SOURCE_RANGE_PREFIX_BITS + 32,
-        SourceRangeKey { rev_nat_id: svc.rev_nat_id, address: saddr },
-    );
-    SOURCE_RANGES.get(&key).is_some()
+    cfg.masquerade_all != 0 || F::in_cluster_cidr(cfg, pkt.tuple.saddr()) == Some(false)
 }
 
 /// Egress of the same interfaces: replies of host-network backends, which
@@ -237,15 +311,39 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
     let pkt = match packet::parse(ctx) {
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, false),
-        _ => return NEXT,
+        Some(Parsed::Fragment(_)) => return NEXT,
+        None => return to_ipv6(ctx, TC6_EGRESS),
     };
+    reverse::<Ipv4Hdr>(ctx, cfg, &pkt)
+}
+
+/// The IPv6 program's egress (`tc_egress6`).
+#[inline(always)]
+pub fn try_egress6(ctx: &TcContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    let Some(flow) = FLOW6.get_ptr_mut(0) else { return NEXT };
+    // SAFETY: as in `try_ingress6`.
+    let pkt = unsafe { &mut (*flow).pkt };
+    if !packet::parse6(ctx, pkt) {
+        return NEXT;
+    }
+    reverse::<Ipv6Hdr>(ctx, cfg, pkt)
+}
+
+/// A packet the stack sends: rewritten if it is of a tracked flow, and left
+/// to the stack, which routed it already.
+#[inline(always)]
+fn reverse<F: Family>(ctx: &TcContext, cfg: &Config, pkt: &Packet<F::Tuple>) -> i32
+where
+    F::Tuple: Printable,
+{
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some(entry) = conntrack::lookup(&pkt, ctx.len(), cfg, now) else {
+    let Some(entry) = conntrack::lookup::<F>(pkt, ctx.len(), cfg, now) else {
         record(cfg, log_level::TRACE, false, &pkt.tuple, Outcome::NoFlow);
         return NEXT;
     };
     count(Counter::CtHit);
-    match packet::rewrite(ctx, &pkt, &entry.rewritten(pkt.tuple.proto)) {
+    match packet::rewrite::<F>(ctx, pkt, &entry.rewritten(pkt.tuple.proto())) {
         Ok(()) => NEXT,
         Err(_) => {
             count(Counter::Dropped);
@@ -276,7 +374,7 @@ fn icmp_error(ctx: &TcContext, msg: &IcmpMessage, ingress: bool) -> i32 {
         return NEXT;
     }
     let outer = CtKey { saddr: to.saddr, daddr: to.daddr, proto: IPPROTO_ICMP, ..CtKey::default() };
-    send(ctx, &outer)
+    send::<Ipv4Hdr>(ctx, &outer)
 }
 
 /// A fragment after the first: it follows the first fragment's translation,
@@ -295,36 +393,33 @@ fn later_fragment(ctx: &TcContext, key: &FragKey) -> i32 {
         return SHOT;
     }
     let tuple = CtKey { saddr: to.saddr, daddr: to.daddr, proto: key.proto, ..CtKey::default() };
-    send(ctx, &tuple)
+    send::<Ipv4Hdr>(ctx, &tuple)
 }
 
 /// Rewrites `pkt` to `to` and sends it towards its new destination; the
 /// first fragment of a datagram leaves its translation for the others.
 #[inline(always)]
-fn forward(ctx: &TcContext, pkt: &Packet, to: &CtKey) -> i32 {
-    if packet::rewrite(ctx, pkt, to).is_err() {
+fn forward<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>, to: &F::Tuple) -> i32 {
+    if packet::rewrite::<F>(ctx, pkt, to).is_err() {
         count(Counter::Dropped);
         return SHOT;
     }
-    if let Some(key) = &pkt.first_fragment {
-        let _ = FRAGMENTS.insert(key, FragRewrite { saddr: to.saddr, daddr: to.daddr }, 0);
-    }
-    send(ctx, to)
+    F::remember_fragment(pkt, to);
+    send::<F>(ctx, to)
 }
 
 /// Sends an already translated packet on: a FIB lookup, then a redirect to
 /// the next hop's interface (the stack for local or unroutable addresses).
 #[inline(always)]
-fn send(ctx: &TcContext, to: &CtKey) -> i32 {
+fn send<F: Family>(ctx: &TcContext, to: &F::Tuple) -> i32 {
     // SAFETY: bpf_fib_lookup is plain data; zero is a valid start.
     let mut fib: FibLookup = unsafe { core::mem::zeroed() };
-    fib.family = AF_INET;
-    fib.l4_protocol = to.proto;
-    fib.sport = to.sport.to_be();
-    fib.dport = to.dport.to_be();
+    fib.family = F::AF;
+    fib.l4_protocol = to.proto();
+    fib.sport = to.sport().to_be();
+    fib.dport = to.dport().to_be();
     fib.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    fib.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(to.saddr);
-    fib.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(to.daddr);
+    F::fib_addrs(&mut fib, to);
     let rc = unsafe {
         bpf_fib_lookup(ctx.skb.skb.cast(), &mut fib, core::mem::size_of::<FibLookup>() as i32, 0)
     } as u32;
@@ -333,7 +428,7 @@ fn send(ctx: &TcContext, to: &CtKey) -> i32 {
         // takes the translated packet from here.
         return STACK;
     }
-    match packet::decrement_ttl(ctx) {
+    match packet::decrement_ttl::<F>(ctx) {
         Ok(true) => {}
         _ => return SHOT,
     }
@@ -346,8 +441,8 @@ fn send(ctx: &TcContext, to: &CtKey) -> i32 {
     }
     // SAFETY: plain data.
     let mut nh: bpf_redir_neigh = unsafe { core::mem::zeroed() };
-    nh.nh_family = AF_INET as u32;
-    nh.__bindgen_anon_1.ipv4_nh = unsafe { fib.__bindgen_anon_4.ipv4_dst };
+    nh.nh_family = F::AF as u32;
+    F::next_hop(&fib, &mut nh);
     unsafe {
         bpf_redirect_neigh(fib.ifindex, &mut nh, core::mem::size_of::<bpf_redir_neigh>() as i32, 0)
             as i32

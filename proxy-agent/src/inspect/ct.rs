@@ -8,11 +8,11 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{IpAddr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
 };
 
 use proxy_common::{
-    CT_FLAG_CLOSED, CT_FLAG_ESTABLISHED, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CtEntryV1, CtKey,
+    CT_FLAG_CLOSED, CT_FLAG_ESTABLISHED, CT_FLAG_REPLY, CT_FLAG_SEEN_REPLY, CtTuple, CtValue,
     FrontendInfo, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6,
 };
 use serde::Serialize;
@@ -42,8 +42,8 @@ pub struct CtRow {
     pub service: String,
 }
 
-fn addr(address: [u8; 4], port: u16) -> String {
-    SocketAddrV4::new(address.into(), port).to_string()
+fn addr(address: impl Into<IpAddr>, port: u16) -> String {
+    SocketAddr::new(address.into(), port).to_string()
 }
 
 fn state(flags: u8) -> &'static str {
@@ -62,29 +62,33 @@ fn service(infos: &BTreeMap<u32, FrontendInfo>, rev_nat_id: u32) -> String {
     infos.get(&rev_nat_id).map_or("?", FrontendInfo::name).to_string()
 }
 
-/// The per-packet flows of `CONNTRACK` entries (their forward entries) at
-/// `now_ns` (CLOCK_MONOTONIC).
-pub fn flows(
-    entries: &[(CtKey, CtEntryV1)],
+/// The per-packet flows of `CONNTRACK` or `CONNTRACK6` entries (their
+/// forward entries) at `now_ns` (CLOCK_MONOTONIC).
+pub fn flows<K, V>(
+    entries: &[(K, V)],
     infos: &BTreeMap<u32, FrontendInfo>,
     now_ns: u64,
-) -> Vec<CtRow> {
+) -> Vec<CtRow>
+where
+    K: CtTuple<Addr: Into<IpAddr>>,
+    V: CtValue<Key = K>,
+{
     entries
         .iter()
-        .filter(|(_, e)| e.flags & CT_FLAG_REPLY == 0)
+        .filter(|(_, e)| e.flags() & CT_FLAG_REPLY == 0)
         .map(|(k, e)| {
-            let to = e.rewritten(k.proto);
+            let to = e.rewritten(k.proto());
             CtRow {
                 path: "per-packet",
-                proto: protocol(k.proto).into(),
-                client: addr(k.saddr, k.sport),
-                frontend: addr(k.daddr, k.dport),
-                backend: addr(to.daddr, to.dport),
-                snat: (to.saddr != k.saddr || to.sport != k.sport)
-                    .then(|| addr(to.saddr, to.sport)),
-                state: state(e.flags).into(),
-                expires_secs: Some(e.expires_ns.saturating_sub(now_ns) / 1_000_000_000),
-                service: service(infos, e.rev_nat_id),
+                proto: protocol(k.proto()).into(),
+                client: addr(k.saddr(), k.sport()),
+                frontend: addr(k.daddr(), k.dport()),
+                backend: addr(to.daddr(), to.dport()),
+                snat: (to.saddr() != k.saddr() || to.sport() != k.sport())
+                    .then(|| addr(to.saddr(), to.sport())),
+                state: state(e.flags()).into(),
+                expires_secs: Some(e.expires_ns().saturating_sub(now_ns) / 1_000_000_000),
+                service: service(infos, e.rev_nat_id()),
             }
         })
         .collect()
@@ -270,7 +274,7 @@ pub fn table(rows: &[CtRow]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{CT_FLAG_SNAT, IPPROTO_TCP, KIND_NODE_PORT};
+    use proxy_common::{CT_FLAG_SNAT, CtEntryV1, CtKey, IPPROTO_TCP, KIND_NODE_PORT};
 
     use super::*;
     use crate::inspect::LbBackend;
@@ -309,6 +313,19 @@ mod tests {
         );
         assert_eq!((r.state.as_str(), r.expires_secs), ("established", Some(60)));
         assert_eq!(r.service, "demo/web:http");
+    }
+
+    #[test]
+    fn an_ipv6_flow_shows_bracketed_addresses() {
+        use proxy_common::{CtEntry6V1, CtKey6};
+        let ip = |last: u8| [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, last];
+        let orig = CtKey6::new(ip(1), ip(2), 40000, 80, IPPROTO_TCP);
+        let to = CtKey6::new(ip(1), ip(3), 40000, 8080, IPPROTO_TCP);
+        let forward = CtEntry6V1::new(70_000_000_000, &to, 3, 0);
+        let rows = flows(&[(orig, forward)], &BTreeMap::new(), 10_000_000_000);
+        let r = &rows[0];
+        assert_eq!((r.client.as_str(), r.frontend.as_str()), ("[fd00::1]:40000", "[fd00::2]:80"));
+        assert_eq!((r.backend.as_str(), r.snat.as_deref()), ("[fd00::3]:8080", None));
     }
 
     #[test]

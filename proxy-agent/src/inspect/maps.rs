@@ -7,9 +7,10 @@ use std::{collections::BTreeMap, net::SocketAddr, path::Path};
 
 use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common::{
-    Backend, Backend6, CtEntryV1, CtEntryV2, CtKey, FrontendInfo, IPPROTO_TCP, IPPROTO_UDP,
-    KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, ServiceKey, ServiceKey6,
-    ServiceValue, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
+    Backend, Backend6, CtEntry6V1, CtEntry6V2, CtEntryV1, CtEntryV2, CtKey, CtKey6, FrontendInfo,
+    IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER,
+    KIND_NODE_PORT, ServiceKey, ServiceKey6, ServiceValue, SockRevNat, SockRevNat6, SockRevNatKey,
+    SockRevNatKey6, map_names,
 };
 
 use super::{
@@ -70,7 +71,8 @@ pub fn read_pinned(root: &Path) -> Result<Vec<LbEntry>, ReadError> {
 }
 
 /// The flows of the maps pinned under `root` at `now_ns`: per packet
-/// (`CONNTRACK`, either layout) and per socket (`SOCK_REV_NAT`).
+/// (`CONNTRACK`, `CONNTRACK6`, either layout) and per socket
+/// (`SOCK_REV_NAT`, `SOCK_REV_NAT6`).
 pub fn read_flows(root: &Path, now_ns: u64) -> Result<Vec<CtRow>, ReadError> {
     let infos = read(root, map_names::FRONTEND_INFO)?;
     let lb = read_pinned(root)?;
@@ -82,11 +84,19 @@ pub fn read_flows(root: &Path, now_ns: u64) -> Result<Vec<CtRow>, ReadError> {
             v2.into_iter().map(|(k, v2)| (k, v2.into())).collect()
         }
     };
+    let conntrack6: Vec<(CtKey6, CtEntry6V1)> = match read_ipv6(root, map_names::CONNTRACK6) {
+        Ok(v1) => v1,
+        Err(_) => {
+            let v2: Vec<(CtKey6, CtEntry6V2)> = read_ipv6(root, map_names::CONNTRACK6)?;
+            v2.into_iter().map(|(k, v2)| (k, v2.into())).collect()
+        }
+    };
     let v4: Vec<(SockRevNatKey, SockRevNat)> = read(root, map_names::SOCK_REV_NAT)?;
     let v6: Vec<(SockRevNatKey6, SockRevNat6)> = read_ipv6(root, map_names::SOCK_REV_NAT6)?;
     let sockets: Vec<TranslatedSocket> =
         v4.into_iter().map(Into::into).chain(v6.into_iter().map(Into::into)).collect();
     let mut rows = ct::flows(&conntrack, &infos, now_ns);
+    rows.extend(ct::flows(&conntrack6, &infos, now_ns));
     rows.extend(ct::sockets(&sockets, &infos, &lb));
     Ok(rows)
 }

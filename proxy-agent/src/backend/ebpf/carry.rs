@@ -24,6 +24,9 @@ use proxy_common::{
     MAX_SOCK_REV_NAT, MAX_SOCK_REV_NAT6, ServiceKey, ServiceKey6, ServiceValue, SockFlow,
     SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
 };
+use proxy_common::{
+    AffinityKey6, CtEntry6, CtEntry6V1, CtEntry6V2, CtKey6, MAX_AFFINITY6, MAX_CONNTRACK6,
+};
 
 use super::entries::{BackendEntry, SlotKey};
 use crate::plan::Frontend;
@@ -59,7 +62,7 @@ const fn lru<K, V>(max_entries: u32) -> Shape {
 }
 
 /// The state maps, in the order they are carried.
-pub const STATE_MAPS: [StateMap; 6] = [
+pub const STATE_MAPS: [StateMap; 8] = [
     StateMap {
         name: map_names::CONNTRACK,
         version: |l| l.conntrack,
@@ -95,6 +98,18 @@ pub const STATE_MAPS: [StateMap; 6] = [
         version: |l| l.sock_rev_nat6,
         reads: &[1],
         shape: lru::<SockRevNatKey6, SockRevNat6>(MAX_SOCK_REV_NAT6),
+    },
+    StateMap {
+        name: map_names::CONNTRACK6,
+        version: |l| l.conntrack6,
+        reads: &[1, 2],
+        shape: lru::<CtKey6, CtEntry6>(MAX_CONNTRACK6),
+    },
+    StateMap {
+        name: map_names::AFFINITY6,
+        version: |l| l.affinity6,
+        reads: &[1],
+        shape: lru::<AffinityKey6, AffinityValue>(MAX_AFFINITY6),
     },
 ];
 
@@ -146,6 +161,8 @@ fn value_size(map: &StateMap, version: u32) -> Option<u32> {
     match (map.name, version) {
         (map_names::CONNTRACK, 1) => Some(size_of::<CtEntryV1>() as u32),
         (map_names::CONNTRACK, 2) => Some(size_of::<CtEntryV2>() as u32),
+        (map_names::CONNTRACK6, 1) => Some(size_of::<CtEntry6V1>() as u32),
+        (map_names::CONNTRACK6, 2) => Some(size_of::<CtEntry6V2>() as u32),
         _ if version == (map.version)(&Layouts::CURRENT) => Some(map.shape.value_size),
         _ => None,
     }
@@ -299,6 +316,15 @@ impl Conversion {
         match (self.map.name, self.from) {
             (map_names::CONNTRACK, 1) => copy::<CtKey, CtEntryV1, CtEntry>(&self.old, new, flags),
             (map_names::CONNTRACK, _) => copy::<CtKey, CtEntryV2, CtEntry>(&self.old, new, flags),
+            (map_names::CONNTRACK6, 1) => {
+                copy::<CtKey6, CtEntry6V1, CtEntry6>(&self.old, new, flags)
+            }
+            (map_names::CONNTRACK6, _) => {
+                copy::<CtKey6, CtEntry6V2, CtEntry6>(&self.old, new, flags)
+            }
+            (map_names::AFFINITY6, _) => {
+                copy::<AffinityKey6, AffinityValue, AffinityValue>(&self.old, new, flags)
+            }
             (map_names::AFFINITY, _) => {
                 copy::<AffinityKey, AffinityValue, AffinityValue>(&self.old, new, flags)
             }
@@ -388,6 +414,18 @@ mod tests {
         let before = Layouts { sock_flows: 0, ..Layouts::CURRENT };
         assert_eq!(decide(flows, Some((&before, ours))), Carry::Reset { version: 0 });
         assert_eq!(decide(flows, Some((&Layouts::FIRST, ours))), Carry::Reset { version: 0 });
+    }
+
+    #[test]
+    fn ipv6_conntrack_converts_as_the_ipv4_one_and_is_new_to_older_agents() {
+        let map = STATE_MAPS.iter().find(|m| m.name == map_names::CONNTRACK6).unwrap();
+        let other = if Layouts::CURRENT.conntrack6 == 1 { 2 } else { 1 };
+        let size = if other == 1 { size_of::<CtEntry6V1>() } else { size_of::<CtEntry6V2>() };
+        let pinned = Layouts { conntrack6: other, ..Layouts::CURRENT };
+        let shape = Shape { value_size: size as u32, ..map.shape };
+        assert_eq!(decide(map, Some((&pinned, shape))), Carry::Convert { from: other });
+        let before = Layouts { conntrack6: 0, ..Layouts::CURRENT };
+        assert_eq!(decide(map, Some((&before, map.shape))), Carry::Reset { version: 0 });
     }
 
     #[test]

@@ -4,18 +4,22 @@
 //! Every flow has two entries (one per direction) and each names the other:
 //! the tuple it rewrites to, reversed. Both go together.
 
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, net::IpAddr};
 
-use proxy_common::{CT_FLAG_REPLY, CtEntry, CtKey};
+use proxy_common::{CT_FLAG_REPLY, CtTuple, CtValue};
 
 use super::departures::Departures;
 
 /// The key of the other direction's entry.
-fn pair(key: &CtKey, entry: &CtEntry) -> CtKey {
-    entry.rewritten(key.proto).reversed()
+fn pair<K: CtTuple, V: CtValue<Key = K>>(key: &K, entry: &V) -> K {
+    entry.rewritten(key.proto()).reversed()
 }
 
-fn with_pairs<'a>(entries: impl Iterator<Item = &'a (CtKey, CtEntry)>) -> Vec<CtKey> {
+fn with_pairs<'a, K, V>(entries: impl Iterator<Item = &'a (K, V)>) -> Vec<K>
+where
+    K: CtTuple + Ord + 'a,
+    V: CtValue<Key = K> + 'a,
+{
     let mut keys = BTreeSet::new();
     for (key, entry) in entries {
         keys.insert(*key);
@@ -26,35 +30,46 @@ fn with_pairs<'a>(entries: impl Iterator<Item = &'a (CtKey, CtEntry)>) -> Vec<Ct
 
 /// Expired entries and their pairs (a flow is alive while either direction
 /// is: an expired entry whose pair still lives is kept).
-pub fn expired(entries: &[(CtKey, CtEntry)], now_ns: u64) -> Vec<CtKey> {
-    let live: BTreeSet<CtKey> =
-        entries.iter().filter(|(_, e)| e.expires_ns >= now_ns).map(|(k, _)| *k).collect();
-    with_pairs(entries.iter().filter(|(k, e)| e.expires_ns < now_ns && !live.contains(&pair(k, e))))
+pub fn expired<K: CtTuple + Ord, V: CtValue<Key = K>>(entries: &[(K, V)], now_ns: u64) -> Vec<K> {
+    let live: BTreeSet<K> =
+        entries.iter().filter(|(_, e)| e.expires_ns() >= now_ns).map(|(k, _)| *k).collect();
+    with_pairs(
+        entries.iter().filter(|(k, e)| e.expires_ns() < now_ns && !live.contains(&pair(k, e))),
+    )
 }
 
 /// Whether the entry belongs to a flow of a departed (frontend, backend)
 /// pair: the backend is a reply entry's source, or the destination a
 /// forward entry rewrites to.
-pub fn names_departed(key: &CtKey, entry: &CtEntry, departures: &Departures) -> bool {
-    let (addr, port) = if entry.flags & CT_FLAG_REPLY != 0 {
-        (key.saddr, key.sport)
+pub fn names_departed<K, V>(key: &K, entry: &V, departures: &Departures) -> bool
+where
+    K: CtTuple<Addr: Into<IpAddr>>,
+    V: CtValue<Key = K>,
+{
+    let (addr, port) = if entry.flags() & CT_FLAG_REPLY != 0 {
+        (key.saddr(), key.sport())
     } else {
-        (entry.daddr, entry.dport)
+        let to = entry.rewritten(key.proto());
+        (to.daddr(), to.dport())
     };
-    departures.ends_flow_to(entry.rev_nat_id, key.proto, addr.into(), port)
+    departures.ends_flow_to(entry.rev_nat_id(), key.proto(), addr.into(), port)
 }
 
 /// Entries of flows of departed (frontend, backend) pairs, and their pairs:
 /// kube-proxy deletes the UDP conntrack entries of an endpoint that left a
 /// service so its clients re-resolve it.
-pub fn flows_to(entries: &[(CtKey, CtEntry)], departures: &Departures) -> Vec<CtKey> {
+pub fn flows_to<K, V>(entries: &[(K, V)], departures: &Departures) -> Vec<K>
+where
+    K: CtTuple<Addr: Into<IpAddr>> + Ord,
+    V: CtValue<Key = K>,
+{
     with_pairs(entries.iter().filter(|(k, e)| names_departed(k, e, departures)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proxy_common::{Backend, BackendFlags, CT_FLAG_SNAT, IPPROTO_UDP};
+    use proxy_common::{Backend, BackendFlags, CT_FLAG_SNAT, CtEntry, CtKey, IPPROTO_UDP};
 
     use crate::backend::ebpf::entries::BackendEntry;
 
@@ -129,5 +144,24 @@ mod tests {
         let mut elsewhere = Departures::default();
         elsewhere.add(2, 9, &backend);
         assert!(flows_to(&entries, &elsewhere).is_empty());
+    }
+
+    #[test]
+    fn ipv6_flows_expire_and_leave_with_their_backend_as_ipv4_ones() {
+        use proxy_common::{Backend6, CtEntry6, CtKey6};
+        let ip = |last: u8| [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, last];
+        let orig = CtKey6::new(ip(1), ip(10), 40000, 53, IPPROTO_UDP);
+        let xlated = CtKey6::new(ip(1), ip(2), 40000, 5353, IPPROTO_UDP);
+        let forward = CtEntry6::new(10, &xlated, 1, 0);
+        let reply = CtEntry6::new(10, &orig.reversed(), 1, CT_FLAG_REPLY);
+        let entries = [(orig, forward), (xlated.reversed(), reply)];
+        assert_eq!(expired(&entries, 50).len(), 2);
+        assert!(expired(&entries, 5).is_empty());
+        let flags = BackendFlags::EMPTY;
+        let backend = Backend6 { address: ip(2), port: 5353, proto: IPPROTO_UDP, flags };
+        let departed = Departures::gone([(9, BackendEntry::V6(backend))]);
+        assert_eq!(flows_to(&entries, &departed).len(), 2);
+        let other = Backend6 { address: ip(3), ..backend };
+        assert!(flows_to(&entries, &Departures::gone([(9, BackendEntry::V6(other))])).is_empty());
     }
 }

@@ -23,7 +23,7 @@ use crate::{
     cli::{PodInterfacePrograms, RunArgs, TcAttachArg},
     fit::{self, Capacity, Refusal},
     metrics::Metrics,
-    model::{IpFamily, Model, ServiceName, v4},
+    model::{IpFamily, Model, ServiceName, v4, v6},
     node,
     plan::{Frontend, Node, Plan},
     sys,
@@ -517,6 +517,9 @@ fn config(args: &RunArgs, node_ips: &[IpAddr], host_netns_cookie: u64) -> Config
     let cluster_cidr =
         args.node.cluster_cidr(IpFamily::V4).and_then(|c| Some((v4(c.addr)?.octets(), c.len)));
     let (cidr, prefix) = cluster_cidr.unwrap_or(([0; 4], 0));
+    let cluster_cidr6 =
+        args.node.cluster_cidr(IpFamily::V6).and_then(|c| Some((v6(c.addr)?.octets(), c.len)));
+    let (cidr6, prefix6) = cluster_cidr6.unwrap_or(([0; 16], 0));
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
     Config {
         // No node address (ClusterIPs only): nothing is SNATed to the node.
@@ -535,6 +538,11 @@ fn config(args: &RunArgs, node_ips: &[IpAddr], host_netns_cookie: u64) -> Config
         udp_timeout_secs: secs(args.conntrack_udp_timeout),
         udp_stream_timeout_secs: UDP_STREAM_TIMEOUT_SECS,
         host_netns_cookie,
+        // No IPv6 node address: nothing is SNATed to the node over IPv6.
+        snat_addr6: node_ips.iter().find_map(|ip| v6(*ip)).map_or([0; 16], |ip| ip.octets()),
+        cluster_cidr6: cidr6,
+        cluster_cidr6_prefix: prefix6,
+        _pad6: [0; 7],
     }
 }
 

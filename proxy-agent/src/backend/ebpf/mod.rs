@@ -33,7 +33,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{
-        Array, HashMap, Map, MapData, MapError, PerCpuArray,
+        Array, HashMap, Map, MapData, MapError, PerCpuArray, ProgramArray,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
@@ -52,6 +52,9 @@ use proxy_common::{
     IPPROTO_TCP, IPPROTO_UDP, Layouts, MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat,
     RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceKey6, ServiceValue, SockFlow,
     SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, SourceRangeKey, map_names,
+};
+use proxy_common::{
+    AffinityKey6, CtEntry6, CtKey6, CtTuple, CtValue, SourceRangeKey6, TC6_PROGRAMS,
 };
 
 use carry::{Carry, Conversion, Pinned, STATE_MAPS};
@@ -177,6 +180,10 @@ struct Maps {
     backends6: Map,
     rev_nat6: Map,
     sock_rev_nat6: Map,
+    conntrack6: Map,
+    affinity6: Map,
+    source_ranges6: Map,
+    tc6: Map,
     frontend_info: Map,
     sock_rev_nat: Map,
     affinity: Map,
@@ -203,6 +210,10 @@ impl Maps {
             backends6: take(map_names::BACKENDS6)?,
             rev_nat6: take(map_names::REV_NAT6)?,
             sock_rev_nat6: take(map_names::SOCK_REV_NAT6)?,
+            conntrack6: take(map_names::CONNTRACK6)?,
+            affinity6: take(map_names::AFFINITY6)?,
+            source_ranges6: take(map_names::SOURCE_RANGES6)?,
+            tc6: take(map_names::TC6)?,
             frontend_info: take(map_names::FRONTEND_INFO)?,
             sock_rev_nat: take(map_names::SOCK_REV_NAT)?,
             affinity: take(map_names::AFFINITY)?,
@@ -225,11 +236,13 @@ impl Maps {
             map_names::SOCK_REV_NAT => &mut self.sock_rev_nat,
             map_names::SOCK_FLOWS => &mut self.sock_flows,
             map_names::SOCK_REV_NAT6 => &mut self.sock_rev_nat6,
+            map_names::CONNTRACK6 => &mut self.conntrack6,
+            map_names::AFFINITY6 => &mut self.affinity6,
             _ => &mut self.fragments,
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 18] {
+    fn by_name(&self) -> [(&'static str, &Map); 22] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
@@ -249,7 +262,28 @@ impl Maps {
             (map_names::BACKENDS6, &self.backends6),
             (map_names::REV_NAT6, &self.rev_nat6),
             (map_names::SOCK_REV_NAT6, &self.sock_rev_nat6),
+            (map_names::CONNTRACK6, &self.conntrack6),
+            (map_names::AFFINITY6, &self.affinity6),
+            (map_names::SOURCE_RANGES6, &self.source_ranges6),
+            // Pinned so the IPv6 programs stay in it while no agent runs
+            // (the kernel empties a program array its last holder closes).
+            (map_names::TC6, &self.tc6),
         ]
+    }
+
+    /// Puts the IPv6 per-packet programs in `TC6`, where the IPv4 ones
+    /// enter them by tail call.
+    fn fill_tc6(&mut self, ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+        let name = map_names::TC6;
+        let mut array = ProgramArray::try_from(&mut self.tc6)
+            .map_err(|source| EbpfError::Map { name, source })?;
+        for (slot, program_name) in (0..).zip(TC6_PROGRAMS) {
+            let prog = program::<SchedClassifier>(ebpf, program_name)?;
+            let fd =
+                prog.fd().map_err(|source| EbpfError::Program { name: program_name, source })?;
+            array.set(slot, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
+        }
+        Ok(())
     }
 }
 
@@ -316,15 +350,10 @@ impl MapWriter for Maps {
                         .remove(key)
                 }
                 MapOp::PutSourceRange { rev_nat_id, cidr, .. } => {
-                    LpmTrie::<_, SourceRangeKey, u8>::try_from(&mut self.source_ranges)?.insert(
-                        &source_range_key(*rev_nat_id, cidr),
-                        1,
-                        0,
-                    )
+                    self.source_ranges(*rev_nat_id, cidr, true)
                 }
                 MapOp::DeleteSourceRange { rev_nat_id, cidr, .. } => {
-                    LpmTrie::<_, SourceRangeKey, u8>::try_from(&mut self.source_ranges)?
-                        .remove(&source_range_key(*rev_nat_id, cidr))
+                    self.source_ranges(*rev_nat_id, cidr, false)
                 }
             }
         };
@@ -381,14 +410,32 @@ impl Maps {
     }
 }
 
-/// The plan holds IPv4 frontends only, so their ranges are IPv4 (an IPv6
-/// one would be a bug, written as a key no IPv4 packet matches).
-fn source_range_key(rev_nat_id: u32, cidr: &crate::model::Cidr) -> Key<SourceRangeKey> {
-    let address = match cidr.addr {
-        std::net::IpAddr::V4(addr) => addr.octets(),
-        std::net::IpAddr::V6(_) => [0xff; 4],
-    };
-    Key::new(SOURCE_RANGE_PREFIX_BITS + cidr.len as u32, SourceRangeKey { rev_nat_id, address })
+impl Maps {
+    /// Writes (or, `put` false, deletes) a frontend's source range in its
+    /// family's trie: each family's programs look up their own, so a range
+    /// of the other family than the frontend's matches none of its clients,
+    /// as kube-proxy's per-family rules ignore it.
+    fn source_ranges(
+        &mut self,
+        rev_nat_id: u32,
+        cidr: &crate::model::Cidr,
+        put: bool,
+    ) -> Result<(), MapError> {
+        let bits = SOURCE_RANGE_PREFIX_BITS + cidr.len as u32;
+        match cidr.addr {
+            IpAddr::V4(addr) => {
+                let key = Key::new(bits, SourceRangeKey { rev_nat_id, address: addr.octets() });
+                let mut trie = LpmTrie::<_, SourceRangeKey, u8>::try_from(&mut self.source_ranges)?;
+                if put { trie.insert(&key, 1, 0) } else { trie.remove(&key) }
+            }
+            IpAddr::V6(addr) => {
+                let key = Key::new(bits, SourceRangeKey6 { rev_nat_id, address: addr.octets() });
+                let mut trie =
+                    LpmTrie::<_, SourceRangeKey6, u8>::try_from(&mut self.source_ranges6)?;
+                if put { trie.insert(&key, 1, 0) } else { trie.remove(&key) }
+            }
+        }
+    }
 }
 
 /// How the per-packet program is attached to an interface's ingress.
@@ -510,12 +557,13 @@ impl EbpfBackend {
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
-        for (name, _, _) in TC_PROGRAMS {
+        for name in TC_PROGRAMS.map(|(name, _, _)| name).into_iter().chain(TC6_PROGRAMS) {
             program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
         let mut maps = Maps::take(&mut ebpf)?;
+        maps.fill_tc6(&mut ebpf)?;
         let mut state = SyncState::with_capacity(sizes);
         if let Some(pinned) = &pinned {
             match pinned.reserved() {
@@ -666,22 +714,9 @@ impl EbpfBackend {
     }
 
     fn purge_affinity(&mut self, purge: &AffinityPurge) -> Result<(), EbpfError> {
-        let mut affinity =
-            HashMap::<_, AffinityKey, AffinityValue>::try_from(&mut self.maps.affinity)
-                .map_err(|source| EbpfError::Map { name: map_names::AFFINITY, source })?;
-        let stale: Vec<AffinityKey> = affinity
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(key, value)| {
-                purge.get(&key.rev_nat_id).is_some_and(|kept| !kept.contains(&value.backend_id))
-            })
-            .map(|(key, _)| key)
-            .collect();
-        for key in &stale {
-            // Already gone (LRU eviction) is fine.
-            let _ = affinity.remove(key);
-        }
-        Ok(())
+        let (v4, v6) = (&mut self.maps.affinity, &mut self.maps.affinity6);
+        purge_affinity::<AffinityKey>(v4, map_names::AFFINITY, |k| k.rev_nat_id, purge)?;
+        purge_affinity::<AffinityKey6>(v6, map_names::AFFINITY6, |k| k.rev_nat_id, purge)
     }
 
     pub fn state(&self) -> &SyncState {
@@ -935,57 +970,21 @@ impl EbpfBackend {
     /// Sets the pre-filter bits of every flow in `CONNTRACK` (carried over
     /// from a previous agent), so their packets keep reaching it.
     fn mark_flows(&mut self) -> Result<(), EbpfError> {
-        let entries = self.conntrack_entries()?;
+        let entries =
+            conntrack_entries::<CtKey, CtEntry>(&self.maps.conntrack, map_names::CONNTRACK)?;
         let bits = entries.iter().flat_map(|(key, entry)| prefilter::flow_bits(key, entry));
         let name = map_names::PREFILTER;
         self.maps.prefilter.set(bits).map_err(|source| EbpfError::Map { name, source })
     }
 
-    /// Every flow, read in batches where the kernel has them.
-    fn conntrack_entries(&self) -> Result<Vec<(CtKey, CtEntry)>, EbpfError> {
-        let name = map_names::CONNTRACK;
-        let err = |source| EbpfError::Map { name, source };
-        if let Some(read) = hash_fd(&self.maps.conntrack).and_then(batch::lookup_all) {
-            return read.map_err(|io_error| {
-                err(MapError::SyscallError(aya::sys::SyscallError {
-                    call: "BPF_MAP_LOOKUP_BATCH",
-                    io_error,
-                }))
-            });
-        }
-        let map = HashMap::<_, CtKey, CtEntry>::try_from(&self.maps.conntrack).map_err(err)?;
-        Ok(map.iter().filter_map(Result::ok).collect())
-    }
-
-    /// Deletes the `keys` whose entry `still_stale` says may go: the map
-    /// moves on while we scan, so each entry is read again before deletion.
-    fn delete_conntrack(
-        &mut self,
-        keys: &[CtKey],
-        still_stale: impl Fn(&CtKey, &CtEntry) -> bool,
-    ) -> Result<usize, EbpfError> {
-        let name = map_names::CONNTRACK;
-        let err = |source| EbpfError::Map { name, source };
-        let mut map =
-            HashMap::<_, CtKey, CtEntry>::try_from(&mut self.maps.conntrack).map_err(err)?;
-        let mut deleted = 0;
-        for key in keys {
-            // Already gone (LRU eviction) is fine.
-            if map.get(key, 0).is_ok_and(|e| still_stale(key, &e)) && map.remove(key).is_ok() {
-                deleted += 1;
-            }
-        }
-        Ok(deleted)
-    }
-
-    /// Deletes expired flows (both directions); returns (deleted, left).
+    /// Deletes expired flows (both directions, both families); returns
+    /// (deleted, left).
     pub fn collect_conntrack(&mut self) -> Result<(usize, usize), EbpfError> {
-        let entries = self.conntrack_entries()?;
         let now = crate::sys::monotonic_ns();
-        let stale = conntrack::expired(&entries, now);
-        // A key the datapath gave a new flow meanwhile has a later expiry.
-        let deleted = self.delete_conntrack(&stale, |_, e| e.expires_ns < now)?;
-        Ok((deleted, entries.len().saturating_sub(deleted)))
+        let (v4, v6) = (&mut self.maps.conntrack, &mut self.maps.conntrack6);
+        let (deleted, left) = collect::<CtKey, CtEntry>(v4, map_names::CONNTRACK, now)?;
+        let (deleted6, left6) = collect::<CtKey6, CtEntry6>(v6, map_names::CONNTRACK6, now)?;
+        Ok((deleted + deleted6, left + left6))
     }
 
     /// Ends the sockets the socket LB connected to backends that left
@@ -1052,11 +1051,10 @@ impl EbpfBackend {
             return Ok(0);
         }
         let sockets = self.flush_socket_flows(departures)?;
-        let entries = self.conntrack_entries()?;
-        let flows = conntrack::flows_to(&entries, departures);
-        // Only entries still naming a departed pair (not a new flow's).
-        Ok(sockets
-            + self.delete_conntrack(&flows, |k, e| conntrack::names_departed(k, e, departures))?)
+        let (v4, v6) = (&mut self.maps.conntrack, &mut self.maps.conntrack6);
+        let flows = flush::<CtKey, CtEntry>(v4, map_names::CONNTRACK, departures)?;
+        let flows6 = flush::<CtKey6, CtEntry6>(v6, map_names::CONNTRACK6, departures)?;
+        Ok(sockets + flows + flows6)
     }
 
     /// Deletes the socket flows (unconnected UDP) of departed pairs.
@@ -1080,6 +1078,98 @@ impl EbpfBackend {
             })
             .count())
     }
+}
+
+/// Every flow of a conntrack map, read in batches where the kernel has them.
+fn conntrack_entries<K: aya::Pod, V: aya::Pod>(
+    map: &Map,
+    name: &'static str,
+) -> Result<Vec<(K, V)>, EbpfError> {
+    let err = |source| EbpfError::Map { name, source };
+    if let Some(read) = hash_fd(map).and_then(batch::lookup_all) {
+        return read.map_err(|io_error| {
+            err(MapError::SyscallError(aya::sys::SyscallError {
+                call: "BPF_MAP_LOOKUP_BATCH",
+                io_error,
+            }))
+        });
+    }
+    let map = HashMap::<_, K, V>::try_from(map).map_err(err)?;
+    Ok(map.iter().filter_map(Result::ok).collect())
+}
+
+/// Deletes the `keys` whose entry `still_stale` says may go: the map moves
+/// on while we scan, so each entry is read again before deletion.
+fn delete_conntrack<K: aya::Pod, V: aya::Pod>(
+    map: &mut Map,
+    name: &'static str,
+    keys: &[K],
+    still_stale: impl Fn(&K, &V) -> bool,
+) -> Result<usize, EbpfError> {
+    let mut map =
+        HashMap::<_, K, V>::try_from(map).map_err(|source| EbpfError::Map { name, source })?;
+    let mut deleted = 0;
+    for key in keys {
+        // Already gone (LRU eviction) is fine.
+        if map.get(key, 0).is_ok_and(|e| still_stale(key, &e)) && map.remove(key).is_ok() {
+            deleted += 1;
+        }
+    }
+    Ok(deleted)
+}
+
+/// Deletes a conntrack map's expired flows; returns (deleted, left).
+fn collect<K, V>(map: &mut Map, name: &'static str, now: u64) -> Result<(usize, usize), EbpfError>
+where
+    K: CtTuple + Ord + aya::Pod,
+    V: CtValue<Key = K> + aya::Pod,
+{
+    let entries = conntrack_entries::<K, V>(map, name)?;
+    let stale = conntrack::expired(&entries, now);
+    // A key the datapath gave a new flow meanwhile has a later expiry.
+    let deleted = delete_conntrack(map, name, &stale, |_, e: &V| e.expires_ns() < now)?;
+    Ok((deleted, entries.len().saturating_sub(deleted)))
+}
+
+/// Deletes a conntrack map's flows of departed (frontend, backend) pairs.
+fn flush<K, V>(
+    map: &mut Map,
+    name: &'static str,
+    departures: &Departures,
+) -> Result<usize, EbpfError>
+where
+    K: CtTuple<Addr: Into<IpAddr>> + Ord + aya::Pod,
+    V: CtValue<Key = K> + aya::Pod,
+{
+    let entries = conntrack_entries::<K, V>(map, name)?;
+    let flows = conntrack::flows_to(&entries, departures);
+    // Only entries still naming a departed pair (not a new flow's).
+    delete_conntrack(map, name, &flows, |k, e: &V| conntrack::names_departed(k, e, departures))
+}
+
+/// Drops the entries of an affinity map (`rev_nat_id` of its key type)
+/// naming backends their frontend lost.
+fn purge_affinity<K: aya::Pod>(
+    map: &mut Map,
+    name: &'static str,
+    rev_nat_id: fn(&K) -> u32,
+    purge: &AffinityPurge,
+) -> Result<(), EbpfError> {
+    let mut affinity = HashMap::<_, K, AffinityValue>::try_from(map)
+        .map_err(|source| EbpfError::Map { name, source })?;
+    let stale: Vec<K> = affinity
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(key, value)| {
+            purge.get(&rev_nat_id(key)).is_some_and(|kept| !kept.contains(&value.backend_id))
+        })
+        .map(|(key, _)| key)
+        .collect();
+    for key in &stale {
+        // Already gone (LRU eviction) is fine.
+        let _ = affinity.remove(key);
+    }
+    Ok(())
 }
 
 /// Prepares carrying `map` over as `carry` says: the loader reuses the
