@@ -158,7 +158,7 @@ pub fn run() -> Vec<Feature> {
             found: ipv6.is_ok(),
             detail: match ipv6 {
                 Ok(version) => format!(
-                    "enabled, {version}: the eBPF mode serves IPv6 ClusterIPs to sockets (its per-packet path: IPv4 so far), the iptables mode writes IPv6 rules on a node with an IPv6 address"
+                    "enabled, {version}: both modes serve IPv6 services (the iptables mode on a node with an IPv6 address)"
                 ),
                 Err(why) => format!("{why}: IPv6 services are not served"),
             },

@@ -2,11 +2,10 @@
 //! pods with an IPv4 /32 and an IPv6 /128 behind the link-local gateway
 //! fe80::1, nodes and an external client on both families of the fabric.
 //!
-//! The scenarios a pod's socket reaches through the socket LB run in both
-//! modes (`both_modes!`); those the per-packet path serves (NodePorts from
-//! outside, hairpin from a pod outside the socket-LB cgroup) run in the
-//! iptables mode only (from manifests and from the test API server) until
-//! the eBPF mode's tc programs serve IPv6 (see docs/datapath.md).
+//! Every scenario runs in both modes and from the test API server
+//! (`both_modes!`): in eBPF mode a pod's sockets meet the socket LB, the
+//! external client's packets (and those of a pod outside the socket-LB
+//! cgroup) the per-packet programs.
 
 use std::{
     collections::BTreeSet,
@@ -18,37 +17,17 @@ use std::{
 use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, answered_after, both_modes, tally, v6};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service, slice};
 
-/// `mod <scenario> { fn iptables(); fn iptables_api(); }`.
-macro_rules! iptables_modes {
-    ($($scenario:ident),* $(,)?) => {$(
-        mod $scenario {
-            use proxy_lab::{Mode, Setup, Source};
-            #[test]
-            fn iptables() {
-                super::$scenario(Setup::IPTABLES)
-            }
-            #[test]
-            fn iptables_api() {
-                super::$scenario(Setup { mode: Mode::Iptables, source: Source::ApiServer })
-            }
-        }
-    )*};
-}
-
 both_modes!(
     a_dual_stack_service_reaches_each_familys_endpoints_on_each_cluster_ip,
+    ipv6_node_port_cluster_policy_reaches_the_backend_from_the_nodes_ipv6_address,
+    ipv6_node_port_local_policy_keeps_the_clients_ipv6_address,
+    ipv6_hairpin_a_pod_reaches_itself_through_its_cluster_ip,
     ipv6_services_without_endpoints_refuse_pods,
+    ipv6_node_ports_without_endpoints_refuse,
     ipv6_udp_flows_move_off_a_removed_endpoint,
     ipv6_connected_udp_sockets_move_off_a_removed_endpoint,
     an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains,
     lb_and_ct_list_show_both_families,
-);
-
-iptables_modes!(
-    ipv6_node_port_cluster_policy_reaches_the_backend_from_the_nodes_ipv6_address,
-    ipv6_node_port_local_policy_keeps_the_clients_ipv6_address,
-    ipv6_hairpin_a_pod_reaches_itself_through_its_cluster_ip,
-    ipv6_node_ports_without_endpoints_refuse,
 );
 
 const NODE6: &str = "fd00:100::11";
@@ -223,12 +202,14 @@ fn ipv6_node_port_local_policy_keeps_the_clients_ipv6_address(setup: Setup) {
 }
 
 /// Scenario 4: a pod reaching itself through its IPv6 cluster IP is
-/// masqueraded, so its reply returns through the node.
+/// masqueraded, so its reply returns through the node. The pod is outside
+/// the socket-LB cgroup: only the per-packet path sees its packets.
 fn ipv6_hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {
     let own = web_ports(ipv6_only("self", "fd00:96::20"));
     let c = dual_lab(setup, &over(own, "self", &[], &["a"]));
     let vip = at("fd00:96::20", 80);
-    for (name, peer, from) in answers(&c.lab.client(&c.pods[0], &["tcp", &vip, "10"]).unwrap()) {
+    let attempts = c.lab.client_outside(&c.pods[0], &["tcp", &vip, "10"]).unwrap();
+    for (name, peer, from) in answers(&attempts) {
         assert_eq!(name, "web-a");
         assert_eq!(from, vip, "the reply comes from the service");
         assert_eq!(peer, NODE6.parse::<IpAddr>().unwrap(), "masqueraded to the node");

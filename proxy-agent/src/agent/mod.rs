@@ -18,7 +18,7 @@ use self::{
     stats::ServiceStats,
 };
 use crate::{
-    backend::{Datapath, Ipv6Support},
+    backend::Datapath,
     health::{ProxyHealth, ServiceChecks},
     link_events::{LinkEvents, Rescan},
     metrics::Metrics,
@@ -592,19 +592,15 @@ impl Agent {
         let (internal, external) = self.services.stats.no_local_endpoints();
         m.no_local_endpoints_internal.store(internal, Relaxed);
         m.no_local_endpoints_external.store(external, Relaxed);
-        let support = self.datapath.ipv6_support();
-        m.ipv6_served.store(support == Ipv6Support::Full, Relaxed);
-        let ipv6 = self.services.stats.unserved_ipv6_ports(support);
+        let serves_ipv6 = self.datapath.serves_ipv6();
+        m.ipv6_served.store(serves_ipv6, Relaxed);
+        let ipv6 = if serves_ipv6 { 0 } else { self.services.stats.ipv6_ports() };
         if m.unserved_ipv6_ports.swap(ipv6, Relaxed) == 0 && ipv6 > 0 {
-            let what = match support {
-                Ipv6Support::Sockets => {
-                    "the NodePorts, externalIPs and load-balancer IPs of IPv6 service ports are not served: this datapath serves IPv6 ClusterIPs through the socket LB, its per-packet path the IPv4 family only (counted in proxy_unserved_service_ports)"
-                }
-                _ => {
-                    "IPv6 service ports are not served: this datapath serves the IPv4 family only (counted in proxy_unserved_service_ports)"
-                }
-            };
-            tracing::warn!(ports = ipv6, mode = self.datapath.mode(), "{what}");
+            tracing::warn!(
+                ports = ipv6,
+                mode = self.datapath.mode(),
+                "IPv6 service ports are not served: the node has no IPv6 address (counted in proxy_unserved_service_ports)"
+            );
         }
         self.update_service_checks();
     }

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 
 use crate::{
-    backend::Ipv6Support,
     health::{self, ServiceCheck},
     model::{IpFamily, Model, ServiceName, ServicePort},
 };
@@ -19,9 +18,8 @@ pub struct ServiceStats {
     no_local: BTreeMap<ServiceName, (u64, u64)>,
     /// Health-check node ports, by service.
     checks: BTreeMap<ServiceName, BTreeMap<u16, ServiceCheck>>,
-    /// IPv6 service ports, by service: (all, those with addresses served
-    /// per packet: a NodePort, externalIPs, load-balancer IPs).
-    ipv6_ports: BTreeMap<ServiceName, (u64, u64)>,
+    /// IPv6 service ports, by service (not served yet).
+    ipv6_ports: BTreeMap<ServiceName, u64>,
 }
 
 impl ServiceStats {
@@ -37,12 +35,9 @@ impl ServiceStats {
                 (0, 0) => self.no_local.remove(name),
                 counts => self.no_local.insert(name.clone(), counts),
             };
-            let v6: Vec<&ServicePort> =
-                ports.iter().filter(|p| p.family() == IpFamily::V6).collect();
-            let external = v6.iter().filter(|p| has_external_addresses(p)).count() as u64;
-            match v6.len() {
+            match ports.iter().filter(|p| p.family() == IpFamily::V6).count() {
                 0 => self.ipv6_ports.remove(name),
-                n => self.ipv6_ports.insert(name.clone(), (n as u64, external)),
+                n => self.ipv6_ports.insert(name.clone(), n as u64),
             };
             let checks = health::service_checks(ports, node_name);
             match checks.is_empty() {
@@ -57,25 +52,14 @@ impl ServiceStats {
         self.no_local.values().fold((0, 0), |(i, e), (di, de)| (i + di, e + de))
     }
 
-    /// The model's IPv6 service ports a datapath with this IPv6 support
-    /// leaves unserved.
-    pub fn unserved_ipv6_ports(&self, support: Ipv6Support) -> u64 {
-        let count = |pick: fn(&(u64, u64)) -> u64| self.ipv6_ports.values().map(pick).sum();
-        match support {
-            Ipv6Support::None => count(|(all, _)| *all),
-            Ipv6Support::Sockets => count(|(_, external)| *external),
-            Ipv6Support::Full => 0,
-        }
+    /// The model's IPv6 service ports.
+    pub fn ipv6_ports(&self) -> u64 {
+        self.ipv6_ports.values().sum()
     }
 
     pub fn service_checks(&self) -> BTreeMap<u16, ServiceCheck> {
         self.checks.values().flat_map(|c| c.iter().map(|(p, c)| (*p, c.clone()))).collect()
     }
-}
-
-/// Whether the port has addresses the per-packet path serves.
-fn has_external_addresses(port: &ServicePort) -> bool {
-    port.node_port.is_some() || !port.external_ips.is_empty() || !port.load_balancer_ips.is_empty()
 }
 
 /// Service ports with a Local policy and endpoints somewhere, but none
@@ -109,7 +93,7 @@ mod tests {
         assert_eq!(stats.no_local_endpoints(), (1, 1));
         stats.update(&model, model.service_names(), "other");
         assert_eq!(stats.no_local_endpoints(), (0, 0));
-        assert_eq!(stats.unserved_ipv6_ports(Ipv6Support::None), 0);
+        assert_eq!(stats.ipv6_ports(), 0);
     }
 
     #[test]
@@ -119,9 +103,7 @@ mod tests {
         );
         let mut stats = ServiceStats::default();
         stats.update(&model, model.service_names(), "here");
-        assert_eq!(stats.unserved_ipv6_ports(Ipv6Support::None), 2);
-        assert_eq!(stats.unserved_ipv6_ports(Ipv6Support::Sockets), 0, "ClusterIPs only");
-        assert_eq!(stats.unserved_ipv6_ports(Ipv6Support::Full), 0);
+        assert_eq!(stats.ipv6_ports(), 2);
         assert_eq!(stats.no_local_endpoints(), (0, 0), "the IPv4 family's gauge");
     }
 }

@@ -23,16 +23,6 @@ pub struct Synced {
     pub backends: usize,
 }
 
-/// How much of the IPv6 family a datapath serves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Ipv6Support {
-    None,
-    /// To sockets (ClusterIPs, through the socket LB), not per packet
-    /// (NodePorts, externalIPs, load-balancer IPs).
-    Sockets,
-    Full,
-}
-
 /// A datapath as the agent's loop drives it.
 pub trait Datapath {
     /// The mode's name, as `/proxyMode` and the logs say it.
@@ -70,9 +60,9 @@ pub trait Datapath {
     /// a full resync is due.
     fn look_after(&mut self, polls: u32, metrics: &Metrics) -> bool;
 
-    /// How much of the IPv6 family's service ports it serves.
-    fn ipv6_support(&self) -> Ipv6Support {
-        Ipv6Support::None
+    /// Whether it serves the IPv6 family's service ports.
+    fn serves_ipv6(&self) -> bool {
+        false
     }
 
     /// Whether the datapath follows interfaces as they come and go.

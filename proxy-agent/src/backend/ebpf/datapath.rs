@@ -19,7 +19,7 @@ use super::{
     sync::{SyncError, SyncReport},
 };
 use crate::{
-    backend::{Datapath, Ipv6Support, Synced, iptables},
+    backend::{Datapath, Synced, iptables},
     cli::{PodInterfacePrograms, RunArgs, TcAttachArg},
     fit::{self, Capacity, Refusal},
     metrics::Metrics,
@@ -404,8 +404,8 @@ impl EbpfDatapath {
 }
 
 impl Datapath for EbpfDatapath {
-    fn ipv6_support(&self) -> Ipv6Support {
-        Ipv6Support::Sockets
+    fn serves_ipv6(&self) -> bool {
+        true
     }
 
     fn mode(&self) -> &'static str {

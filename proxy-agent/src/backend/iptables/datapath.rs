@@ -14,7 +14,7 @@ use std::{
 
 use super::{CANARY, IptablesBackend, IptablesError, exec::System, render};
 use crate::{
-    backend::{Datapath, Ipv6Support, Synced, ebpf},
+    backend::{Datapath, Synced, ebpf},
     cli::{NodeArgs, RunArgs},
     metrics::Metrics,
     model::{IpFamily, Model},
@@ -89,11 +89,9 @@ impl Datapath for IptablesDatapath {
         self.backends.iter_mut().for_each(|b| b.set_zone(zone.clone()));
     }
 
-    fn ipv6_support(&self) -> Ipv6Support {
-        match self.backends.iter().any(|b| b.family() == IpFamily::V6) {
-            true => Ipv6Support::Full,
-            false => Ipv6Support::None,
-        }
+    /// On a node with an IPv6 address (its rules are written then).
+    fn serves_ipv6(&self) -> bool {
+        self.backends.iter().any(|b| b.family() == IpFamily::V6)
     }
 
     /// Renders the rules from `model`; the plan only counts backends.
