@@ -890,3 +890,126 @@ fn ipv6_packets_are_forwarded_by_a_fib_lookup_with_the_hop_limit_decremented() {
     assert_eq!(out.packet[21], 63);
     assert_checksums6(&out.packet);
 }
+
+const ROUTER6: [u8; 16] = [0xfd, 0, 0, 0x64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x02];
+const PACKET_TOO_BIG: (u8, u8) = (2, 0);
+const MTU_1280_6: [u8; 4] = [0, 0, 0x05, 0x00];
+
+/// An ICMPv6 error from `from` to `to` quoting `quoted` (a frame built
+/// above) from its IPv6 header on, `quote` bytes of it; `rest` is the
+/// header's second word (the MTU of a "packet too big"). Its checksum is
+/// computed here, over the pseudo-header with these outer addresses.
+fn icmp6_error(
+    from: [u8; 16],
+    to: [u8; 16],
+    (kind, code): (u8, u8),
+    rest: [u8; 4],
+    quoted: &[u8],
+    quote: usize,
+) -> Vec<u8> {
+    let mut body = rest.to_vec();
+    body.extend_from_slice(&quoted[14..14 + quote]);
+    let type_code = u16::from_be_bytes([kind, code]);
+    let mut p = packet6(ICMPV6, (from, type_code), (to, 0), &body);
+    set_l4_checksum6(&mut p);
+    p
+}
+
+/// What an ICMPv6 error says: its addresses and the tuple it quotes.
+fn icmp6_tuples(p: &[u8]) -> (([u8; 16], [u8; 16]), (Endpoint6, Endpoint6)) {
+    let ((src, _), (dst, _)) = tuple6(p);
+    let mut quoted = p[..14].to_vec();
+    quoted.extend_from_slice(&p[62..]);
+    ((src, dst), tuple6(&quoted))
+}
+
+/// The ICMPv6 checksum, recomputed: next header 58, and the pseudo-header
+/// with the outer addresses as they are now.
+fn assert_icmp6_checksum(p: &[u8]) {
+    assert_eq!(p[20], ICMPV6);
+    assert_checksums6(p);
+}
+
+/// `frame` with its tuple (IPv6 addresses, ports) replaced; nothing else,
+/// no checksum, changes.
+fn with_tuple6(frame: &[u8], (src, dst): (Endpoint6, Endpoint6)) -> Vec<u8> {
+    let mut p = frame.to_vec();
+    p[22..38].copy_from_slice(&src.0);
+    p[38..54].copy_from_slice(&dst.0);
+    p[54..56].copy_from_slice(&src.1.to_be_bytes());
+    p[56..58].copy_from_slice(&dst.1.to_be_bytes());
+    p
+}
+
+#[test]
+fn ipv6_packet_too_big_about_a_node_port_reply_reaches_the_backend() {
+    let mut dp = datapath(vec![(
+        frontend(NODE6, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD6, 8080)], true, &[]),
+    )]);
+    let out = run(&mut dp, &tcp6((CLIENT6, 40000), (NODE6, 30080), SYN));
+    let ((_, snat_port), _) = tuple6(&out.packet);
+    // A router towards the client cannot forward the (translated) reply.
+    let reply = tcp6((NODE6, 30080), (CLIENT6, 40000), SYN | ACK);
+    let error = icmp6_error(ROUTER6, NODE6, PACKET_TOO_BIG, MTU_1280_6, &reply, reply.len() - 14);
+    assert_icmp6_checksum(&error);
+
+    let out = run(&mut dp, &error);
+    assert_eq!(out.verdict, STACK, "sent on as translated packets are (no route here)");
+    let p = &out.packet;
+    assert_eq!(
+        icmp6_tuples(p),
+        ((NODE6, POD6), ((POD6, 8080), (NODE6, snat_port))),
+        "to the backend, from the node (as netfilter's masquerade), quoting its own packet"
+    );
+    assert_icmp6_checksum(p);
+    // Every byte: the backend's own reply quoted (its TCP checksum as the
+    // node's reply had it), the MTU, the hop limit (handed to the stack).
+    let quoted = with_tuple6(&reply, ((POD6, 8080), (NODE6, snat_port)));
+    let expect = icmp6_error(NODE6, POD6, PACKET_TOO_BIG, MTU_1280_6, &quoted, quoted.len() - 14);
+    assert_eq!(*p, expect);
+    assert_eq!(p[54 + 8 + 40 + 16..], reply[54 + 16..], "quoted TCP checksum and options");
+
+    // An error is not the flow's traffic, and it may come again.
+    let again = run(&mut dp, &error);
+    assert_eq!(again.packet, out.packet);
+}
+
+#[test]
+fn ipv6_time_exceeded_about_a_cluster_ip_flow_reaches_the_client_pod_from_the_service() {
+    let vip = (CLUSTER_IP6, 80);
+    let mut dp = datapath(vec![(
+        frontend(vip.0, vip.1, Protocol::Tcp),
+        frontend_plan(&[(POD6, 8080)], false, &[]),
+    )]);
+    let mut client = (POD_CLIENT6, 40000);
+    client.0[15] = 5;
+    let syn = tcp6(client, vip, SYN);
+    let out = run(&mut dp, &syn);
+    assert_eq!(tuple6(&out.packet), (client, (POD6, 8080)), "a pod's flow: not SNATed");
+    // A router towards the backend: the client's packet, as translated.
+    let error = icmp6_error(ROUTER6, client.0, (3, 0), [0; 4], &out.packet, 48);
+
+    let back = run(&mut dp, &error);
+    assert_eq!(back.verdict, STACK);
+    assert_eq!(
+        icmp6_tuples(&back.packet),
+        ((vip.0, client.0), (client, vip)),
+        "the client learns of its packet to the service, from the service"
+    );
+    assert_icmp6_checksum(&back.packet);
+    // Every byte: the client's own packet quoted, as it sent it.
+    assert_eq!(back.packet, icmp6_error(vip.0, client.0, (3, 0), [0; 4], &syn, 48));
+
+    // Errors about no flow, or cut short before the ports, and other
+    // ICMPv6 messages (an echo request quoting nothing) pass untouched.
+    let other = tcp6((POD6, 8080), (client.0, 40001), SYN | ACK);
+    let not_a_flow = icmp6_error(ROUTER6, client.0, (3, 0), [0; 4], &other, 48);
+    let short = icmp6_error(ROUTER6, client.0, (3, 0), [0; 4], &out.packet, 42);
+    let echo = icmp6_error(ROUTER6, client.0, (128, 0), [0; 4], &out.packet, 48);
+    for p in [not_a_flow, short, echo] {
+        let out = run(&mut dp, &p);
+        assert_eq!(out.verdict, NEXT, "{p:02x?}");
+        assert_eq!(out.packet, p);
+    }
+}

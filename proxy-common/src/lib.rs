@@ -940,23 +940,29 @@ pub const SOURCE_RANGE_PREFIX_BITS: u32 = 32;
 /// about and what it becomes, as netfilter's NAT translates RELATED errors.
 /// Shared by the programs and the host's tests.
 pub mod icmp {
-    use super::CtKey;
+    use super::{CtKey, CtTuple};
 
     pub const DEST_UNREACH: u8 = 3;
     pub const TIME_EXCEEDED: u8 = 11;
+    /// ICMPv6's errors (RFC 4443): all three may quote a translated packet.
+    pub const DEST_UNREACH6: u8 = 1;
+    pub const PACKET_TOO_BIG: u8 = 2;
+    pub const TIME_EXCEEDED6: u8 = 3;
 
-    /// An ICMP error's addresses and the tuple of the packet it quotes.
+    /// An ICMP error's addresses and the tuple of the packet it quotes (`T`:
+    /// its family's tuple).
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    pub struct ErrorTuple {
-        pub saddr: [u8; 4],
-        pub daddr: [u8; 4],
-        pub quoted: CtKey,
+    pub struct ErrorTuple<T: CtTuple = CtKey> {
+        pub saddr: T::Addr,
+        pub daddr: T::Addr,
+        pub quoted: T,
     }
 
     /// The conntrack key of the flow the quoted packet belongs to. That
     /// packet left translated, and translated tuples are no keys; a packet
     /// going the other way is one, whose entry names the flow's tuples.
-    pub const fn flow_key(quoted: &CtKey) -> CtKey {
+    #[inline(always)]
+    pub fn flow_key<T: CtTuple>(quoted: &T) -> T {
         quoted.reversed()
     }
 
@@ -966,10 +972,11 @@ pub mod icmp {
     /// the source of packets going the error's way, the error comes from that
     /// source too (the node, a service address), as with netfilter; otherwise
     /// from whoever sent it.
-    pub fn translate(err: &ErrorTuple, rewritten: &CtKey) -> ErrorTuple {
+    #[inline(always)]
+    pub fn translate<T: CtTuple>(err: &ErrorTuple<T>, rewritten: &T) -> ErrorTuple<T> {
         let quoted = rewritten.reversed();
-        let saddr = if quoted.daddr != err.quoted.daddr { quoted.daddr } else { err.saddr };
-        ErrorTuple { saddr, daddr: quoted.saddr, quoted }
+        let saddr = if quoted.daddr() != err.quoted.daddr() { quoted.daddr() } else { err.saddr };
+        ErrorTuple { saddr, daddr: quoted.saddr(), quoted }
     }
 }
 
@@ -1385,6 +1392,24 @@ mod tests {
             through(&err, key(pod, 8080, client_pod, 40000), key(vip, 80, client_pod, 40000));
         let expect =
             ErrorTuple { saddr: vip, daddr: client_pod, quoted: key(client_pod, 40000, vip, 80) };
+        assert_eq!(back, expect);
+    }
+
+    #[test]
+    fn icmpv6_errors_translate_as_icmp_ones() {
+        use icmp::*;
+        let key = |s: [u8; 16], sp, d: [u8; 16], dp| CtKey6::new(s, d, sp, dp, IPPROTO_UDP);
+        let addr = |last: u8| {
+            let mut a = [0xfd, 0, 0, 0x64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+            a[15] = last;
+            a
+        };
+        let (client, node, pod, router) = (addr(0x65), addr(0x11), addr(0x22), addr(2));
+        let err =
+            ErrorTuple { saddr: router, daddr: node, quoted: key(node, 30053, client, 40000) };
+        assert_eq!(flow_key(&err.quoted), key(client, 40000, node, 30053));
+        let back = translate(&err, &key(node, 20000, pod, 5353));
+        let expect = ErrorTuple { saddr: node, daddr: pod, quoted: key(pod, 5353, node, 20000) };
         assert_eq!(back, expect);
     }
 

@@ -9,11 +9,11 @@ use aya_ebpf::{
     helpers::bpf_get_prandom_u32,
 };
 use proxy_common::{
-    CT_FLAG_REPLY, CT_FLAG_SNAT, CT_STATE_FLAGS, Config, CtKey, CtTuple, CtValue,
+    CT_FLAG_REPLY, CT_FLAG_SNAT, CT_STATE_FLAGS, Config, CtTuple, CtValue,
     ct::{Closed, lifetime_secs, next_flags, on_closed, port_reusable},
 };
 
-use crate::{family::Family, maps::CONNTRACK, packet::Packet};
+use crate::{family::Family, packet::Packet};
 
 const NS_PER_SEC: u64 = 1_000_000_000;
 /// Expiry is rewritten at most this often per flow while its state holds.
@@ -142,8 +142,10 @@ pub fn create<F: Family>(
 /// Nothing is refreshed: for packets that are about a flow but not of it
 /// (ICMP errors quoting one of its packets).
 #[inline(always)]
-pub fn peek(key: &CtKey, now: u64) -> Option<CtKey> {
-    // SAFETY: copied out at once.
-    let entry = unsafe { CONNTRACK.get(key).copied() }?;
-    (entry.expires_ns >= now).then(|| entry.rewritten(key.proto))
+pub fn peek<F: Family>(key: &F::Tuple, now: u64) -> Option<F::Tuple> {
+    let entry = F::ct_get_ptr_mut(key)?;
+    // SAFETY: a live map value, read at once.
+    let (expires_ns, rewritten) =
+        unsafe { ((*entry).expires_ns(), (*entry).rewritten(key.proto())) };
+    (expires_ns >= now).then_some(rewritten)
 }

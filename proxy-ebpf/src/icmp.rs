@@ -1,4 +1,4 @@
-//! ICMP errors about flows translated per packet. A router that cannot
+//! ICMP and ICMPv6 errors about flows translated per packet. A router that cannot
 //! deliver a translated packet (too big for its next link with DF set, TTL
 //! run out, no route) answers the packet as it was on the wire: the error
 //! quotes the translated tuple and goes to the translated source (the node
@@ -13,25 +13,45 @@
 
 use core::mem::offset_of;
 
-use aya_ebpf::programs::TcContext;
-use network_types::{icmp::Icmpv4Hdr, ip::Ipv4Hdr};
+use aya_ebpf::{bindings::BPF_F_PSEUDO_HDR, programs::TcContext};
+use network_types::{
+    icmp::{Icmpv4Hdr, Icmpv6Hdr},
+    ip::{Ipv4Hdr, Ipv6Hdr},
+};
 use proxy_common::{
-    CtKey, IPPROTO_TCP, IPPROTO_UDP,
-    icmp::{DEST_UNREACH, ErrorTuple, TIME_EXCEEDED, flow_key, translate},
+    CtKey, CtKey6, CtTuple, IPPROTO_TCP, IPPROTO_UDP,
+    icmp::{
+        DEST_UNREACH, DEST_UNREACH6, ErrorTuple, PACKET_TOO_BIG, TIME_EXCEEDED, TIME_EXCEEDED6,
+        flow_key, translate,
+    },
 };
 
 use crate::{
     conntrack,
-    packet::{self, DPORT, IcmpMessage, IpHeader, SPORT},
+    family::Family,
+    packet::{self, DPORT, IP_OFF, IPPROTO_ICMPV6, IcmpMessage, IpHeader, SPORT},
 };
 
-/// An ICMP error quoting a TCP or UDP packet.
-pub struct IcmpError {
-    pub tuple: ErrorTuple,
+/// Where the checksum is, the same in ICMP and ICMPv6 headers.
+const CSUM: usize = offset_of!(Icmpv4Hdr, check);
+const _: () = assert!(offset_of!(Icmpv6Hdr, check) == CSUM);
+
+/// An ICMP error quoting a TCP or UDP packet (`T`: its family's tuple).
+pub struct IcmpError<T: CtTuple = CtKey> {
+    pub tuple: ErrorTuple<T>,
     icmp_off: usize,
     /// Offsets of the quoted IP header and of its ports.
     ip_off: usize,
     l4_off: usize,
+}
+
+impl<T: CtTuple> Default for IcmpError<T> {
+    #[inline(always)]
+    fn default() -> Self {
+        let quoted = T::new(T::Addr::default(), T::Addr::default(), 0, 0, 0);
+        let tuple = ErrorTuple { saddr: T::Addr::default(), daddr: T::Addr::default(), quoted };
+        IcmpError { tuple, icmp_off: 0, ip_off: 0, l4_off: 0 }
+    }
 }
 
 /// Reads a destination-unreachable or time-exceeded error and the IP
@@ -66,38 +86,83 @@ pub fn parse(ctx: &TcContext, msg: &IcmpMessage) -> Option<IcmpError> {
     Some(IcmpError { tuple, icmp_off: msg.icmp_off, ip_off, l4_off })
 }
 
+/// The ICMPv6 twin of [`parse`], from the IPv6 header on: destination
+/// unreachable, packet too big or time exceeded, right after the fixed
+/// header, quoting a TCP or UDP header right after the quoted fixed header
+/// (a quoted extension header, a fragment's among them, is not read). Read
+/// into `err` in place (the IPv6 path's structs are not moved about).
+#[inline(always)]
+pub fn parse6(ctx: &TcContext, err: &mut IcmpError<CtKey6>) -> Option<()> {
+    let next: u8 = ctx.load(IP_OFF + offset_of!(Ipv6Hdr, next_hdr)).ok()?;
+    if next != IPPROTO_ICMPV6 {
+        return None;
+    }
+    let icmp_off = IP_OFF + Ipv6Hdr::LEN;
+    let kind: u8 = ctx.load(icmp_off + offset_of!(Icmpv6Hdr, type_)).ok()?;
+    if kind != DEST_UNREACH6 && kind != PACKET_TOO_BIG && kind != TIME_EXCEEDED6 {
+        return None;
+    }
+    let ip_off = icmp_off + Icmpv6Hdr::LEN;
+    let first: [u8; 8] = ctx.load(ip_off).ok()?;
+    let proto = first[offset_of!(Ipv6Hdr, next_hdr)];
+    if first[0] >> 4 != 6 || (proto != IPPROTO_TCP && proto != IPPROTO_UDP) {
+        return None;
+    }
+    let l4_off = ip_off + Ipv6Hdr::LEN;
+    let ports: [[u8; 2]; 2] = ctx.load(l4_off + SPORT).ok()?;
+    let quoted = &mut err.tuple.quoted;
+    quoted.saddr = ctx.load(ip_off + Ipv6Hdr::SADDR).ok()?;
+    quoted.daddr = ctx.load(ip_off + Ipv6Hdr::DADDR).ok()?;
+    (quoted.sport, quoted.dport) = (u16::from_be_bytes(ports[0]), u16::from_be_bytes(ports[1]));
+    (quoted.proto, quoted._pad) = (proto, [0; 3]);
+    err.tuple.saddr = ctx.load(IP_OFF + Ipv6Hdr::SADDR).ok()?;
+    err.tuple.daddr = ctx.load(IP_OFF + Ipv6Hdr::DADDR).ok()?;
+    (err.icmp_off, err.ip_off, err.l4_off) = (icmp_off, ip_off, l4_off);
+    Some(())
+}
+
 /// What `err` becomes, if it quotes a packet of a live translated flow. The
 /// flow is not refreshed: an error is not the flow's traffic.
 #[inline(always)]
-pub fn translation(err: &IcmpError, now: u64) -> Option<ErrorTuple> {
-    let rewritten = conntrack::peek(&flow_key(&err.tuple.quoted), now)?;
+pub fn translation<F: Family>(err: &IcmpError<F::Tuple>, now: u64) -> Option<ErrorTuple<F::Tuple>> {
+    let rewritten = conntrack::peek::<F>(&flow_key(&err.tuple.quoted), now)?;
     Some(translate(&err.tuple, &rewritten))
 }
 
 /// Rewrites the error's addresses, the quoted addresses and ports, and the
-/// IP and ICMP checksums that cover them. The quoted header's checksum
-/// takes the change of its addresses, so the bytes of that header keep
-/// their ones'-complement sum: the ICMP checksum, which covers them, stays
-/// right without an update (whether or not the quoted checksum was right
-/// to begin with).
+/// checksums that cover them. In IPv4, the IP header's checksum takes the
+/// change of the outer addresses (ICMP has no pseudo-header), and the
+/// quoted header's checksum the change of its addresses, so the bytes of
+/// that header keep their ones'-complement sum: the ICMP checksum, which
+/// covers them, stays right without an update (whether or not the quoted
+/// checksum was right to begin with). IPv6 has no header checksum: the
+/// ICMPv6 checksum takes both, the outer addresses through its
+/// pseudo-header.
 #[inline(always)]
-pub fn rewrite(ctx: &TcContext, err: &IcmpError, to: &ErrorTuple) -> Result<(), i64> {
-    let from = &err.tuple;
-    packet::rewrite_addrs(ctx, [from.saddr, from.daddr], [to.saddr, to.daddr])?;
+pub fn rewrite<H: IpHeader>(
+    ctx: &TcContext,
+    err: &IcmpError<H::Tuple>,
+    to: &ErrorTuple<H::Tuple>,
+) -> Result<(), i64> {
+    let (from, csum) = (&err.tuple, err.icmp_off + CSUM);
+    let (outer, quoted) = match H::CSUM {
+        Some(_) => (None, None),
+        None => (Some((csum, BPF_F_PSEUDO_HDR as u64)), Some((csum, 0))),
+    };
+    packet::set_addrs::<H>(ctx, IP_OFF, [from.saddr, from.daddr], [to.saddr, to.daddr], outer)?;
     let (old, new) = (&from.quoted, &to.quoted);
-    let quoted_addr =
-        |field, old, new| packet::set_addr::<Ipv4Hdr>(ctx, None, err.ip_off, field, old, new);
-    quoted_addr(Ipv4Hdr::SADDR, old.saddr, new.saddr)?;
-    quoted_addr(Ipv4Hdr::DADDR, old.daddr, new.daddr)?;
-    set_quoted_port(ctx, err, err.l4_off + SPORT, old.sport, new.sport)?;
-    set_quoted_port(ctx, err, err.l4_off + DPORT, old.dport, new.dport)
+    let addrs = |t: &H::Tuple| [t.saddr(), t.daddr()];
+    packet::set_addrs::<H>(ctx, err.ip_off, addrs(old), addrs(new), quoted)?;
+    set_quoted_port(ctx, csum, err.l4_off + SPORT, old.sport(), new.sport())?;
+    set_quoted_port(ctx, csum, err.l4_off + DPORT, old.dport(), new.dport())
 }
 
-/// A quoted port: only the ICMP checksum covers it here (ICMP has no
-/// pseudo-header).
+/// A quoted port: only the ICMP checksum (at `csum`) covers it here (the
+/// quoted L4 checksum is left as it was).
+#[inline(always)]
 fn set_quoted_port(
     ctx: &TcContext,
-    err: &IcmpError,
+    csum: usize,
     off: usize,
     old: u16,
     new: u16,
@@ -106,7 +171,6 @@ fn set_quoted_port(
         return Ok(());
     }
     let (old, new) = (old.to_be(), new.to_be());
-    let csum = err.icmp_off + offset_of!(Icmpv4Hdr, check);
     ctx.l4_csum_replace(csum, old as u64, new as u64, 2)?;
     ctx.store(off, &new, 0)
 }

@@ -22,6 +22,7 @@ use proxy_common::{
 };
 
 pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_ICMPV6: u8 = 58;
 /// Where the IP header starts: after the Ethernet header.
 pub const IP_OFF: usize = EthHdr::LEN;
 /// `Ipv4Hdr::frag_flags`: more fragments follow.
@@ -41,6 +42,8 @@ pub trait IpHeader {
     const CSUM: Option<usize>;
     /// The TTL or hop limit.
     const HOPS: usize;
+    /// ICMP's protocol number in this family (ICMPv6's next header).
+    const ICMP: u8;
     /// The length field, and what it counts beyond the L4 segment (IPv4's
     /// total length counts its plain header, IPv6's payload length nothing).
     const LEN_FIELD: usize;
@@ -54,6 +57,7 @@ impl IpHeader for Ipv4Hdr {
     const DADDR: usize = offset_of!(Ipv4Hdr, dst_addr);
     const CSUM: Option<usize> = Some(offset_of!(Ipv4Hdr, check));
     const HOPS: usize = offset_of!(Ipv4Hdr, ttl);
+    const ICMP: u8 = IPPROTO_ICMP;
     const LEN_FIELD: usize = offset_of!(Ipv4Hdr, tot_len);
     const LEN_BEYOND_L4: usize = Ipv4Hdr::LEN;
 }
@@ -65,6 +69,7 @@ impl IpHeader for Ipv6Hdr {
     const DADDR: usize = offset_of!(Ipv6Hdr, dst_addr);
     const CSUM: Option<usize> = None;
     const HOPS: usize = offset_of!(Ipv6Hdr, hop_limit);
+    const ICMP: u8 = IPPROTO_ICMPV6;
     const LEN_FIELD: usize = offset_of!(Ipv6Hdr, payload_len);
     const LEN_BEYOND_L4: usize = 0;
 }
@@ -324,6 +329,48 @@ fn ports(sport: u16, dport: u16) -> [u8; 4] {
     [s[0], s[1], d[0], d[1]]
 }
 
+/// Rewrites both addresses of the IP header at `ip_off` (side by side, one
+/// store) and the checksums covering them, each by one difference computed
+/// here: the header's own (IPv4), and `l4`, the checksum at that offset
+/// with its `l4_csum_replace` flags (`BPF_F_PSEUDO_HDR` where it covers them
+/// through a pseudo-header), if one covers them.
+#[inline(always)]
+pub fn set_addrs<H: IpHeader>(
+    ctx: &TcContext,
+    ip_off: usize,
+    mut old: [H::Addr; 2],
+    mut new: [H::Addr; 2],
+    l4: Option<(usize, u64)>,
+) -> Result<(), i64> {
+    const { assert!(H::DADDR == H::SADDR + size_of::<H::Addr>()) };
+    if old == new {
+        return Ok(());
+    }
+    let diff = if H::CSUM.is_some() {
+        let sum = csum_diff_add(0, old[0].as_ref(), new[0].as_ref());
+        fold_diff(csum_diff_add(sum, old[1].as_ref(), new[1].as_ref())) as u64
+    } else {
+        // IPv6: the kernel sums the 32 bytes where they lie; done here,
+        // byte by byte, they would fill the stack with spilled bytes.
+        let size = size_of::<[H::Addr; 2]>() as u32;
+        let diff = unsafe {
+            bpf_csum_diff(old.as_mut_ptr().cast(), size, new.as_mut_ptr().cast(), size, 0)
+        };
+        if diff < 0 {
+            return Err(diff);
+        }
+        diff as u32 as u64
+    };
+    if let Some(csum) = H::CSUM {
+        ctx.l3_csum_replace(ip_off + csum, 0, diff, 0)?;
+    }
+    if let Some((csum, flags)) = l4 {
+        ctx.l4_csum_replace(csum, 0, diff, flags)?;
+    }
+    // Both addresses, side by side as in the header.
+    ctx.store(ip_off + H::SADDR, &new, 0)
+}
+
 /// Rewrites the packet's tuple to `to`, keeping the IP and L4 checksums
 /// right: the addresses in one store, the ports in another, each checksum
 /// updated by one difference computed here (five helper calls, not ten; the
@@ -336,33 +383,11 @@ pub fn rewrite<H: IpHeader>(
     pkt: &Packet<H::Tuple>,
     to: &H::Tuple,
 ) -> Result<(), i64> {
-    const { assert!(H::DADDR == H::SADDR + size_of::<H::Addr>() && DPORT == SPORT + 2) };
+    const { assert!(DPORT == SPORT + 2) };
     let from = &pkt.tuple;
-    let (mut old, mut new) = ([from.saddr(), from.daddr()], [to.saddr(), to.daddr()]);
-    if old != new {
-        let diff = if H::CSUM.is_some() {
-            let sum = csum_diff_add(0, old[0].as_ref(), new[0].as_ref());
-            fold_diff(csum_diff_add(sum, old[1].as_ref(), new[1].as_ref())) as u64
-        } else {
-            // IPv6: the kernel sums the 32 bytes where they lie; done here,
-            // byte by byte, they would fill the stack with spilled bytes.
-            let size = size_of::<[H::Addr; 2]>() as u32;
-            let diff = unsafe {
-                bpf_csum_diff(old.as_mut_ptr().cast(), size, new.as_mut_ptr().cast(), size, 0)
-            };
-            if diff < 0 {
-                return Err(diff);
-            }
-            diff as u32 as u64
-        };
-        if let Some(csum) = H::CSUM {
-            ctx.l3_csum_replace(IP_OFF + csum, 0, diff, 0)?;
-        }
-        let flags = BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags();
-        ctx.l4_csum_replace(pkt.l4_csum_off(), 0, diff, flags)?;
-        // Both addresses, side by side as in the header.
-        ctx.store(IP_OFF + H::SADDR, &new, 0)?;
-    }
+    let l4 = (pkt.l4_csum_off(), BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags());
+    let (old, new) = ([from.saddr(), from.daddr()], [to.saddr(), to.daddr()]);
+    set_addrs::<H>(ctx, IP_OFF, old, new, Some(l4))?;
     let (old, new) = (ports(from.sport(), from.dport()), ports(to.sport(), to.dport()));
     if old != new {
         let diff = csum_diff(old, new) as u64;
@@ -379,7 +404,7 @@ pub fn rewrite_fragment(ctx: &TcContext, from: &FragKey, to: &FragRewrite) -> Re
 }
 
 /// Rewrites source and destination of a packet whose L4 checksum does not
-/// cover them (a later fragment, an ICMP message): the IP header only.
+/// cover them (a later fragment): the IP header only.
 #[inline(always)]
 pub fn rewrite_addrs(ctx: &TcContext, from: [[u8; 4]; 2], to: [[u8; 4]; 2]) -> Result<(), i64> {
     set_addr::<Ipv4Hdr>(ctx, None, IP_OFF, Ipv4Hdr::SADDR, from[0], to[0])?;

@@ -18,23 +18,20 @@ use network_types::{
 use proxy_common::{
     Counter, CtTuple, IPPROTO_TCP,
     ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
-    icmp::DEST_UNREACH,
+    icmp::{DEST_UNREACH, DEST_UNREACH6},
 };
 
 use crate::{
     family::Family,
     maps::count,
-    packet::{self, IP_OFF, IPPROTO_ICMP, IpHeader, Packet},
+    packet::{self, IP_OFF, IPPROTO_ICMP, IPPROTO_ICMPV6, IpHeader, Packet},
     tc_act::SHOT,
 };
 
 /// Destination unreachable's code for a closed port.
 const PORT_UNREACH: u8 = 3;
-/// ICMPv6 destination unreachable (RFC 4443), its code for a closed port,
-/// and ICMPv6's next-header number.
-const DEST_UNREACH6: u8 = 1;
+/// ICMPv6 destination unreachable's code for a closed port (RFC 4443).
 const PORT_UNREACH6: u8 = 4;
-const IPPROTO_ICMPV6: u8 = 58;
 const AF_INET6: u8 = 10;
 
 /// What an ICMP error quotes of the offending datagram: its IP header and

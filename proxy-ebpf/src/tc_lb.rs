@@ -26,11 +26,11 @@ use proxy_common::{
 use crate::{
     conntrack,
     family::Family,
-    icmp,
+    icmp::{self, IcmpError},
     lb::{self, Verdict, Via},
     log::{self, Outcome, Printable},
     maps::{CONFIG, FLOW6, FRAGMENTS, TC6, count},
-    packet::{self, Flow, IPPROTO_ICMP, IcmpMessage, Packet, Parsed},
+    packet::{self, Flow, Packet, Parsed},
     prefilter::{self, Filter, Hook},
     reject,
     tc_act::{NEXT, SHOT, STACK},
@@ -62,7 +62,9 @@ pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
     let pkt = match packet::parse(ctx) {
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Fragment(key)) => return later_fragment(ctx, &key),
-        Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, true),
+        Some(Parsed::Icmp(msg)) => {
+            return icmp_error::<Ipv4Hdr>(ctx, icmp::parse(ctx, &msg).as_ref(), true);
+        }
         None => {
             let slot = match scope {
                 Scope::Everything => TC6_INGRESS,
@@ -97,7 +99,7 @@ pub fn try_ingress6(ctx: &TcContext, scope: Scope) -> i32 {
     // program using it.
     let flow = unsafe { &mut *flow };
     if !packet::parse6(ctx, &mut flow.pkt) {
-        return NEXT;
+        return icmp_error6(ctx, true);
     }
     flow.to = flow.pkt.tuple;
     flow.now = unsafe { bpf_ktime_get_ns() };
@@ -310,7 +312,9 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
     }
     let pkt = match packet::parse(ctx) {
         Some(Parsed::Packet(pkt)) => pkt,
-        Some(Parsed::Icmp(msg)) => return icmp_error(ctx, &msg, false),
+        Some(Parsed::Icmp(msg)) => {
+            return icmp_error::<Ipv4Hdr>(ctx, icmp::parse(ctx, &msg).as_ref(), false);
+        }
         Some(Parsed::Fragment(_)) => return NEXT,
         None => return to_ipv6(ctx, TC6_EGRESS),
     };
@@ -325,7 +329,7 @@ pub fn try_egress6(ctx: &TcContext) -> i32 {
     // SAFETY: as in `try_ingress6`.
     let pkt = unsafe { &mut (*flow).pkt };
     if !packet::parse6(ctx, pkt) {
-        return NEXT;
+        return icmp_error6(ctx, false);
     }
     reverse::<Ipv6Hdr>(ctx, cfg, pkt)
 }
@@ -358,14 +362,28 @@ where
 /// a packet for a host-network backend) the stack routed it already: it is
 /// translated only where its destination stays.
 #[inline(always)]
-fn icmp_error(ctx: &TcContext, msg: &IcmpMessage, ingress: bool) -> i32 {
-    let Some(err) = icmp::parse(ctx, msg) else { return NEXT };
-    let now = unsafe { bpf_ktime_get_ns() };
-    let Some(to) = icmp::translation(&err, now) else { return NEXT };
-    if !ingress && to.daddr != msg.daddr {
+fn icmp_error<F: Family>(ctx: &TcContext, err: Option<&IcmpError<F::Tuple>>, ingress: bool) -> i32 {
+    let Some(err) = err else { return NEXT };
+    // Filled in place by the step (IPv6: a BPF call returns no struct).
+    let mut to = err.tuple;
+    let found = F::step(
+        #[inline(always)]
+        || match icmp::translation::<F>(err, unsafe { bpf_ktime_get_ns() }) {
+            Some(tuple) => {
+                to = tuple;
+                true
+            }
+            None => false,
+        },
+    );
+    if !found || (!ingress && to.daddr != err.tuple.daddr) {
         return NEXT;
     }
-    if icmp::rewrite(ctx, &err, &to).is_err() {
+    let rewritten = F::step(
+        #[inline(always)]
+        || icmp::rewrite::<F>(ctx, err, &to).is_ok(),
+    );
+    if !rewritten {
         count(Counter::Dropped);
         return SHOT;
     }
@@ -373,8 +391,26 @@ fn icmp_error(ctx: &TcContext, msg: &IcmpMessage, ingress: bool) -> i32 {
     if !ingress {
         return NEXT;
     }
-    let outer = CtKey { saddr: to.saddr, daddr: to.daddr, proto: IPPROTO_ICMP, ..CtKey::default() };
-    send::<Ipv4Hdr>(ctx, &outer)
+    // The outer tuple in the step's frame (IPv6: the caller's is full).
+    F::step(
+        #[inline(always)]
+        || send::<F>(ctx, &F::Tuple::new(to.saddr, to.daddr, 0, 0, F::ICMP)),
+    )
+}
+
+/// An IPv6 packet that is no TCP or UDP one: an ICMPv6 error about a
+/// translated flow is translated as ICMP ones are; anything else (neighbour
+/// discovery among it) passes untouched. A BPF call of its own, whose frame
+/// holds the error's tuples, with each step a call of its own from here:
+/// the IPv6 programs' frames stay as they were.
+#[inline(never)]
+fn icmp_error6(ctx: &TcContext, ingress: bool) -> i32 {
+    let mut err = IcmpError::default();
+    let parsed = Ipv6Hdr::step(
+        #[inline(always)]
+        || icmp::parse6(ctx, &mut err).is_some(),
+    );
+    icmp_error::<Ipv6Hdr>(ctx, parsed.then_some(&err), ingress)
 }
 
 /// A fragment after the first: it follows the first fragment's translation,
