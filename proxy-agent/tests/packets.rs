@@ -1013,3 +1013,22 @@ fn ipv6_time_exceeded_about_a_cluster_ip_flow_reaches_the_client_pod_from_the_se
         assert_eq!(out.packet, p);
     }
 }
+
+#[test]
+fn ipv6_port_unreachable_the_stack_sends_for_a_host_network_backend_names_the_node_port() {
+    let mut plan = frontend_plan(&[(NODE6, 9090)], true, &[]);
+    plan.backends[0].host = true;
+    let mut dp = datapath(vec![(frontend(NODE6, 30099, Protocol::Udp), plan)]);
+    let datagram = udp6((CLIENT6, 40000), (NODE6, 30099));
+    let out = run(&mut dp, &datagram);
+    assert_eq!(tuple6(&out.packet), ((CLIENT6, 40000), (NODE6, 9090)));
+    // Nothing listens on 9090: the node's stack answers on its way out.
+    let error = icmp6_error(NODE6, CLIENT6, (1, 4), [0; 4], &out.packet, 48);
+    let sent = dp.run_tc_egress(&error, 1).unwrap();
+    assert_eq!(sent.verdict, NEXT, "the stack routed it already");
+    assert_eq!(icmp6_tuples(&sent.packet), ((NODE6, CLIENT6), ((CLIENT6, 40000), (NODE6, 30099))));
+    assert_icmp6_checksum(&sent.packet);
+    // Every byte: the quoted UDP checksum is the translated datagram's.
+    let quoted = with_tuple6(&out.packet, ((CLIENT6, 40000), (NODE6, 30099)));
+    assert_eq!(sent.packet, icmp6_error(NODE6, CLIENT6, (1, 4), [0; 4], &quoted, 48));
+}
