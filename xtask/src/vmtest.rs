@@ -23,10 +23,15 @@ pub struct Kernel {
     /// What `--kernel` names it.
     pub name: &'static str,
     suite: &'static str,
+    /// The mode `auto` picks there: a kernel that ran the eBPF mode and
+    /// falls back (a program its verifier now refuses) fails the matrix.
+    auto: &'static str,
 }
 
-pub const KERNELS: [Kernel; 2] =
-    [Kernel { name: "5.10", suite: "bullseye" }, Kernel { name: "6.1", suite: "bookworm" }];
+pub const KERNELS: [Kernel; 2] = [
+    Kernel { name: "5.10", suite: "bullseye", auto: "ebpf" },
+    Kernel { name: "6.1", suite: "bookworm", auto: "ebpf" },
+];
 
 /// One behaviour of the smoke subset: a `both_modes!` test of a lab test
 /// binary, run as `<function>::ebpf` and `<function>::iptables`.
@@ -149,6 +154,7 @@ pub fn run(kernels: &[Kernel]) -> anyhow::Result<()> {
         let started = Instant::now();
         let console = boot(&image, &initrd, &dir, accel)?;
         let mut run = parse(kernel.name, &console);
+        run.expected_auto = kernel.auto.to_string();
         run.seconds = started.elapsed().as_secs();
         eprintln!("vmtest: {} done in {} s", kernel.name, run.seconds);
         runs.push(run);
@@ -602,6 +608,8 @@ struct Run {
     kernel: String,
     release: String,
     auto: String,
+    /// What `auto` must pick on this kernel (empty: anything).
+    expected_auto: String,
     /// The probe's missing features.
     missing: Vec<String>,
     /// (scenario, mode) → pass | retried (passed the second time) | fail |
@@ -620,6 +628,15 @@ impl Run {
             if self.results.is_empty() {
                 return failed;
             }
+        }
+        if !self.expected_auto.is_empty() && self.auto != self.expected_auto {
+            failed.push(format!(
+                "{}: auto picked {} where it picks {} (missing: {})",
+                self.kernel,
+                self.auto,
+                self.expected_auto,
+                self.missing.join("; ")
+            ));
         }
         for scenario in SCENARIOS {
             for mode in MODES {
@@ -809,5 +826,15 @@ mod tests {
         lines.truncate(lines.len() - 2);
         let failures = parse("6.1", &lines).failures();
         assert_eq!(failures, ["6.1: the guest did not finish", "6.1 restart iptables not run"]);
+        // A kernel that runs the eBPF mode falling back to iptables.
+        let mut run = parse("6.1", &console(&[]));
+        run.expected_auto = "ebpf".into();
+        assert!(run.failures().is_empty());
+        run.auto = "iptables".into();
+        run.missing = vec!["programs load".into()];
+        assert_eq!(
+            run.failures(),
+            ["6.1: auto picked iptables where it picks ebpf (missing: programs load)"]
+        );
     }
 }

@@ -17,7 +17,7 @@ echo /tmp/modprobe >/proc/sys/kernel/modprobe
 for m in $(cat "$dir/modules"); do
     /tmp/modprobe "$m" 2>/dev/null || echo "VMTEST-NOTE no module $m"
 done
-"$dir/proxy-agent" probe >/tmp/probe 2>&1
+"$dir/proxy-agent" probe --verbose >/tmp/probe 2>&1
 sed 's/^/VMTEST-PROBE /' /tmp/probe
 auto=$(sed -n 's/^--proxy-mode auto would run: \([a-z]*\).*/\1/p' /tmp/probe)
 echo "VMTEST-AUTO ${auto:-unknown}"
