@@ -12,7 +12,10 @@ use proxy_agent::{
     model::{Cidr, Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
-use proxy_common::Config;
+use proxy_common::{
+    Config,
+    explain::{AFFINITY, Decided, SNAT, decode},
+};
 
 const NEXT: i32 = -1;
 const STACK: i32 = 0;
@@ -268,6 +271,56 @@ fn the_conntrack_collection_reads_live_flows_in_batches() {
     }
     assert_eq!(dp.collect_conntrack().unwrap(), (0, 20), "ten flows, both directions");
     assert!(proxy_agent::backend::ebpf::batch::supported());
+}
+
+/// An explain run takes the real path and says what it decided, but leaves
+/// no flow behind (so no SNAT port is chosen); a tracked flow is followed
+/// without its entries being refreshed.
+#[test]
+fn explain_runs_decide_without_leaving_state() {
+    let lb = [10, 200, 0, 10];
+    let mut affine = frontend_plan(&[(POD, 8080), ([10, 244, 2, 3], 8080)], true, &[]);
+    affine.affinity_timeout_secs = Some(600);
+    let mut dp = datapath(vec![
+        (frontend(NODE, 30080, Protocol::Tcp), affine),
+        (frontend(NODE, 30081, Protocol::Tcp), frontend_plan::<[u8; 4]>(&[], true, &[])),
+        (
+            frontend(lb, 80, Protocol::Tcp),
+            frontend_plan(&[(POD, 8080)], true, &["192.168.100.96/29"]),
+        ),
+    ]);
+    let syn = tcp((CLIENT, 40000), (NODE, 30080), SYN);
+    let out = dp.explain_tc(&syn).unwrap();
+    assert_eq!(out.verdict, STACK);
+    let (decided, flags) = decode(out.cb[2]).expect("a decision");
+    assert_eq!((decided, flags & SNAT, flags & AFFINITY), (Decided::Translated, SNAT, 0));
+    assert_ne!(out.cb[3], 0, "the frontend's reverse-NAT id");
+    assert_eq!(tuple(&out.packet).0, (NODE, 40000), "SNAT port chosen only with a flow");
+    assert!([(POD, 8080), ([10, 244, 2, 3], 8080)].contains(&tuple(&out.packet).1));
+    assert_checksums(&out.packet);
+    assert_eq!(dp.collect_conntrack().unwrap(), (0, 0), "no flow created");
+    // No affinity was remembered: explain runs never say "affinity".
+    for port in 40001..40010 {
+        let again = dp.explain_tc(&tcp((CLIENT, port), (NODE, 30080), SYN)).unwrap();
+        assert_eq!(decode(again.cb[2]).unwrap().1 & AFFINITY, 0);
+    }
+    // A real packet creates the flow; explaining it then finds it tracked.
+    let real = run(&mut dp, &syn);
+    assert_eq!(dp.collect_conntrack().unwrap(), (0, 2));
+    let tracked = dp.explain_tc(&tcp((CLIENT, 40000), (NODE, 30080), ACK)).unwrap();
+    assert_eq!((tracked.verdict, tracked.cb[2]), (STACK, 0), "no new decision");
+    assert_eq!(tuple(&tracked.packet), tuple(&real.packet));
+
+    let refused = dp.explain_tc(&tcp((CLIENT, 40000), (NODE, 30081), SYN)).unwrap();
+    assert_eq!(refused.verdict, REDIRECT);
+    assert_eq!(decode(refused.cb[2]), Some((Decided::Refused, 0)));
+    assert_eq!(refused.packet[34 + 13], RST | ACK);
+    let dropped = dp.explain_tc(&tcp(([192, 168, 100, 200], 40000), (lb, 80), SYN)).unwrap();
+    assert_eq!(dropped.verdict, SHOT);
+    assert_eq!(decode(dropped.cb[2]), Some((Decided::SourceOutsideRanges, 0)));
+    let passed = dp.explain_tc(&tcp((CLIENT, 40000), (NODE, 22), SYN)).unwrap();
+    assert_eq!((passed.verdict, passed.cb[2], passed.cb[3]), (NEXT, 0, 0));
+    assert_eq!(dp.collect_conntrack().unwrap(), (0, 2), "still only the real flow");
 }
 
 #[test]

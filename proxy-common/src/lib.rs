@@ -1037,6 +1037,8 @@ pub mod prefilter {
     }
 }
 
+pub mod explain;
+
 pub mod log_level {
     /// No records: each log point costs a compare.
     pub const OFF: u8 = 0;

@@ -13,7 +13,7 @@ use proxy_common::{
     ct::{Closed, lifetime_secs, next_flags, on_closed, port_reusable},
 };
 
-use crate::{family::Family, packet::Packet};
+use crate::{explain::Run, family::Family, packet::Packet};
 
 const NS_PER_SEC: u64 = 1_000_000_000;
 /// Expiry is rewritten at most this often per flow while its state holds.
@@ -27,13 +27,16 @@ fn lifetime_ns(cfg: &Config, proto: u8, flags: u8) -> u64 {
 
 /// The live entry for `pkt`'s tuple, its state and lifetime refreshed on
 /// both directions (so a one-way flow keeps its silent side alive too).
-/// `len`: the packet's length, for the flow-accounting build.
+/// `len`: the packet's length, for the flow-accounting build. `run` is
+/// asked only where the entry would be written: an explain run's packet
+/// leaves it as it is.
 #[inline(always)]
 pub fn lookup<F: Family>(
     pkt: &Packet<F::Tuple>,
     len: u32,
     cfg: &Config,
     now: u64,
+    run: impl Fn() -> Run,
 ) -> Option<F::Entry> {
     let entry = F::ct_get_ptr_mut(&pkt.tuple)?;
     // SAFETY: LRU values may be recycled under us; we copy and re-check.
@@ -50,6 +53,9 @@ pub fn lookup<F: Family>(
         // A connection that bypassed the service reuses the closed flow's
         // tuple: its packets must not be rewritten for the closed flow.
         Closed::Stale => {
+            if run() == Run::Explain {
+                return None;
+            }
             F::ct_remove(&current.rewritten(proto).reversed());
             F::ct_remove(&pkt.tuple);
             return None;
@@ -57,7 +63,9 @@ pub fn lookup<F: Family>(
     }
     let flags = next_flags(current.flags(), pkt.tcp_flags);
     let expires_ns = now + lifetime_ns(cfg, proto, flags);
-    if flags != current.flags() || expires_ns > current.expires_ns() + REFRESH_NS {
+    if (flags != current.flags() || expires_ns > current.expires_ns() + REFRESH_NS)
+        && run() == Run::Real
+    {
         // SAFETY: as above; a lost race costs a refresh, not correctness.
         unsafe { (*entry).set_state(flags, expires_ns) };
         let other = current.rewritten(proto).reversed();

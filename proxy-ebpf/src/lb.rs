@@ -8,6 +8,7 @@ use proxy_common::{
     ServiceKey, ServiceKey6, ServiceValue,
 };
 
+use crate::explain::Run;
 use crate::maps::{AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, SERVICES, SERVICES6, count};
 
 /// A services-map key, and so an address family: where its frontends and
@@ -169,6 +170,17 @@ pub fn choose<K: ServiceMapKey, C: AffinityClient>(
     svc: &ServiceValue,
     client: C,
 ) -> Verdict<K::Backend> {
+    choose_in(key, svc, client, Run::Real)
+}
+
+/// As [`choose`]; an explain run remembers nor refreshes no affinity.
+#[inline(always)]
+pub fn choose_in<K: ServiceMapKey, C: AffinityClient>(
+    key: &K,
+    svc: &ServiceValue,
+    client: C,
+    run: Run,
+) -> Verdict<K::Backend> {
     count(Counter::ServiceHit);
     if svc.count == 0 {
         count(Counter::NoBackend);
@@ -177,7 +189,9 @@ pub fn choose<K: ServiceMapKey, C: AffinityClient>(
     let affinity_key = client.key(svc.rev_nat_id);
     let affine = svc.flags.is_affinity();
     let now = unsafe { bpf_ktime_get_ns() };
-    if affine && let Some((backend_id, backend)) = affine_backend::<K, C>(&affinity_key, svc, now) {
+    if affine
+        && let Some((backend_id, backend)) = affine_backend::<K, C>(&affinity_key, svc, now, run)
+    {
         count(Counter::AffinityHit);
         return Verdict::Backend {
             backend,
@@ -191,7 +205,7 @@ pub fn choose<K: ServiceMapKey, C: AffinityClient>(
         return Verdict::NoBackend;
     };
     count(Counter::BackendPicked);
-    if affine {
+    if affine && run == Run::Real {
         let value = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
         C::remember(&affinity_key, value);
     }
@@ -206,6 +220,7 @@ fn affine_backend<K: ServiceMapKey, C: AffinityClient>(
     key: &C::Key,
     svc: &ServiceValue,
     now: u64,
+    run: Run,
 ) -> Option<(u32, K::Backend)> {
     let entry = C::entry(key)?;
     // SAFETY: the LRU entry may be recycled concurrently; at worst we read a
@@ -216,7 +231,9 @@ fn affine_backend<K: ServiceMapKey, C: AffinityClient>(
         return None;
     }
     let backend = K::backend(backend_id)?;
-    unsafe { (*entry).last_used_ns = now };
+    if run == Run::Real {
+        unsafe { (*entry).last_used_ns = now };
+    }
     Some((backend_id, backend))
 }
 

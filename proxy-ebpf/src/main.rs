@@ -6,6 +6,7 @@
 #![feature(asm_experimental_arch)]
 
 mod conntrack;
+mod explain;
 mod family;
 mod icmp;
 mod lb;

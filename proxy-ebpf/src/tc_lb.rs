@@ -20,11 +20,12 @@ use aya_ebpf::{
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
     Config, Counter, CtKey, CtTuple, CtValue, FragKey, ServiceFlags, ServiceValue, TC6_EGRESS,
-    TC6_INGRESS, TC6_POD_REPLIES, log_level,
+    TC6_INGRESS, TC6_POD_REPLIES, explain::Decided, log_level,
 };
 
 use crate::{
     conntrack,
+    explain::Run,
     family::Family,
     icmp::{self, IcmpError},
     lb::{self, Verdict, Via},
@@ -118,7 +119,7 @@ where
 {
     let tracked = F::step(
         #[inline(always)]
-        || match conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now) {
+        || match conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now, || Run::of(ctx)) {
             Some(entry) => {
                 f.to = entry.rewritten(f.pkt.tuple.proto());
                 true
@@ -138,7 +139,7 @@ where
     }
     let decision = F::step(
         #[inline(always)]
-        || decide::<F>(cfg, f),
+        || decide::<F>(ctx, cfg, f),
     );
     let (rev_nat_id, snat, via, flags) = match decision {
         Decision::Pass => {
@@ -156,6 +157,14 @@ where
         }
         Decision::Translate { rev_nat_id, snat, via, flags } => (rev_nat_id, snat, via, flags),
     };
+    if Run::of(ctx) == Run::Explain {
+        // Decided (see `decide`): the packet goes on as translated, but no
+        // flow is created (so no SNAT port is chosen).
+        return F::step(
+            #[inline(always)]
+            || forward::<F>(ctx, &f.pkt, &f.to),
+        );
+    }
     let created = F::step(
         #[inline(always)]
         || conntrack::create::<F>(&f.pkt.tuple, &mut f.to, rev_nat_id, snat, cfg, f.now),
@@ -204,27 +213,36 @@ enum Decision {
 /// Whether a packet of no flow starts one: its frontend, a backend, SNAT
 /// where kube-proxy would masquerade (the translated tuple in `flow.to`);
 /// or its drop or refusal. The caller counts and records: a record's frame
-/// would add to this step's.
+/// would add to this step's. An explain run's packet notes the decision
+/// (`explain`).
 #[inline(always)]
-fn decide<F: Family>(cfg: &Config, flow: &mut Flow<F::Tuple>) -> Decision {
+fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -> Decision {
     let pkt = &flow.pkt;
     let t = &pkt.tuple;
     let mut key = F::service_key(t.daddr(), t.dport(), t.proto());
     let Some(svc) = lb::lookup_frontend(&key) else { return Decision::Pass };
+    let run = Run::of(ctx);
+    run.frontend(ctx, svc.rev_nat_id);
     if svc.flags.has_source_ranges() && !F::source_allowed(svc.rev_nat_id, t.saddr()) {
+        run.refused(ctx, Decided::SourceOutsideRanges);
         return Decision::Drop(Outcome::SourceOutsideRanges);
     }
     let mut scoped = svc;
     if from_pods::<F>(cfg, t.saddr()) {
         (key, scoped) = lb::in_cluster_scope(&key, &svc);
     }
-    match lb::choose(&key, &scoped, F::client(t.saddr())) {
+    match lb::choose_in(&key, &scoped, F::client(t.saddr()), run) {
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
+            run.refused(ctx, Decided::NoLocalEndpoint);
             Decision::Drop(Outcome::NoLocalEndpoint)
         }
-        Verdict::NoBackend => Decision::Refuse,
-        Verdict::Backend { backend, rev_nat_id, via, .. } => {
+        Verdict::NoBackend => {
+            run.refused(ctx, Decided::Refused);
+            Decision::Refuse
+        }
+        Verdict::Backend { backend, backend_id, rev_nat_id, via } => {
             let snat = needs_snat::<F>(&svc, cfg, pkt, &backend);
+            run.translated(ctx, backend_id, snat, via);
             let (address, port, _) = F::backend(&backend);
             let saddr = if snat { F::snat_addr(cfg) } else { t.saddr() };
             let to = F::Tuple::new(saddr, *address, t.sport(), port, t.proto());
@@ -347,7 +365,7 @@ where
     F::Tuple: Printable,
 {
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some(entry) = conntrack::lookup::<F>(pkt, ctx.len(), cfg, now) else {
+    let Some(entry) = conntrack::lookup::<F>(pkt, ctx.len(), cfg, now, || Run::Real) else {
         record(cfg, log_level::TRACE, false, &pkt.tuple, Outcome::NoFlow);
         return NEXT;
     };

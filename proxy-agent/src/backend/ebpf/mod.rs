@@ -17,6 +17,7 @@ pub mod conntrack;
 pub mod datapath;
 pub mod departures;
 pub mod entries;
+pub mod explain;
 pub mod prefilter;
 pub mod records;
 pub mod sock_end;
@@ -1258,6 +1259,14 @@ impl EbpfBackend {
         repeat: u32,
     ) -> Result<PacketRun, EbpfError> {
         self.run_program(TC_POD_REPLIES, packet, repeat)
+    }
+
+    /// As `run_tc`, once, as an explain run (`explain`): no state is
+    /// written, the decision is read back.
+    pub fn explain_tc(&mut self, packet: &[u8]) -> Result<explain::ExplainRun, EbpfError> {
+        let name = TC_INGRESS;
+        let prog = program::<SchedClassifier>(&mut self.ebpf, name)?;
+        explain::test_run(prog, packet, 0).map_err(|source| EbpfError::Program { name, source })
     }
 
     fn run_program(

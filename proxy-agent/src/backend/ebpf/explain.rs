@@ -1,0 +1,118 @@
+//! `proxy-agent explain` in the eBPF mode: the per-packet programs loaded
+//! again with the maps pinned under the bpffs root (the live services,
+//! conntrack, affinity, settings), and run under `BPF_PROG_TEST_RUN` on a
+//! crafted packet marked as an explain run (`proxy_common::explain`): the
+//! program takes its real path, writes no state, and leaves what it
+//! decided in the packet's `cb`. Nothing is attached, nothing is pinned.
+
+use std::path::Path;
+
+use aya::{
+    Ebpf,
+    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
+};
+use proxy_common::{explain::MAGIC, map_names};
+
+use super::{EbpfError, OBJECT, TC_INGRESS, TC_POD_REPLIES, io_err, program, sock_end};
+
+/// Where `__sk_buff` has its fields (`include/uapi/linux/bpf.h`): the
+/// kernel takes `ifindex`, `ingress_ifindex` and `cb` from `ctx_in`.
+const SKB_INGRESS_IFINDEX: usize = 36;
+const SKB_IFINDEX: usize = 40;
+const SKB_CB: usize = 48;
+/// Up to the end of `cb`: the kernel takes a shorter context in...
+const SKB_CTX_LEN: usize = SKB_CB + 5 * 4;
+/// ...but writes its whole `__sk_buff` back (192 bytes in 6.x; the
+/// kernel copies no more than it has).
+const SKB_CTX_OUT_LEN: usize = 256;
+
+/// What the program did with an explain run's packet.
+#[derive(Debug)]
+pub struct ExplainRun {
+    /// The tc verdict: -1 next/pass, 0 to the stack, 2 drop, 7 redirect.
+    pub verdict: i32,
+    /// The packet as the program left it (translated, or a reset or ICMP
+    /// error it built to refuse it).
+    pub packet: Vec<u8>,
+    /// The control block as the program left it.
+    pub cb: [u32; 5],
+}
+
+/// The per-packet programs, with the live maps.
+pub struct Explainer {
+    ebpf: Ebpf,
+}
+
+impl Explainer {
+    /// Loads the per-packet programs with every map pinned under `root`
+    /// but `TC6` (the running IPv6 programs, which an older agent's build
+    /// could not tell an explain run from a real packet): an IPv6 packet
+    /// passes untouched here.
+    pub fn load(root: &Path) -> Result<Self, EbpfError> {
+        crate::sys::raise_memlock_rlimit();
+        let dir = root.join("maps");
+        let pins: Vec<(String, std::path::PathBuf)> = std::fs::read_dir(&dir)
+            .map_err(io_err("reading", &dir))?
+            .filter_map(Result::ok)
+            .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
+            .filter(|(name, _)| name != map_names::TC6)
+            .collect();
+        let mut loader = aya::EbpfLoader::new();
+        for (name, path) in &pins {
+            loader.map_pin_path(name.as_str(), path.as_path());
+        }
+        let kernel_btf = aya::Btf::from_sys_fs().ok();
+        let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
+        for name in [TC_INGRESS, TC_POD_REPLIES] {
+            program::<SchedClassifier>(&mut ebpf, name)?
+                .load()
+                .map_err(|source| EbpfError::Program { name, source })?;
+        }
+        Ok(Explainer { ebpf })
+    }
+
+    /// Runs `program` (`tc_ingress` or `tc_pod_replies`) on `packet` as if
+    /// it came in on the interface `ifindex` (0: loopback).
+    pub fn run(
+        &mut self,
+        name: &'static str,
+        packet: &[u8],
+        ifindex: u32,
+    ) -> Result<ExplainRun, EbpfError> {
+        let prog = program::<SchedClassifier>(&mut self.ebpf, name)?;
+        test_run(prog, packet, ifindex).map_err(|source| EbpfError::Program { name, source })
+    }
+}
+
+/// One explain run of a loaded tc program.
+pub fn test_run(
+    prog: &SchedClassifier,
+    packet: &[u8],
+    ifindex: u32,
+) -> Result<ExplainRun, ProgramError> {
+    let mut ctx = [0u8; SKB_CTX_LEN];
+    ctx[SKB_INGRESS_IFINDEX..][..4].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx[SKB_IFINDEX..][..4].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx[SKB_CB..][..4].copy_from_slice(&MAGIC[0].to_ne_bytes());
+    ctx[SKB_CB + 4..][..4].copy_from_slice(&MAGIC[1].to_ne_bytes());
+    let mut ctx_out = [0u8; SKB_CTX_OUT_LEN];
+    // Room for the largest packet the program builds from a small one.
+    let mut out = vec![0u8; packet.len() + 128];
+    let result = prog.test_run(TestRunOptions {
+        data_in: Some(packet),
+        data_out: Some(&mut out),
+        ctx_in: Some(&ctx),
+        ctx_out: Some(&mut ctx_out),
+        ..TestRunOptions::new()
+    })?;
+    out.truncate(result.data_size_out as usize);
+    let word = |i: usize| {
+        let at = SKB_CB + 4 * i;
+        u32::from_ne_bytes([ctx_out[at], ctx_out[at + 1], ctx_out[at + 2], ctx_out[at + 3]])
+    };
+    Ok(ExplainRun {
+        verdict: result.return_value as i32,
+        packet: out,
+        cb: std::array::from_fn(word),
+    })
+}

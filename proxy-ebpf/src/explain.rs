@@ -1,0 +1,61 @@
+//! Explain runs (`proxy_common::explain`): a crafted packet the agent runs
+//! through the program under `BPF_PROG_TEST_RUN`, marked in `cb`. Such a
+//! run takes the real path but writes no state (conntrack entries,
+//! affinity, refreshes) and leaves its decision in `cb`. The marker is read
+//! only where a new flow is decided or state would be written.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::explain::{
+    AFFINITY, CB_BACKEND, CB_REV_NAT, CB_WORD, Decided, MAGIC, SNAT, word,
+};
+
+use crate::lb::Via;
+
+/// Whether a packet is real or an explain run's.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Run {
+    Real,
+    Explain,
+}
+
+impl Run {
+    #[inline(always)]
+    pub fn of(ctx: &TcContext) -> Run {
+        // SAFETY: the context's own fields.
+        let cb = unsafe { &(*ctx.skb.skb).cb };
+        if cb[0] == MAGIC[0] && cb[1] == MAGIC[1] { Run::Explain } else { Run::Real }
+    }
+
+    /// Notes the frontend the packet addressed.
+    #[inline(always)]
+    pub fn frontend(self, ctx: &TcContext, rev_nat_id: u32) {
+        if self == Run::Explain {
+            set(ctx, CB_REV_NAT, rev_nat_id);
+        }
+    }
+
+    /// Notes a drop or refusal.
+    #[inline(always)]
+    pub fn refused(self, ctx: &TcContext, decided: Decided) {
+        if self == Run::Explain {
+            set(ctx, CB_WORD, word(decided, 0));
+        }
+    }
+
+    /// Notes a translation to `backend_id`.
+    #[inline(always)]
+    pub fn translated(self, ctx: &TcContext, backend_id: u32, snat: bool, via: Via) {
+        if self == Run::Explain {
+            let snat = if snat { SNAT } else { 0 };
+            let affinity = if matches!(via, Via::Affinity) { AFFINITY } else { 0 };
+            set(ctx, CB_WORD, word(Decided::Translated, snat | affinity));
+            set(ctx, CB_BACKEND, backend_id);
+        }
+    }
+}
+
+#[inline(always)]
+fn set(ctx: &TcContext, index: usize, value: u32) {
+    // SAFETY: tc programs may write their context's `cb`.
+    unsafe { (*ctx.skb.skb).cb[index] = value };
+}
