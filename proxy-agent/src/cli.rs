@@ -62,6 +62,10 @@ pub enum Command {
     /// Change the running programs' decision records (`run
     /// --bpf-log-level`) without reloading them
     BpfLogLevel(BpfLogLevelArgs),
+    /// What the datapath would do with one packet: the real per-packet
+    /// program run on a crafted packet against the live maps, leaving no
+    /// state (eBPF mode, IPv4)
+    Explain(crate::commands::explain::ExplainArgs),
 }
 
 #[derive(Args, Clone, Debug)]

@@ -2,6 +2,7 @@
 //! prints its output; `main` only parses and dispatches.
 
 pub mod cleanup;
+pub mod explain;
 pub mod lb;
 pub mod prepare_node;
 pub mod probe;

@@ -5,6 +5,7 @@
 //! while the agent is stopped. Building and printing the table is pure.
 
 pub mod ct;
+pub mod explain;
 pub mod iptables;
 pub mod maps;
 

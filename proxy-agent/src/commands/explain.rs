@@ -1,0 +1,149 @@
+//! `proxy-agent explain`: what the datapath does with one packet, computed
+//! by the real program (see `backend::ebpf::explain`), in words
+//! (`inspect::explain`).
+
+use std::{
+    hash::{BuildHasher as _, Hasher as _},
+    net::{IpAddr, SocketAddr, SocketAddrV4},
+    path::Path,
+};
+
+use anyhow::{Context as _, bail};
+use aya::programs::{
+    links::{FdLink, PinnedLink},
+    loaded_programs,
+};
+use clap::Args;
+
+use crate::{
+    backend::ebpf::{TC_INGRESS, TC_POD_REPLIES, explain::Explainer},
+    cli::{InspectArgs, InspectMode, Output},
+    inspect::{
+        self,
+        explain::{Query, craft, explain, route_interface, text},
+    },
+    model::Protocol,
+    sys,
+};
+
+#[derive(Args, Clone, Debug)]
+pub struct ExplainArgs {
+    #[command(flatten)]
+    pub inspect: InspectArgs,
+    /// tcp or udp
+    #[arg(long, value_name = "PROTO", value_parser = protocol)]
+    pub proto: Protocol,
+    /// The client: IP, or IP:PORT (without a port, an ephemeral one)
+    #[arg(long, value_name = "IP[:PORT]", value_parser = client)]
+    pub from: (IpAddr, Option<u16>),
+    /// Where the packet is sent
+    #[arg(long, value_name = "IP:PORT")]
+    pub to: SocketAddr,
+    /// The interface the packet comes in on (default: the one this node
+    /// routes the client's address through)
+    #[arg(long, value_name = "IFACE")]
+    pub interface: Option<String>,
+}
+
+fn protocol(s: &str) -> Result<Protocol, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "tcp" => Ok(Protocol::Tcp),
+        "udp" => Ok(Protocol::Udp),
+        _ => Err(format!("{s}: tcp or udp")),
+    }
+}
+
+fn client(s: &str) -> Result<(IpAddr, Option<u16>), String> {
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok((addr.ip(), Some(addr.port())));
+    }
+    s.parse::<IpAddr>().map(|ip| (ip, None)).map_err(|e| format!("{s}: IP or IP:PORT ({e})"))
+}
+
+pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
+    if super::lb::mode(&args.inspect) == InspectMode::Iptables {
+        bail!(
+            "explain runs the eBPF mode's program; no eBPF maps are pinned under {} (the iptables mode is not explained yet: see `lb list`)",
+            args.inspect.pins.bpffs_root.display()
+        );
+    }
+    let ((IpAddr::V4(from_ip), port), SocketAddr::V4(to)) = (args.from, args.to) else {
+        bail!("explain: only IPv4 packets are explained yet");
+    };
+    let from = SocketAddrV4::new(from_ip, port.unwrap_or_else(ephemeral_port));
+    let interface = match &args.interface {
+        Some(interface) => interface.clone(),
+        None => std::fs::read_to_string("/proc/net/route")
+            .ok()
+            .and_then(|table| route_interface(&table, from_ip))
+            .with_context(|| {
+                format!("no route to {from_ip} here: name the interface (--interface)")
+            })?,
+    };
+    let ifindex = ifindex(&interface)?;
+    let root = &args.inspect.pins.bpffs_root;
+    let (program, note) = attached(root, &interface);
+    let mut explainer = Explainer::load(root).with_context(|| {
+        format!(
+            "loading the per-packet programs with the maps pinned under {} (is the eBPF mode running here?)",
+            root.display()
+        )
+    })?;
+    let run = explainer.run(program, &craft(args.proto, from, to), ifindex)?;
+    let entries = inspect::maps::read_pinned(root)?;
+    let query = Query {
+        proto: args.proto,
+        from,
+        to,
+        program: format!("{program} on {interface}"),
+        replies_only: program == TC_POD_REPLIES,
+    };
+    let mut x = explain(&query, &run, &entries);
+    x.notes.extend(note);
+    match args.inspect.output {
+        Output::Table => print!("{}", text(&x)),
+        Output::Json => println!("{}", serde_json::to_string_pretty(&x)?),
+    }
+    Ok(())
+}
+
+/// A port of the node's ephemeral range, at random.
+fn ephemeral_port() -> u16 {
+    let (min, max) = sys::ephemeral_ports().unwrap_or((32768, 60999));
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    min + (random % (max.saturating_sub(min) as u64 + 1)) as u16
+}
+
+fn ifindex(interface: &str) -> anyhow::Result<u32> {
+    let name = std::ffi::CString::new(interface).context("interface name")?;
+    // SAFETY: a valid C string.
+    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
+        0 => bail!("no interface {interface} in this network namespace"),
+        index => Ok(index),
+    }
+}
+
+/// The ingress program attached to `interface` (its TCX link's, pinned as
+/// `links/tc-IFACE`); without one, `tc_ingress`, and a note saying so.
+fn attached(root: &Path, interface: &str) -> (&'static str, Option<String>) {
+    let pin = root.join("links").join(format!("tc-{interface}"));
+    let name = PinnedLink::from_pin(&pin)
+        .ok()
+        .and_then(|link| FdLink::from(link).info().ok())
+        .and_then(|info| {
+            loaded_programs()
+                .filter_map(Result::ok)
+                .find(|p| p.id() == info.program_id())
+                .and_then(|p| p.name_as_str().map(str::to_string))
+        });
+    match name.as_deref() {
+        Some(TC_POD_REPLIES) => (TC_POD_REPLIES, None),
+        Some(_) => (TC_INGRESS, None),
+        None => (
+            TC_INGRESS,
+            Some(format!(
+                "no TCX link of ours on {interface} (clsact filters, or none attached): explained with {TC_INGRESS}, the node interfaces' program"
+            )),
+        ),
+    }
+}

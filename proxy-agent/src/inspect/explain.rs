@@ -1,0 +1,446 @@
+//! `proxy-agent explain`: what the datapath does with one packet, in words.
+//! The eBPF mode runs the real program on a packet crafted here
+//! ([`craft`]) and reads back what it decided (`backend::ebpf::explain`);
+//! [`explain`] turns that run and the service table into an
+//! [`Explanation`]. Pure: no I/O.
+
+use std::{
+    fmt::Write as _,
+    net::{Ipv4Addr, SocketAddrV4},
+};
+
+use proxy_common::explain::{AFFINITY, Decided, SNAT, decode};
+use serde::Serialize;
+
+use super::{LbBackend, LbEntry, flag};
+use crate::{backend::ebpf::explain::ExplainRun, model::Protocol};
+
+const ETH_LEN: usize = 14;
+const IP_LEN: usize = 20;
+const L4: usize = ETH_LEN + IP_LEN;
+const TCP: u8 = 6;
+const UDP: u8 = 17;
+const SYN: u8 = 0x02;
+
+/// tc verdicts.
+const NEXT: i32 = -1;
+const STACK: i32 = 0;
+const SHOT: i32 = 2;
+const REDIRECT: i32 = 7;
+
+/// The packet a client would send to start a flow: a TCP SYN (with an MSS
+/// option, as real ones have) or a UDP datagram, in an Ethernet frame,
+/// with valid checksums.
+pub fn craft(proto: Protocol, from: SocketAddrV4, to: SocketAddrV4) -> Vec<u8> {
+    let (number, rest) = match proto {
+        // seq 1, data offset 6 words, SYN, window, checksum and urgent 0,
+        // MSS 1460.
+        Protocol::Tcp => {
+            (TCP, vec![0, 0, 0, 1, 0, 0, 0, 0, 0x60, SYN, 0xfa, 0xf0, 0, 0, 0, 0, 2, 4, 0x05, 0xb4])
+        }
+        // Length (8 + 4 bytes of payload), checksum 0, payload.
+        Protocol::Udp => (UDP, vec![0, 12, 0, 0, b'p', b'i', b'n', b'g']),
+    };
+    let mut p = vec![0; ETH_LEN];
+    p[12..14].copy_from_slice(&[0x08, 0x00]);
+    let total = (IP_LEN + 4 + rest.len()) as u16;
+    let mut ip = vec![0x45, 0, 0, 0, 0, 1, 0x40, 0, 64, number, 0, 0];
+    ip[2..4].copy_from_slice(&total.to_be_bytes());
+    ip.extend_from_slice(&from.ip().octets());
+    ip.extend_from_slice(&to.ip().octets());
+    let sum = fold(sum16(&ip));
+    ip[10..12].copy_from_slice(&sum.to_be_bytes());
+    p.extend_from_slice(&ip);
+    p.extend_from_slice(&from.port().to_be_bytes());
+    p.extend_from_slice(&to.port().to_be_bytes());
+    p.extend_from_slice(&rest);
+    let at = L4 + if number == TCP { 16 } else { 6 };
+    let sum = fold(l4_sum(&p));
+    p[at..at + 2].copy_from_slice(&sum.to_be_bytes());
+    p
+}
+
+fn sum16(bytes: &[u8]) -> u32 {
+    bytes.chunks(2).map(|c| u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32).sum()
+}
+
+fn fold(mut sum: u32) -> u16 {
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// The pseudo-header's and the L4 segment's sum.
+fn l4_sum(p: &[u8]) -> u32 {
+    let (ip, l4) = (&p[ETH_LEN..L4], &p[L4..]);
+    let mut pseudo = ip[12..20].to_vec();
+    pseudo.extend_from_slice(&[0, ip[9]]);
+    pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+    sum16(&pseudo) + sum16(l4)
+}
+
+/// The IPv4 tuple of a frame: protocol, source, destination.
+pub fn tuple(p: &[u8]) -> Option<(u8, SocketAddrV4, SocketAddrV4)> {
+    let ip = p.get(ETH_LEN..L4 + 4)?;
+    let addr = |o: usize| Ipv4Addr::new(ip[o], ip[o + 1], ip[o + 2], ip[o + 3]);
+    let port = |o: usize| u16::from_be_bytes([ip[o], ip[o + 1]]);
+    Some((
+        ip[9],
+        SocketAddrV4::new(addr(12), port(IP_LEN)),
+        SocketAddrV4::new(addr(16), port(IP_LEN + 2)),
+    ))
+}
+
+/// What the datapath does with the packet, as `explain` prints it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Explanation {
+    /// `tcp 192.168.1.5:40000 -> 10.96.0.10:80`.
+    pub packet: String,
+    /// Where it was run: `tc_ingress on eth0`.
+    pub program: String,
+    /// translated, tracked, refused, dropped or passed.
+    pub outcome: &'static str,
+    /// The frontend the packet addressed, if it is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frontend: Option<Matched>,
+    /// The frontend's backends (the ones the program chooses among).
+    pub backends: Vec<LbBackend>,
+    /// The backend picked, `address:port`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub picked: Option<String>,
+    /// How: `random` or `affinity`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub via: Option<&'static str>,
+    /// The packet as the program sends it on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub translated: Option<String>,
+    /// The address the source is masqueraded to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snat: Option<String>,
+    /// What becomes of the packet.
+    pub action: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub notes: Vec<String>,
+}
+
+/// A frontend of the service table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Matched {
+    pub frontend: String,
+    pub kind: String,
+    pub service: String,
+    pub flags: Vec<&'static str>,
+}
+
+/// What was asked: the packet and where it runs.
+pub struct Query {
+    pub proto: Protocol,
+    pub from: SocketAddrV4,
+    pub to: SocketAddrV4,
+    /// `tc_ingress on eth0`.
+    pub program: String,
+    /// The program translates tracked flows only (`tc_pod_replies`).
+    pub replies_only: bool,
+}
+
+fn proto_name(proto: Protocol) -> &'static str {
+    match proto {
+        Protocol::Tcp => "tcp",
+        Protocol::Udp => "udp",
+    }
+}
+
+/// The explanation of an explain run of `query`'s packet, with the
+/// service table `entries` of the same maps.
+pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanation {
+    let name = proto_name(query.proto);
+    let out = tuple(&run.packet);
+    let dst = out.map(|(_, _, dst)| dst.to_string());
+    let addressed = format!("{}/{name}", query.to);
+    // Two entries share an address with two scopes: the one whose backends
+    // hold the pick, else the external one.
+    let candidates: Vec<&LbEntry> = entries.iter().filter(|e| e.frontend == addressed).collect();
+    let has_pick = |e: &&&LbEntry| e.backends.iter().any(|b| Some(&b.address) == dst.as_ref());
+    let entry = candidates
+        .iter()
+        .find(has_pick)
+        .or_else(|| candidates.iter().find(|e| !e.flags.contains(&flag::IN_CLUSTER)))
+        .copied();
+    let mut x = Explanation {
+        packet: format!("{name} {} -> {}", query.from, query.to),
+        program: query.program.clone(),
+        outcome: "passed",
+        frontend: entry.map(|e| Matched {
+            frontend: e.frontend.clone(),
+            kind: e.kind.clone(),
+            service: e.service.clone(),
+            flags: e.flags.clone(),
+        }),
+        backends: entry.map(|e| e.backends.clone()).unwrap_or_default(),
+        picked: None,
+        via: None,
+        translated: None,
+        snat: None,
+        action: String::new(),
+        reason: None,
+        notes: Vec::new(),
+    };
+    let translated = out.map(|(_, src, dst)| format!("{name} {src} -> {dst}"));
+    match decode(run.cb[proxy_common::explain::CB_WORD]) {
+        Some((Decided::Translated, flags)) => {
+            x.outcome = "translated";
+            x.picked = dst;
+            x.via = Some(if flags & AFFINITY != 0 { "affinity" } else { "random" });
+            x.translated = translated;
+            if flags & SNAT != 0 {
+                x.snat = out.map(|(_, src, _)| src.ip().to_string());
+                x.notes.push(
+                    "the SNAT source port is chosen when a real flow is created: the one shown is the client's".into(),
+                );
+            }
+            x.action = forwarded(run.verdict);
+        }
+        Some((Decided::Refused, _)) => {
+            x.outcome = "refused";
+            x.reason = Some("the service has no endpoint".into());
+            x.action = match query.proto {
+                Protocol::Tcp => "answered with a TCP reset, out of the interface it came in on",
+                Protocol::Udp => {
+                    "answered with ICMP port unreachable, out of the interface it came in on"
+                }
+            }
+            .into();
+        }
+        Some((decided, _)) => {
+            x.outcome = "dropped";
+            x.reason = Some(
+                match decided {
+                    Decided::SourceOutsideRanges => {
+                        "the source is outside loadBalancerSourceRanges"
+                    }
+                    _ => "traffic policy Local and no endpoint on this node",
+                }
+                .into(),
+            );
+            x.action = "dropped".into();
+        }
+        None if run.verdict == NEXT => {
+            x.reason = Some(match (&x.frontend, query.replies_only) {
+                (Some(_), true) => "this interface's program translates only replies of tracked flows (the socket LB translates its pods' connections)".into(),
+                _ => "no frontend at this address and port, and no tracked flow".into(),
+            });
+            x.action = "passed on untouched".into();
+        }
+        None => {
+            x.outcome = "tracked";
+            x.reason = Some("a tracked flow: rewritten as its conntrack entry says".into());
+            x.translated = translated;
+            x.action = forwarded(run.verdict);
+        }
+    }
+    if x.frontend.as_ref().is_some_and(|f| f.kind == "ClusterIP") {
+        x.notes.push(
+            "a pod or node process inside the socket-LB cgroup is translated at connect()/sendmsg() by the same lookup, before any packet: no SNAT".into(),
+        );
+    }
+    x
+}
+
+/// What the program does with a packet it translated.
+fn forwarded(verdict: i32) -> String {
+    match verdict {
+        REDIRECT => "redirected to the next hop (FIB lookup)",
+        STACK => "handed to the node's stack (a local address, or no route)",
+        SHOT => "dropped (its TTL ran out, or it could not be rewritten)",
+        _ => "passed on",
+    }
+    .into()
+}
+
+/// The explanation as lines of text.
+pub fn text(x: &Explanation) -> String {
+    let mut out = String::new();
+    let mut line = |label: &str, value: &str| {
+        let _ = writeln!(out, "{label:<12}{value}");
+    };
+    line("packet:", &x.packet);
+    line("program:", &x.program);
+    match &x.frontend {
+        Some(f) => {
+            let flags = if f.flags.is_empty() { String::new() } else { f.flags.join(",") };
+            line(
+                "frontend:",
+                format!("{} {} {} {flags}", f.frontend, f.kind, f.service).trim_end(),
+            );
+        }
+        None => line("frontend:", "none"),
+    }
+    if x.frontend.is_some() {
+        let backends: Vec<String> = x.backends.iter().map(super::backend).collect();
+        line("backends:", &if backends.is_empty() { "none".into() } else { backends.join(", ") });
+    }
+    if let Some(picked) = &x.picked {
+        line("picked:", &format!("{picked} ({})", x.via.unwrap_or("?")));
+    }
+    if let Some(translated) = &x.translated {
+        line("translated:", translated);
+    }
+    if let Some(snat) = &x.snat {
+        line("snat:", &format!("to {snat}"));
+    }
+    line("verdict:", &format!("{}: {}", x.outcome, x.action));
+    if let Some(reason) = &x.reason {
+        line("why:", reason);
+    }
+    for note in &x.notes {
+        line("note:", note);
+    }
+    out
+}
+
+/// The interface `/proc/net/route` (`table`) routes `addr` through: the
+/// longest prefix, then the lowest metric.
+pub fn route_interface(table: &str, addr: Ipv4Addr) -> Option<String> {
+    let hex = |s: &str| u32::from_str_radix(s, 16).ok().map(|v| Ipv4Addr::from(v.to_le_bytes()));
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (dest, metric, mask) =
+                (hex(fields.get(1)?)?, fields.get(6)?.parse::<u32>().ok()?, hex(fields.get(7)?)?);
+            let (m, d, a) = (u32::from(mask), u32::from(dest), u32::from(addr));
+            (a & m == d).then(|| (std::cmp::Reverse(m.count_ones()), metric, fields[0]))
+        })
+        .min()
+        .map(|(_, _, iface)| iface.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(s: &str) -> SocketAddrV4 {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn crafted_packets_have_valid_checksums_and_read_back() {
+        for proto in [Protocol::Tcp, Protocol::Udp] {
+            let p = craft(proto, addr("192.168.1.5:40000"), addr("10.96.0.10:80"));
+            assert_eq!(fold(sum16(&p[ETH_LEN..L4])), 0, "IPv4 header checksum");
+            assert_eq!(fold(l4_sum(&p)), 0, "L4 checksum");
+            let number = if proto == Protocol::Tcp { TCP } else { UDP };
+            assert_eq!(tuple(&p), Some((number, addr("192.168.1.5:40000"), addr("10.96.0.10:80"))));
+        }
+        assert_eq!(tuple(&[0; 20]), None);
+    }
+
+    fn entry(frontend: &str, kind: &str, flags: Vec<&'static str>, backends: &[&str]) -> LbEntry {
+        LbEntry {
+            frontend: frontend.into(),
+            kind: kind.into(),
+            service: "demo/web:http".into(),
+            flags,
+            backends: backends
+                .iter()
+                .map(|a| LbBackend { address: a.to_string(), local: Some(false) })
+                .collect(),
+        }
+    }
+
+    fn query(to: &str) -> Query {
+        Query {
+            proto: Protocol::Tcp,
+            from: addr("192.168.1.5:40000"),
+            to: addr(to),
+            program: "tc_ingress on eth0".into(),
+            replies_only: false,
+        }
+    }
+
+    fn run(verdict: i32, word: u32, packet: Vec<u8>) -> ExplainRun {
+        ExplainRun { verdict, packet, cb: [0, 0, word, 7, 3] }
+    }
+
+    #[test]
+    fn a_translated_node_port_flow_names_its_backend_and_snat() {
+        let entries = [
+            entry(
+                "192.168.1.10:30080/tcp",
+                "NodePort",
+                vec![],
+                &["10.244.1.2:80", "10.244.2.2:80"],
+            ),
+            entry("10.96.0.10:80/tcp", "ClusterIP", vec![], &["10.244.1.2:80"]),
+        ];
+        let out = craft(Protocol::Tcp, addr("192.168.1.10:40000"), addr("10.244.2.2:80"));
+        let word = proxy_common::explain::word(Decided::Translated, SNAT);
+        let x = explain(&query("192.168.1.10:30080"), &run(REDIRECT, word, out), &entries);
+        assert_eq!(x.outcome, "translated");
+        assert_eq!(x.frontend.as_ref().unwrap().kind, "NodePort");
+        assert_eq!(x.backends.len(), 2);
+        assert_eq!(x.picked.as_deref(), Some("10.244.2.2:80"));
+        assert_eq!(x.snat.as_deref(), Some("192.168.1.10"));
+        assert_eq!(x.via, Some("random"));
+        assert_eq!(x.translated.as_deref(), Some("tcp 192.168.1.10:40000 -> 10.244.2.2:80"));
+        assert!(x.action.starts_with("redirected"));
+        let text = text(&x);
+        assert!(text.contains("picked:     10.244.2.2:80 (random)"), "{text}");
+        assert!(text.contains("snat:       to 192.168.1.10"), "{text}");
+    }
+
+    #[test]
+    fn the_in_cluster_scope_is_the_entry_holding_the_pick() {
+        let entries = [
+            entry(
+                "192.168.1.10:30080/tcp",
+                "NodePort",
+                vec![flag::LOCAL_POLICY],
+                &["10.244.1.2:80"],
+            ),
+            entry("192.168.1.10:30080/tcp", "NodePort", vec![flag::IN_CLUSTER], &["10.244.2.2:80"]),
+        ];
+        let out = craft(Protocol::Tcp, addr("10.244.1.9:40000"), addr("10.244.2.2:80"));
+        let word = proxy_common::explain::word(Decided::Translated, 0);
+        let x = explain(&query("192.168.1.10:30080"), &run(STACK, word, out), &entries);
+        assert_eq!(x.frontend.unwrap().flags, [flag::IN_CLUSTER]);
+        assert_eq!(x.snat, None);
+        assert!(x.action.starts_with("handed to the node's stack"));
+    }
+
+    #[test]
+    fn refusals_drops_passes_and_tracked_flows_say_why() {
+        let entries = [entry("10.96.0.10:80/tcp", "ClusterIP", vec![], &[])];
+        let q = query("10.96.0.10:80");
+        let packet = craft(Protocol::Tcp, q.to, q.from);
+        let refused = proxy_common::explain::word(Decided::Refused, 0);
+        let x = explain(&q, &run(REDIRECT, refused, packet.clone()), &entries);
+        assert_eq!((x.outcome, x.picked), ("refused", None));
+        assert!(x.action.contains("TCP reset"));
+        assert_eq!(x.notes.len(), 1, "the socket LB's note for a ClusterIP");
+        let local = proxy_common::explain::word(Decided::NoLocalEndpoint, 0);
+        let x = explain(&q, &run(SHOT, local, packet.clone()), &entries);
+        assert_eq!(x.outcome, "dropped");
+        assert!(x.reason.unwrap().contains("Local"));
+        let x = explain(&query("10.96.0.99:80"), &run(NEXT, 0, packet.clone()), &entries);
+        assert_eq!((x.outcome, x.frontend), ("passed", None));
+        let x = explain(&q, &run(STACK, 0, packet), &entries);
+        assert_eq!(x.outcome, "tracked");
+        assert_eq!(x.translated.as_deref(), Some("tcp 10.96.0.10:80 -> 192.168.1.5:40000"));
+    }
+
+    #[test]
+    fn the_route_to_the_client_names_the_interface() {
+        let table = "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\n\
+            eth0\t00000000\t0101A8C0\t0003\t0\t0\t100\t00000000\n\
+            eth1\t0000A8C0\t00000000\t0001\t0\t0\t0\t0000FFFF\n\
+            eth2\t0001A8C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\n";
+        let route = |a: &str| route_interface(table, a.parse().unwrap());
+        assert_eq!(route("192.168.1.5").as_deref(), Some("eth2"));
+        assert_eq!(route("192.168.7.5").as_deref(), Some("eth1"));
+        assert_eq!(route("8.8.8.8").as_deref(), Some("eth0"));
+    }
+}
