@@ -1,0 +1,215 @@
+//! `proxy-agent explain` against real packets: for each kind of verdict the
+//! per-packet datapath gives (translated with and without SNAT, dropped for
+//! want of a local endpoint or outside the source ranges, refused, passed),
+//! explain runs first, then real connections of the same tuple, and the two
+//! must agree; explain must leave no flow and no affinity behind.
+//!
+//! eBPF mode only: explain does not read the iptables rules yet
+//! (docs/operations.md says so).
+
+use std::collections::BTreeSet;
+
+use proxy_lab::{Attempt, Lab, Pod, Setup, tally};
+use test_objects::{Protocol::*, ep, manifest, port, service};
+
+const NODE: &str = "192.168.100.11";
+
+fn explain(lab: &Lab, proto: &str, from: &str, to: &str) -> serde_json::Value {
+    let args = ["explain", "--proto", proto, "--from", from, "--to", to, "-o", "json"];
+    let json = lab.inspect_on(0, &args).unwrap();
+    serde_json::from_str(&json).expect(&json)
+}
+
+fn text(v: &serde_json::Value) -> &str {
+    v.as_str().unwrap_or_default()
+}
+
+/// The backends explain names as candidates.
+fn candidates(x: &serde_json::Value) -> BTreeSet<String> {
+    x["backends"].as_array().unwrap().iter().map(|b| text(&b["address"]).to_string()).collect()
+}
+
+/// What the backends saw of successful attempts: (pod, peer address).
+fn answers(attempts: &[Attempt]) -> Vec<(String, String)> {
+    attempts
+        .iter()
+        .map(|a| match a {
+            Attempt::Ok { name, peer, .. } => {
+                (name.clone(), peer.split(':').next().unwrap().to_string())
+            }
+            err => panic!("failed attempt: {err:?} in {attempts:?}"),
+        })
+        .collect()
+}
+
+/// Flows and affinity entries of the node's datapath, as `ct list` and
+/// bpftool see them.
+fn state(lab: &Lab) -> (usize, String) {
+    let flows = lab.inspect_on(0, &["ct", "list", "-o", "json"]).unwrap();
+    let flows: Vec<serde_json::Value> = serde_json::from_str(&flows).unwrap();
+    (flows.len(), lab.dump_map("AFFINITY").unwrap())
+}
+
+struct Scene {
+    lab: Lab,
+    ext: Pod,
+    ext2: Pod,
+    client: Pod,
+}
+
+/// web-a and web-b serve TCP 8080 on the node; `web` (NodePort 30080,
+/// ClusterIP 10.96.0.10) and `sticky` (NodePort 30085, ClientIP affinity)
+/// over both; `far` (NodePort 30081, policy Local) with an endpoint on
+/// another node only; `empty` (NodePort 30082) without endpoints; `lb`
+/// (LoadBalancer 10.200.0.10) admitting 192.168.100.101 only.
+fn scene() -> Scene {
+    let mut lab = Lab::with(Setup::EBPF).unwrap();
+    for (name, ip) in [("web-a", "10.244.1.2"), ("web-b", "10.244.1.3")] {
+        let pod = lab.add_pod(name, ip).unwrap();
+        lab.serve(&pod, &[8080], &[]).unwrap();
+    }
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext2 = lab.add_external("ext2", "192.168.100.102").unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    let here = || ["10.244.1.2", "10.244.1.3"].map(|ip| ep(ip).ready(true).node("lab-node"));
+    let svc = |name: &str, ip: &str, node_port: i32| {
+        service("lab", name)
+            .node_port_type()
+            .cluster_ip(ip)
+            .port(port("http", 80).target(8080).node_port(node_port))
+    };
+    let web = svc("web", "10.96.0.10", 30080);
+    let sticky = svc("sticky", "10.96.0.15", 30085).client_ip_affinity(Some(600));
+    let far = svc("far", "10.96.0.11", 30081).external_policy("Local");
+    let empty = svc("empty", "10.96.0.12", 30082);
+    let lb = svc("lb", "10.96.0.13", 30083)
+        .load_balancer_type()
+        .source_ranges(&["192.168.100.101/32"])
+        .ingress_ip("10.200.0.10");
+    let slice = |s: &test_objects::ServiceBuilder| s.slice().port("http", 8080, Tcp);
+    let elsewhere = [ep("10.244.2.3").ready(true).node("other-node")];
+    let objects = manifest(&[
+        &web,
+        &slice(&web).endpoints(here()),
+        &sticky,
+        &slice(&sticky).endpoints(here()),
+        &far,
+        &slice(&far).endpoints(elsewhere),
+        &empty,
+        &lb,
+        &slice(&lb).endpoints(here()),
+    ]);
+    lab.write_manifest(&objects).unwrap();
+    lab.start_agent(&["--cluster-cidr", "10.244.0.0/16"]).unwrap();
+    Scene { lab, ext, ext2, client }
+}
+
+#[test]
+fn explain_agrees_with_real_packets_ebpf() {
+    let s = scene();
+    let lab = &s.lab;
+    let pods = BTreeSet::from(["10.244.1.2:8080".to_string(), "10.244.1.3:8080".to_string()]);
+    let pod_of = |address: &str| match address {
+        "10.244.1.2:8080" => "web-a",
+        "10.244.1.3:8080" => "web-b",
+        other => panic!("not a pod: {other}"),
+    };
+
+    // Explain runs first, all of them: they must leave nothing behind.
+    let before = state(lab);
+    let node_port = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30080"));
+    let cluster_ip = explain(lab, "tcp", "10.244.1.100:40000", "10.96.0.10:80");
+    let sticky = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30085"));
+    let far = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30081"));
+    let empty = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30082"));
+    let outside = explain(lab, "tcp", "192.168.100.102", "10.200.0.10:80");
+    let inside = explain(lab, "tcp", "192.168.100.101", "10.200.0.10:80");
+    let nothing = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30999"));
+    assert_eq!(state(lab), before, "explain left no flow and no affinity");
+
+    // NodePort, policy Cluster: translated, SNAT to the node, as real
+    // connections are.
+    assert_eq!(text(&node_port["outcome"]), "translated", "{node_port}");
+    assert_eq!(candidates(&node_port), pods);
+    assert!(pods.contains(text(&node_port["picked"])), "{node_port}");
+    assert_eq!(text(&node_port["snat"]), NODE);
+    assert_eq!(text(&node_port["frontend"]["kind"]), "NodePort");
+    let real = lab.client_outside(&s.ext, &["tcp", &format!("{NODE}:30080"), "20"]).unwrap();
+    for (pod, peer) in answers(&real) {
+        assert!(["web-a", "web-b"].contains(&pod.as_str()));
+        assert_eq!(peer, NODE, "the backend saw the SNAT explain named");
+    }
+
+    // The text says the same, a field a line.
+    let table = lab
+        .inspect_on(
+            0,
+            &[
+                "explain",
+                "--proto",
+                "tcp",
+                "--from",
+                "192.168.100.101:40000",
+                "--to",
+                &format!("{NODE}:30080"),
+            ],
+        )
+        .unwrap();
+    println!("{table}");
+    for field in ["packet:", "program:", "frontend:", "backends:", "picked:", "snat:", "verdict:"] {
+        assert!(table.lines().any(|l| l.starts_with(field)), "{field} in {table}");
+    }
+
+    // ClusterIP from a pod outside the socket-LB cgroup: translated per
+    // packet, its address kept.
+    assert_eq!(text(&cluster_ip["outcome"]), "translated", "{cluster_ip}");
+    assert!(cluster_ip.get("snat").is_none(), "{cluster_ip}");
+    assert!(pods.contains(text(&cluster_ip["picked"])));
+    assert!(text(&cluster_ip["program"]).starts_with("tc_ingress on "), "{cluster_ip}");
+    let real = lab.client_outside(&s.client, &["tcp", "10.96.0.10:80", "10"]).unwrap();
+    for (_, peer) in answers(&real) {
+        assert_eq!(peer, "10.244.1.100");
+    }
+
+    // Affinity: explain remembered nothing; after real connections, it
+    // names the backend they stick to.
+    assert_eq!(text(&sticky["via"]), "random", "{sticky}");
+    let real = lab.client_outside(&s.ext, &["tcp", &format!("{NODE}:30085"), "5"]).unwrap();
+    let stuck: Vec<String> = tally(&real).into_keys().collect();
+    assert_eq!(stuck.len(), 1, "{real:?}");
+    let again = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30085"));
+    assert_eq!(text(&again["via"]), "affinity", "{again}");
+    assert_eq!(pod_of(text(&again["picked"])), stuck[0]);
+
+    // NodePort, policy Local, no endpoint here: dropped, and real SYNs time out.
+    assert_eq!(text(&far["outcome"]), "dropped", "{far}");
+    assert!(text(&far["reason"]).contains("Local"), "{far}");
+    let real = lab
+        .client_outside(&s.ext, &["--timeout-ms", "500", "tcp", &format!("{NODE}:30081"), "1"])
+        .unwrap();
+    assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{real:?}");
+
+    // No endpoints: refused with a reset, as real connections are.
+    assert_eq!(text(&empty["outcome"]), "refused", "{empty}");
+    assert!(text(&empty["action"]).contains("TCP reset"), "{empty}");
+    let real = lab.client_outside(&s.ext, &["tcp", &format!("{NODE}:30082"), "1"]).unwrap();
+    assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"));
+
+    // loadBalancerSourceRanges: outside dropped, inside translated.
+    assert_eq!(text(&outside["outcome"]), "dropped", "{outside}");
+    assert!(text(&outside["reason"]).contains("loadBalancerSourceRanges"));
+    let real = lab
+        .client_outside(&s.ext2, &["--timeout-ms", "500", "tcp", "10.200.0.10:80", "1"])
+        .unwrap();
+    assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{real:?}");
+    assert_eq!(text(&inside["outcome"]), "translated", "{inside}");
+    answers(&lab.client_outside(&s.ext, &["tcp", "10.200.0.10:80", "3"]).unwrap());
+
+    // No service: passed on untouched; the node's own stack refuses it.
+    assert_eq!(text(&nothing["outcome"]), "passed", "{nothing}");
+    assert!(nothing.get("frontend").is_none(), "{nothing}");
+    let refused_before = lab.counter(proxy_common::Counter::Rejected).unwrap();
+    let real = lab.client_outside(&s.ext, &["tcp", &format!("{NODE}:30999"), "1"]).unwrap();
+    assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"));
+    assert_eq!(lab.counter(proxy_common::Counter::Rejected).unwrap(), refused_before);
+}
