@@ -1,10 +1,11 @@
-//! `proxy-agent explain`: what the datapath does with one packet, computed
-//! by the real program (see `backend::ebpf::explain`), in words
-//! (`inspect::explain`).
+//! `proxy-agent explain`: what the datapath does with one packet, in words
+//! (`inspect::explain`): in the eBPF mode computed by the real program
+//! (`backend::ebpf::explain`), in the iptables mode by walking the rules
+//! (`inspect::rule_walk`).
 
 use std::{
     hash::{BuildHasher as _, Hasher as _},
-    net::{IpAddr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
     path::Path,
 };
 
@@ -16,13 +17,16 @@ use aya::programs::{
 use clap::Args;
 
 use crate::{
-    backend::ebpf::{TC_INGRESS, TC_POD_REPLIES, explain::Explainer},
+    backend::{
+        ebpf::{TC_INGRESS, TC_POD_REPLIES, explain::Explainer},
+        iptables::exec::{Runner as _, System, Xtables},
+    },
     cli::{InspectArgs, InspectMode, Output},
     inspect::{
         self,
-        explain::{Query, craft, explain, route_interface, text},
+        explain::{Explanation, Query, craft, explain, explain_rules, route_interface, text},
     },
-    model::Protocol,
+    model::{IpFamily, Protocol},
     sys,
 };
 
@@ -61,16 +65,52 @@ fn client(s: &str) -> Result<(IpAddr, Option<u16>), String> {
 }
 
 pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
-    if super::lb::mode(&args.inspect) == InspectMode::Iptables {
-        bail!(
-            "explain runs the eBPF mode's program; no eBPF maps are pinned under {} (the iptables mode is not explained yet: see `lb list`)",
-            args.inspect.pins.bpffs_root.display()
-        );
-    }
     let ((IpAddr::V4(from_ip), port), SocketAddr::V4(to)) = (args.from, args.to) else {
         bail!("explain: only IPv4 packets are explained yet");
     };
     let from = SocketAddrV4::new(from_ip, port.unwrap_or_else(ephemeral_port));
+    let x = match super::lb::mode(&args.inspect) {
+        InspectMode::Iptables => rules(args, from, to)?,
+        _ => program(args, from, to)?,
+    };
+    match args.inspect.output {
+        Output::Table => print!("{}", text(&x)),
+        Output::Json => println!("{}", serde_json::to_string_pretty(&x)?),
+    }
+    Ok(())
+}
+
+/// The iptables mode: the rules `iptables-save` prints, walked.
+fn rules(args: &ExplainArgs, from: SocketAddrV4, to: SocketAddrV4) -> anyhow::Result<Explanation> {
+    let tools = System::new(Xtables::Auto.resolve(&mut System::default()));
+    let save = tools.for_family(IpFamily::V4).run("iptables-save", &[], None);
+    let save = save.context("reading the rules")?;
+    let local: Vec<Ipv4Addr> = sys::interfaces()
+        .context("listing the node's addresses")?
+        .into_values()
+        .flatten()
+        .filter_map(|ip| match ip {
+            IpAddr::V4(ip) => Some(ip),
+            IpAddr::V6(_) => None,
+        })
+        .collect();
+    let query = Query {
+        proto: args.proto,
+        from,
+        to,
+        program: "iptables rules (nat KUBE-SERVICES, filter)".into(),
+        replies_only: false,
+    };
+    Ok(explain_rules(&query, &save, &local))
+}
+
+/// The eBPF mode: the program attached to the interface, run.
+fn program(
+    args: &ExplainArgs,
+    from: SocketAddrV4,
+    to: SocketAddrV4,
+) -> anyhow::Result<Explanation> {
+    let from_ip = *from.ip();
     let interface = match &args.interface {
         Some(interface) => interface.clone(),
         None => std::fs::read_to_string("/proc/net/route")
@@ -100,11 +140,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     };
     let mut x = explain(&query, &run, &entries);
     x.notes.extend(note);
-    match args.inspect.output {
-        Output::Table => print!("{}", text(&x)),
-        Output::Json => println!("{}", serde_json::to_string_pretty(&x)?),
-    }
-    Ok(())
+    Ok(x)
 }
 
 /// A port of the node's ephemeral range, at random.

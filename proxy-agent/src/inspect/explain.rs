@@ -12,7 +12,10 @@ use std::{
 use proxy_common::explain::{AFFINITY, Decided, SNAT, decode};
 use serde::Serialize;
 
-use super::{LbBackend, LbEntry, flag};
+use super::{
+    LbBackend, LbEntry, flag,
+    rule_walk::{Packet, Walked, walk},
+};
 use crate::{backend::ebpf::explain::ExplainRun, model::Protocol};
 
 const ETH_LEN: usize = 14;
@@ -152,24 +155,34 @@ fn proto_name(proto: Protocol) -> &'static str {
     }
 }
 
-/// The explanation of an explain run of `query`'s packet, with the
-/// service table `entries` of the same maps.
-pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanation {
-    let name = proto_name(query.proto);
-    let out = tuple(&run.packet);
-    let dst = out.map(|(_, _, dst)| dst.to_string());
-    let addressed = format!("{}/{name}", query.to);
-    // Two entries share an address with two scopes: the one whose backends
-    // hold the pick, else the external one.
+/// Why a packet is refused or dropped, in the same words in both modes.
+pub const NO_ENDPOINT: &str = "the service has no endpoint";
+pub const NO_LOCAL_ENDPOINT: &str = "traffic policy Local and no endpoint on this node";
+pub const OUTSIDE_RANGES: &str = "the source is outside loadBalancerSourceRanges";
+const PASSED: &str = "no frontend at this address and port, and no tracked flow";
+
+/// The entry of the frontend `addressed` (`address:port/proto`): of two
+/// sharing it (two scopes), the one whose backends hold `picked`, else the
+/// external one.
+fn entry_of<'a>(
+    entries: &'a [LbEntry],
+    addressed: &str,
+    picked: Option<&str>,
+) -> Option<&'a LbEntry> {
     let candidates: Vec<&LbEntry> = entries.iter().filter(|e| e.frontend == addressed).collect();
-    let has_pick = |e: &&&LbEntry| e.backends.iter().any(|b| Some(&b.address) == dst.as_ref());
-    let entry = candidates
+    let has_pick = |e: &&&LbEntry| e.backends.iter().any(|b| Some(b.address.as_str()) == picked);
+    candidates
         .iter()
         .find(has_pick)
         .or_else(|| candidates.iter().find(|e| !e.flags.contains(&flag::IN_CLUSTER)))
-        .copied();
-    let mut x = Explanation {
-        packet: format!("{name} {} -> {}", query.from, query.to),
+        .copied()
+}
+
+/// An explanation of `query`'s packet to the frontend `entry`, its verdict
+/// yet to be filled in (passed).
+fn start(query: &Query, entry: Option<&LbEntry>) -> Explanation {
+    Explanation {
+        packet: format!("{} {} -> {}", proto_name(query.proto), query.from, query.to),
         program: query.program.clone(),
         outcome: "passed",
         frontend: entry.map(|e| Matched {
@@ -183,10 +196,29 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
         via: None,
         translated: None,
         snat: None,
-        action: String::new(),
-        reason: None,
+        action: "passed on untouched".into(),
+        reason: Some(PASSED.into()),
         notes: Vec::new(),
-    };
+    }
+}
+
+/// The note of a ClusterIP's explanation.
+fn socket_lb_note(x: &mut Explanation) {
+    if x.frontend.as_ref().is_some_and(|f| f.kind == "ClusterIP") {
+        x.notes.push(
+            "a pod or node process inside the socket-LB cgroup is translated at connect()/sendmsg() by the same lookup, before any packet: no SNAT".into(),
+        );
+    }
+}
+
+/// The explanation of an explain run of `query`'s packet, with the
+/// service table `entries` of the same maps.
+pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanation {
+    let name = proto_name(query.proto);
+    let out = tuple(&run.packet);
+    let dst = out.map(|(_, _, dst)| dst.to_string());
+    let entry = entry_of(entries, &format!("{}/{name}", query.to), dst.as_deref());
+    let mut x = start(query, entry);
     let translated = out.map(|(_, src, dst)| format!("{name} {src} -> {dst}"));
     match decode(run.cb[proxy_common::explain::CB_WORD]) {
         Some((Decided::Translated, flags)) => {
@@ -204,7 +236,7 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
         }
         Some((Decided::Refused, _)) => {
             x.outcome = "refused";
-            x.reason = Some("the service has no endpoint".into());
+            x.reason = Some(NO_ENDPOINT.into());
             x.action = match query.proto {
                 Protocol::Tcp => "answered with a TCP reset, out of the interface it came in on",
                 Protocol::Udp => {
@@ -227,11 +259,9 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
             x.action = "dropped".into();
         }
         None if run.verdict == NEXT => {
-            x.reason = Some(match (&x.frontend, query.replies_only) {
-                (Some(_), true) => "this interface's program translates only replies of tracked flows (the socket LB translates its pods' connections)".into(),
-                _ => "no frontend at this address and port, and no tracked flow".into(),
-            });
-            x.action = "passed on untouched".into();
+            if x.frontend.is_some() && query.replies_only {
+                x.reason = Some("this interface's program translates only replies of tracked flows (the socket LB translates its pods' connections)".into());
+            }
         }
         None => {
             x.outcome = "tracked";
@@ -240,11 +270,74 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
             x.action = forwarded(run.verdict);
         }
     }
-    if x.frontend.as_ref().is_some_and(|f| f.kind == "ClusterIP") {
-        x.notes.push(
-            "a pod or node process inside the socket-LB cgroup is translated at connect()/sendmsg() by the same lookup, before any packet: no SNAT".into(),
-        );
+    socket_lb_note(&mut x);
+    x
+}
+
+/// The explanation of `query`'s packet in the iptables mode: kube-proxy's
+/// rules (`save`, an `iptables-save` output) walked for it
+/// ([`rule_walk`](super::rule_walk)) on a node with the addresses `local`.
+pub fn explain_rules(query: &Query, save: &str, local: &[Ipv4Addr]) -> Explanation {
+    let tables = super::iptables::tables(save);
+    let rules = |name: &str| tables.get(name).map_or(&[][..], Vec::as_slice);
+    let proto = proto_name(query.proto);
+    let p = Packet { proto, from: query.from, to: query.to, local };
+    let walk = walk(rules("nat"), rules("filter"), &p);
+    let entries = super::iptables::entries(save);
+    let entry = walk.frontend.as_deref().and_then(|f| entry_of(&entries, f, None));
+    let mut x = start(query, entry);
+    let reason = |comment: &str| {
+        if comment.contains("no local endpoints") {
+            NO_LOCAL_ENDPOINT
+        } else if comment.contains("not accepted by") {
+            OUTSIDE_RANGES
+        } else {
+            NO_ENDPOINT
+        }
+    };
+    match walk.walked {
+        Walked::Translated { candidates, masquerade } => {
+            x.outcome = "translated";
+            x.action = "DNAT (nat PREROUTING), then routed by the node's stack".into();
+            x.reason = None;
+            let chances: Vec<String> = candidates
+                .iter()
+                .map(|(address, chance)| format!("{address} {:.0}%", chance * 100.0))
+                .collect();
+            x.notes.push(format!(
+                "the backend is chosen per new connection by the statistic rules: {}",
+                chances.join(", ")
+            ));
+            if walk.affinity {
+                x.notes.push("sessionAffinity: a client with a live entry in /proc/net/xt_recent/KUBE-SEP-* goes to its remembered backend".into());
+            }
+            if masquerade {
+                x.snat = Some("MASQUERADE (the address of the interface it leaves by)".into());
+            }
+            if x.backends.is_empty() {
+                x.backends = candidates
+                    .into_iter()
+                    .map(|(address, _)| LbBackend { address, local: None })
+                    .collect();
+            }
+        }
+        Walked::Refused(comment) => {
+            x.outcome = "refused";
+            x.reason = Some(reason(&comment).into());
+            x.action = match query.proto {
+                Protocol::Tcp => "answered with a TCP reset (filter REJECT)",
+                Protocol::Udp => "answered with ICMP port unreachable (filter REJECT)",
+            }
+            .into();
+        }
+        Walked::Dropped(comment) => {
+            x.outcome = "dropped";
+            x.reason = Some(reason(&comment).into());
+            x.action = "dropped".into();
+        }
+        Walked::Passed => {}
     }
+    x.notes.push("a packet of a connection netfilter already tracks follows its conntrack entry, not these rules (see ct list)".into());
     x
 }
 

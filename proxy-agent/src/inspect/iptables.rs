@@ -16,23 +16,23 @@ use super::{LbBackend, LbEntry, flag};
 
 /// One `-A CHAIN …` rule: its chain and its words.
 #[derive(Debug)]
-struct Rule {
-    chain: String,
-    words: Vec<String>,
+pub(super) struct Rule {
+    pub(super) chain: String,
+    pub(super) words: Vec<String>,
 }
 
 impl Rule {
     /// The word after `option`.
-    fn opt(&self, option: &str) -> Option<&str> {
+    pub(super) fn opt(&self, option: &str) -> Option<&str> {
         let at = self.words.iter().position(|w| w == option)?;
         self.words.get(at + 1).map(String::as_str)
     }
 
-    fn has(&self, word: &str) -> bool {
+    pub(super) fn has(&self, word: &str) -> bool {
         self.words.iter().any(|w| w == word)
     }
 
-    fn jump(&self) -> Option<&str> {
+    pub(super) fn jump(&self) -> Option<&str> {
         self.opt("-j")
     }
 
@@ -49,7 +49,7 @@ impl Rule {
 
     /// `address:port/protocol` of a frontend rule (`*` without `-d`), an
     /// IPv6 address in brackets.
-    fn frontend(&self) -> Option<String> {
+    pub(super) fn frontend(&self) -> Option<String> {
         let port = self.opt("--dport")?;
         let proto = self.opt("-p")?;
         Some(match self.destination() {
@@ -88,7 +88,7 @@ fn words(line: &str) -> Vec<String> {
 }
 
 /// The rules of each table (`nat`, `filter`) of an `iptables-save` output.
-fn tables(save: &str) -> BTreeMap<String, Vec<Rule>> {
+pub(super) fn tables(save: &str) -> BTreeMap<String, Vec<Rule>> {
     let mut tables: BTreeMap<String, Vec<Rule>> = BTreeMap::new();
     let mut table = String::new();
     for line in save.lines() {

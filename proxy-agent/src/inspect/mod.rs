@@ -8,6 +8,7 @@ pub mod ct;
 pub mod explain;
 pub mod iptables;
 pub mod maps;
+pub mod rule_walk;
 
 use std::fmt::Write as _;
 
