@@ -24,7 +24,9 @@ use crate::{
     cli::{InspectArgs, InspectMode, Output},
     inspect::{
         self,
-        explain::{Explanation, Query, craft, explain, explain_rules, route_interface, text},
+        explain::{
+            Explanation, Query, craft, explain, explain_rules, route_interface, text, tuple,
+        },
     },
     model::{IpFamily, Protocol},
     sys,
@@ -140,8 +142,21 @@ fn program(
     };
     let mut x = explain(&query, &run, &entries);
     x.notes.extend(note);
+    // Where the FIB lookup sends it: the route to its new destination.
+    if run.verdict == REDIRECT
+        && matches!(x.outcome, "translated" | "tracked")
+        && let Some((_, _, dst)) = tuple(&run.packet)
+        && let Some(iface) = std::fs::read_to_string("/proc/net/route")
+            .ok()
+            .and_then(|table| route_interface(&table, *dst.ip()))
+    {
+        x.action = format!("{} through {iface}", x.action);
+    }
     Ok(x)
 }
+
+/// The tc verdict of a redirect.
+const REDIRECT: i32 = 7;
 
 /// A port of the node's ephemeral range, at random.
 fn ephemeral_port() -> u16 {

@@ -197,7 +197,7 @@ fn start(query: &Query, entry: Option<&LbEntry>) -> Explanation {
         translated: None,
         snat: None,
         action: "passed on untouched".into(),
-        reason: Some(PASSED.into()),
+        reason: None,
         notes: Vec::new(),
     }
 }
@@ -259,9 +259,10 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
             x.action = "dropped".into();
         }
         None if run.verdict == NEXT => {
-            if x.frontend.is_some() && query.replies_only {
-                x.reason = Some("this interface's program translates only replies of tracked flows (the socket LB translates its pods' connections)".into());
-            }
+            x.reason = Some(match x.frontend.is_some() && query.replies_only {
+                true => "this interface's program translates only replies of tracked flows (the socket LB translates its pods' connections)".into(),
+                false => PASSED.into(),
+            });
         }
         None => {
             x.outcome = "tracked";
@@ -299,7 +300,6 @@ pub fn explain_rules(query: &Query, save: &str, local: &[Ipv4Addr]) -> Explanati
         Walked::Translated { candidates, masquerade } => {
             x.outcome = "translated";
             x.action = "DNAT (nat PREROUTING), then routed by the node's stack".into();
-            x.reason = None;
             let chances: Vec<String> = candidates
                 .iter()
                 .map(|(address, chance)| format!("{address} {:.0}%", chance * 100.0))
@@ -312,7 +312,7 @@ pub fn explain_rules(query: &Query, save: &str, local: &[Ipv4Addr]) -> Explanati
                 x.notes.push("sessionAffinity: a client with a live entry in /proc/net/xt_recent/KUBE-SEP-* goes to its remembered backend".into());
             }
             if masquerade {
-                x.snat = Some("MASQUERADE (the address of the interface it leaves by)".into());
+                x.snat = Some("MASQUERADE to the address of the interface it leaves by".into());
             }
             if x.backends.is_empty() {
                 x.backends = candidates
@@ -335,7 +335,7 @@ pub fn explain_rules(query: &Query, save: &str, local: &[Ipv4Addr]) -> Explanati
             x.reason = Some(reason(&comment).into());
             x.action = "dropped".into();
         }
-        Walked::Passed => {}
+        Walked::Passed => x.reason = Some(PASSED.into()),
     }
     x.notes.push("a packet of a connection netfilter already tracks follows its conntrack entry, not these rules (see ct list)".into());
     x
@@ -381,7 +381,7 @@ pub fn text(x: &Explanation) -> String {
         line("translated:", translated);
     }
     if let Some(snat) = &x.snat {
-        line("snat:", &format!("to {snat}"));
+        line("snat:", snat);
     }
     line("verdict:", &format!("{}: {}", x.outcome, x.action));
     if let Some(reason) = &x.reason {
@@ -477,12 +477,12 @@ mod tests {
         assert_eq!(x.backends.len(), 2);
         assert_eq!(x.picked.as_deref(), Some("10.244.2.2:80"));
         assert_eq!(x.snat.as_deref(), Some("192.168.1.10"));
-        assert_eq!(x.via, Some("random"));
+        assert_eq!((x.via, x.reason.as_deref()), (Some("random"), None));
         assert_eq!(x.translated.as_deref(), Some("tcp 192.168.1.10:40000 -> 10.244.2.2:80"));
         assert!(x.action.starts_with("redirected"));
         let text = text(&x);
         assert!(text.contains("picked:     10.244.2.2:80 (random)"), "{text}");
-        assert!(text.contains("snat:       to 192.168.1.10"), "{text}");
+        assert!(text.contains("snat:       192.168.1.10"), "{text}");
     }
 
     #[test]
@@ -520,9 +520,37 @@ mod tests {
         assert!(x.reason.unwrap().contains("Local"));
         let x = explain(&query("10.96.0.99:80"), &run(NEXT, 0, packet.clone()), &entries);
         assert_eq!((x.outcome, x.frontend), ("passed", None));
+        assert_eq!(x.reason.as_deref(), Some(PASSED));
         let x = explain(&q, &run(STACK, 0, packet), &entries);
         assert_eq!(x.outcome, "tracked");
         assert_eq!(x.translated.as_deref(), Some("tcp 10.96.0.10:80 -> 192.168.1.5:40000"));
+    }
+
+    #[test]
+    fn the_iptables_rules_explain_in_the_same_words() {
+        let save = r#"*filter
+-A KUBE-SERVICES -m comment --comment "lab/empty:http has no endpoints" -m tcp -p tcp -d 10.96.0.12 --dport 80 -j REJECT
+COMMIT
+*nat
+-A KUBE-SERVICES -m comment --comment "lab/web:http cluster IP" -m tcp -p tcp -d 10.96.0.10 --dport 80 -j KUBE-SVC-W
+-A KUBE-SVC-W -m comment --comment "lab/web:http cluster IP" -m tcp -p tcp -d 10.96.0.10 --dport 80 ! -s 10.244.0.0/16 -j KUBE-MARK-MASQ
+-A KUBE-SVC-W -m comment --comment "lab/web:http -> 10.244.1.2:80" -m statistic --mode random --probability 0.5 -j KUBE-SEP-A
+-A KUBE-SVC-W -m comment --comment "lab/web:http -> 10.244.2.2:80" -j KUBE-SEP-B
+-A KUBE-SEP-A -m tcp -p tcp -j DNAT --to-destination 10.244.1.2:80
+-A KUBE-SEP-B -m tcp -p tcp -j DNAT --to-destination 10.244.2.2:80
+COMMIT
+"#;
+        let local = ["192.168.1.10".parse().unwrap()];
+        let x = explain_rules(&query("10.96.0.10:80"), save, &local);
+        assert_eq!((x.outcome, x.picked.as_deref()), ("translated", None));
+        assert_eq!(x.frontend.unwrap().service, "lab/web:http");
+        assert_eq!(x.backends.len(), 2);
+        assert!(x.snat.unwrap().starts_with("MASQUERADE"), "192.168.1.5 is outside the CIDR");
+        assert!(x.notes[0].ends_with("10.244.1.2:80 50%, 10.244.2.2:80 50%"), "{:?}", x.notes);
+        let x = explain_rules(&query("10.96.0.12:80"), save, &local);
+        assert_eq!((x.outcome, x.reason.as_deref()), ("refused", Some(NO_ENDPOINT)));
+        let x = explain_rules(&query("10.96.0.99:80"), save, &local);
+        assert_eq!((x.outcome, x.reason.as_deref()), ("passed", Some(PASSED)));
     }
 
     #[test]
