@@ -173,7 +173,8 @@ pub fn choose<K: ServiceMapKey, C: AffinityClient>(
     choose_in(key, svc, client, Run::Real)
 }
 
-/// As [`choose`]; an explain run remembers nor refreshes no affinity.
+/// As [`choose`]; an explain run's packet neither remembers nor refreshes
+/// an affinity entry.
 #[inline(always)]
 pub fn choose_in<K: ServiceMapKey, C: AffinityClient>(
     key: &K,

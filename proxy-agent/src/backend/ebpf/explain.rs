@@ -9,9 +9,10 @@ use std::path::Path;
 
 use aya::{
     Ebpf,
+    maps::{Array, Map, MapData},
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
 };
-use proxy_common::{explain::MAGIC, map_names};
+use proxy_common::{Layouts, explain::MAGIC, map_names};
 
 use super::{EbpfError, OBJECT, TC_INGRESS, TC_POD_REPLIES, io_err, program, sock_end};
 
@@ -51,6 +52,17 @@ impl Explainer {
     pub fn load(root: &Path) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
         let dir = root.join("maps");
+        // The programs of this build read the pinned maps as their own: a
+        // running agent of another layout would be misread.
+        let name = map_names::LAYOUT;
+        let err = |source| EbpfError::Map { name, source };
+        let pinned = MapData::from_pin(dir.join(name)).map_err(err)?;
+        let pinned = Map::from_map_data(pinned).map_err(err)?;
+        let pinned = Array::<_, Layouts>::try_from(pinned).map_err(err)?;
+        let layouts = pinned.get(&0, 0).map_err(err)?;
+        if layouts != Layouts::CURRENT {
+            return Err(EbpfError::Layout { pinned: layouts });
+        }
         let pins: Vec<(String, std::path::PathBuf)> = std::fs::read_dir(&dir)
             .map_err(io_err("reading", &dir))?
             .filter_map(Result::ok)

@@ -165,6 +165,11 @@ pub enum EbpfError {
     Io { action: &'static str, path: PathBuf, source: io::Error },
     #[error("pinning {path}: {source}")]
     Pin { path: PathBuf, source: aya::pin::PinError },
+    #[error(
+        "the pinned maps have the layouts {pinned:?}, this build {:?}: run the running agent's own binary",
+        Layouts::CURRENT
+    )]
+    Layout { pinned: Layouts },
 }
 
 fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> EbpfError {
