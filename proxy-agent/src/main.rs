@@ -38,6 +38,7 @@ fn main() -> std::process::ExitCode {
         Command::Lb(LbCommand::List(args)) => commands::lb::list(&args),
         Command::Ct(CtCommand::List(args)) => commands::lb::ct_list(&args),
         Command::BpfLogLevel(args) => commands::lb::set_log_level(&args),
+        Command::Monitor(args) => commands::monitor::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -3,6 +3,7 @@
 
 pub mod cleanup;
 pub mod lb;
+pub mod monitor;
 pub mod prepare_node;
 pub mod probe;
 pub mod render;
