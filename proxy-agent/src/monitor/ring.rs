@@ -81,15 +81,6 @@ impl Watch {
         self.deadline.set(0, ns, 0).map_err(|source| WatchError { name, source })
     }
 
-    /// The next event, if one is waiting.
-    pub fn next(&mut self) -> Option<MonitorEvent> {
-        let item = self.ring.next()?;
-        // Copied out: the item borrows the ring. A short one (none is
-        // written) would be a foreign writer's: skipped.
-        (item.len() >= size_of::<MonitorEvent>())
-            .then(|| unsafe { item.as_ptr().cast::<MonitorEvent>().read_unaligned() })
-    }
-
     /// Events lost to a full ring buffer since this watch began.
     pub fn lost(&self) -> u64 {
         self.lost_total().saturating_sub(self.lost_at_start)
@@ -97,6 +88,23 @@ impl Watch {
 
     fn lost_total(&self) -> u64 {
         self.lost.get(&0, 0).map_or(0, |per_cpu| per_cpu.iter().sum())
+    }
+}
+
+/// The events waiting, oldest first.
+impl Iterator for Watch {
+    type Item = MonitorEvent;
+
+    fn next(&mut self) -> Option<MonitorEvent> {
+        loop {
+            let item = self.ring.next()?;
+            // A short item (none is written) would be a foreign writer's.
+            if item.len() >= size_of::<MonitorEvent>() {
+                // SAFETY: as many bytes as an event; copied out, as the
+                // item borrows the ring.
+                return Some(unsafe { item.as_ptr().cast::<MonitorEvent>().read_unaligned() });
+            }
+        }
     }
 }
 
