@@ -5,7 +5,6 @@
 
 use std::{
     collections::BTreeMap,
-    os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd},
     path::{Path, PathBuf},
     time::{Duration, Instant, SystemTime},
 };
@@ -105,18 +104,6 @@ impl Iterator for Watch {
                 return Some(unsafe { item.as_ptr().cast::<MonitorEvent>().read_unaligned() });
             }
         }
-    }
-}
-
-impl AsRawFd for Watch {
-    fn as_raw_fd(&self) -> RawFd {
-        self.ring.as_raw_fd()
-    }
-}
-
-impl AsFd for Watch {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        self.ring.as_fd()
     }
 }
 
