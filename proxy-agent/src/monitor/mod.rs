@@ -77,7 +77,10 @@ pub trait Context {
 
 /// Converts the events' monotonic times, given both clocks read together.
 pub fn wall_time(ns: u64, mono_now: u64, wall_now: SystemTime) -> SystemTime {
-    wall_now - Duration::from_nanos(mono_now.saturating_sub(ns))
+    match ns.checked_sub(mono_now) {
+        Some(after) => wall_now + Duration::from_nanos(after),
+        None => wall_now - Duration::from_nanos(mono_now - ns),
+    }
 }
 
 pub fn hook_name(h: u8) -> &'static str {
@@ -252,6 +255,13 @@ mod tests {
         let json = serde_json::to_value(&l).unwrap();
         assert_eq!(json["reason"], "no endpoint");
         assert!(json.get("after").is_none() && json.get("interface").is_none());
+    }
+
+    #[test]
+    fn event_times_before_and_after_the_clocks_were_read_convert() {
+        let wall = UNIX_EPOCH + Duration::from_secs(100);
+        assert_eq!(wall_time(1_000, 3_000, wall), wall - Duration::from_nanos(2_000));
+        assert_eq!(wall_time(5_000, 3_000, wall), wall + Duration::from_nanos(2_000));
     }
 
     #[test]
