@@ -1,8 +1,10 @@
 //! `proxy-agent monitor`: the datapath's decisions as they happen, one line
 //! each. The eBPF mode's events come from the `EVENTS` ring buffer
 //! ([`ring`]); turning them into lines (service, interface, words) is pure
-//! and lives here.
+//! and lives here. The iptables mode's lines come from the kernel's
+//! conntrack events and the refusing rules' counters ([`iptables`]).
 
+pub mod iptables;
 pub mod ring;
 
 use std::{
@@ -38,6 +40,10 @@ pub struct Line {
     pub verdict: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<&'static str>,
+    /// The packets one line stands for, where the mode counts them rather
+    /// than seeing each (the iptables mode's refusals).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packets: Option<u64>,
 }
 
 impl Line {
@@ -59,6 +65,9 @@ impl Line {
         let _ = write!(out, " {} {}", self.service, self.verdict);
         if let Some(reason) = self.reason {
             let _ = write!(out, " ({reason})");
+        }
+        if let Some(packets) = self.packets {
+            let _ = write!(out, " x{packets}");
         }
         out
     }
@@ -151,6 +160,7 @@ pub fn line(e: &MonitorEvent, cx: &mut impl Context) -> Line {
         service: cx.service(e.rev_nat_id, &frontend).unwrap_or_else(|| "?".into()),
         verdict: verdict_name(e.verdict),
         reason: reason_text(e.reason),
+        packets: None,
     }
 }
 
