@@ -67,7 +67,7 @@ pub struct MonitorEvent {
     /// by `before`'s destination).
     pub rev_nat_id: u32,
     pub before: EventTuple,
-    /// The translated tuple (a translation only; else zero).
+    /// The translated tuple (a translation; else `before` again).
     pub after: EventTuple,
     pub hook: u8,
     /// 4 or 6.
