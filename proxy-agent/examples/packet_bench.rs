@@ -6,7 +6,8 @@
 //! Runs in a network namespace of its own. Needs root. `cargo xtask bench`
 //! runs it at several N and reads its `name ns` lines. `--bpf-log-level
 //! LEVEL` (off by default) has the programs write their decision records,
-//! which a thread drains as the agent's task would.
+//! which a thread drains as the agent's task would. `--monitor` keeps the
+//! monitor's events on (`proxy-agent monitor`), drained between runs.
 
 use std::{
     net::SocketAddrV4,
@@ -63,6 +64,7 @@ fn main() -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--bpf-log-level: {e}"))?,
         None => BpfLogLevel::Off,
     };
+    let monitor = args.iter().any(|a| a == "--monitor");
     // SAFETY: single-threaded here; the namespace is this process's alone.
     anyhow::ensure!(unsafe { libc::unshare(libc::CLONE_NEWNET) } == 0, "unshare");
     let entries = (services * 2 + 1024).max(proxy_common::MAX_SERVICE_ENTRIES);
@@ -134,12 +136,19 @@ fn main() -> anyhow::Result<()> {
         );
     }
     dp.sync(&plan, None)?;
+    let mut watch = dp.watch()?;
+    if monitor {
+        watch.set_deadline(u64::MAX)?;
+    }
+    let mut events = 0;
 
     let rounds = 20_000u16;
     let pass = dp.run_tc(&syn(40000, NODE, 22), 1_000_000)?.duration.as_nanos();
     let mut new = Vec::new();
     for port in 0..rounds {
         new.push(dp.run_tc(&syn(10_000 + port, NODE, 30080), 1)?.duration);
+        // Outside the kernel's measure: the ring never fills.
+        events += watch.by_ref().count();
     }
     let mut tracked = Vec::new();
     for port in 0..rounds {
@@ -151,6 +160,7 @@ fn main() -> anyhow::Result<()> {
     if services > 1 {
         for port in 0..rounds {
             cluster.push(dp.run_tc(&syn(30_000 + port, vip, 80), 1)?.duration);
+            events += watch.by_ref().count();
         }
     }
     println!(
@@ -167,6 +177,9 @@ fn main() -> anyhow::Result<()> {
     println!("tracked {:.0}  (packet of a tracked flow; mean of {rounds})", mean(&tracked));
     std::thread::sleep(Duration::from_millis(50));
     println!("bpf log level {level:?}: {} records", drained.load(Relaxed));
+    events += watch.by_ref().count();
+    let lost = watch.lost();
+    println!("monitor {}: {events} events, {lost} lost", if monitor { "on" } else { "off" });
     Ok(())
 }
 

@@ -66,6 +66,27 @@ pub enum Command {
     /// program run on a crafted packet against the live maps, leaving no
     /// state (eBPF mode, IPv4)
     Explain(crate::commands::explain::ExplainArgs),
+    /// A live stream of the datapath's decisions, one line each: new flows
+    /// and their translation, drops and refusals with their reason
+    Monitor(MonitorArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct MonitorArgs {
+    #[command(flatten)]
+    pub inspect: InspectArgs,
+    /// Only this service: `namespace/name` or `namespace/name:port`
+    #[arg(long, value_name = "NS/NAME")]
+    pub service: Option<String>,
+    /// Only drops and refusals
+    #[arg(long)]
+    pub drops: bool,
+    /// Stop after this many lines
+    #[arg(long, value_name = "N")]
+    pub count: Option<u64>,
+    /// Stop after this long (`30s`, `5m`)
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub duration: Option<Duration>,
 }
 
 #[derive(Args, Clone, Debug)]

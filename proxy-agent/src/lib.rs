@@ -17,6 +17,7 @@ pub mod json;
 pub mod link_events;
 pub mod metrics;
 pub mod model;
+pub mod monitor;
 pub mod node;
 pub mod plan;
 pub mod probe;

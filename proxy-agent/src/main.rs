@@ -39,6 +39,7 @@ fn main() -> std::process::ExitCode {
         Command::Ct(CtCommand::List(args)) => commands::lb::ct_list(&args),
         Command::BpfLogLevel(args) => commands::lb::set_log_level(&args),
         Command::Explain(args) => commands::explain::run(&args),
+        Command::Monitor(args) => commands::monitor::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

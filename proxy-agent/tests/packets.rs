@@ -1085,3 +1085,58 @@ fn ipv6_port_unreachable_the_stack_sends_for_a_host_network_backend_names_the_no
     let quoted = with_tuple6(&out.packet, ((CLIENT6, 40000), (NODE6, 30099)));
     assert_eq!(sent.packet, icmp6_error(NODE6, CLIENT6, (1, 4), [0; 4], &quoted, 48));
 }
+
+/// The monitor's events (`proxy-agent monitor`): one per new flow, drop and
+/// refusal while a monitor keeps the deadline ahead, none for a tracked
+/// flow's packets, and none at all once the deadline passed.
+#[test]
+fn the_monitor_sees_translations_drops_and_refusals_only_while_on() {
+    use proxy_common::monitor::{hook, reason, verdict};
+
+    let lb = [10, 200, 0, 10];
+    let mut dp = datapath(vec![
+        (frontend(NODE, 30080, Protocol::Tcp), frontend_plan(&[(POD, 8080)], true, &[])),
+        (frontend(NODE, 30081, Protocol::Tcp), frontend_plan::<[u8; 4]>(&[], true, &[])),
+        (frontend(lb, 80, Protocol::Tcp), frontend_plan(&[(POD, 8080)], true, &["10.0.0.0/8"])),
+        (frontend(NODE6, 30080, Protocol::Tcp), frontend_plan(&[(POD6, 8080)], true, &[])),
+    ]);
+    let mut watch = dp.watch().expect("the monitor's maps");
+    let syn = tcp((CLIENT, 40000), (NODE, 30080), SYN);
+    run(&mut dp, &syn);
+    assert!(watch.next().is_none(), "off: no event");
+
+    watch.keep_on(proxy_agent::sys::monotonic_ns()).unwrap();
+    let syn = tcp((CLIENT, 40001), (NODE, 30080), SYN);
+    let out = run(&mut dp, &syn);
+    run(&mut dp, &syn);
+    run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30081), SYN));
+    run(&mut dp, &tcp((CLIENT, 40000), (lb, 80), SYN));
+    run(&mut dp, &tcp6((CLIENT6, 40000), (NODE6, 30080), SYN));
+
+    let e = watch.next().expect("the new flow's event");
+    assert_eq!((e.hook, e.family, e.verdict), (hook::TC_INGRESS, 4, verdict::TRANSLATED));
+    assert_eq!(e.before.saddr[..4], CLIENT);
+    assert_eq!((&e.before.daddr[..4], e.before.dport), (&NODE[..], 30080));
+    let ((src, sport), dst) = tuple(&out.packet);
+    assert_eq!((&e.after.saddr[..4], e.after.sport), (&src[..], sport), "the SNAT it got");
+    assert_eq!((&e.after.daddr[..4], e.after.dport), (&dst.0[..], dst.1));
+    assert_ne!(e.rev_nat_id, 0);
+    let e = watch.next().expect("the refusal's event (the tracked packet has none)");
+    assert_eq!(
+        (e.verdict, e.reason, e.before.dport),
+        (verdict::REFUSED, reason::NO_ENDPOINT, 30081)
+    );
+    let e = watch.next().expect("the drop's event");
+    assert_eq!((e.verdict, e.reason), (verdict::DROPPED, reason::SOURCE_OUTSIDE_RANGES));
+    let e = watch.next().expect("the IPv6 flow's event");
+    assert_eq!(
+        (e.family, e.verdict, e.before.daddr, e.after.daddr),
+        (6, verdict::TRANSLATED, NODE6, POD6)
+    );
+    assert!(watch.next().is_none());
+    assert_eq!(watch.lost(), 0);
+
+    watch.set_deadline(0).unwrap();
+    run(&mut dp, &tcp((CLIENT, 40002), (NODE, 30080), SYN));
+    assert!(watch.next().is_none(), "off again");
+}

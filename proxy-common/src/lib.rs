@@ -6,6 +6,8 @@
 //! `"address": [10,96,0,10], "port": 80` instead of byte-swapped integers.
 #![no_std]
 
+pub mod monitor;
+
 /// Names of the maps in the BPF object; the agent pins each under its own name.
 pub mod map_names {
     pub const SERVICES: &str = "SERVICES";
@@ -31,6 +33,9 @@ pub mod map_names {
     pub const AFFINITY6: &str = "AFFINITY6";
     pub const SOURCE_RANGES6: &str = "SOURCE_RANGES6";
     pub const TC6: &str = "TC6";
+    pub const EVENTS: &str = "EVENTS";
+    pub const MONITOR: &str = "MONITOR";
+    pub const MONITOR_LOST: &str = "MONITOR_LOST";
 }
 
 /// The IPv6 per-packet programs, by their slot in the `TC6` program array:

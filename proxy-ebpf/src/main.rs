@@ -12,6 +12,7 @@ mod icmp;
 mod lb;
 mod log;
 mod maps;
+mod monitor;
 mod packet;
 mod prefilter;
 mod reject;

@@ -25,6 +25,7 @@ use crate::{
     lb::{self, ServiceMapKey, Verdict, Via},
     log::{self, record},
     maps::{CONFIG, SOCK_FLOWS, SOCK_REV_NAT, SOCK_REV_NAT6, count},
+    monitor::{self, EventAddr, What},
 };
 
 /// What the hook sees: a socket's one destination (connect, getpeername)
@@ -62,7 +63,7 @@ fn sock_addr(ctx: &SockAddrContext) -> &bpf_sock_addr {
 type Addr<A> = (A, u16);
 
 /// An address of a family the socket LB serves, and its maps.
-pub trait SockAddress: Copy + PartialEq + IpFormatter + Argument {
+pub trait SockAddress: Copy + PartialEq + IpFormatter + Argument + EventAddr {
     type Key: ServiceMapKey;
     fn key(self, port: u16, proto: u8) -> Self::Key;
     fn backend_addr(backend: &<Self::Key as ServiceMapKey>::Backend) -> Addr<Self>;
@@ -346,6 +347,8 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
                 port,
                 proto
             );
+            let service = (address, port);
+            monitor::socket(hook, F::IPV6_HOOKS, service, service, proto, What::Refused);
             // Fail the call at once with ECONNREFUSED instead of EPERM.
             // SAFETY: reading a global the loader initialised.
             if unsafe { core::ptr::read_volatile(&SET_RETVAL) } != 0 {
@@ -374,6 +377,11 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
                     how,
                     among
                 );
+            }
+            // A datagram of a known flow is no new decision.
+            if !matches!(via, Via::Flow) {
+                let what = What::Translated(rev_nat_id);
+                monitor::socket(hook, F::IPV6_HOOKS, (address, port), to, proto, what);
             }
             F::Address::remember_reverse(cookie, to, (address, port), rev_nat_id);
             set_user::<F>(ctx, to);

@@ -31,6 +31,7 @@ use crate::{
     lb::{self, Verdict, Via},
     log::{self, Outcome, Printable},
     maps::{CONFIG, FLOW6, FRAGMENTS, TC6, count},
+    monitor::{self, EventAddr, What},
     packet::{self, Flow, Packet, Parsed},
     prefilter::{self, Filter, Hook},
     reject,
@@ -116,6 +117,7 @@ pub fn try_ingress6(ctx: &TcContext, scope: Scope) -> i32 {
 fn translate<F: Family>(ctx: &TcContext, cfg: &Config, f: &mut Flow<F::Tuple>, scope: Scope) -> i32
 where
     F::Tuple: Printable,
+    F::Addr: EventAddr,
 {
     let tracked = F::step(
         #[inline(always)]
@@ -149,10 +151,12 @@ where
         Decision::Drop(outcome) => {
             count(Counter::Dropped);
             record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
+            monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Dropped(outcome));
             return SHOT;
         }
         Decision::Refuse => {
             record(cfg, log_level::INFO, true, &f.pkt.tuple, Outcome::NoEndpoint);
+            monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Refused);
             return reject::refuse::<F>(ctx, &f.pkt);
         }
         Decision::Translate { rev_nat_id, snat, via, flags } => (rev_nat_id, snat, via, flags),
@@ -173,9 +177,11 @@ where
         count(Counter::Dropped);
         let outcome = if snat { Outcome::NoSnatPort } else { Outcome::ConntrackFull };
         record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
+        monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Dropped(outcome));
         return SHOT;
     }
     count(Counter::CtNew);
+    monitor::tc(ctx, &f.pkt.tuple, &f.to, What::Translated(rev_nat_id));
     if cfg.log_level >= log_level::DEBUG {
         log::new_flow(&f.pkt.tuple, &f.to, via, flags);
         if snat {

@@ -1123,6 +1123,28 @@ impl Lab {
         self.exec_on(node, &agent.to_string_lossy(), &args)
     }
 
+    /// As `inspect_on`, for a command that streams (`monitor`): started in
+    /// the node's namespace and left running (stopped at teardown); its
+    /// output, a line at a time.
+    pub fn spawn_inspect_on(
+        &mut self,
+        node: usize,
+        args: &[&str],
+    ) -> anyhow::Result<std::io::Lines<BufReader<std::process::ChildStdout>>> {
+        let pins = self.nodes[node].pins.to_string_lossy().into_owned();
+        let mut child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.nodes[node].netns))
+            .arg(target_bin("proxy-agent"))
+            .args(args)
+            .args(["--bpffs-root", &pins])
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting proxy-agent")?;
+        let stdout = child.stdout.take().context("its stdout")?;
+        self.children.push(child);
+        Ok(BufReader::new(stdout).lines())
+    }
+
     /// The entries a pinned map of node 0 holds at most (`bpftool map show`).
     pub fn map_capacity(&self, name: &str) -> anyhow::Result<u64> {
         let path = self.nodes[0].pins.join("maps").join(name);

@@ -537,7 +537,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     for _ in 0..opts.rounds {
         for (n, values) in runs.iter_mut() {
             eprintln!("per-packet program: {n} services");
-            values.push(per_packet(PACKET_BENCH, *n)?);
+            values.push(per_packet(PACKET_BENCH, &[], *n)?);
         }
     }
     for (n, values) in runs {
@@ -617,26 +617,45 @@ fn medians(n: usize, values: &[Value]) -> Value {
     result
 }
 
-/// `cargo xtask packet-bench --base BIN`: this tree's `packet_bench` and
-/// another build's (`BIN`, e.g. one built from main and kept aside), run
-/// alternately on the same machine, `rounds` times at each size (who goes
-/// first alternates too); prints the medians and their ratios.
-pub fn packet_ab(base: &Path, sizes: &[usize], rounds: usize) -> anyhow::Result<()> {
+/// A `packet_bench` binary and its extra arguments.
+type BenchRun<'a> = (&'a str, &'a [&'a str]);
+
+/// What `packet-bench` compares with this tree's `packet_bench`.
+pub enum Builds<'a> {
+    /// Another build's (`--base BIN`).
+    Base(&'a Path),
+    /// This tree's with the monitor's events on (`--monitor`); the base
+    /// has them off.
+    Monitor,
+}
+
+/// `cargo xtask packet-bench --base BIN | --monitor`: two `packet_bench`
+/// runs (this tree's and another build's, e.g. one built from main and
+/// kept aside; or this tree's, monitor off and on), alternately on the
+/// same machine, `rounds` times at each size (who goes first alternates
+/// too); prints the medians and their ratios.
+pub fn packet_ab(builds: Builds, sizes: &[usize], rounds: usize) -> anyhow::Result<()> {
     build_packet_bench()?;
-    let base = base.to_str().context("--base: not UTF-8")?;
+    let (base, this): (BenchRun, BenchRun) = match builds {
+        Builds::Base(base) => {
+            ((base.to_str().context("--base: not UTF-8")?, &[]), (PACKET_BENCH, &[]))
+        }
+        Builds::Monitor => ((PACKET_BENCH, &[]), (PACKET_BENCH, &["--monitor"])),
+    };
     let sizes = if sizes.is_empty() { &[2, 100_000][..] } else { sizes };
-    println!("| services | figure | base ns | this tree ns | ratio |");
+    let this_name = if this.1.is_empty() { "this tree" } else { "monitor on" };
+    println!("| services | figure | base ns | {this_name} ns | ratio |");
     println!("|---|---|---|---|---|");
     for &n in sizes {
         let (mut before, mut after) = (Vec::new(), Vec::new());
         for round in 0..rounds {
             eprintln!("per-packet program: {n} services, round {}", round + 1);
-            let mut pair = [(base, &mut before), (PACKET_BENCH, &mut after)];
+            let mut pair = [(base, &mut before), (this, &mut after)];
             if round % 2 == 1 {
                 pair.reverse();
             }
-            for (bin, values) in pair {
-                values.push(per_packet(bin, n)?);
+            for ((bin, extra), values) in pair {
+                values.push(per_packet(bin, extra, n)?);
             }
         }
         let (before, after) = (medians(n, &before), medians(n, &after));
@@ -650,10 +669,13 @@ pub fn packet_ab(base: &Path, sizes: &[usize], rounds: usize) -> anyhow::Result<
     Ok(())
 }
 
-/// `packet_bench --services n` of the build `bin`: nanoseconds per packet
-/// by path, from its `name ns` lines.
-fn per_packet(bin: &str, n: usize) -> anyhow::Result<Value> {
-    let out = sh(bin, &["--services", &n.to_string()])?;
+/// `packet_bench --services n` (and `extra`) of the build `bin`:
+/// nanoseconds per packet by path, from its `name ns` lines.
+fn per_packet(bin: &str, extra: &[&str], n: usize) -> anyhow::Result<Value> {
+    let n_text = n.to_string();
+    let args: Vec<&str> =
+        ["--services", &n_text].into_iter().chain(extra.iter().copied()).collect();
+    let out = sh(bin, &args)?;
     let mut result = json!({"services": n});
     for line in out.lines() {
         let mut words = line.split_whitespace();

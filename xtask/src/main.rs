@@ -72,8 +72,11 @@ enum Task {
         /// The other build's packet_bench binary (e.g. built from main:
         /// `cargo build --release -p proxy-agent --example packet_bench`,
         /// then copied aside)
+        #[arg(long, required_unless_present = "monitor", conflicts_with = "monitor")]
+        base: Option<std::path::PathBuf>,
+        /// Compare this tree with the monitor's events off (base) and on
         #[arg(long)]
-        base: std::path::PathBuf,
+        monitor: bool,
         /// Rounds per size (the median is reported)
         #[arg(long, default_value_t = 7)]
         rounds: usize,
@@ -166,9 +169,14 @@ fn main() -> anyhow::Result<()> {
             let modes = modes.into_iter().map(DemoMode::lab).collect();
             bench::run(bench::Options { full, seconds, rounds, sizes, modes, docs })
         }
-        Task::PacketBench { base, rounds, sizes } => {
+        Task::PacketBench { base, monitor, rounds, sizes } => {
             require_root()?;
-            bench::packet_ab(&base, &sizes, rounds)
+            let builds = match &base {
+                Some(base) => bench::Builds::Base(base),
+                None if monitor => bench::Builds::Monitor,
+                None => bail!("--base BIN or --monitor"),
+            };
+            bench::packet_ab(builds, &sizes, rounds)
         }
         Task::Soak { minutes, mode, rate, warm_up } => {
             setup::run()?;

@@ -23,19 +23,23 @@ pub fn mode(args: &InspectArgs) -> InspectMode {
 
 /// The service table of the datapath `args` names: in the iptables mode,
 /// of both families' rules (a node without IPv6 rules has none of them).
-fn lb_entries(args: &InspectArgs) -> anyhow::Result<Vec<LbEntry>> {
+pub fn lb_entries(args: &InspectArgs) -> anyhow::Result<Vec<LbEntry>> {
     Ok(match mode(args) {
         InspectMode::Iptables => {
-            let tools = System::new(Xtables::Auto.resolve(&mut System::default()));
-            let save = tools.for_family(IpFamily::V4).run("iptables-save", &[], None);
-            let mut entries = inspect::iptables::entries(&save.context("reading the rules")?);
-            if let Ok(save6) = tools.for_family(IpFamily::V6).run("iptables-save", &[], None) {
-                entries.extend(inspect::iptables::entries(&save6));
-            }
-            entries
+            saved_rules(&[])?.iter().flat_map(|save| inspect::iptables::entries(save)).collect()
         }
         _ => inspect::maps::read_pinned(&args.pins.bpffs_root)?,
     })
+}
+
+/// `iptables-save <args>` of each family: IPv4's, and IPv6's where the
+/// node has them.
+pub fn saved_rules(args: &[&str]) -> anyhow::Result<Vec<String>> {
+    let tools = System::new(Xtables::Auto.resolve(&mut System::default()));
+    let save = tools.for_family(IpFamily::V4).run("iptables-save", args, None);
+    let mut saved = vec![save.context("reading the rules")?];
+    saved.extend(tools.for_family(IpFamily::V6).run("iptables-save", args, None).ok());
+    Ok(saved)
 }
 
 pub fn list(args: &LbListArgs) -> anyhow::Result<()> {

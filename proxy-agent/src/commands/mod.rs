@@ -4,6 +4,7 @@
 pub mod cleanup;
 pub mod explain;
 pub mod lb;
+pub mod monitor;
 pub mod prepare_node;
 pub mod probe;
 pub mod render;

@@ -231,6 +231,50 @@ pub fn entries(save: &str) -> Vec<LbEntry> {
     out
 }
 
+/// A service's REJECT (no endpoints) or DROP (no local endpoints) rule of
+/// `filter`, and the packets it matched.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub service: String,
+    /// `address:port/protocol` (`*:port/protocol` for a NodePort).
+    pub frontend: String,
+    /// DROP (no local endpoints), else REJECT.
+    pub dropped: bool,
+    pub packets: u64,
+}
+
+/// The refusing rules of an `iptables-save -c` output (counters first:
+/// `[packets:bytes] -A …`).
+pub fn refusals(save: &str) -> Vec<Refusal> {
+    let mut table = "";
+    let mut out = Vec::new();
+    for line in save.lines() {
+        if let Some(name) = line.strip_prefix('*') {
+            table = name.trim();
+            continue;
+        }
+        let Some((counters, rule)) = line.strip_prefix('[').and_then(|l| l.split_once("] -A "))
+        else {
+            continue;
+        };
+        let mut words = words(rule);
+        if table != "filter" || words.is_empty() {
+            continue;
+        }
+        let rule = Rule { chain: words.remove(0), words };
+        let dropped = match (rule.jump(), rule.comment()) {
+            (Some("REJECT"), c) if c.ends_with(" has no endpoints") => false,
+            (Some("DROP"), c) if c.ends_with(" has no local endpoints") => true,
+            _ => continue,
+        };
+        let packets = counters.split_once(':').and_then(|(p, _)| p.parse().ok());
+        let (Some(frontend), Some(packets)) = (rule.frontend(), packets) else { continue };
+        let service = service_of(rule.comment()).to_string();
+        out.push(Refusal { service, frontend, dropped, packets });
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -316,6 +360,34 @@ COMMIT
         assert_eq!(
             words(r#"-m comment --comment "a b" -j X"#),
             ["-m", "comment", "--comment", "a b", "-j", "X"]
+        );
+    }
+    #[test]
+    fn refusing_rules_are_read_with_their_counters() {
+        let save = "*nat\n\
+            [9:540] -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment \"demo/web:http cluster IP\" -m tcp --dport 80 -j KUBE-SVC-X\n\
+            *filter\n\
+            :KUBE-SERVICES - [0:0]\n\
+            [3:180] -A KUBE-SERVICES -d 10.96.0.11/32 -p tcp -m comment --comment \"demo/empty:http has no endpoints\" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable\n\
+            [0:0] -A KUBE-EXTERNAL-SERVICES -p tcp -m comment --comment \"demo/loc:http has no local endpoints\" -m addrtype --dst-type LOCAL -m tcp --dport 30081 -j DROP\n\
+            COMMIT\n";
+        let found = refusals(save);
+        assert_eq!(
+            found,
+            [
+                Refusal {
+                    service: "demo/empty:http".into(),
+                    frontend: "10.96.0.11:80/tcp".into(),
+                    dropped: false,
+                    packets: 3
+                },
+                Refusal {
+                    service: "demo/loc:http".into(),
+                    frontend: "*:30081/tcp".into(),
+                    dropped: true,
+                    packets: 0
+                },
+            ]
         );
     }
 }

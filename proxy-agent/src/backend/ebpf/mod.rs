@@ -201,6 +201,8 @@ struct Maps {
     counters: Map,
     layout: Map,
     prefilter: Prefilter,
+    /// `proxy-agent monitor`'s, pinned for it (`proxy_common::monitor`).
+    monitor: [Map; 3],
 }
 
 impl Maps {
@@ -231,6 +233,11 @@ impl Maps {
             counters: take(map_names::COUNTERS)?,
             layout: take(map_names::LAYOUT)?,
             prefilter: Prefilter::new(take(map_names::PREFILTER)?),
+            monitor: [
+                take(map_names::EVENTS)?,
+                take(map_names::MONITOR)?,
+                take(map_names::MONITOR_LOST)?,
+            ],
         })
     }
 
@@ -248,7 +255,7 @@ impl Maps {
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 22] {
+    fn by_name(&self) -> [(&'static str, &Map); 25] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
@@ -274,6 +281,9 @@ impl Maps {
             // Pinned so the IPv6 programs stay in it while no agent runs
             // (the kernel empties a program array its last holder closes).
             (map_names::TC6, &self.tc6),
+            (map_names::EVENTS, &self.monitor[0]),
+            (map_names::MONITOR, &self.monitor[1]),
+            (map_names::MONITOR_LOST, &self.monitor[2]),
         ]
     }
 
@@ -678,6 +688,13 @@ impl EbpfBackend {
         logger: L,
     ) -> Result<aya_log::EbpfLogger<L>, aya_log::Error> {
         aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, logger)
+    }
+
+    /// A monitor of these programs' events (`proxy-agent monitor` reads the
+    /// pinned maps; this serves tests and benches of a datapath loaded here).
+    pub fn watch(&self) -> Result<crate::monitor::ring::Watch, crate::monitor::ring::WatchError> {
+        let [events, deadline, lost] = &self.maps.monitor;
+        crate::monitor::ring::Watch::new(reopen(events)?, reopen(deadline)?, reopen(lost)?)
     }
 
     /// Keeps the task reading the records: it stops when these programs go.
@@ -1341,6 +1358,21 @@ impl CounterReader {
             .map(|c| (*c, self.0.get(&(*c as u32), 0).map_or(0, |v| v.iter().sum())))
             .collect()
     }
+}
+
+/// A second handle on one of the monitor's maps (by id: aya's `Map` lends
+/// no `MapData`).
+fn reopen(map: &Map) -> Result<MapData, crate::monitor::ring::WatchError> {
+    let data = match map {
+        Map::RingBuf(data) | Map::Array(data) | Map::PerCpuArray(data) => data,
+        // Not one of the monitor's maps (they are of these types).
+        _ => {
+            let wrong = MapError::InvalidMapType { map_type: u32::MAX };
+            return Err(crate::monitor::ring::WatchError::reopening(wrong));
+        }
+    };
+    let id = data.info().map_err(crate::monitor::ring::WatchError::reopening)?.id();
+    MapData::from_id(id).map_err(crate::monitor::ring::WatchError::reopening)
 }
 
 /// A program of the object, as its type (`CgroupSockAddr`, `SchedClassifier`).
