@@ -20,6 +20,7 @@ pub mod model;
 pub mod node;
 pub mod plan;
 pub mod probe;
+pub mod service_stats;
 pub mod sockets;
 pub mod source;
 pub mod sys;

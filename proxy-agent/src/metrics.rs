@@ -30,7 +30,11 @@ use crate::{
     health::ProxyHealth,
     http::{self, Reply},
     model::IpFamily,
+    service_stats::Totals,
 };
+
+/// `--service-metrics-limit`'s default.
+pub const DEFAULT_SERVICE_METRICS_LIMIT: usize = 2000;
 
 /// What Prometheus is told it scrapes.
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -190,6 +194,8 @@ pub struct Metrics {
     source_errors: Mutex<BTreeMap<(String, String), u64>>,
     /// Read at each scrape, once the datapath is pinned.
     datapath: Mutex<Option<CounterReader>>,
+    /// Per-service counters: the pins they are read from, their totals.
+    service_stats: Mutex<(Option<std::path::PathBuf>, Totals)>,
     health: Arc<ProxyHealth>,
     mode: &'static str,
 }
@@ -229,6 +235,7 @@ impl Metrics {
             invalid: Mutex::default(),
             source_errors: Mutex::default(),
             datapath: Mutex::default(),
+            service_stats: Mutex::new((None, Totals::new(DEFAULT_SERVICE_METRICS_LIMIT))),
             health,
             mode,
         }
@@ -254,6 +261,37 @@ impl Metrics {
         if let Ok(mut datapath) = self.datapath.lock() {
             *datapath = Some(reader);
         }
+    }
+
+    /// eBPF mode: the per-service counters are read from the maps pinned
+    /// under `root` (the datapath's, after each reload).
+    pub fn set_service_stats_root(&self, root: &std::path::Path) {
+        if let Ok(mut stats) = self.service_stats.lock() {
+            stats.0 = Some(root.to_path_buf());
+        }
+    }
+
+    /// At most `limit` service ports get series of their own (0: none).
+    pub fn set_service_metrics_limit(&self, limit: usize) {
+        if let Ok(mut stats) = self.service_stats.lock() {
+            stats.1 = Totals::new(limit);
+        }
+    }
+
+    /// Reads the per-service counters and writes their families.
+    fn encode_service_stats(&self, out: &mut Families) -> fmt::Result {
+        let Ok(mut guard) = self.service_stats.lock() else { return Ok(()) };
+        let (root, totals) = &mut *guard;
+        let Some(root) = root.as_ref().filter(|_| totals.enabled()) else { return Ok(()) };
+        match crate::backend::ebpf::frontend_stats::read(root) {
+            Ok(snapshot) => totals.observe(snapshot),
+            // The last totals are still right; the next scrape tries again.
+            Err(e) => tracing::warn!(error = %e, "reading the per-service counters"),
+        }
+        for (name, help, samples) in totals.families() {
+            out.counters(name, help, samples)?;
+        }
+        Ok(())
     }
 
     pub fn set_map_entries(&self, entries: &[(&'static str, usize)]) {
@@ -529,6 +567,7 @@ impl Metrics {
             "Entries of the per-packet conntrack map (two per flow), at the last collection.",
             self.conntrack_entries.load(Relaxed),
         )?;
+        self.encode_service_stats(out)?;
         let counters = self.datapath.lock().ok().and_then(|d| d.as_ref().map(CounterReader::read));
         out.counters(
             "proxy_datapath_events",

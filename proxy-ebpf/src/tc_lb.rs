@@ -19,8 +19,8 @@ use aya_ebpf::{
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
-    Config, Counter, CtKey, CtTuple, CtValue, FragKey, ServiceFlags, ServiceValue, TC6_EGRESS,
-    TC6_INGRESS, TC6_POD_REPLIES, log_level,
+    Config, Counter, CtKey, CtTuple, CtValue, DropReason, FragKey, ServiceFlags, ServiceValue,
+    TC6_EGRESS, TC6_INGRESS, TC6_POD_REPLIES, log_level,
 };
 
 use crate::{
@@ -33,6 +33,7 @@ use crate::{
     packet::{self, Flow, Packet, Parsed},
     prefilter::{self, Filter, Hook},
     reject,
+    stats::{self, Event},
     tc_act::{NEXT, SHOT, STACK},
 };
 
@@ -116,22 +117,20 @@ fn translate<F: Family>(ctx: &TcContext, cfg: &Config, f: &mut Flow<F::Tuple>, s
 where
     F::Tuple: Printable,
 {
-    let tracked = F::step(
+    let mut tracked_id = None;
+    F::step(
         #[inline(always)]
-        || match conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now) {
-            Some(entry) => {
+        || {
+            if let Some(entry) = conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now) {
                 f.to = entry.rewritten(f.pkt.tuple.proto());
-                true
+                tracked_id = Some(entry.rev_nat_id());
             }
-            None => false,
         },
     );
-    if tracked {
+    if let Some(rev_nat_id) = tracked_id {
         count(Counter::CtHit);
-        return F::step(
-            #[inline(always)]
-            || forward::<F>(ctx, &f.pkt, &f.to),
-        );
+        stat::<F>(rev_nat_id, Event::packet(ctx.len()));
+        return forward_counted::<F>(ctx, f, rev_nat_id);
     }
     if scope == Scope::TrackedOnly {
         return NEXT;
@@ -145,12 +144,14 @@ where
             record_unknown::<F>(cfg, &f.pkt);
             return NEXT;
         }
-        Decision::Drop(outcome) => {
+        Decision::Drop(outcome, rev_nat_id) => {
             count(Counter::Dropped);
+            stat::<F>(rev_nat_id, Event::dropped(stats_reason(outcome)));
             record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
             return SHOT;
         }
-        Decision::Refuse => {
+        Decision::Refuse(rev_nat_id) => {
+            stat::<F>(rev_nat_id, Event::REFUSED);
             record(cfg, log_level::INFO, true, &f.pkt.tuple, Outcome::NoEndpoint);
             return reject::refuse::<F>(ctx, &f.pkt);
         }
@@ -163,20 +164,54 @@ where
     if !created {
         count(Counter::Dropped);
         let outcome = if snat { Outcome::NoSnatPort } else { Outcome::ConntrackFull };
+        stat::<F>(rev_nat_id, Event::dropped(stats_reason(outcome)));
         record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
         return SHOT;
     }
     count(Counter::CtNew);
+    stat::<F>(rev_nat_id, Event::flow(ctx.len()));
     if cfg.log_level >= log_level::DEBUG {
         log::new_flow(&f.pkt.tuple, &f.to, via, flags);
         if snat {
             log::snat(&f.pkt.tuple, &f.to);
         }
     }
-    F::step(
+    forward_counted::<F>(ctx, f, rev_nat_id)
+}
+
+/// [`forward`] in a step of its own, a packet it cannot send on counted
+/// as the frontend's drop.
+#[inline(always)]
+fn forward_counted<F: Family>(ctx: &TcContext, f: &Flow<F::Tuple>, rev_nat_id: u32) -> i32 {
+    let verdict = F::step(
         #[inline(always)]
         || forward::<F>(ctx, &f.pkt, &f.to),
+    );
+    if verdict == SHOT {
+        stat::<F>(rev_nat_id, Event::dropped(DropReason::RewriteFailed));
+    }
+    verdict
+}
+
+/// Counts a frontend's `event` (`stats`), in a step of its own.
+#[inline(always)]
+fn stat<F: Family>(rev_nat_id: u32, event: Event) {
+    F::step(
+        #[inline(always)]
+        || stats::count(rev_nat_id, event),
     )
+}
+
+/// The drop reason a dropping outcome is counted under.
+#[inline(always)]
+fn stats_reason(outcome: Outcome) -> DropReason {
+    match outcome {
+        Outcome::SourceOutsideRanges => DropReason::SourceOutsideRanges,
+        Outcome::NoLocalEndpoint => DropReason::NoLocalEndpoint,
+        Outcome::NoSnatPort => DropReason::NoSnatPort,
+        Outcome::ConntrackFull => DropReason::ConntrackFull,
+        _ => DropReason::RewriteFailed,
+    }
 }
 
 /// Whether the pre-filter passes the packet on untouched. At `trace`, where
@@ -192,10 +227,10 @@ fn filtered(ctx: &TcContext, cfg: &Config, hook: Hook) -> bool {
 enum Decision {
     /// It is to no frontend: passed on.
     Pass,
-    /// Dropped, for this reason.
-    Drop(Outcome),
-    /// To a frontend without endpoints: refused.
-    Refuse,
+    /// Dropped, for this reason, at this frontend (reverse-NAT id).
+    Drop(Outcome, u32),
+    /// To this frontend without endpoints: refused.
+    Refuse(u32),
     /// A new flow, translated to the tuple [`decide`] wrote (its SNAT port
     /// yet to be found).
     Translate { rev_nat_id: u32, snat: bool, via: Via, flags: ServiceFlags },
@@ -212,7 +247,7 @@ fn decide<F: Family>(cfg: &Config, flow: &mut Flow<F::Tuple>) -> Decision {
     let mut key = F::service_key(t.daddr(), t.dport(), t.proto());
     let Some(svc) = lb::lookup_frontend(&key) else { return Decision::Pass };
     if svc.flags.has_source_ranges() && !F::source_allowed(svc.rev_nat_id, t.saddr()) {
-        return Decision::Drop(Outcome::SourceOutsideRanges);
+        return Decision::Drop(Outcome::SourceOutsideRanges, svc.rev_nat_id);
     }
     let mut scoped = svc;
     if from_pods::<F>(cfg, t.saddr()) {
@@ -220,9 +255,9 @@ fn decide<F: Family>(cfg: &Config, flow: &mut Flow<F::Tuple>) -> Decision {
     }
     match lb::choose(&key, &scoped, F::client(t.saddr())) {
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
-            Decision::Drop(Outcome::NoLocalEndpoint)
+            Decision::Drop(Outcome::NoLocalEndpoint, scoped.rev_nat_id)
         }
-        Verdict::NoBackend => Decision::Refuse,
+        Verdict::NoBackend => Decision::Refuse(scoped.rev_nat_id),
         Verdict::Backend { backend, rev_nat_id, via, .. } => {
             let snat = needs_snat::<F>(&svc, cfg, pkt, &backend);
             let (address, port, _) = F::backend(&backend);
@@ -352,10 +387,15 @@ where
         return NEXT;
     };
     count(Counter::CtHit);
+    let rev_nat_id = entry.rev_nat_id();
     match packet::rewrite::<F>(ctx, pkt, &entry.rewritten(pkt.tuple.proto())) {
-        Ok(()) => NEXT,
+        Ok(()) => {
+            stats::count(rev_nat_id, Event::packet(ctx.len()));
+            NEXT
+        }
         Err(_) => {
             count(Counter::Dropped);
+            stats::count(rev_nat_id, Event::dropped(DropReason::RewriteFailed));
             SHOT
         }
     }

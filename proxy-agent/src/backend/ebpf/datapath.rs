@@ -354,6 +354,7 @@ impl EbpfDatapath {
             .activate(&self.cgroup, &wanted, root)
             .with_context(|| format!("attaching to {} and {wanted:?}", self.cgroup.display()))?;
         metrics.set_datapath(CounterReader::open(root)?);
+        metrics.set_service_stats_root(root);
         let carried = self.backend.carried().iter().map(|(m, c)| (*m, c.as_str())).collect();
         metrics.set_carried(carried);
         self.serving = Some(node_ips.to_vec());
