@@ -3,6 +3,8 @@
 //! the socket-LB cgroup, per packet), a NodePort, a service without
 //! endpoints and a source-range drop, and each counter equals what was sent.
 
+use std::time::{Duration, Instant};
+
 use proxy_lab::{Attempt, Lab, Mode, Setup, both_modes};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
@@ -68,8 +70,20 @@ fn per_service_counters_match_the_traffic_sent(setup: Setup) {
     // within the timeout).
     lab.client_outside(&ext, &["--timeout-ms", "500", "tcp", "10.200.0.10:80", "1"]).unwrap();
 
-    let metrics = lab.metrics().unwrap();
     let web = "namespace=\"lab\",service=\"web\",port=\"http\"";
+    // iptables mode reads the rules' counters at most every few seconds.
+    let packet_conns = format!("{web},path=\"packet\"");
+    let expected = if setup.mode == Mode::Ebpf { 11 } else { 18 };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let metrics = loop {
+        let metrics = lab.metrics().unwrap();
+        if sample(&metrics, "proxy_service_connections_total", &packet_conns) >= expected
+            || Instant::now() > deadline
+        {
+            break metrics;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
     let empty = "namespace=\"lab\",service=\"empty\",port=\"http\"";
     let guarded = "namespace=\"lab\",service=\"guarded\",port=\"http\"";
     let get = |name: &str, labels: &str| sample(&metrics, name, labels);

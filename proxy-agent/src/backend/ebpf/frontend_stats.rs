@@ -2,13 +2,34 @@
 //! frontends' names (`FRONTEND_INFO`), for [`crate::service_stats`]; and
 //! deletes an id's counters with the id.
 
-use std::path::Path;
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap};
 use proxy_common::{FrontendInfo, FrontendStats, map_names};
 
 use super::EbpfError;
-use crate::service_stats::Snapshot;
+use crate::service_stats::{Coverage, Snapshot, Source};
+
+/// The counters of the datapath pinned under a root.
+pub struct Pinned(pub PathBuf);
+
+impl Source for Pinned {
+    fn read(&mut self) -> anyhow::Result<Snapshot> {
+        Ok(read(&self.0)?)
+    }
+
+    fn coverage(&self) -> Coverage {
+        Coverage::Everything
+    }
+
+    /// A lookup per frontend with traffic: cheap enough for every scrape.
+    fn min_interval(&self) -> Duration {
+        Duration::ZERO
+    }
+}
 
 fn open(root: &Path, name: &'static str) -> Result<MapData, EbpfError> {
     MapData::from_pin(root.join("maps").join(name))
