@@ -3,9 +3,7 @@
 //! the socket-LB cgroup, per packet), a NodePort, a service without
 //! endpoints and a source-range drop, and each counter equals what was sent.
 
-use std::time::{Duration, Instant};
-
-use proxy_lab::{Attempt, Lab, Mode, Setup, both_modes};
+use proxy_lab::{Attempt, Lab, Mode, Setup, both_modes, sample};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
 both_modes!(per_service_counters_match_the_traffic_sent);
@@ -15,16 +13,6 @@ fn with_endpoints(svc: ServiceBuilder, pods: &[&str]) -> String {
     let endpoints = pods.iter().map(|ip| ep(ip).ready(true).node("lab-node"));
     let slice = svc.slice().port("http", 8080, Tcp).endpoints(endpoints);
     manifest(&[&svc, &slice])
-}
-
-/// The value of the series `name{labels…}` (labels in the order the agent
-/// writes them), 0 when absent.
-fn sample(metrics: &str, name: &str, labels: &str) -> u64 {
-    let prefix = format!("{name}{{{labels}}} ");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map_or(0, |v| v.trim().parse().unwrap_or_else(|_| panic!("{prefix}{v}")))
 }
 
 fn oks(attempts: &[Attempt]) -> usize {
@@ -71,19 +59,10 @@ fn per_service_counters_match_the_traffic_sent(setup: Setup) {
     lab.client_outside(&ext, &["--timeout-ms", "500", "tcp", "10.200.0.10:80", "1"]).unwrap();
 
     let web = "namespace=\"lab\",service=\"web\",port=\"http\"";
-    // iptables mode reads the rules' counters at most every few seconds.
     let packet_conns = format!("{web},path=\"packet\"");
     let expected = if setup.mode == Mode::Ebpf { 11 } else { 18 };
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let metrics = loop {
-        let metrics = lab.metrics().unwrap();
-        if sample(&metrics, "proxy_service_connections_total", &packet_conns) >= expected
-            || Instant::now() > deadline
-        {
-            break metrics;
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    let metrics =
+        lab.metrics_reaching("proxy_service_connections_total", &packet_conns, expected).unwrap();
     let empty = "namespace=\"lab\",service=\"empty\",port=\"http\"";
     let guarded = "namespace=\"lab\",service=\"guarded\",port=\"http\"";
     let get = |name: &str, labels: &str| sample(&metrics, name, labels);
