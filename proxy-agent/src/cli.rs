@@ -350,6 +350,11 @@ pub struct RunArgs {
     /// Where /metrics (and /healthz, /proxyMode) are served
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:10249")]
     pub metrics_bind_address: SocketAddr,
+    /// eBPF mode: service ports with per-service traffic series of their
+    /// own on /metrics; those seeing traffic later are summed in one
+    /// `service="(other)"` series (0: no per-service series)
+    #[arg(long, value_name = "N", default_value_t = crate::metrics::DEFAULT_SERVICE_METRICS_LIMIT)]
+    pub service_metrics_limit: usize,
     /// Where kube-proxy's /healthz and /livez are served
     #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:10256")]
     pub healthz_bind_address: SocketAddr,

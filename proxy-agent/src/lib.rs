@@ -21,6 +21,7 @@ pub mod monitor;
 pub mod node;
 pub mod plan;
 pub mod probe;
+pub mod service_stats;
 pub mod sockets;
 pub mod source;
 pub mod sys;

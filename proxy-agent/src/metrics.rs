@@ -30,7 +30,11 @@ use crate::{
     health::ProxyHealth,
     http::{self, Reply},
     model::IpFamily,
+    service_stats::{Source, Totals},
 };
+
+/// `--service-metrics-limit`'s default.
+pub const DEFAULT_SERVICE_METRICS_LIMIT: usize = 2000;
 
 /// What Prometheus is told it scrapes.
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -137,6 +141,31 @@ impl Families<'_> {
     }
 }
 
+/// The per-service counters' source and totals.
+struct ServiceStats {
+    source: Option<Box<dyn Source>>,
+    totals: Totals,
+    read_at: Option<std::time::Instant>,
+}
+
+impl ServiceStats {
+    fn new(limit: usize) -> Self {
+        ServiceStats { source: None, totals: Totals::new(limit), read_at: None }
+    }
+
+    /// Adds what the source counted since the last read (with no series
+    /// wanted, nothing is read).
+    fn read(&mut self) {
+        let Some(source) = self.source.as_mut().filter(|_| self.totals.enabled()) else { return };
+        match source.read() {
+            Ok(snapshot) => self.totals.observe(snapshot),
+            // The last totals are still right; the next read tries again.
+            Err(e) => tracing::warn!(error = %e, "reading the per-service counters"),
+        }
+        self.read_at = Some(std::time::Instant::now());
+    }
+}
+
 pub struct Metrics {
     pub syncs_ok: AtomicU64,
     pub syncs_failed: AtomicU64,
@@ -190,6 +219,8 @@ pub struct Metrics {
     source_errors: Mutex<BTreeMap<(String, String), u64>>,
     /// Read at each scrape, once the datapath is pinned.
     datapath: Mutex<Option<CounterReader>>,
+    /// Per-service counters: where they are read from, their totals.
+    service_stats: Mutex<ServiceStats>,
     health: Arc<ProxyHealth>,
     mode: &'static str,
 }
@@ -229,6 +260,7 @@ impl Metrics {
             invalid: Mutex::default(),
             source_errors: Mutex::default(),
             datapath: Mutex::default(),
+            service_stats: Mutex::new(ServiceStats::new(DEFAULT_SERVICE_METRICS_LIMIT)),
             health,
             mode,
         }
@@ -254,6 +286,46 @@ impl Metrics {
         if let Ok(mut datapath) = self.datapath.lock() {
             *datapath = Some(reader);
         }
+    }
+
+    /// Where the per-service counters are read from from now on (eBPF
+    /// mode: the maps of each reload).
+    pub fn set_service_stats_source(&self, source: Box<dyn Source>) {
+        if let Ok(mut stats) = self.service_stats.lock() {
+            stats.source = Some(source);
+        }
+    }
+
+    /// Reads the per-service counters now (iptables mode: before a sync
+    /// rewrites the rules, which zeroes their counters), from the source
+    /// set, else from `source`'s.
+    pub fn fold_service_stats(&self, source: impl FnOnce() -> Box<dyn Source>) {
+        if let Ok(mut stats) = self.service_stats.lock() {
+            stats.source.get_or_insert_with(source);
+            stats.read();
+        }
+    }
+
+    /// At most `limit` service ports get series of their own (0: none).
+    pub fn set_service_metrics_limit(&self, limit: usize) {
+        if let Ok(mut stats) = self.service_stats.lock() {
+            stats.totals = Totals::new(limit);
+        }
+    }
+
+    /// The per-service counters' families, read anew unless read lately.
+    fn encode_service_stats(&self, out: &mut Families) -> fmt::Result {
+        let Ok(mut stats) = self.service_stats.lock() else { return Ok(()) };
+        let Some(source) = &stats.source else { return Ok(()) };
+        let coverage = source.coverage();
+        let due = stats.read_at.is_none_or(|at| at.elapsed() >= source.min_interval());
+        if due {
+            stats.read();
+        }
+        for (name, help, samples) in stats.totals.families(coverage) {
+            out.counters(name, help, samples)?;
+        }
+        Ok(())
     }
 
     pub fn set_map_entries(&self, entries: &[(&'static str, usize)]) {
@@ -586,6 +658,7 @@ impl Collector for Collected {
         let mut out = Families(encoder);
         self.0.encode_kube_proxys(&mut out)?;
         self.0.encode_ours(&mut out)?;
+        self.0.encode_service_stats(&mut out)?;
         match self.0.mode {
             "iptables" => self.0.encode_iptables(&mut out),
             _ => self.0.encode_ebpf(&mut out),

@@ -36,7 +36,11 @@ pub mod map_names {
     pub const EVENTS: &str = "EVENTS";
     pub const MONITOR: &str = "MONITOR";
     pub const MONITOR_LOST: &str = "MONITOR_LOST";
+    pub const FRONTEND_STATS: &str = "FRONTEND_STATS";
 }
+
+pub mod stats;
+pub use stats::{DROP_REASONS, DropReason, FrontendStats};
 
 /// The IPv6 per-packet programs, by their slot in the `TC6` program array:
 /// the IPv4 programs enter them by a tail call, which gives the IPv6 path a
@@ -1170,6 +1174,7 @@ mod pod {
     unsafe impl aya::Pod for SockRevNat {}
     unsafe impl aya::Pod for SockEndKey {}
     unsafe impl aya::Pod for FrontendInfo {}
+    unsafe impl aya::Pod for FrontendStats {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for CtKey {}

@@ -18,6 +18,7 @@ mod prefilter;
 mod reject;
 mod sock_end;
 mod sock_lb;
+mod stats;
 mod tc_act;
 mod tc_lb;
 

@@ -4,15 +4,15 @@
 use crate::packet::Flow;
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray},
     macros::{btf_map, map},
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey, FragKey,
-    FragRewrite, FrontendInfo, Layouts, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK, MAX_FRAGMENTS,
-    MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOCK_ENDS, MAX_SOCK_FLOWS, MAX_SOCK_REV_NAT,
-    MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue, SockEndKey, SockFlow, SockFlowKey,
-    SockRevNat, SockRevNatKey, SourceRangeKey, prefilter,
+    FragRewrite, FrontendInfo, FrontendStats, Layouts, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK,
+    MAX_FRAGMENTS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOCK_ENDS, MAX_SOCK_FLOWS,
+    MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue, SockEndKey, SockFlow,
+    SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey, prefilter,
 };
 use proxy_common::{
     AffinityKey6, Backend6, CtEntry6, CtKey6, MAX_AFFINITY6, MAX_CONNTRACK6, MAX_SOCK_REV_NAT6,
@@ -142,6 +142,22 @@ pub static FRAGMENTS: LruHashMap<FragKey, FragRewrite, { MAX_FRAGMENTS as usize 
 /// reads it to tell which pinned maps it can carry over.
 #[btf_map]
 pub static LAYOUT: Array<Layouts, 1> = Array::new();
+
+/// Per-frontend traffic counters by reverse-NAT id (`stats`): allocated
+/// per entry, made by the programs at a frontend's first event, deleted by
+/// the agent with the id.
+#[btf_map]
+pub static FRONTEND_STATS: PerCpuHashMap<
+    u32,
+    FrontendStats,
+    { MAX_REV_NAT as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = PerCpuHashMap::new();
+
+/// A zero `FrontendStats`, never written: the value `FRONTEND_STATS`'
+/// entries are made from (off the stack).
+#[btf_map]
+pub static STATS_ZERO: Array<FrontendStats, 1> = Array::new();
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();

@@ -26,6 +26,7 @@ use crate::{
     log::{self, record},
     maps::{CONFIG, SOCK_FLOWS, SOCK_REV_NAT, SOCK_REV_NAT6, count},
     monitor::{self, EventAddr, What},
+    stats::{self, Event},
 };
 
 /// What the hook sees: a socket's one destination (connect, getpeername)
@@ -337,6 +338,7 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     };
     match verdict {
         Verdict::NoBackend => {
+            stats::count(svc.rev_nat_id, Event::SOCKET_REFUSED);
             record!(
                 cfg,
                 ctx,
@@ -357,6 +359,10 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
             REJECT
         }
         Verdict::Backend { backend, backend_id, rev_nat_id, via } => {
+            // A datagram of a remembered flow is no new one.
+            if !matches!(via, Via::Flow) {
+                stats::count(rev_nat_id, Event::SOCKET_CONNECTION);
+            }
             if let Some(flow) = new_flow {
                 remember(&flow, backend_id);
             }

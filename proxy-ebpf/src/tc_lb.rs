@@ -19,8 +19,8 @@ use aya_ebpf::{
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
-    Config, Counter, CtKey, CtTuple, CtValue, FragKey, ServiceFlags, ServiceValue, TC6_EGRESS,
-    TC6_INGRESS, TC6_POD_REPLIES, explain::Decided, log_level,
+    Config, Counter, CtKey, CtTuple, CtValue, DropReason, FragKey, ServiceFlags, ServiceValue,
+    TC6_EGRESS, TC6_INGRESS, TC6_POD_REPLIES, explain::Decided, log_level,
 };
 
 use crate::{
@@ -35,6 +35,7 @@ use crate::{
     packet::{self, Flow, Packet, Parsed},
     prefilter::{self, Filter, Hook},
     reject,
+    stats::{self, Event},
     tc_act::{NEXT, SHOT, STACK},
 };
 
@@ -119,22 +120,24 @@ where
     F::Tuple: Printable,
     F::Addr: EventAddr,
 {
-    let tracked = F::step(
+    let mut tracked_id = None;
+    F::step(
         #[inline(always)]
-        || match conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now, || Run::of(ctx)) {
-            Some(entry) => {
+        || {
+            if let Some(entry) =
+                conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now, || Run::of(ctx))
+            {
                 f.to = entry.rewritten(f.pkt.tuple.proto());
-                true
+                tracked_id = Some(entry.rev_nat_id());
             }
-            None => false,
         },
     );
-    if tracked {
+    if let Some(rev_nat_id) = tracked_id {
         count(Counter::CtHit);
-        return F::step(
-            #[inline(always)]
-            || forward::<F>(ctx, &f.pkt, &f.to),
-        );
+        if Run::of(ctx) == Run::Real {
+            stat::<F>(rev_nat_id, Event::packet(ctx.len()));
+        }
+        return forward_counted::<F>(ctx, f, rev_nat_id);
     }
     if scope == Scope::TrackedOnly {
         return NEXT;
@@ -148,15 +151,23 @@ where
             record_unknown::<F>(cfg, &f.pkt);
             return NEXT;
         }
-        Decision::Drop(outcome) => {
-            count(Counter::Dropped);
-            record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
-            monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Dropped(outcome));
+        // An explain run's drop or refusal is noted in its `cb` only: no
+        // counter, record or event tells of a packet that never was.
+        Decision::Drop(outcome, rev_nat_id) => {
+            if Run::of(ctx) == Run::Real {
+                count(Counter::Dropped);
+                stat::<F>(rev_nat_id, Event::dropped(stats_reason(outcome)));
+                record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
+                monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Dropped(outcome));
+            }
             return SHOT;
         }
-        Decision::Refuse => {
-            record(cfg, log_level::INFO, true, &f.pkt.tuple, Outcome::NoEndpoint);
-            monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Refused);
+        Decision::Refuse(rev_nat_id) => {
+            if Run::of(ctx) == Run::Real {
+                stat::<F>(rev_nat_id, Event::REFUSED);
+                record(cfg, log_level::INFO, true, &f.pkt.tuple, Outcome::NoEndpoint);
+                monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Refused);
+            }
             return reject::refuse::<F>(ctx, &f.pkt);
         }
         Decision::Translate { rev_nat_id, snat, via, flags } => (rev_nat_id, snat, via, flags),
@@ -176,11 +187,13 @@ where
     if !created {
         count(Counter::Dropped);
         let outcome = if snat { Outcome::NoSnatPort } else { Outcome::ConntrackFull };
+        stat::<F>(rev_nat_id, Event::dropped(stats_reason(outcome)));
         record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
         monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Dropped(outcome));
         return SHOT;
     }
     count(Counter::CtNew);
+    stat::<F>(rev_nat_id, Event::flow(ctx.len()));
     monitor::tc(ctx, &f.pkt.tuple, &f.to, What::Translated(rev_nat_id));
     if cfg.log_level >= log_level::DEBUG {
         log::new_flow(&f.pkt.tuple, &f.to, via, flags);
@@ -188,10 +201,42 @@ where
             log::snat(&f.pkt.tuple, &f.to);
         }
     }
-    F::step(
+    forward_counted::<F>(ctx, f, rev_nat_id)
+}
+
+/// [`forward`] in a step of its own, a packet it cannot send on counted
+/// as the frontend's drop.
+#[inline(always)]
+fn forward_counted<F: Family>(ctx: &TcContext, f: &Flow<F::Tuple>, rev_nat_id: u32) -> i32 {
+    let verdict = F::step(
         #[inline(always)]
         || forward::<F>(ctx, &f.pkt, &f.to),
+    );
+    if verdict == SHOT {
+        stat::<F>(rev_nat_id, Event::dropped(DropReason::RewriteFailed));
+    }
+    verdict
+}
+
+/// Counts a frontend's `event` (`stats`), in a step of its own.
+#[inline(always)]
+fn stat<F: Family>(rev_nat_id: u32, event: Event) {
+    F::step(
+        #[inline(always)]
+        || stats::count(rev_nat_id, event),
     )
+}
+
+/// The drop reason a dropping outcome is counted under.
+#[inline(always)]
+fn stats_reason(outcome: Outcome) -> DropReason {
+    match outcome {
+        Outcome::SourceOutsideRanges => DropReason::SourceOutsideRanges,
+        Outcome::NoLocalEndpoint => DropReason::NoLocalEndpoint,
+        Outcome::NoSnatPort => DropReason::NoSnatPort,
+        Outcome::ConntrackFull => DropReason::ConntrackFull,
+        _ => DropReason::RewriteFailed,
+    }
 }
 
 /// Whether the pre-filter passes the packet on untouched. At `trace`, where
@@ -207,10 +252,10 @@ fn filtered(ctx: &TcContext, cfg: &Config, hook: Hook) -> bool {
 enum Decision {
     /// It is to no frontend: passed on.
     Pass,
-    /// Dropped, for this reason.
-    Drop(Outcome),
-    /// To a frontend without endpoints: refused.
-    Refuse,
+    /// Dropped, for this reason, at this frontend (reverse-NAT id).
+    Drop(Outcome, u32),
+    /// To this frontend without endpoints: refused.
+    Refuse(u32),
     /// A new flow, translated to the tuple [`decide`] wrote (its SNAT port
     /// yet to be found).
     Translate { rev_nat_id: u32, snat: bool, via: Via, flags: ServiceFlags },
@@ -231,7 +276,7 @@ fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -
     run.frontend(ctx, svc.rev_nat_id);
     if svc.flags.has_source_ranges() && !F::source_allowed(svc.rev_nat_id, t.saddr()) {
         run.refused(ctx, Decided::SourceOutsideRanges);
-        return Decision::Drop(Outcome::SourceOutsideRanges);
+        return Decision::Drop(Outcome::SourceOutsideRanges, svc.rev_nat_id);
     }
     let mut scoped = svc;
     if from_pods::<F>(cfg, t.saddr()) {
@@ -240,11 +285,11 @@ fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -
     match lb::choose_in(&key, &scoped, F::client(t.saddr()), run) {
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
             run.refused(ctx, Decided::NoLocalEndpoint);
-            Decision::Drop(Outcome::NoLocalEndpoint)
+            Decision::Drop(Outcome::NoLocalEndpoint, scoped.rev_nat_id)
         }
         Verdict::NoBackend => {
             run.refused(ctx, Decided::Refused);
-            Decision::Refuse
+            Decision::Refuse(scoped.rev_nat_id)
         }
         Verdict::Backend { backend, backend_id, rev_nat_id, via } => {
             let snat = needs_snat::<F>(&svc, cfg, pkt, &backend);
@@ -376,10 +421,15 @@ where
         return NEXT;
     };
     count(Counter::CtHit);
+    let rev_nat_id = entry.rev_nat_id();
     match packet::rewrite::<F>(ctx, pkt, &entry.rewritten(pkt.tuple.proto())) {
-        Ok(()) => NEXT,
+        Ok(()) => {
+            stats::count(rev_nat_id, Event::packet(ctx.len()));
+            NEXT
+        }
         Err(_) => {
             count(Counter::Dropped);
+            stats::count(rev_nat_id, Event::dropped(DropReason::RewriteFailed));
             SHOT
         }
     }

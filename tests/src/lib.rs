@@ -1041,6 +1041,25 @@ impl Lab {
         self.labpod(&self.node, None, &["http", "127.0.0.1:10249", "/metrics"])
     }
 
+    /// Node 0's /metrics once the series `name{labels}` reaches `at_least`
+    /// (the iptables mode reads its rules' counters at most every few
+    /// seconds), or as they are after 15 s.
+    pub fn metrics_reaching(
+        &self,
+        name: &str,
+        labels: &str,
+        at_least: u64,
+    ) -> anyhow::Result<String> {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let metrics = self.metrics()?;
+            if sample(&metrics, name, labels) >= at_least || Instant::now() > deadline {
+                return Ok(metrics);
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
     /// `proxy-agent cleanup` in a node's namespace, on its pins.
     pub fn cleanup_on(&self, node: usize) -> anyhow::Result<String> {
         self.nodes[node].cleanup()
@@ -1341,6 +1360,16 @@ pub fn answered_after(
         }
     }
     after
+}
+
+/// The value of the series `name{labels}` in /metrics text (the labels
+/// as the agent writes them, in order), 0 when absent.
+pub fn sample(metrics: &str, name: &str, labels: &str) -> u64 {
+    let prefix = format!("{name}{{{labels}}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0, |v| v.trim().parse().unwrap_or_else(|_| panic!("{prefix}{v}")))
 }
 
 pub fn tally(attempts: &[Attempt]) -> std::collections::BTreeMap<String, usize> {

@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, answered_after, both_modes, tally, v6};
+use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, answered_after, both_modes, sample, tally, v6};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service, slice};
 
 both_modes!(
@@ -182,6 +182,14 @@ fn ipv6_node_port_cluster_policy_reaches_the_backend_from_the_nodes_ipv6_address
             assert_eq!(tally(&attempts).len(), 2, "both endpoints: {:?}", tally(&attempts));
         }
     }
+    // Each TCP attempt a new flow of the service port (issue 13), in both
+    // modes; the UDP client's datagrams share one socket, so one flow.
+    let series = "proxy_service_connections_total";
+    let labels =
+        |port: &str| format!("namespace=\"lab\",service=\"np\",port=\"{port}\",path=\"packet\"");
+    let metrics = c.lab.metrics_reaching(series, &labels("dns"), 1).unwrap();
+    assert_eq!(sample(&metrics, series, &labels("http")), 30, "{metrics}");
+    assert_eq!(sample(&metrics, series, &labels("dns")), 1, "{metrics}");
 }
 
 /// Scenario 3 (policy Local): the backend sees the client's IPv6 address.

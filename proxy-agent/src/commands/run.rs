@@ -87,6 +87,7 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
     // kube-proxy: unhealthy once a change waits twice the sync period.
     let health = Arc::new(ProxyHealth::new(2 * args.sync_period, eligibility));
     let metrics = Arc::new(Metrics::new(health.clone(), datapath.mode()));
+    metrics.set_service_metrics_limit(args.service_metrics_limit);
     let http = crate::http::server_thread().context("starting the endpoints' thread")?;
     metrics.clone().serve(&http, args.metrics_bind_address);
     health.clone().serve(&http, args.healthz_bind_address);

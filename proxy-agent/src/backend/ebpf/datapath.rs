@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use proxy_common::{Config, MAX_SERVICE_ENTRIES};
 
 use super::{
-    CounterReader, EbpfBackend, MapSizes, TcAttach, TcRole,
+    CounterReader, EbpfBackend, MapSizes, TcAttach, TcRole, frontend_stats,
     sock_end::SocketDestroy,
     sync::{SyncError, SyncReport},
 };
@@ -354,6 +354,7 @@ impl EbpfDatapath {
             .activate(&self.cgroup, &wanted, root)
             .with_context(|| format!("attaching to {} and {wanted:?}", self.cgroup.display()))?;
         metrics.set_datapath(CounterReader::open(root)?);
+        metrics.set_service_stats_source(Box::new(frontend_stats::Pinned(root.clone())));
         let carried = self.backend.carried().iter().map(|(m, c)| (*m, c.as_str())).collect();
         metrics.set_carried(carried);
         self.serving = Some(node_ips.to_vec());

@@ -18,6 +18,7 @@ pub mod datapath;
 pub mod departures;
 pub mod entries;
 pub mod explain;
+pub mod frontend_stats;
 pub mod prefilter;
 pub mod records;
 pub mod sock_end;
@@ -191,6 +192,7 @@ struct Maps {
     source_ranges6: Map,
     tc6: Map,
     frontend_info: Map,
+    frontend_stats: Map,
     sock_rev_nat: Map,
     affinity: Map,
     conntrack: Map,
@@ -223,6 +225,7 @@ impl Maps {
             source_ranges6: take(map_names::SOURCE_RANGES6)?,
             tc6: take(map_names::TC6)?,
             frontend_info: take(map_names::FRONTEND_INFO)?,
+            frontend_stats: take(map_names::FRONTEND_STATS)?,
             sock_rev_nat: take(map_names::SOCK_REV_NAT)?,
             affinity: take(map_names::AFFINITY)?,
             conntrack: take(map_names::CONNTRACK)?,
@@ -255,12 +258,13 @@ impl Maps {
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 25] {
+    fn by_name(&self) -> [(&'static str, &Map); 26] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
             (map_names::REV_NAT, &self.rev_nat),
             (map_names::FRONTEND_INFO, &self.frontend_info),
+            (map_names::FRONTEND_STATS, &self.frontend_stats),
             (map_names::SOCK_REV_NAT, &self.sock_rev_nat),
             (map_names::AFFINITY, &self.affinity),
             (map_names::CONNTRACK, &self.conntrack),
@@ -340,6 +344,7 @@ impl MapWriter for Maps {
                     // Absent when a previous write failed: fine.
                     let _ = HashMap::<_, u32, FrontendInfo>::try_from(&mut self.frontend_info)?
                         .remove(id);
+                    frontend_stats::remove(&mut self.frontend_stats, *id)?;
                     match frontend.family() {
                         IpFamily::V4 => {
                             HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?.remove(id)
@@ -550,7 +555,8 @@ impl EbpfBackend {
             .map_max_entries(map_names::SERVICES6, sizes.services)
             .map_max_entries(map_names::BACKENDS6, sizes.backends)
             .map_max_entries(map_names::REV_NAT6, sizes.rev_nat)
-            .map_max_entries(map_names::FRONTEND_INFO, sizes.rev_nat);
+            .map_max_entries(map_names::FRONTEND_INFO, sizes.rev_nat)
+            .map_max_entries(map_names::FRONTEND_STATS, sizes.rev_nat);
         let pinned = root.map(Pinned::open).transpose().unwrap_or_else(|e| {
             tracing::warn!(error = %e, "could not read the previous agent's map layouts; starting afresh");
             None

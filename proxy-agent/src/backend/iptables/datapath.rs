@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use super::{CANARY, IptablesBackend, IptablesError, exec::System, render};
+use super::{CANARY, IptablesBackend, IptablesError, counters::RuleCounters, exec::System, render};
 use crate::{
     backend::{Datapath, Synced, ebpf},
     cli::{NodeArgs, RunArgs},
@@ -61,6 +61,13 @@ impl IptablesDatapath {
     }
 }
 
+impl IptablesDatapath {
+    /// The per-service counters of the rules, each family's.
+    fn rule_counters(&self) -> RuleCounters {
+        RuleCounters::new(self.backends.iter().map(|b| *b.runner()).collect())
+    }
+}
+
 /// The families served: IPv4, and IPv6 when the node has an IPv6 address.
 fn families(node: &Node) -> Vec<IpFamily> {
     let v6 = node.ips.iter().any(|ip| IpFamily::of(*ip) == IpFamily::V6);
@@ -102,6 +109,8 @@ impl Datapath for IptablesDatapath {
         _dirty: Option<&BTreeSet<Frontend>>,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
+        // The rules' counters restart with the rules a sync writes.
+        metrics.fold_service_stats(|| Box::new(self.rule_counters()));
         for backend in &mut self.backends {
             let family = backend.family();
             let start = std::time::Instant::now();

@@ -13,6 +13,7 @@
 
 pub mod chains;
 pub mod conntrack;
+pub mod counters;
 pub mod datapath;
 pub mod exec;
 pub mod render;
@@ -154,6 +155,11 @@ impl<R: Runner> IptablesBackend<R> {
     /// The family whose rules it writes.
     pub fn family(&self) -> IpFamily {
         self.options.family
+    }
+
+    /// The tools it runs.
+    pub fn runner(&self) -> &R {
+        &self.runner
     }
 
     /// This node's zone changed: the next sync renders for the new one.
