@@ -1499,4 +1499,33 @@ mod tests {
         }
         assert!(hits < 300_000 / 15, "{hits} false positives of 300,000");
     }
+
+    #[test]
+    fn prefilter_spreads_ipv6_addresses_and_their_reply_slots() {
+        extern crate std;
+        use prefilter::{BITS_LOG2, Kind, REPLY_SLOTS_LOG2, bit, reply_slot};
+        let v6 = |prefix: u8, i: u32| {
+            let mut a = [0xfd, 0, 0, prefix, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+            a[12..].copy_from_slice(&i.to_be_bytes());
+            a
+        };
+        let mut set = std::vec![false; 1 << BITS_LOG2];
+        let mut slots = std::vec![false; 1 << REPLY_SLOTS_LOG2];
+        // 100,000 IPv6 ClusterIPs at port 80; 10,000 backends in flows.
+        for i in 0..100_000u32 {
+            set[bit(Kind::Frontend, v6(0x96, i), 80, IPPROTO_TCP) as usize] = true;
+        }
+        for i in 0..10_000u32 {
+            let (word, offset) = reply_slot(v6(0x10, i), 8080, IPPROTO_TCP);
+            slots[word as usize * 4 + offset / 2] = true;
+        }
+        let (mut hits, mut replies) = (0, 0);
+        for i in 0..100_000u32 {
+            hits += u32::from(set[bit(Kind::Frontend, v6(0x10, i), 8080, IPPROTO_TCP) as usize]);
+            let (word, offset) = reply_slot(v6(0x10, i + 10_000), 8080, IPPROTO_TCP);
+            replies += u32::from(slots[word as usize * 4 + offset / 2]);
+        }
+        assert!(hits < 100_000 / 30, "{hits} false positives of 100,000");
+        assert!(replies < 100_000 / 20, "{replies} backends of no flow inspected, of 100,000");
+    }
 }
