@@ -185,15 +185,18 @@ fn ports<A: Address + PartialEq>(
     let sport = u16::from_be_bytes(read(ctx, e.l4_off + SPORT));
     let dport = u16::from_be_bytes(read(ctx, e.l4_off + DPORT));
     // Replies of masqueraded flows come back to a SNAT port; of the others,
-    // from a backend with a flow.
-    let reply = || {
-        (e.daddr == snat_addr && (cfg.snat_port_min..=cfg.snat_port_max).contains(&dport))
-            || replied(e.saddr, sport, e.proto)
-    };
+    // from a backend with a flow. Requests to a frontend are asked of their
+    // bit before the reply slot, so they pay no more than before it.
+    let snat_reply =
+        e.daddr == snat_addr && (cfg.snat_port_min..=cfg.snat_port_max).contains(&dport);
     let ours = match hook {
         Hook::Egress => known(Kind::HostBackend, e.saddr, sport, e.proto),
-        Hook::PodReplies => reply(),
-        Hook::Ingress => reply() || known(Kind::Frontend, e.daddr, dport, e.proto),
+        Hook::PodReplies => snat_reply || replied(e.saddr, sport, e.proto),
+        Hook::Ingress => {
+            snat_reply
+                || known(Kind::Frontend, e.daddr, dport, e.proto)
+                || replied(e.saddr, sport, e.proto)
+        }
     };
     if ours { Filter::Inspect } else { Filter::Pass }
 }
