@@ -1,8 +1,10 @@
 //! Nanoseconds per packet of the per-packet program, measured by the kernel
 //! with `BPF_PROG_TEST_RUN` (nothing is sent), for the paths a packet can
-//! take: not a service (a miss), a new NodePort flow (backend pick, SNAT
-//! port, two conntrack inserts), a new ClusterIP flow, and a packet of a
-//! tracked flow; with `--services N` installed (one is the NodePort's).
+//! take: not a service (a miss, IPv4 and IPv6), a backend's reply of a
+//! connection the socket LB translated (no per-packet flow), a new NodePort
+//! flow (backend pick, SNAT port, two conntrack inserts), a new ClusterIP
+//! flow, and a packet of a tracked flow; with `--services N` installed (one
+//! is the NodePort's).
 //! Runs in a network namespace of its own. Needs root. `cargo xtask bench`
 //! runs it at several N and reads its `name ns` lines. `--bpf-log-level
 //! LEVEL` (off by default) has the programs write their decision records,
@@ -28,14 +30,33 @@ use proxy_common::Config;
 
 const NODE: [u8; 4] = [192, 168, 100, 11];
 
+const CLIENT: [u8; 4] = [192, 168, 100, 101];
+/// The TCP header after the ports: a SYN (SYN-ACK for a reply).
+const TCP_REST: [u8; 16] = [0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x02, 0xff, 0xff, 0, 0, 0, 0];
+
 fn syn(src_port: u16, dst: [u8; 4], dst_port: u16) -> Vec<u8> {
+    tcp4((CLIENT, src_port), (dst, dst_port))
+}
+
+fn tcp4((src, sport): ([u8; 4], u16), (dst, dport): ([u8; 4], u16)) -> Vec<u8> {
     let mut p = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x08, 0x00];
     p.extend_from_slice(&[0x45, 0, 0, 40, 0, 0, 0x40, 0, 64, 6, 0, 0]);
-    p.extend_from_slice(&[192, 168, 100, 101]);
+    p.extend_from_slice(&src);
     p.extend_from_slice(&dst);
-    p.extend_from_slice(&src_port.to_be_bytes());
-    p.extend_from_slice(&dst_port.to_be_bytes());
-    p.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x02, 0xff, 0xff, 0, 0, 0, 0]);
+    p.extend_from_slice(&sport.to_be_bytes());
+    p.extend_from_slice(&dport.to_be_bytes());
+    p.extend_from_slice(&TCP_REST);
+    p
+}
+
+/// An IPv6 SYN from an external client to port 22 of the node: no service.
+fn syn6_miss() -> Vec<u8> {
+    let mut p = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x86, 0xdd, 0x60, 0, 0, 0, 0, 20, 6, 64];
+    p.extend_from_slice(&[0x20, 0x01, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
+    p.extend_from_slice(&[0xfd, 0, 0, 0x64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x11]);
+    p.extend_from_slice(&40000u16.to_be_bytes());
+    p.extend_from_slice(&22u16.to_be_bytes());
+    p.extend_from_slice(&TCP_REST);
     p
 }
 
@@ -144,6 +165,11 @@ fn main() -> anyhow::Result<()> {
 
     let rounds = 20_000u16;
     let pass = dp.run_tc(&syn(40000, NODE, 22), 1_000_000)?.duration.as_nanos();
+    // A NodePort backend answering a pod that the socket LB connected to
+    // it: no per-packet flow of its own (the NodePort's are masqueraded).
+    let reply = tcp4(([10, 244, 2, 2], 8080), ([10, 244, 1, 5], 50000));
+    let socket_lb_reply = dp.run_tc(&reply, 1_000_000)?.duration.as_nanos();
+    let ipv6_miss = dp.run_tc(&syn6_miss(), 1_000_000)?.duration.as_nanos();
     let mut new = Vec::new();
     for port in 0..rounds {
         new.push(dp.run_tc(&syn(10_000 + port, NODE, 30080), 1)?.duration);
@@ -167,6 +193,8 @@ fn main() -> anyhow::Result<()> {
         "per-packet program (tc ingress), {services} services, ns per packet, kernel-measured:"
     );
     println!("miss {pass}  (not a service, 1M repeats)");
+    println!("socket_lb_reply {socket_lb_reply}  (a backend's reply of no per-packet flow, 1M)");
+    println!("ipv6_miss {ipv6_miss}  (IPv6, not a service, 1M repeats)");
     println!(
         "node_port_new {:.0}  (new NodePort flow, 100 backends, SNAT; mean of {rounds})",
         mean(&new)

@@ -74,28 +74,30 @@ fn frontend_plan<A: Into<IpAddr> + Copy>(
 fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
     in_own_netns();
     let mut backend = EbpfBackend::load(TcAttach::Tcx).expect("load the programs");
-    backend
-        .configure(&Config {
-            snat_addr: NODE,
-            cluster_cidr: [10, 244, 0, 0],
-            cluster_cidr_prefix: 16,
-            masquerade_all: 0,
-            snat_port_min: 61000,
-            snat_port_max: 65000,
-            tcp_syn_timeout_secs: 60,
-            tcp_established_timeout_secs: 3600,
-            tcp_close_wait_timeout_secs: 3600,
-            tcp_time_wait_timeout_secs: 120,
-            udp_timeout_secs: 30,
-            udp_stream_timeout_secs: 120,
-            snat_addr6: NODE6,
-            cluster_cidr6: POD_CLIENT6,
-            cluster_cidr6_prefix: 48,
-            ..Config::default()
-        })
-        .unwrap();
+    backend.configure(&test_config()).unwrap();
     backend.sync(&Plan { frontends: frontends.into_iter().collect() }, None).unwrap();
     backend
+}
+
+fn test_config() -> Config {
+    Config {
+        snat_addr: NODE,
+        cluster_cidr: [10, 244, 0, 0],
+        cluster_cidr_prefix: 16,
+        masquerade_all: 0,
+        snat_port_min: 61000,
+        snat_port_max: 65000,
+        tcp_syn_timeout_secs: 60,
+        tcp_established_timeout_secs: 3600,
+        tcp_close_wait_timeout_secs: 3600,
+        tcp_time_wait_timeout_secs: 120,
+        udp_timeout_secs: 30,
+        udp_stream_timeout_secs: 120,
+        snat_addr6: NODE6,
+        cluster_cidr6: POD_CLIENT6,
+        cluster_cidr6_prefix: 48,
+        ..Config::default()
+    }
 }
 
 /// Ethernet + IPv4 (valid header checksum) + L4 header and payload.
@@ -255,6 +257,85 @@ fn pod_interfaces_covered_by_the_socket_lb_translate_only_replies() {
     assert_eq!(back.verdict, STACK);
     assert_eq!(tuple(&back.packet), ((NODE, 30080), (CLIENT, 40000)));
     assert_checksums(&back.packet);
+}
+
+/// The pre-filter lets a backend's replies reach the full path only while
+/// it has per-packet flows not masqueraded: the datapath marks its reply
+/// slot when it creates one, and the conntrack collection, a generation at
+/// a time, clears the slots of flows that ended. Replies of connections the
+/// socket LB translated (no per-packet flow) pass untouched.
+#[test]
+fn replies_reach_the_full_path_only_from_backends_with_per_packet_flows() {
+    let (vip, dns) = ([10, 96, 0, 10], [10, 96, 0, 53]);
+    let mut dp = datapath(vec![
+        (frontend(vip, 80, Protocol::Tcp), frontend_plan(&[(POD, 8080)], false, &[])),
+        (frontend(dns, 53, Protocol::Udp), frontend_plan(&[(POD, 5353)], false, &[])),
+    ]);
+    let pod_replies = |dp: &mut EbpfBackend, p: &[u8]| dp.run_tc_pod_replies(p, 1).unwrap();
+    let (pod, client) = (IpAddr::from(POD), [10, 244, 1, 5]);
+    // A socket-LB connection: the backend answers a client directly.
+    let socket_lb_reply = tcp((POD, 8080), (client, 50000), SYN | ACK);
+    assert!(!dp.reply_slot_set(pod, 8080, TCP), "no per-packet flow yet");
+    for out in [pod_replies(&mut dp, &socket_lb_reply), run(&mut dp, &socket_lb_reply)] {
+        assert_eq!((out.verdict, &out.packet), (NEXT, &socket_lb_reply));
+    }
+
+    // A pod's per-packet flow through the ClusterIP (not masqueraded).
+    let out = run(&mut dp, &tcp((client, 40000), (vip, 80), SYN));
+    assert_eq!(tuple(&out.packet), ((client, 40000), (POD, 8080)));
+    assert!(dp.reply_slot_set(pod, 8080, TCP));
+    let back = pod_replies(&mut dp, &tcp((POD, 8080), (client, 40000), SYN | ACK));
+    assert_eq!(tuple(&back.packet), ((vip, 80), (client, 40000)), "its reply is translated");
+    // Collections keep a live flow's slot, whichever generation they rebuild.
+    for _ in 0..3 {
+        dp.collect_conntrack().unwrap();
+        assert!(dp.reply_slot_set(pod, 8080, TCP));
+    }
+    let out = pod_replies(&mut dp, &socket_lb_reply);
+    assert_eq!((out.verdict, &out.packet), (NEXT, &socket_lb_reply), "no flow of its own");
+
+    // A UDP flow that expires: after the collections that rebuild both
+    // generations, its backend's replies pass untouched again.
+    dp.configure(&Config { udp_timeout_secs: 1, ..test_config() }).unwrap();
+    let out = run(&mut dp, &udp((client, 40001), (dns, 53), true));
+    assert_eq!(tuple(&out.packet).1, (POD, 5353));
+    assert!(dp.reply_slot_set(pod, 5353, UDP));
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    assert_eq!(dp.collect_conntrack().unwrap(), (2, 2), "the UDP flow went, the TCP one stays");
+    assert!(dp.reply_slot_set(pod, 5353, UDP), "the other generation still has it");
+    dp.collect_conntrack().unwrap();
+    assert!(!dp.reply_slot_set(pod, 5353, UDP));
+    assert!(dp.reply_slot_set(pod, 8080, TCP));
+    let late = udp((POD, 5353), (client, 40001), true);
+    let out = pod_replies(&mut dp, &late);
+    assert_eq!((out.verdict, &out.packet), (NEXT, &late));
+}
+
+/// IPv6 packets take the pre-filter too: a miss passes, a flow not
+/// masqueraded marks its backend's reply slot and its replies translate.
+#[test]
+fn ipv6_replies_reach_the_full_path_only_from_backends_with_per_packet_flows() {
+    let mut dp = datapath(vec![(
+        frontend(CLUSTER_IP6, 80, Protocol::Tcp),
+        frontend_plan(&[(POD6, 8080)], false, &[]),
+    )]);
+    let mut client = POD_CLIENT6;
+    client[15] = 5;
+    let pod = IpAddr::from(POD6);
+    let socket_lb_reply = tcp6((POD6, 8080), (client, 50000), SYN | ACK);
+    assert!(!dp.reply_slot_set(pod, 8080, TCP));
+    let miss = tcp6((client, 40000), (CLUSTER_IP6, 22), SYN);
+    for p in [&socket_lb_reply, &miss] {
+        let out = run(&mut dp, p);
+        assert_eq!((out.verdict, &out.packet), (NEXT, p));
+    }
+    let out = run(&mut dp, &tcp6((client, 40000), (CLUSTER_IP6, 80), SYN));
+    assert_eq!(tuple6(&out.packet), ((client, 40000), (POD6, 8080)));
+    assert!(dp.reply_slot_set(pod, 8080, TCP));
+    assert!(!dp.reply_slot_set(IpAddr::from(POD), 8080, TCP), "IPv4 slot apart");
+    let back = dp.run_tc_pod_replies(&tcp6((POD6, 8080), (client, 40000), SYN | ACK), 1).unwrap();
+    assert_eq!(tuple6(&back.packet), ((CLUSTER_IP6, 80), (client, 40000)));
+    assert_checksums6(&back.packet);
 }
 
 /// The conntrack collection reads the map in batches (the kernel has them:

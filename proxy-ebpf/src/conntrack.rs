@@ -13,7 +13,7 @@ use proxy_common::{
     ct::{Closed, lifetime_secs, next_flags, on_closed, port_reusable},
 };
 
-use crate::{explain::Run, family::Family, packet::Packet};
+use crate::{explain::Run, family::Family, packet::Packet, prefilter};
 
 const NS_PER_SEC: u64 = 1_000_000_000;
 /// Expiry is rewritten at most this often per flow while its state holds.
@@ -142,6 +142,11 @@ pub fn create<F: Family>(
     if F::ct_insert(orig, &entry, BPF_ANY as u64).is_err() {
         F::ct_remove(&xlated.reversed());
         return false;
+    }
+    // Replies to a SNAT port pass the pre-filter on the port; the others
+    // on their backend's reply slot, set once the entries exist.
+    if !snat {
+        prefilter::mark_reply(xlated);
     }
     true
 }

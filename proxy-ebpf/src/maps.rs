@@ -3,7 +3,7 @@
 
 use crate::packet::Flow;
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray},
     macros::{btf_map, map},
 };
@@ -131,6 +131,16 @@ pub static CONFIG: Array<Config, 1> = Array::new();
 /// the agent sets, the programs only read.
 #[btf_map]
 pub static PREFILTER: Array<u64, { prefilter::WORDS as usize }> = Array::new();
+
+/// The pre-filter's reply slots (`proxy_common::prefilter::reply_slot`):
+/// set by the programs for the flows they create, cleared a generation at a
+/// time by the agent, which maps the array to write single bytes.
+#[btf_map]
+pub static PREFILTER_REPLIES: Array<
+    u64,
+    { prefilter::REPLY_WORDS as usize },
+    { BPF_F_MMAPABLE as usize },
+> = Array::new();
 
 /// Datagrams whose first fragment was translated: their later fragments
 /// (no ports) get the same addresses.

@@ -34,7 +34,7 @@ const MORE_FRAGMENTS: u8 = 0b001;
 /// compiled for each family; the constants fold the other family's
 /// branches away.
 pub trait IpHeader {
-    type Addr: Copy + PartialEq + Default + AsRef<[u8]>;
+    type Addr: Copy + PartialEq + Default + AsRef<[u8]> + proxy_common::prefilter::Address;
     type Tuple: CtTuple<Addr = Self::Addr>;
     const SADDR: usize;
     const DADDR: usize;

@@ -594,7 +594,14 @@ pub fn iptables_backends(sizes: &[usize], full: bool) -> anyhow::Result<()> {
 
 const PACKET_BENCH: &str = "target/release/examples/packet_bench";
 /// The figures `packet_bench` prints.
-const PER_PACKET: [&str; 4] = ["miss_ns", "node_port_new_ns", "cluster_ip_new_ns", "tracked_ns"];
+const PER_PACKET: [&str; 6] = [
+    "miss_ns",
+    "socket_lb_reply_ns",
+    "ipv6_miss_ns",
+    "node_port_new_ns",
+    "cluster_ip_new_ns",
+    "tracked_ns",
+];
 
 fn build_packet_bench() -> anyhow::Result<()> {
     crate::cargo(&[

@@ -21,6 +21,7 @@ pub mod explain;
 pub mod frontend_stats;
 pub mod prefilter;
 pub mod records;
+pub mod replies;
 pub mod sock_end;
 pub mod sync;
 
@@ -63,6 +64,7 @@ use carry::{Carry, Conversion, Pinned, STATE_MAPS};
 use departures::Departures;
 use entries::{BackendEntry, RevNatEntry, SlotKey};
 use prefilter::Prefilter;
+use replies::Replies;
 use sock_end::{Iterators, SocketDestroy, SocketEnding};
 pub use sync::{AffinityPurge, SyncError, SyncReport, SyncState};
 use sync::{BatchKind, MapOp, MapWriter, apply_each};
@@ -205,6 +207,7 @@ struct Maps {
     prefilter: Prefilter,
     /// `proxy-agent monitor`'s, pinned for it (`proxy_common::monitor`).
     monitor: [Map; 3],
+    replies: Replies,
 }
 
 impl Maps {
@@ -241,6 +244,8 @@ impl Maps {
                 take(map_names::MONITOR)?,
                 take(map_names::MONITOR_LOST)?,
             ],
+            replies: Replies::new(take(map_names::PREFILTER_REPLIES)?)
+                .map_err(|source| EbpfError::Map { name: map_names::PREFILTER_REPLIES, source })?,
         })
     }
 
@@ -258,7 +263,7 @@ impl Maps {
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 26] {
+    fn by_name(&self) -> [(&'static str, &Map); 27] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::BACKENDS, &self.backends),
@@ -275,6 +280,7 @@ impl Maps {
             (map_names::COUNTERS, &self.counters),
             (map_names::LAYOUT, &self.layout),
             (map_names::PREFILTER, self.prefilter.map()),
+            (map_names::PREFILTER_REPLIES, self.replies.map()),
             (map_names::SERVICES6, &self.services6),
             (map_names::BACKENDS6, &self.backends6),
             (map_names::REV_NAT6, &self.rev_nat6),
@@ -996,23 +1002,38 @@ impl EbpfBackend {
         }
     }
 
-    /// Sets the pre-filter bits of every flow in `CONNTRACK` (carried over
-    /// from a previous agent), so their packets keep reaching it.
+    /// Sets the pre-filter bits and reply slots of every flow in
+    /// `CONNTRACK` and `CONNTRACK6` (carried over from a previous agent), so
+    /// their packets keep reaching them.
     fn mark_flows(&mut self) -> Result<(), EbpfError> {
-        let entries =
-            conntrack_entries::<CtKey, CtEntry>(&self.maps.conntrack, map_names::CONNTRACK)?;
-        let bits = entries.iter().flat_map(|(key, entry)| prefilter::flow_bits(key, entry));
-        let name = map_names::PREFILTER;
-        self.maps.prefilter.set(bits).map_err(|source| EbpfError::Map { name, source })
+        let maps = &mut self.maps;
+        mark_flows::<CtKey, CtEntry>(
+            &maps.conntrack,
+            map_names::CONNTRACK,
+            &mut maps.prefilter,
+            &maps.replies,
+        )?;
+        mark_flows::<CtKey6, CtEntry6>(
+            &maps.conntrack6,
+            map_names::CONNTRACK6,
+            &mut maps.prefilter,
+            &maps.replies,
+        )
     }
 
-    /// Deletes expired flows (both directions, both families); returns
-    /// (deleted, left).
+    /// Deletes expired flows (both directions, both families), and rebuilds
+    /// a generation of the reply slots from the live ones (see
+    /// [`replies`]); returns (deleted, left).
     pub fn collect_conntrack(&mut self) -> Result<(usize, usize), EbpfError> {
         let now = crate::sys::monotonic_ns();
+        let generation = self.maps.replies.begin();
+        let slots = self.maps.replies.slots();
         let (v4, v6) = (&mut self.maps.conntrack, &mut self.maps.conntrack6);
-        let (deleted, left) = collect::<CtKey, CtEntry>(v4, map_names::CONNTRACK, now)?;
-        let (deleted6, left6) = collect::<CtKey6, CtEntry6>(v6, map_names::CONNTRACK6, now)?;
+        let (deleted, left) =
+            collect::<CtKey, CtEntry>(v4, map_names::CONNTRACK, now, &slots, generation)?;
+        let (deleted6, left6) =
+            collect::<CtKey6, CtEntry6>(v6, map_names::CONNTRACK6, now, &slots, generation)?;
+        self.maps.replies.done(generation);
         Ok((deleted + deleted6, left + left6))
     }
 
@@ -1147,17 +1168,54 @@ fn delete_conntrack<K: aya::Pod, V: aya::Pod>(
     Ok(deleted)
 }
 
-/// Deletes a conntrack map's expired flows; returns (deleted, left).
-fn collect<K, V>(map: &mut Map, name: &'static str, now: u64) -> Result<(usize, usize), EbpfError>
+/// Deletes a conntrack map's expired flows, marking the reply slots of the
+/// others in `generation`; returns (deleted, left).
+fn collect<K, V>(
+    map: &mut Map,
+    name: &'static str,
+    now: u64,
+    slots: &replies::Slots<'_>,
+    generation: replies::Generation,
+) -> Result<(usize, usize), EbpfError>
 where
-    K: CtTuple + Ord + aya::Pod,
+    K: CtTuple<Addr: proxy_common::prefilter::Address> + Ord + aya::Pod,
     V: CtValue<Key = K> + aya::Pod,
 {
     let entries = conntrack_entries::<K, V>(map, name)?;
     let stale = conntrack::expired(&entries, now);
+    for (key, entry) in &entries {
+        if let Some((addr, port)) = replies::reply_backend(key, entry)
+            && stale.binary_search(key).is_err()
+        {
+            slots.mark(generation, addr, port, key.proto());
+        }
+    }
     // A key the datapath gave a new flow meanwhile has a later expiry.
     let deleted = delete_conntrack(map, name, &stale, |_, e: &V| e.expires_ns() < now)?;
     Ok((deleted, entries.len().saturating_sub(deleted)))
+}
+
+/// Sets the pre-filter bits and reply slots (both generations) of every
+/// flow in a conntrack map.
+fn mark_flows<K, V>(
+    map: &Map,
+    name: &'static str,
+    prefilter: &mut Prefilter,
+    replies: &Replies,
+) -> Result<(), EbpfError>
+where
+    K: CtTuple<Addr: proxy_common::prefilter::Address> + aya::Pod,
+    V: CtValue<Key = K> + aya::Pod,
+{
+    let entries = conntrack_entries::<K, V>(map, name)?;
+    for (key, entry) in &entries {
+        if let Some((addr, port)) = replies::reply_backend(key, entry) {
+            replies.mark_both(addr, port, key.proto());
+        }
+    }
+    let bits = entries.iter().map(|(key, entry)| prefilter::flow_bit(key, entry));
+    let name = map_names::PREFILTER;
+    prefilter.set(bits).map_err(|source| EbpfError::Map { name, source })
 }
 
 /// Deletes a conntrack map's flows of departed (frontend, backend) pairs.
@@ -1268,6 +1326,17 @@ pub struct PacketRun {
 }
 
 impl EbpfBackend {
+    /// Whether replies from this backend endpoint reach the full path by
+    /// its reply slot (a per-packet flow not masqueraded goes to it, or a
+    /// collection has not yet cleared a slot it shares with one that did).
+    pub fn reply_slot_set(&self, addr: IpAddr, port: u16, proto: u8) -> bool {
+        let slots = self.maps.replies.slots();
+        match addr {
+            IpAddr::V4(ip) => slots.is_marked(ip.octets(), port, proto),
+            IpAddr::V6(ip) => slots.is_marked(ip.octets(), port, proto),
+        }
+    }
+
     /// Runs the per-packet program on `packet` `repeat` times in the kernel
     /// without sending anything (packet-level tests and benchmarks).
     pub fn run_tc(&mut self, packet: &[u8], repeat: u32) -> Result<PacketRun, EbpfError> {

@@ -1,16 +1,17 @@
 //! The per-packet programs' pre-filter (`PREFILTER`, see
-//! `proxy_common::prefilter`): the bits of every frontend and backend the
-//! maps name, set before the entry is written. Bits are never cleared while
-//! the agent runs: a flow outlives its frontend or backend (an established
-//! connection keeps its pod, as under kube-proxy), and its packets must keep
-//! finding it; a stale bit only sends some packets down the full path. A new
-//! agent starts from a clean bitmap and sets the bits of its plan and of the
-//! flows it carries over.
+//! `proxy_common::prefilter`): the bits of every frontend and host-network
+//! backend the maps name, of both families, set before the entry is
+//! written. Bits are never cleared while the agent runs: a flow outlives its
+//! frontend or backend (an established connection keeps its pod, as under
+//! kube-proxy), and its packets must keep finding it; a stale bit only sends
+//! some packets down the full path. A new agent starts from a clean bitmap
+//! and sets the bits of its plan and of the flows it carries over. (Replies
+//! of flows to other backends are asked of the reply slots: [`super::replies`].)
 
 use aya::maps::{Array, Map, MapError};
 use proxy_common::{
-    Backend, CT_FLAG_REPLY, CtEntry, CtKey, ServiceKey,
-    prefilter::{self, Kind, bit},
+    CT_FLAG_REPLY, CtTuple, CtValue,
+    prefilter::{self, Address, Kind, bit},
 };
 
 use super::{
@@ -47,44 +48,47 @@ impl Prefilter {
     }
 }
 
-/// The bits a map write needs set first: a frontend's, a backend's. The
-/// bitmap is of the IPv4 family (IPv6 packets take the full path).
+/// The bits a map write needs set first: a frontend's, a host-network
+/// backend's (whose replies the node's stack sends, through `tc_egress`).
 pub fn bits_of(op: &MapOp) -> Vec<u32> {
     match op {
-        MapOp::PutService { key: SlotKey::V4(key), .. } => vec![frontend_bit(key)],
-        MapOp::PutBackend { backend: BackendEntry::V4(backend), .. } => backend_bits(backend),
+        MapOp::PutService { key: SlotKey::V4(key), .. } => {
+            vec![bit(Kind::Frontend, key.address, key.port, key.proto)]
+        }
+        MapOp::PutService { key: SlotKey::V6(key), .. } => {
+            vec![bit(Kind::Frontend, key.address, key.port, key.proto)]
+        }
+        MapOp::PutBackend { backend: BackendEntry::V4(b), .. } if b.flags.is_host() => {
+            vec![bit(Kind::HostBackend, b.address, b.port, b.proto)]
+        }
+        MapOp::PutBackend { backend: BackendEntry::V6(b), .. } if b.flags.is_host() => {
+            vec![bit(Kind::HostBackend, b.address, b.port, b.proto)]
+        }
         _ => Vec::new(),
     }
 }
 
-fn frontend_bit(key: &ServiceKey) -> u32 {
-    bit(Kind::Frontend, key.address, key.port, key.proto)
-}
-
-fn backend_bits(backend: &Backend) -> Vec<u32> {
-    let at = |kind| bit(kind, backend.address, backend.port, backend.proto);
-    let mut bits = vec![at(Kind::Backend)];
-    if backend.flags.is_host() {
-        bits.push(at(Kind::HostBackend));
+/// The bit that keeps a carried flow's packets on the full path: its
+/// requests go to the frontend; its replies come from the backend, which
+/// may be on the host network (the flag is not in the entry; replies from
+/// other backends are marked in the reply slots).
+pub fn flow_bit<K, V>(key: &K, entry: &V) -> u32
+where
+    K: CtTuple<Addr: Address>,
+    V: CtValue<Key = K>,
+{
+    if entry.flags() & CT_FLAG_REPLY == 0 {
+        bit(Kind::Frontend, key.daddr(), key.dport(), key.proto())
+    } else {
+        bit(Kind::HostBackend, key.saddr(), key.sport(), key.proto())
     }
-    bits
-}
-
-/// The bits that keep a carried flow's packets on the full path: its
-/// requests go to the frontend, its replies come from the backend (which may
-/// be on the host network: the flag is not in the entry, so both bits).
-pub fn flow_bits(key: &CtKey, entry: &CtEntry) -> Vec<u32> {
-    if entry.flags & CT_FLAG_REPLY == 0 {
-        return vec![bit(Kind::Frontend, key.daddr, key.dport, key.proto)];
-    }
-    [Kind::Backend, Kind::HostBackend]
-        .map(|kind| bit(kind, key.saddr, key.sport, key.proto))
-        .to_vec()
 }
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{BackendFlags, IPPROTO_TCP, ServiceValue};
+    use proxy_common::{
+        Backend, BackendFlags, CtEntry, CtKey, IPPROTO_TCP, ServiceKey, ServiceKey6, ServiceValue,
+    };
 
     use super::*;
 
@@ -100,28 +104,32 @@ mod tests {
             value: ServiceValue::default(),
         };
         assert_eq!(bits_of(&put), [bit(Kind::Frontend, vip, 80, IPPROTO_TCP)]);
+        let vip6 = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10];
+        let put = MapOp::PutService {
+            key: SlotKey::V6(ServiceKey6::new(vip6, 80, IPPROTO_TCP, 0)),
+            value: ServiceValue::default(),
+        };
+        assert_eq!(bits_of(&put), [bit(Kind::Frontend, vip6, 80, IPPROTO_TCP)]);
         let pod = [10, 244, 1, 2];
         let mut backend =
             Backend { address: pod, port: 8080, proto: IPPROTO_TCP, ..Default::default() };
         let put = MapOp::PutBackend { id: 1, backend: BackendEntry::V4(backend) };
-        assert_eq!(bits_of(&put), [bit(Kind::Backend, pod, 8080, IPPROTO_TCP)]);
+        assert!(bits_of(&put).is_empty(), "a pod's replies are asked of its reply slot");
         backend.flags = BackendFlags::default().with_host(true);
         let put = MapOp::PutBackend { id: 1, backend: BackendEntry::V4(backend) };
-        assert_eq!(bits_of(&put)[1], bit(Kind::HostBackend, pod, 8080, IPPROTO_TCP));
+        assert_eq!(bits_of(&put), [bit(Kind::HostBackend, pod, 8080, IPPROTO_TCP)]);
         let family = crate::model::IpFamily::V4;
         assert!(bits_of(&MapOp::DeleteBackend { id: 1, family }).is_empty());
     }
 
     #[test]
-    fn carried_flows_keep_requests_and_replies_inspected() {
+    fn carried_flows_keep_requests_and_host_network_replies_inspected() {
         let (client, vip, pod) = ([10, 244, 1, 5], [10, 96, 0, 10], [10, 244, 2, 2]);
         let forward = CtEntry::new(0, &key(client, 40000, pod, 8080), 1, 0);
         let request = key(client, 40000, vip, 80);
-        assert_eq!(flow_bits(&request, &forward), [bit(Kind::Frontend, vip, 80, IPPROTO_TCP)]);
+        assert_eq!(flow_bit(&request, &forward), bit(Kind::Frontend, vip, 80, IPPROTO_TCP));
         let reply = CtEntry::new(0, &key(vip, 80, client, 40000), 1, CT_FLAG_REPLY);
         let from_pod = key(pod, 8080, client, 40000);
-        let bits = flow_bits(&from_pod, &reply);
-        assert_eq!(bits[0], bit(Kind::Backend, pod, 8080, IPPROTO_TCP));
-        assert_eq!(bits[1], bit(Kind::HostBackend, pod, 8080, IPPROTO_TCP));
+        assert_eq!(flow_bit(&from_pod, &reply), bit(Kind::HostBackend, pod, 8080, IPPROTO_TCP));
     }
 }
