@@ -107,6 +107,22 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     for line in lab.inspect_on(0, &["lb", "list"])?.lines() {
         println!("   {line}");
     }
+    let explain = [
+        "explain",
+        "--proto",
+        "tcp",
+        "--from",
+        "192.168.100.101:40000",
+        "--to",
+        "192.168.100.11:30080",
+    ];
+    println!(
+        "\n== proxy-agent {} (what the datapath would do with that packet)",
+        explain.join(" ")
+    );
+    for line in lab.inspect_on(0, &explain)?.lines() {
+        println!("   {line}");
+    }
     match mode {
         Mode::Ebpf => show_maps(&lab)?,
         Mode::Iptables => show_rules(&lab)?,
