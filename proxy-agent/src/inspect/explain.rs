@@ -256,7 +256,7 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
                 }
                 .into(),
             );
-            x.action = "dropped".into();
+            x.action = "discarded, nothing answers (TC_ACT_SHOT)".into();
         }
         None if run.verdict == NEXT => {
             x.reason = Some(match x.frontend.is_some() && query.replies_only {
@@ -333,7 +333,7 @@ pub fn explain_rules(query: &Query, save: &str, local: &[Ipv4Addr]) -> Explanati
         Walked::Dropped(comment) => {
             x.outcome = "dropped";
             x.reason = Some(reason(&comment).into());
-            x.action = "dropped".into();
+            x.action = "discarded, nothing answers (filter DROP)".into();
         }
         Walked::Passed => x.reason = Some(PASSED.into()),
     }
