@@ -157,6 +157,11 @@ fn main() -> anyhow::Result<()> {
         );
     }
     dp.sync(&plan, None)?;
+    // A new datapath inspects every backend's replies until two conntrack
+    // collections have cleared the reply slots of no flow, as an agent's do.
+    for _ in 0..2 {
+        dp.collect_conntrack()?;
+    }
     let mut watch = dp.watch()?;
     if monitor {
         watch.set_deadline(u64::MAX)?;

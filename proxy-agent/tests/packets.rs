@@ -273,9 +273,15 @@ fn replies_reach_the_full_path_only_from_backends_with_per_packet_flows() {
     ]);
     let pod_replies = |dp: &mut EbpfBackend, p: &[u8]| dp.run_tc_pod_replies(p, 1).unwrap();
     let (pod, client) = (IpAddr::from(POD), [10, 244, 1, 5]);
+    // A new datapath inspects every reply (the flows it may have carried
+    // over), until two collections have rebuilt both generations.
+    assert!(dp.reply_slot_set(pod, 8080, TCP));
+    dp.collect_conntrack().unwrap();
+    assert!(dp.reply_slot_set(pod, 8080, TCP), "one generation still all set");
+    dp.collect_conntrack().unwrap();
     // A socket-LB connection: the backend answers a client directly.
     let socket_lb_reply = tcp((POD, 8080), (client, 50000), SYN | ACK);
-    assert!(!dp.reply_slot_set(pod, 8080, TCP), "no per-packet flow yet");
+    assert!(!dp.reply_slot_set(pod, 8080, TCP), "no per-packet flow");
     for out in [pod_replies(&mut dp, &socket_lb_reply), run(&mut dp, &socket_lb_reply)] {
         assert_eq!((out.verdict, &out.packet), (NEXT, &socket_lb_reply));
     }
@@ -323,6 +329,9 @@ fn ipv6_replies_reach_the_full_path_only_from_backends_with_per_packet_flows() {
     client[15] = 5;
     let pod = IpAddr::from(POD6);
     let socket_lb_reply = tcp6((POD6, 8080), (client, 50000), SYN | ACK);
+    for _ in 0..2 {
+        dp.collect_conntrack().unwrap();
+    }
     assert!(!dp.reply_slot_set(pod, 8080, TCP));
     let miss = tcp6((client, 40000), (CLUSTER_IP6, 22), SYN);
     for p in [&socket_lb_reply, &miss] {

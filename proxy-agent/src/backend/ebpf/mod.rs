@@ -1002,23 +1002,13 @@ impl EbpfBackend {
         }
     }
 
-    /// Sets the pre-filter bits and reply slots of every flow in
-    /// `CONNTRACK` and `CONNTRACK6` (carried over from a previous agent), so
-    /// their packets keep reaching them.
+    /// Sets the pre-filter bits of every flow in `CONNTRACK` and
+    /// `CONNTRACK6` (carried over from a previous agent), so their packets
+    /// keep reaching them (the reply slots start all set: [`replies`]).
     fn mark_flows(&mut self) -> Result<(), EbpfError> {
         let maps = &mut self.maps;
-        mark_flows::<CtKey, CtEntry>(
-            &maps.conntrack,
-            map_names::CONNTRACK,
-            &mut maps.prefilter,
-            &maps.replies,
-        )?;
-        mark_flows::<CtKey6, CtEntry6>(
-            &maps.conntrack6,
-            map_names::CONNTRACK6,
-            &mut maps.prefilter,
-            &maps.replies,
-        )
+        mark_flows::<CtKey, CtEntry>(&maps.conntrack, map_names::CONNTRACK, &mut maps.prefilter)?;
+        mark_flows::<CtKey6, CtEntry6>(&maps.conntrack6, map_names::CONNTRACK6, &mut maps.prefilter)
     }
 
     /// Deletes expired flows (both directions, both families), and rebuilds
@@ -1195,24 +1185,17 @@ where
     Ok((deleted, entries.len().saturating_sub(deleted)))
 }
 
-/// Sets the pre-filter bits and reply slots (both generations) of every
-/// flow in a conntrack map.
+/// Sets the pre-filter bits of every flow in a conntrack map.
 fn mark_flows<K, V>(
     map: &Map,
     name: &'static str,
     prefilter: &mut Prefilter,
-    replies: &Replies,
 ) -> Result<(), EbpfError>
 where
     K: CtTuple<Addr: proxy_common::prefilter::Address> + aya::Pod,
     V: CtValue<Key = K> + aya::Pod,
 {
     let entries = conntrack_entries::<K, V>(map, name)?;
-    for (key, entry) in &entries {
-        if let Some((addr, port)) = replies::reply_backend(key, entry) {
-            replies.mark_both(addr, port, key.proto());
-        }
-    }
     let bits = entries.iter().map(|(key, entry)| prefilter::flow_bit(key, entry));
     let name = map_names::PREFILTER;
     prefilter.set(bits).map_err(|source| EbpfError::Map { name, source })

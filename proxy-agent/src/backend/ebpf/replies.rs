@@ -18,8 +18,10 @@
 //!   `BPF_F_MMAPABLE`, no syscall per slot): a store never rewrites its
 //!   neighbours, as an update of a whole 8-byte element would.
 //!
-//! A new agent starts from clear slots and marks those of the flows it
-//! carries over, in both generations, before its programs see packets.
+//! A new agent starts with every slot set, both generations, before its
+//! programs see packets: the flows it carries over, and those the previous
+//! agent's programs make until they are detached, keep their replies on the
+//! full path; its first two collections clear the slots of no flow.
 
 use std::{
     io,
@@ -116,7 +118,11 @@ impl Replies {
             let io_error = io::Error::last_os_error();
             return Err(MapError::SyscallError(aya::sys::SyscallError { call: "mmap", io_error }));
         };
-        Ok(Self { map, mapped, len, next: Generation(0) })
+        let replies = Self { map, mapped, len, next: Generation(0) };
+        for byte in replies.slots().0 {
+            byte.store(1, Relaxed);
+        }
+        Ok(replies)
     }
 
     pub fn map(&self) -> &Map {
@@ -126,14 +132,6 @@ impl Replies {
     pub fn slots(&self) -> Slots<'_> {
         // SAFETY: `len` mapped bytes, alive while `self` is.
         Slots(unsafe { std::slice::from_raw_parts(self.mapped.as_ptr(), self.len) })
-    }
-
-    /// Marks a carried flow in both generations.
-    pub fn mark_both<A: Address>(&self, addr: A, port: u16, proto: u8) {
-        let slots = self.slots();
-        for g in 0..2 {
-            slots.mark(Generation(g), addr, port, proto);
-        }
     }
 
     /// Clears the generation this collection rebuilds, before the flows are
