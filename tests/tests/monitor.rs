@@ -1,8 +1,9 @@
 //! `proxy-agent monitor` in the lab: a connection through a service per
 //! packet (from outside, to a NodePort) and one from a pod (eBPF: at
-//! `connect`), and one to a service without endpoints, each show up as a
+//! `connect`), one to a service without endpoints and one from outside to a
+//! NodePort of policy Local without a local endpoint, each show up as a
 //! line naming the service, with the tuple translated to the backend the
-//! connection reached, or the refusal and its reason; `--drops` and
+//! connection reached, or the refusal or drop and its reason; `--drops` and
 //! `--service` keep only what they name.
 
 use std::{
@@ -14,7 +15,7 @@ use proxy_lab::{Attempt, Lab, Pod, Setup, both_modes};
 use serde_json::Value;
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
-both_modes!(monitor_shows_translations_and_refusals_with_their_service);
+both_modes!(monitor_shows_translations_refusals_and_drops_with_their_service);
 
 /// A running monitor's lines (`-o json`), read by a thread of their own.
 struct Stream(mpsc::Receiver<Value>);
@@ -95,7 +96,7 @@ fn node_port_line(lab: &Lab, ext: &Pod, stream: &Stream) -> (Value, (String, Str
     panic!("no line of the NodePort connection");
 }
 
-fn monitor_shows_translations_and_refusals_with_their_service(setup: Setup) {
+fn monitor_shows_translations_refusals_and_drops_with_their_service(setup: Setup) {
     let mut lab = Lab::with(setup).unwrap();
     let pods = lab.add_web_pods(2, &[8080], &[]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
@@ -107,7 +108,15 @@ fn monitor_shows_translations_and_refusals_with_their_service(setup: Setup) {
     let endpoints = pods.iter().map(|p| ep(&p.ip).ready(true).node("lab-node"));
     let slice = web.slice().port("http", 8080, Tcp).endpoints(endpoints);
     let empty = service("demo", "empty").cluster_ip("10.96.0.11").port(port("http", 80));
-    lab.write_manifest(&manifest(&[&web, &slice, &empty])).unwrap();
+    // Policy Local with its only endpoint on another node: dropped here.
+    let far = service("demo", "far")
+        .node_port_type()
+        .cluster_ip("10.96.0.12")
+        .port(port("http", 80).target(8080).node_port(30081))
+        .external_policy("Local");
+    let elsewhere = [ep("10.244.2.3").ready(true).node("other-node")];
+    let far_slice = far.slice().port("http", 8080, Tcp).endpoints(elsewhere);
+    lab.write_manifest(&manifest(&[&web, &slice, &empty, &far, &far_slice])).unwrap();
     lab.start_agent(&[]).unwrap();
     let refuse = ["--timeout-ms", "1000", "tcp", "10.96.0.11:80", "1"];
 
@@ -148,4 +157,14 @@ fn monitor_shows_translations_and_refusals_with_their_service(setup: Setup) {
     assert!(matches!(attempts.as_slice(), [Attempt::Err { .. }]), "{attempts:?}");
     let refusal = all.find(Duration::from_secs(10), |l| is(l, "demo/empty:http", "refused"));
     assert_eq!(refusal.expect("a line of the refusal")["reason"], "no endpoint");
+
+    // A drop: from outside to the Local NodePort, no endpoint on this node.
+    let far = ["--timeout-ms", "500", "tcp", "192.168.100.11:30081", "1"];
+    let attempts = lab.client_outside(&ext, &far).unwrap();
+    assert!(matches!(attempts.as_slice(), [Attempt::Err { .. }]), "{attempts:?}");
+    let drop = all.find(Duration::from_secs(10), |l| is(l, "demo/far:http", "dropped"));
+    let drop = drop.expect("a line of the drop");
+    assert_eq!(drop["reason"], "no local endpoint, policy Local", "{drop}");
+    // The rules name a NodePort on every local address: `-> *:30081`.
+    assert!(drop["before"].as_str().unwrap().ends_with(":30081"), "{drop}");
 }
