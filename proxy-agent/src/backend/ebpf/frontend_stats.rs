@@ -69,8 +69,11 @@ pub fn read(root: &Path) -> Result<Snapshot, EbpfError> {
 
 /// Deletes `id`'s counters (absent: it saw no traffic).
 pub fn remove(map: &mut Map, id: u32) -> Result<(), MapError> {
+    // The kernel answers a missing key with ENOENT (aya passes it on as a
+    // failed syscall, not `KeyNotFound`).
     match PerCpuHashMap::<_, u32, FrontendStats>::try_from(map)?.remove(&id) {
         Err(MapError::KeyNotFound) => Ok(()),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         other => other,
     }
 }
