@@ -72,7 +72,11 @@ pub fn getpeername6(ctx: SockAddrContext) -> i32 {
 }
 
 /// Ingress of node and pod interfaces: per-packet service translation.
+/// Inlined into the entry the macro wraps it in: left a call of its own
+/// (LLVM's choice once the path grew), every packet paid the call before
+/// the pre-filter, a miss 38 -> 45 ns.
 #[classifier]
+#[inline(always)]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     tc_lb::try_ingress(&ctx, Scope::Everything)
 }
