@@ -12,7 +12,9 @@ use aya::{
     maps::{Array, Map, MapData},
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
 };
-use proxy_common::{Layouts, explain::MAGIC, map_names};
+use proxy_common::{
+    Layouts, TC6_INGRESS, TC6_POD_REPLIES, TC6_PROGRAMS, explain::MAGIC, map_names,
+};
 
 use super::{EbpfError, OBJECT, TC_INGRESS, TC_POD_REPLIES, io_err, program, sock_end};
 
@@ -47,8 +49,8 @@ pub struct Explainer {
 impl Explainer {
     /// Loads the per-packet programs with every map pinned under `root`
     /// but `TC6` (the running IPv6 programs, which an older agent's build
-    /// could not tell an explain run from a real packet): an IPv6 packet
-    /// passes untouched here.
+    /// could not tell an explain run from a real packet): an IPv6 packet is
+    /// run through this build's IPv6 programs directly ([`ingress6`]).
     pub fn load(root: &Path) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
         let dir = root.join("maps");
@@ -75,7 +77,7 @@ impl Explainer {
         }
         let kernel_btf = aya::Btf::from_sys_fs().ok();
         let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
-        for name in [TC_INGRESS, TC_POD_REPLIES] {
+        for name in [TC_INGRESS, TC_POD_REPLIES, ingress6(TC_INGRESS), ingress6(TC_POD_REPLIES)] {
             program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
@@ -83,7 +85,8 @@ impl Explainer {
         Ok(Explainer { ebpf })
     }
 
-    /// Runs `program` (`tc_ingress` or `tc_pod_replies`) on `packet` as if
+    /// Runs `program` (`tc_ingress` or `tc_pod_replies`, or their
+    /// [`ingress6`] twin for an IPv6 packet) on `packet` as if
     /// it came in on the interface `ifindex` (0: loopback).
     pub fn run(
         &mut self,
@@ -94,6 +97,12 @@ impl Explainer {
         let prog = program::<SchedClassifier>(&mut self.ebpf, name)?;
         test_run(prog, packet, ifindex).map_err(|source| EbpfError::Program { name, source })
     }
+}
+
+/// The IPv6 program the IPv4 ingress program `name` tail-calls (`TC6`).
+pub fn ingress6(name: &'static str) -> &'static str {
+    let slot = if name == TC_POD_REPLIES { TC6_POD_REPLIES } else { TC6_INGRESS };
+    TC6_PROGRAMS[slot as usize]
 }
 
 /// One explain run of a loaded tc program.
