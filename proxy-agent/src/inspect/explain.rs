@@ -301,13 +301,11 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
         Some((Decided::Refused, _)) => {
             x.outcome = "refused";
             x.reason = Some(NO_ENDPOINT.into());
-            x.action = match query.proto {
-                Protocol::Tcp => "answered with a TCP reset, out of the interface it came in on",
-                Protocol::Udp => {
-                    "answered with ICMP port unreachable, out of the interface it came in on"
-                }
-            }
-            .into();
+            let answer = match query.proto {
+                Protocol::Tcp => "a TCP reset".into(),
+                Protocol::Udp => port_unreachable(query),
+            };
+            x.action = format!("answered with {answer}, out of the interface it came in on");
         }
         Some((decided, _)) => {
             x.outcome = "dropped";
@@ -388,11 +386,9 @@ pub fn explain_rules(query: &Query, save: &str, local: &[IpAddr]) -> Explanation
         Walked::Refused(comment) => {
             x.outcome = "refused";
             x.reason = Some(reason(&comment).into());
-            x.action = match query.proto {
-                Protocol::Tcp => "answered with a TCP reset (filter REJECT)",
-                Protocol::Udp => "answered with ICMP port unreachable (filter REJECT)",
-            }
-            .into();
+            // kube-proxy's REJECT has no --reject-with: TCP too gets the
+            // ICMP error.
+            x.action = format!("answered with {} (filter REJECT)", port_unreachable(query));
         }
         Walked::Dropped(comment) => {
             x.outcome = "dropped";
@@ -403,6 +399,12 @@ pub fn explain_rules(query: &Query, save: &str, local: &[IpAddr]) -> Explanation
     }
     x.notes.push("a packet of a connection netfilter already tracks follows its conntrack entry, not these rules (see ct list)".into());
     x
+}
+
+/// The ICMP error of a closed port, of the query's family.
+fn port_unreachable(query: &Query) -> String {
+    let icmp = if query.to.is_ipv4() { "ICMP" } else { "ICMPv6" };
+    format!("{icmp} port unreachable")
 }
 
 /// What the program does with a packet it translated.
@@ -635,6 +637,10 @@ fd000000000000020000000000000000 40 00000000000000000000000000000000 00 00000000
         let x = explain(&query("10.96.0.99:80"), &run(NEXT, 0, packet.clone()), &entries);
         assert_eq!((x.outcome, x.frontend), ("passed", None));
         assert_eq!(x.reason.as_deref(), Some(PASSED));
+        let q6 = Query { proto: Protocol::Udp, ..query("[fd00:96::10]:53") };
+        let q6 = Query { from: addr("[fd00::5]:40000"), ..q6 };
+        let x = explain(&q6, &run(REDIRECT, refused, packet.clone()), &entries);
+        assert!(x.action.starts_with("answered with ICMPv6 port unreachable"), "{}", x.action);
         let x = explain(&q, &run(STACK, 0, packet), &entries);
         assert_eq!(x.outcome, "tracked");
         assert_eq!(x.translated.as_deref(), Some("tcp 10.96.0.10:80 -> 192.168.1.5:40000"));
@@ -663,6 +669,7 @@ COMMIT
         assert!(x.notes[0].ends_with("10.244.1.2:80 50%, 10.244.2.2:80 50%"), "{:?}", x.notes);
         let x = explain_rules(&query("10.96.0.12:80"), save, &local);
         assert_eq!((x.outcome, x.reason.as_deref()), ("refused", Some(NO_ENDPOINT)));
+        assert_eq!(x.action, "answered with ICMP port unreachable (filter REJECT)", "TCP too");
         let x = explain_rules(&query("10.96.0.99:80"), save, &local);
         assert_eq!((x.outcome, x.reason.as_deref()), ("passed", Some(PASSED)));
     }

@@ -986,6 +986,7 @@ COMMIT
         assert!(x.snat.is_some_and(|s| s.starts_with("MASQUERADE")));
         let x = explain_rules(&query("[fd00:96::51]:80"), &save, &local);
         assert_eq!((x.outcome, x.reason.as_deref()), ("refused", Some(NO_ENDPOINT)), "{save}");
+        assert_eq!(x.action, "answered with ICMPv6 port unreachable (filter REJECT)");
         // Not a node address: no NodePort.
         let x = explain_rules(&query("[fd00:100::99]:30080"), &save, &local);
         assert_eq!(x.outcome, "passed");
