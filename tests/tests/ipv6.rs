@@ -419,7 +419,7 @@ fn explain_ipv6_agrees_with_real_packets(setup: Setup) {
     if ebpf {
         assert!(pods.contains(&text(&node_port["picked"])), "{node_port}");
         assert_eq!(text(&node_port["snat"]), NODE6, "{node_port}");
-        assert!(text(&node_port["program"]).starts_with("tc_ingress6 on "), "{node_port}");
+        assert!(text(&node_port["program"]).starts_with("tc_ingress on "), "{node_port}");
     } else {
         assert!(text(&node_port["snat"]).starts_with("MASQUERADE"), "{node_port}");
         assert!(text(&node_port["program"]).starts_with("ip6tables"), "{node_port}");

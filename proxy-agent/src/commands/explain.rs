@@ -18,10 +18,7 @@ use clap::Args;
 
 use crate::{
     backend::{
-        ebpf::{
-            TC_INGRESS, TC_POD_REPLIES,
-            explain::{Explainer, ingress6},
-        },
+        ebpf::{TC_INGRESS, TC_POD_REPLIES, explain::Explainer},
         iptables::exec::{Runner as _, System, Xtables},
     },
     cli::{InspectArgs, InspectMode, Output},
@@ -131,28 +128,17 @@ fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Resu
             root.display()
         )
     })?;
-    // The IPv4 program tail-calls its IPv6 twin after the pre-filter: an
-    // IPv6 packet is run through the twin itself.
-    let (name, prefilter) = match to {
-        SocketAddr::V4(_) => (program, None),
-        SocketAddr::V6(_) => (
-            ingress6(program),
-            Some(format!(
-                "explained with {program}'s IPv6 program, entered after the pre-filter, which is not run here"
-            )),
-        ),
-    };
-    let run = explainer.run(name, &craft(args.proto, from, to), ifindex)?;
+    let run = explainer.run(program, &craft(args.proto, from, to), ifindex)?;
     let entries = inspect::maps::read_pinned(root)?;
     let query = Query {
         proto: args.proto,
         from,
         to,
-        program: format!("{name} on {interface}"),
+        program: format!("{program} on {interface}"),
         replies_only: program == TC_POD_REPLIES,
     };
     let mut x = explain(&query, &run, &entries);
-    x.notes.extend(note.into_iter().chain(prefilter));
+    x.notes.extend(note);
     // Where the FIB lookup sends it: the route to its new destination.
     if run.verdict == REDIRECT
         && matches!(x.outcome, "translated" | "tracked")
