@@ -40,7 +40,8 @@ pub struct ExplainArgs {
     /// tcp or udp
     #[arg(long, value_name = "PROTO", value_parser = protocol)]
     pub proto: Protocol,
-    /// The client: IP, or IP:PORT (without a port, an ephemeral one)
+    /// The client: IP, or IP:PORT ([IPv6]:PORT) (without a port, an ephemeral
+    /// one); of the same family as --to
     #[arg(long, value_name = "IP[:PORT]", value_parser = client)]
     pub from: (IpAddr, Option<u16>),
     /// Where the packet is sent
