@@ -424,6 +424,14 @@ fn explain_ipv6_agrees_with_real_packets(setup: Setup) {
         assert!(text(&node_port["snat"]).starts_with("MASQUERADE"), "{node_port}");
         assert!(text(&node_port["program"]).starts_with("ip6tables"), "{node_port}");
     }
+    // The text, a field a line.
+    let from = at(EXT6, 40000);
+    let args = ["explain", "--proto", "tcp", "--from", &from, "--to", &at(NODE6, 30080)];
+    let table = c.lab.inspect_on(0, &args).unwrap();
+    println!("{table}");
+    for field in ["packet:", "program:", "frontend:", "backends:", "snat:", "verdict:"] {
+        assert!(table.lines().any(|l| l.starts_with(field)), "{field} in {table}");
+    }
     let real = c.lab.client_outside(&c.ext, &["tcp", &at(NODE6, 30080), "10"]).unwrap();
     for (_, peer, _) in answers(&real) {
         assert_eq!(peer, NODE6.parse::<IpAddr>().unwrap(), "the SNAT explain named");
