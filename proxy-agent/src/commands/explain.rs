@@ -85,7 +85,8 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The iptables mode: the rules `iptables-save` prints, walked.
+/// The iptables mode: the rules `iptables-save` (`ip6tables-save`) prints,
+/// walked.
 fn rules(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result<Explanation> {
     let (family, tool) = match to {
         SocketAddr::V4(_) => (IpFamily::V4, "iptables"),
