@@ -889,6 +889,31 @@ fn ipv6_node_port_flow_is_snated_and_translated_back_with_valid_checksums() {
     assert_eq!(v4.verdict, NEXT);
 }
 
+/// An IPv6 explain run (the frame `explain` crafts) takes the IPv4
+/// program's pre-filter and tail call, as a real packet does; the IPv6
+/// program leaves its decision in `cb` and no flow behind.
+#[test]
+fn ipv6_explain_runs_decide_without_leaving_state() {
+    use proxy_agent::inspect::explain::craft;
+    let mut dp = datapath(vec![
+        (frontend(NODE6, 30080, Protocol::Tcp), frontend_plan(&[(POD6, 8080)], true, &[])),
+        (frontend(NODE6, 30081, Protocol::Tcp), frontend_plan::<[u8; 16]>(&[], true, &[])),
+    ]);
+    let at = |ip: [u8; 16], port| SocketAddr::from((ip, port));
+    let syn = |port| craft(Protocol::Tcp, at(CLIENT6, 40000), at(NODE6, port));
+    let out = dp.explain_tc(&syn(30080)).unwrap();
+    assert_eq!(out.verdict, STACK);
+    assert_eq!(decode(out.cb[2]), Some((Decided::Translated, SNAT)));
+    assert_ne!(out.cb[3], 0, "the frontend's reverse-NAT id");
+    assert_eq!(tuple6(&out.packet), ((NODE6, 40000), (POD6, 8080)), "no SNAT port chosen");
+    assert_checksums6(&out.packet);
+    let refused = dp.explain_tc(&syn(30081)).unwrap();
+    assert_eq!(refused.verdict, REDIRECT);
+    assert_eq!(decode(refused.cb[2]), Some((Decided::Refused, 0)));
+    assert_eq!(refused.packet[54 + 13], RST | ACK);
+    assert_eq!(dp.collect_conntrack().unwrap(), (0, 0), "no flow created");
+}
+
 #[test]
 fn ipv6_cluster_ip_datagrams_from_a_pod_keep_its_address_and_come_back_from_the_service() {
     let mut dp = datapath(vec![(

@@ -28,6 +28,7 @@ both_modes!(
     ipv6_connected_udp_sockets_move_off_a_removed_endpoint,
     an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains,
     lb_and_ct_list_show_both_families,
+    explain_ipv6_agrees_with_real_packets,
 );
 
 const NODE6: &str = "fd00:100::11";
@@ -385,4 +386,64 @@ fn lb_and_ct_list_show_both_families(setup: Setup) {
         );
         assert_eq!(row["backend"], "[fd00:244:1::4]:5353", "{flows}");
     }
+}
+
+/// `proxy-agent explain` of an IPv6 packet, JSON.
+fn explain(lab: &Lab, from: &str, to: &str) -> serde_json::Value {
+    let args = ["explain", "--proto", "tcp", "--from", from, "--to", to, "-o", "json"];
+    let json = lab.inspect_on(0, &args).unwrap();
+    serde_json::from_str(&json).expect(&json)
+}
+
+/// Explain of IPv6 packets (issue 13) agrees with real ones: an IPv6
+/// NodePort of policy Cluster from the external client is translated with
+/// SNAT to the node's IPv6 address, a NodePort without endpoints refused;
+/// explain runs first and, in the eBPF mode, leaves no flow behind.
+fn explain_ipv6_agrees_with_real_packets(setup: Setup) {
+    let np = node_ports(dual("np", "10.96.0.11", "fd00:96::11"), 30080, 30053);
+    let docs = over(np, "np", &["a", "b"], &["a", "b"]) + "---\n" + &empty_service();
+    let c = dual_lab(setup, &docs);
+    let ebpf = setup.mode == Mode::Ebpf;
+    let flows = || ebpf.then(|| c.lab.inspect_on(0, &["ct", "list", "-o", "json"]).unwrap());
+    let before = flows();
+    let node_port = explain(&c.lab, EXT6, &at(NODE6, 30080));
+    let empty = explain(&c.lab, EXT6, &at(NODE6, 30090));
+    assert_eq!(flows(), before, "explain left no flow");
+
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+    let pods = BTreeSet::from(["[fd00:244:1::2]:8080".to_string(), "[fd00:244:1::3]:8080".into()]);
+    assert_eq!(text(&node_port["outcome"]), "translated", "{node_port}");
+    assert_eq!(text(&node_port["frontend"]["kind"]), "NodePort", "{node_port}");
+    let candidates = node_port["backends"].as_array().unwrap().iter();
+    assert_eq!(candidates.map(|b| text(&b["address"])).collect::<BTreeSet<_>>(), pods);
+    if ebpf {
+        assert!(pods.contains(&text(&node_port["picked"])), "{node_port}");
+        assert_eq!(text(&node_port["snat"]), NODE6, "{node_port}");
+        assert!(text(&node_port["program"]).starts_with("tc_ingress on "), "{node_port}");
+    } else {
+        assert!(text(&node_port["snat"]).starts_with("MASQUERADE"), "{node_port}");
+        assert!(text(&node_port["program"]).starts_with("ip6tables"), "{node_port}");
+    }
+    // The text, a field a line.
+    let from = at(EXT6, 40000);
+    let args = ["explain", "--proto", "tcp", "--from", &from, "--to", &at(NODE6, 30080)];
+    let table = c.lab.inspect_on(0, &args).unwrap();
+    println!("{table}");
+    for field in ["packet:", "program:", "frontend:", "backends:", "snat:", "verdict:"] {
+        assert!(table.lines().any(|l| l.starts_with(field)), "{field} in {table}");
+    }
+    let real = c.lab.client_outside(&c.ext, &["tcp", &at(NODE6, 30080), "10"]).unwrap();
+    for (_, peer, _) in answers(&real) {
+        assert_eq!(peer, NODE6.parse::<IpAddr>().unwrap(), "the SNAT explain named");
+    }
+
+    assert_eq!(text(&empty["outcome"]), "refused", "{empty}");
+    let answer = if ebpf { "TCP reset" } else { "ICMPv6 port unreachable" };
+    assert!(text(&empty["action"]).contains(answer), "{empty}");
+    refused(c.lab.client_outside(&c.ext, &["tcp", &at(NODE6, 30090), "1"]).unwrap(), 1500.0);
+
+    // Mixed families are refused with a message.
+    let mixed = ["explain", "--proto", "tcp", "--from", EXT6, "--to", "10.96.0.11:80"];
+    let err = c.lab.inspect_on(0, &mixed).unwrap_err().to_string();
+    assert!(err.contains("different IP families"), "{err}");
 }

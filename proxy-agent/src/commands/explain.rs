@@ -5,7 +5,7 @@
 
 use std::{
     hash::{BuildHasher as _, Hasher as _},
-    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
     path::Path,
 };
 
@@ -25,7 +25,8 @@ use crate::{
     inspect::{
         self,
         explain::{
-            Explanation, Query, craft, explain, explain_rules, route_interface, text, tuple,
+            Explanation, Query, craft, explain, explain_rules, route_interface, route_interface6,
+            text, tuple,
         },
     },
     model::{IpFamily, Protocol},
@@ -39,7 +40,8 @@ pub struct ExplainArgs {
     /// tcp or udp
     #[arg(long, value_name = "PROTO", value_parser = protocol)]
     pub proto: Protocol,
-    /// The client: IP, or IP:PORT (without a port, an ephemeral one)
+    /// The client: IP, or IP:PORT ([IPv6]:PORT) (without a port, an ephemeral
+    /// one); of the same family as --to
     #[arg(long, value_name = "IP[:PORT]", value_parser = client)]
     pub from: (IpAddr, Option<u16>),
     /// Where the packet is sent
@@ -67,10 +69,11 @@ fn client(s: &str) -> Result<(IpAddr, Option<u16>), String> {
 }
 
 pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
-    let ((IpAddr::V4(from_ip), port), SocketAddr::V4(to)) = (args.from, args.to) else {
-        bail!("explain: only IPv4 packets are explained yet");
-    };
-    let from = SocketAddrV4::new(from_ip, port.unwrap_or_else(ephemeral_port));
+    let ((from_ip, port), to) = (args.from, args.to);
+    if from_ip.is_ipv4() != to.is_ipv4() {
+        bail!("explain: --from {from_ip} and --to {to} are of different IP families");
+    }
+    let from = SocketAddr::new(from_ip, port.unwrap_or_else(ephemeral_port));
     let x = match super::lb::mode(&args.inspect) {
         InspectMode::Iptables => rules(args, from, to)?,
         _ => program(args, from, to)?,
@@ -82,45 +85,41 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The iptables mode: the rules `iptables-save` prints, walked.
-fn rules(args: &ExplainArgs, from: SocketAddrV4, to: SocketAddrV4) -> anyhow::Result<Explanation> {
+/// The iptables mode: the rules `iptables-save` (`ip6tables-save`) prints,
+/// walked.
+fn rules(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result<Explanation> {
+    let (family, tool) = match to {
+        SocketAddr::V4(_) => (IpFamily::V4, "iptables"),
+        SocketAddr::V6(_) => (IpFamily::V6, "ip6tables"),
+    };
     let tools = System::new(Xtables::Auto.resolve(&mut System::default()));
-    let save = tools.for_family(IpFamily::V4).run("iptables-save", &[], None);
+    // The family's own tool: `iptables-save` is renamed for IPv6.
+    let save = tools.for_family(family).run("iptables-save", &[], None);
     let save = save.context("reading the rules")?;
-    let local: Vec<Ipv4Addr> = sys::interfaces()
+    let local: Vec<IpAddr> = sys::interfaces()
         .context("listing the node's addresses")?
         .into_values()
         .flatten()
-        .filter_map(|ip| match ip {
-            IpAddr::V4(ip) => Some(ip),
-            IpAddr::V6(_) => None,
-        })
+        .filter(|ip| ip.is_ipv4() == to.is_ipv4())
         .collect();
     let query = Query {
         proto: args.proto,
         from,
         to,
-        program: "iptables rules (nat KUBE-SERVICES, filter)".into(),
+        program: format!("{tool} rules (nat KUBE-SERVICES, filter)"),
         replies_only: false,
     };
     Ok(explain_rules(&query, &save, &local))
 }
 
 /// The eBPF mode: the program attached to the interface, run.
-fn program(
-    args: &ExplainArgs,
-    from: SocketAddrV4,
-    to: SocketAddrV4,
-) -> anyhow::Result<Explanation> {
-    let from_ip = *from.ip();
+fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result<Explanation> {
+    let from_ip = from.ip();
     let interface = match &args.interface {
         Some(interface) => interface.clone(),
-        None => std::fs::read_to_string("/proc/net/route")
-            .ok()
-            .and_then(|table| route_interface(&table, from_ip))
-            .with_context(|| {
-                format!("no route to {from_ip} here: name the interface (--interface)")
-            })?,
+        None => route(from_ip).with_context(|| {
+            format!("no route to {from_ip} here: name the interface (--interface)")
+        })?,
     };
     let ifindex = ifindex(&interface)?;
     let root = &args.inspect.pins.bpffs_root;
@@ -146,13 +145,21 @@ fn program(
     if run.verdict == REDIRECT
         && matches!(x.outcome, "translated" | "tracked")
         && let Some((_, _, dst)) = tuple(&run.packet)
-        && let Some(iface) = std::fs::read_to_string("/proc/net/route")
-            .ok()
-            .and_then(|table| route_interface(&table, *dst.ip()))
+        && let Some(iface) = route(dst.ip())
     {
         x.action = format!("{} through {iface}", x.action);
     }
     Ok(x)
+}
+
+/// The interface this node routes `ip` through (its family's route table).
+fn route(ip: IpAddr) -> Option<String> {
+    match ip {
+        IpAddr::V4(ip) => route_interface(&std::fs::read_to_string("/proc/net/route").ok()?, ip),
+        IpAddr::V6(ip) => {
+            route_interface6(&std::fs::read_to_string("/proc/net/ipv6_route").ok()?, ip)
+        }
+    }
 }
 
 /// The tc verdict of a redirect.

@@ -6,7 +6,7 @@
 
 use std::{
     fmt::Write as _,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
 use proxy_common::explain::{AFFINITY, Decided, SNAT, decode};
@@ -20,7 +20,9 @@ use crate::{backend::ebpf::explain::ExplainRun, model::Protocol};
 
 const ETH_LEN: usize = 14;
 const IP_LEN: usize = 20;
-const L4: usize = ETH_LEN + IP_LEN;
+const IP6_LEN: usize = 40;
+const ETH_IPV4: u16 = 0x0800;
+const ETH_IPV6: u16 = 0x86dd;
 const TCP: u8 = 6;
 const UDP: u8 = 17;
 const SYN: u8 = 0x02;
@@ -32,9 +34,10 @@ const SHOT: i32 = 2;
 const REDIRECT: i32 = 7;
 
 /// The packet a client would send to start a flow: a TCP SYN (with an MSS
-/// option, as real ones have) or a UDP datagram, in an Ethernet frame,
-/// with valid checksums.
-pub fn craft(proto: Protocol, from: SocketAddrV4, to: SocketAddrV4) -> Vec<u8> {
+/// option, as real ones have) or a UDP datagram, in an Ethernet frame over
+/// IPv4 or IPv6 (an IPv4 address of a mixed pair taken as IPv4-mapped: the
+/// caller refuses mixed families), with valid checksums.
+pub fn craft(proto: Protocol, from: SocketAddr, to: SocketAddr) -> Vec<u8> {
     let (number, rest) = match proto {
         // seq 1, data offset 6 words, SYN, window, checksum and urgent 0,
         // MSS 1460.
@@ -44,23 +47,83 @@ pub fn craft(proto: Protocol, from: SocketAddrV4, to: SocketAddrV4) -> Vec<u8> {
         // Length (8 + 4 bytes of payload), checksum 0, payload.
         Protocol::Udp => (UDP, vec![0, 12, 0, 0, b'p', b'i', b'n', b'g']),
     };
+    let mut l4 = Vec::with_capacity(4 + rest.len());
+    l4.extend_from_slice(&from.port().to_be_bytes());
+    l4.extend_from_slice(&to.port().to_be_bytes());
+    l4.extend_from_slice(&rest);
+    let (ethertype, ip) = match (from.ip(), to.ip()) {
+        (IpAddr::V4(src), IpAddr::V4(dst)) => (ETH_IPV4, ipv4_header(number, src, dst, l4.len())),
+        (src, dst) => (ETH_IPV6, ipv6_header(number, v6(src), v6(dst), l4.len())),
+    };
+    let (src, dst) = (ip_of(&ip, ethertype, 0), ip_of(&ip, ethertype, 1));
+    let at = if number == TCP { 16 } else { 6 };
+    let sum = fold(sum16(&pseudo_header(number, src, dst, l4.len())) + sum16(&l4));
+    // A UDP checksum of 0 would mean none (forbidden over IPv6).
+    let sum = if sum == 0 && number == UDP { 0xffff } else { sum };
+    l4[at..at + 2].copy_from_slice(&sum.to_be_bytes());
     let mut p = vec![0; ETH_LEN];
-    p[12..14].copy_from_slice(&[0x08, 0x00]);
-    let total = (IP_LEN + 4 + rest.len()) as u16;
+    p[12..14].copy_from_slice(&ethertype.to_be_bytes());
+    p.extend_from_slice(&ip);
+    p.extend_from_slice(&l4);
+    p
+}
+
+fn v6(ip: IpAddr) -> Ipv6Addr {
+    match ip {
+        IpAddr::V4(ip) => ip.to_ipv6_mapped(),
+        IpAddr::V6(ip) => ip,
+    }
+}
+
+fn ipv4_header(number: u8, src: Ipv4Addr, dst: Ipv4Addr, l4_len: usize) -> Vec<u8> {
     let mut ip = vec![0x45, 0, 0, 0, 0, 1, 0x40, 0, 64, number, 0, 0];
-    ip[2..4].copy_from_slice(&total.to_be_bytes());
-    ip.extend_from_slice(&from.ip().octets());
-    ip.extend_from_slice(&to.ip().octets());
+    ip[2..4].copy_from_slice(&((IP_LEN + l4_len) as u16).to_be_bytes());
+    ip.extend_from_slice(&src.octets());
+    ip.extend_from_slice(&dst.octets());
     let sum = fold(sum16(&ip));
     ip[10..12].copy_from_slice(&sum.to_be_bytes());
-    p.extend_from_slice(&ip);
-    p.extend_from_slice(&from.port().to_be_bytes());
-    p.extend_from_slice(&to.port().to_be_bytes());
-    p.extend_from_slice(&rest);
-    let at = L4 + if number == TCP { 16 } else { 6 };
-    let sum = fold(l4_sum(&p));
-    p[at..at + 2].copy_from_slice(&sum.to_be_bytes());
-    p
+    ip
+}
+
+fn ipv6_header(number: u8, src: Ipv6Addr, dst: Ipv6Addr, l4_len: usize) -> Vec<u8> {
+    // Version 6, no traffic class or flow label, payload length, next
+    // header, hop limit 64.
+    let mut ip = vec![0x60, 0, 0, 0, 0, 0, number, 64];
+    ip[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+    ip.extend_from_slice(&src.octets());
+    ip.extend_from_slice(&dst.octets());
+    ip
+}
+
+/// The source (`which` 0) or destination (1) address of an IP header.
+fn ip_of(ip: &[u8], ethertype: u16, which: usize) -> IpAddr {
+    if ethertype == ETH_IPV6 {
+        let o = 8 + 16 * which;
+        IpAddr::from(<[u8; 16]>::try_from(&ip[o..o + 16]).unwrap_or_default())
+    } else {
+        let o = 12 + 4 * which;
+        IpAddr::from(<[u8; 4]>::try_from(&ip[o..o + 4]).unwrap_or_default())
+    }
+}
+
+/// The pseudo-header the L4 checksum covers (RFC 793, RFC 8200 8.1).
+fn pseudo_header(number: u8, src: IpAddr, dst: IpAddr, l4_len: usize) -> Vec<u8> {
+    let mut pseudo = Vec::with_capacity(40);
+    match (src, dst) {
+        (IpAddr::V4(src), IpAddr::V4(dst)) => {
+            pseudo.extend_from_slice(&src.octets());
+            pseudo.extend_from_slice(&dst.octets());
+            pseudo.extend_from_slice(&[0, number]);
+            pseudo.extend_from_slice(&(l4_len as u16).to_be_bytes());
+        }
+        (src, dst) => {
+            pseudo.extend_from_slice(&v6(src).octets());
+            pseudo.extend_from_slice(&v6(dst).octets());
+            pseudo.extend_from_slice(&(l4_len as u32).to_be_bytes());
+            pseudo.extend_from_slice(&[0, 0, 0, number]);
+        }
+    }
+    pseudo
 }
 
 fn sum16(bytes: &[u8]) -> u32 {
@@ -74,24 +137,24 @@ fn fold(mut sum: u32) -> u16 {
     !(sum as u16)
 }
 
-/// The pseudo-header's and the L4 segment's sum.
-fn l4_sum(p: &[u8]) -> u32 {
-    let (ip, l4) = (&p[ETH_LEN..L4], &p[L4..]);
-    let mut pseudo = ip[12..20].to_vec();
-    pseudo.extend_from_slice(&[0, ip[9]]);
-    pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
-    sum16(&pseudo) + sum16(l4)
+/// Where a frame's IP header starts and ends, and its ethertype.
+fn ip_header(p: &[u8]) -> Option<(&[u8], u16)> {
+    let ethertype = u16::from_be_bytes([*p.get(12)?, *p.get(13)?]);
+    let len = if ethertype == ETH_IPV6 { IP6_LEN } else { IP_LEN };
+    Some((p.get(ETH_LEN..ETH_LEN + len)?, ethertype))
 }
 
-/// The IPv4 tuple of a frame: protocol, source, destination.
-pub fn tuple(p: &[u8]) -> Option<(u8, SocketAddrV4, SocketAddrV4)> {
-    let ip = p.get(ETH_LEN..L4 + 4)?;
-    let addr = |o: usize| Ipv4Addr::new(ip[o], ip[o + 1], ip[o + 2], ip[o + 3]);
-    let port = |o: usize| u16::from_be_bytes([ip[o], ip[o + 1]]);
+/// The tuple of a frame (IPv4, or IPv6 without extension headers):
+/// protocol, source, destination.
+pub fn tuple(p: &[u8]) -> Option<(u8, SocketAddr, SocketAddr)> {
+    let (ip, ethertype) = ip_header(p)?;
+    let number = if ethertype == ETH_IPV6 { ip[6] } else { ip[9] };
+    let ports = p.get(ETH_LEN + ip.len()..ETH_LEN + ip.len() + 4)?;
+    let port = |o: usize| u16::from_be_bytes([ports[o], ports[o + 1]]);
     Some((
-        ip[9],
-        SocketAddrV4::new(addr(12), port(IP_LEN)),
-        SocketAddrV4::new(addr(16), port(IP_LEN + 2)),
+        number,
+        SocketAddr::new(ip_of(ip, ethertype, 0), port(0)),
+        SocketAddr::new(ip_of(ip, ethertype, 1), port(2)),
     ))
 }
 
@@ -140,8 +203,9 @@ pub struct Matched {
 /// What was asked: the packet and where it runs.
 pub struct Query {
     pub proto: Protocol,
-    pub from: SocketAddrV4,
-    pub to: SocketAddrV4,
+    /// Of the same family.
+    pub from: SocketAddr,
+    pub to: SocketAddr,
     /// `tc_ingress on eth0`.
     pub program: String,
     /// The program translates tracked flows only (`tc_pod_replies`).
@@ -237,13 +301,11 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
         Some((Decided::Refused, _)) => {
             x.outcome = "refused";
             x.reason = Some(NO_ENDPOINT.into());
-            x.action = match query.proto {
-                Protocol::Tcp => "answered with a TCP reset, out of the interface it came in on",
-                Protocol::Udp => {
-                    "answered with ICMP port unreachable, out of the interface it came in on"
-                }
-            }
-            .into();
+            let answer = match query.proto {
+                Protocol::Tcp => "a TCP reset".into(),
+                Protocol::Udp => port_unreachable(query),
+            };
+            x.action = format!("answered with {answer}, out of the interface it came in on");
         }
         Some((decided, _)) => {
             x.outcome = "dropped";
@@ -278,7 +340,7 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
 /// The explanation of `query`'s packet in the iptables mode: kube-proxy's
 /// rules (`save`, an `iptables-save` output) walked for it
 /// ([`rule_walk`](super::rule_walk)) on a node with the addresses `local`.
-pub fn explain_rules(query: &Query, save: &str, local: &[Ipv4Addr]) -> Explanation {
+pub fn explain_rules(query: &Query, save: &str, local: &[IpAddr]) -> Explanation {
     let tables = super::iptables::tables(save);
     let rules = |name: &str| tables.get(name).map_or(&[][..], Vec::as_slice);
     let proto = proto_name(query.proto);
@@ -324,11 +386,9 @@ pub fn explain_rules(query: &Query, save: &str, local: &[Ipv4Addr]) -> Explanati
         Walked::Refused(comment) => {
             x.outcome = "refused";
             x.reason = Some(reason(&comment).into());
-            x.action = match query.proto {
-                Protocol::Tcp => "answered with a TCP reset (filter REJECT)",
-                Protocol::Udp => "answered with ICMP port unreachable (filter REJECT)",
-            }
-            .into();
+            // kube-proxy's REJECT has no --reject-with: TCP too gets the
+            // ICMP error.
+            x.action = format!("answered with {} (filter REJECT)", port_unreachable(query));
         }
         Walked::Dropped(comment) => {
             x.outcome = "dropped";
@@ -339,6 +399,12 @@ pub fn explain_rules(query: &Query, save: &str, local: &[Ipv4Addr]) -> Explanati
     }
     x.notes.push("a packet of a connection netfilter already tracks follows its conntrack entry, not these rules (see ct list)".into());
     x
+}
+
+/// The ICMP error of a closed port, of the query's family.
+fn port_unreachable(query: &Query) -> String {
+    let icmp = if query.to.is_ipv4() { "ICMP" } else { "ICMPv6" };
+    format!("{icmp} port unreachable")
 }
 
 /// What the program does with a packet it translated.
@@ -411,24 +477,74 @@ pub fn route_interface(table: &str, addr: Ipv4Addr) -> Option<String> {
         .map(|(_, _, iface)| iface.to_string())
 }
 
+/// The interface `/proc/net/ipv6_route` (`table`) routes `addr` through:
+/// the longest prefix, then the lowest metric; a reject route
+/// (unreachable, prohibit) leads nowhere.
+pub fn route_interface6(table: &str, addr: Ipv6Addr) -> Option<String> {
+    const RTF_REJECT: u32 = 0x0200;
+    let hex = |s: Option<&&str>| u32::from_str_radix(s?, 16).ok();
+    table
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let dest = u128::from_str_radix(fields.first()?, 16).ok()?;
+            let (len, metric) = (hex(fields.get(1))?.min(128), hex(fields.get(5))?);
+            let (flags, iface) = (hex(fields.get(8))?, *fields.get(9)?);
+            let mask = u128::MAX.checked_shl(128 - len).unwrap_or(0);
+            let routed = flags & RTF_REJECT == 0 && u128::from(addr) & mask == dest & mask;
+            routed.then_some((std::cmp::Reverse(len), metric, iface))
+        })
+        .min()
+        .map(|(_, _, iface)| iface.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn addr(s: &str) -> SocketAddrV4 {
+    fn addr(s: &str) -> SocketAddr {
         s.parse().unwrap()
     }
 
     #[test]
     fn crafted_packets_have_valid_checksums_and_read_back() {
-        for proto in [Protocol::Tcp, Protocol::Udp] {
-            let p = craft(proto, addr("192.168.1.5:40000"), addr("10.96.0.10:80"));
-            assert_eq!(fold(sum16(&p[ETH_LEN..L4])), 0, "IPv4 header checksum");
-            assert_eq!(fold(l4_sum(&p)), 0, "L4 checksum");
-            let number = if proto == Protocol::Tcp { TCP } else { UDP };
-            assert_eq!(tuple(&p), Some((number, addr("192.168.1.5:40000"), addr("10.96.0.10:80"))));
+        let pairs =
+            [("192.168.1.5:40000", "10.96.0.10:80"), ("[fd00::5]:40000", "[fd00:96::10]:80")];
+        for (from, to) in pairs {
+            for proto in [Protocol::Tcp, Protocol::Udp] {
+                let p = craft(proto, addr(from), addr(to));
+                let (ip, ethertype) = ip_header(&p).unwrap();
+                let v4 = ethertype == ETH_IPV4;
+                assert_eq!(v4, addr(from).is_ipv4(), "{from}: ethertype {ethertype:#x}");
+                if v4 {
+                    assert_eq!(fold(sum16(ip)), 0, "IPv4 header checksum");
+                } else {
+                    assert_eq!(ip[4..6], ((p.len() - ETH_LEN - IP6_LEN) as u16).to_be_bytes());
+                }
+                let number = if proto == Protocol::Tcp { TCP } else { UDP };
+                assert_eq!(tuple(&p), Some((number, addr(from), addr(to))));
+                let l4 = &p[ETH_LEN + ip.len()..];
+                let pseudo = pseudo_header(number, addr(from).ip(), addr(to).ip(), l4.len());
+                assert_eq!(fold(sum16(&pseudo) + sum16(l4)), 0, "{proto:?} checksum from {from}");
+            }
         }
         assert_eq!(tuple(&[0; 20]), None);
+        assert_eq!(tuple(&[&[0u8; 12][..], &[0x86, 0xdd]].concat()), None);
+    }
+
+    #[test]
+    fn the_ipv6_route_to_the_client_names_the_interface() {
+        let table = "\
+00000000000000000000000000000000 00 00000000000000000000000000000000 00 fd000000000000000000000000000001 00000400 00000001 00000000 00000003     eth0
+fd000000000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth1
+fd000000000000010000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth2
+fd000000000000020000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 ffffffff 00000001 00000000 00200200       lo
+";
+        let route = |a: &str| route_interface6(table, a.parse().unwrap());
+        assert_eq!(route("fd00::5").as_deref(), Some("eth1"));
+        assert_eq!(route("fd00:0:0:1::5").as_deref(), Some("eth2"));
+        assert_eq!(route("fd00:0:0:2::5").as_deref(), Some("eth0"), "a reject route is skipped");
+        assert_eq!(route("2001:db8::1").as_deref(), Some("eth0"));
     }
 
     fn entry(frontend: &str, kind: &str, flags: Vec<&'static str>, backends: &[&str]) -> LbEntry {
@@ -521,6 +637,10 @@ mod tests {
         let x = explain(&query("10.96.0.99:80"), &run(NEXT, 0, packet.clone()), &entries);
         assert_eq!((x.outcome, x.frontend), ("passed", None));
         assert_eq!(x.reason.as_deref(), Some(PASSED));
+        let q6 = Query { proto: Protocol::Udp, ..query("[fd00:96::10]:53") };
+        let q6 = Query { from: addr("[fd00::5]:40000"), ..q6 };
+        let x = explain(&q6, &run(REDIRECT, refused, packet.clone()), &entries);
+        assert!(x.action.starts_with("answered with ICMPv6 port unreachable"), "{}", x.action);
         let x = explain(&q, &run(STACK, 0, packet), &entries);
         assert_eq!(x.outcome, "tracked");
         assert_eq!(x.translated.as_deref(), Some("tcp 10.96.0.10:80 -> 192.168.1.5:40000"));
@@ -549,6 +669,7 @@ COMMIT
         assert!(x.notes[0].ends_with("10.244.1.2:80 50%, 10.244.2.2:80 50%"), "{:?}", x.notes);
         let x = explain_rules(&query("10.96.0.12:80"), save, &local);
         assert_eq!((x.outcome, x.reason.as_deref()), ("refused", Some(NO_ENDPOINT)));
+        assert_eq!(x.action, "answered with ICMP port unreachable (filter REJECT)", "TCP too");
         let x = explain_rules(&query("10.96.0.99:80"), save, &local);
         assert_eq!((x.outcome, x.reason.as_deref()), ("passed", Some(PASSED)));
     }

@@ -7,7 +7,7 @@
 //! negated or not), protocol, `--dport`, `addrtype` LOCAL; a rule's other
 //! matches (marks, comments, conntrack state) are taken as matching. Pure.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 use super::iptables::Rule;
 
@@ -15,10 +15,11 @@ use super::iptables::Rule;
 pub struct Packet<'a> {
     /// `tcp` or `udp`, as the rules name it.
     pub proto: &'a str,
-    pub from: SocketAddrV4,
-    pub to: SocketAddrV4,
+    /// Of one family, the rules' (`iptables-save` or `ip6tables-save`).
+    pub from: SocketAddr,
+    pub to: SocketAddr,
     /// The node's addresses (`addrtype LOCAL`).
-    pub local: &'a [Ipv4Addr],
+    pub local: &'a [IpAddr],
 }
 
 /// Where the walk ended.
@@ -149,12 +150,22 @@ impl Walker<'_> {
     }
 }
 
-/// Whether `addr` is in `cidr` (`a.b.c.d` or `a.b.c.d/len`).
-fn in_cidr(addr: Ipv4Addr, cidr: &str) -> bool {
-    let (net, len) = cidr.split_once('/').unwrap_or((cidr, "32"));
-    let (Ok(net), Ok(len)) = (net.parse::<Ipv4Addr>(), len.parse::<u32>()) else { return false };
-    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len.min(32)) };
-    u32::from(addr) & mask == u32::from(net) & mask
+/// Whether `addr` is in `cidr` (an address, or `address/len`, IPv4 or
+/// IPv6; never across families).
+fn in_cidr(addr: IpAddr, cidr: &str) -> bool {
+    let (net, len) = cidr.split_once('/').unwrap_or((cidr, "128"));
+    let (Ok(net), Ok(len)) = (net.parse::<IpAddr>(), len.parse::<u32>()) else { return false };
+    match (addr, net) {
+        (IpAddr::V4(addr), IpAddr::V4(net)) => {
+            let mask = u32::MAX.checked_shl(32 - len.min(32)).unwrap_or(0);
+            u32::from(addr) & mask == u32::from(net) & mask
+        }
+        (IpAddr::V6(addr), IpAddr::V6(net)) => {
+            let mask = u128::MAX.checked_shl(128 - len.min(128)).unwrap_or(0);
+            u128::from(addr) & mask == u128::from(net) & mask
+        }
+        _ => false,
+    }
 }
 
 /// Whether the packet meets the rule's address, protocol, port and
@@ -165,15 +176,15 @@ fn matches(rule: &Rule, p: &Packet) -> bool {
     let mut i = 0;
     while i < w.len() {
         let arg = w.get(i + 1).map(String::as_str).unwrap_or_default();
-        let local = |a: &Ipv4Addr| arg != "LOCAL" || p.local.contains(a);
+        let local = |a: IpAddr| arg != "LOCAL" || p.local.contains(&a);
         let test = match w[i].as_str() {
             "!" => {
                 negate = true;
                 i += 1;
                 continue;
             }
-            "-s" => Some(in_cidr(*p.from.ip(), arg)),
-            "-d" => Some(in_cidr(*p.to.ip(), arg)),
+            "-s" => Some(in_cidr(p.from.ip(), arg)),
+            "-d" => Some(in_cidr(p.to.ip(), arg)),
             "-p" => Some(arg == p.proto),
             "--dport" => Some(arg.parse::<u16>().ok() == Some(p.to.port())),
             "--dst-type" => Some(local(p.to.ip())),
@@ -283,8 +294,14 @@ COMMIT
 
     #[test]
     fn cidrs() {
-        let a: Ipv4Addr = "10.244.1.2".parse().unwrap();
+        let a: IpAddr = "10.244.1.2".parse().unwrap();
         assert!(in_cidr(a, "10.244.0.0/16") && in_cidr(a, "10.244.1.2") && in_cidr(a, "0.0.0.0/0"));
         assert!(!in_cidr(a, "10.244.2.0/24") && !in_cidr(a, "nonsense"));
+        assert!(!in_cidr(a, "::/0"), "never across families");
+        let b: IpAddr = "fd00:244:1::2".parse().unwrap();
+        assert!(
+            in_cidr(b, "fd00:244::/32") && in_cidr(b, "fd00:244:1::2/128") && in_cidr(b, "::/0")
+        );
+        assert!(!in_cidr(b, "fd00:245::/32") && !in_cidr(b, "::1/128") && !in_cidr(b, "0.0.0.0/0"));
     }
 }

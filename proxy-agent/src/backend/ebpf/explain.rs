@@ -9,10 +9,12 @@ use std::path::Path;
 
 use aya::{
     Ebpf,
-    maps::{Array, Map, MapData},
+    maps::{Array, Map, MapData, ProgramArray},
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
 };
-use proxy_common::{Layouts, explain::MAGIC, map_names};
+use proxy_common::{
+    Layouts, TC6_INGRESS, TC6_POD_REPLIES, TC6_PROGRAMS, explain::MAGIC, map_names,
+};
 
 use super::{EbpfError, OBJECT, TC_INGRESS, TC_POD_REPLIES, io_err, program, sock_end};
 
@@ -42,13 +44,17 @@ pub struct ExplainRun {
 /// The per-packet programs, with the live maps.
 pub struct Explainer {
     ebpf: Ebpf,
+    /// This build's own `TC6`, kept open: the kernel empties a program
+    /// array when its last descriptor closes.
+    _tc6: ProgramArray<MapData>,
 }
 
 impl Explainer {
     /// Loads the per-packet programs with every map pinned under `root`
     /// but `TC6` (the running IPv6 programs, which an older agent's build
-    /// could not tell an explain run from a real packet): an IPv6 packet
-    /// passes untouched here.
+    /// could not tell an explain run from a real packet): this build's IPv6
+    /// programs fill its own, so an IPv6 packet takes the real path too
+    /// (the pre-filter, then the tail call).
     pub fn load(root: &Path) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
         let dir = root.join("maps");
@@ -75,12 +81,14 @@ impl Explainer {
         }
         let kernel_btf = aya::Btf::from_sys_fs().ok();
         let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
-        for name in [TC_INGRESS, TC_POD_REPLIES] {
+        let ingress6 = [TC6_INGRESS, TC6_POD_REPLIES].map(|slot| TC6_PROGRAMS[slot as usize]);
+        for name in [TC_INGRESS, TC_POD_REPLIES].into_iter().chain(ingress6) {
             program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| EbpfError::Program { name, source })?;
         }
-        Ok(Explainer { ebpf })
+        let _tc6 = fill_tc6(&mut ebpf)?;
+        Ok(Explainer { ebpf, _tc6 })
     }
 
     /// Runs `program` (`tc_ingress` or `tc_pod_replies`) on `packet` as if
@@ -94,6 +102,22 @@ impl Explainer {
         let prog = program::<SchedClassifier>(&mut self.ebpf, name)?;
         test_run(prog, packet, ifindex).map_err(|source| EbpfError::Program { name, source })
     }
+}
+
+/// The object's own `TC6` (not the pinned one), its ingress slots holding
+/// the object's IPv6 ingress programs (the egress one is never run here).
+fn fill_tc6(ebpf: &mut Ebpf) -> Result<ProgramArray<MapData>, EbpfError> {
+    let name = map_names::TC6;
+    let map = ebpf.take_map(name).ok_or(EbpfError::Missing { what: "map", name })?;
+    let mut array =
+        ProgramArray::try_from(map).map_err(|source| EbpfError::Map { name, source })?;
+    for slot in [TC6_INGRESS, TC6_POD_REPLIES] {
+        let program_name = TC6_PROGRAMS[slot as usize];
+        let prog = program::<SchedClassifier>(ebpf, program_name)?;
+        let fd = prog.fd().map_err(|source| EbpfError::Program { name: program_name, source })?;
+        array.set(slot, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
+    }
+    Ok(array)
 }
 
 /// One explain run of a loaded tc program.

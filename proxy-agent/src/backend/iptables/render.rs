@@ -958,6 +958,40 @@ COMMIT
         assert!(!render(&m, &v4_only).to_string().contains("-j KUBE-NODEPORTS"));
     }
 
+    /// `explain`'s rule walk over the rules of the IPv6 family, as
+    /// `ip6tables-save` prints them.
+    #[test]
+    fn explain_walks_the_ipv6_rules() {
+        use crate::inspect::explain::{NO_ENDPOINT, Query, explain_rules};
+        let np = svc("web", "fd00:96::50").cluster_ips(&["fd00:96::50"]).node_port_type();
+        let np = np.port(port("http", 80).node_port(30080));
+        let v6_slice = np.slice().address_type("IPv6").port("http", 8080, Tcp);
+        let v6_slice = v6_slice.endpoint(ep("fd00:244::2").node("node-a"));
+        let empty =
+            svc("empty", "fd00:96::51").cluster_ips(&["fd00:96::51"]).port(port("http", 80));
+        let m = crate::source::model_of(&[np.build(), empty.build()], &[v6_slice.build()]);
+        let save = render(&m, &options_v6()).to_string();
+        let local = ["fd00:100::11".parse().unwrap()];
+        let query = |to: &str| Query {
+            proto: Protocol::Tcp,
+            from: "[fd00:100::101]:40000".parse().unwrap(),
+            to: to.parse().unwrap(),
+            program: "ip6tables rules".into(),
+            replies_only: false,
+        };
+        let x = explain_rules(&query("[fd00:100::11]:30080"), &save, &local);
+        assert_eq!(x.outcome, "translated", "{x:?}\n{save}");
+        assert_eq!(x.frontend.as_ref().map(|f| f.kind.as_str()), Some("NodePort"));
+        assert!(x.notes[0].ends_with("[fd00:244::2]:8080 100%"), "{:?}", x.notes);
+        assert!(x.snat.is_some_and(|s| s.starts_with("MASQUERADE")));
+        let x = explain_rules(&query("[fd00:96::51]:80"), &save, &local);
+        assert_eq!((x.outcome, x.reason.as_deref()), ("refused", Some(NO_ENDPOINT)), "{save}");
+        assert_eq!(x.action, "answered with ICMPv6 port unreachable (filter REJECT)");
+        // Not a node address: no NodePort.
+        let x = explain_rules(&query("[fd00:100::99]:30080"), &save, &local);
+        assert_eq!(x.outcome, "passed");
+    }
+
     #[test]
     fn cluster_ip_service_golden() {
         let endpoints = vec![ep("10.244.1.2").node("node-a"), ep("10.244.2.2").node("node-b")];
