@@ -19,15 +19,30 @@ use proxy_common::{
     RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6, SourceRangeKey6, TC6_PROGRAMS,
 };
 
+/// The service maps are allocated per entry, as Cilium's are by default:
+/// sized for a large cluster (and with headroom to grow), a preallocated
+/// map would cost its whole size in memory and in the time to clear it
+/// before the first write (hundreds of MiB at 100,000 services), while a
+/// lookup costs the same. Only the agent writes them.
 #[btf_map]
-pub static SERVICES: HashMap<ServiceKey, ServiceValue, { MAX_SERVICE_ENTRIES as usize }> =
+pub static SERVICES: HashMap<
+    ServiceKey,
+    ServiceValue,
+    { MAX_SERVICE_ENTRIES as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+#[btf_map]
+pub static BACKENDS: HashMap<
+    u32,
+    Backend,
+    { MAX_BACKENDS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+#[btf_map]
+pub static REV_NAT: HashMap<u32, RevNat, { MAX_REV_NAT as usize }, { BPF_F_NO_PREALLOC as usize }> =
     HashMap::new();
-
-#[btf_map]
-pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }> = HashMap::new();
-
-#[btf_map]
-pub static REV_NAT: HashMap<u32, RevNat, { MAX_REV_NAT as usize }> = HashMap::new();
 
 /// The service port name and kind of each frontend, by reverse-NAT id: for
 /// operators only (the programs never read it), allocated per entry.
@@ -40,8 +55,7 @@ pub static FRONTEND_INFO: HashMap<
 > = HashMap::new();
 
 /// The IPv6 family's services, backends and reverse-NAT addresses, by the
-/// same ids as the IPv4 maps. Allocated per entry: a cluster without IPv6
-/// services pays nothing for them.
+/// same ids as the IPv4 maps (allocated per entry too).
 #[btf_map]
 pub static SERVICES6: HashMap<
     ServiceKey6,

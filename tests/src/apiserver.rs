@@ -11,7 +11,7 @@
 //! namespace, so agents reach it at a lab address and nothing else can.
 
 use std::{
-    collections::{BTreeMap, VecDeque},
+    collections::{BTreeMap, HashMap, VecDeque},
     convert::Infallible,
     net::SocketAddr,
     ops::Bound,
@@ -243,6 +243,10 @@ struct Watcher {
 struct State {
     rv: u64,
     objects: BTreeMap<Key, Value>,
+    /// Each object as a list item (no kind, no apiVersion), encoded when
+    /// stored: a real API server serves lists from its watch cache, and
+    /// the bench times the proxy's list, not this server's encoding.
+    items: HashMap<Key, Bytes>,
     history: VecDeque<Change>,
     /// Watches from before this version get 410 Gone.
     oldest_rv: u64,
@@ -316,6 +320,7 @@ impl State {
         meta["uid"] = json!(uid);
         meta["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
         object["apiVersion"] = json!(kind.api_version());
+        self.items.insert(key.clone(), list_item(&object));
         self.objects.insert(key, object.clone());
         self.record(kind, old, Some(object));
         Ok(())
@@ -323,6 +328,7 @@ impl State {
 
     fn delete(&mut self, key: &Key) -> bool {
         let Some(mut old) = self.objects.remove(key) else { return false };
+        self.items.remove(key);
         self.rv += 1;
         // A DELETED event carries the object at its deletion's version.
         old["metadata"]["resourceVersion"] = json!(self.rv.to_string());
@@ -604,8 +610,11 @@ impl http_body::Body for Body {
 }
 
 fn json_response(code: StatusCode, body: &Value) -> Response<Body> {
-    let bytes = serde_json::to_vec(body).unwrap_or_default();
-    let mut response = Response::new(Body::Full(Some(Bytes::from(bytes))));
+    encoded_response(code, serde_json::to_vec(body).unwrap_or_default())
+}
+
+fn encoded_response(code: StatusCode, json: Vec<u8>) -> Response<Body> {
+    let mut response = Response::new(Body::Full(Some(Bytes::from(json))));
     *response.status_mut() = code;
     response.headers_mut().insert("content-type", "application/json".parse().expect("header"));
     response
@@ -718,29 +727,40 @@ fn list_response(
         .range((start, Bound::Unbounded))
         .take_while(|(key, _)| key.0 == kind)
         .filter(|(_, object)| selector.matches(object));
-    let mut page = Vec::new();
+    let mut items = Vec::new();
     let mut last = None;
-    for (key, object) in matching.by_ref().take(limit) {
-        // Items of a list carry no kind or apiVersion.
-        let mut item = object.clone();
-        if let Some(map) = item.as_object_mut() {
-            map.remove("kind");
-            map.remove("apiVersion");
-        }
-        page.push(item);
+    for (key, _) in matching.by_ref().take(limit) {
+        items.extend_from_slice(state.items.get(key).map_or(&b"{}"[..], |item| &item[..]));
+        items.push(b',');
         last = Some(key);
     }
+    items.pop_if(|last| *last == b',');
     let mut metadata = json!({ "resourceVersion": state.rv.to_string() });
     if let Some((_, ns, name)) = last.filter(|_| matching.next().is_some()) {
         metadata["continue"] = json!(format!("{ns}/{name}"));
     }
-    let list = json!({
+    let head = json!({
         "kind": format!("{}List", kind.name()),
         "apiVersion": kind.api_version(),
         "metadata": metadata,
-        "items": page,
     });
-    json_response(StatusCode::OK, &list)
+    // `{...head, "items":[...]}`: the head's closing brace reopened.
+    let mut list = serde_json::to_vec(&head).unwrap_or_default();
+    list.pop();
+    list.extend_from_slice(b",\"items\":[");
+    list.extend_from_slice(&items);
+    list.extend_from_slice(b"]}");
+    encoded_response(StatusCode::OK, list)
+}
+
+/// An object as an item of a list, which carries no kind or apiVersion.
+fn list_item(object: &Value) -> Bytes {
+    let mut item = object.clone();
+    if let Some(map) = item.as_object_mut() {
+        map.remove("kind");
+        map.remove("apiVersion");
+    }
+    Bytes::from(serde_json::to_vec(&item).unwrap_or_default())
 }
 
 fn watch_response(

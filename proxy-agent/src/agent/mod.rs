@@ -685,6 +685,12 @@ impl Agent {
                         source,
                         "the source is read whole, but its plan is not in the datapath yet: no sync succeeded; waiting for one before taking over the datapath"
                     );
+                } else if let Source::Kube(kube) = &self.source {
+                    tracing::warn!(
+                        source,
+                        listing = ?kube.listing(),
+                        "waiting for the whole source: the API server's lists are not complete; nothing is synced before they are"
+                    );
                 } else {
                     tracing::warn!(
                         source,

@@ -23,8 +23,9 @@ pub struct Synced {
     pub backends: usize,
 }
 
-/// A datapath as the agent's loop drives it.
-pub trait Datapath {
+/// A datapath as the agent's loop drives it (`Send`: it is made on a
+/// blocking thread, beside the source's first lists).
+pub trait Datapath: Send {
     /// The mode's name, as `/proxyMode` and the logs say it.
     fn mode(&self) -> &'static str;
 

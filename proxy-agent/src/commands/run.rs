@@ -81,7 +81,12 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
             info.eligibility
         }
     };
-    let datapath = backend::start(args, &node)?;
+    // Loading (the verifier: a second or two of CPU) runs beside the
+    // source's first lists, which the runtime serves meanwhile.
+    let datapath = {
+        let (args, node) = (args.clone(), node.clone());
+        tokio::task::spawn_blocking(move || backend::start(&args, &node)).await??
+    };
     tracing::info!(mode = datapath.mode(), source = source.name(), node = %node.name, node_ips = ?node.ips, zone = ?node.zone, "starting");
 
     // kube-proxy: unhealthy once a change waits twice the sync period.

@@ -150,6 +150,13 @@ struct Shared {
     errors: BTreeMap<&'static str, u64>,
 }
 
+impl Shared {
+    /// Every kind listed completely at least once.
+    fn complete(&self) -> bool {
+        self.services.complete && self.slices.complete && self.node.listed
+    }
+}
+
 /// The API-server source. Its watchers run as tasks until it is dropped.
 pub struct KubeSource {
     shared: Arc<Mutex<Shared>>,
@@ -213,17 +220,32 @@ impl KubeSource {
     }
 
     /// Whether anything changed since the last call, and whether every kind
-    /// has been listed completely.
+    /// has been listed completely. Nothing is said to change before then:
+    /// Services without their EndpointSlices are no state worth planning or
+    /// writing (at 100,000 services, a sync and a sizing of the maps for
+    /// nothing), so the first change taken is the whole first list.
     pub fn poll(&mut self) -> (bool, bool) {
         let shared = self.shared();
-        let (generation, complete) = (
-            shared.generation,
-            shared.services.complete && shared.slices.complete && shared.node.listed,
-        );
+        let (generation, complete) = (shared.generation, shared.complete());
         drop(shared);
+        if !complete {
+            return (false, false);
+        }
         let changed = generation != self.seen;
         self.seen = generation;
         (changed, complete)
+    }
+
+    /// What is still being listed, for the log while the source is not
+    /// whole.
+    pub fn listing(&self) -> Vec<&'static str> {
+        let shared = self.shared();
+        let kinds = [
+            ("Services", shared.services.complete),
+            ("EndpointSlices", shared.slices.complete),
+            ("Node", shared.node.listed),
+        ];
+        kinds.into_iter().filter(|(_, done)| !done).map(|(kind, _)| kind).collect()
     }
 
     /// Woken at every change.
