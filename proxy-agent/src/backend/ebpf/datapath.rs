@@ -94,14 +94,29 @@ impl Loading {
     /// state maps pinned under the root over (a previous agent's, or this
     /// one's when they grow), and configures them; nothing is attached.
     fn load(&self, capacity: Capacity) -> anyhow::Result<EbpfBackend> {
+        let mut backend = self.prepare(capacity)?;
+        backend.verify().context("loading the BPF programs")?;
+        self.finish(&mut backend);
+        Ok(backend)
+    }
+
+    /// [`Self::load`] but for the programs: verified by the caller, then
+    /// [`Self::finish`]ed.
+    fn prepare(&self, capacity: Capacity) -> anyhow::Result<EbpfBackend> {
         let sizes = MapSizes {
             services: map_size(capacity.services),
             backends: map_size(capacity.backends),
             rev_nat: map_size(capacity.rev_nat),
         };
-        let mut backend = EbpfBackend::load_with(self.tc_mode, sizes, Some(&self.root))
-            .context("loading the BPF programs")?;
+        let mut backend = EbpfBackend::prepare(self.tc_mode, sizes, Some(&self.root))
+            .context("loading the BPF object")?;
         backend.configure(&self.config).context("writing the datapath settings")?;
+        Ok(backend)
+    }
+
+    /// What verified programs are set up with: the reader of their decision
+    /// records and the way sockets are ended.
+    fn finish(&self, backend: &mut EbpfBackend) {
         // Read whatever the level: it can change while the programs run.
         match backend.take_records_with(super::records::ToTracing) {
             Ok(records) => backend.keep_records_reader(super::records::drain(records)),
@@ -109,7 +124,6 @@ impl Loading {
         }
         let ending = backend.choose_socket_ending(self.socket_destroy, self.terminate_tcp);
         tracing::info!(way = ending.describe(), "sockets connected to removed endpoints are ended");
-        Ok(backend)
     }
 }
 
@@ -313,12 +327,17 @@ impl EbpfDatapath {
                 tracing::info!(from = ?before, to = ?larger, "the services outgrew the maps: growing them")
             }
         }
-        let backend = self.loading.load(larger)?;
+        let backend = self.loading.prepare(larger)?;
         let old = std::mem::replace(&mut self.backend, backend);
         self.capacity = larger;
         let mut fill = || -> anyhow::Result<SyncReport> {
-            // Whole where it fits (the usual case, and the cheap one).
-            let report = match self.backend.sync(plan, None) {
+            // Nothing runs the new programs yet: they are verified while the
+            // maps fill, whole where they fit (the usual case, and the cheap
+            // one).
+            let synced =
+                self.backend.verify_while_syncing(plan).context("loading the BPF programs")?;
+            self.loading.finish(&mut self.backend);
+            let report = match synced {
                 Err(SyncError::Capacity { .. }) => self.sync_fitted(plan, served, metrics),
                 Ok(report) => {
                     self.report_refused(BTreeMap::new(), plan, metrics);

@@ -173,6 +173,23 @@ pub enum EbpfError {
         Layouts::CURRENT
     )]
     Layout { pinned: Layouts },
+    #[error("the thread loading the programs stopped before it finished")]
+    VerifierThread,
+}
+
+/// Loads every program of the object (the verifier runs).
+fn verify_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+    for name in PROGRAMS {
+        program::<CgroupSockAddr>(ebpf, name)?
+            .load()
+            .map_err(|source| EbpfError::Program { name, source })?;
+    }
+    for name in TC_PROGRAMS.map(|(name, _, _)| name).into_iter().chain(TC6_PROGRAMS) {
+        program::<SchedClassifier>(ebpf, name)?
+            .load()
+            .map_err(|source| EbpfError::Program { name, source })?;
+    }
+    Ok(())
 }
 
 fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> EbpfError {
@@ -548,6 +565,19 @@ impl EbpfBackend {
         sizes: MapSizes,
         root: Option<&Path>,
     ) -> Result<Self, EbpfError> {
+        let mut backend = Self::prepare(tc_mode, sizes, root)?;
+        backend.verify()?;
+        Ok(backend)
+    }
+
+    /// [`Self::load_with`] but for the programs: the maps are made (and the
+    /// state maps carried over), the programs are not verified yet
+    /// ([`Self::verify`], [`Self::verify_while_syncing`]).
+    pub fn prepare(
+        tc_mode: TcAttach,
+        sizes: MapSizes,
+        root: Option<&Path>,
+    ) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
         let set_retval = u8::from(has_set_retval());
         let mut loader = aya::EbpfLoader::new();
@@ -580,18 +610,7 @@ impl EbpfBackend {
         // The kernel's types, for its kfuncs (absent: none is called).
         let kernel_btf = aya::Btf::from_sys_fs().ok();
         let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
-        for name in PROGRAMS {
-            program::<CgroupSockAddr>(&mut ebpf, name)?
-                .load()
-                .map_err(|source| EbpfError::Program { name, source })?;
-        }
-        for name in TC_PROGRAMS.map(|(name, _, _)| name).into_iter().chain(TC6_PROGRAMS) {
-            program::<SchedClassifier>(&mut ebpf, name)?
-                .load()
-                .map_err(|source| EbpfError::Program { name, source })?;
-        }
         let mut maps = Maps::take(&mut ebpf)?;
-        maps.fill_tc6(&mut ebpf)?;
         let mut state = SyncState::with_capacity(sizes);
         if let Some(pinned) = &pinned {
             match pinned.reserved() {
@@ -622,6 +641,33 @@ impl EbpfBackend {
             records: None,
             socket_protocols: Vec::new(),
         })
+    }
+
+    /// Loads the programs (the verifier runs) and points `TC6` at the
+    /// IPv6 ones.
+    pub fn verify(&mut self) -> Result<(), EbpfError> {
+        verify_programs(&mut self.ebpf)?;
+        self.maps.fill_tc6(&mut self.ebpf)
+    }
+
+    /// [`Self::verify`] on another thread while this one brings the maps
+    /// to `plan` ([`Self::sync`]): at a first sync of many services the
+    /// verifier's second or two then no longer come before the writes.
+    pub fn verify_while_syncing(
+        &mut self,
+        plan: &Plan,
+    ) -> Result<Result<SyncReport, SyncError>, EbpfError> {
+        let (ebpf, state, maps) = (&mut self.ebpf, &mut self.state, &mut self.maps);
+        let (verified, synced) = std::thread::scope(|scope| {
+            let verifying = scope.spawn(|| verify_programs(ebpf));
+            let synced = state.sync(plan, None, maps);
+            let verified = verifying.join().unwrap_or_else(|_| Err(EbpfError::VerifierThread));
+            (verified, synced)
+        });
+        self.purge_owed();
+        verified?;
+        self.maps.fill_tc6(&mut self.ebpf)?;
+        Ok(synced)
     }
 
     /// Picks how the sockets the socket LB connected to departed backends
