@@ -77,6 +77,8 @@ pub struct Options {
     pub seconds: u64,
     pub rounds: usize,
     pub docs: bool,
+    /// Only the programming runs and the change latency.
+    pub programming_only: bool,
 }
 
 fn sizes(opts: &Options) -> Vec<usize> {
@@ -111,27 +113,38 @@ fn manifest6(n: usize) -> String {
 /// `N` services: `s0` (NodePort 30080) and N-1 others, each with
 /// `endpoints` endpoints (the first on the backend pod, the others
 /// addresses nothing answers, which only the programming benchmark uses).
+/// Service `i` of the bench's manifests: its cluster IP, and whether it is
+/// the NodePort (the first: policy Local, so the client is kept and no SNAT
+/// is done, and the rate measures translation rather than SNAT port
+/// capacity: a closed flow's SNAT port rests 60 s).
+fn bench_service(i: usize) -> (std::net::Ipv4Addr, bool) {
+    (std::net::Ipv4Addr::from(0x0a60_0000u32 + 10 + i as u32), i == 0)
+}
+
+/// Endpoint `e` of service `i`: the lab's pod for the first, else an
+/// address of its own.
+fn bench_endpoint(i: usize, e: usize, endpoints: usize) -> String {
+    if e == 0 && i == 0 {
+        return POD.to_string();
+    }
+    let k = i * endpoints + e;
+    format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)
+}
+
+/// `n` services of `endpoints` endpoints, as YAML documents.
 fn manifest(n: usize, endpoints: usize) -> String {
     let mut out = String::with_capacity(n * 600);
     for i in 0..n {
-        let ip = 0x0a60_0000u32 + 10 + i as u32;
-        let ip = std::net::Ipv4Addr::from(ip);
-        // NodePort with policy Local: the client is kept, no SNAT, so the
-        // rate measures translation rather than SNAT port capacity (a closed
-        // flow's SNAT port rests 60 s: range / 60 s flows per second).
-        let node_port = if i == 0 { ", type: NodePort, externalTrafficPolicy: Local" } else { "" };
-        let np = if i == 0 { ", nodePort: 30080" } else { "" };
+        let (ip, node_port) = bench_service(i);
+        let node_port_type =
+            if node_port { ", type: NodePort, externalTrafficPolicy: Local" } else { "" };
+        let np = if node_port { ", nodePort: 30080" } else { "" };
         let _ = write!(
             out,
-            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: bench}}\nspec: {{clusterIP: {ip}{node_port}, ports: [{{name: http, port: 80, targetPort: {SERVICE_PORT}{np}}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: bench, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: {SERVICE_PORT}}}]\nendpoints: ["
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: bench}}\nspec: {{clusterIP: {ip}{node_port_type}, ports: [{{name: http, port: 80, targetPort: {SERVICE_PORT}{np}}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: bench, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: {SERVICE_PORT}}}]\nendpoints: ["
         );
         for e in 0..endpoints {
-            let addr = if e == 0 && i == 0 {
-                POD.to_string()
-            } else {
-                let k = i * endpoints + e;
-                format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)
-            };
+            let addr = bench_endpoint(i, e, endpoints);
             let _ = write!(
                 out,
                 "{}{{addresses: [{addr}], nodeName: lab-node}}",
@@ -141,6 +154,34 @@ fn manifest(n: usize, endpoints: usize) -> String {
         out.push_str("]\n");
     }
     out
+}
+
+/// The same services as [`manifest`], as one JSON `List` (what
+/// `kubectl get -o json` writes).
+fn manifest_json(n: usize, endpoints: usize) -> String {
+    let mut items = Vec::with_capacity(2 * n);
+    for i in 0..n {
+        let (ip, node_port) = bench_service(i);
+        let mut port = json!({"name": "http", "port": 80, "targetPort": SERVICE_PORT});
+        let mut spec = json!({"clusterIP": ip.to_string()});
+        if node_port {
+            port["nodePort"] = json!(30080);
+            spec["type"] = json!("NodePort");
+            spec["externalTrafficPolicy"] = json!("Local");
+        }
+        spec["ports"] = json!([port]);
+        items.push(json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": format!("s{i}"), "namespace": "bench"}, "spec": spec}));
+        let addresses = (0..endpoints).map(
+            |e| json!({"addresses": [bench_endpoint(i, e, endpoints)], "nodeName": "lab-node"}),
+        );
+        items.push(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": format!("s{i}-1"), "namespace": "bench",
+                "labels": {"kubernetes.io/service-name": format!("s{i}")}},
+            "addressType": "IPv4", "ports": [{"name": "http", "port": SERVICE_PORT}],
+            "endpoints": addresses.collect::<Vec<_>>()}));
+    }
+    json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string()
 }
 
 /// A lab: nginx in a pod (one process, no master: stopping it leaves no
@@ -397,14 +438,53 @@ fn stop_and_clean(lab: &mut Lab) -> anyhow::Result<()> {
 /// test API server, as from a cluster's) to its datapath serving; and its
 /// first sync.
 fn programming(mode: Mode, n: usize, full: bool) -> anyhow::Result<Value> {
-    programming_with(mode, n, full, &[])
+    programming_with(mode, Feed::ApiServer, n, full, &[])
+}
+
+/// Where a programming run's services come from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Feed {
+    ApiServer,
+    /// One manifest file (`--manifests`), 2 endpoints per service.
+    Json,
+    Yaml,
+}
+
+impl Feed {
+    fn name(self) -> &'static str {
+        match self {
+            Feed::ApiServer => "API server",
+            Feed::Json => "one JSON file",
+            Feed::Yaml => "one YAML file",
+        }
+    }
+
+    fn endpoints(self) -> usize {
+        if self == Feed::ApiServer { 10 } else { 2 }
+    }
 }
 
 /// `programming` with more agent flags.
-fn programming_with(mode: Mode, n: usize, full: bool, extra: &[&str]) -> anyhow::Result<Value> {
-    let mut lab = Lab::with(Setup { mode, source: Source::ApiServer })?;
-    let written = manifest(n, 10);
-    lab.write_manifest(&written)?;
+fn programming_with(
+    mode: Mode,
+    feed: Feed,
+    n: usize,
+    full: bool,
+    extra: &[&str],
+) -> anyhow::Result<Value> {
+    let source = if feed == Feed::ApiServer { Source::ApiServer } else { Source::Manifests };
+    let mut lab = Lab::with(Setup { mode, source })?;
+    match feed {
+        // The file, and the test API server fed the same.
+        Feed::ApiServer | Feed::Yaml => drop(lab.write_manifest(&manifest(n, feed.endpoints()))?),
+        Feed::Json => {
+            lab.use_manifest_dir()?;
+            lab.write_manifest_file(
+                "services.json",
+                manifest_json(n, feed.endpoints()).as_bytes(),
+            )?;
+        }
+    }
     let start = Instant::now();
     lab.spawn_agent_on(0, extra)?;
     let limit = limit(mode, full);
@@ -426,7 +506,7 @@ fn programming_with(mode: Mode, n: usize, full: bool, extra: &[&str]) -> anyhow:
         std::thread::sleep(Duration::from_millis(20));
     };
     let serving = start.elapsed().as_secs_f64();
-    let mut result = json!({"mode": mode.as_arg(), "services": n, "endpoints": n * 10});
+    let mut result = json!({"mode": mode.as_arg(), "source": feed.name(), "services": n, "endpoints": n * feed.endpoints()});
     match outcome {
         None => {
             result["to_serving_s"] = json!(serving);
@@ -519,6 +599,23 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
             }
         }
     }
+    // The largest size from one manifest file, each format (eBPF: the
+    // iptables mode's programming is measured above).
+    if opts.modes.contains(&Mode::Ebpf)
+        && let Some(&n) = sizes(&opts).iter().max()
+    {
+        for feed in [Feed::Json, Feed::Yaml] {
+            eprintln!("programming: ebpf mode, {n} services x 2 endpoints from {}", feed.name());
+            push(
+                &mut results,
+                "programming",
+                programming_with(Mode::Ebpf, feed, n, opts.full, &[])?,
+            );
+        }
+    }
+    if opts.programming_only {
+        return report(results, started, &opts);
+    }
     for &mode in &opts.modes {
         for n in sizes(&opts) {
             if too_big.iter().any(|(m, big)| *m == mode && n / 10 >= *big) {
@@ -543,6 +640,12 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     for (n, values) in runs {
         push(&mut results, "per_packet", medians(n, &values));
     }
+    report(results, started, &opts)
+}
+
+/// Writes the results, the report and the plots (and into docs/ with
+/// `--docs`), and prints the report.
+fn report(mut results: Value, started: Instant, opts: &Options) -> anyhow::Result<()> {
     results["duration_s"] = json!(started.elapsed().as_secs_f64());
     std::fs::write(Path::new(OUT).join("results.json"), serde_json::to_string_pretty(&results)?)?;
     let report = crate::report::markdown(&results);
@@ -569,7 +672,7 @@ pub fn iptables_backends(sizes: &[usize], full: bool) -> anyhow::Result<()> {
         for backend in ["nft", "legacy"] {
             eprintln!("programming: iptables-{backend}, {n} services x 10 endpoints");
             let flags = ["--iptables-backend", backend];
-            let mut result = programming_with(Mode::Iptables, n, full, &flags)?;
+            let mut result = programming_with(Mode::Iptables, Feed::ApiServer, n, full, &flags)?;
             result["backend"] = json!(backend);
             let secs = |key: &str| {
                 result[key]

@@ -64,6 +64,10 @@ enum Task {
         /// 10,000)
         #[arg(long)]
         iptables_backends: bool,
+        /// Only the programming runs (from the API server, and at the largest
+        /// size from one JSON and one YAML file) and the change latency
+        #[arg(long)]
+        programming_only: bool,
     },
     /// The per-packet program's nanoseconds per packet (`packet_bench`) of
     /// this tree against another build's, run alternately on the same
@@ -153,7 +157,16 @@ fn main() -> anyhow::Result<()> {
             setup::vm_packages()?;
             vmtest::run(&vmtest::kernels("6.1"))
         }
-        Task::Bench { full, seconds, rounds, sizes, modes, docs, iptables_backends } => {
+        Task::Bench {
+            full,
+            seconds,
+            rounds,
+            sizes,
+            modes,
+            docs,
+            iptables_backends,
+            programming_only,
+        } => {
             setup::run()?;
             setup::bench_packages()?;
             require_root()?;
@@ -167,7 +180,15 @@ fn main() -> anyhow::Result<()> {
                 return bench::iptables_backends(&sizes, full);
             }
             let modes = modes.into_iter().map(DemoMode::lab).collect();
-            bench::run(bench::Options { full, seconds, rounds, sizes, modes, docs })
+            bench::run(bench::Options {
+                full,
+                seconds,
+                rounds,
+                sizes,
+                modes,
+                docs,
+                programming_only,
+            })
         }
         Task::PacketBench { base, monitor, rounds, sizes } => {
             require_root()?;

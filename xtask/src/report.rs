@@ -109,40 +109,38 @@ pub fn markdown(results: &Value) -> String {
     }
     cpu_table(&mut out, results);
     ipv6_table(&mut out, results);
-    let _ = writeln!(out, "\n### Programming N services × 10 endpoints, and one endpoint change\n");
+    let _ = writeln!(out, "\n### Programming N services, and one endpoint change\n");
     let _ = writeln!(
         out,
-        "| mode | services | listed (s) | to serving (s) | first sync (s) | change p50 (ms) | change p99 (ms) | agent peak RSS MiB | BPF maps MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| mode | source | services × endpoints | listed (s) | to serving (s) | first sync (s) | change p50 (ms) | change p99 (ms) | agent peak RSS MiB | BPF maps MiB |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in rows(results, "programming") {
-        let change = rows(results, "change_latency")
-            .find(|c| c["mode"] == r["mode"] && c["services"] == r["services"]);
+        // Runs from before the manifest files were measured name no source.
+        let source = r["source"].as_str().unwrap_or("API server");
+        let change = rows(results, "change_latency").find(|c| {
+            source == "API server" && c["mode"] == r["mode"] && c["services"] == r["services"]
+        });
         let latency = |k: &str| change.map_or("–".into(), |c| format!("{:.1}", num(c, k)));
-        match r["failed"].as_str() {
-            Some(why) => {
-                let _ = writeln!(
-                    out,
-                    "| {} | {} | failed: {why} | | | | | | |",
-                    r["mode"].as_str().unwrap_or(""),
-                    r["services"]
-                );
-            }
-            None => {
-                let _ = writeln!(
-                    out,
-                    "| {} | {} | {:.2} | {:.2} | {:.3} | {} | {} | {:.1} | {:.1} |",
-                    r["mode"].as_str().unwrap_or(""),
-                    r["services"],
-                    num(r, "listed_s"),
-                    num(r, "to_serving_s"),
-                    num(r, "first_sync_s"),
-                    latency("p50_ms"),
-                    latency("p99_ms"),
-                    num(r, "agent_peak_rss_mib"),
-                    num(r, "map_memory_mib"),
-                );
-            }
-        }
+        let services = r["services"].as_f64().unwrap_or(f64::NAN);
+        let per_service = r["endpoints"].as_f64().map_or(10.0, |e| e / services);
+        let head = format!(
+            "| {} | {source} | {services} × {per_service} |",
+            r["mode"].as_str().unwrap_or("")
+        );
+        let _ = match r["failed"].as_str() {
+            Some(why) => writeln!(out, "{head} failed: {why} | | | | | | |"),
+            None => writeln!(
+                out,
+                "{head} {:.2} | {:.2} | {:.3} | {} | {} | {:.1} | {:.1} |",
+                num(r, "listed_s"),
+                num(r, "to_serving_s"),
+                num(r, "first_sync_s"),
+                latency("p50_ms"),
+                latency("p99_ms"),
+                num(r, "agent_peak_rss_mib"),
+                num(r, "map_memory_mib"),
+            ),
+        };
     }
     let _ = writeln!(out, "\n### Per-packet program, ns per packet (`BPF_PROG_TEST_RUN`)\n");
     let _ = writeln!(
