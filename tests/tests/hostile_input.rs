@@ -274,10 +274,11 @@ fn nothing_pinned_is_open_to_other_users_even_under_umask_000() {
     }
 }
 
-/// 200 invalid Services (an unknown protocol each) beside a good one: the
-/// good one is served, the log warns about ten and sums up the rest in one
-/// line (each at debug level), and the metric counts all 200. eBPF only:
-/// the reporting is the agent's, not the datapath's.
+/// 200 invalid Services (an unknown protocol each) and 50 that do not
+/// decode (a port that is not a number) beside a good one: the good one is
+/// served, the log warns about ten of each and sums up the rest in one line
+/// (each at debug level), and the metrics count them all. eBPF only: the
+/// reporting is the agent's, not the datapath's.
 #[test]
 fn many_invalid_services_are_summed_up_not_logged_one_by_one() {
     let (mut lab, pod, client) = lab(Mode::Ebpf);
@@ -289,6 +290,10 @@ fn many_invalid_services_are_summed_up_not_logged_one_by_one() {
         .collect();
     let bad: Vec<&dyn test_objects::Document> = bad.iter().map(|s| s as _).collect();
     lab.write_manifest_file("bad.yaml", manifest(&bad).as_bytes()).unwrap();
+    let undecodable: String = (0..50)
+        .map(|i| format!("---\napiVersion: v1\nkind: Service\nmetadata: {{name: undecodable-{i}, namespace: lab}}\nspec: {{clusterIP: 10.96.2.{}, ports: [{{port: abc}}]}}\n", i + 1))
+        .collect();
+    lab.write_manifest_file("undecodable.yaml", undecodable.as_bytes()).unwrap();
     lab.write_manifest_file("good.yaml", web("web", "10.96.0.10", &[&pod]).as_bytes()).unwrap();
     lab.start_agent(&[]).unwrap();
     assert_eq!(reach(&lab, &client, "10.96.0.10:80", 3), served_by(&pod, 3));
@@ -297,8 +302,16 @@ fn many_invalid_services_are_summed_up_not_logged_one_by_one() {
     });
     assert_eq!(logged(&lab, "invalid object skipped"), 10, "{}", lab.agent_log());
     assert!(lab.agent_log().contains("more=190"), "{}", lab.agent_log());
+    assert_eq!(logged(&lab, "undecodable.yaml: document"), 10, "{}", lab.agent_log());
+    assert_eq!(logged(&lab, "more errors in the source"), 1, "{}", lab.agent_log());
+    assert!(lab.agent_log().contains("more=40"), "{}", lab.agent_log());
     let metrics = lab.metrics().unwrap();
     let counted =
         metrics.lines().find(|l| l.starts_with("proxy_invalid_objects_total{kind=\"Service\"}"));
-    assert_eq!(counted.and_then(|l| l.split_whitespace().last()), Some("200"), "{metrics}");
+    // The invalid ones and the undecodable ones.
+    assert_eq!(counted.and_then(|l| l.split_whitespace().last()), Some("250"), "{metrics}");
+    let undecoded = metrics
+        .lines()
+        .find(|l| l.starts_with("proxy_source_errors_total{") && l.contains("undecodable.yaml"));
+    assert_eq!(undecoded.and_then(|l| l.split_whitespace().last()), Some("50"), "{metrics}");
 }

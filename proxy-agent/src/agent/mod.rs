@@ -383,15 +383,17 @@ impl Agent {
     /// repeated at every poll.
     fn report_source_errors(&mut self, reload: &Reload) {
         let mut current = BTreeSet::new();
+        let mut warned = Warned::default();
         for err in &reload.errors {
             let message = err.to_string();
             if !self.report.source_errors.contains(&message) {
-                tracing::warn!(kind = err.kind(), "{message}");
+                warned.log(err.kind(), &message);
                 self.report.metrics.invalid(err.kind());
                 self.report.metrics.source_error(err.path(), err.kind());
             }
             current.insert(message);
         }
+        warned.summary("more errors in the source: each at debug level (RUST_LOG=debug), counted in proxy_invalid_objects_total and proxy_source_errors_total");
         self.report.source_errors = current;
     }
 
@@ -510,7 +512,6 @@ impl Agent {
     /// level behind one summary line (36,000 invalid Services must not
     /// flood the log).
     fn report_problems(&mut self, update: &StoreUpdate) {
-        const WARNED: usize = 10;
         let mut problems = self.store.problems();
         for err in &update.unnamed {
             problems.push((err.kind(), format!("invalid object skipped: {err}")));
@@ -520,25 +521,15 @@ impl Agent {
         }
         let current: BTreeSet<String> = problems.iter().map(|(_, m)| m.clone()).collect();
         let new = problems.iter().filter(|(_, m)| !self.report.reported.contains(m));
-        let mut count = 0;
+        let mut warned = Warned::default();
         for (kind, message) in new {
-            count += 1;
-            if count <= WARNED {
-                tracing::warn!(kind = %kind, "{message}");
-            } else {
-                tracing::debug!(kind = %kind, "{message}");
-            }
+            warned.log(kind, message);
             match *kind {
                 "kept" => drop(self.report.metrics.kept_objects.fetch_add(1, Relaxed)),
                 kind => self.report.metrics.invalid(kind),
             }
         }
-        if count > WARNED {
-            tracing::warn!(
-                more = count - WARNED,
-                "more problems with objects: each at debug level (RUST_LOG=debug), counted in proxy_invalid_objects_total and proxy_kept_objects_total"
-            );
-        }
+        warned.summary("more problems with objects: each at debug level (RUST_LOG=debug), counted in proxy_invalid_objects_total and proxy_kept_objects_total");
         self.report.reported = current;
     }
 
@@ -707,6 +698,33 @@ impl Agent {
         let leftovers = !self.remove_other_mode();
         self.advance(Event::TookOver { leftovers });
         Ok(())
+    }
+}
+
+/// Problems logged in one round: the first few as warnings, the rest at
+/// debug level and summed in one warning (a file of 36,000 invalid objects
+/// must not write a line each).
+#[derive(Default)]
+struct Warned {
+    count: usize,
+}
+
+impl Warned {
+    const EXAMPLES: usize = 10;
+
+    fn log(&mut self, kind: &str, message: &str) {
+        self.count += 1;
+        if self.count <= Self::EXAMPLES {
+            tracing::warn!(kind, "{message}");
+        } else {
+            tracing::debug!(kind, "{message}");
+        }
+    }
+
+    fn summary(&self, what: &str) {
+        if self.count > Self::EXAMPLES {
+            tracing::warn!(more = self.count - Self::EXAMPLES, "{what}");
+        }
     }
 }
 
