@@ -33,7 +33,7 @@ use crate::{
 
 /// How often the manifests are checked (new bytes are taken on the second
 /// read that finds them), and the datapath looked after.
-const POLL: Duration = Duration::from_millis(200);
+pub(crate) const POLL: Duration = Duration::from_millis(200);
 /// API server changes are taken as they come (with whatever else arrived
 /// meanwhile), up to this many in `BURST_WINDOW`...
 const BURST_TAKES: usize = 20;

@@ -82,11 +82,23 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
         }
     };
     // Loading (the verifier: a second or two of CPU) runs beside the
-    // source's first lists, which the runtime serves meanwhile.
-    let datapath = {
+    // source's first lists, which the runtime serves meanwhile, or beside
+    // the first reads of the manifests.
+    let loading = {
         let (args, node) = (args.clone(), node.clone());
-        tokio::task::spawn_blocking(move || backend::start(&args, &node)).await??
+        tokio::task::spawn_blocking(move || backend::start(&args, &node))
     };
+    let source = match source {
+        Source::Manifests(mut manifests) => {
+            let primed = move || {
+                manifests.prime(agent::POLL);
+                manifests
+            };
+            Source::Manifests(tokio::task::spawn_blocking(primed).await?)
+        }
+        kube => kube,
+    };
+    let datapath = loading.await??;
     tracing::info!(mode = datapath.mode(), source = source.name(), node = %node.name, node_ips = ?node.ips, zone = ?node.zone, "starting");
 
     // kube-proxy: unhealthy once a change waits twice the sync period.

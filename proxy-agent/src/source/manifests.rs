@@ -97,6 +97,8 @@ struct CachedFile {
 pub struct Manifests {
     path: PathBuf,
     files: BTreeMap<PathBuf, CachedFile>,
+    /// What [`Manifests::prime`] found, for the first reload.
+    primed: Option<Reload>,
 }
 
 /// What a reload found.
@@ -115,11 +117,30 @@ pub struct Reload {
 
 impl Manifests {
     pub fn new(path: impl Into<PathBuf>) -> Self {
-        Self { path: path.into(), files: BTreeMap::new() }
+        Self { path: path.into(), files: BTreeMap::new(), primed: None }
+    }
+
+    /// Reads the files twice, `apart` from each other, as the agent's
+    /// first two polls would, so that they are parsed by then; the first
+    /// [`Manifests::reload`] returns what was found. At start this runs
+    /// beside the programs' loading, which it would otherwise follow.
+    pub fn prime(&mut self, apart: std::time::Duration) {
+        let first = self.reload();
+        if first.moving.is_empty() {
+            self.primed = Some(first);
+            return;
+        }
+        std::thread::sleep(apart);
+        let mut second = self.reload();
+        second.changed |= first.changed;
+        self.primed = Some(second);
     }
 
     /// Re-reads every file; parses only those whose bytes changed.
     pub fn reload(&mut self) -> Reload {
+        if let Some(primed) = self.primed.take() {
+            return primed;
+        }
         let mut reload = Reload::default();
         let paths = match list(&self.path) {
             Ok(paths) => paths,
@@ -423,6 +444,20 @@ metadata: {name: ignored}
         std::fs::remove_file(dir.join("a.yaml")).unwrap();
         assert!(manifests.reload().changed);
         assert!(manifests.snapshot().services.is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn priming_reads_twice_and_hands_its_finding_to_the_first_reload() {
+        let dir = temp_dir("primed");
+        std::fs::write(dir.join("good.yaml"), GOOD).unwrap();
+        let mut manifests = Manifests::new(&dir);
+        manifests.prime(std::time::Duration::ZERO);
+        let first = manifests.reload();
+        assert!(first.changed && first.complete && first.moving.is_empty(), "{first:?}");
+        assert_eq!(manifests.snapshot().services.len(), 1);
+        let again = manifests.reload();
+        assert!(!again.changed && again.complete, "{again:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
