@@ -126,6 +126,9 @@ impl Totals {
     /// growth per id, with its frontend's name (`None`: the id's name at
     /// the last read of the counters, if any).
     pub fn add_flows(&mut self, growth: Vec<(u32, Option<String>, FrontendStats)>) {
+        if !self.enabled() {
+            return;
+        }
         for (id, name, delta) in growth {
             let name = name.or_else(|| self.last.get(&id).map(|(n, _)| n.clone()));
             if let Some(name) = name {
@@ -410,6 +413,10 @@ mod tests {
         t.observe(snapshot(1, &[(1, Some("lab/web:http"), stats(3, 0, 0))]));
         assert_eq!(total(&t, "lab/web:http"), stats(3, 6, 600));
         assert_eq!(t.series().count(), 1);
+        // No series wanted: none made, not even `(other)`.
+        let mut off = Totals::new(0);
+        off.add_flows(vec![(1, Some("lab/web:http".into()), stats(0, 5, 500))]);
+        assert_eq!(off.series().count(), 0);
     }
 
     #[test]
