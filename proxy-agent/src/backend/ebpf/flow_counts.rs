@@ -80,6 +80,8 @@ impl<K: Ord + Copy> FlowCounts<K> {
             .filter(|(_, counts)| *counts != Counts::default())
             .collect();
         seen.sort_unstable_by_key(|(key, _)| *key);
+        // Kept until the next read: no room to spare (a full map's worth).
+        seen.shrink_to_fit();
         if let Some(growth) = growth {
             for (key, entry) in entries {
                 add(growth, entry.rev_nat_id(), Counts::of(entry).since(self.last(key)));
