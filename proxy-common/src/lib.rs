@@ -1427,8 +1427,16 @@ mod tests {
             (42, CtKey { proto: IPPROTO_TCP, ..to }, 7)
         );
         assert_eq!((v2.packets, v2.bytes), (0, 0));
-        let counted = CtEntryV2 { packets: 3, bytes: 300, ..v2 };
+        let mut counted = v2;
+        counted.account(100);
+        counted.account(200);
+        assert_eq!(counted.counted(), (2, 300));
         assert_eq!(CtEntryV1::from(counted), v1);
+        // Layout 1 counts nothing.
+        let mut lean = v1;
+        lean.account(100);
+        assert_eq!((lean, lean.counted()), (v1, (0, 0)));
+        const { assert!(CtEntryV2::COUNTS && !CtEntryV1::COUNTS) };
     }
 
     #[test]
