@@ -24,6 +24,7 @@ use prometheus_client::{
     },
     registry::Registry,
 };
+use proxy_common::FrontendStats;
 
 use crate::{
     backend::ebpf::CounterReader,
@@ -303,6 +304,17 @@ impl Metrics {
         if let Ok(mut stats) = self.service_stats.lock() {
             stats.source.get_or_insert_with(source);
             stats.read();
+        }
+    }
+
+    /// Adds the packets and bytes the per-packet flows' conntrack entries
+    /// counted, per reverse-NAT id (see `backend::ebpf::flow_counts`).
+    pub fn add_flow_growth(&self, growth: Vec<(u32, Option<String>, FrontendStats)>) {
+        if growth.is_empty() {
+            return;
+        }
+        if let Ok(mut stats) = self.service_stats.lock() {
+            stats.totals.add_flows(growth);
         }
     }
 

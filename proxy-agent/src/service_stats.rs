@@ -121,6 +121,22 @@ impl Totals {
         self.last = last;
     }
 
+    /// Adds what the per-packet flows counted in their conntrack entries
+    /// (eBPF mode, at each collection; [`Totals::observe`] reads the rest):
+    /// growth per id, with its frontend's name (`None`: the id's name at
+    /// the last read of the counters, if any).
+    pub fn add_flows(&mut self, growth: Vec<(u32, Option<String>, FrontendStats)>) {
+        if !self.enabled() {
+            return;
+        }
+        for (id, name, delta) in growth {
+            let name = name.or_else(|| self.last.get(&id).map(|(n, _)| n.clone()));
+            if let Some(name) = name {
+                self.add(&name, &delta);
+            }
+        }
+    }
+
     /// Adds `delta` to its service port's series; service ports first
     /// seen after `limit` others go to the `(other)` series for good, so
     /// every series only grows.
@@ -383,6 +399,24 @@ mod tests {
         // An unknown id with no name is skipped.
         t.observe(snapshot(2, &[(7, None, stats(9, 9, 9))]));
         assert_eq!(t.series().count(), 2);
+    }
+
+    #[test]
+    fn flows_growth_adds_to_the_counters_read_under_the_ids_name() {
+        let mut t = Totals::new(10);
+        t.observe(snapshot(1, &[(1, Some("lab/web:http"), stats(2, 0, 0))]));
+        t.add_flows(vec![(1, Some("lab/web:http".into()), stats(0, 5, 500))]);
+        // The id's name is gone (the frontend deleted): the name it had.
+        t.add_flows(vec![(1, None, stats(0, 1, 100))]);
+        // An id never read and nameless counts for no service.
+        t.add_flows(vec![(9, None, stats(0, 7, 700))]);
+        t.observe(snapshot(1, &[(1, Some("lab/web:http"), stats(3, 0, 0))]));
+        assert_eq!(total(&t, "lab/web:http"), stats(3, 6, 600));
+        assert_eq!(t.series().count(), 1);
+        // No series wanted: none made, not even `(other)`.
+        let mut off = Totals::new(0);
+        off.add_flows(vec![(1, Some("lab/web:http".into()), stats(0, 5, 500))]);
+        assert_eq!(off.series().count(), 0);
     }
 
     #[test]

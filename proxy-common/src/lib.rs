@@ -59,14 +59,15 @@ pub const TC6_EGRESS: u32 = 2;
 pub mod layout {
     pub const SERVICES: u32 = 1;
     pub const BACKENDS: u32 = 1;
-    /// 2: `CtEntryV2`, the flow-accounting build (`ct-accounting`).
-    pub const CONNTRACK: u32 = if cfg!(feature = "ct-accounting") { 2 } else { 1 };
+    /// 2: `CtEntryV2`, with packets and bytes per direction; 1:
+    /// `CtEntryV1`, without them (the `ct-lean` build).
+    pub const CONNTRACK: u32 = if cfg!(feature = "ct-lean") { 1 } else { 2 };
     pub const AFFINITY: u32 = 1;
     pub const SOCK_REV_NAT: u32 = 1;
     pub const FRAGMENTS: u32 = 1;
     pub const SOCK_FLOWS: u32 = 1;
     pub const SOCK_REV_NAT6: u32 = 1;
-    /// As `CONNTRACK`: 2 in the flow-accounting build.
+    /// As `CONNTRACK`: 1 in the `ct-lean` build.
     pub const CONNTRACK6: u32 = CONNTRACK;
     pub const AFFINITY6: u32 = 1;
 }
@@ -737,8 +738,12 @@ pub trait CtValue: Copy {
     fn flags(&self) -> u8;
     fn rev_nat_id(&self) -> u32;
     fn set_state(&mut self, flags: u8, expires_ns: u64);
+    /// Whether the layout counts its packets and bytes (`account`).
+    const COUNTS: bool;
     /// Counts a packet of `len` bytes (layouts with counters; else nothing).
     fn account(&mut self, len: u32);
+    /// The packets and bytes counted (zero in a layout without counters).
+    fn counted(&self) -> (u64, u64);
 }
 
 /// Declares a conntrack value layout: the fields every version has, then
@@ -792,6 +797,7 @@ macro_rules! ct_entry {
 
         impl CtValue for $name {
             type Key = $key;
+            const COUNTS: bool = ct_entry!(@counts $($field)*);
             #[inline(always)]
             fn new(expires_ns: u64, to: &$key, rev_nat_id: u32, flags: u8) -> Self {
                 $name::new(expires_ns, to, rev_nat_id, flags)
@@ -821,8 +827,19 @@ macro_rules! ct_entry {
             fn account(&mut self, _len: u32) {
                 $(ct_entry!(@count self, _len, $field);)*
             }
+            #[inline(always)]
+            fn counted(&self) -> (u64, u64) {
+                #[allow(unused_mut)]
+                let mut counted = (0, 0);
+                $(ct_entry!(@read self, counted, $field);)*
+                counted
+            }
         }
     };
+    (@counts) => { false };
+    (@counts $($field:ident)+) => { true };
+    (@read $self:ident, $counted:ident, packets) => { $counted.0 = $self.packets };
+    (@read $self:ident, $counted:ident, bytes) => { $counted.1 = $self.bytes };
     (@count $self:ident, $len:ident, packets) => { $self.packets += 1 };
     (@count $self:ident, $len:ident, bytes) => { $self.bytes += $len as u64 };
 }
@@ -869,8 +886,10 @@ ct_entry!(
 );
 
 ct_entry!(
-    /// Conntrack layout 2 (`ct-accounting`): layout 1 and what the entry's
-    /// direction carried, as netfilter's `nf_conntrack_acct` counts.
+    /// Conntrack layout 2 (the default; `ct-lean` builds use layout 1):
+    /// layout 1 and what the entry's direction carried, its first packet
+    /// included, as netfilter's `nf_conntrack_acct` counts. The agent sums
+    /// them per frontend at each conntrack collection.
     CtEntryV2(CtKey, [u8; 4]) {
         packets: u64,
         bytes: u64,
@@ -885,7 +904,7 @@ ct_entry!(
 );
 
 ct_entry!(
-    /// `CONNTRACK6` layout 2 (`ct-accounting`): as [`CtEntryV2`].
+    /// `CONNTRACK6` layout 2 (the default): as [`CtEntryV2`].
     CtEntry6V2(CtKey6, Ipv6Octets) {
         packets: u64,
         bytes: u64,
@@ -895,14 +914,14 @@ ct_entry!(
 ct_layouts_convert!(CtEntry6V1, CtEntry6V2);
 
 /// The conntrack values of this build.
-#[cfg(not(feature = "ct-accounting"))]
-pub type CtEntry = CtEntryV1;
-#[cfg(feature = "ct-accounting")]
+#[cfg(not(feature = "ct-lean"))]
 pub type CtEntry = CtEntryV2;
-#[cfg(not(feature = "ct-accounting"))]
-pub type CtEntry6 = CtEntry6V1;
-#[cfg(feature = "ct-accounting")]
+#[cfg(feature = "ct-lean")]
+pub type CtEntry = CtEntryV1;
+#[cfg(not(feature = "ct-lean"))]
 pub type CtEntry6 = CtEntry6V2;
+#[cfg(feature = "ct-lean")]
+pub type CtEntry6 = CtEntry6V1;
 
 /// Key of the fragments map: an IP datagram whose first fragment was
 /// translated, as its later fragments carry it (they have no ports).
@@ -1408,8 +1427,16 @@ mod tests {
             (42, CtKey { proto: IPPROTO_TCP, ..to }, 7)
         );
         assert_eq!((v2.packets, v2.bytes), (0, 0));
-        let counted = CtEntryV2 { packets: 3, bytes: 300, ..v2 };
+        let mut counted = v2;
+        counted.account(100);
+        counted.account(200);
+        assert_eq!(counted.counted(), (2, 300));
         assert_eq!(CtEntryV1::from(counted), v1);
+        // Layout 1 counts nothing.
+        let mut lean = v1;
+        lean.account(100);
+        assert_eq!((lean, lean.counted()), (v1, (0, 0)));
+        const { assert!(CtEntryV2::COUNTS && !CtEntryV1::COUNTS) };
     }
 
     #[test]

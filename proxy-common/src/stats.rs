@@ -55,9 +55,12 @@ pub struct FrontendStats {
     pub sock_refused: u64,
     /// Per packet: new flows translated and tracked.
     pub flows: u64,
-    /// Per packet: packets translated, both directions (new and tracked).
+    /// Per packet, `ct-lean` builds only: packets translated, both
+    /// directions (new and tracked). The default build counts them in the
+    /// flows' conntrack entries (zero here), which the agent sums.
     pub packets: u64,
-    /// Per packet: their bytes as tc sees them (L2 header included).
+    /// Per packet, as `packets`: their bytes as tc sees them (L2 header
+    /// included).
     pub bytes: u64,
     /// Per packet: new flows refused (TCP RST, ICMP unreachable).
     pub refused: u64,

@@ -26,10 +26,9 @@ fn lifetime_ns(cfg: &Config, proto: u8, flags: u8) -> u64 {
 }
 
 /// The live entry for `pkt`'s tuple, its state and lifetime refreshed on
-/// both directions (so a one-way flow keeps its silent side alive too).
-/// `len`: the packet's length, for the flow-accounting build. `run` is
-/// asked only where the entry would be written: an explain run's packet
-/// leaves it as it is.
+/// both directions (so a one-way flow keeps its silent side alive too),
+/// the packet (`len` bytes) counted in it. `run` is asked only where the
+/// entry would be written: an explain run's packet leaves it as it is.
 #[inline(always)]
 pub fn lookup<F: Family>(
     pkt: &Packet<F::Tuple>,
@@ -44,7 +43,6 @@ pub fn lookup<F: Family>(
     if current.expires_ns() < now {
         return None;
     }
-    account(entry, len);
     let proto = pkt.tuple.proto();
     match on_closed(current.flags(), pkt.tcp_flags) {
         Closed::Applies => {}
@@ -60,6 +58,9 @@ pub fn lookup<F: Family>(
             F::ct_remove(&pkt.tuple);
             return None;
         }
+    }
+    if F::Entry::COUNTS && run() == Run::Real {
+        account(entry, len);
     }
     let flags = next_flags(current.flags(), pkt.tcp_flags);
     let expires_ns = now + lifetime_ns(cfg, proto, flags);
@@ -79,8 +80,9 @@ pub fn lookup<F: Family>(
     Some(current)
 }
 
-/// Counts a packet of the entry's direction (`ct-accounting` builds: the
-/// layout without counters counts nothing).
+/// Counts a packet of the entry's direction: the flow's packets and bytes,
+/// which the agent sums per frontend (the default layout; `ct-lean` builds
+/// count them per frontend instead, see `tc_lb`).
 #[inline(always)]
 fn account<E: CtValue>(entry: *mut E, len: u32) {
     // SAFETY: a live map value. The BPF target has no atomic add in `core`:
@@ -97,7 +99,8 @@ fn port_free<F: Family>(key: &F::Tuple, cfg: &Config, now: u64) -> bool {
     port_reusable(cfg, expires_ns, flags, now)
 }
 
-/// Records a new flow `orig` translated to `xlated`. With SNAT, picks a
+/// Records a new flow `orig` translated to `xlated`, its first packet
+/// (`len` bytes) counted in the forward entry. With SNAT, picks a
 /// source port in the configured range whose reply tuple is free (or held by
 /// a flow that closed long enough ago, as netfilter reuses closed tuples),
 /// and writes it into `xlated`; false when no port (or no room) was found.
@@ -108,6 +111,7 @@ pub fn create<F: Family>(
     xlated: &mut F::Tuple,
     rev_nat_id: u32,
     snat: bool,
+    len: u32,
     cfg: &Config,
     now: u64,
 ) -> bool {
@@ -139,6 +143,7 @@ pub fn create<F: Family>(
     // The forward entry in the reply's stack slot: the accounting layout's
     // entries are large, and the verifier adds a log call's frame to this.
     entry = F::Entry::new(expires_ns, xlated, rev_nat_id, flags);
+    entry.account(len);
     if F::ct_insert(orig, &entry, BPF_ANY as u64).is_err() {
         F::ct_remove(&xlated.reversed());
         return false;

@@ -1,9 +1,11 @@
 //! Per-frontend traffic counters (`FRONTEND_STATS`, see
 //! `proxy_common::stats`): one per-CPU hash lookup per event; a frontend's
 //! entry is made at its first event, from a zero value in a map (no stack).
+//! Events are rare ones (new flows, refusals, drops, socket-LB calls): a
+//! tracked flow's packets are counted in its conntrack entry, off this map.
 
 use aya_ebpf::bindings::BPF_NOEXIST;
-use proxy_common::{DropReason, FrontendStats};
+use proxy_common::{CtValue, DropReason, FrontendStats};
 
 use crate::maps::{FRONTEND_STATS, STATS_ZERO};
 
@@ -23,6 +25,7 @@ enum Kind {
     SocketConnection,
     SocketRefused,
     Flow,
+    FlowPacket,
     Packet,
     Refused,
     Dropped,
@@ -37,12 +40,16 @@ impl Event {
     /// Per packet: a new flow refused.
     pub const REFUSED: Event = Event { kind: Kind::Refused, n: 0 };
 
-    /// Per packet: a new flow's first packet, of `len` bytes.
-    pub const fn flow(len: u32) -> Event {
-        Event { kind: Kind::Flow, n: len }
+    /// Per packet: a new flow's first packet, of `len` bytes, in a flow
+    /// whose conntrack entries are `E`: where they count packets (the
+    /// default layout), its packet and bytes are the entry's, not this.
+    pub const fn flow<E: CtValue>(len: u32) -> Event {
+        let kind = if E::COUNTS { Kind::Flow } else { Kind::FlowPacket };
+        Event { kind, n: len }
     }
 
-    /// Per packet: a tracked flow's packet, of `len` bytes.
+    /// Per packet, `ct-lean` builds only: a tracked flow's packet, of
+    /// `len` bytes (the default layout counts it in its conntrack entry).
     pub const fn packet(len: u32) -> Event {
         Event { kind: Kind::Packet, n: len }
     }
@@ -62,7 +69,8 @@ pub fn count(rev_nat_id: u32, event: Event) {
     match event.kind {
         Kind::SocketConnection => stats.sock_connections += 1,
         Kind::SocketRefused => stats.sock_refused += 1,
-        Kind::Flow => {
+        Kind::Flow => stats.flows += 1,
+        Kind::FlowPacket => {
             stats.flows += 1;
             stats.packets += 1;
             stats.bytes += event.n as u64;

@@ -134,7 +134,8 @@ where
     );
     if let Some(rev_nat_id) = tracked_id {
         count(Counter::CtHit);
-        if Run::of(ctx) == Run::Real {
+        // The entry counted the packet; the lean layout cannot.
+        if !F::Entry::COUNTS && Run::of(ctx) == Run::Real {
             stat::<F>(rev_nat_id, Event::packet(ctx.len()));
         }
         return forward_counted::<F>(ctx, f, rev_nat_id);
@@ -182,7 +183,7 @@ where
     }
     let created = F::step(
         #[inline(always)]
-        || conntrack::create::<F>(&f.pkt.tuple, &mut f.to, rev_nat_id, snat, cfg, f.now),
+        || conntrack::create::<F>(&f.pkt.tuple, &mut f.to, rev_nat_id, snat, ctx.len(), cfg, f.now),
     );
     if !created {
         count(Counter::Dropped);
@@ -193,7 +194,7 @@ where
         return SHOT;
     }
     count(Counter::CtNew);
-    stat::<F>(rev_nat_id, Event::flow(ctx.len()));
+    stat::<F>(rev_nat_id, Event::flow::<F::Entry>(ctx.len()));
     monitor::tc(ctx, &f.pkt.tuple, &f.to, What::Translated(rev_nat_id));
     if cfg.log_level >= log_level::DEBUG {
         log::new_flow(&f.pkt.tuple, &f.to, via, flags);
@@ -424,7 +425,10 @@ where
     let rev_nat_id = entry.rev_nat_id();
     match packet::rewrite::<F>(ctx, pkt, &entry.rewritten(pkt.tuple.proto())) {
         Ok(()) => {
-            stats::count(rev_nat_id, Event::packet(ctx.len()));
+            // As on ingress: the entry counted it, unless lean.
+            if !F::Entry::COUNTS {
+                stats::count(rev_nat_id, Event::packet(ctx.len()));
+            }
             NEXT
         }
         Err(_) => {

@@ -191,6 +191,21 @@ fn ipv6_node_port_cluster_policy_reaches_the_backend_from_the_nodes_ipv6_address
     let metrics = c.lab.metrics_reaching(series, &labels("dns"), 1).unwrap();
     assert_eq!(sample(&metrics, series, &labels("http")), 30, "{metrics}");
     assert_eq!(sample(&metrics, series, &labels("dns")), 1, "{metrics}");
+    if setup.mode == Mode::Ebpf {
+        // Packets and bytes from the flows' `CONNTRACK6` entries, summed at
+        // the agent's next collection: each TCP attempt at least a SYN, a
+        // SYN-ACK and an ACK, each UDP datagram answered; at least 62 bytes
+        // each (Ethernet, IPv6, UDP headers).
+        let series = "proxy_service_packets_total";
+        let port = |port: &str| format!("namespace=\"lab\",service=\"np\",port=\"{port}\"");
+        for (name, at_least) in [("http", 3 * 30), ("dns", 2 * 10)] {
+            let metrics = c.lab.metrics_reaching(series, &port(name), at_least).unwrap();
+            let packets = sample(&metrics, series, &port(name));
+            assert!(packets >= at_least, "{name}: {packets} packets:\n{metrics}");
+            let bytes = sample(&metrics, "proxy_service_bytes_total", &port(name));
+            assert!(bytes >= 62 * packets, "{name}: {bytes} bytes of {packets} packets");
+        }
+    }
 }
 
 /// Scenario 3 (policy Local): the backend sees the client's IPv6 address.

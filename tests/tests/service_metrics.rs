@@ -77,7 +77,11 @@ fn per_service_counters_match_the_traffic_sent(setup: Setup) {
             let dropped = format!("{guarded},reason=\"source_outside_ranges\"");
             assert_eq!(get("proxy_service_dropped_total", &dropped), 1, "{metrics}");
             // Each TCP connection is at least a SYN, a SYN-ACK and an ACK,
-            // of at least 54 bytes each (Ethernet, IPv4, TCP headers).
+            // of at least 54 bytes each (Ethernet, IPv4, TCP headers),
+            // counted in the flows' conntrack entries: the agent sums them
+            // at its next collection (a second apart with so few flows).
+            let metrics = lab.metrics_reaching("proxy_service_packets_total", web, 3 * 11).unwrap();
+            let get = |name: &str, labels: &str| sample(&metrics, name, labels);
             let packets = get("proxy_service_packets_total", web);
             assert!(packets >= 3 * 11, "{packets} packets:\n{metrics}");
             let bytes = get("proxy_service_bytes_total", web);

@@ -241,14 +241,14 @@ fn build() -> anyhow::Result<()> {
     cargo(&["build", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])
 }
 
-/// The agent with the other conntrack layout (`ct-accounting`), as
-/// `target/debug/proxy-agent-ct-accounting`: the upgrade tests move flows
+/// The agent with the other conntrack layout (`ct-lean`), as
+/// `target/debug/proxy-agent-ct-lean`: the upgrade tests move flows
 /// between it and the default build.
 fn build_other_layout() -> anyhow::Result<()> {
-    cargo(&["build", "-p", "proxy-agent", "--features", "ct-accounting"])?;
+    cargo(&["build", "-p", "proxy-agent", "--features", "ct-lean"])?;
     let dir = std::path::Path::new("target/debug");
-    std::fs::copy(dir.join("proxy-agent"), dir.join("proxy-agent-ct-accounting"))
-        .context("keeping the ct-accounting build")?;
+    std::fs::copy(dir.join("proxy-agent"), dir.join("proxy-agent-ct-lean"))
+        .context("keeping the ct-lean build")?;
     Ok(())
 }
 

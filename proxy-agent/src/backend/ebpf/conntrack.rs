@@ -92,16 +92,7 @@ mod tests {
             proto: IPPROTO_UDP,
             _pad: [0; 3],
         };
-        let entry = |to: CtKey, expires_ns, flags| CtEntry {
-            expires_ns,
-            saddr: to.saddr,
-            daddr: to.daddr,
-            sport: to.sport,
-            dport: to.dport,
-            rev_nat_id: 1,
-            flags,
-            _pad: [0; 7],
-        };
+        let entry = |to: CtKey, expires_ns, flags| CtEntry::new(expires_ns, &to, 1, flags);
         [
             (orig, entry(xlated, expires[0], CT_FLAG_SNAT)),
             (xlated.reversed(), entry(orig.reversed(), expires[1], CT_FLAG_SNAT | CT_FLAG_REPLY)),

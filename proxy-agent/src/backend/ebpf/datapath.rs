@@ -468,6 +468,7 @@ impl Datapath for EbpfDatapath {
             Ok(flushed) => tracing::info!(flushed, "UDP flows to removed endpoints deleted"),
             Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
         }
+        metrics.add_flow_growth(self.backend.take_flow_growth());
         // Connected sockets would keep sending to the pod that left.
         let started = Instant::now();
         match self.backend.end_sockets(&report.departures) {
@@ -489,6 +490,7 @@ impl Datapath for EbpfDatapath {
             return false;
         }
         let collected = self.backend.collect_conntrack();
+        metrics.add_flow_growth(self.backend.take_flow_growth());
         let left = collected.as_ref().map_or(0, |(_, left)| *left);
         self.next_gc = Instant::now() + gc_interval(left);
         match collected {

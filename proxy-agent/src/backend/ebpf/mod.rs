@@ -18,6 +18,7 @@ pub mod datapath;
 pub mod departures;
 pub mod entries;
 pub mod explain;
+pub mod flow_counts;
 pub mod frontend_stats;
 pub mod prefilter;
 pub mod records;
@@ -52,9 +53,10 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, Backend6, Config, Counter, CtEntry, CtKey, FrontendInfo,
-    IPPROTO_TCP, IPPROTO_UDP, Layouts, MAX_BACKENDS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, RevNat,
-    RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceKey6, ServiceValue, SockFlow,
-    SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, SourceRangeKey, map_names,
+    FrontendStats, IPPROTO_TCP, IPPROTO_UDP, Layouts, MAX_BACKENDS, MAX_REV_NAT,
+    MAX_SERVICE_ENTRIES, RevNat, RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceKey6,
+    ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6,
+    SourceRangeKey, map_names,
 };
 use proxy_common::{
     AffinityKey6, CtEntry6, CtKey6, CtTuple, CtValue, SourceRangeKey6, TC6_PROGRAMS,
@@ -63,6 +65,7 @@ use proxy_common::{
 use carry::{Carry, Conversion, Pinned, STATE_MAPS};
 use departures::Departures;
 use entries::{BackendEntry, RevNatEntry, SlotKey};
+use flow_counts::{FlowCounts, Growth};
 use prefilter::Prefilter;
 use replies::Replies;
 use sock_end::{Iterators, SocketDestroy, SocketEnding};
@@ -564,6 +567,11 @@ pub struct EbpfBackend {
     socket_protocols: Vec<u8>,
     /// The task reading these programs' decision records, stopped with them.
     records: Option<records::Reader>,
+    /// What each conntrack entry counted at the last read (`flow_counts`).
+    flow_counts: FlowCounts<CtKey>,
+    flow_counts6: FlowCounts<CtKey6>,
+    /// Packets and bytes flows counted since [`EbpfBackend::take_flow_growth`].
+    flow_growth: Growth,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).
@@ -672,6 +680,9 @@ impl EbpfBackend {
             socket_ending: SocketEnding::Unavailable,
             records: None,
             socket_protocols: Vec::new(),
+            flow_counts: FlowCounts::default(),
+            flow_counts6: FlowCounts::default(),
+            flow_growth: Growth::new(),
         })
     }
 
@@ -1082,27 +1093,54 @@ impl EbpfBackend {
 
     /// Sets the pre-filter bits of every flow in `CONNTRACK` and
     /// `CONNTRACK6` (carried over from a previous agent), so their packets
-    /// keep reaching them (the reply slots start all set: [`replies`]).
+    /// keep reaching them (the reply slots start all set: [`replies`]);
+    /// what they counted so far is the previous agent's (a baseline).
     fn mark_flows(&mut self) -> Result<(), EbpfError> {
         let maps = &mut self.maps;
-        mark_flows::<CtKey, CtEntry>(&maps.conntrack, map_names::CONNTRACK, &mut maps.prefilter)?;
-        mark_flows::<CtKey6, CtEntry6>(&maps.conntrack6, map_names::CONNTRACK6, &mut maps.prefilter)
+        let (v4, v6) = (&maps.conntrack, &maps.conntrack6);
+        let prefilter = &mut maps.prefilter;
+        mark_flows::<CtKey, CtEntry>(v4, map_names::CONNTRACK, prefilter, &mut self.flow_counts)?;
+        mark_flows::<CtKey6, CtEntry6>(v6, map_names::CONNTRACK6, prefilter, &mut self.flow_counts6)
     }
 
-    /// Deletes expired flows (both directions, both families), and rebuilds
+    /// Deletes expired flows (both directions, both families), rebuilds
     /// a generation of the reply slots from the live ones (see
-    /// [`replies`]); returns (deleted, left).
+    /// [`replies`]) and adds what the flows counted to
+    /// [`EbpfBackend::take_flow_growth`]'s; returns (deleted, left).
     pub fn collect_conntrack(&mut self) -> Result<(usize, usize), EbpfError> {
         let now = crate::sys::monotonic_ns();
         let generation = self.maps.replies.begin();
         let slots = self.maps.replies.slots();
         let (v4, v6) = (&mut self.maps.conntrack, &mut self.maps.conntrack6);
+        let counts = (&mut self.flow_counts, &mut self.flow_growth);
         let (deleted, left) =
-            collect::<CtKey, CtEntry>(v4, map_names::CONNTRACK, now, &slots, generation)?;
-        let (deleted6, left6) =
-            collect::<CtKey6, CtEntry6>(v6, map_names::CONNTRACK6, now, &slots, generation)?;
+            collect::<CtKey, CtEntry>(v4, map_names::CONNTRACK, now, &slots, generation, counts)?;
+        let counts = (&mut self.flow_counts6, &mut self.flow_growth);
+        let (deleted6, left6) = collect::<CtKey6, CtEntry6>(
+            v6,
+            map_names::CONNTRACK6,
+            now,
+            &slots,
+            generation,
+            counts,
+        )?;
         self.maps.replies.done(generation);
         Ok((deleted + deleted6, left + left6))
+    }
+
+    /// The packets and bytes flows counted per reverse-NAT id since the
+    /// last call (at conntrack collections and deletions), with each id's
+    /// frontend name where it still has one.
+    pub fn take_flow_growth(&mut self) -> Vec<(u32, Option<String>, FrontendStats)> {
+        let growth = std::mem::take(&mut self.flow_growth);
+        let infos = HashMap::<_, u32, FrontendInfo>::try_from(&self.maps.frontend_info).ok();
+        growth
+            .into_iter()
+            .map(|(id, counted)| {
+                let name = infos.as_ref().and_then(|m| m.get(&id, 0).ok());
+                (id, name.map(|info| info.name().to_string()), counted)
+            })
+            .collect()
     }
 
     /// Ends the sockets the socket LB connected to backends that left
@@ -1170,8 +1208,10 @@ impl EbpfBackend {
         }
         let sockets = self.flush_socket_flows(departures)?;
         let (v4, v6) = (&mut self.maps.conntrack, &mut self.maps.conntrack6);
-        let flows = flush::<CtKey, CtEntry>(v4, map_names::CONNTRACK, departures)?;
-        let flows6 = flush::<CtKey6, CtEntry6>(v6, map_names::CONNTRACK6, departures)?;
+        let counts = (&mut self.flow_counts, &mut self.flow_growth);
+        let flows = flush::<CtKey, CtEntry>(v4, map_names::CONNTRACK, departures, counts)?;
+        let counts = (&mut self.flow_counts6, &mut self.flow_growth);
+        let flows6 = flush::<CtKey6, CtEntry6>(v6, map_names::CONNTRACK6, departures, counts)?;
         Ok(sockets + flows + flows6)
     }
 
@@ -1217,39 +1257,47 @@ fn conntrack_entries<K: aya::Pod, V: aya::Pod>(
 }
 
 /// Deletes the `keys` whose entry `still_stale` says may go: the map moves
-/// on while we scan, so each entry is read again before deletion.
+/// on while we scan, so each entry is read again before deletion. Returns
+/// the entries deleted, as last read (their final counts).
 fn delete_conntrack<K: aya::Pod, V: aya::Pod>(
     map: &mut Map,
     name: &'static str,
     keys: &[K],
     still_stale: impl Fn(&K, &V) -> bool,
-) -> Result<usize, EbpfError> {
+) -> Result<Vec<(K, V)>, EbpfError> {
     let mut map =
         HashMap::<_, K, V>::try_from(map).map_err(|source| EbpfError::Map { name, source })?;
-    let mut deleted = 0;
+    let mut deleted = Vec::new();
     for key in keys {
         // Already gone (LRU eviction) is fine.
-        if map.get(key, 0).is_ok_and(|e| still_stale(key, &e)) && map.remove(key).is_ok() {
-            deleted += 1;
+        let Ok(entry) = map.get(key, 0) else { continue };
+        if still_stale(key, &entry) && map.remove(key).is_ok() {
+            deleted.push((*key, entry));
         }
     }
     Ok(deleted)
 }
 
+/// A conntrack map's counts at the last read, and where growth goes.
+type Counting<'a, K> = (&'a mut FlowCounts<K>, &'a mut Growth);
+
 /// Deletes a conntrack map's expired flows, marking the reply slots of the
-/// others in `generation`; returns (deleted, left).
+/// others in `generation` and counting what every flow counted since the
+/// last read; returns (deleted, left).
 fn collect<K, V>(
     map: &mut Map,
     name: &'static str,
     now: u64,
     slots: &replies::Slots<'_>,
     generation: replies::Generation,
+    (counts, growth): Counting<'_, K>,
 ) -> Result<(usize, usize), EbpfError>
 where
     K: CtTuple<Addr: proxy_common::prefilter::Address> + Ord + aya::Pod,
     V: CtValue<Key = K> + aya::Pod,
 {
     let entries = conntrack_entries::<K, V>(map, name)?;
+    counts.observe(&entries, Some(growth));
     let stale = conntrack::expired(&entries, now);
     for (key, entry) in &entries {
         if let Some((addr, port)) = replies::reply_backend(key, entry)
@@ -1260,30 +1308,36 @@ where
     }
     // A key the datapath gave a new flow meanwhile has a later expiry.
     let deleted = delete_conntrack(map, name, &stale, |_, e: &V| e.expires_ns() < now)?;
-    Ok((deleted, entries.len().saturating_sub(deleted)))
+    counts.deleted(&deleted, growth);
+    Ok((deleted.len(), entries.len().saturating_sub(deleted.len())))
 }
 
-/// Sets the pre-filter bits of every flow in a conntrack map.
+/// Sets the pre-filter bits of every flow in a conntrack map, and takes
+/// their counts as the baseline.
 fn mark_flows<K, V>(
     map: &Map,
     name: &'static str,
     prefilter: &mut Prefilter,
+    counts: &mut FlowCounts<K>,
 ) -> Result<(), EbpfError>
 where
-    K: CtTuple<Addr: proxy_common::prefilter::Address> + aya::Pod,
+    K: CtTuple<Addr: proxy_common::prefilter::Address> + Ord + aya::Pod,
     V: CtValue<Key = K> + aya::Pod,
 {
     let entries = conntrack_entries::<K, V>(map, name)?;
+    counts.observe(&entries, None);
     let bits = entries.iter().map(|(key, entry)| prefilter::flow_bit(key, entry));
     let name = map_names::PREFILTER;
     prefilter.set(bits).map_err(|source| EbpfError::Map { name, source })
 }
 
-/// Deletes a conntrack map's flows of departed (frontend, backend) pairs.
+/// Deletes a conntrack map's flows of departed (frontend, backend) pairs,
+/// counting what they counted since the last read.
 fn flush<K, V>(
     map: &mut Map,
     name: &'static str,
     departures: &Departures,
+    (counts, growth): Counting<'_, K>,
 ) -> Result<usize, EbpfError>
 where
     K: CtTuple<Addr: Into<IpAddr>> + Ord + aya::Pod,
@@ -1292,7 +1346,10 @@ where
     let entries = conntrack_entries::<K, V>(map, name)?;
     let flows = conntrack::flows_to(&entries, departures);
     // Only entries still naming a departed pair (not a new flow's).
-    delete_conntrack(map, name, &flows, |k, e: &V| conntrack::names_departed(k, e, departures))
+    let still = |k: &K, e: &V| conntrack::names_departed(k, e, departures);
+    let deleted = delete_conntrack(map, name, &flows, still)?;
+    counts.deleted(&deleted, growth);
+    Ok(deleted.len())
 }
 
 /// Drops the entries of an affinity map (`rev_nat_id` of its key type)
