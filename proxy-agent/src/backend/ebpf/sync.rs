@@ -48,12 +48,13 @@ pub enum MapOp {
         id: u32,
         backend: BackendEntry,
     },
-    /// Also the frontend's [`FrontendInfo`], which alone may change later.
+    /// Also the frontend's [`FrontendInfo`], which alone may change later
+    /// (boxed: at 152 bytes it would size every op of a sync of millions).
     PutRevNat {
         frontend: Frontend,
         id: u32,
         value: RevNatEntry,
-        info: FrontendInfo,
+        info: Box<FrontendInfo>,
     },
     PutService {
         key: SlotKey,
@@ -248,12 +249,41 @@ pub struct Released {
 
 /// The writes a sync needs, worked out before the first one.
 struct Changes {
-    ops: Vec<MapOp>,
+    ops: Ops,
     purge: AffinityPurge,
     /// Entries the writes add per map, before any is deleted.
     added: Added,
     /// (reverse-NAT id, backend id): backends leaving a frontend.
     left: Vec<(u32, u32)>,
+}
+
+/// Map operations in order, held in chunks of a batch's size: a first
+/// sync's millions of them never need one block twice their size while a
+/// vector grows, and each chunk is written as its batches.
+#[derive(Default)]
+struct Ops {
+    chunks: Vec<Vec<MapOp>>,
+}
+
+impl Ops {
+    fn push(&mut self, op: MapOp) {
+        match self.chunks.last_mut() {
+            Some(chunk) if chunk.len() < batch::CHUNK => chunk.push(op),
+            _ => {
+                let mut chunk = Vec::with_capacity(batch::CHUNK);
+                chunk.push(op);
+                self.chunks.push(chunk);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &MapOp> {
+        self.chunks.iter().flatten()
+    }
 }
 
 #[derive(Default)]
@@ -431,15 +461,17 @@ impl SyncState {
         let departures = self.departures(&ops, &left);
         // In order, runs of one kind together: a batch writes its entries
         // in order too, so make-before-break holds entry by entry.
-        for run in batch::runs(&ops, batch::CHUNK, MapOp::batch_kind) {
-            let ops = &ops[run];
-            let (applied, result) = writer.apply_run(ops);
-            for op in &ops[..applied] {
-                self.record(op);
-            }
-            if let Err(source) = result {
-                let op = Box::new(ops[applied.min(ops.len() - 1)].clone());
-                return Err(SyncError::Write { op, source });
+        for chunk in &ops.chunks {
+            for run in batch::runs(chunk, batch::CHUNK, MapOp::batch_kind) {
+                let ops = &chunk[run];
+                let (applied, result) = writer.apply_run(ops);
+                for op in &ops[..applied] {
+                    self.record(op);
+                }
+                if let Err(source) = result {
+                    let op = Box::new(ops[applied.min(ops.len() - 1)].clone());
+                    return Err(SyncError::Write { op, source });
+                }
             }
         }
         Ok(SyncReport { writes: ops.len(), departures })
@@ -447,7 +479,7 @@ impl SyncState {
 
     /// What `ops` take away: backends deleted leave every frontend, the
     /// others only the frontends `left` names.
-    fn departures(&self, ops: &[MapOp], left: &[(u32, u32)]) -> Departures {
+    fn departures(&self, ops: &Ops, left: &[(u32, u32)]) -> Departures {
         let deleted: BTreeSet<u32> = ops
             .iter()
             .filter_map(|op| match op {
@@ -553,7 +585,7 @@ impl SyncState {
         // Both lists are in address order, external scope first: right for
         // removals; an address's twin goes in before its flag names it.
         kept.sort_by_key(|(f, _)| f.scope == Scope::External);
-        let mut ops = Vec::new();
+        let mut ops = Ops::default();
         let mut purge = AffinityPurge::new();
         let mut added = Added::default();
         // Slots naming each backend id gained (+) or lost (-) by the writes.
@@ -594,7 +626,7 @@ impl SyncState {
             let rev_nat_id = if installed.rev_nat_id != 0 {
                 if installed.info != Some(info) {
                     // Another service's now, or another kind of address.
-                    let (frontend, id) = (**frontend, installed.rev_nat_id);
+                    let (frontend, id, info) = (**frontend, installed.rev_nat_id, Box::new(info));
                     ops.push(MapOp::PutRevNat { frontend, id, value, info });
                 }
                 installed.rev_nat_id
@@ -607,6 +639,7 @@ impl SyncState {
                 );
                 new_revs.insert(id);
                 added.rev_nat += 1;
+                let info = Box::new(info);
                 ops.push(MapOp::PutRevNat { frontend: **frontend, id, value, info });
                 id
             };
@@ -758,7 +791,7 @@ impl SyncState {
                     self.last_rev_nat_id = *id;
                 }
                 let entry = self.frontends.entry(*frontend).or_default();
-                (entry.rev_nat_id, entry.info) = (*id, Some(*info));
+                (entry.rev_nat_id, entry.info) = (*id, Some(**info));
             }
             MapOp::DeleteRevNat { frontend, id } => {
                 self.rev_nat.remove(id);
