@@ -556,6 +556,8 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
         parsed.ports.push(((port_name, protocol), number));
     }
     let mut nodes = Vec::new();
+    // Exactly as many as listed: a million endpoints are held here.
+    parsed.endpoints.reserve_exact(slice.endpoints.len());
     for endpoint in &slice.endpoints {
         // kube-proxy uses the first address of an endpoint.
         let Some(address) = endpoint.addresses.first() else { continue };

@@ -378,6 +378,8 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             .collect();
         backends.sort();
         backends.dedup_by_key(|b| b.addr);
+        // The plan holds every endpoint: no room to spare.
+        backends.shrink_to_fit();
         FrontendPlan {
             service: port.name.clone(),
             kind,
