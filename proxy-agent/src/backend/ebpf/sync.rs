@@ -732,7 +732,11 @@ impl SyncState {
                 let value = ServiceValue { backend_id: *id, rev_nat_id, ..Default::default() };
                 emit(MapOp::PutService { key: SlotKey::new(frontend, *slot), value });
                 if let Some(tally) = tally.as_deref_mut() {
-                    *tally.refs_delta.entry(*id).or_default() += 1;
+                    // Only installed backends may be deleted: a first sync's
+                    // million new ones need no count.
+                    if self.backend_by_id.contains_key(id) {
+                        *tally.refs_delta.entry(*id).or_default() += 1;
+                    }
                     match old {
                         Some(old) => *tally.refs_delta.entry(*old).or_default() -= 1,
                         None => tally.added.services += 1,
@@ -771,7 +775,12 @@ impl SyncState {
             emit(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
         }
         let Some(tally) = tally else { return };
-        let kept: BTreeSet<u32> = backend_ids.iter().copied().collect();
+        // Only what was installed can be lost (a first sync's frontends
+        // have nothing).
+        let kept: BTreeSet<u32> = match installed.slots.is_empty() {
+            true => BTreeSet::new(),
+            false => backend_ids.iter().copied().collect(),
+        };
         let lost = installed.slots.values().filter(|id| !kept.contains(id));
         tally.left.extend(lost.map(|id| (rev_nat_id, *id)));
         let had_affinity = installed.value.is_some_and(|v| v.flags.is_affinity());
@@ -953,6 +962,10 @@ fn flags(fp: &FrontendPlan) -> ServiceFlags {
 /// count stay put, the others fill the free slots, so one endpoint change
 /// rewrites one slot however the addresses sort.
 fn assign_slots(installed: &BTreeMap<u16, u32>, backend_ids: &[u32]) -> BTreeMap<u16, u32> {
+    if installed.is_empty() {
+        // A new frontend (all of a first sync's): slots in order.
+        return (1..).zip(backend_ids.iter().copied()).collect();
+    }
     let count = backend_ids.len();
     let wanted: BTreeSet<u32> = backend_ids.iter().copied().collect();
     let mut slots = BTreeMap::new();
