@@ -555,6 +555,7 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
         };
         parsed.ports.push(((port_name, protocol), number));
     }
+    parsed.ports.shrink_to_fit();
     let mut nodes = Vec::new();
     // Exactly as many as listed: a million endpoints are held here.
     parsed.endpoints.reserve_exact(slice.endpoints.len());
@@ -885,6 +886,9 @@ pub fn parse_service(service: &Service) -> Result<Vec<ServicePort>, ModelError> 
         };
         ports.extend(cluster_ips.iter().map(|ip| externals.in_family(&template, *ip)));
     }
+    // Held per service for as long as it exists: not a growing vector's
+    // four ports for one.
+    ports.shrink_to_fit();
     Ok(ports)
 }
 

@@ -274,6 +274,7 @@ impl Planner {
                 }
             }
             if !claims.is_empty() {
+                claims.shrink_to_fit();
                 self.claims.insert(name.clone(), claims);
             }
         }

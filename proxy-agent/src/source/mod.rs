@@ -170,6 +170,7 @@ impl Store {
             let names = self.slices_of.entry(service.clone()).or_default();
             if let Err(at) = names.binary_search(name) {
                 names.insert(at, name.clone());
+                names.shrink_to_fit();
             }
             touched.insert(service.clone());
         }
