@@ -372,7 +372,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             .iter()
             .filter(|e| of_family(&e.addr.ip()))
             .map(|e| BackendPlan {
-                addr: e.addr,
+                addr: e.addr.into(),
                 local: e.node_name.as_deref() == Some(&node.name),
                 host: node.ips.contains(&e.addr.ip()),
             })
@@ -429,7 +429,7 @@ mod tests {
     use std::net::{Ipv4Addr, Ipv6Addr};
 
     use super::*;
-    use crate::model::{self, Endpoint, Hints};
+    use crate::model::{self, Endpoint, EndpointAddr, Hints};
 
     fn port(name: &str, ip: [u8; 4], endpoints: &[(&str, bool, &str)]) -> ServicePort {
         ServicePort {
@@ -795,7 +795,7 @@ mod tests {
             .map(|_| {
                 let ready = rng.chance(70);
                 Endpoint {
-                    addr: SocketAddr::new(
+                    addr: EndpointAddr::new(
                         Ipv4Addr::new(10, 244, 0, 1 + rng.below(8) as u8).into(),
                         8080,
                     ),
