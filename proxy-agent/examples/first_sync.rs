@@ -61,18 +61,25 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-/// A map writer that takes every write.
+/// A map writer that takes every write, counting them and the runs the
+/// real one writes in one go (a batch of service slots or backends, else
+/// a single write).
 #[derive(Default)]
-struct Counter(usize);
+struct Counter {
+    writes: usize,
+    runs: usize,
+}
 
 impl MapWriter for Counter {
     fn apply(&mut self, _op: &MapOp) -> Result<(), std::io::Error> {
-        self.0 += 1;
+        self.writes += 1;
+        self.runs += 1;
         Ok(())
     }
 
     fn apply_run(&mut self, ops: &[MapOp]) -> (usize, Result<(), std::io::Error>) {
-        self.0 += ops.len();
+        self.writes += ops.len();
+        self.runs += 1;
         (ops.len(), Ok(()))
     }
 }
@@ -153,7 +160,9 @@ fn main() {
     let mut writer = Counter::default();
     let report = phase("sync", || state.sync(planner.plan(), None, &mut writer));
     match report {
-        Ok(report) => println!("writes {} (written {})", report.writes, writer.0),
+        Ok(report) => {
+            println!("writes {} ({} written in {} runs)", report.writes, writer.writes, writer.runs)
+        }
         Err(e) => println!("sync failed: {e}"),
     }
     println!("total {:.3} s", total.elapsed().as_secs_f64());

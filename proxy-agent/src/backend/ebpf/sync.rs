@@ -3,14 +3,16 @@
 //!
 //! For every plan, writes go in this order:
 //! 1. new backends;
-//! 2. per frontend (internal scopes first, so a frontend's two-scopes flag
-//!    never names a twin not there yet): its reverse-NAT entry (if new),
-//!    changed backend slots, new source ranges, then the frontend slot
-//!    (count, flags), then slots beyond the new count and source ranges it
-//!    no longer has;
-//! 3. removed frontends (external scopes first): the frontend slot first,
+//! 2. the reverse-NAT entries of new frontends (and of those that changed
+//!    service or kind), which no frontend slot names yet;
+//! 3. per frontend (internal scopes first, so a frontend's two-scopes flag
+//!    never names a twin not there yet): changed backend slots, new source
+//!    ranges, then the frontend slot (count, flags), then slots beyond the
+//!    new count and source ranges it no longer has (so the slots of one
+//!    frontend after another are one run of writes, batched);
+//! 4. removed frontends (external scopes first): the frontend slot first,
 //!    then its slots, source ranges and reverse-NAT entry;
-//! 4. backends no slot names any more.
+//! 5. backends no slot names any more.
 //!
 //! So a program that read a frontend count always finds slots `1..=count`,
 //! and every slot names a backend that exists. `SyncState` records each
@@ -459,7 +461,9 @@ impl SyncState {
             ops.push(MapOp::PutBackend { id: new_ids[&backend], backend });
             writes += self.write_full(&mut ops, writer)?;
         }
-        // 2. Frontends to create or update.
+        // 2. Frontends to create or update: their reverse-NAT entries first
+        // (no frontend slot names a new one yet), so that their slots, of
+        // one kind from frontend to frontend, go in batches.
         for &(frontend, fp, rev_nat_id) in &kept {
             let installed = self.frontends.get(frontend);
             let info = frontend_info(fp);
@@ -467,7 +471,10 @@ impl SyncState {
                 // New, or another service's now, or another kind of address.
                 let (value, info) = (RevNatEntry::new(frontend), Box::new(info));
                 ops.push(MapOp::PutRevNat { frontend: *frontend, id: rev_nat_id, value, info });
+                writes += self.write_full(&mut ops, writer)?;
             }
+        }
+        for &(frontend, fp, rev_nat_id) in &kept {
             self.frontend_writes((frontend, fp, rev_nat_id), &new_ids, None, &mut |op| {
                 ops.push(op)
             });
