@@ -175,11 +175,61 @@ impl fmt::Display for IpFamily {
     }
 }
 
+/// An endpoint's address and port: 20 bytes where a `SocketAddr` takes 32
+/// (room for an IPv6 flow label and scope that endpoints never have), and a
+/// cluster's million endpoints are held in their slices and in the model.
+/// Ordered, printed and parsed as the `SocketAddr` it stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EndpointAddr {
+    ip: IpAddr,
+    port: u16,
+}
+
+impl EndpointAddr {
+    pub fn new(ip: IpAddr, port: u16) -> Self {
+        EndpointAddr { ip, port }
+    }
+
+    pub fn ip(&self) -> IpAddr {
+        self.ip
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl From<SocketAddr> for EndpointAddr {
+    fn from(addr: SocketAddr) -> Self {
+        EndpointAddr::new(addr.ip(), addr.port())
+    }
+}
+
+impl From<EndpointAddr> for SocketAddr {
+    fn from(addr: EndpointAddr) -> Self {
+        SocketAddr::new(addr.ip, addr.port)
+    }
+}
+
+impl fmt::Display for EndpointAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        SocketAddr::from(*self).fmt(f)
+    }
+}
+
+impl std::str::FromStr for EndpointAddr {
+    type Err = std::net::AddrParseError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        text.parse::<SocketAddr>().map(EndpointAddr::from)
+    }
+}
+
 /// One endpoint of a service port, with the EndpointSlice conditions.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Endpoint {
     /// Of the family of its service port's cluster IP.
-    pub addr: SocketAddr,
+    pub addr: EndpointAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
@@ -555,7 +605,10 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
         };
         parsed.ports.push(((port_name, protocol), number));
     }
+    parsed.ports.shrink_to_fit();
     let mut nodes = Vec::new();
+    // Exactly as many as listed: a million endpoints are held here.
+    parsed.endpoints.reserve_exact(slice.endpoints.len());
     for endpoint in &slice.endpoints {
         // kube-proxy uses the first address of an endpoint.
         let Some(address) = endpoint.addresses.first() else { continue };
@@ -569,7 +622,7 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
         let conditions = endpoint.conditions.clone().unwrap_or_default();
         let hints = endpoint.hints.clone().unwrap_or_default();
         parsed.endpoints.push(Endpoint {
-            addr: SocketAddr::new(ip, 0),
+            addr: EndpointAddr::new(ip, 0),
             // Unset conditions mean ready, serving, not terminating (as
             // kube-proxy reads them).
             ready: conditions.ready.unwrap_or(true),
@@ -605,13 +658,13 @@ pub fn with_endpoints<'a>(
     slices: impl IntoIterator<Item = &'a ParsedSlice>,
 ) -> Vec<ServicePort> {
     type Merged<'s> =
-        BTreeMap<(Option<IpFamily>, &'s SlicePortKey), BTreeMap<SocketAddr, Endpoint>>;
+        BTreeMap<(Option<IpFamily>, &'s SlicePortKey), BTreeMap<EndpointAddr, Endpoint>>;
     let mut merged: Merged = BTreeMap::new();
     for slice in slices {
         for (key, number) in &slice.ports {
             let by_addr = merged.entry((slice.family, key)).or_default();
             for endpoint in &slice.endpoints {
-                let addr = SocketAddr::new(endpoint.addr.ip(), *number);
+                let addr = EndpointAddr::new(endpoint.addr.ip(), *number);
                 // The same endpoint in two slices (during a slice rebalance):
                 // keep the one in the better state.
                 by_addr
@@ -883,6 +936,9 @@ pub fn parse_service(service: &Service) -> Result<Vec<ServicePort>, ModelError> 
         };
         ports.extend(cluster_ips.iter().map(|ip| externals.in_family(&template, *ip)));
     }
+    // Held per service for as long as it exists: not a growing vector's
+    // four ports for one.
+    ports.shrink_to_fit();
     Ok(ports)
 }
 
@@ -1226,6 +1282,20 @@ mod tests {
             assert!(message.contains(&format!("default/{name}")), "{message}");
             assert_eq!(model.errors[0].kind(), "Service");
         }
+    }
+
+    #[test]
+    fn an_endpoint_address_sorts_prints_and_parses_as_a_socket_address() {
+        let texts = ["10.0.0.2:80", "10.0.0.2:8080", "10.0.0.10:80", "[fd00::1]:80", "[::1]:443"];
+        let sockets: Vec<SocketAddr> = texts.iter().map(|t| t.parse().unwrap()).collect();
+        let mut compact: Vec<EndpointAddr> = texts.iter().map(|t| t.parse().unwrap()).collect();
+        let mut sorted = sockets.clone();
+        sorted.sort();
+        compact.sort();
+        let printed: Vec<String> = compact.iter().map(EndpointAddr::to_string).collect();
+        let expected: Vec<String> = sorted.iter().map(SocketAddr::to_string).collect();
+        assert_eq!(printed, expected);
+        assert!(compact.iter().zip(&sorted).all(|(c, s)| SocketAddr::from(*c) == *s));
     }
 
     #[test]

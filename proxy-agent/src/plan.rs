@@ -274,6 +274,7 @@ impl Planner {
                 }
             }
             if !claims.is_empty() {
+                claims.shrink_to_fit();
                 self.claims.insert(name.clone(), claims);
             }
         }
@@ -371,13 +372,15 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             .iter()
             .filter(|e| of_family(&e.addr.ip()))
             .map(|e| BackendPlan {
-                addr: e.addr,
+                addr: e.addr.into(),
                 local: e.node_name.as_deref() == Some(&node.name),
                 host: node.ips.contains(&e.addr.ip()),
             })
             .collect();
         backends.sort();
         backends.dedup_by_key(|b| b.addr);
+        // The plan holds every endpoint: no room to spare.
+        backends.shrink_to_fit();
         FrontendPlan {
             service: port.name.clone(),
             kind,
@@ -426,7 +429,7 @@ mod tests {
     use std::net::{Ipv4Addr, Ipv6Addr};
 
     use super::*;
-    use crate::model::{self, Endpoint, Hints};
+    use crate::model::{self, Endpoint, EndpointAddr, Hints};
 
     fn port(name: &str, ip: [u8; 4], endpoints: &[(&str, bool, &str)]) -> ServicePort {
         ServicePort {
@@ -792,7 +795,7 @@ mod tests {
             .map(|_| {
                 let ready = rng.chance(70);
                 Endpoint {
-                    addr: SocketAddr::new(
+                    addr: EndpointAddr::new(
                         Ipv4Addr::new(10, 244, 0, 1 + rng.below(8) as u8).into(),
                         8080,
                     ),

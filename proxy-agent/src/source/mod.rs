@@ -67,9 +67,11 @@ pub struct Changes {
 pub struct Store {
     /// The last good version of each Service.
     services: BTreeMap<ServiceName, Vec<ServicePort>>,
-    /// EndpointSlices by name, and the names of each service's slices.
+    /// EndpointSlices by name, and the names of each service's slices
+    /// (sorted; a vector, as most services have one or two: a set's first
+    /// node would cost half a KiB per service).
     slices: BTreeMap<ServiceName, ParsedSlice>,
-    slices_of: BTreeMap<ServiceName, BTreeSet<ServiceName>>,
+    slices_of: BTreeMap<ServiceName, Vec<ServiceName>>,
     /// Services whose latest version is invalid, and why.
     invalid: BTreeMap<ServiceName, ModelError>,
     /// Slices with skipped parts.
@@ -165,7 +167,11 @@ impl Store {
         touched: &mut BTreeSet<ServiceName>,
     ) {
         if let Some(service) = service {
-            self.slices_of.entry(service.clone()).or_default().insert(name.clone());
+            let names = self.slices_of.entry(service.clone()).or_default();
+            if let Err(at) = names.binary_search(name) {
+                names.insert(at, name.clone());
+                names.shrink_to_fit();
+            }
             touched.insert(service.clone());
         }
     }
@@ -179,7 +185,7 @@ impl Store {
     ) {
         let still = self.slices.get(name).and_then(|s| s.service.as_ref()) == Some(&service);
         if !still && let Some(names) = self.slices_of.get_mut(&service) {
-            names.remove(name);
+            names.retain(|n| n != name);
             if names.is_empty() {
                 self.slices_of.remove(&service);
             }

@@ -396,7 +396,7 @@ impl MapWriter for Maps {
                         }
                     }
                     HashMap::<_, u32, FrontendInfo>::try_from(&mut self.frontend_info)?
-                        .insert(id, info, 0)
+                        .insert(id, **info, 0)
                 }
                 MapOp::DeleteRevNat { frontend, id } => {
                     // Absent when a previous write failed: fine.

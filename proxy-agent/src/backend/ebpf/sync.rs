@@ -3,14 +3,16 @@
 //!
 //! For every plan, writes go in this order:
 //! 1. new backends;
-//! 2. per frontend (internal scopes first, so a frontend's two-scopes flag
-//!    never names a twin not there yet): its reverse-NAT entry (if new),
-//!    changed backend slots, new source ranges, then the frontend slot
-//!    (count, flags), then slots beyond the new count and source ranges it
-//!    no longer has;
-//! 3. removed frontends (external scopes first): the frontend slot first,
+//! 2. the reverse-NAT entries of new frontends (and of those that changed
+//!    service or kind), which no frontend slot names yet;
+//! 3. per frontend (internal scopes first, so a frontend's two-scopes flag
+//!    never names a twin not there yet): changed backend slots, new source
+//!    ranges, then the frontend slot (count, flags), then slots beyond the
+//!    new count and source ranges it no longer has (so the slots of one
+//!    frontend after another are one run of writes, batched);
+//! 4. removed frontends (external scopes first): the frontend slot first,
 //!    then its slots, source ranges and reverse-NAT entry;
-//! 4. backends no slot names any more.
+//! 5. backends no slot names any more.
 //!
 //! So a program that read a frontend count always finds slots `1..=count`,
 //! and every slot names a backend that exists. `SyncState` records each
@@ -48,12 +50,13 @@ pub enum MapOp {
         id: u32,
         backend: BackendEntry,
     },
-    /// Also the frontend's [`FrontendInfo`], which alone may change later.
+    /// Also the frontend's [`FrontendInfo`], which alone may change later
+    /// (boxed: at 152 bytes it would size every op of a sync of millions).
     PutRevNat {
         frontend: Frontend,
         id: u32,
         value: RevNatEntry,
-        info: FrontendInfo,
+        info: Box<FrontendInfo>,
     },
     PutService {
         key: SlotKey,
@@ -246,14 +249,35 @@ pub struct Released {
     pub rev_nat_ids: Vec<u32>,
 }
 
-/// The writes a sync needs, worked out before the first one.
-struct Changes {
-    ops: Vec<MapOp>,
-    purge: AffinityPurge,
+/// What a sync works out before its first write: which frontends it
+/// writes, the ids it gives, what its writes do to the maps' sizes and
+/// which backends it deletes. The writes themselves are then made frontend
+/// by frontend and written a batch at a time: a first sync's millions of
+/// them are never held at once.
+struct Changes<'p> {
+    /// Frontends to bring to the plan, internal scopes first, with their
+    /// reverse-NAT ids.
+    kept: Vec<(&'p Frontend, &'p FrontendPlan, u32)>,
+    /// Frontends to remove, external scopes first.
+    removed: Vec<Frontend>,
+    /// New backends in the order first named, and their ids.
+    new_backends: Vec<BackendEntry>,
+    new_ids: BTreeMap<BackendEntry, u32>,
+    /// Backends no slot will name.
+    deleted: Vec<(u32, IpFamily)>,
+    tally: Tally,
+}
+
+/// What a sync's writes do besides their entries.
+#[derive(Default)]
+struct Tally {
     /// Entries the writes add per map, before any is deleted.
     added: Added,
+    /// Slots naming each backend id gained (+) or lost (-).
+    refs_delta: BTreeMap<u32, i64>,
     /// (reverse-NAT id, backend id): backends leaving a frontend.
     left: Vec<(u32, u32)>,
+    purge: AffinityPurge,
 }
 
 #[derive(Default)]
@@ -424,14 +448,74 @@ impl SyncState {
         dirty: Option<&BTreeSet<Frontend>>,
         writer: &mut impl MapWriter,
     ) -> Result<SyncReport, SyncError> {
-        let Changes { ops, purge, added, left } = self.changes(plan, dirty);
-        self.check_capacity(&added)?;
+        let Changes { kept, removed, new_backends, new_ids, deleted, tally } =
+            self.changes(plan, dirty);
+        self.check_capacity(&tally.added)?;
         // Owed from now on: a write below may fail after slots changed.
-        self.pending_purge.extend(purge);
-        let departures = self.departures(&ops, &left);
+        self.pending_purge.extend(tally.purge);
+        let departures = self.departures(&deleted, &tally.left);
+        let mut ops = Vec::with_capacity(batch::CHUNK);
+        let mut writes = 0;
+        // 1. New backends.
+        for backend in new_backends {
+            ops.push(MapOp::PutBackend { id: new_ids[&backend], backend });
+            writes += self.write_full(&mut ops, writer)?;
+        }
+        // 2. Frontends to create or update: their reverse-NAT entries first
+        // (no frontend slot names a new one yet), so that their slots, of
+        // one kind from frontend to frontend, go in batches.
+        for &(frontend, fp, rev_nat_id) in &kept {
+            let installed = self.frontends.get(frontend);
+            let info = frontend_info(fp);
+            if installed.is_none_or(|i| i.rev_nat_id == 0 || i.info != Some(info)) {
+                // New, or another service's now, or another kind of address.
+                let (value, info) = (RevNatEntry::new(frontend), Box::new(info));
+                ops.push(MapOp::PutRevNat { frontend: *frontend, id: rev_nat_id, value, info });
+                writes += self.write_full(&mut ops, writer)?;
+            }
+        }
+        for &(frontend, fp, rev_nat_id) in &kept {
+            self.frontend_writes((frontend, fp, rev_nat_id), &new_ids, None, &mut |op| {
+                ops.push(op)
+            });
+            writes += self.write_full(&mut ops, writer)?;
+        }
+        // 3. Frontends that are gone.
+        for frontend in &removed {
+            self.removal_writes(frontend, None, &mut |op| ops.push(op));
+            writes += self.write_full(&mut ops, writer)?;
+        }
+        // 4. Backends no slot names any more.
+        for (id, family) in deleted {
+            ops.push(MapOp::DeleteBackend { id, family });
+            writes += self.write_full(&mut ops, writer)?;
+        }
+        writes += self.write(&mut ops, writer)?;
+        Ok(SyncReport { writes, departures })
+    }
+
+    /// Writes `ops` once they fill a batch; how many were written.
+    fn write_full(
+        &mut self,
+        ops: &mut Vec<MapOp>,
+        writer: &mut impl MapWriter,
+    ) -> Result<usize, SyncError> {
+        match ops.len() >= batch::CHUNK {
+            true => self.write(ops, writer),
+            false => Ok(0),
+        }
+    }
+
+    /// Writes `ops` in order and records each the kernel accepted; how
+    /// many were written.
+    fn write(
+        &mut self,
+        ops: &mut Vec<MapOp>,
+        writer: &mut impl MapWriter,
+    ) -> Result<usize, SyncError> {
         // In order, runs of one kind together: a batch writes its entries
         // in order too, so make-before-break holds entry by entry.
-        for run in batch::runs(&ops, batch::CHUNK, MapOp::batch_kind) {
+        for run in batch::runs(ops, batch::CHUNK, MapOp::batch_kind) {
             let ops = &ops[run];
             let (applied, result) = writer.apply_run(ops);
             for op in &ops[..applied] {
@@ -442,19 +526,15 @@ impl SyncState {
                 return Err(SyncError::Write { op, source });
             }
         }
-        Ok(SyncReport { writes: ops.len(), departures })
+        let written = ops.len();
+        ops.clear();
+        Ok(written)
     }
 
-    /// What `ops` take away: backends deleted leave every frontend, the
-    /// others only the frontends `left` names.
-    fn departures(&self, ops: &[MapOp], left: &[(u32, u32)]) -> Departures {
-        let deleted: BTreeSet<u32> = ops
-            .iter()
-            .filter_map(|op| match op {
-                MapOp::DeleteBackend { id, .. } => Some(*id),
-                _ => None,
-            })
-            .collect();
+    /// What a sync takes away: backends `deleted` leave every frontend,
+    /// the others only the frontends `left` names.
+    fn departures(&self, deleted: &[(u32, IpFamily)], left: &[(u32, u32)]) -> Departures {
+        let deleted: BTreeSet<u32> = deleted.iter().map(|(id, _)| *id).collect();
         let backend = |id: &u32| self.backend_by_id.get(id).map(|b| (*id, *b));
         let mut departures = Departures::gone(deleted.iter().filter_map(backend));
         for (rev_nat_id, id) in left.iter().filter(|(_, id)| !deleted.contains(id)) {
@@ -532,35 +612,34 @@ impl SyncState {
         Ok(())
     }
 
-    fn changes(&self, plan: &Plan, dirty: Option<&BTreeSet<Frontend>>) -> Changes {
+    fn changes<'p>(&self, plan: &'p Plan, dirty: Option<&BTreeSet<Frontend>>) -> Changes<'p> {
         // The frontends to bring to the plan, and those to remove.
         type Kept<'a> = Vec<(&'a Frontend, &'a FrontendPlan)>;
-        type Removed<'a> = Vec<(&'a Frontend, &'a InstalledFrontend)>;
-        let (mut kept, removed): (Kept, Removed) = match dirty {
+        let (mut kept, removed): (Kept, Vec<Frontend>) = match dirty {
             None => (
                 plan.frontends.iter().collect(),
-                self.frontends.iter().filter(|(f, _)| !plan.frontends.contains_key(f)).collect(),
+                self.frontends
+                    .keys()
+                    .filter(|f| !plan.frontends.contains_key(f))
+                    .copied()
+                    .collect(),
             ),
             Some(dirty) => (
                 dirty.iter().filter_map(|f| plan.frontends.get_key_value(f)).collect(),
                 dirty
                     .iter()
-                    .filter(|f| !plan.frontends.contains_key(f))
-                    .filter_map(|f| self.frontends.get_key_value(f))
+                    .filter(|f| !plan.frontends.contains_key(f) && self.frontends.contains_key(f))
+                    .copied()
                     .collect(),
             ),
         };
         // Both lists are in address order, external scope first: right for
         // removals; an address's twin goes in before its flag names it.
         kept.sort_by_key(|(f, _)| f.scope == Scope::External);
-        let mut ops = Vec::new();
-        let mut purge = AffinityPurge::new();
-        let mut added = Added::default();
-        // Slots naming each backend id gained (+) or lost (-) by the writes.
-        let mut refs_delta: BTreeMap<u32, i64> = BTreeMap::new();
-        let mut left = Vec::new();
+        let mut tally = Tally::default();
 
         // 1. Backends, with ids for the new ones.
+        let mut new_backends = Vec::new();
         let mut new_ids = BTreeMap::new();
         let mut taken = BTreeSet::new();
         let mut last_id = self.last_backend_id;
@@ -578,137 +657,179 @@ impl SyncState {
                 );
                 new_ids.insert(backend, id);
                 taken.insert(id);
-                ops.push(MapOp::PutBackend { id, backend });
+                new_backends.push(backend);
             }
         }
-        added.backends = new_ids.len();
-        let id_of = |backend: &BackendEntry| self.backends.get(backend).or(new_ids.get(backend));
+        tally.added.backends = new_ids.len();
 
-        // 2. Frontends to create or update.
+        // 2. Frontends to create or update, with ids for the new ones.
         let mut last_rev = self.last_rev_nat_id;
         let mut new_revs = BTreeSet::new();
-        for (frontend, fp) in &kept {
-            let installed = self.frontends.get(*frontend).unwrap_or(&NOT_INSTALLED);
-            let info = frontend_info(fp);
-            let value = RevNatEntry::new(frontend);
-            let rev_nat_id = if installed.rev_nat_id != 0 {
-                if installed.info != Some(info) {
-                    // Another service's now, or another kind of address.
-                    let (frontend, id) = (**frontend, installed.rev_nat_id);
-                    ops.push(MapOp::PutRevNat { frontend, id, value, info });
-                }
-                installed.rev_nat_id
+        let mut kept_ids = Vec::with_capacity(kept.len());
+        for (frontend, fp) in kept {
+            let installed = self.frontends.get(frontend).map_or(0, |i| i.rev_nat_id);
+            let rev_nat_id = if installed != 0 {
+                installed
             } else {
                 let id = Self::new_id(
-                    self.reserved.frontends.get(*frontend),
+                    self.reserved.frontends.get(frontend),
                     &mut last_rev,
                     |id| self.rev_nat.contains(&id) || new_revs.contains(&id),
                     &self.reserved_ids.rev_nat,
                 );
                 new_revs.insert(id);
-                added.rev_nat += 1;
-                ops.push(MapOp::PutRevNat { frontend: **frontend, id, value, info });
+                tally.added.rev_nat += 1;
                 id
             };
-            let backend_ids: Vec<u32> = fp
-                .backends
-                .iter()
-                .map(|b| {
-                    *id_of(&BackendEntry::new(frontend, b))
-                        .expect("every planned backend has an id")
-                })
-                .collect();
-            let slots = assign_slots(&installed.slots, &backend_ids);
-            for (slot, id) in &slots {
-                let old = installed.slots.get(slot);
-                if old != Some(id) {
-                    let value = ServiceValue { backend_id: *id, rev_nat_id, ..Default::default() };
-                    ops.push(MapOp::PutService { key: SlotKey::new(frontend, *slot), value });
-                    *refs_delta.entry(*id).or_default() += 1;
-                    match old {
-                        Some(old) => *refs_delta.entry(*old).or_default() -= 1,
-                        None => added.services += 1,
-                    }
-                }
-            }
-            let wanted: BTreeSet<Cidr> = fp.source_ranges.iter().copied().collect();
-            for cidr in wanted.difference(&installed.source_ranges) {
-                ops.push(MapOp::PutSourceRange { frontend: **frontend, rev_nat_id, cidr: *cidr });
-                added.source_ranges += 1;
-            }
-            let value = ServiceValue {
-                backend_id: 0,
-                count: backend_ids.len() as u16,
-                rev_nat_id,
-                affinity_timeout_secs: fp.affinity_timeout_secs.unwrap_or(0),
-                flags: flags(fp),
-            };
-            if installed.value != Some(value) {
-                ops.push(MapOp::PutService { key: SlotKey::new(frontend, 0), value });
-                added.services += usize::from(installed.value.is_none());
-            }
-            let beyond = installed.slots.iter().filter(|(s, _)| **s as usize > backend_ids.len());
-            for (slot, id) in beyond {
-                ops.push(MapOp::DeleteService { key: SlotKey::new(frontend, *slot) });
-                *refs_delta.entry(*id).or_default() -= 1;
-            }
-            for cidr in installed.source_ranges.difference(&wanted) {
-                let (frontend, cidr) = (**frontend, *cidr);
-                ops.push(MapOp::DeleteSourceRange { frontend, rev_nat_id, cidr });
-            }
-            let kept: BTreeSet<u32> = backend_ids.iter().copied().collect();
-            let lost = installed.slots.values().filter(|id| !kept.contains(id));
-            left.extend(lost.map(|id| (rev_nat_id, *id)));
-            let had_affinity = installed.value.is_some_and(|v| v.flags.is_affinity());
-            if fp.affinity_timeout_secs.is_none() && had_affinity {
-                // Switched off: entries must not resurface if it comes back.
-                purge.insert(rev_nat_id, BTreeSet::new());
-            } else if fp.affinity_timeout_secs.is_some()
-                && installed.slots.values().any(|id| !kept.contains(id))
-            {
-                purge.insert(rev_nat_id, kept);
-            }
+            self.frontend_writes((frontend, fp, rev_nat_id), &new_ids, Some(&mut tally), &mut drop);
+            kept_ids.push((frontend, fp, rev_nat_id));
         }
 
-        // 3. Frontends that are gone: frontend slot first.
-        for (frontend, installed) in &removed {
-            if installed.value.is_some() {
-                ops.push(MapOp::DeleteService { key: SlotKey::new(frontend, 0) });
-            }
-            for (slot, id) in &installed.slots {
-                ops.push(MapOp::DeleteService { key: SlotKey::new(frontend, *slot) });
-                *refs_delta.entry(*id).or_default() -= 1;
-            }
-            for cidr in &installed.source_ranges {
-                let rev_nat_id = installed.rev_nat_id;
-                ops.push(MapOp::DeleteSourceRange {
-                    frontend: **frontend,
-                    rev_nat_id,
-                    cidr: *cidr,
-                });
-            }
-            ops.push(MapOp::DeleteRevNat { frontend: **frontend, id: installed.rev_nat_id });
-            left.extend(installed.slots.values().map(|id| (installed.rev_nat_id, *id)));
-            if installed.value.is_some_and(|v| v.flags.is_affinity()) {
-                purge.insert(installed.rev_nat_id, BTreeSet::new());
-            }
+        // 3. Frontends that are gone.
+        for frontend in &removed {
+            self.removal_writes(frontend, Some(&mut tally), &mut drop);
         }
 
         // 4. Backends no slot will name: those losing their last one, and
         // those no slot named already.
         let candidates: BTreeSet<u32> =
-            refs_delta.keys().chain(&self.unreferenced).copied().collect();
+            tally.refs_delta.keys().chain(&self.unreferenced).copied().collect();
+        let mut deleted = Vec::new();
         for id in candidates {
             let refs = i64::from(self.refs.get(&id).copied().unwrap_or(0))
-                + refs_delta.get(&id).copied().unwrap_or(0);
+                + tally.refs_delta.get(&id).copied().unwrap_or(0);
             debug_assert!(refs >= 0, "backend {id}: {refs} references");
             if refs == 0
                 && let Some(backend) = self.backend_by_id.get(&id)
             {
-                ops.push(MapOp::DeleteBackend { id, family: backend.family() });
+                deleted.push((id, backend.family()));
             }
         }
-        Changes { ops, purge, added, left }
+        Changes { kept: kept_ids, removed, new_backends, new_ids, deleted, tally }
+    }
+
+    /// The writes that bring installed `frontend` to `fp` after its
+    /// reverse-NAT entry (to `emit`), and what they do (to `tally`):
+    /// changed backend slots, new source ranges, the frontend slot, then
+    /// slots beyond the new count and source ranges it no longer has.
+    fn frontend_writes(
+        &self,
+        (frontend, fp, rev_nat_id): (&Frontend, &FrontendPlan, u32),
+        new_ids: &BTreeMap<BackendEntry, u32>,
+        mut tally: Option<&mut Tally>,
+        emit: &mut impl FnMut(MapOp),
+    ) {
+        let installed = self.frontends.get(frontend).unwrap_or(&NOT_INSTALLED);
+        let backend_ids: Vec<u32> = fp
+            .backends
+            .iter()
+            .map(|b| {
+                let backend = BackendEntry::new(frontend, b);
+                *self
+                    .backends
+                    .get(&backend)
+                    .or(new_ids.get(&backend))
+                    .expect("every planned backend has an id")
+            })
+            .collect();
+        let slots = assign_slots(&installed.slots, &backend_ids);
+        for (slot, id) in &slots {
+            let old = installed.slots.get(slot);
+            if old != Some(id) {
+                let value = ServiceValue { backend_id: *id, rev_nat_id, ..Default::default() };
+                emit(MapOp::PutService { key: SlotKey::new(frontend, *slot), value });
+                if let Some(tally) = tally.as_deref_mut() {
+                    // Only installed backends may be deleted: a first sync's
+                    // million new ones need no count.
+                    if self.backend_by_id.contains_key(id) {
+                        *tally.refs_delta.entry(*id).or_default() += 1;
+                    }
+                    match old {
+                        Some(old) => *tally.refs_delta.entry(*old).or_default() -= 1,
+                        None => tally.added.services += 1,
+                    }
+                }
+            }
+        }
+        let wanted: BTreeSet<Cidr> = fp.source_ranges.iter().copied().collect();
+        for cidr in wanted.difference(&installed.source_ranges) {
+            emit(MapOp::PutSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
+            if let Some(tally) = tally.as_deref_mut() {
+                tally.added.source_ranges += 1;
+            }
+        }
+        let value = ServiceValue {
+            backend_id: 0,
+            count: backend_ids.len() as u16,
+            rev_nat_id,
+            affinity_timeout_secs: fp.affinity_timeout_secs.unwrap_or(0),
+            flags: flags(fp),
+        };
+        if installed.value != Some(value) {
+            emit(MapOp::PutService { key: SlotKey::new(frontend, 0), value });
+            if let Some(tally) = tally.as_deref_mut() {
+                tally.added.services += usize::from(installed.value.is_none());
+            }
+        }
+        let beyond = installed.slots.iter().filter(|(s, _)| **s as usize > backend_ids.len());
+        for (slot, id) in beyond {
+            emit(MapOp::DeleteService { key: SlotKey::new(frontend, *slot) });
+            if let Some(tally) = tally.as_deref_mut() {
+                *tally.refs_delta.entry(*id).or_default() -= 1;
+            }
+        }
+        for cidr in installed.source_ranges.difference(&wanted) {
+            emit(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
+        }
+        let Some(tally) = tally else { return };
+        // Only what was installed can be lost (a first sync's frontends
+        // have nothing).
+        let kept: BTreeSet<u32> = match installed.slots.is_empty() {
+            true => BTreeSet::new(),
+            false => backend_ids.iter().copied().collect(),
+        };
+        let lost = installed.slots.values().filter(|id| !kept.contains(id));
+        tally.left.extend(lost.map(|id| (rev_nat_id, *id)));
+        let had_affinity = installed.value.is_some_and(|v| v.flags.is_affinity());
+        if fp.affinity_timeout_secs.is_none() && had_affinity {
+            // Switched off: entries must not resurface if it comes back.
+            tally.purge.insert(rev_nat_id, BTreeSet::new());
+        } else if fp.affinity_timeout_secs.is_some()
+            && installed.slots.values().any(|id| !kept.contains(id))
+        {
+            tally.purge.insert(rev_nat_id, kept);
+        }
+    }
+
+    /// The writes that remove installed `frontend` (to `emit`), and what
+    /// they do (to `tally`): the frontend slot first, then its slots,
+    /// source ranges and reverse-NAT entry.
+    fn removal_writes(
+        &self,
+        frontend: &Frontend,
+        tally: Option<&mut Tally>,
+        emit: &mut impl FnMut(MapOp),
+    ) {
+        let Some(installed) = self.frontends.get(frontend) else { return };
+        let rev_nat_id = installed.rev_nat_id;
+        if installed.value.is_some() {
+            emit(MapOp::DeleteService { key: SlotKey::new(frontend, 0) });
+        }
+        for slot in installed.slots.keys() {
+            emit(MapOp::DeleteService { key: SlotKey::new(frontend, *slot) });
+        }
+        for cidr in &installed.source_ranges {
+            emit(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
+        }
+        emit(MapOp::DeleteRevNat { frontend: *frontend, id: rev_nat_id });
+        let Some(tally) = tally else { return };
+        for id in installed.slots.values() {
+            *tally.refs_delta.entry(*id).or_default() -= 1;
+        }
+        tally.left.extend(installed.slots.values().map(|id| (rev_nat_id, *id)));
+        if installed.value.is_some_and(|v| v.flags.is_affinity()) {
+            tally.purge.insert(rev_nat_id, BTreeSet::new());
+        }
     }
 
     /// One more installed slot names backend `id`.
@@ -758,7 +879,7 @@ impl SyncState {
                     self.last_rev_nat_id = *id;
                 }
                 let entry = self.frontends.entry(*frontend).or_default();
-                (entry.rev_nat_id, entry.info) = (*id, Some(*info));
+                (entry.rev_nat_id, entry.info) = (*id, Some(**info));
             }
             MapOp::DeleteRevNat { frontend, id } => {
                 self.rev_nat.remove(id);
@@ -848,6 +969,10 @@ fn flags(fp: &FrontendPlan) -> ServiceFlags {
 /// count stay put, the others fill the free slots, so one endpoint change
 /// rewrites one slot however the addresses sort.
 fn assign_slots(installed: &BTreeMap<u16, u32>, backend_ids: &[u32]) -> BTreeMap<u16, u32> {
+    if installed.is_empty() {
+        // A new frontend (all of a first sync's): slots in order.
+        return (1..).zip(backend_ids.iter().copied()).collect();
+    }
     let count = backend_ids.len();
     let wanted: BTreeSet<u32> = backend_ids.iter().copied().collect();
     let mut slots = BTreeMap::new();

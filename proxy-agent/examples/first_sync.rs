@@ -1,0 +1,169 @@
+//! The agent's first sync without a kernel: N ClusterIP services × E
+//! endpoints (as `cargo xtask bench` lists them from the test API server)
+//! read into changes the way the API-server source hands them over, then
+//! the store, the plan, the size check and the eBPF sync into a map writer
+//! that only counts. Per phase: seconds, the heap it left live and its peak
+//! (a counting allocator), and the process's VmRSS / VmHWM.
+//!
+//! ```sh
+//! cargo build --release -p proxy-agent --example first_sync
+//! target/release/examples/first_sync 100000 10
+//! ```
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    net::Ipv4Addr,
+    sync::atomic::{AtomicUsize, Ordering::Relaxed},
+    time::Instant,
+};
+
+use proxy_agent::{
+    backend::ebpf::{
+        MapSizes,
+        sync::{MapOp, MapWriter, SyncState},
+    },
+    fit,
+    model::{self, ServiceName},
+    plan::{Node, Planner},
+    source::{Changes, Store},
+};
+use test_objects::{Protocol::Tcp, ep, port, service, slice};
+
+/// The system allocator, counting the bytes live and their peak.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
+        PEAK.fetch_max(live, Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size(), Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if new_size >= layout.size() {
+            let live = LIVE.fetch_add(new_size - layout.size(), Relaxed) + new_size - layout.size();
+            PEAK.fetch_max(live, Relaxed);
+        } else {
+            LIVE.fetch_sub(layout.size() - new_size, Relaxed);
+        }
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// A map writer that takes every write, counting them and the runs the
+/// real one writes in one go (a batch of service slots or backends, else
+/// a single write).
+#[derive(Default)]
+struct Counter {
+    writes: usize,
+    runs: usize,
+}
+
+impl MapWriter for Counter {
+    fn apply(&mut self, _op: &MapOp) -> Result<(), std::io::Error> {
+        self.writes += 1;
+        self.runs += 1;
+        Ok(())
+    }
+
+    fn apply_run(&mut self, ops: &[MapOp]) -> (usize, Result<(), std::io::Error>) {
+        self.writes += ops.len();
+        self.runs += 1;
+        (ops.len(), Ok(()))
+    }
+}
+
+fn status_kib(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let line = status.lines().find(|l| l.starts_with(field));
+    let value = line.and_then(|l| l.split_whitespace().nth(1)?.parse().ok());
+    value.unwrap_or(0)
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Times a phase and prints what it left.
+fn phase<T>(name: &str, f: impl FnOnce() -> T) -> T {
+    let before = LIVE.load(Relaxed);
+    PEAK.store(before, Relaxed);
+    let start = Instant::now();
+    let out = f();
+    let secs = start.elapsed().as_secs_f64();
+    let live = LIVE.load(Relaxed);
+    println!(
+        "{name:<16} {secs:>7.3} s  heap {:>+8.1} MiB -> {:>7.1} MiB (peak {:>7.1})  VmRSS {:>6} MiB  VmHWM {:>6} MiB",
+        (live as f64 - before as f64) / MIB,
+        live as f64 / MIB,
+        PEAK.load(Relaxed) as f64 / MIB,
+        status_kib("VmRSS:") / 1024,
+        status_kib("VmHWM:") / 1024,
+    );
+    out
+}
+
+/// Service `i` and its slice, read as the API-server source reads them
+/// (the objects themselves are dropped at once).
+fn read(changes: &mut Changes, i: usize, endpoints: usize) {
+    let (name, slice_name) = (format!("s{i}"), format!("s{i}-1"));
+    let ip = Ipv4Addr::from(0x0a60_0000u32 + 10 + i as u32).to_string();
+    let svc = service("bench", &name).cluster_ip(&ip).port(port("http", 80).target(8080)).build();
+    let addrs = (0..endpoints).map(|e| {
+        let k = i * endpoints + e;
+        ep(&format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)).node("lab-node")
+    });
+    let es = slice("bench", &slice_name).service(&name).port("http", 8080, Tcp).endpoints(addrs);
+    let key = |name: String| ServiceName { namespace: "bench".into(), name };
+    changes.services.insert(key(name), Some(model::parse_service(&svc)));
+    let parsed = model::parse_slice(&es.build()).map(|(_, parsed)| parsed).unwrap_or_default();
+    changes.slices.insert(key(slice_name), Some(parsed));
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>());
+    let services = args.next().and_then(Result::ok).unwrap_or(100_000);
+    let endpoints = args.next().and_then(Result::ok).unwrap_or(10);
+    println!("{services} services x {endpoints} endpoints");
+    let total = Instant::now();
+
+    let changes = phase("read", || {
+        let mut changes = Changes::default();
+        (0..services).for_each(|i| read(&mut changes, i, endpoints));
+        changes
+    });
+    let mut store = Store::default();
+    phase("store", || drop(store.apply(changes)));
+    let node = Node {
+        name: "lab-node".into(),
+        ips: vec![Ipv4Addr::new(192, 168, 100, 11).into()],
+        ..Node::default()
+    };
+    let mut planner = Planner::new(node);
+    phase("plan", || drop(planner.rebuild(store.model())));
+    let needed = phase("size check", || fit::needed(planner.plan()));
+    let sizes = MapSizes {
+        services: (needed.services as u32 + 1).next_power_of_two(),
+        backends: (needed.backends as u32 + 1).next_power_of_two(),
+        rev_nat: (needed.rev_nat as u32 + 1).next_power_of_two(),
+    };
+    let mut state = SyncState::with_capacity(sizes);
+    let mut writer = Counter::default();
+    let report = phase("sync", || state.sync(planner.plan(), None, &mut writer));
+    match report {
+        Ok(report) => {
+            println!("writes {} ({} written in {} runs)", report.writes, writer.writes, writer.runs)
+        }
+        Err(e) => println!("sync failed: {e}"),
+    }
+    println!("total {:.3} s", total.elapsed().as_secs_f64());
+}
