@@ -68,16 +68,29 @@ fn limit(mode: Mode, full: bool) -> Duration {
     if mode == Mode::Iptables && !full { QUICK_IPTABLES_LIMIT } else { LIMIT }
 }
 
+#[derive(clap::Args)]
 pub struct Options {
+    /// Add 100,000 services
+    #[arg(long)]
     pub full: bool,
-    /// Instead of the profile's sizes, when not empty.
-    pub sizes: Vec<usize>,
-    pub modes: Vec<Mode>,
-    /// Seconds per wrk run.
+    /// Seconds per wrk run
+    #[arg(long, default_value_t = 2)]
     pub seconds: u64,
+    /// Rounds per measurement (the median is reported)
+    #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// Only these sizes (e.g. `--sizes 100000`), instead of the profile's
+    #[arg(long, value_delimiter = ',')]
+    pub sizes: Vec<usize>,
+    /// Only these modes
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["ebpf", "iptables"])]
+    pub modes: Vec<crate::DemoMode>,
+    /// Also copy the report and plots into docs/
+    #[arg(long)]
     pub docs: bool,
-    /// Only the programming runs and the change latency.
+    /// Only the programming runs (from the API server, and at the largest
+    /// size from one JSON and one YAML file) and the change latency
+    #[arg(long)]
     pub programming_only: bool,
 }
 
@@ -569,6 +582,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     unsafe { std::env::set_var(BIN_DIR_ENV, "target/release") };
     std::fs::create_dir_all(OUT)?;
     let started = Instant::now();
+    let modes: Vec<Mode> = opts.modes.iter().map(|m| m.lab()).collect();
     let mut results = json!({
         "command": format!("cargo xtask bench{}", if opts.full { " --full" } else { "" }),
         "machine": machine(),
@@ -578,7 +592,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     // endpoint are not measured where it could not program N/10 services
     // of ten (as many rules) within the limit.
     let mut too_big: Vec<(Mode, usize)> = Vec::new();
-    for &mode in &opts.modes {
+    for &mode in &modes {
         let limit = limit(mode, opts.full);
         let mut sizes = sizes(&opts).into_iter();
         for n in sizes.by_ref() {
@@ -601,7 +615,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     }
     // The largest size from one manifest file, each format (eBPF: the
     // iptables mode's programming is measured above).
-    if opts.modes.contains(&Mode::Ebpf)
+    if modes.contains(&Mode::Ebpf)
         && let Some(&n) = sizes(&opts).iter().max()
     {
         for feed in [Feed::Json, Feed::Yaml] {
@@ -616,7 +630,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     if opts.programming_only {
         return report(results, started, &opts);
     }
-    for &mode in &opts.modes {
+    for &mode in &modes {
         for n in sizes(&opts) {
             if too_big.iter().any(|(m, big)| *m == mode && n / 10 >= *big) {
                 eprintln!("connection rates: {} mode, {n} services: skipped", mode.as_arg());

@@ -41,33 +41,13 @@ enum Task {
     /// services (and 100,000 with --full), in eBPF and iptables mode; writes
     /// target/bench/ (results.json, report.md, plots).
     Bench {
-        /// Add 100,000 services
-        #[arg(long)]
-        full: bool,
-        /// Seconds per wrk run
-        #[arg(long, default_value_t = 2)]
-        seconds: u64,
-        /// Rounds per measurement (the median is reported)
-        #[arg(long, default_value_t = 3)]
-        rounds: usize,
-        /// Only these sizes (e.g. `--sizes 100000`), instead of the profile's
-        #[arg(long, value_delimiter = ',')]
-        sizes: Vec<usize>,
-        /// Only these modes
-        #[arg(long, value_enum, value_delimiter = ',', default_values = ["ebpf", "iptables"])]
-        modes: Vec<DemoMode>,
-        /// Also copy the report and plots into docs/
-        #[arg(long)]
-        docs: bool,
+        #[command(flatten)]
+        options: bench::Options,
         /// Only compare the iptables mode's programming time with
         /// iptables-nft and iptables-legacy (at --sizes, default 1,000 and
         /// 10,000)
         #[arg(long)]
         iptables_backends: bool,
-        /// Only the programming runs (from the API server, and at the largest
-        /// size from one JSON and one YAML file) and the change latency
-        #[arg(long)]
-        programming_only: bool,
     },
     /// The per-packet program's nanoseconds per packet (`packet_bench`) of
     /// this tree against another build's, run alternately on the same
@@ -157,16 +137,7 @@ fn main() -> anyhow::Result<()> {
             setup::vm_packages()?;
             vmtest::run(&vmtest::kernels("6.1"))
         }
-        Task::Bench {
-            full,
-            seconds,
-            rounds,
-            sizes,
-            modes,
-            docs,
-            iptables_backends,
-            programming_only,
-        } => {
+        Task::Bench { options, iptables_backends } => {
             setup::run()?;
             setup::bench_packages()?;
             require_root()?;
@@ -177,18 +148,9 @@ fn main() -> anyhow::Result<()> {
             }
             release_build()?;
             if iptables_backends {
-                return bench::iptables_backends(&sizes, full);
+                return bench::iptables_backends(&options.sizes, options.full);
             }
-            let modes = modes.into_iter().map(DemoMode::lab).collect();
-            bench::run(bench::Options {
-                full,
-                seconds,
-                rounds,
-                sizes,
-                modes,
-                docs,
-                programming_only,
-            })
+            bench::run(options)
         }
         Task::PacketBench { base, monitor, rounds, sizes } => {
             require_root()?;
