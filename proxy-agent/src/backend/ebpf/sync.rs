@@ -261,7 +261,7 @@ struct Changes<'p> {
     /// Frontends to remove, external scopes first.
     removed: Vec<Frontend>,
     /// New backends in the order first named, and their ids.
-    new_backends: Vec<BackendEntry>,
+    new_backends: Vec<(BackendEntry, u32)>,
     new_ids: BTreeMap<BackendEntry, u32>,
     /// Backends no slot will name.
     deleted: Vec<(u32, IpFamily)>,
@@ -457,8 +457,8 @@ impl SyncState {
         let mut ops = Vec::with_capacity(batch::CHUNK);
         let mut writes = 0;
         // 1. New backends.
-        for backend in new_backends {
-            ops.push(MapOp::PutBackend { id: new_ids[&backend], backend });
+        for (backend, id) in new_backends {
+            ops.push(MapOp::PutBackend { id, backend });
             writes += self.write_full(&mut ops, writer)?;
         }
         // 2. Frontends to create or update: their reverse-NAT entries first
@@ -657,7 +657,7 @@ impl SyncState {
                 );
                 new_ids.insert(backend, id);
                 taken.insert(id);
-                new_backends.push(backend);
+                new_backends.push((backend, id));
             }
         }
         tally.added.backends = new_ids.len();
