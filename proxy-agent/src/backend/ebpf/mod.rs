@@ -20,6 +20,7 @@ pub mod entries;
 pub mod explain;
 pub mod flow_counts;
 pub mod frontend_stats;
+mod installed;
 pub mod prefilter;
 pub mod records;
 pub mod replies;
