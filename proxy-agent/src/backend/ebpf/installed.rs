@@ -73,7 +73,8 @@ impl Backends {
         match self.by_entry.find_mut(hash, |other| by_id[other].entry == entry) {
             Some(other) => *other = id,
             None => {
-                drop(self.by_entry.insert_unique(hash, id, |id| hasher.hash_one(by_id[id].entry)))
+                let _ =
+                    self.by_entry.insert_unique(hash, id, |id| hasher.hash_one(by_id[id].entry));
             }
         }
         self.by_id.insert(id, Backend { entry, refs });

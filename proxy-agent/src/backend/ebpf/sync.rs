@@ -27,6 +27,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     hash::BuildHasher,
+    sync::Arc,
 };
 
 use hashbrown::{HashMap, HashTable};
@@ -56,13 +57,13 @@ pub enum MapOp {
         id: u32,
         backend: BackendEntry,
     },
-    /// Also the frontend's [`FrontendInfo`], which alone may change later
-    /// (boxed: at 152 bytes it would size every op of a sync of millions).
+    /// Also the frontend's [`FrontendInfo`] (of its `owner`), which alone
+    /// may change later.
     PutRevNat {
         frontend: Frontend,
         id: u32,
         value: RevNatEntry,
-        info: Box<FrontendInfo>,
+        owner: Owner,
     },
     PutService {
         key: SlotKey,
@@ -194,10 +195,35 @@ impl SyncReport {
 /// they no longer have, with the backends they keep.
 pub type AffinityPurge = BTreeMap<u32, BTreeSet<u32>>;
 
+/// The service port and kind of address a frontend is, as its
+/// [`FrontendInfo`] names them (the name shared with the plan's).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub service: Arc<ServicePortName>,
+    pub kind: FrontendKind,
+}
+
+impl Owner {
+    fn of(fp: &FrontendPlan) -> Self {
+        Owner { service: fp.service.clone(), kind: fp.kind }
+    }
+
+    /// What operators see of the frontend.
+    pub fn info(&self) -> FrontendInfo {
+        let kind = match self.kind {
+            FrontendKind::ClusterIp => KIND_CLUSTER_IP,
+            FrontendKind::NodePort => KIND_NODE_PORT,
+            FrontendKind::ExternalIp => KIND_EXTERNAL_IP,
+            FrontendKind::LoadBalancer => KIND_LOAD_BALANCER,
+        };
+        FrontendInfo::new(kind, &self.service.to_string())
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 struct InstalledFrontend {
     rev_nat_id: u32,
-    info: Option<Box<FrontendInfo>>,
+    owner: Option<Owner>,
     value: Option<ServiceValue>,
     slots: Slots,
     /// Sorted.
@@ -207,7 +233,7 @@ struct InstalledFrontend {
 /// What a frontend the maps do not hold is diffed against.
 static NOT_INSTALLED: InstalledFrontend = InstalledFrontend {
     rev_nat_id: 0,
-    info: None,
+    owner: None,
     value: None,
     slots: Slots::EMPTY,
     source_ranges: Vec::new(),
@@ -317,27 +343,6 @@ struct Added {
     source_ranges: usize,
 }
 
-/// What operators see of a frontend: its service port and kind.
-fn frontend_info(fp: &FrontendPlan) -> FrontendInfo {
-    let kind = match fp.kind {
-        FrontendKind::ClusterIp => KIND_CLUSTER_IP,
-        FrontendKind::NodePort => KIND_NODE_PORT,
-        FrontendKind::ExternalIp => KIND_EXTERNAL_IP,
-        FrontendKind::LoadBalancer => KIND_LOAD_BALANCER,
-    };
-    FrontendInfo::new(kind, &fp.service.to_string())
-}
-
-/// The kind [`frontend_info`] recorded.
-fn kind_of(info: &FrontendInfo) -> FrontendKind {
-    match info.kind {
-        KIND_NODE_PORT => FrontendKind::NodePort,
-        KIND_EXTERNAL_IP => FrontendKind::ExternalIp,
-        KIND_LOAD_BALANCER => FrontendKind::LoadBalancer,
-        _ => FrontendKind::ClusterIp,
-    }
-}
-
 /// Ids are handed out round-robin, skipping those in use, so a freed id is
 /// reused as late as possible (affinity or socket entries may still hold it).
 fn next_free<T: Copy + Ord>(last: T, used: impl Fn(T) -> bool, succ: impl Fn(T) -> T) -> T {
@@ -419,7 +424,10 @@ impl SyncState {
     /// plan's name for it; one no plan names gets a name of its own, as it
     /// only goes away). Built when a plan does not fit (see
     /// [`crate::fit`]), so that nothing keeps a copy of the plan meanwhile.
-    pub fn installed_plan(&self, service: impl Fn(&Frontend) -> Option<ServicePortName>) -> Plan {
+    pub fn installed_plan(
+        &self,
+        service: impl Fn(&Frontend) -> Option<Arc<ServicePortName>>,
+    ) -> Plan {
         let frontends = self.frontends.iter().map(|(frontend, installed)| {
             let value = installed.value.unwrap_or_default();
             let mut backends: Vec<BackendPlan> = installed
@@ -430,13 +438,18 @@ impl SyncState {
                 .collect();
             backends.sort();
             backends.dedup();
-            let name = service(frontend).unwrap_or_else(|| ServicePortName {
-                service: ServiceName { namespace: String::new(), name: format!("{frontend:?}") },
-                port: String::new(),
+            let name = service(frontend).unwrap_or_else(|| {
+                Arc::new(ServicePortName {
+                    service: ServiceName {
+                        namespace: String::new(),
+                        name: format!("{frontend:?}"),
+                    },
+                    port: String::new(),
+                })
             });
             let plan = FrontendPlan {
                 service: name,
-                kind: installed.info.as_deref().map_or(FrontendKind::ClusterIp, kind_of),
+                kind: installed.owner.as_ref().map_or(FrontendKind::ClusterIp, |o| o.kind),
                 serves_terminating: value.flags.serves_terminating(),
                 backends,
                 affinity_timeout_secs: value
@@ -494,11 +507,11 @@ impl SyncState {
         // one kind from frontend to frontend, go in batches.
         for &(frontend, fp, rev_nat_id) in &kept {
             let installed = self.frontends.get(frontend);
-            let info = frontend_info(fp);
-            if installed.is_none_or(|i| i.rev_nat_id == 0 || i.info.as_deref() != Some(&info)) {
+            let owner = Owner::of(fp);
+            if installed.is_none_or(|i| i.rev_nat_id == 0 || i.owner.as_ref() != Some(&owner)) {
                 // New, or another service's now, or another kind of address.
-                let (value, info) = (RevNatEntry::new(frontend), Box::new(info));
-                ops.push(MapOp::PutRevNat { frontend: *frontend, id: rev_nat_id, value, info });
+                let value = RevNatEntry::new(frontend);
+                ops.push(MapOp::PutRevNat { frontend: *frontend, id: rev_nat_id, value, owner });
                 writes += self.write_full(&mut ops, writer)?;
             }
         }
@@ -878,13 +891,13 @@ impl SyncState {
                 }
             }
             MapOp::DeleteBackend { id, .. } => drop(self.backends.remove(*id)),
-            MapOp::PutRevNat { frontend, id, info, .. } => {
+            MapOp::PutRevNat { frontend, id, owner, .. } => {
                 self.rev_nat.insert(*id);
                 if !self.reserved_ids.rev_nat.contains(id) {
                     self.last_rev_nat_id = *id;
                 }
                 let entry = self.frontends.entry(*frontend).or_default();
-                (entry.rev_nat_id, entry.info) = (*id, Some(info.clone()));
+                (entry.rev_nat_id, entry.owner) = (*id, Some(owner.clone()));
             }
             MapOp::DeleteRevNat { frontend, id } => {
                 self.rev_nat.remove(id);
@@ -1012,13 +1025,13 @@ fn assign_slots(installed: &Slots, backend_ids: &[u32]) -> Vec<u32> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+    use std::net::{IpAddr, Ipv4Addr};
 
     use proxy_common::ServiceKey;
 
     use super::*;
     use crate::{
-        model::{Protocol, ServiceName, ServicePortName},
+        model::{EndpointAddr, Protocol, ServiceName, ServicePortName},
         plan::{BackendPlan, FrontendKind, FrontendPlan},
     };
 
@@ -1110,15 +1123,15 @@ mod tests {
             plan.frontends.insert(
                 *frontend,
                 FrontendPlan {
-                    service: ServicePortName {
+                    service: Arc::new(ServicePortName {
                         service: ServiceName { namespace: "ns".into(), name: "svc".into() },
                         port: String::new(),
-                    },
+                    }),
                     kind: FrontendKind::ClusterIp,
                     backends: backends
                         .iter()
                         .map(|b| BackendPlan {
-                            addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, *b), 8080).into(),
+                            addr: EndpointAddr::new(Ipv4Addr::new(10, 244, 0, *b).into(), 8080),
                             local: *b % 2 == 0,
                             host: false,
                         })
@@ -1228,7 +1241,7 @@ mod tests {
                     IpAddr::V4(ip) => ip.to_ipv6_mapped().octets(),
                     IpAddr::V6(ip) => ip.octets(),
                 };
-                BackendPlan { addr: SocketAddr::new(six(ip), b.addr.port()), ..*b }
+                BackendPlan { addr: EndpointAddr::new(six(ip), b.addr.port()), ..*b }
             });
             let backends = backends.collect();
             plan.frontends.insert(twin, FrontendPlan { backends, source_ranges: vec![], ..fp });
@@ -1364,15 +1377,15 @@ mod tests {
         let mut state = SyncState::default();
         let mut p = plan(&[(tcp, &[2], None)]);
         let writes = state.sync(&p, None, &mut maps).unwrap().writes;
-        let info = *state.frontends[&tcp].info.clone().unwrap();
+        let info = state.frontends[&tcp].owner.as_ref().unwrap().info();
         assert_eq!((info.kind, info.name()), (KIND_CLUSTER_IP, "ns/svc"));
         // Another service (or kind) takes the address over: one write.
         let fp = p.frontends.get_mut(&tcp).unwrap();
-        fp.service.service.name = "other".into();
+        Arc::make_mut(&mut fp.service).service.name = "other".into();
         fp.kind = FrontendKind::ExternalIp;
         let report = state.sync(&p, None, &mut maps).unwrap();
         assert_eq!(report.writes, 1, "after {writes} at first");
-        let info = *state.frontends[&tcp].info.clone().unwrap();
+        let info = state.frontends[&tcp].owner.as_ref().unwrap().info();
         assert_eq!((info.kind, info.name()), (KIND_EXTERNAL_IP, "ns/other"));
         assert_eq!(state.sync(&p, None, &mut maps).unwrap().writes, 0);
     }
@@ -1472,10 +1485,10 @@ mod tests {
             big.frontends.insert(
                 frontend,
                 FrontendPlan {
-                    service: ServicePortName {
+                    service: Arc::new(ServicePortName {
                         service: ServiceName { namespace: "ns".into(), name: format!("s{i}") },
                         port: String::new(),
-                    },
+                    }),
                     kind: FrontendKind::ClusterIp,
                     backends: vec![],
                     affinity_timeout_secs: None,
@@ -1510,7 +1523,7 @@ mod tests {
             for i in 0..4 {
                 let frontend = Frontend::new(Ipv4Addr::from(base + i).into(), 80, Protocol::Tcp);
                 let mut fp = frontend_plan(vec![endpoint(base as u8 + i as u8)], None, vec![]);
-                fp.service.service.name = format!("{prefix}{i}");
+                Arc::make_mut(&mut fp.service).service.name = format!("{prefix}{i}");
                 plan.frontends.insert(frontend, fp);
             }
             plan
@@ -1625,7 +1638,7 @@ mod tests {
 
     fn endpoint(e: u8) -> BackendPlan {
         BackendPlan {
-            addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, e), 8080).into(),
+            addr: EndpointAddr::new(Ipv4Addr::new(10, 244, 0, e).into(), 8080),
             local: e.is_multiple_of(3),
             host: e.is_multiple_of(5),
         }
@@ -1637,10 +1650,10 @@ mod tests {
         ranges: Vec<Cidr>,
     ) -> FrontendPlan {
         FrontendPlan {
-            service: ServicePortName {
+            service: Arc::new(ServicePortName {
                 service: ServiceName { namespace: "ns".into(), name: "svc".into() },
                 port: String::new(),
-            },
+            }),
             kind: FrontendKind::ClusterIp,
             backends,
             affinity_timeout_secs: affinity,
@@ -1911,7 +1924,7 @@ mod tests {
             (0..3)
                 .chain(extra.iter().copied())
                 .map(|i| BackendPlan {
-                    addr: SocketAddrV4::new(Ipv4Addr::from(0x0af4_0000 + s * 16 + i), 8080).into(),
+                    addr: EndpointAddr::new(Ipv4Addr::from(0x0af4_0000 + s * 16 + i).into(), 8080),
                     local: false,
                     host: false,
                 })
