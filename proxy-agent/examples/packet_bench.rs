@@ -12,7 +12,7 @@
 //! monitor's events on (`proxy-agent monitor`), drained between runs.
 
 use std::{
-    net::SocketAddrV4,
+    net::Ipv4Addr,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering::Relaxed},
@@ -23,7 +23,7 @@ use std::{
 use proxy_agent::{
     backend::ebpf::{EbpfBackend, MapSizes, TcAttach},
     cli::BpfLogLevel,
-    model::{Protocol, ServiceName, ServicePortName},
+    model::{EndpointAddr, Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
 use proxy_common::Config;
@@ -120,16 +120,16 @@ fn main() -> anyhow::Result<()> {
     }
     let backends = (0..100u8)
         .map(|i| BackendPlan {
-            addr: SocketAddrV4::new([10, 244, 2, i + 2].into(), 8080).into(),
+            addr: EndpointAddr::new(Ipv4Addr::from([10, 244, 2, i + 2]).into(), 8080),
             local: false,
             host: false,
         })
         .collect();
     let frontend = |name: String, backends: Vec<BackendPlan>, external: bool| FrontendPlan {
-        service: ServicePortName {
+        service: Arc::new(ServicePortName {
             service: ServiceName { namespace: "bench".into(), name },
             port: String::new(),
-        },
+        }),
         kind: if external { FrontendKind::NodePort } else { FrontendKind::ClusterIp },
         backends,
         affinity_timeout_secs: None,
@@ -147,7 +147,7 @@ fn main() -> anyhow::Result<()> {
     );
     for i in 1..services {
         let backend = BackendPlan {
-            addr: SocketAddrV4::new((0x0af5_0000 + i).into(), 8080).into(),
+            addr: EndpointAddr::new(Ipv4Addr::from(0x0af5_0000 + i).into(), 8080),
             local: false,
             host: false,
         };

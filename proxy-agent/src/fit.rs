@@ -269,24 +269,27 @@ pub fn steps(served: &Plan, target: &Plan) -> Vec<BTreeSet<Frontend>> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::{Ipv4Addr, SocketAddrV4};
+    use std::{net::Ipv4Addr, sync::Arc};
 
     use super::*;
-    use crate::{model::ServicePortName, plan::FrontendKind};
+    use crate::{
+        model::{EndpointAddr, ServicePortName},
+        plan::FrontendKind,
+    };
 
     fn name(n: &str) -> ServiceName {
         ServiceName { namespace: "ns".into(), name: n.into() }
     }
 
     fn backend(e: u8) -> BackendPlan {
-        let addr = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, e), 8080).into();
+        let addr = EndpointAddr::new(Ipv4Addr::new(10, 244, 0, e).into(), 8080);
         BackendPlan { addr, local: false, host: false }
     }
 
     /// Service `n` on cluster IP 10.96.0.`ip`:80 over endpoints `eps`.
     fn add(plan: &mut Plan, n: &str, ip: u8, eps: &[u8]) {
         let frontend = Frontend::new(Ipv4Addr::new(10, 96, 0, ip).into(), 80, Protocol::Tcp);
-        let service = ServicePortName { service: name(n), port: String::new() };
+        let service = Arc::new(ServicePortName { service: name(n), port: String::new() });
         let fp = FrontendPlan {
             service,
             kind: FrontendKind::ClusterIp,

@@ -18,10 +18,13 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, btree_map::Entry},
-    net::{IpAddr, SocketAddr},
+    net::IpAddr,
+    sync::Arc,
 };
 
-use crate::model::{Cidr, IpFamily, Model, Protocol, ServiceName, ServicePort, ServicePortName};
+use crate::model::{
+    Cidr, EndpointAddr, IpFamily, Model, Protocol, ServiceName, ServicePort, ServicePortName,
+};
 
 /// An address clients connect to, and which of its clients it serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -62,7 +65,7 @@ impl Frontend {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BackendPlan {
     /// Of its frontend's family.
-    pub addr: SocketAddr,
+    pub addr: EndpointAddr,
     /// The endpoint runs on this node.
     pub local: bool,
     /// The endpoint's address is one of this node's (host network).
@@ -100,7 +103,8 @@ impl FrontendKind {
 /// What a frontend balances over, and how.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendPlan {
-    pub service: ServicePortName,
+    /// Shared by the service port's frontends and claims.
+    pub service: Arc<ServicePortName>,
     /// The address of the service it is (an internal-scope twin: its
     /// external frontend's).
     pub kind: FrontendKind,
@@ -213,9 +217,9 @@ pub struct Planner {
     plan: Plan,
     /// Per service, the frontends its ports claim (won or lost), one claim
     /// per frontend and port name.
-    claims: BTreeMap<ServiceName, Vec<(Frontend, ServicePortName)>>,
+    claims: BTreeMap<ServiceName, Vec<(Frontend, Arc<ServicePortName>)>>,
     /// Per contested frontend, the claims that did not win it.
-    losers: BTreeMap<Frontend, BTreeMap<ServicePortName, Claim>>,
+    losers: BTreeMap<Frontend, BTreeMap<Arc<ServicePortName>, Claim>>,
 }
 
 impl Planner {
@@ -269,7 +273,7 @@ impl Planner {
                         continue;
                     }
                     before.entry(frontend).or_insert_with(|| self.plan.at_address(frontend));
-                    claims.push((frontend, port.name.clone()));
+                    claims.push((frontend, claim.plan.service.clone()));
                     self.claim(frontend, claim);
                 }
             }
@@ -304,8 +308,8 @@ impl Planner {
                 let winner = &self.plan.frontends[frontend].service;
                 losers.keys().map(move |loser| ConflictError {
                     frontend: *frontend,
-                    winner: winner.clone(),
-                    loser: loser.clone(),
+                    winner: ServicePortName::clone(winner),
+                    loser: ServicePortName::clone(loser),
                 })
             })
             .collect();
@@ -315,7 +319,7 @@ impl Planner {
 
     /// Takes back the claim of `port` on `frontend`, won or lost.
     fn withdraw(&mut self, frontend: Frontend, port: &ServicePortName) {
-        if self.plan.frontends.get(&frontend).is_some_and(|fp| fp.service == *port) {
+        if self.plan.frontends.get(&frontend).is_some_and(|fp| *fp.service == *port) {
             self.plan.uninstall(frontend);
         } else if let Entry::Occupied(mut losers) = self.losers.entry(frontend) {
             losers.get_mut().remove(port);
@@ -361,6 +365,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
     let (cluster_ip, family) = (port.cluster_ip, port.family());
     let of_family = move |ip: &IpAddr| IpFamily::of(*ip) == family;
     let at = |ip, number| Frontend::new(ip, number, port.protocol);
+    let name = Arc::new(port.name.clone());
     let for_policy = |kind: FrontendKind, local: bool, source_ranges: Vec<Cidr>| {
         let external = kind != FrontendKind::ClusterIp;
         let endpoints = if local {
@@ -372,7 +377,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             .iter()
             .filter(|e| of_family(&e.addr.ip()))
             .map(|e| BackendPlan {
-                addr: e.addr.into(),
+                addr: e.addr,
                 local: e.node_name.as_deref() == Some(&node.name),
                 host: node.ips.contains(&e.addr.ip()),
             })
@@ -382,7 +387,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
         // The plan holds every endpoint: no room to spare.
         backends.shrink_to_fit();
         FrontendPlan {
-            service: port.name.clone(),
+            service: name.clone(),
             kind,
             drop_when_empty: backends.is_empty() && port.has_endpoints(),
             serves_terminating: !endpoints.is_empty() && endpoints.iter().all(|e| !e.ready),
@@ -747,10 +752,10 @@ mod tests {
         for port in model.ports() {
             for (frontend, claim) in frontends(port, node) {
                 match plan.frontends.get(&frontend) {
-                    Some(existing) if existing.service == port.name => {}
+                    Some(existing) if *existing.service == port.name => {}
                     Some(existing) => conflicts.push(ConflictError {
                         frontend,
-                        winner: existing.service.clone(),
+                        winner: ServicePortName::clone(&existing.service),
                         loser: port.name.clone(),
                     }),
                     None => plan.install(frontend, claim),

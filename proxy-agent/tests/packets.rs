@@ -5,11 +5,14 @@
 //! lookups find no route and translated packets are handed to the "stack").
 //! Needs root.
 
-use std::net::{IpAddr, SocketAddr};
+use std::{
+    net::{IpAddr, SocketAddr},
+    sync::Arc,
+};
 
 use proxy_agent::{
     backend::ebpf::{EbpfBackend, PacketRun, TcAttach},
-    model::{Cidr, Protocol, ServiceName, ServicePortName},
+    model::{Cidr, EndpointAddr, Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
 use proxy_common::{
@@ -48,15 +51,15 @@ fn frontend_plan<A: Into<IpAddr> + Copy>(
     ranges: &[&str],
 ) -> FrontendPlan {
     FrontendPlan {
-        service: ServicePortName {
+        service: Arc::new(ServicePortName {
             service: ServiceName { namespace: "t".into(), name: "svc".into() },
             port: String::new(),
-        },
+        }),
         kind: if external { FrontendKind::NodePort } else { FrontendKind::ClusterIp },
         backends: backends
             .iter()
             .map(|(ip, port)| BackendPlan {
-                addr: SocketAddr::new((*ip).into(), *port),
+                addr: EndpointAddr::new((*ip).into(), *port),
                 local: false,
                 host: false,
             })

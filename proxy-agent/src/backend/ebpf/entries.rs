@@ -137,7 +137,7 @@ impl BackendEntry {
     /// As a plan names it.
     pub fn plan(&self) -> BackendPlan {
         let flags = self.flags();
-        BackendPlan { addr: self.addr(), local: flags.is_local(), host: flags.is_host() }
+        BackendPlan { addr: self.addr().into(), local: flags.is_local(), host: flags.is_host() }
     }
 }
 
@@ -155,6 +155,7 @@ impl RevNatEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::EndpointAddr;
 
     #[test]
     fn each_family_keys_its_own_map_and_reads_back() {
@@ -163,8 +164,11 @@ mod tests {
         for (frontend, family) in [(v4, IpFamily::V4), (v6, IpFamily::V6)] {
             let key = SlotKey::new(&frontend, 3);
             assert_eq!((key.family(), key.slot(), key.frontend()), (family, 3, frontend));
-            let planned =
-                BackendPlan { addr: SocketAddr::new(frontend.ip, 8080), local: true, host: false };
+            let planned = BackendPlan {
+                addr: EndpointAddr::new(frontend.ip, 8080),
+                local: true,
+                host: false,
+            };
             let backend = BackendEntry::new(&frontend, &planned);
             assert_eq!((backend.family(), backend.plan()), (family, planned));
             assert_eq!(backend.proto(), proto(frontend.protocol));

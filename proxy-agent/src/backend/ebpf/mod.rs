@@ -20,6 +20,7 @@ pub mod entries;
 pub mod explain;
 pub mod flow_counts;
 pub mod frontend_stats;
+mod installed;
 pub mod prefilter;
 pub mod records;
 pub mod replies;
@@ -384,7 +385,7 @@ impl MapWriter for Maps {
                 MapOp::DeleteBackend { id, family: IpFamily::V6 } => {
                     HashMap::<_, u32, Backend6>::try_from(&mut self.backends6)?.remove(id)
                 }
-                MapOp::PutRevNat { id, value, info, .. } => {
+                MapOp::PutRevNat { id, value, owner, .. } => {
                     match value {
                         RevNatEntry::V4(value) => {
                             HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?
@@ -395,8 +396,11 @@ impl MapWriter for Maps {
                                 .insert(id, value, 0)?
                         }
                     }
-                    HashMap::<_, u32, FrontendInfo>::try_from(&mut self.frontend_info)?
-                        .insert(id, **info, 0)
+                    HashMap::<_, u32, FrontendInfo>::try_from(&mut self.frontend_info)?.insert(
+                        id,
+                        owner.info(),
+                        0,
+                    )
                 }
                 MapOp::DeleteRevNat { frontend, id } => {
                     // Absent when a previous write failed: fine.

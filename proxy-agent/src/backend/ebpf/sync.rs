@@ -24,7 +24,13 @@
 //! 100,000 services. Backends are collected by reference count (how many
 //! installed slots name each), and map sizes are kept as running counts.
 
-use std::collections::{BTreeMap, BTreeSet, btree_map::Entry};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    hash::BuildHasher,
+    sync::Arc,
+};
+
+use hashbrown::{HashMap, HashTable};
 
 use proxy_common::{
     FrontendInfo, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT,
@@ -36,6 +42,7 @@ use super::{
     carry::Reserved,
     departures::Departures,
     entries::{BackendEntry, RevNatEntry, SlotKey},
+    installed::{Backends, Slots},
 };
 use crate::{
     fit,
@@ -50,13 +57,13 @@ pub enum MapOp {
         id: u32,
         backend: BackendEntry,
     },
-    /// Also the frontend's [`FrontendInfo`], which alone may change later
-    /// (boxed: at 152 bytes it would size every op of a sync of millions).
+    /// Also the frontend's [`FrontendInfo`] (of its `owner`), which alone
+    /// may change later.
     PutRevNat {
         frontend: Frontend,
         id: u32,
         value: RevNatEntry,
-        info: Box<FrontendInfo>,
+        owner: Owner,
     },
     PutService {
         key: SlotKey,
@@ -188,35 +195,55 @@ impl SyncReport {
 /// they no longer have, with the backends they keep.
 pub type AffinityPurge = BTreeMap<u32, BTreeSet<u32>>;
 
+/// The service port and kind of address a frontend is, as its
+/// [`FrontendInfo`] names them (the name shared with the plan's).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub service: Arc<ServicePortName>,
+    pub kind: FrontendKind,
+}
+
+impl Owner {
+    fn of(fp: &FrontendPlan) -> Self {
+        Owner { service: fp.service.clone(), kind: fp.kind }
+    }
+
+    /// What operators see of the frontend.
+    pub fn info(&self) -> FrontendInfo {
+        let kind = match self.kind {
+            FrontendKind::ClusterIp => KIND_CLUSTER_IP,
+            FrontendKind::NodePort => KIND_NODE_PORT,
+            FrontendKind::ExternalIp => KIND_EXTERNAL_IP,
+            FrontendKind::LoadBalancer => KIND_LOAD_BALANCER,
+        };
+        FrontendInfo::new(kind, &self.service.to_string())
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 struct InstalledFrontend {
     rev_nat_id: u32,
-    info: Option<FrontendInfo>,
+    owner: Option<Owner>,
     value: Option<ServiceValue>,
-    slots: BTreeMap<u16, u32>,
-    source_ranges: BTreeSet<Cidr>,
+    slots: Slots,
+    /// Sorted.
+    source_ranges: Vec<Cidr>,
 }
 
 /// What a frontend the maps do not hold is diffed against.
 static NOT_INSTALLED: InstalledFrontend = InstalledFrontend {
     rev_nat_id: 0,
-    info: None,
+    owner: None,
     value: None,
-    slots: BTreeMap::new(),
-    source_ranges: BTreeSet::new(),
+    slots: Slots::EMPTY,
+    source_ranges: Vec::new(),
 };
 
 /// What the maps hold, as far as the agent wrote them.
 #[derive(Debug, Default)]
 pub struct SyncState {
-    backends: BTreeMap<BackendEntry, u32>,
-    backend_by_id: BTreeMap<u32, BackendEntry>,
-    /// How many installed slots name each backend id (absent: none).
-    refs: BTreeMap<u32, u32>,
-    /// Installed backends no slot names (left by a failed sync, or whose
-    /// last slot went in this one): deleted by the next sync.
-    unreferenced: BTreeSet<u32>,
-    frontends: BTreeMap<Frontend, InstalledFrontend>,
+    backends: Backends,
+    frontends: HashMap<Frontend, InstalledFrontend>,
     rev_nat: BTreeSet<u32>,
     /// Service map entries: frontend slots (0) and backend slots.
     service_entries: usize,
@@ -261,11 +288,39 @@ struct Changes<'p> {
     /// Frontends to remove, external scopes first.
     removed: Vec<Frontend>,
     /// New backends in the order first named, and their ids.
-    new_backends: Vec<(BackendEntry, u32)>,
-    new_ids: BTreeMap<BackendEntry, u32>,
+    new_backends: NewBackends,
     /// Backends no slot will name.
     deleted: Vec<(u32, IpFamily)>,
     tally: Tally,
+}
+
+/// A sync's new backends in the order first named, with their ids, and
+/// found by entry (a table of indices: a first sync names a million).
+#[derive(Default)]
+struct NewBackends {
+    list: Vec<(BackendEntry, u32)>,
+    index: HashTable<u32>,
+    hasher: hashbrown::DefaultHashBuilder,
+}
+
+impl NewBackends {
+    fn get(&self, entry: &BackendEntry) -> Option<u32> {
+        let hash = self.hasher.hash_one(entry);
+        let found = self.index.find(hash, |i| self.list[*i as usize].0 == *entry)?;
+        Some(self.list[*found as usize].1)
+    }
+
+    fn push(&mut self, entry: BackendEntry, id: u32) {
+        let (list, hasher) = (&self.list, &self.hasher);
+        let at = list.len() as u32;
+        self.index
+            .insert_unique(hasher.hash_one(entry), at, |i| hasher.hash_one(list[*i as usize].0));
+        self.list.push((entry, id));
+    }
+
+    fn len(&self) -> usize {
+        self.list.len()
+    }
 }
 
 /// What a sync's writes do besides their entries.
@@ -273,8 +328,8 @@ struct Changes<'p> {
 struct Tally {
     /// Entries the writes add per map, before any is deleted.
     added: Added,
-    /// Slots naming each backend id gained (+) or lost (-).
-    refs_delta: BTreeMap<u32, i64>,
+    /// Slots naming each installed backend id gained (+) or lost (-).
+    refs_delta: HashMap<u32, i64>,
     /// (reverse-NAT id, backend id): backends leaving a frontend.
     left: Vec<(u32, u32)>,
     purge: AffinityPurge,
@@ -286,27 +341,6 @@ struct Added {
     services: usize,
     rev_nat: usize,
     source_ranges: usize,
-}
-
-/// What operators see of a frontend: its service port and kind.
-fn frontend_info(fp: &FrontendPlan) -> FrontendInfo {
-    let kind = match fp.kind {
-        FrontendKind::ClusterIp => KIND_CLUSTER_IP,
-        FrontendKind::NodePort => KIND_NODE_PORT,
-        FrontendKind::ExternalIp => KIND_EXTERNAL_IP,
-        FrontendKind::LoadBalancer => KIND_LOAD_BALANCER,
-    };
-    FrontendInfo::new(kind, &fp.service.to_string())
-}
-
-/// The kind [`frontend_info`] recorded.
-fn kind_of(info: &FrontendInfo) -> FrontendKind {
-    match info.kind {
-        KIND_NODE_PORT => FrontendKind::NodePort,
-        KIND_EXTERNAL_IP => FrontendKind::ExternalIp,
-        KIND_LOAD_BALANCER => FrontendKind::LoadBalancer,
-        _ => FrontendKind::ClusterIp,
-    }
 }
 
 /// Ids are handed out round-robin, skipping those in use, so a freed id is
@@ -347,7 +381,7 @@ impl SyncState {
         Released {
             backends: backends
                 .into_iter()
-                .filter(|(b, _)| !self.backends.contains_key(b))
+                .filter(|(b, _)| self.backends.id_of(b).is_none())
                 .map(|(b, id)| (id, b))
                 .collect(),
             rev_nat_ids: frontends
@@ -390,24 +424,32 @@ impl SyncState {
     /// plan's name for it; one no plan names gets a name of its own, as it
     /// only goes away). Built when a plan does not fit (see
     /// [`crate::fit`]), so that nothing keeps a copy of the plan meanwhile.
-    pub fn installed_plan(&self, service: impl Fn(&Frontend) -> Option<ServicePortName>) -> Plan {
+    pub fn installed_plan(
+        &self,
+        service: impl Fn(&Frontend) -> Option<Arc<ServicePortName>>,
+    ) -> Plan {
         let frontends = self.frontends.iter().map(|(frontend, installed)| {
             let value = installed.value.unwrap_or_default();
             let mut backends: Vec<BackendPlan> = installed
                 .slots
-                .values()
-                .filter_map(|id| self.backend_by_id.get(id))
+                .ids()
+                .filter_map(|id| self.backends.get(id))
                 .map(BackendEntry::plan)
                 .collect();
             backends.sort();
             backends.dedup();
-            let name = service(frontend).unwrap_or_else(|| ServicePortName {
-                service: ServiceName { namespace: String::new(), name: format!("{frontend:?}") },
-                port: String::new(),
+            let name = service(frontend).unwrap_or_else(|| {
+                Arc::new(ServicePortName {
+                    service: ServiceName {
+                        namespace: String::new(),
+                        name: format!("{frontend:?}"),
+                    },
+                    port: String::new(),
+                })
             });
             let plan = FrontendPlan {
                 service: name,
-                kind: installed.info.map_or(FrontendKind::ClusterIp, |i| kind_of(&i)),
+                kind: installed.owner.as_ref().map_or(FrontendKind::ClusterIp, |o| o.kind),
                 serves_terminating: value.flags.serves_terminating(),
                 backends,
                 affinity_timeout_secs: value
@@ -417,7 +459,7 @@ impl SyncState {
                 external: value.flags.is_external(),
                 local: value.flags.is_local_only(),
                 drop_when_empty: value.flags.drops_when_empty(),
-                source_ranges: installed.source_ranges.iter().copied().collect(),
+                source_ranges: installed.source_ranges.clone(),
                 two_scopes: value.flags.has_two_scopes(),
             };
             (*frontend, plan)
@@ -448,8 +490,7 @@ impl SyncState {
         dirty: Option<&BTreeSet<Frontend>>,
         writer: &mut impl MapWriter,
     ) -> Result<SyncReport, SyncError> {
-        let Changes { kept, removed, new_backends, new_ids, deleted, tally } =
-            self.changes(plan, dirty);
+        let Changes { kept, removed, new_backends, deleted, tally } = self.changes(plan, dirty);
         self.check_capacity(&tally.added)?;
         // Owed from now on: a write below may fail after slots changed.
         self.pending_purge.extend(tally.purge);
@@ -457,7 +498,7 @@ impl SyncState {
         let mut ops = Vec::with_capacity(batch::CHUNK);
         let mut writes = 0;
         // 1. New backends.
-        for (backend, id) in new_backends {
+        for &(backend, id) in &new_backends.list {
             ops.push(MapOp::PutBackend { id, backend });
             writes += self.write_full(&mut ops, writer)?;
         }
@@ -466,16 +507,16 @@ impl SyncState {
         // one kind from frontend to frontend, go in batches.
         for &(frontend, fp, rev_nat_id) in &kept {
             let installed = self.frontends.get(frontend);
-            let info = frontend_info(fp);
-            if installed.is_none_or(|i| i.rev_nat_id == 0 || i.info != Some(info)) {
+            let owner = Owner::of(fp);
+            if installed.is_none_or(|i| i.rev_nat_id == 0 || i.owner.as_ref() != Some(&owner)) {
                 // New, or another service's now, or another kind of address.
-                let (value, info) = (RevNatEntry::new(frontend), Box::new(info));
-                ops.push(MapOp::PutRevNat { frontend: *frontend, id: rev_nat_id, value, info });
+                let value = RevNatEntry::new(frontend);
+                ops.push(MapOp::PutRevNat { frontend: *frontend, id: rev_nat_id, value, owner });
                 writes += self.write_full(&mut ops, writer)?;
             }
         }
         for &(frontend, fp, rev_nat_id) in &kept {
-            self.frontend_writes((frontend, fp, rev_nat_id), &new_ids, None, &mut |op| {
+            self.frontend_writes((frontend, fp, rev_nat_id), &new_backends, None, &mut |op| {
                 ops.push(op)
             });
             writes += self.write_full(&mut ops, writer)?;
@@ -534,10 +575,11 @@ impl SyncState {
     /// What a sync takes away: backends `deleted` leave every frontend,
     /// the others only the frontends `left` names.
     fn departures(&self, deleted: &[(u32, IpFamily)], left: &[(u32, u32)]) -> Departures {
-        let deleted: BTreeSet<u32> = deleted.iter().map(|(id, _)| *id).collect();
-        let backend = |id: &u32| self.backend_by_id.get(id).map(|b| (*id, *b));
-        let mut departures = Departures::gone(deleted.iter().filter_map(backend));
-        for (rev_nat_id, id) in left.iter().filter(|(_, id)| !deleted.contains(id)) {
+        // `deleted` is in id order.
+        let is_deleted = |id: &u32| deleted.binary_search_by_key(id, |(d, _)| *d).is_ok();
+        let backend = |id: &u32| self.backends.get(*id).map(|b| (*id, *b));
+        let mut departures = Departures::gone(deleted.iter().filter_map(|(id, _)| backend(id)));
+        for (rev_nat_id, id) in left.iter().filter(|(_, id)| !is_deleted(id)) {
             if let Some((id, backend)) = backend(id) {
                 departures.add(*rev_nat_id, id, &backend);
             }
@@ -628,39 +670,39 @@ impl SyncState {
                 dirty.iter().filter_map(|f| plan.frontends.get_key_value(f)).collect(),
                 dirty
                     .iter()
-                    .filter(|f| !plan.frontends.contains_key(f) && self.frontends.contains_key(f))
+                    .filter(|f| !plan.frontends.contains_key(f) && self.frontends.contains_key(*f))
                     .copied()
                     .collect(),
             ),
         };
-        // Both lists are in address order, external scope first: right for
+        // Both lists in address order, external scope first: right for
         // removals; an address's twin goes in before its flag names it.
+        let mut removed = removed;
+        removed.sort_unstable();
         kept.sort_by_key(|(f, _)| f.scope == Scope::External);
         let mut tally = Tally::default();
 
-        // 1. Backends, with ids for the new ones.
-        let mut new_backends = Vec::new();
-        let mut new_ids = BTreeMap::new();
-        let mut taken = BTreeSet::new();
+        // 1. Backends, with ids for the new ones. Round-robin moves past
+        // each id it gives and skips the reserved ones, and a reserved id
+        // names one backend: no id is given twice in a sync.
+        let mut new_backends = NewBackends::default();
         let mut last_id = self.last_backend_id;
         for (frontend, fp) in &kept {
             for addr in &fp.backends {
                 let backend = BackendEntry::new(frontend, addr);
-                if self.backends.contains_key(&backend) || new_ids.contains_key(&backend) {
+                if self.backends.id_of(&backend).is_some() || new_backends.get(&backend).is_some() {
                     continue;
                 }
                 let id = Self::new_id(
                     self.reserved.backends.get(&backend),
                     &mut last_id,
-                    |id| self.backend_by_id.contains_key(&id) || taken.contains(&id),
+                    |id| self.backends.contains_id(id),
                     &self.reserved_ids.backends,
                 );
-                new_ids.insert(backend, id);
-                taken.insert(id);
-                new_backends.push((backend, id));
+                new_backends.push(backend, id);
             }
         }
-        tally.added.backends = new_ids.len();
+        tally.added.backends = new_backends.len();
 
         // 2. Frontends to create or update, with ids for the new ones.
         let mut last_rev = self.last_rev_nat_id;
@@ -681,7 +723,8 @@ impl SyncState {
                 tally.added.rev_nat += 1;
                 id
             };
-            self.frontend_writes((frontend, fp, rev_nat_id), &new_ids, Some(&mut tally), &mut drop);
+            let ids = &new_backends;
+            self.frontend_writes((frontend, fp, rev_nat_id), ids, Some(&mut tally), &mut drop);
             kept_ids.push((frontend, fp, rev_nat_id));
         }
 
@@ -692,20 +735,22 @@ impl SyncState {
 
         // 4. Backends no slot will name: those losing their last one, and
         // those no slot named already.
-        let candidates: BTreeSet<u32> =
-            tally.refs_delta.keys().chain(&self.unreferenced).copied().collect();
+        let mut candidates: Vec<u32> =
+            tally.refs_delta.keys().copied().chain(self.backends.unreferenced()).collect();
+        candidates.sort_unstable();
+        candidates.dedup();
         let mut deleted = Vec::new();
         for id in candidates {
-            let refs = i64::from(self.refs.get(&id).copied().unwrap_or(0))
-                + tally.refs_delta.get(&id).copied().unwrap_or(0);
+            let refs =
+                i64::from(self.backends.refs(id)) + tally.refs_delta.get(&id).copied().unwrap_or(0);
             debug_assert!(refs >= 0, "backend {id}: {refs} references");
             if refs == 0
-                && let Some(backend) = self.backend_by_id.get(&id)
+                && let Some(backend) = self.backends.get(id)
             {
                 deleted.push((id, backend.family()));
             }
         }
-        Changes { kept: kept_ids, removed, new_backends, new_ids, deleted, tally }
+        Changes { kept: kept_ids, removed, new_backends, deleted, tally }
     }
 
     /// The writes that bring installed `frontend` to `fp` after its
@@ -715,7 +760,7 @@ impl SyncState {
     fn frontend_writes(
         &self,
         (frontend, fp, rev_nat_id): (&Frontend, &FrontendPlan, u32),
-        new_ids: &BTreeMap<BackendEntry, u32>,
+        new_backends: &NewBackends,
         mut tally: Option<&mut Tally>,
         emit: &mut impl FnMut(MapOp),
     ) {
@@ -725,35 +770,39 @@ impl SyncState {
             .iter()
             .map(|b| {
                 let backend = BackendEntry::new(frontend, b);
-                *self
-                    .backends
-                    .get(&backend)
-                    .or(new_ids.get(&backend))
+                self.backends
+                    .id_of(&backend)
+                    .or_else(|| new_backends.get(&backend))
                     .expect("every planned backend has an id")
             })
             .collect();
         let slots = assign_slots(&installed.slots, &backend_ids);
-        for (slot, id) in &slots {
+        for (slot, id) in (1..).zip(slots) {
             let old = installed.slots.get(slot);
-            if old != Some(id) {
-                let value = ServiceValue { backend_id: *id, rev_nat_id, ..Default::default() };
-                emit(MapOp::PutService { key: SlotKey::new(frontend, *slot), value });
+            if id != 0 && old != Some(id) {
+                let value = ServiceValue { backend_id: id, rev_nat_id, ..Default::default() };
+                emit(MapOp::PutService { key: SlotKey::new(frontend, slot), value });
                 if let Some(tally) = tally.as_deref_mut() {
                     // Only installed backends may be deleted: a first sync's
                     // million new ones need no count.
-                    if self.backend_by_id.contains_key(id) {
-                        *tally.refs_delta.entry(*id).or_default() += 1;
+                    if self.backends.contains_id(id) {
+                        *tally.refs_delta.entry(id).or_default() += 1;
                     }
                     match old {
-                        Some(old) => *tally.refs_delta.entry(*old).or_default() -= 1,
+                        Some(old) => *tally.refs_delta.entry(old).or_default() -= 1,
                         None => tally.added.services += 1,
                     }
                 }
             }
         }
-        let wanted: BTreeSet<Cidr> = fp.source_ranges.iter().copied().collect();
-        for cidr in wanted.difference(&installed.source_ranges) {
-            emit(MapOp::PutSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
+        let mut wanted = fp.source_ranges.clone();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let missing = |from: &[Cidr], of: &[Cidr]| -> Vec<Cidr> {
+            from.iter().filter(|c| of.binary_search(c).is_err()).copied().collect()
+        };
+        for cidr in missing(&wanted, &installed.source_ranges) {
+            emit(MapOp::PutSourceRange { frontend: *frontend, rev_nat_id, cidr });
             if let Some(tally) = tally.as_deref_mut() {
                 tally.added.source_ranges += 1;
             }
@@ -771,15 +820,15 @@ impl SyncState {
                 tally.added.services += usize::from(installed.value.is_none());
             }
         }
-        let beyond = installed.slots.iter().filter(|(s, _)| **s as usize > backend_ids.len());
+        let beyond = installed.slots.iter().filter(|(s, _)| *s as usize > backend_ids.len());
         for (slot, id) in beyond {
-            emit(MapOp::DeleteService { key: SlotKey::new(frontend, *slot) });
+            emit(MapOp::DeleteService { key: SlotKey::new(frontend, slot) });
             if let Some(tally) = tally.as_deref_mut() {
-                *tally.refs_delta.entry(*id).or_default() -= 1;
+                *tally.refs_delta.entry(id).or_default() -= 1;
             }
         }
-        for cidr in installed.source_ranges.difference(&wanted) {
-            emit(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
+        for cidr in missing(&installed.source_ranges, &wanted) {
+            emit(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr });
         }
         let Some(tally) = tally else { return };
         // Only what was installed can be lost (a first sync's frontends
@@ -788,14 +837,14 @@ impl SyncState {
             true => BTreeSet::new(),
             false => backend_ids.iter().copied().collect(),
         };
-        let lost = installed.slots.values().filter(|id| !kept.contains(id));
-        tally.left.extend(lost.map(|id| (rev_nat_id, *id)));
+        let lost = installed.slots.ids().filter(|id| !kept.contains(id));
+        tally.left.extend(lost.map(|id| (rev_nat_id, id)));
         let had_affinity = installed.value.is_some_and(|v| v.flags.is_affinity());
         if fp.affinity_timeout_secs.is_none() && had_affinity {
             // Switched off: entries must not resurface if it comes back.
             tally.purge.insert(rev_nat_id, BTreeSet::new());
         } else if fp.affinity_timeout_secs.is_some()
-            && installed.slots.values().any(|id| !kept.contains(id))
+            && installed.slots.ids().any(|id| !kept.contains(&id))
         {
             tally.purge.insert(rev_nat_id, kept);
         }
@@ -815,42 +864,20 @@ impl SyncState {
         if installed.value.is_some() {
             emit(MapOp::DeleteService { key: SlotKey::new(frontend, 0) });
         }
-        for slot in installed.slots.keys() {
-            emit(MapOp::DeleteService { key: SlotKey::new(frontend, *slot) });
+        for (slot, _) in installed.slots.iter() {
+            emit(MapOp::DeleteService { key: SlotKey::new(frontend, slot) });
         }
         for cidr in &installed.source_ranges {
             emit(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
         }
         emit(MapOp::DeleteRevNat { frontend: *frontend, id: rev_nat_id });
         let Some(tally) = tally else { return };
-        for id in installed.slots.values() {
-            *tally.refs_delta.entry(*id).or_default() -= 1;
+        for id in installed.slots.ids() {
+            *tally.refs_delta.entry(id).or_default() -= 1;
         }
-        tally.left.extend(installed.slots.values().map(|id| (rev_nat_id, *id)));
+        tally.left.extend(installed.slots.ids().map(|id| (rev_nat_id, id)));
         if installed.value.is_some_and(|v| v.flags.is_affinity()) {
             tally.purge.insert(rev_nat_id, BTreeSet::new());
-        }
-    }
-
-    /// One more installed slot names backend `id`.
-    fn add_ref(&mut self, id: u32) {
-        let refs = self.refs.entry(id).or_insert(0);
-        *refs += 1;
-        if *refs == 1 {
-            self.unreferenced.remove(&id);
-        }
-    }
-
-    /// One installed slot less names backend `id`.
-    fn drop_ref(&mut self, id: u32) {
-        if let Entry::Occupied(mut refs) = self.refs.entry(id) {
-            *refs.get_mut() -= 1;
-            if *refs.get() == 0 {
-                refs.remove();
-                if self.backend_by_id.contains_key(&id) {
-                    self.unreferenced.insert(id);
-                }
-            }
         }
     }
 
@@ -858,49 +885,43 @@ impl SyncState {
     fn record(&mut self, op: &MapOp) {
         match op {
             MapOp::PutBackend { id, backend } => {
-                self.backends.insert(*backend, *id);
-                self.backend_by_id.insert(*id, *backend);
+                self.backends.insert(*id, *backend);
                 if !self.reserved_ids.backends.contains(id) {
                     self.last_backend_id = *id;
                 }
-                if !self.refs.contains_key(id) {
-                    self.unreferenced.insert(*id);
-                }
             }
-            MapOp::DeleteBackend { id, .. } => {
-                if let Some(backend) = self.backend_by_id.remove(id) {
-                    self.backends.remove(&backend);
-                }
-                self.unreferenced.remove(id);
-            }
-            MapOp::PutRevNat { frontend, id, info, .. } => {
+            MapOp::DeleteBackend { id, .. } => drop(self.backends.remove(*id)),
+            MapOp::PutRevNat { frontend, id, owner, .. } => {
                 self.rev_nat.insert(*id);
                 if !self.reserved_ids.rev_nat.contains(id) {
                     self.last_rev_nat_id = *id;
                 }
                 let entry = self.frontends.entry(*frontend).or_default();
-                (entry.rev_nat_id, entry.info) = (*id, Some(**info));
+                (entry.rev_nat_id, entry.owner) = (*id, Some(owner.clone()));
             }
             MapOp::DeleteRevNat { frontend, id } => {
                 self.rev_nat.remove(id);
                 // Its entries went first; forget any left all the same.
                 if let Some(gone) = self.frontends.remove(frontend) {
-                    self.service_entries -= usize::from(gone.value.is_some()) + gone.slots.len();
+                    self.service_entries -= usize::from(gone.value.is_some()) + gone.slots.count();
                     self.source_range_entries -= gone.source_ranges.len();
-                    for id in gone.slots.values() {
-                        self.drop_ref(*id);
+                    for id in gone.slots.ids() {
+                        self.backends.drop_ref(id);
                     }
                 }
             }
             MapOp::PutSourceRange { frontend, cidr, .. } => {
-                if self.frontends.entry(*frontend).or_default().source_ranges.insert(*cidr) {
+                let ranges = &mut self.frontends.entry(*frontend).or_default().source_ranges;
+                if let Err(at) = ranges.binary_search(cidr) {
+                    ranges.insert(at, *cidr);
                     self.source_range_entries += 1;
                 }
             }
             MapOp::DeleteSourceRange { frontend, cidr, .. } => {
                 if let Some(entry) = self.frontends.get_mut(frontend)
-                    && entry.source_ranges.remove(cidr)
+                    && let Ok(at) = entry.source_ranges.binary_search(cidr)
                 {
+                    entry.source_ranges.remove(at);
                     self.source_range_entries -= 1;
                 }
             }
@@ -912,9 +933,9 @@ impl SyncState {
                     }
                 } else {
                     let old = entry.slots.insert(key.slot(), value.backend_id);
-                    self.add_ref(value.backend_id);
+                    self.backends.add_ref(value.backend_id);
                     match old {
-                        Some(old) => self.drop_ref(old),
+                        Some(old) => self.backends.drop_ref(old),
                         None => self.service_entries += 1,
                     }
                 }
@@ -925,9 +946,9 @@ impl SyncState {
                     if entry.value.take().is_some() {
                         self.service_entries -= 1;
                     }
-                } else if let Some(old) = entry.slots.remove(&key.slot()) {
+                } else if let Some(old) = entry.slots.remove(key.slot()) {
                     self.service_entries -= 1;
-                    self.drop_ref(old);
+                    self.backends.drop_ref(old);
                 }
             }
         }
@@ -937,19 +958,29 @@ impl SyncState {
     #[cfg(test)]
     fn assert_consistent(&self) {
         let mut refs = BTreeMap::new();
-        for id in self.frontends.values().flat_map(|f| f.slots.values()) {
-            *refs.entry(*id).or_insert(0) += 1;
+        for id in self.frontends.values().flat_map(|f| f.slots.ids()) {
+            *refs.entry(id).or_insert(0) += 1;
         }
-        assert_eq!(refs, self.refs, "references");
+        let recorded: BTreeMap<u32, u32> = self
+            .backends
+            .ids()
+            .map(|id| (id, self.backends.refs(id)))
+            .filter(|(_, refs)| *refs > 0)
+            .collect();
+        assert_eq!(refs, recorded, "references");
         let unreferenced: BTreeSet<u32> =
-            self.backend_by_id.keys().filter(|id| !refs.contains_key(id)).copied().collect();
-        assert_eq!(unreferenced, self.unreferenced, "unreferenced backends");
+            self.backends.ids().filter(|id| !refs.contains_key(id)).collect();
+        let recorded: BTreeSet<u32> = self.backends.unreferenced().collect();
+        assert_eq!(unreferenced, recorded, "unreferenced backends");
         let services: usize =
-            self.frontends.values().map(|f| usize::from(f.value.is_some()) + f.slots.len()).sum();
+            self.frontends.values().map(|f| usize::from(f.value.is_some()) + f.slots.count()).sum();
         assert_eq!(services, self.service_entries, "service entries");
         let ranges: usize = self.frontends.values().map(|f| f.source_ranges.len()).sum();
         assert_eq!(ranges, self.source_range_entries, "source-range entries");
-        assert_eq!(self.backends.len(), self.backend_by_id.len());
+        for id in self.backends.ids() {
+            let entry = self.backends.get(id).unwrap();
+            assert_eq!(self.backends.id_of(entry), Some(id), "backend {id} by entry");
+        }
     }
 }
 
@@ -965,30 +996,28 @@ fn flags(fp: &FrontendPlan) -> ServiceFlags {
         .with_serves_terminating(fp.serves_terminating)
 }
 
-/// Slot for each backend: those already installed in a slot within the new
-/// count stay put, the others fill the free slots, so one endpoint change
-/// rewrites one slot however the addresses sort.
-fn assign_slots(installed: &BTreeMap<u16, u32>, backend_ids: &[u32]) -> BTreeMap<u16, u32> {
+/// The backend id for each slot `1..=backend_ids.len()`: those already
+/// installed in a slot within the new count stay put, the others fill the
+/// free slots, so one endpoint change rewrites one slot however the
+/// addresses sort.
+fn assign_slots(installed: &Slots, backend_ids: &[u32]) -> Vec<u32> {
     if installed.is_empty() {
         // A new frontend (all of a first sync's): slots in order.
-        return (1..).zip(backend_ids.iter().copied()).collect();
+        return backend_ids.to_vec();
     }
     let count = backend_ids.len();
     let wanted: BTreeSet<u32> = backend_ids.iter().copied().collect();
-    let mut slots = BTreeMap::new();
+    let mut slots = vec![0; count];
     let mut placed = BTreeSet::new();
-    for (slot, id) in installed {
-        if (*slot as usize) <= count && wanted.contains(id) && placed.insert(*id) {
-            slots.insert(*slot, *id);
+    for (slot, id) in installed.iter() {
+        if (slot as usize) <= count && wanted.contains(&id) && placed.insert(id) {
+            slots[slot as usize - 1] = id;
         }
     }
-    let mut free =
-        (1..=count as u16).filter(|s| !slots.contains_key(s)).collect::<Vec<_>>().into_iter();
-    for id in backend_ids {
-        if !placed.contains(id)
-            && let Some(slot) = free.next()
-        {
-            slots.insert(slot, *id);
+    let mut free = backend_ids.iter().filter(|id| !placed.contains(id));
+    for slot in slots.iter_mut().filter(|id| **id == 0) {
+        if let Some(id) = free.next() {
+            *slot = *id;
         }
     }
     slots
@@ -996,13 +1025,13 @@ fn assign_slots(installed: &BTreeMap<u16, u32>, backend_ids: &[u32]) -> BTreeMap
 
 #[cfg(test)]
 mod tests {
-    use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+    use std::net::{IpAddr, Ipv4Addr};
 
     use proxy_common::ServiceKey;
 
     use super::*;
     use crate::{
-        model::{Protocol, ServiceName, ServicePortName},
+        model::{EndpointAddr, Protocol, ServiceName, ServicePortName},
         plan::{BackendPlan, FrontendKind, FrontendPlan},
     };
 
@@ -1094,15 +1123,15 @@ mod tests {
             plan.frontends.insert(
                 *frontend,
                 FrontendPlan {
-                    service: ServicePortName {
+                    service: Arc::new(ServicePortName {
                         service: ServiceName { namespace: "ns".into(), name: "svc".into() },
                         port: String::new(),
-                    },
+                    }),
                     kind: FrontendKind::ClusterIp,
                     backends: backends
                         .iter()
                         .map(|b| BackendPlan {
-                            addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, *b), 8080).into(),
+                            addr: EndpointAddr::new(Ipv4Addr::new(10, 244, 0, *b).into(), 8080),
                             local: *b % 2 == 0,
                             host: false,
                         })
@@ -1212,7 +1241,7 @@ mod tests {
                     IpAddr::V4(ip) => ip.to_ipv6_mapped().octets(),
                     IpAddr::V6(ip) => ip.octets(),
                 };
-                BackendPlan { addr: SocketAddr::new(six(ip), b.addr.port()), ..*b }
+                BackendPlan { addr: EndpointAddr::new(six(ip), b.addr.port()), ..*b }
             });
             let backends = backends.collect();
             plan.frontends.insert(twin, FrontendPlan { backends, source_ranges: vec![], ..fp });
@@ -1348,15 +1377,15 @@ mod tests {
         let mut state = SyncState::default();
         let mut p = plan(&[(tcp, &[2], None)]);
         let writes = state.sync(&p, None, &mut maps).unwrap().writes;
-        let info = state.frontends[&tcp].info.unwrap();
+        let info = state.frontends[&tcp].owner.as_ref().unwrap().info();
         assert_eq!((info.kind, info.name()), (KIND_CLUSTER_IP, "ns/svc"));
         // Another service (or kind) takes the address over: one write.
         let fp = p.frontends.get_mut(&tcp).unwrap();
-        fp.service.service.name = "other".into();
+        Arc::make_mut(&mut fp.service).service.name = "other".into();
         fp.kind = FrontendKind::ExternalIp;
         let report = state.sync(&p, None, &mut maps).unwrap();
         assert_eq!(report.writes, 1, "after {writes} at first");
-        let info = state.frontends[&tcp].info.unwrap();
+        let info = state.frontends[&tcp].owner.as_ref().unwrap().info();
         assert_eq!((info.kind, info.name()), (KIND_EXTERNAL_IP, "ns/other"));
         assert_eq!(state.sync(&p, None, &mut maps).unwrap().writes, 0);
     }
@@ -1369,7 +1398,7 @@ mod tests {
         state.sync(&plan(&[(a, &[2, 3], None), (b, &[2], None)]), None, &mut maps).unwrap();
         let rev = |f: &Frontend| state.frontends[f].rev_nat_id;
         let (rev_a, rev_b) = (rev(&a), rev(&b));
-        let shared = *state.backend_by_id.keys().next().unwrap();
+        let shared = state.backends.ids().min().unwrap();
         let report =
             state.sync(&plan(&[(a, &[3], None), (b, &[2], None)]), None, &mut maps).unwrap();
         assert_eq!(report.departures.len(), 1);
@@ -1456,10 +1485,10 @@ mod tests {
             big.frontends.insert(
                 frontend,
                 FrontendPlan {
-                    service: ServicePortName {
+                    service: Arc::new(ServicePortName {
                         service: ServiceName { namespace: "ns".into(), name: format!("s{i}") },
                         port: String::new(),
-                    },
+                    }),
                     kind: FrontendKind::ClusterIp,
                     backends: vec![],
                     affinity_timeout_secs: None,
@@ -1494,7 +1523,7 @@ mod tests {
             for i in 0..4 {
                 let frontend = Frontend::new(Ipv4Addr::from(base + i).into(), 80, Protocol::Tcp);
                 let mut fp = frontend_plan(vec![endpoint(base as u8 + i as u8)], None, vec![]);
-                fp.service.service.name = format!("{prefix}{i}");
+                Arc::make_mut(&mut fp.service).service.name = format!("{prefix}{i}");
                 plan.frontends.insert(frontend, fp);
             }
             plan
@@ -1609,7 +1638,7 @@ mod tests {
 
     fn endpoint(e: u8) -> BackendPlan {
         BackendPlan {
-            addr: SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, e), 8080).into(),
+            addr: EndpointAddr::new(Ipv4Addr::new(10, 244, 0, e).into(), 8080),
             local: e.is_multiple_of(3),
             host: e.is_multiple_of(5),
         }
@@ -1621,10 +1650,10 @@ mod tests {
         ranges: Vec<Cidr>,
     ) -> FrontendPlan {
         FrontendPlan {
-            service: ServicePortName {
+            service: Arc::new(ServicePortName {
                 service: ServiceName { namespace: "ns".into(), name: "svc".into() },
                 port: String::new(),
-            },
+            }),
             kind: FrontendKind::ClusterIp,
             backends,
             affinity_timeout_secs: affinity,
@@ -1895,7 +1924,7 @@ mod tests {
             (0..3)
                 .chain(extra.iter().copied())
                 .map(|i| BackendPlan {
-                    addr: SocketAddrV4::new(Ipv4Addr::from(0x0af4_0000 + s * 16 + i), 8080).into(),
+                    addr: EndpointAddr::new(Ipv4Addr::from(0x0af4_0000 + s * 16 + i).into(), 8080),
                     local: false,
                     host: false,
                 })
