@@ -12,10 +12,12 @@
 //!
 //! `--client BIN` (repeatable) runs BIN's child instead of this build's, so
 //! two builds alternate against one server; medians at the end.
+//! `--page-size N` lists N objects a page (the source's `PAGE_SIZE`, 500,
+//! otherwise; builds before the option cannot take it).
 //!
 //! ```sh
 //! cargo build --release -p proxy-agent --example list_source
-//! target/release/examples/list_source 100000 10 --rounds 5 --split \
+//! target/release/examples/list_source 100000 10 --rounds 5 --split [--page-size N] \
 //!     [--client /tmp/list_source-before --client target/release/examples/list_source]
 //! ```
 
@@ -158,16 +160,16 @@ fn main() -> anyhow::Result<()> {
         .take_while(|a| !a.starts_with("--"))
         .map(|a| a.parse())
         .collect::<Result<_, _>>()
-        .context("usage: list_source [SERVICES [ENDPOINTS]] [--rounds R] [--split] [--client BIN]...")?;
+        .context(
+            "usage: list_source [SERVICES [ENDPOINTS]] [--rounds R] [--split] [--client BIN]...",
+        )?;
     let n = positional.first().copied().unwrap_or(100_000);
     let e = positional.get(1).copied().unwrap_or(10);
     let rounds: usize = arg(&args, "--rounds").unwrap_or(3);
     let split = args.iter().any(|a| a == "--split");
-    let mut clients: Vec<String> = args
-        .windows(2)
-        .filter(|w| w[0] == "--client")
-        .map(|w| w[1].clone())
-        .collect();
+    let page_size: Option<u32> = arg(&args, "--page-size");
+    let mut clients: Vec<String> =
+        args.windows(2).filter(|w| w[0] == "--client").map(|w| w[1].clone()).collect();
     if clients.is_empty() {
         clients.push(std::env::current_exe()?.display().to_string());
     }
@@ -185,7 +187,8 @@ fn main() -> anyhow::Result<()> {
         "{n} services x {e} endpoints stored (and encoded) in {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    let kubeconfig = std::env::temp_dir().join(format!("list_source-{}.kubeconfig", std::process::id()));
+    let kubeconfig =
+        std::env::temp_dir().join(format!("list_source-{}.kubeconfig", std::process::id()));
     std::fs::write(&kubeconfig, api.kubeconfig())?;
 
     let mut modes = vec!["source"];
@@ -197,11 +200,12 @@ fn main() -> anyhow::Result<()> {
         for round in 0..rounds {
             for (c, bin) in clients.iter().enumerate() {
                 for mode in &modes {
-                    let out = Command::new(bin)
-                        .args(["--child", mode])
-                        .arg(&kubeconfig)
-                        .output()
-                        .with_context(|| format!("running {bin}"))?;
+                    let mut command = Command::new(bin);
+                    command.args(["--child", mode]).arg(&kubeconfig);
+                    if let Some(page) = page_size {
+                        command.arg(page.to_string());
+                    }
+                    let out = command.output().with_context(|| format!("running {bin}"))?;
                     let stdout = String::from_utf8_lossy(&out.stdout);
                     let line = stdout.lines().last().unwrap_or("");
                     let Ok(result) = serde_json::from_str::<Value>(line) else {
@@ -243,12 +247,16 @@ fn main() -> anyhow::Result<()> {
 
 /// `--child MODE KUBECONFIG`: one client run, one JSON line on stdout.
 fn child(args: &[String]) -> anyhow::Result<()> {
-    let [mode, kubeconfig] = args else { anyhow::bail!("--child MODE KUBECONFIG") };
+    let (mode, kubeconfig, page_size) = match args {
+        [mode, kubeconfig] => (mode, kubeconfig, None),
+        [mode, kubeconfig, page] => (mode, kubeconfig, Some(page.parse()?)),
+        _ => anyhow::bail!("--child MODE KUBECONFIG [PAGE_SIZE]"),
+    };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let result = runtime.block_on(async {
         match mode.as_str() {
-            "source" => source(Path::new(kubeconfig)).await,
-            "split" => split(Path::new(kubeconfig)).await,
+            "source" => source(Path::new(kubeconfig), page_size).await,
+            "split" => split(Path::new(kubeconfig), page_size).await,
             other => anyhow::bail!("unknown mode {other}"),
         }
     })?;
@@ -257,10 +265,11 @@ fn child(args: &[String]) -> anyhow::Result<()> {
 }
 
 /// What the agent does until its source is whole.
-async fn source(kubeconfig: &Path) -> anyhow::Result<Value> {
-    use proxy_agent::source::kube::{KubeSource, client};
+async fn source(kubeconfig: &Path, page_size: Option<u32>) -> anyhow::Result<Value> {
+    use proxy_agent::source::kube::{KubeSource, PAGE_SIZE, client};
     let start = Instant::now();
-    let mut source = KubeSource::start(client(Some(kubeconfig)).await?, NODE);
+    let client = client(Some(kubeconfig)).await?;
+    let mut source = KubeSource::start_paged(client, NODE, page_size.unwrap_or(PAGE_SIZE));
     let notify = source.notify();
     while !source.poll().1 {
         ensure!(start.elapsed() < Duration::from_secs(300), "not whole after 300 s");
@@ -273,7 +282,8 @@ async fn source(kubeconfig: &Path) -> anyhow::Result<Value> {
     let (live, peak) = (LIVE.load(Relaxed), PEAK.load(Relaxed));
     let changes = source.take_changes();
     let services = changes.services.values().filter(|s| matches!(s, Some(Ok(_)))).count();
-    let slices = changes.slices.values().filter(|s| s.as_ref().is_some_and(|s| s.service.is_some())).count();
+    let slices =
+        changes.slices.values().filter(|s| s.as_ref().is_some_and(|s| s.service.is_some())).count();
     let errors: u64 = source.errors().values().sum();
     Ok(json!({
         "listed_s": listed,
@@ -308,12 +318,13 @@ struct Split {
     bytes: usize,
 }
 
-/// One kind's list, page by page (kube-rs's 500), with its parts timed.
+/// One kind's list, page by page, with its parts timed.
 async fn list_kind<K, P>(
     client: &kube::Client,
     path: &str,
     query: &str,
-    parse: impl Fn(&K) -> P,
+    page: u32,
+    parse: impl Fn(K) -> P,
     kept: &mut Vec<P>,
 ) -> anyhow::Result<Split>
 where
@@ -322,7 +333,7 @@ where
     let mut split = Split::default();
     let mut next: Option<String> = None;
     loop {
-        let mut uri = format!("{path}?limit=500&{query}");
+        let mut uri = format!("{path}?limit={page}&{query}");
         if let Some(token) = &next {
             uri.push_str(&format!("&continue={}", encode(token)));
         }
@@ -331,7 +342,7 @@ where
         let t1 = Instant::now();
         let list: kube::core::ObjectList<K> = serde_json::from_str(&text)?;
         let t2 = Instant::now();
-        kept.extend(list.items.iter().map(&parse));
+        kept.extend(list.items.into_iter().map(&parse));
         let t3 = Instant::now();
         split.http += t1 - t0;
         split.decode += t2 - t1;
@@ -346,21 +357,21 @@ where
 }
 
 /// The two lists one after the other, each part timed.
-async fn split(kubeconfig: &Path) -> anyhow::Result<Value> {
-    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-    use proxy_agent::model;
+async fn split(kubeconfig: &Path, page_size: Option<u32>) -> anyhow::Result<Value> {
+    let page = page_size.unwrap_or(proxy_agent::source::kube::PAGE_SIZE);
+    use proxy_agent::{model, objects::Service};
     let client = proxy_agent::source::kube::client(Some(kubeconfig)).await?;
     let start = Instant::now();
     let mut services = Vec::new();
-    let query = format!("labelSelector={}&fieldSelector={}", encode(LABELS), encode(SERVICE_FIELDS));
-    let s = list_kind(&client, "/api/v1/services", &query, model::parse_service, &mut services).await?;
+    let query =
+        format!("labelSelector={}&fieldSelector={}", encode(LABELS), encode(SERVICE_FIELDS));
+    let parse = |s: Service| model::parse_service(&s);
+    let s = list_kind(&client, "/api/v1/services", &query, page, parse, &mut services).await?;
     let mut slices = Vec::new();
     let query = format!("labelSelector={}", encode(LABELS));
     let path = "/apis/discovery.k8s.io/v1/endpointslices";
-    let es = list_kind(&client, path, &query, |s: &EndpointSlice| model::parse_slice(s), &mut slices)
-        .await?;
+    let es = list_kind(&client, path, &query, page, model::parse_slice, &mut slices).await?;
     let total = start.elapsed().as_secs_f64();
-    let _: Option<&Service> = None;
     let s_ = |d: Duration| d.as_secs_f64();
     Ok(json!({
         "total_s": total,
