@@ -124,8 +124,13 @@ fn read(changes: &mut Changes, i: usize, endpoints: usize) {
     });
     let es = slice("bench", &slice_name).service(&name).port("http", 8080, Tcp).endpoints(addrs);
     let key = |name: String| ServiceName { namespace: "bench".into(), name };
-    changes.services.insert(key(name), Some(model::parse_service(&svc)));
-    let parsed = model::parse_slice(&es.build()).map(|(_, parsed)| parsed).unwrap_or_default();
+    changes.services.insert(
+        key(name),
+        Some(model::parse_service(&proxy_agent::objects::Service::from_api(&svc))),
+    );
+    let parsed = model::parse_slice(proxy_agent::objects::EndpointSlice::from_api(&es.build()))
+        .map(|(_, parsed)| parsed)
+        .unwrap_or_default();
     changes.slices.insert(key(slice_name), Some(parsed));
 }
 

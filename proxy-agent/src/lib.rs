@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod model;
 pub mod monitor;
 pub mod node;
+pub mod objects;
 pub mod plan;
 pub mod probe;
 pub mod service_stats;

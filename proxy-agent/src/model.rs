@@ -32,6 +32,8 @@ use k8s_openapi::api::{
     discovery::v1::EndpointSlice,
 };
 
+use crate::objects;
+
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
@@ -140,15 +142,6 @@ impl IpFamily {
     /// `IPv4` or `IPv6`; anything else (`FQDN`) is no IP family.
     pub fn parse(name: &str) -> Option<Self> {
         IpFamily::ALL.into_iter().find(|f| f.as_str() == name)
-    }
-
-    /// Parses an address of this family (an IPv4 address is not read as an
-    /// IPv6 one, nor the other way round).
-    fn parse_ip(self, text: &str) -> Option<IpAddr> {
-        match self {
-            IpFamily::V4 => text.parse::<Ipv4Addr>().ok().map(IpAddr::V4),
-            IpFamily::V6 => text.parse::<Ipv6Addr>().ok().map(IpAddr::V6),
-        }
     }
 }
 
@@ -510,7 +503,7 @@ pub fn build(services: &[Service], slices: &[EndpointSlice]) -> Model {
     let mut errors = Vec::new();
     let mut by_service: BTreeMap<ServiceName, Vec<ParsedSlice>> = BTreeMap::new();
     for slice in slices {
-        match parse_slice(slice) {
+        match parse_slice(objects::EndpointSlice::from_api(slice)) {
             Ok((_, parsed)) => {
                 errors.extend(parsed.errors.iter().cloned());
                 if let Some(service) = parsed.service.clone() {
@@ -522,7 +515,7 @@ pub fn build(services: &[Service], slices: &[EndpointSlice]) -> Model {
     }
     let mut ports = Vec::new();
     for service in services {
-        match parse_service(service) {
+        match parse_service(&objects::Service::from_api(service)) {
             Ok(templates) => {
                 let Some(first) = templates.first() else { continue };
                 let slices = by_service.get(&first.name.service).into_iter().flatten();
@@ -544,10 +537,6 @@ fn object_name(
     ServiceName::of(meta).ok_or(ModelError::Unnamed { kind })
 }
 
-/// The annotation the EndpointSlice controller sets to the time of the
-/// change (a pod, a service) that led to the slice's current state.
-const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
-
 /// An EndpointSlice as the proxy reads it: all it keeps of one.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ParsedSlice {
@@ -566,22 +555,23 @@ pub struct ParsedSlice {
     pub trigger_time: Option<SystemTime>,
 }
 
-/// Reads an EndpointSlice; its name and what the proxy keeps of it.
-pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), ModelError> {
+/// Reads an EndpointSlice (taking its endpoints); its name and what the
+/// proxy keeps of it.
+pub fn parse_slice(
+    slice: objects::EndpointSlice,
+) -> Result<(ServiceName, ParsedSlice), ModelError> {
     let slice_name = object_name(&slice.metadata, "EndpointSlice")?;
-    let annotations = slice.metadata.annotations.as_ref();
-    let trigger_time = annotations.and_then(|a| crate::time::parse_rfc3339(a.get(TRIGGER_TIME)?));
+    let trigger_time = slice.trigger_time.as_deref().and_then(crate::time::parse_rfc3339);
     let mut parsed = ParsedSlice { trigger_time, ..ParsedSlice::default() };
     // FQDN slices are not proxied, as in kube-proxy.
-    let label = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
-    let (Some(service), Some(family)) = (label, IpFamily::parse(&slice.address_type)) else {
+    let (Some(service), Some(family)) = (slice.service_name, IpFamily::parse(&slice.address_type))
+    else {
         return Ok((slice_name, parsed));
     };
-    parsed.service =
-        Some(ServiceName { namespace: slice_name.namespace.clone(), name: service.clone() });
+    parsed.service = Some(ServiceName { namespace: slice_name.namespace.clone(), name: service });
     parsed.family = Some(family);
-    for port in slice.ports.iter().flatten() {
-        let port_name = port.name.clone().unwrap_or_default();
+    for port in slice.ports {
+        let port_name = port.name.unwrap_or_default();
         let protocol = match Protocol::parse(port.protocol.as_deref()) {
             Ok(Some(protocol)) => protocol,
             Ok(None) => continue,
@@ -606,21 +596,26 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
         parsed.ports.push(((port_name, protocol), number));
     }
     parsed.ports.shrink_to_fit();
-    let mut nodes = Vec::new();
     // Exactly as many as listed: a million endpoints are held here.
     parsed.endpoints.reserve_exact(slice.endpoints.len());
-    for endpoint in &slice.endpoints {
-        // kube-proxy uses the first address of an endpoint.
-        let Some(address) = endpoint.addresses.first() else { continue };
-        let Some(ip) = family.parse_ip(address) else {
-            parsed.errors.push(ModelError::InvalidEndpointAddress {
-                slice: slice_name.clone(),
-                value: address.clone(),
-            });
-            continue;
+    for endpoint in slice.endpoints {
+        let ip = match endpoint.address {
+            objects::Address::Ip(ip) if IpFamily::of(ip) == family => ip,
+            objects::Address::None => continue,
+            // An address of the other family is not one of this slice's.
+            invalid => {
+                let value = match invalid {
+                    objects::Address::Ip(ip) => ip.to_string(),
+                    objects::Address::Invalid(text) => text,
+                    objects::Address::None => unreachable!(),
+                };
+                parsed
+                    .errors
+                    .push(ModelError::InvalidEndpointAddress { slice: slice_name.clone(), value });
+                continue;
+            }
         };
-        let conditions = endpoint.conditions.clone().unwrap_or_default();
-        let hints = endpoint.hints.clone().unwrap_or_default();
+        let conditions = endpoint.conditions;
         parsed.endpoints.push(Endpoint {
             addr: EndpointAddr::new(ip, 0),
             // Unset conditions mean ready, serving, not terminating (as
@@ -628,26 +623,11 @@ pub fn parse_slice(slice: &EndpointSlice) -> Result<(ServiceName, ParsedSlice), 
             ready: conditions.ready.unwrap_or(true),
             serving: conditions.serving.unwrap_or(true),
             terminating: conditions.terminating.unwrap_or(false),
-            node_name: endpoint.node_name.as_deref().map(|n| intern(&mut nodes, n)),
-            hints: Hints::new(
-                hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect(),
-                hints.for_nodes.iter().flatten().map(|n| n.name.clone()).collect(),
-            ),
+            node_name: endpoint.node_name,
+            hints: endpoint.hints,
         });
     }
     Ok((slice_name, parsed))
-}
-
-/// One allocation per node name and slice, not per endpoint.
-fn intern(names: &mut Vec<Arc<str>>, name: &str) -> Arc<str> {
-    match names.iter().find(|n| &***n == name) {
-        Some(known) => known.clone(),
-        None => {
-            let new: Arc<str> = name.into();
-            names.push(new.clone());
-            new
-        }
-    }
 }
 
 /// A service's ports (from [`parse_service`]) with the endpoints of its
@@ -689,12 +669,8 @@ pub fn with_endpoints<'a>(
         .collect()
 }
 
-fn is_proxied(service: &Service, spec: &ServiceSpec) -> bool {
-    let labelled = service
-        .metadata
-        .labels
-        .as_ref()
-        .is_some_and(|labels| labels.contains_key(SERVICE_PROXY_NAME_LABEL));
+fn is_proxied(service: &objects::Service, spec: &ServiceSpec) -> bool {
+    let labelled = service.service_proxy_name.is_some();
     let external_name = spec.type_.as_deref() == Some("ExternalName");
     let headless = matches!(spec.cluster_ip.as_deref(), None | Some("") | Some("None"));
     !(labelled || external_name || headless)
@@ -757,7 +733,11 @@ impl Externals {
         }
     }
 
-    fn of(name: &ServiceName, service: &Service, spec: &ServiceSpec) -> Result<Self, ModelError> {
+    fn of(
+        name: &ServiceName,
+        service: &objects::Service,
+        spec: &ServiceSpec,
+    ) -> Result<Self, ModelError> {
         let kind = spec.type_.as_deref().unwrap_or("ClusterIP");
         let load_balancer = kind == "LoadBalancer";
         let invalid = |field: &'static str, value: &str| ModelError::InvalidAddress {
@@ -859,7 +839,7 @@ fn cluster_ips(name: &ServiceName, spec: &ServiceSpec) -> Result<Vec<IpAddr>, Mo
 /// Reads a Service as the API server would have validated it: its proxied
 /// ports, without endpoints (none when it is not proxied), or why it
 /// cannot be used.
-pub fn parse_service(service: &Service) -> Result<Vec<ServicePort>, ModelError> {
+pub fn parse_service(service: &objects::Service) -> Result<Vec<ServicePort>, ModelError> {
     let name = object_name(&service.metadata, "Service")?;
     let Some(spec) = service.spec.as_ref() else { return Ok(Vec::new()) };
     if !is_proxied(service, spec) {

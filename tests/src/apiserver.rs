@@ -390,6 +390,15 @@ impl ApiServer {
     /// Serves on `addr` inside the network namespace `netns`.
     pub fn start_in(netns: &str, addr: SocketAddr) -> anyhow::Result<Self> {
         let listener = bind_in(netns, addr)?;
+        Self::start_on(listener)
+    }
+
+    /// Serves on a listener the caller bound, in a network namespace of its
+    /// own (a harness that unshared one, as `list_source` does): never one
+    /// bound in the host's namespace.
+    pub fn start_on(listener: std::net::TcpListener) -> anyhow::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(State { rv: 1, oldest_rv: 1, ..State::default() }));
         let (up, up_rx) = watch::channel(true);
         let (shutdown, shutdown_rx) = tokio::sync::oneshot::channel();
@@ -406,6 +415,17 @@ impl ApiServer {
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Creates or updates these objects (Services, EndpointSlices, Nodes),
+    /// one resource version each: a harness's hundred thousand without a
+    /// YAML parse.
+    pub fn apply_objects(&self, objects: impl IntoIterator<Item = Value>) -> anyhow::Result<()> {
+        let mut state = self.state();
+        for object in objects {
+            state.apply(object)?;
+        }
+        Ok(())
     }
 
     /// Creates or updates every object of a YAML stream (Services,

@@ -21,10 +21,7 @@ use std::{
 
 use anyhow::Context as _;
 use futures::StreamExt as _;
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::Node;
 use kube::{
     Api, Client, Resource, ResourceExt,
     config::{KubeConfigOptions, Kubeconfig},
@@ -33,18 +30,26 @@ use kube::{
 use tokio::sync::Notify;
 
 use super::{Changes, ParsedService};
-use crate::model::{self, ParsedSlice, ServiceName};
+use crate::{
+    model::{self, ParsedSlice, ServiceName},
+    objects::{EndpointSlice, Service},
+};
 
 /// kube-proxy's selectors (the labels for both kinds).
 const LABELS: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 const SERVICE_FIELDS: &str = "spec.clusterIP!=None";
+/// Objects per list page: kube-rs's default and client-go's pager's.
+pub const PAGE_SIZE: u32 = 500;
 
 /// One kind's objects, as changes not yet taken. Only the names of the
 /// objects are kept, to tell what a relist dropped.
 struct Collection<P> {
     names: BTreeSet<ServiceName>,
-    /// A list in progress: replaces the objects once complete.
-    relist: Option<BTreeMap<ServiceName, P>>,
+    /// A list in progress, as it comes (in name order from the API
+    /// server): replaces the objects once complete. A vector, then sorted
+    /// and built into full `BTreeMap` nodes at once, where one filled entry
+    /// by entry is half empty.
+    relist: Option<Vec<(ServiceName, P)>>,
     /// Changes not yet taken; `None`: deleted.
     pending: BTreeMap<ServiceName, Option<P>>,
     /// Listed completely at least once.
@@ -69,31 +74,49 @@ fn name_of<K: ResourceExt>(object: &K) -> ServiceName {
 impl<P> Collection<P> {
     /// Applies one watcher event, reading objects with `parse`; whether
     /// there are changes to take.
-    fn apply<K: ResourceExt>(&mut self, event: watcher::Event<K>, parse: fn(&K) -> P) -> bool {
+    fn apply<K: ResourceExt>(&mut self, event: watcher::Event<K>, parse: fn(K) -> P) -> bool {
         match event {
             watcher::Event::Init => {
-                self.relist = Some(BTreeMap::new());
+                self.relist = Some(Vec::new());
                 false
             }
             watcher::Event::InitApply(object) => {
-                let relist = self.relist.get_or_insert_with(BTreeMap::new);
-                relist.insert(name_of(&object), parse(&object));
+                let relist = self.relist.get_or_insert_with(Vec::new);
+                relist.push((name_of(&object), parse(object)));
                 false
             }
             watcher::Event::InitDone => {
-                let listed = self.relist.take().unwrap_or_default();
-                for gone in self.names.iter().filter(|n| !listed.contains_key(*n)) {
+                let mut listed = self.relist.take().unwrap_or_default();
+                // Stable: of an object listed twice, the later one is kept.
+                listed.sort_by(|a, b| a.0.cmp(&b.0));
+                listed.dedup_by(|later, earlier| {
+                    let same = later.0 == earlier.0;
+                    if same {
+                        std::mem::swap(later, earlier);
+                    }
+                    same
+                });
+                let is_listed =
+                    |n: &ServiceName| listed.binary_search_by(|(k, _)| k.cmp(n)).is_ok();
+                for gone in self.names.iter().filter(|n| !is_listed(n)) {
                     self.pending.insert(gone.clone(), None);
                 }
-                self.names = listed.keys().cloned().collect();
-                self.pending.extend(listed.into_iter().map(|(name, p)| (name, Some(p))));
+                self.names = listed.iter().map(|(name, _)| name.clone()).collect();
+                let listed = listed.into_iter().map(|(name, p)| (name, Some(p)));
+                if self.pending.is_empty() {
+                    // Built in one go from the sorted list (the first list
+                    // of 100,000), not inserted one by one.
+                    self.pending = listed.collect();
+                } else {
+                    self.pending.extend(listed);
+                }
                 self.complete = true;
                 true
             }
             watcher::Event::Apply(object) => {
                 let name = name_of(&object);
                 self.names.insert(name.clone());
-                self.pending.insert(name, Some(parse(&object)));
+                self.pending.insert(name, Some(parse(object)));
                 true
             }
             watcher::Event::Delete(object) => {
@@ -130,12 +153,12 @@ impl NodeWatch {
     }
 }
 
-fn parse_service(service: &Service) -> ParsedService {
-    model::parse_service(service)
+fn parse_service(service: Service) -> ParsedService {
+    model::parse_service(&service)
 }
 
 /// A slice without a name cannot come from the API server.
-fn parse_slice(slice: &EndpointSlice) -> ParsedSlice {
+fn parse_slice(slice: EndpointSlice) -> ParsedSlice {
     model::parse_slice(slice).map(|(_, parsed)| parsed).unwrap_or_default()
 }
 
@@ -190,10 +213,17 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
 impl KubeSource {
     /// Starts watching; the source is complete once every kind is listed.
     pub fn start(client: Client, node_name: &str) -> Self {
+        Self::start_paged(client, node_name, PAGE_SIZE)
+    }
+
+    /// Starts watching, listing `page_size` objects a page (the list
+    /// harness, `examples/list_source.rs`, compares sizes).
+    pub fn start_paged(client: Client, node_name: &str, page_size: u32) -> Self {
         let shared = Arc::new(Mutex::new(Shared::default()));
         let changed = Arc::new(Notify::new());
-        let services = watcher::Config::default().labels(LABELS).fields(SERVICE_FIELDS);
-        let slices = watcher::Config::default().labels(LABELS);
+        let config = watcher::Config::default().page_size(page_size).labels(LABELS);
+        let services = config.clone().fields(SERVICE_FIELDS);
+        let slices = config;
         let node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
         let tasks = vec![
             spawn_watch(
@@ -329,7 +359,7 @@ mod tests {
 
     fn service(name: &str, port: i32) -> Service {
         let service = test_objects::service("lab", name).cluster_ip("10.96.0.10");
-        service.port(test_objects::port(None, port)).build()
+        Service::from_api(&service.port(test_objects::port(None, port)).build())
     }
 
     fn port_of(change: &Option<ParsedService>) -> Option<u16> {
@@ -364,5 +394,14 @@ mod tests {
         assert!(services.apply(watcher::Event::Delete(service("b", 81)), parse_service));
         assert_eq!(taken(&mut services), [("b".into(), None)]);
         assert!(services.names.is_empty());
+
+        // A list that names an object twice (out of order) keeps the later.
+        services.apply(watcher::Event::Init, parse_service);
+        for (name, port) in [("c", 80), ("b", 81), ("c", 82)] {
+            services.apply(watcher::Event::InitApply(service(name, port)), parse_service);
+        }
+        assert!(services.apply(watcher::Event::InitDone, parse_service));
+        assert_eq!(taken(&mut services), [("b".into(), Some(81)), ("c".into(), Some(82))]);
+        assert_eq!(services.names.len(), 2);
     }
 }

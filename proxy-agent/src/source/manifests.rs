@@ -313,7 +313,7 @@ fn decode(
     let decoded = match (api_version, kind.as_str()) {
         ("v1", "Service") => serde_json::from_value(value).map(|s| snapshot.add_service(&s)),
         ("discovery.k8s.io/v1", "EndpointSlice") => {
-            serde_json::from_value(value).map(|s| snapshot.add_slice(&s))
+            serde_json::from_value(value).map(|s| snapshot.add_slice(s))
         }
         _ => {
             tracing::debug!(path = %path.display(), index, api_version, kind, "ignoring object");

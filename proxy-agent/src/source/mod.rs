@@ -10,9 +10,10 @@ use std::{
     time::SystemTime,
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-
-use crate::model::{self, Model, ModelError, ParsedSlice, ServiceName, ServicePort};
+use crate::{
+    model::{self, Model, ModelError, ParsedSlice, ServiceName, ServicePort},
+    objects,
+};
 
 /// An object a source saw but could not decode.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -37,14 +38,14 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    pub fn add_service(&mut self, service: &Service) {
+    pub fn add_service(&mut self, service: &objects::Service) {
         match ServiceName::of(&service.metadata) {
             Some(name) => self.services.push((name, model::parse_service(service))),
             None => self.unnamed.push(ModelError::Unnamed { kind: "Service" }),
         }
     }
 
-    pub fn add_slice(&mut self, slice: &EndpointSlice) {
+    pub fn add_slice(&mut self, slice: objects::EndpointSlice) {
         match model::parse_slice(slice) {
             Ok(named) => self.slices.push(named),
             Err(err) => self.unnamed.push(err),
@@ -273,16 +274,22 @@ pub(crate) fn model_from_yaml(yaml: &str) -> model::Model {
 
 /// A snapshot of these objects, for tests.
 #[cfg(test)]
-pub(crate) fn snapshot_of(services: &[Service], slices: &[EndpointSlice]) -> Snapshot {
+pub(crate) fn snapshot_of(
+    services: &[k8s_openapi::api::core::v1::Service],
+    slices: &[k8s_openapi::api::discovery::v1::EndpointSlice],
+) -> Snapshot {
     let mut snapshot = Snapshot::default();
-    services.iter().for_each(|s| snapshot.add_service(s));
-    slices.iter().for_each(|s| snapshot.add_slice(s));
+    services.iter().for_each(|s| snapshot.add_service(&objects::Service::from_api(s)));
+    slices.iter().for_each(|s| snapshot.add_slice(objects::EndpointSlice::from_api(s)));
     snapshot
 }
 
 /// The model of these objects, all valid, for tests.
 #[cfg(test)]
-pub(crate) fn model_of(services: &[Service], slices: &[EndpointSlice]) -> model::Model {
+pub(crate) fn model_of(
+    services: &[k8s_openapi::api::core::v1::Service],
+    slices: &[k8s_openapi::api::discovery::v1::EndpointSlice],
+) -> model::Model {
     let mut store = Store::default();
     store.replace(snapshot_of(services, slices));
     assert!(store.problems().is_empty(), "{:?}", store.problems());
@@ -292,6 +299,7 @@ pub(crate) fn model_of(services: &[Service], slices: &[EndpointSlice]) -> model:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
     use std::time::{Duration, UNIX_EPOCH};
 
     fn service(yaml: &str) -> Service {
@@ -386,13 +394,20 @@ mod tests {
         let mut store = Store::default();
         let mut changes = Changes::default();
         for name in ["a", "b"] {
-            changes
-                .services
-                .insert(web(name), Some(model::parse_service(&on_80(name, "10.96.0.1"))));
+            changes.services.insert(
+                web(name),
+                Some(model::parse_service(&objects::Service::from_api(&on_80(name, "10.96.0.1")))),
+            );
         }
         let labelled = |service: &str| {
             let s = slice("default", "s-1").service(service).port(None, 8080, Tcp);
-            Some(model::parse_slice(&s.endpoint(ep("10.244.1.2")).build()).unwrap().1)
+            Some(
+                model::parse_slice(objects::EndpointSlice::from_api(
+                    &s.endpoint(ep("10.244.1.2")).build(),
+                ))
+                .unwrap()
+                .1,
+            )
         };
         changes.slices.insert(web("s-1"), labelled("a"));
         store.apply(changes);
