@@ -4,7 +4,9 @@
 //! connection the socket LB translated (no per-packet flow), a new NodePort
 //! flow (backend pick, SNAT port, two conntrack inserts), a new ClusterIP
 //! flow, and a packet of a tracked flow; with `--services N` installed (one
-//! is the NodePort's).
+//! is the NodePort's). The flows' figures are of one run per packet, which
+//! pays `run_overhead` (the timer and dispatch of one run) beside the
+//! program.
 //! Runs in a network namespace of its own. Needs root. `cargo xtask bench`
 //! runs it at several N and reads its `name ns` lines. `--bpf-log-level
 //! LEVEL` (off by default) has the programs write their decision records,
@@ -170,6 +172,14 @@ fn main() -> anyhow::Result<()> {
 
     let rounds = 20_000u16;
     let pass = dp.run_tc(&syn(40000, NODE, 22), 1_000_000)?.duration.as_nanos();
+    // What one run costs beyond the program, as every figure of one run per
+    // packet pays it (BPF_PROG_TEST_RUN's timer and dispatch): the miss run
+    // once, less its figure over a million repeats.
+    let mut once = Vec::new();
+    for _ in 0..rounds {
+        once.push(dp.run_tc(&syn(40000, NODE, 22), 1)?.duration);
+    }
+    let run_overhead = mean(&once) - pass as f64;
     // A NodePort backend answering a pod that the socket LB connected to
     // it: no per-packet flow of its own (the NodePort's are masqueraded).
     let reply = tcp4(([10, 244, 2, 2], 8080), ([10, 244, 1, 5], 50000));
@@ -208,6 +218,9 @@ fn main() -> anyhow::Result<()> {
         println!("cluster_ip_new {:.0}  (new ClusterIP flow; mean of {rounds})", mean(&cluster));
     }
     println!("tracked {:.0}  (packet of a tracked flow; mean of {rounds})", mean(&tracked));
+    println!(
+        "run_overhead {run_overhead:.0}  (the miss run once, mean of {rounds}, less its 1M figure)"
+    );
     std::thread::sleep(Duration::from_millis(50));
     println!("bpf log level {level:?}: {} records", drained.load(Relaxed));
     events += watch.by_ref().count();

@@ -226,6 +226,7 @@ fn node_port_flow_is_translated_both_ways_with_valid_checksums() {
     assert_eq!(out.packet.len(), syn.len());
     assert_checksums(&out.packet);
     assert_eq!(out.packet[34 + 20..], syn[34 + 20..], "options untouched");
+    assert_eq!(out.packet[22], 64, "the stack decrements the TTL of what it forwards");
 
     let syn_ack = tcp((POD, 8080), (NODE, sport), SYN | ACK);
     let back = run(&mut dp, &syn_ack);
@@ -235,7 +236,7 @@ fn node_port_flow_is_translated_both_ways_with_valid_checksums() {
 
     // The same client packet again follows the same flow.
     let again = run(&mut dp, &syn);
-    assert_eq!(tuple(&again.packet), tuple(&out.packet));
+    assert_eq!(again.packet, out.packet, "a tracked packet, rewritten as the first");
 }
 
 /// Where the socket LB translates every pod's connections, pod interfaces
@@ -1257,4 +1258,95 @@ fn the_monitor_sees_translations_drops_and_refusals_only_while_on() {
     watch.set_deadline(0).unwrap();
     run(&mut dp, &tcp((CLIENT, 40002), (NODE, 30080), SYN));
     assert!(watch.next().is_none(), "off again");
+}
+
+#[test]
+fn ipv4_packets_are_forwarded_by_a_fib_lookup_with_the_ttl_decremented() {
+    let mut dp = datapath(vec![
+        (frontend(NODE, 30080, Protocol::Tcp), frontend_plan(&[(POD, 8080)], true, &[])),
+        (frontend(NODE, 30053, Protocol::Udp), frontend_plan(&[(POD, 5353)], true, &[])),
+    ]);
+    // A link towards the pod's network, and forwarding on (else the FIB
+    // lookup leaves the packet to the stack).
+    sh("ip", "link add pods type veth peer name pods-peer");
+    sh("ip", "link set pods address 02:00:00:00:00:11");
+    sh("ip", "link set pods-peer up");
+    sh("ip", "link set pods up");
+    sh("ip", "addr add 10.244.2.1/24 dev pods");
+    sh("sysctl", "-qw net.ipv4.ip_forward=1");
+
+    // No neighbour entry yet: bpf_redirect_neigh resolves it.
+    let syn = run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30080), SYN));
+    assert_eq!(syn.verdict, REDIRECT);
+    assert_eq!(syn.packet[22], 63, "TTL decremented");
+    assert_eq!(tuple(&syn.packet).1, (POD, 8080));
+    assert_checksums(&syn.packet);
+
+    // A known neighbour: its MAC address and the interface's, and a plain
+    // redirect; the flow's next packet is a tracked one.
+    sh("ip", "neigh add 10.244.2.2 lladdr 02:00:00:00:00:22 dev pods");
+    let ack = run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30080), ACK));
+    assert_eq!(ack.verdict, REDIRECT);
+    assert_eq!(ack.packet[0..12], [2, 0, 0, 0, 0, 0x22, 2, 0, 0, 0, 0, 0x11], "the MACs");
+    assert_eq!(ack.packet[22], 63);
+    assert_eq!(tuple(&ack.packet), tuple(&syn.packet));
+    assert_checksums(&ack.packet);
+
+    // UDP, with and without a checksum (none stays none).
+    for (port, with_checksum) in [(40001, true), (40002, false)] {
+        let out = run(&mut dp, &udp((CLIENT, port), (NODE, 30053), with_checksum));
+        assert_eq!(out.verdict, REDIRECT);
+        assert_eq!(out.packet[22], 63);
+        assert_eq!(tuple(&out.packet).1, (POD, 5353));
+        assert_eq!(out.packet[40..42] == [0, 0], !with_checksum, "{:02x?}", out.packet);
+        assert_checksums(&out.packet);
+    }
+
+    // A TTL that runs out here: dropped, not sent on with 0.
+    let mut last_hop = tcp((CLIENT, 40003), (NODE, 30080), SYN);
+    last_hop[22] = 1;
+    last_hop[24..26].copy_from_slice(&[0, 0]);
+    let sum = fold(sum16(&last_hop[14..34]));
+    last_hop[24..26].copy_from_slice(&sum.to_be_bytes());
+    assert_eq!(run(&mut dp, &last_hop).verdict, SHOT);
+}
+
+/// `p` (a frame with a plain IPv4 header) with 4 bytes of IP options (three
+/// NOPs and an end of list), its header checksum recomputed.
+fn with_ip_options(p: &[u8]) -> Vec<u8> {
+    let mut q = p[..34].to_vec();
+    q.extend_from_slice(&[1, 1, 1, 0]);
+    q.extend_from_slice(&p[34..]);
+    q[14] = 0x46;
+    let total = u16::from_be_bytes([q[16], q[17]]) + 4;
+    q[16..18].copy_from_slice(&total.to_be_bytes());
+    q[24..26].copy_from_slice(&[0, 0]);
+    let sum = fold(sum16(&q[14..38]));
+    q[24..26].copy_from_slice(&sum.to_be_bytes());
+    q
+}
+
+#[test]
+fn ipv4_headers_with_options_are_translated_with_valid_checksums() {
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30080, Protocol::Tcp),
+        frontend_plan(&[(POD, 8080)], true, &[]),
+    )]);
+    let syn = with_ip_options(&tcp((CLIENT, 40000), (NODE, 30080), SYN));
+    for (p, flags) in
+        [(syn.clone(), SYN), (with_ip_options(&tcp((CLIENT, 40000), (NODE, 30080), ACK)), ACK)]
+    {
+        let out = run(&mut dp, &p);
+        assert_eq!(out.verdict, STACK, "flags {flags:#x}");
+        assert_eq!(out.packet[26..30], NODE, "SNAT");
+        assert_eq!(out.packet[30..34], POD);
+        assert_eq!(out.packet[34..38], [1, 1, 1, 0], "options untouched");
+        assert_eq!(u16::from_be_bytes([out.packet[40], out.packet[41]]), 8080);
+        assert_eq!(out.packet[22], 64, "the stack decrements the TTL");
+        assert_eq!(fold(sum16(&out.packet[14..38])), 0, "IPv4 header checksum");
+        // The L4 checksum as over the same segment behind a plain header.
+        let mut plain = out.packet[..34].to_vec();
+        plain.extend_from_slice(&out.packet[38..]);
+        assert_eq!(fold(l4_sum(&plain)), 0, "TCP checksum of {:02x?}", out.packet);
+    }
 }

@@ -149,10 +149,10 @@ pub fn rewrite<H: IpHeader>(
         Some(_) => (None, None),
         None => (Some((csum, BPF_F_PSEUDO_HDR as u64)), Some((csum, 0))),
     };
-    packet::set_addrs::<H>(ctx, IP_OFF, [from.saddr, from.daddr], [to.saddr, to.daddr], outer)?;
+    packet::set_addrs::<H>(ctx, IP_OFF, &[from.saddr, from.daddr], &[to.saddr, to.daddr], outer)?;
     let (old, new) = (&from.quoted, &to.quoted);
     let addrs = |t: &H::Tuple| [t.saddr(), t.daddr()];
-    packet::set_addrs::<H>(ctx, err.ip_off, addrs(old), addrs(new), quoted)?;
+    packet::set_addrs::<H>(ctx, err.ip_off, &addrs(old), &addrs(new), quoted)?;
     set_quoted_port(ctx, csum, err.l4_off + SPORT, old.sport(), new.sport())?;
     set_quoted_port(ctx, csum, err.l4_off + DPORT, old.dport(), new.dport())
 }

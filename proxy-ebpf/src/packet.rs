@@ -38,6 +38,8 @@ pub trait IpHeader {
     type Tuple: CtTuple<Addr = Self::Addr>;
     const SADDR: usize;
     const DADDR: usize;
+    /// The header's length without IPv4 options (IPv6: the fixed header).
+    const PLAIN_LEN: usize;
     /// The header checksum (IPv6 has none).
     const CSUM: Option<usize>;
     /// The TTL or hop limit.
@@ -48,6 +50,16 @@ pub trait IpHeader {
     /// total length counts its plain header, IPv6's payload length nothing).
     const LEN_FIELD: usize;
     const LEN_BEYOND_L4: usize;
+
+    /// Both addresses of `t`, side by side as in the header (a tuple
+    /// starts with them).
+    fn addrs(t: &Self::Tuple) -> &[Self::Addr; 2];
+
+    /// Stores both addresses of `t` side by side at `at`, as in the header.
+    ///
+    /// # Safety
+    /// `at` points to writable packet data the verifier knows holds them.
+    unsafe fn store_addrs(at: usize, t: &Self::Tuple);
 }
 
 impl IpHeader for Ipv4Hdr {
@@ -55,11 +67,27 @@ impl IpHeader for Ipv4Hdr {
     type Tuple = CtKey;
     const SADDR: usize = offset_of!(Ipv4Hdr, src_addr);
     const DADDR: usize = offset_of!(Ipv4Hdr, dst_addr);
+    const PLAIN_LEN: usize = Ipv4Hdr::LEN;
     const CSUM: Option<usize> = Some(offset_of!(Ipv4Hdr, check));
     const HOPS: usize = offset_of!(Ipv4Hdr, ttl);
     const ICMP: u8 = IPPROTO_ICMP;
     const LEN_FIELD: usize = offset_of!(Ipv4Hdr, tot_len);
     const LEN_BEYOND_L4: usize = Ipv4Hdr::LEN;
+
+    #[inline(always)]
+    fn addrs(t: &CtKey) -> &[[u8; 4]; 2] {
+        const _: () = assert!(offset_of!(CtKey, daddr) == 4);
+        // SAFETY: the key's first 8 bytes, as just asserted.
+        unsafe { &*(t as *const CtKey).cast() }
+    }
+
+    #[inline(always)]
+    unsafe fn store_addrs(at: usize, t: &CtKey) {
+        // Two words (the packet's alignment does not matter to the verifier
+        // where unaligned access is efficient, as on x86 and arm64).
+        let at = at as *mut u32;
+        unsafe { (*at, *at.add(1)) = (u32::from_ne_bytes(t.saddr), u32::from_ne_bytes(t.daddr)) };
+    }
 }
 
 impl IpHeader for Ipv6Hdr {
@@ -67,11 +95,25 @@ impl IpHeader for Ipv6Hdr {
     type Tuple = CtKey6;
     const SADDR: usize = offset_of!(Ipv6Hdr, src_addr);
     const DADDR: usize = offset_of!(Ipv6Hdr, dst_addr);
+    const PLAIN_LEN: usize = Ipv6Hdr::LEN;
     const CSUM: Option<usize> = None;
     const HOPS: usize = offset_of!(Ipv6Hdr, hop_limit);
     const ICMP: u8 = IPPROTO_ICMPV6;
     const LEN_FIELD: usize = offset_of!(Ipv6Hdr, payload_len);
     const LEN_BEYOND_L4: usize = 0;
+
+    #[inline(always)]
+    fn addrs(t: &CtKey6) -> &[[u8; 16]; 2] {
+        const _: () = assert!(offset_of!(CtKey6, daddr) == 16);
+        // SAFETY: the key's first 32 bytes, as just asserted.
+        unsafe { &*(t as *const CtKey6).cast() }
+    }
+
+    #[inline(always)]
+    unsafe fn store_addrs(at: usize, t: &CtKey6) {
+        // As four words from the aligned key (see `parse6`).
+        unsafe { *(at as *mut [u64; 4]) = *(Self::addrs(t) as *const _ as *const [u64; 4]) };
+    }
 }
 
 /// Where the ports are, the same in TCP and UDP headers: one read and one
@@ -329,6 +371,25 @@ fn ports(sport: u16, dport: u16) -> [u8; 4] {
     [s[0], s[1], d[0], d[1]]
 }
 
+/// The folded ones'-complement difference from the addresses `old` to
+/// `new` (both side by side, as in the header): what each checksum covering
+/// them changes by.
+#[inline(always)]
+fn addrs_diff<H: IpHeader>(old: &[H::Addr; 2], new: &[H::Addr; 2]) -> Result<u32, i64> {
+    if H::CSUM.is_some() {
+        let sum = csum_diff_add(0, old[0].as_ref(), new[0].as_ref());
+        return Ok(fold_diff(csum_diff_add(sum, old[1].as_ref(), new[1].as_ref())));
+    }
+    // IPv6: the kernel sums the 32 bytes where they lie (in a tuple, not
+    // copied); done here, byte by byte, they would fill the stack with
+    // spilled bytes.
+    let size = size_of::<[H::Addr; 2]>() as u32;
+    let (old, new) = (old.as_ptr().cast_mut().cast(), new.as_ptr().cast_mut().cast());
+    // SAFETY: the helper only reads the `size` bytes of each.
+    let diff = unsafe { bpf_csum_diff(old, size, new, size, 0) };
+    if diff < 0 { Err(diff) } else { Ok(diff as u32) }
+}
+
 /// Rewrites both addresses of the IP header at `ip_off` (side by side, one
 /// store) and the checksums covering them, each by one difference computed
 /// here: the header's own (IPv4), and `l4`, the checksum at that offset
@@ -338,29 +399,15 @@ fn ports(sport: u16, dport: u16) -> [u8; 4] {
 pub fn set_addrs<H: IpHeader>(
     ctx: &TcContext,
     ip_off: usize,
-    mut old: [H::Addr; 2],
-    mut new: [H::Addr; 2],
+    old: &[H::Addr; 2],
+    new: &[H::Addr; 2],
     l4: Option<(usize, u64)>,
 ) -> Result<(), i64> {
     const { assert!(H::DADDR == H::SADDR + size_of::<H::Addr>()) };
     if old == new {
         return Ok(());
     }
-    let diff = if H::CSUM.is_some() {
-        let sum = csum_diff_add(0, old[0].as_ref(), new[0].as_ref());
-        fold_diff(csum_diff_add(sum, old[1].as_ref(), new[1].as_ref())) as u64
-    } else {
-        // IPv6: the kernel sums the 32 bytes where they lie; done here,
-        // byte by byte, they would fill the stack with spilled bytes.
-        let size = size_of::<[H::Addr; 2]>() as u32;
-        let diff = unsafe {
-            bpf_csum_diff(old.as_mut_ptr().cast(), size, new.as_mut_ptr().cast(), size, 0)
-        };
-        if diff < 0 {
-            return Err(diff);
-        }
-        diff as u32 as u64
-    };
+    let diff = addrs_diff::<H>(old, new)? as u64;
     if let Some(csum) = H::CSUM {
         ctx.l3_csum_replace(ip_off + csum, 0, diff, 0)?;
     }
@@ -368,26 +415,93 @@ pub fn set_addrs<H: IpHeader>(
         ctx.l4_csum_replace(csum, 0, diff, flags)?;
     }
     // Both addresses, side by side as in the header.
-    ctx.store(ip_off + H::SADDR, &new, 0)
+    ctx.store(ip_off + H::SADDR, new, 0)
 }
 
 /// Rewrites the packet's tuple to `to`, keeping the IP and L4 checksums
-/// right: the addresses in one store, the ports in another, each checksum
-/// updated by one difference computed here (five helper calls, not ten; the
-/// ports' difference apart, as an offloaded checksum covers only the
-/// pseudo-header's addresses). IPv6 has no header checksum: its addresses
-/// change the L4 checksum only (through its pseudo-header).
+/// right, and with `hop` decrements its TTL (hop limit): `false`, nothing
+/// rewritten, when that ran out. Headers in the linear data (nearly always)
+/// are written in place: the addresses, the ports, the TTL and the IPv4
+/// header checksum (its one update covering all of them: never offloaded,
+/// and a header whose sum stays the same keeps a `CHECKSUM_COMPLETE`
+/// skb's sum right); the L4 checksum by `l4_csum_replace` alone, which
+/// knows how the skb's is kept (partial, complete, none): one call for the
+/// addresses (through the pseudo-header), one for the ports (an offloaded
+/// checksum covers only the pseudo-header). Other packets (IPv4 options,
+/// headers beyond the linear data) take [`rewrite_by_helpers`].
 #[inline(always)]
 pub fn rewrite<H: IpHeader>(
     ctx: &TcContext,
     pkt: &Packet<H::Tuple>,
     to: &H::Tuple,
-) -> Result<(), i64> {
+    hop: bool,
+) -> Result<bool, i64> {
     const { assert!(DPORT == SPORT + 2) };
+    let l4_off = IP_OFF + H::PLAIN_LEN;
+    let data = ctx.data();
+    if !pkt.plain_ip_header || data + l4_off + DPORT + 2 > ctx.data_end() {
+        if hop && !decrement_ttl::<H>(ctx)? {
+            return Ok(false);
+        }
+        rewrite_by_helpers::<H>(ctx, pkt, to)?;
+        return Ok(true);
+    }
+    let from = &pkt.tuple;
+    let ip = data + IP_OFF;
+    // SAFETY: within the linear data, as checked above.
+    let ttl = unsafe { *((ip + H::HOPS) as *const u8) };
+    if hop && ttl <= 1 {
+        return Ok(false);
+    }
+    let (old, new) = (H::addrs(from), H::addrs(to));
+    let addrs_changed = old != new;
+    let addrs = if addrs_changed { addrs_diff::<H>(old, new)? } else { 0 };
+    let (old_ports, new_ports) = (ports(from.sport(), from.dport()), ports(to.sport(), to.dport()));
+    // SAFETY (the stores and the checksum's read): within the linear data,
+    // as checked above; a tc program may write it (the kernel unclones the
+    // skb first in the prologue of programs that do).
+    unsafe {
+        if addrs_changed {
+            H::store_addrs(ip + H::SADDR, to);
+        }
+        if old_ports != new_ports {
+            *((data + l4_off + SPORT) as *mut [u8; 4]) = new_ports;
+        }
+        if hop {
+            *((ip + H::HOPS) as *mut u8) = ttl - 1;
+        }
+        if let Some(csum) = H::CSUM {
+            // The TTL is the high byte of the 16-bit word it shares with
+            // the protocol.
+            const _: () = assert!(offset_of!(Ipv4Hdr, proto) == offset_of!(Ipv4Hdr, ttl) + 1);
+            let proto = *((ip + H::HOPS + 1) as *const u8);
+            let hops = if hop { csum_diff([ttl, proto], [ttl - 1, proto]) } else { 0 };
+            let at = (ip + csum) as *mut u16;
+            *at = csum_replaced(*at, addrs + hops);
+        }
+    }
+    let (csum, flags) = (pkt.l4_csum_off(), pkt.l4_flags());
+    if addrs_changed {
+        ctx.l4_csum_replace(csum, 0, addrs as u64, BPF_F_PSEUDO_HDR as u64 | flags)?;
+    }
+    if old_ports != new_ports {
+        ctx.l4_csum_replace(csum, 0, csum_diff(old_ports, new_ports) as u64, flags)?;
+    }
+    Ok(true)
+}
+
+/// [`rewrite`] through helper calls, for headers it cannot write in place:
+/// the addresses in one store, the ports in another, each checksum updated
+/// by one difference computed here.
+#[inline(always)]
+fn rewrite_by_helpers<H: IpHeader>(
+    ctx: &TcContext,
+    pkt: &Packet<H::Tuple>,
+    to: &H::Tuple,
+) -> Result<(), i64> {
     let from = &pkt.tuple;
     let l4 = (pkt.l4_csum_off(), BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags());
-    let (old, new) = ([from.saddr(), from.daddr()], [to.saddr(), to.daddr()]);
-    set_addrs::<H>(ctx, IP_OFF, old, new, Some(l4))?;
+    set_addrs::<H>(ctx, IP_OFF, H::addrs(from), H::addrs(to), Some(l4))?;
     let (old, new) = (ports(from.sport(), from.dport()), ports(to.sport(), to.dport()));
     if old != new {
         let diff = csum_diff(old, new) as u64;
@@ -395,6 +509,13 @@ pub fn rewrite<H: IpHeader>(
         ctx.store(pkt.l4_off + SPORT, &new, 0)?;
     }
     Ok(())
+}
+
+/// The checksum `check` (as in memory) of a header whose covered words
+/// changed by the folded difference `diff` (RFC 1624, eqn. 3).
+#[inline(always)]
+fn csum_replaced(check: u16, diff: u32) -> u16 {
+    !(fold_diff(diff + !check as u32) as u16)
 }
 
 /// Rewrites the addresses of a later fragment (IP header only).
@@ -428,6 +549,18 @@ pub fn decrement_ttl<H: IpHeader>(ctx: &TcContext) -> Result<bool, i64> {
     }
     ctx.store(hops_at, &(ttl - 1), 0)?;
     Ok(true)
+}
+
+/// Writes the Ethernet header's destination and source MAC addresses.
+#[inline(always)]
+pub fn set_macs(ctx: &TcContext, macs: &[[u8; 6]; 2]) -> Result<(), i64> {
+    let data = ctx.data();
+    if data + size_of::<[[u8; 6]; 2]>() > ctx.data_end() {
+        return ctx.store(0, macs, 0);
+    }
+    // SAFETY: within the linear data, as just checked (see `rewrite`).
+    unsafe { *(data as *mut [[u8; 6]; 2]) = *macs };
+    Ok(())
 }
 
 /// The bytes of a header struct (`repr(C)`, no padding), to checksum it.

@@ -154,7 +154,7 @@ fn tcp_reset<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>) -> Result<(), i
         ctx.store(l4 + field, &new, 0)?;
     }
     let reversed = pkt.tuple.reversed();
-    packet::rewrite::<F>(ctx, pkt, &reversed)?;
+    packet::rewrite::<F>(ctx, pkt, &reversed, false)?;
     swap_macs(ctx)
 }
 

@@ -423,8 +423,8 @@ where
     };
     count(Counter::CtHit);
     let rev_nat_id = entry.rev_nat_id();
-    match packet::rewrite::<F>(ctx, pkt, &entry.rewritten(pkt.tuple.proto())) {
-        Ok(()) => {
+    match packet::rewrite::<F>(ctx, pkt, &entry.rewritten(pkt.tuple.proto()), false) {
+        Ok(_) => {
             // As on ingress: the entry counted it, unless lean.
             if !F::Entry::COUNTS {
                 stats::count(rev_nat_id, Event::packet(ctx.len()));
@@ -516,44 +516,67 @@ fn later_fragment(ctx: &TcContext, key: &FragKey) -> i32 {
 }
 
 /// Rewrites `pkt` to `to` and sends it towards its new destination; the
-/// first fragment of a datagram leaves its translation for the others.
+/// first fragment of a datagram leaves its translation for the others. The
+/// route comes first (it depends on `to` alone): a packet sent on from here
+/// has its TTL decremented in the same rewrite as its tuple.
 #[inline(always)]
 fn forward<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>, to: &F::Tuple) -> i32 {
-    if packet::rewrite::<F>(ctx, pkt, to).is_err() {
-        count(Counter::Dropped);
-        return SHOT;
-    }
-    F::remember_fragment(pkt, to);
-    send::<F>(ctx, to)
-}
-
-/// Sends an already translated packet on: a FIB lookup, then a redirect to
-/// the next hop's interface (the stack for local or unroutable addresses).
-#[inline(always)]
-fn send<F: Family>(ctx: &TcContext, to: &F::Tuple) -> i32 {
     // SAFETY: bpf_fib_lookup is plain data; zero is a valid start.
     let mut fib: FibLookup = unsafe { core::mem::zeroed() };
+    let routed = route::<F>(ctx, to, &mut fib);
+    match packet::rewrite::<F>(ctx, pkt, to, routed.is_some()) {
+        Ok(true) => {}
+        // The TTL ran out.
+        Ok(false) => return SHOT,
+        Err(_) => {
+            count(Counter::Dropped);
+            return SHOT;
+        }
+    }
+    F::remember_fragment(pkt, to);
+    match routed {
+        Some(rc) => redirect::<F>(ctx, &fib, rc),
+        None => STACK,
+    }
+}
+
+/// Sends an already translated packet on: [`route`], the TTL decremented,
+/// [`redirect`] (the stack for local or unroutable addresses).
+#[inline(always)]
+fn send<F: Family>(ctx: &TcContext, to: &F::Tuple) -> i32 {
+    // SAFETY: as in `forward`.
+    let mut fib: FibLookup = unsafe { core::mem::zeroed() };
+    let Some(rc) = route::<F>(ctx, to, &mut fib) else { return STACK };
+    match packet::decrement_ttl::<F>(ctx) {
+        Ok(true) => redirect::<F>(ctx, &fib, rc),
+        _ => SHOT,
+    }
+}
+
+/// The FIB lookup of a packet translated to `to`, into `fib`: its result if
+/// this program sends the packet on, `None` for local delivery (a
+/// host-network backend) or no route, where the stack takes it.
+#[inline(always)]
+fn route<F: Family>(ctx: &TcContext, to: &F::Tuple, fib: &mut FibLookup) -> Option<u32> {
     fib.family = F::AF;
     fib.l4_protocol = to.proto();
     fib.sport = to.sport().to_be();
     fib.dport = to.dport().to_be();
     fib.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    F::fib_addrs(&mut fib, to);
+    F::fib_addrs(fib, to);
     let rc = unsafe {
-        bpf_fib_lookup(ctx.skb.skb.cast(), &mut fib, core::mem::size_of::<FibLookup>() as i32, 0)
+        bpf_fib_lookup(ctx.skb.skb.cast(), fib, core::mem::size_of::<FibLookup>() as i32, 0)
     } as u32;
-    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
-        // Local delivery (a host-network backend) or no route: the stack
-        // takes the translated packet from here.
-        return STACK;
-    }
-    match packet::decrement_ttl::<F>(ctx) {
-        Ok(true) => {}
-        _ => return SHOT,
-    }
+    (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH).then_some(rc)
+}
+
+/// Redirects a packet [`route`] found the next hop of (`rc`) to its
+/// interface: with the neighbour's MAC address where the FIB knew it, else
+/// by `bpf_redirect_neigh`.
+#[inline(always)]
+fn redirect<F: Family>(ctx: &TcContext, fib: &FibLookup, rc: u32) -> i32 {
     if rc == BPF_FIB_LKUP_RET_SUCCESS {
-        let macs = [fib.dmac, fib.smac];
-        if ctx.store(0, &macs, 0).is_err() {
+        if packet::set_macs(ctx, &[fib.dmac, fib.smac]).is_err() {
             return SHOT;
         }
         return unsafe { bpf_redirect(fib.ifindex, 0) } as i32;
@@ -561,7 +584,7 @@ fn send<F: Family>(ctx: &TcContext, to: &F::Tuple) -> i32 {
     // SAFETY: plain data.
     let mut nh: bpf_redir_neigh = unsafe { core::mem::zeroed() };
     nh.nh_family = F::AF as u32;
-    F::next_hop(&fib, &mut nh);
+    F::next_hop(fib, &mut nh);
     unsafe {
         bpf_redirect_neigh(fib.ifindex, &mut nh, core::mem::size_of::<bpf_redir_neigh>() as i32, 0)
             as i32
