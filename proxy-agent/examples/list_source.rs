@@ -22,49 +22,24 @@
 //! ```
 
 use std::{
-    alloc::{GlobalAlloc, Layout, System},
     collections::BTreeMap,
     net::Ipv4Addr,
     path::Path,
     process::Command,
-    sync::atomic::{AtomicUsize, Ordering::Relaxed},
+    sync::atomic::Ordering::Relaxed,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, ensure};
 use serde_json::{Value, json};
 
-/// The system allocator, counting the bytes live and their peak.
-struct Counting;
+#[path = "support/counting.rs"]
+mod counting;
 
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
-        PEAK.fetch_max(live, Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size(), Relaxed);
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if new_size >= layout.size() {
-            let live = LIVE.fetch_add(new_size - layout.size(), Relaxed) + new_size - layout.size();
-            PEAK.fetch_max(live, Relaxed);
-        } else {
-            LIVE.fetch_sub(layout.size() - new_size, Relaxed);
-        }
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use counting::{LIVE, PEAK};
 
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: counting::Counting = counting::Counting;
 
 const NODE: &str = "lab-node";
 const SERVICE_PORT: u16 = 8080;
