@@ -308,34 +308,42 @@ impl From<RawSlice> for EndpointSlice {
     }
 }
 
-impl kube::Resource for EndpointSlice {
-    type DynamicType = ();
-    type Scope = kube::core::NamespaceResourceScope;
+/// `kube::Resource` for a lean namespaced object of API version `v1` (of
+/// `group`), as its k8s-openapi twin is: what the watchers need to list it.
+macro_rules! namespaced_v1 {
+    ($ty:ty, $kind:literal, $group:literal, $plural:literal) => {
+        impl kube::Resource for $ty {
+            type DynamicType = ();
+            type Scope = kube::core::NamespaceResourceScope;
 
-    fn kind(_: &()) -> Cow<'_, str> {
-        "EndpointSlice".into()
-    }
+            fn kind(_: &()) -> Cow<'_, str> {
+                $kind.into()
+            }
 
-    fn group(_: &()) -> Cow<'_, str> {
-        "discovery.k8s.io".into()
-    }
+            fn group(_: &()) -> Cow<'_, str> {
+                $group.into()
+            }
 
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
+            fn version(_: &()) -> Cow<'_, str> {
+                "v1".into()
+            }
 
-    fn plural(_: &()) -> Cow<'_, str> {
-        "endpointslices".into()
-    }
+            fn plural(_: &()) -> Cow<'_, str> {
+                $plural.into()
+            }
 
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
+            fn meta(&self) -> &ObjectMeta {
+                &self.metadata
+            }
 
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
+            fn meta_mut(&mut self) -> &mut ObjectMeta {
+                &mut self.metadata
+            }
+        }
+    };
 }
+
+namespaced_v1!(EndpointSlice, "EndpointSlice", "discovery.k8s.io", "endpointslices");
 
 /// A Service (`v1`), as the proxy reads it: its spec and status as
 /// k8s-openapi has them (a few fields each), its metadata lean.
@@ -372,34 +380,7 @@ impl From<RawService> for Service {
     }
 }
 
-impl kube::Resource for Service {
-    type DynamicType = ();
-    type Scope = kube::core::NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        "Service".into()
-    }
-
-    fn group(_: &()) -> Cow<'_, str> {
-        "".into()
-    }
-
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-
-    fn plural(_: &()) -> Cow<'_, str> {
-        "services".into()
-    }
-
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+namespaced_v1!(Service, "Service", "", "services");
 
 impl Service {
     /// A k8s-openapi Service (tests, tools).
