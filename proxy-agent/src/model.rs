@@ -600,18 +600,17 @@ pub fn parse_slice(
     parsed.endpoints.reserve_exact(slice.endpoints.len());
     for endpoint in slice.endpoints {
         let ip = match endpoint.address {
-            objects::Address::Ip(ip) if IpFamily::of(ip) == family => ip,
             objects::Address::None => continue,
+            objects::Address::Ip(ip) if IpFamily::of(ip) == family => Ok(ip),
             // An address of the other family is not one of this slice's.
-            invalid => {
-                let value = match invalid {
-                    objects::Address::Ip(ip) => ip.to_string(),
-                    objects::Address::Invalid(text) => text,
-                    objects::Address::None => unreachable!(),
-                };
-                parsed
-                    .errors
-                    .push(ModelError::InvalidEndpointAddress { slice: slice_name.clone(), value });
+            objects::Address::Ip(ip) => Err(ip.to_string()),
+            objects::Address::Invalid(text) => Err(text),
+        };
+        let ip = match ip {
+            Ok(ip) => ip,
+            Err(value) => {
+                let slice = slice_name.clone();
+                parsed.errors.push(ModelError::InvalidEndpointAddress { slice, value });
                 continue;
             }
         };
