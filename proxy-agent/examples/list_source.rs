@@ -23,7 +23,6 @@
 
 use std::{
     collections::BTreeMap,
-    net::Ipv4Addr,
     path::Path,
     process::Command,
     sync::atomic::Ordering::Relaxed,
@@ -31,6 +30,8 @@ use std::{
 };
 
 use anyhow::{Context as _, ensure};
+use proxy_agent::source::kube::{LABELS, SERVICE_FIELDS};
+use proxy_lab::bench_objects::{self, NODE};
 use serde_json::{Value, json};
 
 #[path = "support/counting.rs"]
@@ -41,50 +42,11 @@ use counting::{LIVE, PEAK};
 #[global_allocator]
 static ALLOCATOR: counting::Counting = counting::Counting;
 
-const NODE: &str = "lab-node";
-const SERVICE_PORT: u16 = 8080;
-/// The bench's backend pod: service 0's first endpoint.
-const POD: &str = "10.244.1.2";
-/// kube-proxy's selectors, as the source asks for them.
-const LABELS: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
-const SERVICE_FIELDS: &str = "spec.clusterIP!=None";
-
-/// The bench's objects (`xtask/src/bench.rs`'s `manifest`): service `s{i}`
-/// with one port, its slice `s{i}-1` of `e` IPv4 endpoints on `lab-node`,
-/// the first service a NodePort; and the Node.
+/// The bench's objects ([`bench_objects`]) and the Node.
 fn objects(n: usize, e: usize) -> impl Iterator<Item = Value> {
     let node = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
         "status": {"addresses": [{"type": "InternalIP", "address": "192.168.100.11"}]}});
-    std::iter::once(node).chain((0..n).flat_map(move |i| {
-        let ip = Ipv4Addr::from(0x0a60_0000u32 + 10 + i as u32).to_string();
-        let mut port = json!({"name": "http", "port": 80, "targetPort": SERVICE_PORT});
-        let mut spec = json!({"clusterIP": ip, "ports": []});
-        if i == 0 {
-            port["nodePort"] = json!(30080);
-            spec["type"] = json!("NodePort");
-            spec["externalTrafficPolicy"] = json!("Local");
-        }
-        spec["ports"] = json!([port]);
-        let service = json!({"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": format!("s{i}"), "namespace": "bench"}, "spec": spec});
-        let endpoints: Vec<Value> = (0..e)
-            .map(|j| {
-                let k = i * e + j;
-                let addr = if i == 0 && j == 0 {
-                    POD.to_string()
-                } else {
-                    format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)
-                };
-                json!({"addresses": [addr], "nodeName": NODE})
-            })
-            .collect();
-        let slice = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": format!("s{i}-1"), "namespace": "bench",
-                "labels": {"kubernetes.io/service-name": format!("s{i}")}},
-            "addressType": "IPv4", "ports": [{"name": "http", "port": SERVICE_PORT}],
-            "endpoints": endpoints});
-        [service, slice]
-    }))
+    std::iter::once(node).chain(bench_objects::objects(n, e))
 }
 
 /// Brings this namespace's loopback up.

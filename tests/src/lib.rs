@@ -31,6 +31,7 @@ use std::{
 use anyhow::{Context, bail};
 
 pub mod apiserver;
+pub mod bench_objects;
 
 const GATEWAY: &str = "169.254.1.1";
 const GATEWAY6: &str = "fe80::1";

@@ -42,14 +42,17 @@ use std::{
 };
 
 use anyhow::Context as _;
-use proxy_lab::{BIN_DIR_ENV, Lab, Mode, Pod, Setup, Source, sh};
+use proxy_lab::{
+    BIN_DIR_ENV, Lab, Mode, Pod, Setup, Source,
+    bench_objects::{self, POD, SERVICE_PORT},
+    sh,
+};
 use serde_json::{Value, json};
 
 const OUT: &str = "target/bench";
-/// nginx in the backend pod: 8080 behind the services, 8081 for direct runs.
-const SERVICE_PORT: u16 = 8080;
+/// nginx in the backend pod (`POD`): `SERVICE_PORT` behind the services,
+/// this one for direct runs.
 const DIRECT_PORT: u16 = 8081;
-const POD: &str = "10.244.1.2";
 /// The dual-stack lab's IPv6 twin of `POD`, and the first of the IPv6
 /// services (`manifest6`).
 const POD6: &str = "fd00:244:1::2";
@@ -123,32 +126,12 @@ fn manifest6(n: usize) -> String {
     out
 }
 
-/// `N` services: `s0` (NodePort 30080) and N-1 others, each with
-/// `endpoints` endpoints (the first on the backend pod, the others
-/// addresses nothing answers, which only the programming benchmark uses).
-/// Service `i` of the bench's manifests: its cluster IP, and whether it is
-/// the NodePort (the first: policy Local, so the client is kept and no SNAT
-/// is done, and the rate measures translation rather than SNAT port
-/// capacity: a closed flow's SNAT port rests 60 s).
-fn bench_service(i: usize) -> (std::net::Ipv4Addr, bool) {
-    (std::net::Ipv4Addr::from(0x0a60_0000u32 + 10 + i as u32), i == 0)
-}
-
-/// Endpoint `e` of service `i`: the lab's pod for the first, else an
-/// address of its own.
-fn bench_endpoint(i: usize, e: usize, endpoints: usize) -> String {
-    if e == 0 && i == 0 {
-        return POD.to_string();
-    }
-    let k = i * endpoints + e;
-    format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)
-}
-
-/// `n` services of `endpoints` endpoints, as YAML documents.
+/// [`bench_objects::objects`] as YAML documents, written directly (a
+/// hundred thousand of them).
 fn manifest(n: usize, endpoints: usize) -> String {
     let mut out = String::with_capacity(n * 600);
     for i in 0..n {
-        let (ip, node_port) = bench_service(i);
+        let (ip, node_port) = bench_objects::service(i);
         let node_port_type =
             if node_port { ", type: NodePort, externalTrafficPolicy: Local" } else { "" };
         let np = if node_port { ", nodePort: 30080" } else { "" };
@@ -157,7 +140,7 @@ fn manifest(n: usize, endpoints: usize) -> String {
             "---\napiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: bench}}\nspec: {{clusterIP: {ip}{node_port_type}, ports: [{{name: http, port: 80, targetPort: {SERVICE_PORT}{np}}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: bench, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: {SERVICE_PORT}}}]\nendpoints: ["
         );
         for e in 0..endpoints {
-            let addr = bench_endpoint(i, e, endpoints);
+            let addr = bench_objects::endpoint(i, e, endpoints);
             let _ = write!(
                 out,
                 "{}{{addresses: [{addr}], nodeName: lab-node}}",
@@ -169,31 +152,10 @@ fn manifest(n: usize, endpoints: usize) -> String {
     out
 }
 
-/// The same services as [`manifest`], as one JSON `List` (what
-/// `kubectl get -o json` writes).
+/// [`bench_objects::objects`] as one JSON `List` (what `kubectl get -o
+/// json` writes).
 fn manifest_json(n: usize, endpoints: usize) -> String {
-    let mut items = Vec::with_capacity(2 * n);
-    for i in 0..n {
-        let (ip, node_port) = bench_service(i);
-        let mut port = json!({"name": "http", "port": 80, "targetPort": SERVICE_PORT});
-        let mut spec = json!({"clusterIP": ip.to_string()});
-        if node_port {
-            port["nodePort"] = json!(30080);
-            spec["type"] = json!("NodePort");
-            spec["externalTrafficPolicy"] = json!("Local");
-        }
-        spec["ports"] = json!([port]);
-        items.push(json!({"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": format!("s{i}"), "namespace": "bench"}, "spec": spec}));
-        let addresses = (0..endpoints).map(
-            |e| json!({"addresses": [bench_endpoint(i, e, endpoints)], "nodeName": "lab-node"}),
-        );
-        items.push(json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": format!("s{i}-1"), "namespace": "bench",
-                "labels": {"kubernetes.io/service-name": format!("s{i}")}},
-            "addressType": "IPv4", "ports": [{"name": "http", "port": SERVICE_PORT}],
-            "endpoints": addresses.collect::<Vec<_>>()}));
-    }
+    let items: Vec<Value> = bench_objects::objects(n, endpoints).collect();
     json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string()
 }
 

@@ -36,8 +36,9 @@ use crate::{
 };
 
 /// kube-proxy's selectors (the labels for both kinds).
-const LABELS: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
-const SERVICE_FIELDS: &str = "spec.clusterIP!=None";
+pub const LABELS: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+pub const SERVICE_FIELDS: &str = "spec.clusterIP!=None";
 /// Objects per list page: kube-rs's default and client-go's pager's.
 pub const PAGE_SIZE: u32 = 500;
 
