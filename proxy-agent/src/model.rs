@@ -283,8 +283,10 @@ pub struct ServicePort {
     pub internal_local: bool,
     /// `Some(timeout)` for `sessionAffinity: ClientIP`.
     pub affinity_timeout_secs: Option<u32>,
-    /// All endpoints found, sorted by address, one per address.
-    pub endpoints: Vec<Endpoint>,
+    /// All endpoints found, sorted by address, one per address. A port
+    /// with one slice shares that slice's list (a million endpoints are
+    /// held once, not once per slice and again per port).
+    pub endpoints: Arc<[Endpoint]>,
 }
 
 impl ServicePort {
@@ -546,9 +548,9 @@ pub struct ParsedSlice {
     pub service: Option<ServiceName>,
     /// Its `addressType` (meaningless without `service`).
     family: Option<IpFamily>,
-    ports: Vec<(SlicePortKey, u16)>,
-    /// Its endpoints, with port 0: each slice port gives them its number.
-    endpoints: Vec<Endpoint>,
+    /// Per slice port, its endpoints with its number: sorted by address,
+    /// one per address, as a service port holds them.
+    ports: Vec<(SlicePortKey, Arc<[Endpoint]>)>,
     /// Addresses and ports that were skipped.
     pub errors: Vec<ModelError>,
     /// `endpoints.kubernetes.io/last-change-trigger-time`.
@@ -570,34 +572,9 @@ pub fn parse_slice(
     };
     parsed.service = Some(ServiceName { namespace: slice_name.namespace.clone(), name: service });
     parsed.family = Some(family);
-    for port in slice.ports {
-        let port_name = port.name.unwrap_or_default();
-        let protocol = match Protocol::parse(port.protocol.as_deref()) {
-            Ok(Some(protocol)) => protocol,
-            Ok(None) => continue,
-            Err(protocol) => {
-                parsed.errors.push(ModelError::UnsupportedSlicePortProtocol {
-                    slice: slice_name.clone(),
-                    port_name,
-                    protocol,
-                });
-                continue;
-            }
-        };
-        let number = port.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0);
-        let Some(number) = number else {
-            parsed.errors.push(ModelError::InvalidEndpointPort {
-                slice: slice_name.clone(),
-                port_name,
-                port: port.port,
-            });
-            continue;
-        };
-        parsed.ports.push(((port_name, protocol), number));
-    }
-    parsed.ports.shrink_to_fit();
+    let ports = slice_ports(&slice_name, slice.ports, &mut parsed.errors);
     // Exactly as many as listed: a million endpoints are held here.
-    parsed.endpoints.reserve_exact(slice.endpoints.len());
+    let mut endpoints = Vec::with_capacity(slice.endpoints.len());
     for endpoint in slice.endpoints {
         let ip = match endpoint.address {
             objects::Address::None => continue,
@@ -615,7 +592,7 @@ pub fn parse_slice(
             }
         };
         let conditions = endpoint.conditions;
-        parsed.endpoints.push(Endpoint {
+        endpoints.push(Endpoint {
             addr: EndpointAddr::new(ip, 0),
             // Unset conditions mean ready, serving, not terminating (as
             // kube-proxy reads them).
@@ -626,7 +603,56 @@ pub fn parse_slice(
             hints: endpoint.hints,
         });
     }
+    // The same address twice: the first in the best state is kept (as
+    // across slices, see `with_endpoints`).
+    endpoints.sort_by_key(|e| (e.addr, std::cmp::Reverse((e.ready, e.serving))));
+    endpoints.dedup_by_key(|e| e.addr);
+    parsed.ports = ports
+        .into_iter()
+        .map(|(key, number)| {
+            let numbered = endpoints
+                .iter()
+                .map(|e| Endpoint { addr: EndpointAddr::new(e.addr.ip(), number), ..e.clone() });
+            (key, numbered.collect())
+        })
+        .collect();
     Ok((slice_name, parsed))
+}
+
+/// A slice's ports the proxy can use, by (name, protocol); the others are
+/// reported.
+fn slice_ports(
+    slice_name: &ServiceName,
+    ports: Vec<objects::SlicePort>,
+    errors: &mut Vec<ModelError>,
+) -> Vec<(SlicePortKey, u16)> {
+    let mut usable = Vec::with_capacity(ports.len());
+    for port in ports {
+        let port_name = port.name.unwrap_or_default();
+        let protocol = match Protocol::parse(port.protocol.as_deref()) {
+            Ok(Some(protocol)) => protocol,
+            Ok(None) => continue,
+            Err(protocol) => {
+                errors.push(ModelError::UnsupportedSlicePortProtocol {
+                    slice: slice_name.clone(),
+                    port_name,
+                    protocol,
+                });
+                continue;
+            }
+        };
+        let number = port.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0);
+        let Some(number) = number else {
+            errors.push(ModelError::InvalidEndpointPort {
+                slice: slice_name.clone(),
+                port_name,
+                port: port.port,
+            });
+            continue;
+        };
+        usable.push(((port_name, protocol), number));
+    }
+    usable
 }
 
 /// A service's ports (from [`parse_service`]) with the endpoints of its
@@ -636,36 +662,39 @@ pub fn with_endpoints<'a>(
     ports: &[ServicePort],
     slices: impl IntoIterator<Item = &'a ParsedSlice>,
 ) -> Vec<ServicePort> {
-    type Merged<'s> =
-        BTreeMap<(Option<IpFamily>, &'s SlicePortKey), BTreeMap<EndpointAddr, Endpoint>>;
-    let mut merged: Merged = BTreeMap::new();
-    for slice in slices {
-        for (key, number) in &slice.ports {
-            let by_addr = merged.entry((slice.family, key)).or_default();
-            for endpoint in &slice.endpoints {
-                let addr = EndpointAddr::new(endpoint.addr.ip(), *number);
-                // The same endpoint in two slices (during a slice rebalance):
-                // keep the one in the better state.
-                by_addr
-                    .entry(addr)
-                    .and_modify(|e| {
-                        if (endpoint.ready, endpoint.serving) > (e.ready, e.serving) {
-                            *e = Endpoint { addr, ..endpoint.clone() };
-                        }
-                    })
-                    .or_insert_with(|| Endpoint { addr, ..endpoint.clone() });
-            }
-        }
-    }
+    let slices: Vec<&ParsedSlice> = slices.into_iter().collect();
     ports
         .iter()
         .map(|port| {
             let key = (port.name.port.clone(), port.protocol);
-            let endpoints =
-                merged.get(&(Some(port.family()), &key)).map(|e| e.values().cloned().collect());
-            ServicePort { endpoints: endpoints.unwrap_or_default(), ..port.clone() }
+            let lists = slices
+                .iter()
+                .filter(|slice| slice.family == Some(port.family()))
+                .flat_map(|slice| slice.ports.iter().filter(|(k, _)| *k == key))
+                .map(|(_, endpoints)| endpoints);
+            ServicePort { endpoints: merged(lists), ..port.clone() }
         })
         .collect()
+}
+
+/// Endpoint lists of one service port merged: one list is shared as it is.
+fn merged<'a>(mut lists: impl Iterator<Item = &'a Arc<[Endpoint]>>) -> Arc<[Endpoint]> {
+    let Some(first) = lists.next() else { return Arc::default() };
+    let Some(second) = lists.next() else { return first.clone() };
+    let mut by_addr: BTreeMap<EndpointAddr, &Endpoint> = BTreeMap::new();
+    for endpoint in [first, second].into_iter().chain(lists).flat_map(|list| list.iter()) {
+        // The same endpoint in two slices (during a slice rebalance): keep
+        // the one in the better state.
+        by_addr
+            .entry(endpoint.addr)
+            .and_modify(|e| {
+                if (endpoint.ready, endpoint.serving) > (e.ready, e.serving) {
+                    *e = endpoint;
+                }
+            })
+            .or_insert(endpoint);
+    }
+    by_addr.into_values().cloned().collect()
 }
 
 fn is_proxied(service: &objects::Service, spec: &ServiceSpec) -> bool {
@@ -911,7 +940,7 @@ pub fn parse_service(service: &objects::Service) -> Result<Vec<ServicePort>, Mod
                 }),
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout_secs,
-            endpoints: Vec::new(),
+            endpoints: Arc::default(),
         };
         ports.extend(cluster_ips.iter().map(|ip| externals.in_family(&template, *ip)));
     }
@@ -1032,6 +1061,31 @@ mod tests {
         let http = model.ports().find(|p| p.name.port == "http").unwrap();
         assert_eq!(http.endpoints.len(), 1);
         assert!(http.endpoints[0].ready);
+    }
+
+    #[test]
+    fn a_port_with_one_slice_shares_its_sorted_list_and_duplicates_in_it_keep_the_ready_one() {
+        let endpoints = [
+            ep("10.244.0.3"),
+            ep("10.244.0.2").ready(false),
+            ep("10.244.0.2").ready(true).node("b"),
+            ep("10.244.0.2").ready(true).node("c"),
+        ];
+        let parsed = |slice| parse_slice(objects::EndpointSlice::from_api(&slice)).unwrap().1;
+        let slice = parsed(web_slice("a", 8080, endpoints));
+        let templates = parse_service(&objects::Service::from_api(&web())).unwrap();
+        let ports = with_endpoints(&templates, [&slice]);
+        let http = ports.iter().find(|p| p.name.port == "http").unwrap();
+        assert!(Arc::ptr_eq(&http.endpoints, &slice.ports[0].1), "held once");
+        assert_eq!(addrs(http), ["10.244.0.2:8080", "10.244.0.3:8080"]);
+        // The first of the ready ones, as across slices.
+        assert_eq!(http.endpoints[0].node_name.as_deref(), Some("b"));
+
+        // Two slices: a list of their own, merged.
+        let other = parsed(web_slice("b", 8080, [ep("10.244.0.4")]));
+        let ports = with_endpoints(&templates, [&slice, &other]);
+        let http = ports.iter().find(|p| p.name.port == "http").unwrap();
+        assert_eq!(addrs(http), ["10.244.0.2:8080", "10.244.0.3:8080", "10.244.0.4:8080"]);
     }
 
     #[test]

@@ -507,7 +507,8 @@ mod tests {
     #[test]
     fn the_terminating_fallback_is_marked() {
         let mut p = port("a", [10, 96, 0, 1], &[("10.0.0.2:80", false, "node-a")]);
-        (p.endpoints[0].serving, p.endpoints[0].terminating) = (true, true);
+        let first = &mut Arc::make_mut(&mut p.endpoints)[0];
+        (first.serving, first.terminating) = (true, true);
         let fp = at(&one(vec![p]), [10, 96, 0, 1], 80).clone();
         assert_eq!(fp.backends.len(), 1);
         assert!(fp.serves_terminating);
@@ -520,7 +521,8 @@ mod tests {
         v6.node_port = Some(30080);
         v6.external_ips = vec!["fd00:200::5".parse().unwrap()];
         // An endpoint of the other family never backs a frontend.
-        v6.endpoints.extend(port("x", [0; 4], &[("10.0.0.9:8080", true, "node-a")]).endpoints);
+        let v4_endpoint = port("x", [0; 4], &[("10.0.0.9:8080", true, "node-a")]).endpoints;
+        v6.endpoints = v6.endpoints.iter().chain(v4_endpoint.iter()).cloned().collect();
         let mut v4 = port("a", [10, 96, 0, 1], &[("10.0.0.2:8080", true, "node-a")]);
         v4.node_port = Some(30080);
         let plan = one(vec![v4, v6]);
@@ -598,7 +600,12 @@ mod tests {
         assert_eq!(external.backends.len(), 1);
         assert_eq!(at(&plan, [10, 96, 0, 1], 80).backends.len(), 2, "internal: every endpoint");
 
-        p.endpoints.retain(|e| e.node_name.as_deref() == Some("node-b"));
+        p.endpoints = p
+            .endpoints
+            .iter()
+            .filter(|e| e.node_name.as_deref() == Some("node-b"))
+            .cloned()
+            .collect();
         p.internal_local = true;
         let plan = one(vec![p.clone()]);
         for (frontend, fp) in &plan.frontends {
@@ -609,7 +616,7 @@ mod tests {
             }
         }
 
-        p.endpoints.clear();
+        p.endpoints = Arc::default();
         let plan = one(vec![p]);
         assert!(plan.frontends.values().all(|fp| !fp.drop_when_empty), "no endpoints: refuse");
     }
@@ -644,7 +651,7 @@ mod tests {
         assert!(!at(&plan, [10, 96, 0, 1], 80).two_scopes, "the ClusterIP has one scope");
 
         // No endpoint at all: the twins refuse, as the external scope.
-        p.endpoints.clear();
+        p.endpoints = Arc::default();
         let plan = one(vec![p.clone()]);
         assert!(plan.frontends.values().all(|fp| !fp.drop_when_empty && fp.backends.is_empty()));
 
@@ -706,8 +713,8 @@ mod tests {
             [10, 96, 0, 1],
             &[("10.0.0.1:80", true, "node-b"), ("10.0.0.2:80", true, "node-c")],
         );
-        hinted.endpoints[0].hints = Hints::new(vec!["za".into()], vec![]);
-        hinted.endpoints[1].hints = Hints::new(vec!["zb".into()], vec![]);
+        Arc::make_mut(&mut hinted.endpoints)[0].hints = Hints::new(vec!["za".into()], vec![]);
+        Arc::make_mut(&mut hinted.endpoints)[1].hints = Hints::new(vec!["zb".into()], vec![]);
         hinted.node_port = Some(30080);
         let plain = port("b", [10, 96, 0, 2], &[("10.0.0.3:80", true, "node-b")]);
         let model = model::Model::from_ports([hinted, plain]);
@@ -846,7 +853,7 @@ mod tests {
                 health_check_node_port: None,
                 internal_local: rng.chance(20),
                 affinity_timeout_secs: rng.chance(20).then_some(10_800),
-                endpoints: random_endpoints(rng),
+                endpoints: random_endpoints(rng).into(),
             })
             .collect()
     }
@@ -896,7 +903,7 @@ mod tests {
                         2..=4 if !model.service(&name).is_empty() => {
                             let mut ports = model.service(&name).to_vec();
                             for port in &mut ports {
-                                port.endpoints = random_endpoints(&mut rng);
+                                port.endpoints = random_endpoints(&mut rng).into();
                             }
                             model.set_service(name.clone(), ports);
                         }
