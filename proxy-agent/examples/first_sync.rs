@@ -94,7 +94,7 @@ fn read(changes: &mut Changes, i: usize, endpoints: usize) {
         ep(&format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)).node("lab-node")
     });
     let es = slice("bench", &slice_name).service(&name).port("http", 8080, Tcp).endpoints(addrs);
-    let key = |name: String| ServiceName { namespace: "bench".into(), name };
+    let key = |name: String| ServiceName { namespace: "bench".into(), name: name.into() };
     changes.services.insert(
         key(name),
         Some(model::parse_service(&proxy_agent::objects::Service::from_api(&svc))),

@@ -129,8 +129,8 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let frontend = |name: String, backends: Vec<BackendPlan>, external: bool| FrontendPlan {
         service: Arc::new(ServicePortName {
-            service: ServiceName { namespace: "bench".into(), name },
-            port: String::new(),
+            service: ServiceName { namespace: "bench".into(), name: name.into() },
+            port: "".into(),
         }),
         kind: if external { FrontendKind::NodePort } else { FrontendKind::ClusterIp },
         backends,

@@ -289,7 +289,7 @@ mod tests {
     /// Service `n` on cluster IP 10.96.0.`ip`:80 over endpoints `eps`.
     fn add(plan: &mut Plan, n: &str, ip: u8, eps: &[u8]) {
         let frontend = Frontend::new(Ipv4Addr::new(10, 96, 0, ip).into(), 80, Protocol::Tcp);
-        let service = Arc::new(ServicePortName { service: name(n), port: String::new() });
+        let service = Arc::new(ServicePortName { service: name(n), port: "".into() });
         let fp = FrontendPlan {
             service,
             kind: FrontendKind::ClusterIp,
@@ -310,7 +310,7 @@ mod tests {
     }
 
     fn names(plan: &Plan) -> Vec<String> {
-        let services = plan.frontends.values().map(|fp| fp.service.service.name.clone());
+        let services = plan.frontends.values().map(|fp| fp.service.service.name.to_string());
         services.collect::<BTreeSet<_>>().into_iter().collect()
     }
 

@@ -41,18 +41,21 @@ pub const DEFAULT_AFFINITY_TIMEOUT_SECS: u32 = 10_800;
 const MAX_AFFINITY_TIMEOUT_SECS: i32 = 86_400;
 
 /// `namespace/name`, how kube-proxy names a service in logs and comments.
+///
+/// Shared strings: a name is held by the source, the store, the model and
+/// the plan, a hundred thousand times over, and a copy is a reference.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServiceName {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl ServiceName {
     /// The name of an object; `None` when it has none. No namespace means
     /// `default`, as kubectl applies it.
     pub fn of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Option<Self> {
-        let name = meta.name.clone().filter(|n| !n.is_empty())?;
-        let namespace = meta.namespace.clone().unwrap_or_else(|| "default".to_string());
+        let name = meta.name.as_deref().filter(|n| !n.is_empty())?.into();
+        let namespace = meta.namespace.as_deref().unwrap_or("default").into();
         Some(ServiceName { namespace, name })
     }
 }
@@ -67,7 +70,7 @@ impl fmt::Display for ServiceName {
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServicePortName {
     pub service: ServiceName,
-    pub port: String,
+    pub port: Arc<str>,
 }
 
 impl fmt::Display for ServicePortName {
@@ -570,7 +573,8 @@ pub fn parse_slice(
     else {
         return Ok((slice_name, parsed));
     };
-    parsed.service = Some(ServiceName { namespace: slice_name.namespace.clone(), name: service });
+    parsed.service =
+        Some(ServiceName { namespace: slice_name.namespace.clone(), name: service.into() });
     parsed.family = Some(family);
     let ports = slice_ports(&slice_name, slice.ports, &mut parsed.errors);
     // Exactly as many as listed: a million endpoints are held here.
@@ -666,11 +670,14 @@ pub fn with_endpoints<'a>(
     ports
         .iter()
         .map(|port| {
-            let key = (port.name.port.clone(), port.protocol);
             let lists = slices
                 .iter()
                 .filter(|slice| slice.family == Some(port.family()))
-                .flat_map(|slice| slice.ports.iter().filter(|(k, _)| *k == key))
+                .flat_map(|slice| {
+                    slice.ports.iter().filter(|((name, protocol), _)| {
+                        **name == *port.name.port && *protocol == port.protocol
+                    })
+                })
                 .map(|(_, endpoints)| endpoints);
             ServicePort { endpoints: merged(lists), ..port.clone() }
         })
@@ -919,7 +926,7 @@ pub fn parse_service(service: &objects::Service) -> Result<Vec<ServicePort>, Mod
             _ => None,
         };
         let template = ServicePort {
-            name: ServicePortName { service: name.clone(), port: port_name },
+            name: ServicePortName { service: name.clone(), port: port_name.into() },
             protocol,
             port: number,
             cluster_ip: Ipv4Addr::UNSPECIFIED.into(),
@@ -1025,7 +1032,7 @@ mod tests {
     }
 
     fn http(model: &Model) -> &ServicePort {
-        model.ports().find(|p| p.name.port == "http").expect("the http port")
+        model.ports().find(|p| &*p.name.port == "http").expect("the http port")
     }
 
     fn addrs(port: &ServicePort) -> Vec<String> {
@@ -1040,12 +1047,12 @@ mod tests {
         ];
         let model = build(&[web()], &slices);
         assert!(model.errors.is_empty(), "{:?}", model.errors);
-        let http = model.ports().find(|p| p.name.port == "http").unwrap();
+        let http = model.ports().find(|p| &*p.name.port == "http").unwrap();
         assert_eq!(
             addrs(http),
             ["10.244.0.2:8080", "10.244.0.2:9090", "10.244.0.3:8080", "10.244.0.4:9090"]
         );
-        let dns = model.ports().find(|p| p.name.port == "dns").unwrap();
+        let dns = model.ports().find(|p| &*p.name.port == "dns").unwrap();
         assert_eq!(dns.protocol, Protocol::Udp);
         assert_eq!(addrs(dns), ["10.244.0.2:5353", "10.244.0.3:5353", "10.244.0.4:5353"]);
         assert_eq!(http.name.to_string(), "shop/web:http");
@@ -1058,7 +1065,7 @@ mod tests {
             web_slice("b", 8080, [ep("10.244.0.2").ready(true)]),
         ];
         let model = build(&[web()], &slices);
-        let http = model.ports().find(|p| p.name.port == "http").unwrap();
+        let http = model.ports().find(|p| &*p.name.port == "http").unwrap();
         assert_eq!(http.endpoints.len(), 1);
         assert!(http.endpoints[0].ready);
     }
@@ -1075,7 +1082,7 @@ mod tests {
         let slice = parsed(web_slice("a", 8080, endpoints));
         let templates = parse_service(&objects::Service::from_api(&web())).unwrap();
         let ports = with_endpoints(&templates, [&slice]);
-        let http = ports.iter().find(|p| p.name.port == "http").unwrap();
+        let http = ports.iter().find(|p| &*p.name.port == "http").unwrap();
         assert!(Arc::ptr_eq(&http.endpoints, &slice.ports[0].1), "held once");
         assert_eq!(addrs(http), ["10.244.0.2:8080", "10.244.0.3:8080"]);
         // The first of the ready ones, as across slices.
@@ -1084,7 +1091,7 @@ mod tests {
         // Two slices: a list of their own, merged.
         let other = parsed(web_slice("b", 8080, [ep("10.244.0.4")]));
         let ports = with_endpoints(&templates, [&slice, &other]);
-        let http = ports.iter().find(|p| p.name.port == "http").unwrap();
+        let http = ports.iter().find(|p| &*p.name.port == "http").unwrap();
         assert_eq!(addrs(http), ["10.244.0.2:8080", "10.244.0.3:8080", "10.244.0.4:8080"]);
     }
 
@@ -1158,7 +1165,7 @@ mod tests {
         let v6: Vec<_> = model.ports_of(IpFamily::V6).map(text).collect();
         assert_eq!(v4, [r#"10.96.0.4 [10.200.0.5] [10.201.0.1] ["192.168.0.0/16"]"#]);
         assert_eq!(v6, [r#"fd00:96::10 [fd00:200::5] [fd00:201::1] ["fd00:c0::/48"]"#]);
-        assert!(model.ports().all(|p| p.node_port == Some(30080) && p.name.port == "http"));
+        assert!(model.ports().all(|p| p.node_port == Some(30080) && &*p.name.port == "http"));
         // IPv4 first in the model's order, then IPv6.
         let families: Vec<_> = model.ports().map(ServicePort::family).collect();
         assert_eq!(families, [IpFamily::V4, IpFamily::V6]);

@@ -440,7 +440,7 @@ mod tests {
         ServicePort {
             name: ServicePortName {
                 service: ServiceName { namespace: "default".into(), name: name.into() },
-                port: String::new(),
+                port: "".into(),
             },
             protocol: Protocol::Tcp,
             port: 80,
@@ -836,7 +836,7 @@ mod tests {
             .map(|_| ServicePort {
                 name: ServicePortName {
                     service: name.clone(),
-                    port: rng.pick(&["", "http", "dns"]).to_string(),
+                    port: (*rng.pick(&["", "http", "dns"])).into(),
                 },
                 protocol: rng.pick(&[Protocol::Tcp, Protocol::Udp]),
                 port: rng.pick(&[80, 443]),
@@ -870,7 +870,10 @@ mod tests {
     fn incremental_updates_match_the_full_plan() {
         let mut rng = Lcg(0x5eed);
         let names: Vec<ServiceName> = (0..40)
-            .map(|i| ServiceName { namespace: format!("ns{}", i % 3), name: format!("svc{i:02}") })
+            .map(|i| ServiceName {
+                namespace: format!("ns{}", i % 3).into(),
+                name: format!("svc{i:02}").into(),
+            })
             .collect();
         let mut node = node();
         let mut model = model::Model::default();

@@ -53,7 +53,7 @@ fn frontend_plan<A: Into<IpAddr> + Copy>(
     FrontendPlan {
         service: Arc::new(ServicePortName {
             service: ServiceName { namespace: "t".into(), name: "svc".into() },
-            port: String::new(),
+            port: "".into(),
         }),
         kind: if external { FrontendKind::NodePort } else { FrontendKind::ClusterIp },
         backends: backends

@@ -69,7 +69,11 @@ impl<P> Default for Collection<P> {
 }
 
 fn name_of<K: ResourceExt>(object: &K) -> ServiceName {
-    ServiceName { namespace: object.namespace().unwrap_or_default(), name: object.name_any() }
+    let meta = object.meta();
+    let namespace = meta.namespace.as_deref().unwrap_or_default().into();
+    // `name_any`'s choice, without its copy.
+    let name = meta.name.as_deref().or(meta.generate_name.as_deref()).unwrap_or_default();
+    ServiceName { namespace, name: name.into() }
 }
 
 impl<P> Collection<P> {
@@ -369,7 +373,7 @@ mod tests {
 
     fn taken(services: &mut Collection<ParsedService>) -> Vec<(String, Option<u16>)> {
         let pending = std::mem::take(&mut services.pending);
-        pending.iter().map(|(name, change)| (name.name.clone(), port_of(change))).collect()
+        pending.iter().map(|(name, change)| (name.name.to_string(), port_of(change))).collect()
     }
 
     #[test]

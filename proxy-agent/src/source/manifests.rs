@@ -337,9 +337,9 @@ fn decode(
 
 fn object_name(value: &Value) -> Option<ServiceName> {
     let metadata = value.get("metadata")?;
-    let name = metadata.get("name")?.as_str()?.to_string();
+    let name = metadata.get("name")?.as_str()?;
     let namespace = metadata.get("namespace").and_then(Value::as_str).unwrap_or("default");
-    Some(ServiceName { namespace: namespace.to_string(), name })
+    Some(ServiceName { namespace: namespace.into(), name: name.into() })
 }
 
 #[cfg(test)]
@@ -536,7 +536,7 @@ spec: {clusterIP: 10.96.0.12, ports: [{port: 80, protocol: QUIC}]}
         // Decoded, and invalid for the model: the store reports it by name.
         let valid: Vec<_> = snapshot.services.iter().filter(|(_, s)| s.is_ok()).collect();
         assert_eq!(valid.len(), 1);
-        assert_eq!(valid[0].0.name, "good");
+        assert_eq!(&*valid[0].0.name, "good");
         assert_eq!(snapshot.services.len(), 2, "bad-protocol is there, as invalid");
     }
 

@@ -441,10 +441,10 @@ impl SyncState {
             let name = service(frontend).unwrap_or_else(|| {
                 Arc::new(ServicePortName {
                     service: ServiceName {
-                        namespace: String::new(),
-                        name: format!("{frontend:?}"),
+                        namespace: "".into(),
+                        name: format!("{frontend:?}").into(),
                     },
-                    port: String::new(),
+                    port: "".into(),
                 })
             });
             let plan = FrontendPlan {
@@ -1125,7 +1125,7 @@ mod tests {
                 FrontendPlan {
                     service: Arc::new(ServicePortName {
                         service: ServiceName { namespace: "ns".into(), name: "svc".into() },
-                        port: String::new(),
+                        port: "".into(),
                     }),
                     kind: FrontendKind::ClusterIp,
                     backends: backends
@@ -1486,8 +1486,11 @@ mod tests {
                 frontend,
                 FrontendPlan {
                     service: Arc::new(ServicePortName {
-                        service: ServiceName { namespace: "ns".into(), name: format!("s{i}") },
-                        port: String::new(),
+                        service: ServiceName {
+                            namespace: "ns".into(),
+                            name: format!("s{i}").into(),
+                        },
+                        port: "".into(),
                     }),
                     kind: FrontendKind::ClusterIp,
                     backends: vec![],
@@ -1523,7 +1526,7 @@ mod tests {
             for i in 0..4 {
                 let frontend = Frontend::new(Ipv4Addr::from(base + i).into(), 80, Protocol::Tcp);
                 let mut fp = frontend_plan(vec![endpoint(base as u8 + i as u8)], None, vec![]);
-                Arc::make_mut(&mut fp.service).service.name = format!("{prefix}{i}");
+                Arc::make_mut(&mut fp.service).service.name = format!("{prefix}{i}").into();
                 plan.frontends.insert(frontend, fp);
             }
             plan
@@ -1652,7 +1655,7 @@ mod tests {
         FrontendPlan {
             service: Arc::new(ServicePortName {
                 service: ServiceName { namespace: "ns".into(), name: "svc".into() },
-                port: String::new(),
+                port: "".into(),
             }),
             kind: FrontendKind::ClusterIp,
             backends,
