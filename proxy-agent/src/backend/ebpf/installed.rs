@@ -27,6 +27,11 @@ pub struct Backends {
     /// Backends no installed slot names (left by a failed sync, or whose
     /// last slot went in this one): deleted by the next sync.
     unreferenced: HashSet<u32>,
+    /// Backends written since the last [`Backends::settle`], unreferenced
+    /// unless a slot names them since: a sync writes its new backends
+    /// before their slots, and a first sync's million would otherwise pass
+    /// through `unreferenced` one by one.
+    written: Vec<u32>,
 }
 
 impl Backends {
@@ -58,8 +63,32 @@ impl Backends {
         self.by_id.keys().copied()
     }
 
+    /// May name an id twice.
     pub fn unreferenced(&self) -> impl Iterator<Item = u32> + '_ {
-        self.unreferenced.iter().copied()
+        let written = self.written.iter().copied().filter(|id| self.is_unreferenced(*id));
+        self.unreferenced.iter().copied().chain(written)
+    }
+
+    fn is_unreferenced(&self, id: u32) -> bool {
+        self.by_id.get(&id).is_some_and(|b| b.refs == 0)
+    }
+
+    /// Room for `additional` more backends, made at once rather than by
+    /// doubling as they are written (each doubling rehashes all of them,
+    /// with the old and new tables side by side).
+    pub fn reserve(&mut self, additional: usize) {
+        self.by_id.reserve(additional);
+        let (by_id, hasher) = (&self.by_id, self.by_id.hasher());
+        self.by_entry.reserve(additional, |id| hasher.hash_one(by_id[id].entry));
+    }
+
+    /// Files the backends written since the last call that no slot names.
+    pub fn settle(&mut self) {
+        for id in std::mem::take(&mut self.written) {
+            if self.is_unreferenced(id) {
+                self.unreferenced.insert(id);
+            }
+        }
     }
 
     /// Records backend `id` written as `entry` (a rewrite keeps its
@@ -79,7 +108,7 @@ impl Backends {
         }
         self.by_id.insert(id, Backend { entry, refs });
         if refs == 0 {
-            self.unreferenced.insert(id);
+            self.written.push(id);
         }
     }
 
@@ -173,6 +202,8 @@ impl Slots {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+
     use proxy_common::{Backend as V4, BackendFlags};
 
     use super::*;
@@ -193,8 +224,19 @@ mod tests {
         backends.add_ref(7);
         backends.drop_ref(7);
         assert_eq!((backends.refs(7), backends.unreferenced().collect::<Vec<_>>()), (1, vec![9]));
+        // Filed, the same: the written ones that no slot named since.
+        backends.settle();
+        assert_eq!(backends.unreferenced().collect::<Vec<_>>(), vec![9]);
+        backends.drop_ref(7);
+        assert_eq!(backends.unreferenced().collect::<BTreeSet<_>>(), BTreeSet::from([7, 9]));
+        backends.add_ref(7);
         assert_eq!(backends.remove(9), Some(entry(2)));
         assert_eq!((backends.id_of(&entry(2)), backends.len()), (None, 1));
+        assert_eq!(backends.unreferenced().count(), 0);
+        // Written and deleted before it was filed: not reported.
+        backends.insert(11, entry(3));
+        backends.remove(11);
+        assert_eq!(backends.unreferenced().count(), 0);
         // A rewrite keeps the references.
         backends.insert(7, entry(1));
         assert_eq!((backends.id_of(&entry(1)), backends.refs(7)), (Some(7), 1));

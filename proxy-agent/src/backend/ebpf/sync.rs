@@ -490,18 +490,27 @@ impl SyncState {
         dirty: Option<&BTreeSet<Frontend>>,
         writer: &mut impl MapWriter,
     ) -> Result<SyncReport, SyncError> {
+        // What a failed sync wrote is filed first.
+        self.backends.settle();
         let Changes { kept, removed, new_backends, deleted, tally } = self.changes(plan, dirty);
         self.check_capacity(&tally.added)?;
+        self.backends.reserve(new_backends.len());
+        self.frontends.reserve(tally.added.rev_nat);
         // Owed from now on: a write below may fail after slots changed.
         self.pending_purge.extend(tally.purge);
         let departures = self.departures(&deleted, &tally.left);
         let mut ops = Vec::with_capacity(batch::CHUNK);
         let mut writes = 0;
-        // 1. New backends.
-        for &(backend, id) in &new_backends.list {
+        // 1. New backends, all written before a slot names one: from then
+        // on the record finds them by entry, and the sync's own list and
+        // index of them (a first sync's million) are freed.
+        let NewBackends { list, .. } = new_backends;
+        for (backend, id) in list {
             ops.push(MapOp::PutBackend { id, backend });
             writes += self.write_full(&mut ops, writer)?;
         }
+        writes += self.write(&mut ops, writer)?;
+        let new_backends = NewBackends::default();
         // 2. Frontends to create or update: their reverse-NAT entries first
         // (no frontend slot names a new one yet), so that their slots, of
         // one kind from frontend to frontend, go in batches.
@@ -532,6 +541,7 @@ impl SyncState {
             writes += self.write_full(&mut ops, writer)?;
         }
         writes += self.write(&mut ops, writer)?;
+        self.backends.settle();
         Ok(SyncReport { writes, departures })
     }
 
