@@ -107,6 +107,7 @@ impl Backends {
     /// with the old and new tables side by side).
     pub fn reserve(&mut self, additional: usize) {
         self.slab.reserve(additional.saturating_sub(self.free.len()));
+        self.written.reserve(additional);
         let (slab, hasher) = (&self.slab, &self.hasher);
         let at = |p: &u32| slab[*p as usize].as_ref().expect("tables name only filled positions");
         self.by_id.reserve(additional, |p| hasher.hash_one(at(p).id));

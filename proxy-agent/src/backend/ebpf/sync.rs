@@ -504,7 +504,8 @@ impl SyncState {
         // 1. New backends, all written before a slot names one: from then
         // on the record finds them by entry, and the sync's own list and
         // index of them (a first sync's million) are freed.
-        let NewBackends { list, .. } = new_backends;
+        let NewBackends { list, index, .. } = new_backends;
+        drop(index);
         for (backend, id) in list {
             ops.push(MapOp::PutBackend { id, backend });
             writes += self.write_full(&mut ops, writer)?;
