@@ -607,10 +607,7 @@ pub fn parse_slice(
             hints: endpoint.hints,
         });
     }
-    // The same address twice: the first in the best state is kept (as
-    // across slices, see `with_endpoints`).
-    endpoints.sort_by_key(|e| (e.addr, std::cmp::Reverse((e.ready, e.serving))));
-    endpoints.dedup_by_key(|e| e.addr);
+    one_per_address(&mut endpoints);
     parsed.ports = ports
         .into_iter()
         .map(|(key, number)| {
@@ -688,20 +685,19 @@ pub fn with_endpoints<'a>(
 fn merged<'a>(mut lists: impl Iterator<Item = &'a Arc<[Endpoint]>>) -> Arc<[Endpoint]> {
     let Some(first) = lists.next() else { return Arc::default() };
     let Some(second) = lists.next() else { return first.clone() };
-    let mut by_addr: BTreeMap<EndpointAddr, &Endpoint> = BTreeMap::new();
-    for endpoint in [first, second].into_iter().chain(lists).flat_map(|list| list.iter()) {
-        // The same endpoint in two slices (during a slice rebalance): keep
-        // the one in the better state.
-        by_addr
-            .entry(endpoint.addr)
-            .and_modify(|e| {
-                if (endpoint.ready, endpoint.serving) > (e.ready, e.serving) {
-                    *e = endpoint;
-                }
-            })
-            .or_insert(endpoint);
-    }
-    by_addr.into_values().cloned().collect()
+    let mut all: Vec<Endpoint> =
+        [first, second].into_iter().chain(lists).flat_map(|list| list.iter().cloned()).collect();
+    one_per_address(&mut all);
+    all.into()
+}
+
+/// Sorts by address, keeping one endpoint per address: the first in the
+/// best state (the same endpoint in two slices during a rebalance, or
+/// listed twice in one).
+fn one_per_address(endpoints: &mut Vec<Endpoint>) {
+    // Stable: among equals, the first listed stays first.
+    endpoints.sort_by_key(|e| (e.addr, std::cmp::Reverse((e.ready, e.serving))));
+    endpoints.dedup_by_key(|e| e.addr);
 }
 
 fn is_proxied(service: &objects::Service, spec: &ServiceSpec) -> bool {
