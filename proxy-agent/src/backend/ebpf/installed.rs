@@ -52,7 +52,7 @@ impl Backends {
     }
 
     fn at(&self, position: u32) -> &Backend {
-        self.slab[position as usize].as_ref().expect("tables name only filled positions")
+        filled(&self.slab, &position)
     }
 
     fn position(&self, id: u32) -> Option<u32> {
@@ -109,7 +109,7 @@ impl Backends {
         self.slab.reserve(additional.saturating_sub(self.free.len()));
         self.written.reserve(additional);
         let (slab, hasher) = (&self.slab, &self.hasher);
-        let at = |p: &u32| slab[*p as usize].as_ref().expect("tables name only filled positions");
+        let at = |p: &u32| filled(slab, p);
         self.by_id.reserve(additional, |p| hasher.hash_one(at(p).id));
         self.by_entry.reserve(additional, |p| hasher.hash_one(at(p).entry));
     }
@@ -140,7 +140,7 @@ impl Backends {
             }
         };
         let (slab, hasher) = (&self.slab, &self.hasher);
-        let at = |p: &u32| slab[*p as usize].as_ref().expect("tables name only filled positions");
+        let at = |p: &u32| filled(slab, p);
         self.by_id.insert_unique(hasher.hash_one(id), position, |p| hasher.hash_one(at(p).id));
         let hash = hasher.hash_one(entry);
         match self.by_entry.find_mut(hash, |p| at(p).entry == entry) {
@@ -159,7 +159,7 @@ impl Backends {
     pub fn remove(&mut self, id: u32) -> Option<BackendEntry> {
         let hash = self.hash(id);
         let slab = &self.slab;
-        let found = self.by_id.find_entry(hash, |p| slab[*p as usize].is_some_and(|b| b.id == id));
+        let found = self.by_id.find_entry(hash, |p| filled(slab, p).id == id);
         let (position, _) = found.ok()?.remove();
         let gone = self.slab[position as usize].take().expect("a filled position");
         // Its entry may have been written under a second id since, which
@@ -195,6 +195,11 @@ impl Backends {
             }
         }
     }
+}
+
+/// The backend at a position the tables name: always a filled one.
+fn filled<'s>(slab: &'s [Option<Backend>], position: &u32) -> &'s Backend {
+    slab[*position as usize].as_ref().expect("tables name only filled positions")
 }
 
 /// A frontend's backend slots as installed: slot `s` names the backend id
