@@ -10,7 +10,11 @@
 //! target/release/examples/first_sync 100000 10
 //! ```
 
-use std::{net::Ipv4Addr, sync::atomic::Ordering::Relaxed, time::Instant};
+use std::{
+    net::Ipv4Addr,
+    sync::{Arc, atomic::Ordering::Relaxed},
+    time::Instant,
+};
 
 use proxy_agent::{
     backend::ebpf::{
@@ -20,7 +24,7 @@ use proxy_agent::{
     fit,
     model::{self, ServiceName},
     plan::{Node, Planner},
-    source::{Changes, Store},
+    source::{self, Changes, Store},
 };
 use test_objects::{Protocol::Tcp, ep, port, service, slice};
 
@@ -97,12 +101,12 @@ fn read(changes: &mut Changes, i: usize, endpoints: usize) {
     let key = |name: String| ServiceName { namespace: "bench".into(), name: name.into() };
     changes.services.insert(
         key(name),
-        Some(model::parse_service(&proxy_agent::objects::Service::from_api(&svc))),
+        Some(source::parse_service(&proxy_agent::objects::Service::from_api(&svc))),
     );
     let parsed = model::parse_slice(proxy_agent::objects::EndpointSlice::from_api(&es.build()))
         .map(|(_, parsed)| parsed)
         .unwrap_or_default();
-    changes.slices.insert(key(slice_name), Some(parsed));
+    changes.slices.insert(key(slice_name), Some(Arc::new(parsed)));
 }
 
 fn main() {

@@ -159,18 +159,18 @@ impl NodeWatch {
 }
 
 fn parse_service(service: Service) -> ParsedService {
-    model::parse_service(&service)
+    super::parse_service(&service)
 }
 
 /// A slice without a name cannot come from the API server.
-fn parse_slice(slice: EndpointSlice) -> ParsedSlice {
-    model::parse_slice(slice).map(|(_, parsed)| parsed).unwrap_or_default()
+fn parse_slice(slice: EndpointSlice) -> Arc<ParsedSlice> {
+    Arc::new(model::parse_slice(slice).map(|(_, parsed)| parsed).unwrap_or_default())
 }
 
 #[derive(Default)]
 struct Shared {
     services: Collection<ParsedService>,
-    slices: Collection<ParsedSlice>,
+    slices: Collection<Arc<ParsedSlice>>,
     node: NodeWatch,
     /// Bumped at every change of what the source serves.
     generation: u64,

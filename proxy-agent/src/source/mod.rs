@@ -7,6 +7,7 @@ pub mod manifests;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    sync::Arc,
     time::SystemTime,
 };
 
@@ -23,14 +24,16 @@ pub struct ObjectRef {
 }
 
 /// A Service as read: its ports without endpoints, or why it is invalid.
-pub type ParsedService = Result<Vec<ServicePort>, ModelError>;
+/// Shared: the manifests source's copy of a file's objects and the store's
+/// are one.
+pub type ParsedService = Result<Arc<[ServicePort]>, ModelError>;
 
 /// Everything a source holds at one moment, as read (what the proxy keeps
 /// of each object, not the objects).
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     pub services: Vec<(ServiceName, ParsedService)>,
-    pub slices: Vec<(ServiceName, ParsedSlice)>,
+    pub slices: Vec<(ServiceName, Arc<ParsedSlice>)>,
     /// Objects that did not decode.
     pub rejected: Vec<ObjectRef>,
     /// Objects without a name.
@@ -40,17 +43,22 @@ pub struct Snapshot {
 impl Snapshot {
     pub fn add_service(&mut self, service: &objects::Service) {
         match ServiceName::of(&service.metadata) {
-            Some(name) => self.services.push((name, model::parse_service(service))),
+            Some(name) => self.services.push((name, parse_service(service))),
             None => self.unnamed.push(ModelError::Unnamed { kind: "Service" }),
         }
     }
 
     pub fn add_slice(&mut self, slice: objects::EndpointSlice) {
         match model::parse_slice(slice) {
-            Ok(named) => self.slices.push(named),
+            Ok((name, parsed)) => self.slices.push((name, Arc::new(parsed))),
             Err(err) => self.unnamed.push(err),
         }
     }
+}
+
+/// A Service's ports as the store keeps them.
+pub fn parse_service(service: &objects::Service) -> ParsedService {
+    model::parse_service(service).map(Arc::from)
 }
 
 /// What changed in a source since it was last asked, by object name;
@@ -58,7 +66,7 @@ impl Snapshot {
 #[derive(Debug, Default)]
 pub struct Changes {
     pub services: BTreeMap<ServiceName, Option<ParsedService>>,
-    pub slices: BTreeMap<ServiceName, Option<ParsedSlice>>,
+    pub slices: BTreeMap<ServiceName, Option<Arc<ParsedSlice>>>,
 }
 
 /// The objects the proxy works from and the model of them. A Service that
@@ -67,11 +75,11 @@ pub struct Changes {
 #[derive(Debug, Default)]
 pub struct Store {
     /// The last good version of each Service.
-    services: BTreeMap<ServiceName, Vec<ServicePort>>,
+    services: BTreeMap<ServiceName, Arc<[ServicePort]>>,
     /// EndpointSlices by name, and the names of each service's slices
     /// (sorted; a vector, as most services have one or two: a set's first
     /// node would cost half a KiB per service).
-    slices: BTreeMap<ServiceName, ParsedSlice>,
+    slices: BTreeMap<ServiceName, Arc<ParsedSlice>>,
     slices_of: BTreeMap<ServiceName, Vec<ServiceName>>,
     /// Services whose latest version is invalid, and why.
     invalid: BTreeMap<ServiceName, ModelError>,
@@ -144,7 +152,7 @@ impl Store {
             match old {
                 Some(old) => {
                     update.endpoint_changes += 1;
-                    if let Some(service) = old.service {
+                    if let Some(service) = old.service.clone() {
                         self.unlink_if_moved(&name, service, &mut update.touched);
                     }
                 }
@@ -152,9 +160,10 @@ impl Store {
             }
         }
         for name in &update.touched {
-            let ports = self.services.get(name).map(Vec::as_slice).unwrap_or_default();
+            let ports = self.services.get(name).map(|p| &p[..]).unwrap_or_default();
             let slices = self.slices_of.get(name).into_iter().flatten();
-            let ports = model::with_endpoints(ports, slices.filter_map(|s| self.slices.get(s)));
+            let slices = slices.filter_map(|s| self.slices.get(s).map(|s| &**s));
+            let ports = model::with_endpoints(ports, slices);
             self.model.set_service(name.clone(), ports);
         }
         update
@@ -396,18 +405,15 @@ mod tests {
         for name in ["a", "b"] {
             changes.services.insert(
                 web(name),
-                Some(model::parse_service(&objects::Service::from_api(&on_80(name, "10.96.0.1")))),
+                Some(parse_service(&objects::Service::from_api(&on_80(name, "10.96.0.1")))),
             );
         }
         let labelled = |service: &str| {
             let s = slice("default", "s-1").service(service).port(None, 8080, Tcp);
-            Some(
-                model::parse_slice(objects::EndpointSlice::from_api(
-                    &s.endpoint(ep("10.244.1.2")).build(),
-                ))
-                .unwrap()
-                .1,
-            )
+            let parsed = model::parse_slice(objects::EndpointSlice::from_api(
+                &s.endpoint(ep("10.244.1.2")).build(),
+            ));
+            Some(Arc::new(parsed.unwrap().1))
         };
         changes.slices.insert(web("s-1"), labelled("a"));
         store.apply(changes);
