@@ -194,7 +194,7 @@ pub fn service_checks(ports: &[ServicePort], node_name: &str) -> BTreeMap<u16, S
         let local = port
             .endpoints
             .iter()
-            .filter(|e| e.ready && !e.terminating && e.node_name.as_deref() == Some(node_name));
+            .filter(|e| e.ready && !e.terminating && e.node_name() == Some(node_name));
         ips.extend(local.map(|e| e.addr.ip()));
     }
     checks

@@ -229,11 +229,38 @@ pub struct Endpoint {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    /// Shared by the endpoints of a slice on one node: a cluster has
-    /// millions of endpoints and few nodes.
-    pub node_name: Option<Arc<str>>,
+    /// Its node and hints, behind a thin pointer (an endpoint is 32
+    /// bytes): one allocation shared by a slice's endpoints in the same
+    /// place, as a cluster has millions of endpoints and few nodes.
+    place: Option<Arc<Place>>,
+}
+
+/// Where an endpoint runs and which clients it should serve.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Place {
+    node_name: Option<Arc<str>>,
     /// EndpointSlice hints, boxed: most endpoints have none.
-    pub hints: Option<Box<Hints>>,
+    hints: Option<Box<Hints>>,
+}
+
+impl Place {
+    /// `None` for an endpoint of no node without hints; else a place, one
+    /// of `known` where an equal one is there.
+    fn shared(
+        node_name: Option<Arc<str>>,
+        hints: Option<Box<Hints>>,
+        known: &mut Vec<Arc<Place>>,
+    ) -> Option<Arc<Place>> {
+        if node_name.is_none() && hints.is_none() {
+            return None;
+        }
+        let place = Place { node_name, hints };
+        if let Some(same) = known.iter().find(|p| ***p == place) {
+            return Some(same.clone());
+        }
+        known.push(Arc::new(place));
+        known.last().cloned()
+    }
 }
 
 /// The zones (`forZones`) and nodes (`forNodes`) an endpoint should serve.
@@ -251,12 +278,30 @@ impl Hints {
 }
 
 impl Endpoint {
+    /// An endpoint in these conditions, of no node and without hints.
+    pub fn new(addr: EndpointAddr, ready: bool, serving: bool, terminating: bool) -> Self {
+        Endpoint { addr, ready, serving, terminating, place: None }
+    }
+
+    /// The same on `node_name`, with `hints`.
+    pub fn placed(self, node_name: Option<Arc<str>>, hints: Option<Box<Hints>>) -> Self {
+        Endpoint { place: Place::shared(node_name, hints, &mut Vec::new()), ..self }
+    }
+
+    pub fn node_name(&self) -> Option<&str> {
+        self.place.as_ref()?.node_name.as_deref()
+    }
+
+    fn hints(&self) -> Option<&Hints> {
+        self.place.as_ref()?.hints.as_deref()
+    }
+
     pub fn zone_hints(&self) -> &[String] {
-        self.hints.as_ref().map_or(&[], |h| &h.zones)
+        self.hints().map_or(&[], |h| &h.zones)
     }
 
     pub fn node_hints(&self) -> &[String] {
-        self.hints.as_ref().map_or(&[], |h| &h.nodes)
+        self.hints().map_or(&[], |h| &h.nodes)
     }
 }
 
@@ -304,7 +349,7 @@ impl ServicePort {
         let candidates = || {
             self.endpoints
                 .iter()
-                .filter(move |e| local_node.is_none() || e.node_name.as_deref() == local_node)
+                .filter(move |e| local_node.is_none() || e.node_name() == local_node)
         };
         let ready: Vec<_> = candidates().filter(|e| e.ready).collect();
         if !ready.is_empty() {
@@ -579,6 +624,7 @@ pub fn parse_slice(
     let ports = slice_ports(&slice_name, slice.ports, &mut parsed.errors);
     // Exactly as many as listed: a million endpoints are held here.
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
+    let mut places = Vec::new();
     for endpoint in slice.endpoints {
         let ip = match endpoint.address {
             objects::Address::None => continue,
@@ -603,8 +649,7 @@ pub fn parse_slice(
             ready: conditions.ready.unwrap_or(true),
             serving: conditions.serving.unwrap_or(true),
             terminating: conditions.terminating.unwrap_or(false),
-            node_name: endpoint.node_name,
-            hints: endpoint.hints,
+            place: Place::shared(endpoint.node_name, endpoint.hints, &mut places),
         });
     }
     one_per_address(&mut endpoints);
@@ -970,6 +1015,18 @@ mod tests {
     }
 
     #[test]
+    fn an_endpoint_is_32_bytes_and_a_slices_endpoints_on_one_node_share_their_place() {
+        // A million endpoints are held: each byte is a MiB.
+        assert_eq!(std::mem::size_of::<Endpoint>(), 32);
+        let endpoints = [ep("10.244.0.1").node("a"), ep("10.244.0.2").node("a"), ep("10.244.0.3")];
+        let slice = parse_slice(objects::EndpointSlice::from_api(&web_slice("s", 8080, endpoints)));
+        let list = &slice.unwrap().1.ports[0].1;
+        let place = |i: usize| list[i].place.as_ref();
+        assert!(Arc::ptr_eq(place(0).unwrap(), place(1).unwrap()), "one place for node a");
+        assert_eq!((list[0].node_name(), list[2].node_name()), (Some("a"), None));
+    }
+
+    #[test]
     fn topology_hints_narrow_cluster_endpoints_as_kube_proxy() {
         let port = hinted([
             ep("10.0.0.1").for_zone("a").for_node("n1"),
@@ -1082,7 +1139,7 @@ mod tests {
         assert!(Arc::ptr_eq(&http.endpoints, &slice.ports[0].1), "held once");
         assert_eq!(addrs(http), ["10.244.0.2:8080", "10.244.0.3:8080"]);
         // The first of the ready ones, as across slices.
-        assert_eq!(http.endpoints[0].node_name.as_deref(), Some("b"));
+        assert_eq!(http.endpoints[0].node_name(), Some("b"));
 
         // Two slices: a list of their own, merged.
         let other = parsed(web_slice("b", 8080, [ep("10.244.0.4")]));

@@ -378,7 +378,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             .filter(|e| of_family(&e.addr.ip()))
             .map(|e| BackendPlan {
                 addr: e.addr,
-                local: e.node_name.as_deref() == Some(&node.name),
+                local: e.node_name() == Some(&node.name),
                 host: node.ips.contains(&e.addr.ip()),
             })
             .collect();
@@ -455,13 +455,9 @@ mod tests {
             affinity_timeout_secs: None,
             endpoints: endpoints
                 .iter()
-                .map(|(addr, ready, node)| Endpoint {
-                    addr: addr.parse().unwrap(),
-                    ready: *ready,
-                    serving: *ready,
-                    terminating: false,
-                    node_name: Some((*node).into()),
-                    hints: None,
+                .map(|(addr, ready, node)| {
+                    Endpoint::new(addr.parse().unwrap(), *ready, *ready, false)
+                        .placed(Some((*node).into()), None)
                 })
                 .collect(),
         }
@@ -600,12 +596,8 @@ mod tests {
         assert_eq!(external.backends.len(), 1);
         assert_eq!(at(&plan, [10, 96, 0, 1], 80).backends.len(), 2, "internal: every endpoint");
 
-        p.endpoints = p
-            .endpoints
-            .iter()
-            .filter(|e| e.node_name.as_deref() == Some("node-b"))
-            .cloned()
-            .collect();
+        p.endpoints =
+            p.endpoints.iter().filter(|e| e.node_name() == Some("node-b")).cloned().collect();
         p.internal_local = true;
         let plan = one(vec![p.clone()]);
         for (frontend, fp) in &plan.frontends {
@@ -713,8 +705,10 @@ mod tests {
             [10, 96, 0, 1],
             &[("10.0.0.1:80", true, "node-b"), ("10.0.0.2:80", true, "node-c")],
         );
-        Arc::make_mut(&mut hinted.endpoints)[0].hints = Hints::new(vec!["za".into()], vec![]);
-        Arc::make_mut(&mut hinted.endpoints)[1].hints = Hints::new(vec!["zb".into()], vec![]);
+        for (endpoint, zone) in Arc::make_mut(&mut hinted.endpoints).iter_mut().zip(["za", "zb"]) {
+            let node = endpoint.node_name().map(Arc::from);
+            *endpoint = endpoint.clone().placed(node, Hints::new(vec![zone.into()], vec![]));
+        }
         hinted.node_port = Some(30080);
         let plain = port("b", [10, 96, 0, 2], &[("10.0.0.3:80", true, "node-b")]);
         let model = model::Model::from_ports([hinted, plain]);
@@ -806,20 +800,19 @@ mod tests {
         (0..rng.below(5))
             .map(|_| {
                 let ready = rng.chance(70);
-                Endpoint {
-                    addr: EndpointAddr::new(
-                        Ipv4Addr::new(10, 244, 0, 1 + rng.below(8) as u8).into(),
-                        8080,
-                    ),
-                    ready,
-                    serving: ready || rng.chance(50),
-                    terminating: !ready && rng.chance(50),
-                    node_name: Some((*rng.pick(&["node-a", "node-b"])).into()),
-                    hints: Hints::new(
+                let addr = EndpointAddr::new(
+                    Ipv4Addr::new(10, 244, 0, 1 + rng.below(8) as u8).into(),
+                    8080,
+                );
+                let endpoint =
+                    Endpoint::new(addr, ready, ready || rng.chance(50), !ready && rng.chance(50));
+                endpoint.placed(
+                    Some((*rng.pick(&["node-a", "node-b"])).into()),
+                    Hints::new(
                         if hinted { vec![rng.pick(&ZONES).to_string()] } else { vec![] },
                         if hinted && rng.chance(20) { vec!["node-a".into()] } else { vec![] },
                     ),
-                }
+                )
             })
             .collect()
     }
