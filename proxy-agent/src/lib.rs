@@ -8,6 +8,7 @@ pub mod agent;
 pub mod backend;
 pub mod cli;
 pub mod commands;
+pub mod compact;
 pub mod config;
 pub mod fit;
 pub mod health;

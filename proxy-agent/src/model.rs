@@ -534,6 +534,12 @@ impl Model {
         self.services.keys()
     }
 
+    /// Rebuilds the map of services dense after `grown` were set (see
+    /// [`compact::refill`]).
+    pub fn refill(&mut self, grown: usize) {
+        crate::compact::refill(&mut self.services, grown);
+    }
+
     /// Replaces a service's ports; none removes it.
     pub fn set_service(&mut self, name: ServiceName, mut ports: Vec<ServicePort>) {
         if ports.is_empty() {

@@ -22,6 +22,7 @@ use std::{
     sync::Arc,
 };
 
+use crate::compact;
 use crate::model::{
     Cidr, EndpointAddr, IpFamily, Model, Protocol, ServiceName, ServicePort, ServicePortName,
 };
@@ -282,6 +283,8 @@ impl Planner {
                 self.claims.insert(name.clone(), claims);
             }
         }
+        compact::refill(&mut self.plan.frontends, before.len());
+        compact::refill(&mut self.claims, services.len());
         let mut changed = BTreeSet::new();
         for (frontend, old) in before {
             self.settle(frontend);

@@ -12,6 +12,7 @@ use std::{
 };
 
 use crate::{
+    compact,
     model::{self, Model, ModelError, ParsedSlice, ServiceName, ServicePort},
     objects,
 };
@@ -110,6 +111,7 @@ impl Store {
     /// they touch.
     pub fn apply(&mut self, changes: Changes) -> StoreUpdate {
         let mut update = StoreUpdate::default();
+        let (services, slices) = (changes.services.len(), changes.slices.len());
         for (name, service) in changes.services {
             match service {
                 Some(Err(err)) => {
@@ -166,6 +168,10 @@ impl Store {
             let ports = model::with_endpoints(ports, slices);
             self.model.set_service(name.clone(), ports);
         }
+        compact::refill(&mut self.services, services);
+        compact::refill(&mut self.slices, slices);
+        compact::refill(&mut self.slices_of, slices);
+        self.model.refill(update.touched.len());
         update
     }
 
