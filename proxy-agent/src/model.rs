@@ -20,7 +20,7 @@
 //!   (`addressType`; FQDN slices are ignored).
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashSet},
     fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::Arc,
@@ -236,7 +236,7 @@ pub struct Endpoint {
 }
 
 /// Where an endpoint runs and which clients it should serve.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 struct Place {
     node_name: Option<Arc<str>>,
     /// EndpointSlice hints, boxed: most endpoints have none.
@@ -244,27 +244,25 @@ struct Place {
 }
 
 impl Place {
-    /// `None` for an endpoint of no node without hints; else a place, one
-    /// of `known` where an equal one is there.
-    fn shared(
-        node_name: Option<Arc<str>>,
-        hints: Option<Box<Hints>>,
-        known: &mut Vec<Arc<Place>>,
-    ) -> Option<Arc<Place>> {
-        if node_name.is_none() && hints.is_none() {
-            return None;
+    /// `None` for an endpoint of no node without hints.
+    fn of(node_name: Option<Arc<str>>, hints: Option<Box<Hints>>) -> Option<Place> {
+        (node_name.is_some() || hints.is_some()).then_some(Place { node_name, hints })
+    }
+
+    /// The one of `known` equal to this one, else this one, added to them
+    /// (a hash set: a slice's endpoints may be on as many nodes).
+    fn shared(self, known: &mut HashSet<Arc<Place>>) -> Arc<Place> {
+        if let Some(same) = known.get(&self) {
+            return same.clone();
         }
-        let place = Place { node_name, hints };
-        if let Some(same) = known.iter().find(|p| ***p == place) {
-            return Some(same.clone());
-        }
-        known.push(Arc::new(place));
-        known.last().cloned()
+        let place = Arc::new(self);
+        known.insert(place.clone());
+        place
     }
 }
 
 /// The zones (`forZones`) and nodes (`forNodes`) an endpoint should serve.
-#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Hints {
     pub zones: Vec<String>,
     pub nodes: Vec<String>,
@@ -285,7 +283,7 @@ impl Endpoint {
 
     /// The same on `node_name`, with `hints`.
     pub fn placed(self, node_name: Option<Arc<str>>, hints: Option<Box<Hints>>) -> Self {
-        Endpoint { place: Place::shared(node_name, hints, &mut Vec::new()), ..self }
+        Endpoint { place: Place::of(node_name, hints).map(Arc::new), ..self }
     }
 
     pub fn node_name(&self) -> Option<&str> {
@@ -630,7 +628,7 @@ pub fn parse_slice(
     let ports = slice_ports(&slice_name, slice.ports, &mut parsed.errors);
     // Exactly as many as listed: a million endpoints are held here.
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
-    let mut places = Vec::new();
+    let mut places = HashSet::new();
     for endpoint in slice.endpoints {
         let ip = match endpoint.address {
             objects::Address::None => continue,
@@ -655,7 +653,7 @@ pub fn parse_slice(
             ready: conditions.ready.unwrap_or(true),
             serving: conditions.serving.unwrap_or(true),
             terminating: conditions.terminating.unwrap_or(false),
-            place: Place::shared(endpoint.node_name, endpoint.hints, &mut places),
+            place: Place::of(endpoint.node_name, endpoint.hints).map(|p| p.shared(&mut places)),
         });
     }
     one_per_address(&mut endpoints);
