@@ -4,7 +4,10 @@
 //! were half empty, and their searches a fifth of a first sync's CPU), of
 //! positions in one vector of backends: a table of 4-byte positions holds
 //! a million backends found two ways in 20 MiB, where a map of 32-byte
-//! entries held them one way in 64. Pure code.
+//! entries held them one way in 64. A sync's new backends are staged here
+//! (given ids, found by entry) before it writes them, rather than listed
+//! and indexed beside the record: a first sync's million were held twice.
+//! Pure code.
 
 use std::hash::{BuildHasher, Hash};
 
@@ -12,16 +15,27 @@ use hashbrown::{DefaultHashBuilder, HashSet, HashTable};
 
 use super::entries::BackendEntry;
 
-/// An installed backend: its id, entry and how many installed slots name
-/// it.
+/// A recorded backend: its id, entry, how many installed slots name it,
+/// and whether the map holds it yet.
 #[derive(Clone, Copy, Debug)]
 struct Backend {
     id: u32,
     refs: u32,
     entry: BackendEntry,
+    state: State,
 }
 
-/// The installed backends, found by id or by entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Given its id by a sync that has yet to write it: found by id and
+    /// entry (no second id is given to it, nor its id to another), but not
+    /// installed.
+    Staged,
+    Installed,
+}
+
+/// The installed backends, found by id or by entry, and those a sync
+/// staged.
 #[derive(Debug, Default)]
 pub struct Backends {
     /// The backends, each at a position a removal frees for the next.
@@ -32,19 +46,23 @@ pub struct Backends {
     /// Positions in `slab`, hashed by entry.
     by_entry: HashTable<u32>,
     hasher: DefaultHashBuilder,
+    /// How many are staged.
+    staged: usize,
     /// Backends no installed slot names (left by a failed sync, or whose
     /// last slot went in this one): deleted by the next sync.
     unreferenced: HashSet<u32>,
-    /// Backends written since the last [`Backends::settle`], unreferenced
-    /// unless a slot names them since: a sync writes its new backends
-    /// before their slots, and a first sync's million would otherwise pass
-    /// through `unreferenced` one by one.
+    /// Backends staged or written since the last [`Backends::settle`], in
+    /// that order: unreferenced unless a slot names them since (a sync
+    /// writes its new backends before their slots, and a first sync's
+    /// million would otherwise pass through `unreferenced` one by one), or
+    /// never written.
     written: Vec<u32>,
 }
 
 impl Backends {
+    /// How many are installed.
     pub fn len(&self) -> usize {
-        self.by_id.len()
+        self.by_id.len() - self.staged
     }
 
     fn hash(&self, key: impl Hash) -> u64 {
@@ -59,23 +77,35 @@ impl Backends {
         self.by_id.find(self.hash(id), |p| self.at(*p).id == id).copied()
     }
 
-    fn backend(&self, id: u32) -> Option<&Backend> {
+    /// Backend `id`, installed or staged.
+    fn recorded(&self, id: u32) -> Option<&Backend> {
         self.position(id).map(|p| self.at(p))
+    }
+
+    fn backend(&self, id: u32) -> Option<&Backend> {
+        self.recorded(id).filter(|b| b.state == State::Installed)
     }
 
     fn backend_mut(&mut self, id: u32) -> Option<&mut Backend> {
         let position = self.position(id)?;
-        self.slab[position as usize].as_mut()
+        self.slab[position as usize].as_mut().filter(|b| b.state == State::Installed)
     }
 
+    /// The entry of installed backend `id`.
     pub fn get(&self, id: u32) -> Option<&BackendEntry> {
         self.backend(id).map(|b| &b.entry)
     }
 
+    pub fn is_installed(&self, id: u32) -> bool {
+        self.backend(id).is_some()
+    }
+
+    /// Whether `id` names a backend, installed or staged.
     pub fn contains_id(&self, id: u32) -> bool {
         self.position(id).is_some()
     }
 
+    /// The id of the backend with this entry, installed or staged.
     pub fn id_of(&self, entry: &BackendEntry) -> Option<u32> {
         let found = self.by_entry.find(self.hash(entry), |p| self.at(*p).entry == *entry)?;
         Some(self.at(*found).id)
@@ -86,10 +116,10 @@ impl Backends {
         self.backend(id).map_or(0, |b| b.refs)
     }
 
-    /// The ids, in no order.
+    /// The installed ids, in no order.
     #[cfg(test)]
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.slab.iter().flatten().map(|b| b.id)
+        self.slab.iter().flatten().filter(|b| b.state == State::Installed).map(|b| b.id)
     }
 
     /// May name an id twice.
@@ -102,23 +132,31 @@ impl Backends {
         self.backend(id).is_some_and(|b| b.refs == 0)
     }
 
-    /// Room for `additional` more backends, made at once rather than by
-    /// doubling as they are written (each doubling rehashes all of them,
-    /// with the old and new tables side by side).
-    pub fn reserve(&mut self, additional: usize) {
-        self.slab.reserve(additional.saturating_sub(self.free.len()));
-        self.written.reserve(additional);
-        let (slab, hasher) = (&self.slab, &self.hasher);
-        let at = |p: &u32| filled(slab, p);
-        self.by_id.reserve(additional, |p| hasher.hash_one(at(p).id));
-        self.by_entry.reserve(additional, |p| hasher.hash_one(at(p).entry));
+    /// Gives new backend `entry` (no recorded one has it) the unused
+    /// `id`, to be written next; the staged backends since the last
+    /// [`Backends::settle`] are [`Backends::staged`].
+    pub fn stage(&mut self, id: u32, entry: BackendEntry) {
+        debug_assert!(self.id_of(&entry).is_none() && !self.contains_id(id));
+        self.add(Backend { id, refs: 0, entry, state: State::Staged });
+        self.staged += 1;
+        self.written.push(id);
     }
 
-    /// Files the backends written since the last call that no slot names.
+    /// The staged backends from the `skip`th on, in the order staged (the
+    /// first `skip` of them are written).
+    pub fn staged(&self, skip: usize) -> impl Iterator<Item = (u32, BackendEntry)> + '_ {
+        let staged = self.written.iter().skip(skip).filter_map(|id| self.recorded(*id));
+        staged.filter(|b| b.state == State::Staged).map(|b| (b.id, b.entry))
+    }
+
+    /// Drops the staged backends never written, and files those written
+    /// since the last call that no slot names.
     pub fn settle(&mut self) {
         for id in std::mem::take(&mut self.written) {
-            if self.is_unreferenced(id) {
-                self.unreferenced.insert(id);
+            match self.recorded(id).map(|b| b.state) {
+                Some(State::Staged) => drop(self.remove(id)),
+                _ if self.is_unreferenced(id) => drop(self.unreferenced.insert(id)),
+                _ => {}
             }
         }
     }
@@ -126,9 +164,28 @@ impl Backends {
     /// Records backend `id` written as `entry` (a rewrite keeps its
     /// references; an entry written under a second id is found by that one).
     pub fn insert(&mut self, id: u32, entry: BackendEntry) {
+        let position = self.position(id);
+        if let Some(staged) = position.and_then(|p| self.slab[p as usize].as_mut())
+            && staged.state == State::Staged
+            && staged.entry == entry
+        {
+            // Listed in `written` when it was staged.
+            staged.state = State::Installed;
+            self.staged -= 1;
+            return;
+        }
         let refs = self.refs(id);
         self.remove(id);
-        let backend = Some(Backend { id, refs, entry });
+        self.add(Backend { id, refs, entry, state: State::Installed });
+        if refs == 0 {
+            self.written.push(id);
+        }
+    }
+
+    /// Puts `backend` in a free position and both tables.
+    fn add(&mut self, backend: Backend) {
+        let Backend { id, entry, .. } = backend;
+        let backend = Some(backend);
         let position = match self.free.pop() {
             Some(p) => {
                 self.slab[p as usize] = backend;
@@ -150,12 +207,10 @@ impl Backends {
                 self.by_entry.insert_unique(hash, position, rehash);
             }
         }
-        if refs == 0 {
-            self.written.push(id);
-        }
     }
 
-    /// Forgets backend `id`, deleted from the map.
+    /// Forgets backend `id`, deleted from the map (or staged and never
+    /// written).
     pub fn remove(&mut self, id: u32) -> Option<BackendEntry> {
         let hash = self.hash(id);
         let slab = &self.slab;
@@ -171,6 +226,7 @@ impl Backends {
         }
         self.free.push(position);
         self.unreferenced.remove(&id);
+        self.staged -= usize::from(gone.state == State::Staged);
         Some(gone.entry)
     }
 
@@ -296,6 +352,31 @@ mod tests {
         // A rewrite keeps the references.
         backends.insert(7, entry(1));
         assert_eq!((backends.id_of(&entry(1)), backends.refs(7)), (Some(7), 1));
+    }
+
+    #[test]
+    fn a_staged_backend_has_its_id_but_is_installed_only_once_written() {
+        let mut backends = Backends::default();
+        backends.insert(1, entry(1));
+        backends.settle();
+        backends.stage(2, entry(2));
+        backends.stage(3, entry(3));
+        // Found, so no second id is given to it nor its id to another...
+        assert_eq!((backends.id_of(&entry(2)), backends.contains_id(3)), (Some(2), true));
+        // ... but not installed.
+        assert_eq!((backends.get(2), backends.is_installed(2), backends.len()), (None, false, 1));
+        assert_eq!(backends.unreferenced().collect::<Vec<_>>(), vec![1]);
+        assert_eq!(backends.staged(0).collect::<Vec<_>>(), vec![(2, entry(2)), (3, entry(3))]);
+        // Written: installed, and unreferenced until a slot names it.
+        backends.insert(2, entry(2));
+        assert_eq!((backends.get(2), backends.len()), (Some(&entry(2)), 2));
+        assert_eq!(backends.staged(1).collect::<Vec<_>>(), vec![(3, entry(3))]);
+        assert_eq!(backends.unreferenced().collect::<BTreeSet<_>>(), BTreeSet::from([1, 2]));
+        // Never written: gone at the settle, its id and entry free again.
+        backends.settle();
+        assert_eq!((backends.id_of(&entry(3)), backends.contains_id(3)), (None, false));
+        assert_eq!((backends.staged(0).count(), backends.len()), (0, 2));
+        assert_eq!(backends.unreferenced().collect::<BTreeSet<_>>(), BTreeSet::from([1, 2]));
     }
 
     #[test]

@@ -26,11 +26,10 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    hash::BuildHasher,
     sync::Arc,
 };
 
-use hashbrown::{HashMap, HashTable};
+use hashbrown::HashMap;
 
 use proxy_common::{
     FrontendInfo, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT,
@@ -277,50 +276,20 @@ pub struct Released {
 }
 
 /// What a sync works out before its first write: which frontends it
-/// writes, the ids it gives, what its writes do to the maps' sizes and
-/// which backends it deletes. The writes themselves are then made frontend
-/// by frontend and written a batch at a time: a first sync's millions of
-/// them are never held at once.
+/// writes, the ids it gives (its new backends are staged in the record),
+/// what its writes do to the maps' sizes and which backends it deletes.
+/// The writes themselves are then made frontend by frontend and written a
+/// batch at a time: a first sync's millions of them are never held at
+/// once.
 struct Changes<'p> {
     /// Frontends to bring to the plan, internal scopes first, with their
     /// reverse-NAT ids.
     kept: Vec<(&'p Frontend, &'p FrontendPlan, u32)>,
     /// Frontends to remove, external scopes first.
     removed: Vec<Frontend>,
-    /// New backends in the order first named, and their ids.
-    new_backends: NewBackends,
     /// Backends no slot will name.
     deleted: Vec<(u32, IpFamily)>,
     tally: Tally,
-}
-
-/// A sync's new backends in the order first named, with their ids, and
-/// found by entry (a table of indices: a first sync names a million).
-#[derive(Default)]
-struct NewBackends {
-    list: Vec<(BackendEntry, u32)>,
-    index: HashTable<u32>,
-    hasher: hashbrown::DefaultHashBuilder,
-}
-
-impl NewBackends {
-    fn get(&self, entry: &BackendEntry) -> Option<u32> {
-        let hash = self.hasher.hash_one(entry);
-        let found = self.index.find(hash, |i| self.list[*i as usize].0 == *entry)?;
-        Some(self.list[*found as usize].1)
-    }
-
-    fn push(&mut self, entry: BackendEntry, id: u32) {
-        let (list, hasher) = (&self.list, &self.hasher);
-        let at = list.len() as u32;
-        self.index
-            .insert_unique(hasher.hash_one(entry), at, |i| hasher.hash_one(list[*i as usize].0));
-        self.list.push((entry, id));
-    }
-
-    fn len(&self) -> usize {
-        self.list.len()
-    }
 }
 
 /// What a sync's writes do besides their entries.
@@ -490,28 +459,36 @@ impl SyncState {
         dirty: Option<&BTreeSet<Frontend>>,
         writer: &mut impl MapWriter,
     ) -> Result<SyncReport, SyncError> {
-        // What a failed sync wrote is filed first.
+        let result = self.sync_staged(plan, dirty, writer);
+        // Refused or failed, what it staged and never wrote goes.
         self.backends.settle();
-        let Changes { kept, removed, new_backends, deleted, tally } = self.changes(plan, dirty);
+        result
+    }
+
+    fn sync_staged(
+        &mut self,
+        plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
+        writer: &mut impl MapWriter,
+    ) -> Result<SyncReport, SyncError> {
+        let Changes { kept, removed, deleted, tally } = self.changes(plan, dirty);
         self.check_capacity(&tally.added)?;
-        self.backends.reserve(new_backends.len());
         self.frontends.reserve(tally.added.rev_nat);
         // Owed from now on: a write below may fail after slots changed.
         self.pending_purge.extend(tally.purge);
         let departures = self.departures(&deleted, &tally.left);
         let mut ops = Vec::with_capacity(batch::CHUNK);
         let mut writes = 0;
-        // 1. New backends, all written before a slot names one: from then
-        // on the record finds them by entry, and the sync's own list and
-        // index of them (a first sync's million) are freed.
-        let NewBackends { list, index, .. } = new_backends;
-        drop(index);
-        for (backend, id) in list {
-            ops.push(MapOp::PutBackend { id, backend });
-            writes += self.write_full(&mut ops, writer)?;
+        // 1. New backends, all written before a slot names one (so far,
+        // every write is one of them).
+        loop {
+            let staged = self.backends.staged(writes).take(batch::CHUNK);
+            ops.extend(staged.map(|(id, backend)| MapOp::PutBackend { id, backend }));
+            if ops.is_empty() {
+                break;
+            }
+            writes += self.write(&mut ops, writer)?;
         }
-        writes += self.write(&mut ops, writer)?;
-        let new_backends = NewBackends::default();
         // 2. Frontends to create or update: their reverse-NAT entries first
         // (no frontend slot names a new one yet), so that their slots, of
         // one kind from frontend to frontend, go in batches.
@@ -526,9 +503,7 @@ impl SyncState {
             }
         }
         for &(frontend, fp, rev_nat_id) in &kept {
-            self.frontend_writes((frontend, fp, rev_nat_id), &new_backends, None, &mut |op| {
-                ops.push(op)
-            });
+            self.frontend_writes((frontend, fp, rev_nat_id), None, &mut |op| ops.push(op));
             writes += self.write_full(&mut ops, writer)?;
         }
         // 3. Frontends that are gone.
@@ -542,7 +517,6 @@ impl SyncState {
             writes += self.write_full(&mut ops, writer)?;
         }
         writes += self.write(&mut ops, writer)?;
-        self.backends.settle();
         Ok(SyncReport { writes, departures })
     }
 
@@ -665,7 +639,8 @@ impl SyncState {
         Ok(())
     }
 
-    fn changes<'p>(&self, plan: &'p Plan, dirty: Option<&BTreeSet<Frontend>>) -> Changes<'p> {
+    /// Works out a sync's changes, staging its new backends.
+    fn changes<'p>(&mut self, plan: &'p Plan, dirty: Option<&BTreeSet<Frontend>>) -> Changes<'p> {
         // The frontends to bring to the plan, and those to remove.
         type Kept<'a> = Vec<(&'a Frontend, &'a FrontendPlan)>;
         let (mut kept, removed): (Kept, Vec<Frontend>) = match dirty {
@@ -693,15 +668,14 @@ impl SyncState {
         kept.sort_by_key(|(f, _)| f.scope == Scope::External);
         let mut tally = Tally::default();
 
-        // 1. Backends, with ids for the new ones. Round-robin moves past
-        // each id it gives and skips the reserved ones, and a reserved id
-        // names one backend: no id is given twice in a sync.
-        let mut new_backends = NewBackends::default();
+        // 1. Backends, with ids for the new ones, staged. Round-robin moves
+        // past each id it gives and skips the reserved ones, and a reserved
+        // id names one backend: no id is given twice in a sync.
         let mut last_id = self.last_backend_id;
         for (frontend, fp) in &kept {
             for addr in &fp.backends {
                 let backend = BackendEntry::new(frontend, addr);
-                if self.backends.id_of(&backend).is_some() || new_backends.get(&backend).is_some() {
+                if self.backends.id_of(&backend).is_some() {
                     continue;
                 }
                 let id = Self::new_id(
@@ -710,10 +684,10 @@ impl SyncState {
                     |id| self.backends.contains_id(id),
                     &self.reserved_ids.backends,
                 );
-                new_backends.push(backend, id);
+                self.backends.stage(id, backend);
+                tally.added.backends += 1;
             }
         }
-        tally.added.backends = new_backends.len();
 
         // 2. Frontends to create or update, with ids for the new ones.
         let mut last_rev = self.last_rev_nat_id;
@@ -734,8 +708,7 @@ impl SyncState {
                 tally.added.rev_nat += 1;
                 id
             };
-            let ids = &new_backends;
-            self.frontend_writes((frontend, fp, rev_nat_id), ids, Some(&mut tally), &mut drop);
+            self.frontend_writes((frontend, fp, rev_nat_id), Some(&mut tally), &mut drop);
             kept_ids.push((frontend, fp, rev_nat_id));
         }
 
@@ -761,7 +734,7 @@ impl SyncState {
                 deleted.push((id, backend.family()));
             }
         }
-        Changes { kept: kept_ids, removed, new_backends, deleted, tally }
+        Changes { kept: kept_ids, removed, deleted, tally }
     }
 
     /// The writes that bring installed `frontend` to `fp` after its
@@ -771,7 +744,6 @@ impl SyncState {
     fn frontend_writes(
         &self,
         (frontend, fp, rev_nat_id): (&Frontend, &FrontendPlan, u32),
-        new_backends: &NewBackends,
         mut tally: Option<&mut Tally>,
         emit: &mut impl FnMut(MapOp),
     ) {
@@ -781,10 +753,7 @@ impl SyncState {
             .iter()
             .map(|b| {
                 let backend = BackendEntry::new(frontend, b);
-                self.backends
-                    .id_of(&backend)
-                    .or_else(|| new_backends.get(&backend))
-                    .expect("every planned backend has an id")
+                self.backends.id_of(&backend).expect("every planned backend has an id")
             })
             .collect();
         let slots = assign_slots(&installed.slots, &backend_ids);
@@ -796,7 +765,7 @@ impl SyncState {
                 if let Some(tally) = tally.as_deref_mut() {
                     // Only installed backends may be deleted: a first sync's
                     // million new ones need no count.
-                    if self.backends.contains_id(id) {
+                    if self.backends.is_installed(id) {
                         *tally.refs_delta.entry(id).or_default() += 1;
                     }
                     match old {
@@ -983,6 +952,7 @@ impl SyncState {
             self.backends.ids().filter(|id| !refs.contains_key(id)).collect();
         let recorded: BTreeSet<u32> = self.backends.unreferenced().collect();
         assert_eq!(unreferenced, recorded, "unreferenced backends");
+        assert_eq!(self.backends.staged(0).count(), 0, "staged outside a sync");
         let services: usize =
             self.frontends.values().map(|f| usize::from(f.value.is_some()) + f.slots.count()).sum();
         assert_eq!(services, self.service_entries, "service entries");
@@ -1348,6 +1318,9 @@ mod tests {
             state.sync(&start, None, &mut maps).unwrap();
             maps.fail_at = Some(maps.writes + fail_at);
             assert!(state.sync(&target, None, &mut maps).is_err(), "failure {fail_at} injected");
+            // The record is what the maps hold: nothing staged is left.
+            state.assert_consistent();
+            assert_eq!(state.backend_count(), maps.backends.len(), "failure {fail_at}");
             state.sync(&target, None, &mut maps).unwrap();
             let (_, mut backends) = view(&maps).into_iter().next().unwrap();
             backends.sort();
