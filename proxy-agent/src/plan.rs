@@ -135,6 +135,11 @@ pub struct Plan {
     pub frontends: BTreeMap<Frontend, FrontendPlan>,
 }
 
+/// The plans at an address (external scope first) before an update: boxed,
+/// and none at an address without any (a first list touches a hundred
+/// thousand, and left them inline in a map as large as the plan).
+type AtAddress = Option<Box<[Option<FrontendPlan>; 2]>>;
+
 /// What a service port claims at an address: its frontend and, when that
 /// one has two scopes, the internal-scope twin. The two are won and lost
 /// together, so a conflict is decided (and reported) once per address.
@@ -157,9 +162,10 @@ impl Plan {
         Some(Claim { plan, internal: self.frontends.remove(&frontend.internal()) })
     }
 
-    /// The plans at `frontend`'s address, external scope first.
-    fn at_address(&self, frontend: Frontend) -> [Option<FrontendPlan>; 2] {
-        [frontend, frontend.internal()].map(|f| self.frontends.get(&f).cloned())
+    /// The plans at `frontend`'s address.
+    fn at_address(&self, frontend: Frontend) -> AtAddress {
+        let plans = [frontend, frontend.internal()].map(|f| self.frontends.get(&f).cloned());
+        plans.iter().any(Option::is_some).then(|| Box::new(plans))
     }
 }
 
@@ -254,7 +260,7 @@ impl Planner {
         services: &BTreeSet<ServiceName>,
     ) -> BTreeSet<Frontend> {
         // The plans at the addresses touched (both scopes), as they were.
-        let mut before: BTreeMap<Frontend, [Option<FrontendPlan>; 2]> = BTreeMap::new();
+        let mut before: BTreeMap<Frontend, AtAddress> = BTreeMap::new();
         for name in services {
             for (frontend, port) in self.claims.remove(name).unwrap_or_default() {
                 before.entry(frontend).or_insert_with(|| self.plan.at_address(frontend));
@@ -288,6 +294,7 @@ impl Planner {
         let mut changed = BTreeSet::new();
         for (frontend, old) in before {
             self.settle(frontend);
+            let old = old.map_or([None, None], |old| *old);
             for (f, was) in [frontend, frontend.internal()].into_iter().zip(old) {
                 if self.plan.frontends.get(&f) != was.as_ref() {
                     changed.insert(f);
