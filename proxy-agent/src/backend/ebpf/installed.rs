@@ -11,7 +11,7 @@
 
 use std::hash::{BuildHasher, Hash};
 
-use hashbrown::{DefaultHashBuilder, HashSet, HashTable};
+use hashbrown::{DefaultHashBuilder, HashSet, HashTable, hash_table::Entry};
 
 use super::entries::BackendEntry;
 
@@ -34,6 +34,13 @@ enum State {
     Installed,
 }
 
+/// Where a recorded backend is: valid until it is removed (a sync removes
+/// backends only after its last use of a position). A sync finds each
+/// backend it names once by entry and then reaches it here, where a first
+/// sync's new ones sit in order, rather than searching again by id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pos(u32);
+
 /// The installed backends, found by id or by entry, and those a sync
 /// staged.
 #[derive(Debug, Default)]
@@ -46,16 +53,20 @@ pub struct Backends {
     /// Positions in `slab`, hashed by entry.
     by_entry: HashTable<u32>,
     hasher: DefaultHashBuilder,
+    /// The largest id ever recorded: any above it is free, known without a
+    /// search (a first sync gives a million).
+    max_id: u32,
     /// How many are staged.
     staged: usize,
     /// Backends no installed slot names (left by a failed sync, or whose
     /// last slot went in this one): deleted by the next sync.
     unreferenced: HashSet<u32>,
-    /// Backends staged or written since the last [`Backends::settle`], in
-    /// that order: unreferenced unless a slot names them since (a sync
-    /// writes its new backends before their slots, and a first sync's
-    /// million would otherwise pass through `unreferenced` one by one), or
-    /// never written.
+    /// Where the backends staged or written since the last
+    /// [`Backends::settle`] are, in that order: unreferenced unless a slot
+    /// names them since (a sync writes its new backends before their slots,
+    /// and a first sync's million would otherwise pass through
+    /// `unreferenced` one by one), or never written. A position freed
+    /// since holds nothing, or one listed again.
     written: Vec<u32>,
 }
 
@@ -74,16 +85,15 @@ impl Backends {
     }
 
     fn position(&self, id: u32) -> Option<u32> {
+        if id > self.max_id {
+            return None;
+        }
         self.by_id.find(self.hash(id), |p| self.at(*p).id == id).copied()
     }
 
-    /// Backend `id`, installed or staged.
-    fn recorded(&self, id: u32) -> Option<&Backend> {
-        self.position(id).map(|p| self.at(p))
-    }
-
     fn backend(&self, id: u32) -> Option<&Backend> {
-        self.recorded(id).filter(|b| b.state == State::Installed)
+        let backend = self.at(self.position(id)?);
+        (backend.state == State::Installed).then_some(backend)
     }
 
     fn backend_mut(&mut self, id: u32) -> Option<&mut Backend> {
@@ -96,19 +106,28 @@ impl Backends {
         self.backend(id).map(|b| &b.entry)
     }
 
-    pub fn is_installed(&self, id: u32) -> bool {
-        self.backend(id).is_some()
-    }
-
     /// Whether `id` names a backend, installed or staged.
     pub fn contains_id(&self, id: u32) -> bool {
         self.position(id).is_some()
     }
 
+    /// The backend with this entry, installed or staged.
+    pub fn find(&self, entry: &BackendEntry) -> Option<Pos> {
+        let found = self.by_entry.find(self.hash(entry), |p| self.at(*p).entry == *entry)?;
+        Some(Pos(*found))
+    }
+
+    pub fn id_at(&self, at: Pos) -> u32 {
+        self.at(at.0).id
+    }
+
+    pub fn is_installed_at(&self, at: Pos) -> bool {
+        self.at(at.0).state == State::Installed
+    }
+
     /// The id of the backend with this entry, installed or staged.
     pub fn id_of(&self, entry: &BackendEntry) -> Option<u32> {
-        let found = self.by_entry.find(self.hash(entry), |p| self.at(*p).entry == *entry)?;
-        Some(self.at(*found).id)
+        self.find(entry).map(|at| self.id_at(at))
     }
 
     /// How many installed slots name `id`.
@@ -122,41 +141,46 @@ impl Backends {
         self.slab.iter().flatten().filter(|b| b.state == State::Installed).map(|b| b.id)
     }
 
-    /// May name an id twice.
-    pub fn unreferenced(&self) -> impl Iterator<Item = u32> + '_ {
-        let written = self.written.iter().copied().filter(|id| self.is_unreferenced(*id));
-        self.unreferenced.iter().copied().chain(written)
+    /// The backends `written` lists, from its `skip`th on.
+    fn listed(&self, skip: usize) -> impl Iterator<Item = &Backend> + '_ {
+        self.written.iter().skip(skip).filter_map(|p| self.slab[*p as usize].as_ref())
     }
 
-    fn is_unreferenced(&self, id: u32) -> bool {
-        self.backend(id).is_some_and(|b| b.refs == 0)
+    /// May name an id twice.
+    pub fn unreferenced(&self) -> impl Iterator<Item = u32> + '_ {
+        let written = self.listed(0).filter(|b| b.state == State::Installed && b.refs == 0);
+        self.unreferenced.iter().copied().chain(written.map(|b| b.id))
     }
 
     /// Gives new backend `entry` (no recorded one has it) the unused
     /// `id`, to be written next; the staged backends since the last
     /// [`Backends::settle`] are [`Backends::staged`].
-    pub fn stage(&mut self, id: u32, entry: BackendEntry) {
+    pub fn stage(&mut self, id: u32, entry: BackendEntry) -> Pos {
         debug_assert!(self.id_of(&entry).is_none() && !self.contains_id(id));
-        self.add(Backend { id, refs: 0, entry, state: State::Staged });
+        let position = self.add(Backend { id, refs: 0, entry, state: State::Staged });
         self.staged += 1;
-        self.written.push(id);
+        self.written.push(position);
+        Pos(position)
     }
 
     /// The staged backends from the `skip`th on, in the order staged (the
     /// first `skip` of them are written).
     pub fn staged(&self, skip: usize) -> impl Iterator<Item = (u32, BackendEntry)> + '_ {
-        let staged = self.written.iter().skip(skip).filter_map(|id| self.recorded(*id));
-        staged.filter(|b| b.state == State::Staged).map(|b| (b.id, b.entry))
+        let staged = self.listed(skip).filter(|b| b.state == State::Staged);
+        staged.map(|b| (b.id, b.entry))
     }
 
     /// Drops the staged backends never written, and files those written
     /// since the last call that no slot names.
     pub fn settle(&mut self) {
-        for id in std::mem::take(&mut self.written) {
-            match self.recorded(id).map(|b| b.state) {
-                Some(State::Staged) => drop(self.remove(id)),
-                _ if self.is_unreferenced(id) => drop(self.unreferenced.insert(id)),
-                _ => {}
+        for position in std::mem::take(&mut self.written) {
+            let Some(backend) = self.slab[position as usize] else { continue };
+            match backend.state {
+                State::Staged => drop(self.remove(backend.id)),
+                State::Installed if backend.refs == 0 => {
+                    self.unreferenced.insert(backend.id);
+                }
+                State::Installed => {}
             }
         }
     }
@@ -176,15 +200,17 @@ impl Backends {
         }
         let refs = self.refs(id);
         self.remove(id);
-        self.add(Backend { id, refs, entry, state: State::Installed });
+        let position = self.add(Backend { id, refs, entry, state: State::Installed });
         if refs == 0 {
-            self.written.push(id);
+            self.written.push(position);
         }
     }
 
-    /// Puts `backend` in a free position and both tables.
-    fn add(&mut self, backend: Backend) {
+    /// Puts `backend` in a free position and both tables; returns the
+    /// position.
+    fn add(&mut self, backend: Backend) -> u32 {
         let Backend { id, entry, .. } = backend;
+        self.max_id = self.max_id.max(id);
         let backend = Some(backend);
         let position = match self.free.pop() {
             Some(p) => {
@@ -199,14 +225,13 @@ impl Backends {
         let (slab, hasher) = (&self.slab, &self.hasher);
         let at = |p: &u32| filled(slab, p);
         self.by_id.insert_unique(hasher.hash_one(id), position, |p| hasher.hash_one(at(p).id));
-        let hash = hasher.hash_one(entry);
-        match self.by_entry.find_mut(hash, |p| at(p).entry == entry) {
-            Some(other) => *other = position,
-            None => {
-                let rehash = |p: &u32| hasher.hash_one(at(p).entry);
-                self.by_entry.insert_unique(hash, position, rehash);
-            }
+        let eq = |p: &u32| at(p).entry == entry;
+        let rehash = |p: &u32| hasher.hash_one(at(p).entry);
+        match self.by_entry.entry(hasher.hash_one(entry), eq, rehash) {
+            Entry::Occupied(mut other) => *other.get_mut() = position,
+            Entry::Vacant(vacant) => drop(vacant.insert(position)),
         }
+        position
     }
 
     /// Forgets backend `id`, deleted from the map (or staged and never
@@ -364,12 +389,17 @@ mod tests {
         // Found, so no second id is given to it nor its id to another...
         assert_eq!((backends.id_of(&entry(2)), backends.contains_id(3)), (Some(2), true));
         // ... but not installed.
-        assert_eq!((backends.get(2), backends.is_installed(2), backends.len()), (None, false, 1));
+        let at = backends.find(&entry(2)).unwrap();
+        assert_eq!(
+            (backends.get(2), backends.is_installed_at(at), backends.len()),
+            (None, false, 1)
+        );
         assert_eq!(backends.unreferenced().collect::<Vec<_>>(), vec![1]);
         assert_eq!(backends.staged(0).collect::<Vec<_>>(), vec![(2, entry(2)), (3, entry(3))]);
         // Written: installed, and unreferenced until a slot names it.
         backends.insert(2, entry(2));
         assert_eq!((backends.get(2), backends.len()), (Some(&entry(2)), 2));
+        assert!(backends.is_installed_at(at) && backends.id_at(at) == 2);
         assert_eq!(backends.staged(1).collect::<Vec<_>>(), vec![(3, entry(3))]);
         assert_eq!(backends.unreferenced().collect::<BTreeSet<_>>(), BTreeSet::from([1, 2]));
         // Never written: gone at the settle, its id and entry free again.

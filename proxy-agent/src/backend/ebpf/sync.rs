@@ -41,7 +41,7 @@ use super::{
     carry::Reserved,
     departures::Departures,
     entries::{BackendEntry, RevNatEntry, SlotKey},
-    installed::{Backends, Slots},
+    installed::{Backends, Pos, Slots},
 };
 use crate::{
     fit,
@@ -285,6 +285,9 @@ struct Changes<'p> {
     /// Frontends to bring to the plan, internal scopes first, with their
     /// reverse-NAT ids.
     kept: Vec<(&'p Frontend, &'p FrontendPlan, u32)>,
+    /// Where the backends the kept frontends name are in the record, in
+    /// their order.
+    named: Vec<Pos>,
     /// Frontends to remove, external scopes first.
     removed: Vec<Frontend>,
     /// Backends no slot will name.
@@ -471,7 +474,7 @@ impl SyncState {
         dirty: Option<&BTreeSet<Frontend>>,
         writer: &mut impl MapWriter,
     ) -> Result<SyncReport, SyncError> {
-        let Changes { kept, removed, deleted, tally } = self.changes(plan, dirty);
+        let Changes { kept, named, removed, deleted, tally } = self.changes(plan, dirty);
         self.check_capacity(&tally.added)?;
         self.frontends.reserve(tally.added.rev_nat);
         // Owed from now on: a write below may fail after slots changed.
@@ -502,8 +505,9 @@ impl SyncState {
                 writes += self.write_full(&mut ops, writer)?;
             }
         }
-        for &(frontend, fp, rev_nat_id) in &kept {
-            self.frontend_writes((frontend, fp, rev_nat_id), None, &mut |op| ops.push(op));
+        let counts = kept.iter().map(|(_, fp, _)| fp.backends.len());
+        for (&(frontend, fp, rev_nat_id), named) in kept.iter().zip(cut(&named, counts)) {
+            self.frontend_writes((frontend, fp, rev_nat_id), named, None, &mut |op| ops.push(op));
             writes += self.write_full(&mut ops, writer)?;
         }
         // 3. Frontends that are gone.
@@ -672,20 +676,21 @@ impl SyncState {
         // past each id it gives and skips the reserved ones, and a reserved
         // id names one backend: no id is given twice in a sync.
         let mut last_id = self.last_backend_id;
+        let mut named = Vec::with_capacity(kept.iter().map(|(_, fp)| fp.backends.len()).sum());
         for (frontend, fp) in &kept {
             for addr in &fp.backends {
                 let backend = BackendEntry::new(frontend, addr);
-                if self.backends.id_of(&backend).is_some() {
-                    continue;
-                }
-                let id = Self::new_id(
-                    self.reserved.backends.get(&backend),
-                    &mut last_id,
-                    |id| self.backends.contains_id(id),
-                    &self.reserved_ids.backends,
-                );
-                self.backends.stage(id, backend);
-                tally.added.backends += 1;
+                let at = self.backends.find(&backend).unwrap_or_else(|| {
+                    let id = Self::new_id(
+                        self.reserved.backends.get(&backend),
+                        &mut last_id,
+                        |id| self.backends.contains_id(id),
+                        &self.reserved_ids.backends,
+                    );
+                    tally.added.backends += 1;
+                    self.backends.stage(id, backend)
+                });
+                named.push(at);
             }
         }
 
@@ -693,7 +698,8 @@ impl SyncState {
         let mut last_rev = self.last_rev_nat_id;
         let mut new_revs = BTreeSet::new();
         let mut kept_ids = Vec::with_capacity(kept.len());
-        for (frontend, fp) in kept {
+        let counts = kept.iter().map(|(_, fp)| fp.backends.len());
+        for ((frontend, fp), named) in kept.iter().copied().zip(cut(&named, counts)) {
             let installed = self.frontends.get(frontend).map_or(0, |i| i.rev_nat_id);
             let rev_nat_id = if installed != 0 {
                 installed
@@ -708,7 +714,7 @@ impl SyncState {
                 tally.added.rev_nat += 1;
                 id
             };
-            self.frontend_writes((frontend, fp, rev_nat_id), Some(&mut tally), &mut drop);
+            self.frontend_writes((frontend, fp, rev_nat_id), named, Some(&mut tally), &mut drop);
             kept_ids.push((frontend, fp, rev_nat_id));
         }
 
@@ -734,7 +740,7 @@ impl SyncState {
                 deleted.push((id, backend.family()));
             }
         }
-        Changes { kept: kept_ids, removed, deleted, tally }
+        Changes { kept: kept_ids, named, removed, deleted, tally }
     }
 
     /// The writes that bring installed `frontend` to `fp` after its
@@ -744,18 +750,20 @@ impl SyncState {
     fn frontend_writes(
         &self,
         (frontend, fp, rev_nat_id): (&Frontend, &FrontendPlan, u32),
+        named: &[Pos],
         mut tally: Option<&mut Tally>,
         emit: &mut impl FnMut(MapOp),
     ) {
         let installed = self.frontends.get(frontend).unwrap_or(&NOT_INSTALLED);
-        let backend_ids: Vec<u32> = fp
-            .backends
-            .iter()
-            .map(|b| {
-                let backend = BackendEntry::new(frontend, b);
-                self.backends.id_of(&backend).expect("every planned backend has an id")
-            })
-            .collect();
+        let backend_ids: Vec<u32> = named.iter().map(|at| self.backends.id_at(*at)).collect();
+        // Only installed backends may be deleted: a first sync's million
+        // new ones need no count.
+        let mut new = Vec::new();
+        if tally.is_some() {
+            let staged = named.iter().filter(|at| !self.backends.is_installed_at(**at));
+            new.extend(staged.map(|at| self.backends.id_at(*at)));
+            new.sort_unstable();
+        }
         let slots = assign_slots(&installed.slots, &backend_ids);
         for (slot, id) in (1..).zip(slots) {
             let old = installed.slots.get(slot);
@@ -763,9 +771,7 @@ impl SyncState {
                 let value = ServiceValue { backend_id: id, rev_nat_id, ..Default::default() };
                 emit(MapOp::PutService { key: SlotKey::new(frontend, slot), value });
                 if let Some(tally) = tally.as_deref_mut() {
-                    // Only installed backends may be deleted: a first sync's
-                    // million new ones need no count.
-                    if self.backends.is_installed(id) {
+                    if new.binary_search(&id).is_err() {
                         *tally.refs_delta.entry(id).or_default() += 1;
                     }
                     match old {
@@ -963,6 +969,16 @@ impl SyncState {
             assert_eq!(self.backends.id_of(entry), Some(id), "backend {id} by entry");
         }
     }
+}
+
+/// `named` cut into each frontend's backends, of these counts in order.
+fn cut(named: &[Pos], counts: impl IntoIterator<Item = usize>) -> impl Iterator<Item = &[Pos]> {
+    let mut rest = named;
+    counts.into_iter().map(move |count| {
+        let (these, after) = rest.split_at(count);
+        rest = after;
+        these
+    })
 }
 
 /// The frontend flags the programs act on.
