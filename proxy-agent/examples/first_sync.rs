@@ -110,6 +110,7 @@ fn read(changes: &mut Changes, i: usize, endpoints: usize) {
 }
 
 fn main() {
+    proxy_agent::sys::fix_allocator_thresholds();
     let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>());
     let services = args.next().and_then(Result::ok).unwrap_or(100_000);
     let endpoints = args.next().and_then(Result::ok).unwrap_or(10);

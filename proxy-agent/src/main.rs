@@ -20,6 +20,7 @@ fn init_logging(format: LoggingFormat) {
 }
 
 fn main() -> std::process::ExitCode {
+    proxy_agent::sys::fix_allocator_thresholds();
     let matches = Cli::command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,

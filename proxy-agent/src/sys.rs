@@ -243,8 +243,6 @@ pub fn set_sysctl(key: &str, value: &str) -> io::Result<()> {
     std::fs::write(path, value)
 }
 
-/// Lets BPF maps be created on kernels that still charge them to
-/// RLIMIT_MEMLOCK (before 5.11).
 /// Hands the heap's free pages back to the kernel. Parsing the kernel's BTF
 /// makes and frees hundreds of thousands of small allocations, which the
 /// allocator would otherwise keep resident.
@@ -255,6 +253,24 @@ pub fn release_freed_memory() {
     }
 }
 
+/// Has glibc's allocator map each allocation of 128 KiB or more on its own
+/// (given back whole when freed) and trim the heap's free top beyond
+/// 128 KiB, for good. By default both thresholds rise after the first
+/// large free, up to 32 and 64 MiB: a first sync's tables (tens of MiB)
+/// were then carved from the heap and its holes stayed resident, 13 to
+/// 16 MiB of the peak at 100,000 services (docs/benchmarks.md).
+pub fn fix_allocator_thresholds() {
+    const THRESHOLD: libc::c_int = 128 * 1024;
+    for param in [libc::M_MMAP_THRESHOLD, libc::M_TRIM_THRESHOLD] {
+        // SAFETY: mallopt only sets the allocator's parameters.
+        unsafe {
+            libc::mallopt(param, THRESHOLD);
+        }
+    }
+}
+
+/// Lets BPF maps be created on kernels that still charge them to
+/// RLIMIT_MEMLOCK (before 5.11).
 pub fn raise_memlock_rlimit() {
     let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
     // SAFETY: a valid rlimit struct.
