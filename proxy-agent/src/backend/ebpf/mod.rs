@@ -562,9 +562,6 @@ pub struct EbpfBackend {
     /// Previous maps whose entries are converted into ours: once more after
     /// the takeover, for the flows the old programs made meanwhile.
     conversions: Vec<Conversion>,
-    /// The running kernel's BTF, where it has one (the socket iterators'
-    /// attach targets and kfunc), until the way sockets end is chosen.
-    kernel_btf: Option<aya::Btf>,
     /// How sockets connected to departed backends are ended, and of which
     /// protocols (see [`EbpfBackend::choose_socket_ending`]).
     socket_ending: SocketEnding,
@@ -680,7 +677,6 @@ impl EbpfBackend {
             tc_interfaces,
             carried,
             conversions,
-            kernel_btf,
             socket_ending: SocketEnding::Unavailable,
             records: None,
             socket_protocols: Vec::new(),
@@ -747,9 +743,7 @@ impl EbpfBackend {
         };
         self.socket_protocols =
             if tcp { vec![IPPROTO_UDP, IPPROTO_TCP] } else { vec![IPPROTO_UDP] };
-        // The kernel's types served the iterators' loading only: tens of
-        // megabytes parsed, not to be held for the agent's life.
-        self.kernel_btf = None;
+        // The kernel's types parsed for the iterators' loading.
         crate::sys::release_freed_memory();
         &self.socket_ending
     }
@@ -759,7 +753,11 @@ impl EbpfBackend {
     /// sockets are ended.
     pub fn load_socket_iterators(&mut self) -> Result<(), EbpfError> {
         if !matches!(self.socket_ending, SocketEnding::Iterators(_)) {
-            let iterators = Iterators::load(&mut self.ebpf, self.kernel_btf.as_ref())?;
+            // Their attach targets and kfunc are the running kernel's
+            // types: parsed again here (about 20 ms) rather than kept from
+            // the programs' loading, tens of MiB through the first sync.
+            let kernel_btf = aya::Btf::from_sys_fs().ok();
+            let iterators = Iterators::load(&mut self.ebpf, kernel_btf.as_ref())?;
             self.socket_ending = SocketEnding::Iterators(iterators);
         }
         Ok(())
