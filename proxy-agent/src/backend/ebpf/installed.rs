@@ -58,6 +58,10 @@ pub struct Backends {
     max_id: u32,
     /// How many are staged.
     staged: usize,
+    /// Where the last backend written or referenced is: a first sync
+    /// writes its new backends in the order staged and then names them in
+    /// that order, each next to the last, found there without a search.
+    last: u32,
     /// Backends no installed slot names (left by a failed sync, or whose
     /// last slot went in this one): deleted by the next sync.
     unreferenced: HashSet<u32>,
@@ -96,8 +100,18 @@ impl Backends {
         (backend.state == State::Installed).then_some(backend)
     }
 
+    /// [`Self::position`], tried first next to the last one found here.
+    fn position_near(&mut self, id: u32) -> Option<u32> {
+        let near = [self.last, self.last.wrapping_add(1)];
+        let holds =
+            |p: &u32| self.slab.get(*p as usize).is_some_and(|b| b.is_some_and(|b| b.id == id));
+        let position = near.into_iter().find(holds).or_else(|| self.position(id))?;
+        self.last = position;
+        Some(position)
+    }
+
     fn backend_mut(&mut self, id: u32) -> Option<&mut Backend> {
-        let position = self.position(id)?;
+        let position = self.position_near(id)?;
         self.slab[position as usize].as_mut().filter(|b| b.state == State::Installed)
     }
 
@@ -152,6 +166,19 @@ impl Backends {
         self.unreferenced.iter().copied().chain(written.map(|b| b.id))
     }
 
+    /// Room for `total` backends in all, made at once rather than by
+    /// doubling as they are staged (each doubling rehashes every one, with
+    /// the old and new tables side by side).
+    pub fn reserve(&mut self, total: usize) {
+        let additional = total.saturating_sub(self.by_id.len());
+        self.slab.reserve(additional.saturating_sub(self.free.len()));
+        self.written.reserve(additional);
+        let (slab, hasher) = (&self.slab, &self.hasher);
+        let at = |p: &u32| filled(slab, p);
+        self.by_id.reserve(additional, |p| hasher.hash_one(at(p).id));
+        self.by_entry.reserve(additional, |p| hasher.hash_one(at(p).entry));
+    }
+
     /// Gives new backend `entry` (no recorded one has it) the unused
     /// `id`, to be written next; the staged backends since the last
     /// [`Backends::settle`] are [`Backends::staged`].
@@ -188,7 +215,7 @@ impl Backends {
     /// Records backend `id` written as `entry` (a rewrite keeps its
     /// references; an entry written under a second id is found by that one).
     pub fn insert(&mut self, id: u32, entry: BackendEntry) {
-        let position = self.position(id);
+        let position = self.position_near(id);
         if let Some(staged) = position.and_then(|p| self.slab[p as usize].as_mut())
             && staged.state == State::Staged
             && staged.entry == entry
@@ -407,6 +434,25 @@ mod tests {
         assert_eq!((backends.id_of(&entry(3)), backends.contains_id(3)), (None, false));
         assert_eq!((backends.staged(0).count(), backends.len()), (0, 2));
         assert_eq!(backends.unreferenced().collect::<BTreeSet<_>>(), BTreeSet::from([1, 2]));
+    }
+
+    #[test]
+    fn backends_are_found_next_to_the_last_and_anywhere_else() {
+        let mut backends = Backends::default();
+        backends.reserve(5);
+        for last in 1..=5 {
+            backends.stage(u32::from(last) * 10, entry(last));
+        }
+        for last in 1..=5 {
+            backends.insert(u32::from(last) * 10, entry(last));
+        }
+        // In order (each next to the last), then out of it.
+        for id in [10, 20, 30, 40, 50, 40, 10, 50, 50, 20] {
+            backends.add_ref(id);
+        }
+        let refs: Vec<u32> = [10, 20, 30, 40, 50].map(|id| backends.refs(id)).into();
+        assert_eq!(refs, vec![2, 2, 1, 2, 3]);
+        assert_eq!((backends.len(), backends.unreferenced().count()), (5, 0));
     }
 
     #[test]

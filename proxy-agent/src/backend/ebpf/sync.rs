@@ -675,6 +675,7 @@ impl SyncState {
         // 1. Backends, with ids for the new ones, staged. Round-robin moves
         // past each id it gives and skips the reserved ones, and a reserved
         // id names one backend: no id is given twice in a sync.
+        self.backends.reserve(distinct_backends(&kept));
         let mut last_id = self.last_backend_id;
         let mut named = Vec::with_capacity(kept.iter().map(|(_, fp)| fp.backends.len()).sum());
         for (frontend, fp) in &kept {
@@ -969,6 +970,18 @@ impl SyncState {
             assert_eq!(self.backends.id_of(entry), Some(id), "backend {id} by entry");
         }
     }
+}
+
+/// About how many distinct backends `kept` names: the most any frontend of
+/// a service port names (its frontends share them), summed. More where
+/// service ports share backends; fewer where the record holds some already.
+fn distinct_backends(kept: &[(&Frontend, &FrontendPlan)]) -> usize {
+    let mut by_port: HashMap<*const ServicePortName, usize> = HashMap::new();
+    for (_, fp) in kept {
+        let most = by_port.entry(Arc::as_ptr(&fp.service)).or_default();
+        *most = (*most).max(fp.backends.len());
+    }
+    by_port.values().sum()
 }
 
 /// `named` cut into each frontend's backends, of these counts in order.
