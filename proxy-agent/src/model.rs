@@ -308,7 +308,7 @@ impl Endpoint {
 /// the family of `cluster_ip`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort {
-    pub name: ServicePortName,
+    pub name: Arc<ServicePortName>,
     pub protocol: Protocol,
     pub port: u16,
     pub cluster_ip: IpAddr,
@@ -971,7 +971,7 @@ pub fn parse_service(service: &objects::Service) -> Result<Vec<ServicePort>, Mod
             _ => None,
         };
         let template = ServicePort {
-            name: ServicePortName { service: name.clone(), port: port_name.into() },
+            name: Arc::new(ServicePortName { service: name.clone(), port: port_name.into() }),
             protocol,
             port: number,
             cluster_ip: Ipv4Addr::UNSPECIFIED.into(),

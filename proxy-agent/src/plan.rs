@@ -375,7 +375,8 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
     let (cluster_ip, family) = (port.cluster_ip, port.family());
     let of_family = move |ip: &IpAddr| IpFamily::of(*ip) == family;
     let at = |ip, number| Frontend::new(ip, number, port.protocol);
-    let name = Arc::new(port.name.clone());
+    // Shared with the model (and the parsed Service).
+    let name = port.name.clone();
     let for_policy = |kind: FrontendKind, local: bool, source_ranges: Vec<Cidr>| {
         let external = kind != FrontendKind::ClusterIp;
         let endpoints = if local {
@@ -448,10 +449,10 @@ mod tests {
 
     fn port(name: &str, ip: [u8; 4], endpoints: &[(&str, bool, &str)]) -> ServicePort {
         ServicePort {
-            name: ServicePortName {
+            name: Arc::new(ServicePortName {
                 service: ServiceName { namespace: "default".into(), name: name.into() },
                 port: "".into(),
-            },
+            }),
             protocol: Protocol::Tcp,
             port: 80,
             cluster_ip: ip.into(),
@@ -681,7 +682,7 @@ mod tests {
 
         // "a" (policy Cluster) takes the address over: b's twin goes with it.
         let mut first = cluster.clone();
-        first.name.service.name = "a".into();
+        Arc::make_mut(&mut first.name).service.name = "a".into();
         first.cluster_ip = Ipv4Addr::new(10, 96, 0, 1).into();
         let model = model::Model::from_ports([first.clone(), local.clone(), cluster.clone()]);
         let changed = planner.update(&model, &BTreeSet::from([first.name.service.clone()]));
@@ -691,7 +692,7 @@ mod tests {
 
         // And back when "a" goes.
         let model = model::Model::from_ports([local, cluster]);
-        planner.update(&model, &BTreeSet::from([first.name.service]));
+        planner.update(&model, &BTreeSet::from([first.name.service.clone()]));
         assert_eq!(planner.plan().frontends[&external.internal()].backends.len(), 1);
     }
 
@@ -763,11 +764,11 @@ mod tests {
         for port in model.ports() {
             for (frontend, claim) in frontends(port, node) {
                 match plan.frontends.get(&frontend) {
-                    Some(existing) if *existing.service == port.name => {}
+                    Some(existing) if existing.service == port.name => {}
                     Some(existing) => conflicts.push(ConflictError {
                         frontend,
                         winner: ServicePortName::clone(&existing.service),
-                        loser: port.name.clone(),
+                        loser: ServicePortName::clone(&port.name),
                     }),
                     None => plan.install(frontend, claim),
                 }
@@ -837,10 +838,10 @@ mod tests {
         };
         (0..1 + rng.below(3))
             .map(|_| ServicePort {
-                name: ServicePortName {
+                name: Arc::new(ServicePortName {
                     service: name.clone(),
                     port: (*rng.pick(&["", "http", "dns"])).into(),
-                },
+                }),
                 protocol: rng.pick(&[Protocol::Tcp, Protocol::Udp]),
                 port: rng.pick(&[80, 443]),
                 cluster_ip: cluster_ip.into(),
@@ -864,7 +865,7 @@ mod tests {
     fn renamed(ports: &[ServicePort], name: &ServiceName) -> Vec<ServicePort> {
         let mut ports = ports.to_vec();
         for port in &mut ports {
-            port.name.service = name.clone();
+            Arc::make_mut(&mut port.name).service = name.clone();
         }
         ports
     }

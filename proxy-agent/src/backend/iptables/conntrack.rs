@@ -57,7 +57,7 @@ pub fn udp_services(model: &Model, family: IpFamily, node_ips: &[IpAddr]) -> Udp
                     .map(|e| e.addr.ip())
                     .collect(),
             };
-            (p.name.clone(), service)
+            (ServicePortName::clone(&p.name), service)
         })
         .collect()
 }
