@@ -481,17 +481,17 @@ impl SyncState {
         self.pending_purge.extend(tally.purge);
         let departures = self.departures(&deleted, &tally.left);
         let mut ops = Vec::with_capacity(batch::CHUNK);
-        let mut writes = 0;
-        // 1. New backends, all written before a slot names one (so far,
-        // every write is one of them).
+        // 1. New backends, all written before a slot names one.
+        let mut backends_written = 0;
         loop {
-            let staged = self.backends.staged(writes).take(batch::CHUNK);
+            let staged = self.backends.staged(backends_written).take(batch::CHUNK);
             ops.extend(staged.map(|(id, backend)| MapOp::PutBackend { id, backend }));
             if ops.is_empty() {
                 break;
             }
-            writes += self.write(&mut ops, writer)?;
+            backends_written += self.write(&mut ops, writer)?;
         }
+        let mut writes = backends_written;
         // 2. Frontends to create or update: their reverse-NAT entries first
         // (no frontend slot names a new one yet), so that their slots, of
         // one kind from frontend to frontend, go in batches.
