@@ -430,13 +430,15 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             node.nodeport_ips(family).map(|ip| (at(ip, node_port), node_port_claim.clone())),
         );
     }
-    let balanced = claim(FrontendKind::LoadBalancer, port.source_ranges.clone());
+    let balanced = claim(FrontendKind::LoadBalancer, port.source_ranges().to_vec());
     let ips = |ips: &[IpAddr]| ips.iter().copied().filter(of_family).collect::<Vec<_>>();
     out.extend(
-        ips(&port.load_balancer_ips).into_iter().map(|ip| (at(ip, port.port), balanced.clone())),
+        ips(port.load_balancer_ips()).into_iter().map(|ip| (at(ip, port.port), balanced.clone())),
     );
     let external = claim(FrontendKind::ExternalIp, vec![]);
-    out.extend(ips(&port.external_ips).into_iter().map(|ip| (at(ip, port.port), external.clone())));
+    out.extend(
+        ips(port.external_ips()).into_iter().map(|ip| (at(ip, port.port), external.clone())),
+    );
     out
 }
 
@@ -445,7 +447,17 @@ mod tests {
     use std::net::{Ipv4Addr, Ipv6Addr};
 
     use super::*;
-    use crate::model::{self, Endpoint, EndpointAddr, Hints};
+    use crate::model::{self, Endpoint, EndpointAddr, Exposure, Hints};
+
+    /// An external IP, a load-balancer IP and a source range.
+    fn exposed() -> Option<Box<Exposure>> {
+        Exposure {
+            external_ips: vec![Ipv4Addr::new(10, 200, 0, 5).into()],
+            load_balancer_ips: vec![Ipv4Addr::new(10, 200, 0, 6).into()],
+            source_ranges: vec![Cidr::parse("192.168.100.101/32").unwrap()],
+        }
+        .boxed()
+    }
 
     fn port(name: &str, ip: [u8; 4], endpoints: &[(&str, bool, &str)]) -> ServicePort {
         ServicePort {
@@ -457,9 +469,7 @@ mod tests {
             port: 80,
             cluster_ip: ip.into(),
             node_port: None,
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            source_ranges: vec![],
+            exposure: None,
             external_local: false,
             health_check_node_port: None,
             internal_local: false,
@@ -526,7 +536,8 @@ mod tests {
         let mut v6 = port("a", [0; 4], &[("[fd00:244::2]:8080", true, "node-a")]);
         v6.cluster_ip = "fd00:96::1".parse().unwrap();
         v6.node_port = Some(30080);
-        v6.external_ips = vec!["fd00:200::5".parse().unwrap()];
+        let external_ips = vec!["fd00:200::5".parse().unwrap()];
+        v6.exposure = Exposure { external_ips, ..Exposure::default() }.boxed();
         // An endpoint of the other family never backs a frontend.
         let v4_endpoint = port("x", [0; 4], &[("10.0.0.9:8080", true, "node-a")]).endpoints;
         v6.endpoints = v6.endpoints.iter().chain(v4_endpoint.iter()).cloned().collect();
@@ -567,9 +578,7 @@ mod tests {
     fn node_ports_external_and_load_balancer_ips_become_external_frontends() {
         let mut p = port("a", [10, 96, 0, 1], &[("10.0.0.2:8080", true, "node-b")]);
         p.node_port = Some(30080);
-        p.external_ips = vec![Ipv4Addr::new(10, 200, 0, 5).into()];
-        p.load_balancer_ips = vec![Ipv4Addr::new(10, 200, 0, 6).into()];
-        p.source_ranges = vec![Cidr::parse("192.168.100.101/32").unwrap()];
+        p.exposure = exposed();
         let plan = one(vec![p.clone()]);
         assert_eq!(plan.frontends.len(), 5, "cluster IP, two node ports, external IP, LB IP");
         for (ip, port) in
@@ -632,9 +641,7 @@ mod tests {
             &[("10.0.0.2:80", true, "node-a"), ("10.0.0.3:80", true, "node-b")],
         );
         p.node_port = Some(30080);
-        p.external_ips = vec![Ipv4Addr::new(10, 200, 0, 5).into()];
-        p.load_balancer_ips = vec![Ipv4Addr::new(10, 200, 0, 6).into()];
-        p.source_ranges = vec![Cidr::parse("192.168.100.101/32").unwrap()];
+        p.exposure = exposed();
         p.external_local = true;
         // The twins ignore internalTrafficPolicy, as kube-proxy's KUBE-SVC.
         p.internal_local = true;
@@ -669,10 +676,10 @@ mod tests {
     fn a_contested_address_and_its_twin_go_to_the_same_service() {
         let ip = Ipv4Addr::new(10, 200, 0, 5);
         let mut local = port("b", [10, 96, 0, 2], &[("10.0.0.3:80", true, "node-b")]);
-        local.external_ips = vec![ip.into()];
+        local.exposure = Exposure { external_ips: vec![ip.into()], ..Exposure::default() }.boxed();
         local.external_local = true;
         let mut cluster = port("c", [10, 96, 0, 3], &[("10.0.0.4:80", true, "node-b")]);
-        cluster.external_ips = vec![ip.into()];
+        cluster.exposure = local.exposure.clone();
         let external = Frontend::new(ip.into(), 80, Protocol::Tcp);
         let mut planner = Planner::new(node());
         let model = model::Model::from_ports([local.clone(), cluster.clone()]);
@@ -846,13 +853,16 @@ mod tests {
                 port: rng.pick(&[80, 443]),
                 cluster_ip: cluster_ip.into(),
                 node_port: rng.chance(30).then(|| 30_000 + rng.below(4) as u16),
-                external_ips: some_ips(rng),
-                load_balancer_ips: some_ips(rng),
-                source_ranges: if rng.chance(30) {
-                    vec![Cidr::parse("192.168.100.0/24").unwrap()]
-                } else {
-                    vec![]
-                },
+                exposure: Exposure {
+                    external_ips: some_ips(rng),
+                    load_balancer_ips: some_ips(rng),
+                    source_ranges: if rng.chance(30) {
+                        vec![Cidr::parse("192.168.100.0/24").unwrap()]
+                    } else {
+                        vec![]
+                    },
+                }
+                .boxed(),
                 external_local: rng.chance(30),
                 health_check_node_port: None,
                 internal_local: rng.chance(20),

@@ -70,8 +70,8 @@ fn no_local_endpoints(ports: &[ServicePort], node_name: &str) -> (u64, u64) {
     for port in ports.iter().filter(|p| p.family() == IpFamily::V4 && p.has_endpoints()) {
         let none_here = port.usable_endpoints(Some(node_name)).is_empty();
         let external = port.node_port.is_some()
-            || !port.external_ips.is_empty()
-            || !port.load_balancer_ips.is_empty();
+            || !port.external_ips().is_empty()
+            || !port.load_balancer_ips().is_empty();
         counts.0 += u64::from(port.internal_local && none_here);
         counts.1 += u64::from(port.external_local && external && none_here);
     }

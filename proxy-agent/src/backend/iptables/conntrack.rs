@@ -64,8 +64,8 @@ pub fn udp_services(model: &Model, family: IpFamily, node_ips: &[IpAddr]) -> Udp
 
 fn service_frontends(p: &ServicePort) -> impl Iterator<Item = (IpAddr, u16)> + '_ {
     std::iter::once(&p.cluster_ip)
-        .chain(&p.external_ips)
-        .chain(&p.load_balancer_ips)
+        .chain(p.external_ips())
+        .chain(p.load_balancer_ips())
         .map(|ip| (*ip, p.port))
 }
 

@@ -447,8 +447,8 @@ impl<'a> ServiceRules<'a> {
 
     fn externally_accessible(&self) -> bool {
         self.port.node_port.is_some()
-            || !self.port.external_ips.is_empty()
-            || !self.port.load_balancer_ips.is_empty()
+            || !self.port.external_ips().is_empty()
+            || !self.port.load_balancer_ips().is_empty()
     }
 
     fn uses_svc(&self) -> bool {
@@ -467,8 +467,8 @@ impl<'a> ServiceRules<'a> {
 
     fn uses_fw(&self) -> bool {
         self.has_endpoints()
-            && !self.port.load_balancer_ips.is_empty()
-            && !self.port.source_ranges.is_empty()
+            && !self.port.load_balancer_ips().is_empty()
+            && !self.port.source_ranges().is_empty()
     }
 
     fn internal_chain(&self) -> &str {
@@ -534,7 +534,7 @@ impl<'a> ServiceRules<'a> {
             filter.rule("KUBE-SERVICES", &words);
         }
         let external = !self.has_external();
-        for ip in &self.port.external_ips {
+        for ip in self.port.external_ips() {
             if external {
                 let ip = ip.to_string();
                 let mut words = vec!["-m", "comment", "--comment", &why];
@@ -546,7 +546,7 @@ impl<'a> ServiceRules<'a> {
         // All the firewall drops, then the no-endpoint rules, as kube-proxy.
         if self.uses_fw() {
             let not_accepted = format!("\"{s} traffic not accepted by {}\"", self.chains.fw);
-            for ip in &self.port.load_balancer_ips {
+            for ip in self.port.load_balancer_ips() {
                 let ip = ip.to_string();
                 let mut words = vec!["-m", "comment", "--comment", &not_accepted];
                 words.extend(self.dest(&ip, &port));
@@ -554,7 +554,7 @@ impl<'a> ServiceRules<'a> {
                 filter.rule("KUBE-PROXY-FIREWALL", &words);
             }
         }
-        for ip in self.port.load_balancer_ips.iter().filter(|_| external) {
+        for ip in self.port.load_balancer_ips().iter().filter(|_| external) {
             let ip = ip.to_string();
             let mut words = vec!["-m", "comment", "--comment", &why];
             words.extend(self.dest(&ip, &port));
@@ -621,7 +621,7 @@ impl<'a> ServiceRules<'a> {
             nat.rule("KUBE-SERVICES", &words);
         }
         let external_ip = format!("\"{s} external IP\"");
-        for ip in &self.port.external_ips {
+        for ip in self.port.external_ips() {
             let ip = ip.to_string();
             let mut words = vec!["-m", "comment", "--comment", &external_ip];
             words.extend(self.dest(&ip, &port));
@@ -630,7 +630,7 @@ impl<'a> ServiceRules<'a> {
         }
         let lb_ip = format!("\"{s} loadbalancer IP\"");
         let lb_target = if self.uses_fw() { &c.fw } else { &c.ext };
-        for ip in &self.port.load_balancer_ips {
+        for ip in self.port.load_balancer_ips() {
             let ip = ip.to_string();
             let mut words = vec!["-m", "comment", "--comment", &lb_ip];
             words.extend(self.dest(&ip, &port));
@@ -704,7 +704,7 @@ impl<'a> ServiceRules<'a> {
             self.write_ext(nat);
         }
         if self.uses_fw() {
-            for range in &self.port.source_ranges {
+            for range in self.port.source_ranges() {
                 let range = range.to_string();
                 nat.rule(
                     &c.fw,
@@ -712,13 +712,12 @@ impl<'a> ServiceRules<'a> {
                 );
             }
             // kube-proxy checks its primary node IP only.
-            let admits_node = self
-                .opts
-                .node_ips
-                .first()
-                .is_some_and(|node| self.port.source_ranges.iter().any(|r| r.contains(*node)));
+            let admits_node =
+                self.opts.node_ips.first().is_some_and(|node| {
+                    self.port.source_ranges().iter().any(|r| r.contains(*node))
+                });
             if admits_node {
-                for ip in &self.port.load_balancer_ips {
+                for ip in self.port.load_balancer_ips() {
                     let ip = ip.to_string();
                     nat.rule(
                         &c.fw,
