@@ -15,23 +15,43 @@ use hashbrown::{DefaultHashBuilder, HashSet, HashTable, hash_table::Entry};
 
 use super::entries::BackendEntry;
 
-/// A recorded backend: its id, entry, how many installed slots name it,
-/// and whether the map holds it yet.
+/// A recorded backend: its id, entry, and whether the map holds it yet
+/// and how many installed slots name it. 32 bytes: a first sync records
+/// a million.
 #[derive(Clone, Copy, Debug)]
 struct Backend {
     id: u32,
-    refs: u32,
-    entry: BackendEntry,
     state: State,
+    entry: BackendEntry,
 }
 
+const _: () = assert!(std::mem::size_of::<Option<Backend>>() == 32);
+
+/// Staged, or installed and named by so many installed slots: one word
+/// (an enum with a count would take two).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum State {
+struct State(u32);
+
+impl State {
     /// Given its id by a sync that has yet to write it: found by id and
     /// entry (no second id is given to it, nor its id to another), but not
-    /// installed.
-    Staged,
-    Installed,
+    /// installed, so no slot names it. Above any count of slots, which the
+    /// maps' sizes bound far below.
+    const STAGED: State = State(u32::MAX);
+    const UNREFERENCED: State = State(0);
+
+    fn is_staged(self) -> bool {
+        self == State::STAGED
+    }
+
+    fn is_installed(self) -> bool {
+        !self.is_staged()
+    }
+
+    /// How many installed slots name it.
+    fn refs(self) -> u32 {
+        if self.is_staged() { 0 } else { self.0 }
+    }
 }
 
 /// Where a recorded backend is: valid until it is removed (a sync removes
@@ -97,7 +117,7 @@ impl Backends {
 
     fn backend(&self, id: u32) -> Option<&Backend> {
         let backend = self.at(self.position(id)?);
-        (backend.state == State::Installed).then_some(backend)
+        backend.state.is_installed().then_some(backend)
     }
 
     /// [`Self::position`], tried first next to the last one found here.
@@ -112,7 +132,7 @@ impl Backends {
 
     fn backend_mut(&mut self, id: u32) -> Option<&mut Backend> {
         let position = self.position_near(id)?;
-        self.slab[position as usize].as_mut().filter(|b| b.state == State::Installed)
+        self.slab[position as usize].as_mut().filter(|b| b.state.is_installed())
     }
 
     /// The entry of installed backend `id`.
@@ -136,7 +156,7 @@ impl Backends {
     }
 
     pub fn is_installed_at(&self, at: Pos) -> bool {
-        self.at(at.0).state == State::Installed
+        self.at(at.0).state.is_installed()
     }
 
     /// The id of the backend with this entry, installed or staged.
@@ -146,13 +166,13 @@ impl Backends {
 
     /// How many installed slots name `id`.
     pub fn refs(&self, id: u32) -> u32 {
-        self.backend(id).map_or(0, |b| b.refs)
+        self.backend(id).map_or(0, |b| b.state.refs())
     }
 
     /// The installed ids, in no order.
     #[cfg(test)]
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.slab.iter().flatten().filter(|b| b.state == State::Installed).map(|b| b.id)
+        self.slab.iter().flatten().filter(|b| b.state.is_installed()).map(|b| b.id)
     }
 
     /// The backends `written` lists, from its `skip`th on.
@@ -162,7 +182,7 @@ impl Backends {
 
     /// May name an id twice.
     pub fn unreferenced(&self) -> impl Iterator<Item = u32> + '_ {
-        let written = self.listed(0).filter(|b| b.state == State::Installed && b.refs == 0);
+        let written = self.listed(0).filter(|b| b.state == State::UNREFERENCED);
         self.unreferenced.iter().copied().chain(written.map(|b| b.id))
     }
 
@@ -184,7 +204,7 @@ impl Backends {
     /// [`Backends::settle`] are [`Backends::staged`].
     pub fn stage(&mut self, id: u32, entry: BackendEntry) -> Pos {
         debug_assert!(self.id_of(&entry).is_none() && !self.contains_id(id));
-        let position = self.add(Backend { id, refs: 0, entry, state: State::Staged });
+        let position = self.add(Backend { id, state: State::STAGED, entry });
         self.staged += 1;
         self.written.push(position);
         Pos(position)
@@ -193,7 +213,7 @@ impl Backends {
     /// The staged backends from the `skip`th on, in the order staged (the
     /// first `skip` of them are written).
     pub fn staged(&self, skip: usize) -> impl Iterator<Item = (u32, BackendEntry)> + '_ {
-        let staged = self.listed(skip).filter(|b| b.state == State::Staged);
+        let staged = self.listed(skip).filter(|b| b.state.is_staged());
         staged.map(|b| (b.id, b.entry))
     }
 
@@ -203,11 +223,9 @@ impl Backends {
         for position in std::mem::take(&mut self.written) {
             let Some(backend) = self.slab[position as usize] else { continue };
             match backend.state {
-                State::Staged => drop(self.remove(backend.id)),
-                State::Installed if backend.refs == 0 => {
-                    self.unreferenced.insert(backend.id);
-                }
-                State::Installed => {}
+                State::STAGED => drop(self.remove(backend.id)),
+                State::UNREFERENCED => drop(self.unreferenced.insert(backend.id)),
+                _ => {}
             }
         }
     }
@@ -217,17 +235,17 @@ impl Backends {
     pub fn insert(&mut self, id: u32, entry: BackendEntry) {
         let position = self.position_near(id);
         if let Some(staged) = position.and_then(|p| self.slab[p as usize].as_mut())
-            && staged.state == State::Staged
+            && staged.state.is_staged()
             && staged.entry == entry
         {
             // Listed in `written` when it was staged.
-            staged.state = State::Installed;
+            staged.state = State::UNREFERENCED;
             self.staged -= 1;
             return;
         }
         let refs = self.refs(id);
         self.remove(id);
-        let position = self.add(Backend { id, refs, entry, state: State::Installed });
+        let position = self.add(Backend { id, state: State(refs), entry });
         if refs == 0 {
             self.written.push(position);
         }
@@ -278,15 +296,15 @@ impl Backends {
         }
         self.free.push(position);
         self.unreferenced.remove(&id);
-        self.staged -= usize::from(gone.state == State::Staged);
+        self.staged -= usize::from(gone.state.is_staged());
         Some(gone.entry)
     }
 
     /// One more installed slot names backend `id`.
     pub fn add_ref(&mut self, id: u32) {
         if let Some(backend) = self.backend_mut(id) {
-            backend.refs += 1;
-            if backend.refs == 1 {
+            backend.state.0 += 1;
+            if backend.state.0 == 1 {
                 self.unreferenced.remove(&id);
             }
         }
@@ -295,10 +313,10 @@ impl Backends {
     /// One installed slot less names backend `id`.
     pub fn drop_ref(&mut self, id: u32) {
         if let Some(backend) = self.backend_mut(id)
-            && backend.refs > 0
+            && backend.state.0 > 0
         {
-            backend.refs -= 1;
-            if backend.refs == 0 {
+            backend.state.0 -= 1;
+            if backend.state == State::UNREFERENCED {
                 self.unreferenced.insert(id);
             }
         }
