@@ -133,7 +133,7 @@ fn main() -> anyhow::Result<()> {
             port: "".into(),
         }),
         kind: if external { FrontendKind::NodePort } else { FrontendKind::ClusterIp },
-        backends,
+        backends: backends.into(),
         affinity_timeout_secs: None,
         external,
         local: false,

@@ -87,17 +87,17 @@ fn by_service(plan: &Plan) -> BTreeMap<&ServiceName, Form<'_>> {
 }
 
 /// The entries a set of frontends takes in each map; backends are shared
-/// between frontends of one protocol, so they are counted by reference.
+/// between frontends of one protocol, so each is counted once.
 #[derive(Debug, Default)]
-struct Usage<'a> {
+struct Usage {
     services: usize,
     rev_nat: usize,
     source_ranges: usize,
-    backends: BTreeMap<(Protocol, &'a BackendPlan), usize>,
+    backends: BTreeMap<(Protocol, BackendPlan), usize>,
 }
 
-impl<'a> Usage<'a> {
-    fn add(&mut self, form: &Form<'a>) {
+impl Usage {
+    fn add(&mut self, form: &Form) {
         for (frontend, fp) in form {
             self.services += 1 + fp.backends.len();
             self.rev_nat += 1;
@@ -108,7 +108,7 @@ impl<'a> Usage<'a> {
         }
     }
 
-    fn remove(&mut self, form: &Form<'a>) {
+    fn remove(&mut self, form: &Form) {
         for (frontend, fp) in form {
             self.services -= 1 + fp.backends.len();
             self.rev_nat -= 1;
@@ -141,7 +141,7 @@ impl<'a> Usage<'a> {
 
 /// The services chosen so far, their usage and the addresses they hold.
 struct Choice<'a> {
-    usage: Usage<'a>,
+    usage: Usage,
     forms: BTreeMap<&'a ServiceName, Form<'a>>,
     holders: BTreeMap<Frontend, &'a ServiceName>,
     capacity: Capacity,

@@ -24,7 +24,8 @@ use std::{
 
 use crate::compact;
 use crate::model::{
-    Cidr, EndpointAddr, IpFamily, Model, Protocol, ServiceName, ServicePort, ServicePortName,
+    Cidr, Endpoint, EndpointAddr, IpFamily, Model, Protocol, ServiceName, ServicePort,
+    ServicePortName,
 };
 
 /// An address clients connect to, and which of its clients it serves.
@@ -73,6 +74,159 @@ pub struct BackendPlan {
     pub host: bool,
 }
 
+/// A frontend's backends, sorted by address, unique. Most frontends
+/// balance over every endpoint of their service port, which the model holds
+/// already: they name its list rather than copy it (a million endpoints
+/// would be held again, 22 bytes each).
+#[derive(Clone, Default)]
+pub struct BackendList(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Listed(Box<[BackendPlan]>),
+    /// Every endpoint of a port's list (sorted by address, unique, all of
+    /// the frontend's family), none at a node address, and all on this
+    /// node or none.
+    Endpoints {
+        list: Arc<[Endpoint]>,
+        local: bool,
+    },
+}
+
+impl Default for Repr {
+    fn default() -> Self {
+        Repr::Listed(Box::default())
+    }
+}
+
+impl BackendList {
+    /// The backends `endpoints` (a service port's list) make, as `node`
+    /// sees them: named rather than copied when that is every endpoint,
+    /// as [`Repr::Endpoints`] says.
+    fn of(endpoints: &Arc<[Endpoint]>, picked: &[&Endpoint], node: &Node) -> BackendList {
+        let here = |e: &Endpoint| e.node_name() == Some(&node.name);
+        let host = |e: &Endpoint| node.ips.contains(&e.addr.ip());
+        let local = endpoints.first().is_some_and(here);
+        // Picked from the list in its order: as many is all of it.
+        let whole = picked.len() == endpoints.len()
+            && endpoints.windows(2).all(|w| w[0].addr < w[1].addr)
+            && endpoints.iter().all(|e| here(e) == local && !host(e));
+        if whole {
+            return BackendList(Repr::Endpoints { list: endpoints.clone(), local });
+        }
+        let mut backends: Vec<_> = picked
+            .iter()
+            .map(|e| BackendPlan { addr: e.addr, local: here(e), host: host(e) })
+            .collect();
+        backends.sort();
+        backends.dedup_by_key(|b| b.addr);
+        BackendList::from(backends)
+    }
+
+    /// Whether it names its port's list rather than holding a copy.
+    #[cfg(test)]
+    fn names_endpoints(&self) -> bool {
+        matches!(self.0, Repr::Endpoints { .. })
+    }
+
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            Repr::Listed(list) => list.len(),
+            Repr::Endpoints { list, .. } => list.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn iter(&self) -> Iter<'_> {
+        match &self.0 {
+            Repr::Listed(list) => Iter::Listed(list.iter()),
+            Repr::Endpoints { list, local } => Iter::Endpoints(list.iter(), *local),
+        }
+    }
+}
+
+impl From<Vec<BackendPlan>> for BackendList {
+    /// Sorted by address, unique.
+    fn from(list: Vec<BackendPlan>) -> Self {
+        BackendList(Repr::Listed(list.into_boxed_slice()))
+    }
+}
+
+impl FromIterator<BackendPlan> for BackendList {
+    /// Sorted by address, unique.
+    fn from_iter<I: IntoIterator<Item = BackendPlan>>(list: I) -> Self {
+        list.into_iter().collect::<Vec<_>>().into()
+    }
+}
+
+impl<'a> IntoIterator for &'a BackendList {
+    type Item = BackendPlan;
+    type IntoIter = Iter<'a>;
+
+    fn into_iter(self) -> Iter<'a> {
+        self.iter()
+    }
+}
+
+impl PartialEq for BackendList {
+    fn eq(&self, other: &Self) -> bool {
+        match (&self.0, &other.0) {
+            (Repr::Endpoints { list: a, local: l }, Repr::Endpoints { list: b, local: m })
+                if Arc::ptr_eq(a, b) =>
+            {
+                l == m
+            }
+            _ => self.len() == other.len() && self.iter().eq(other.iter()),
+        }
+    }
+}
+
+impl Eq for BackendList {}
+
+impl<const N: usize> PartialEq<[BackendPlan; N]> for BackendList {
+    fn eq(&self, other: &[BackendPlan; N]) -> bool {
+        self.iter().eq(other.iter().copied())
+    }
+}
+
+impl std::fmt::Debug for BackendList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// The backends of a [`BackendList`], in order.
+#[derive(Clone)]
+pub enum Iter<'a> {
+    Listed(std::slice::Iter<'a, BackendPlan>),
+    Endpoints(std::slice::Iter<'a, Endpoint>, bool),
+}
+
+impl Iterator for Iter<'_> {
+    type Item = BackendPlan;
+
+    fn next(&mut self) -> Option<BackendPlan> {
+        match self {
+            Iter::Listed(list) => list.next().copied(),
+            Iter::Endpoints(list, local) => {
+                list.next().map(|e| BackendPlan { addr: e.addr, local: *local, host: false })
+            }
+        }
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        match self {
+            Iter::Listed(list) => list.size_hint(),
+            Iter::Endpoints(list, _) => list.size_hint(),
+        }
+    }
+}
+
+impl ExactSizeIterator for Iter<'_> {}
+
 /// Which address of its service a frontend is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum FrontendKind {
@@ -109,8 +263,7 @@ pub struct FrontendPlan {
     /// The address of the service it is (an internal-scope twin: its
     /// external frontend's).
     pub kind: FrontendKind,
-    /// Sorted by address, unique.
-    pub backends: Vec<BackendPlan>,
+    pub backends: BackendList,
     pub affinity_timeout_secs: Option<u32>,
     /// NodePort, externalIP or load-balancer IP (not the ClusterIP).
     pub external: bool,
@@ -384,19 +537,9 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
         } else {
             port.cluster_endpoints(&node.name, node.zone.as_deref())
         };
-        let mut backends: Vec<_> = endpoints
-            .iter()
-            .filter(|e| of_family(&e.addr.ip()))
-            .map(|e| BackendPlan {
-                addr: e.addr,
-                local: e.node_name() == Some(&node.name),
-                host: node.ips.contains(&e.addr.ip()),
-            })
-            .collect();
-        backends.sort();
-        backends.dedup_by_key(|b| b.addr);
-        // The plan holds every endpoint: no room to spare.
-        backends.shrink_to_fit();
+        let of_family: Vec<&Endpoint> =
+            endpoints.iter().copied().filter(|e| of_family(&e.addr.ip())).collect();
+        let backends = BackendList::of(&port.endpoints, &of_family, node);
         FrontendPlan {
             service: name.clone(),
             kind,
@@ -497,6 +640,45 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_frontend_of_every_endpoint_names_the_model_s_list_and_reads_as_a_copy_would() {
+        let b = |addr: &str, local: bool, host: bool| BackendPlan {
+            addr: addr.parse().unwrap(),
+            local,
+            host,
+        };
+        let backends = |endpoints: &[(&str, bool, &str)]| {
+            at(&one(vec![port("a", [10, 96, 0, 1], endpoints)]), [10, 96, 0, 1], 80)
+                .backends
+                .clone()
+        };
+        // Every endpoint, none here, or all here: the model's list, named.
+        let elsewhere = backends(&[("10.0.0.2:80", true, "node-b"), ("10.0.0.3:80", true, "")]);
+        assert!(elsewhere.names_endpoints());
+        let expected = [b("10.0.0.2:80", false, false), b("10.0.0.3:80", false, false)];
+        assert_eq!(elsewhere, expected);
+        assert_eq!(elsewhere, BackendList::from(expected.to_vec()), "equal to its copy");
+        assert_eq!(elsewhere.iter().len(), 2);
+        let here = backends(&[("10.0.0.2:80", true, "node-a"), ("10.0.0.3:80", true, "node-a")]);
+        assert!(here.names_endpoints());
+        assert_eq!(here, [b("10.0.0.2:80", true, false), b("10.0.0.3:80", true, false)]);
+        // Some not ready, some here and some not, one at a node address:
+        // a list of their own.
+        let some = backends(&[("10.0.0.2:80", true, "node-b"), ("10.0.0.3:80", false, "")]);
+        assert!(!some.names_endpoints());
+        assert_eq!(some, [b("10.0.0.2:80", false, false)]);
+        let mixed = backends(&[("10.0.0.2:80", true, "node-a"), ("10.0.0.3:80", true, "node-b")]);
+        assert!(!mixed.names_endpoints());
+        assert_eq!(mixed, [b("10.0.0.2:80", true, false), b("10.0.0.3:80", false, false)]);
+        let host = backends(&[("10.0.0.2:80", true, "node-b"), ("172.16.0.11:80", true, "node-a")]);
+        assert!(!host.names_endpoints());
+        assert_eq!(host, [b("10.0.0.2:80", false, false), b("172.16.0.11:80", true, true)]);
+        // A list out of order (the model sorts its own) is copied, sorted.
+        let unsorted = backends(&[("10.0.0.3:80", true, "node-b"), ("10.0.0.2:80", true, "")]);
+        assert!(!unsorted.names_endpoints());
+        assert_eq!(unsorted, expected);
+    }
+
     fn one(ports: Vec<ServicePort>) -> Plan {
         let (plan, conflicts) = plan(&model::Model::from_ports(ports), &node());
         assert!(conflicts.is_empty());
@@ -517,7 +699,7 @@ mod tests {
         )]);
         let fp = at(&plan, [10, 96, 0, 1], 80);
         let addr = "10.0.0.2:80".parse().unwrap();
-        assert_eq!(fp.backends, vec![BackendPlan { addr, local: true, host: false }]);
+        assert_eq!(fp.backends, [BackendPlan { addr, local: true, host: false }]);
         assert!(!fp.external && !fp.local && !fp.drop_when_empty && !fp.serves_terminating);
     }
 
@@ -750,7 +932,7 @@ mod tests {
         for (ip, number) in [([10, 96, 0, 1], 80), ([192, 168, 100, 11], 30080)] {
             let backends = &at(planner.plan(), ip, number).backends;
             assert_eq!(backends.len(), 1);
-            assert_eq!(backends[0].addr, "10.0.0.1:80".parse().unwrap());
+            assert_eq!(backends.iter().next().unwrap().addr, "10.0.0.1:80".parse().unwrap());
         }
         let mut zoned = node();
         zoned.zone = Some("za".into());

@@ -752,7 +752,7 @@ fn port_unreachable_from_a_udp_backend_reaches_the_external_client() {
 #[test]
 fn port_unreachable_the_stack_sends_for_a_host_network_backend_names_the_node_port() {
     let mut plan = frontend_plan(&[(NODE, 9090)], true, &[]);
-    plan.backends[0].host = true;
+    plan.backends = plan.backends.iter().map(|b| BackendPlan { host: true, ..b }).collect();
     let mut dp = datapath(vec![(frontend(NODE, 30099, Protocol::Udp), plan)]);
     let out = run(&mut dp, &udp((CLIENT, 40000), (NODE, 30099), true));
     assert_eq!(tuple(&out.packet), ((CLIENT, 40000), (NODE, 9090)));
@@ -1189,7 +1189,7 @@ fn ipv6_time_exceeded_about_a_cluster_ip_flow_reaches_the_client_pod_from_the_se
 #[test]
 fn ipv6_port_unreachable_the_stack_sends_for_a_host_network_backend_names_the_node_port() {
     let mut plan = frontend_plan(&[(NODE6, 9090)], true, &[]);
-    plan.backends[0].host = true;
+    plan.backends = plan.backends.iter().map(|b| BackendPlan { host: true, ..b }).collect();
     let mut dp = datapath(vec![(frontend(NODE6, 30099, Protocol::Udp), plan)]);
     let datagram = udp6((CLIENT6, 40000), (NODE6, 30099));
     let out = run(&mut dp, &datagram);

@@ -410,6 +410,7 @@ impl SyncState {
                 .collect();
             backends.sort();
             backends.dedup();
+            let backends = backends.into();
             let name = service(frontend).unwrap_or_else(|| {
                 Arc::new(ServicePortName {
                     service: ServiceName {
@@ -680,7 +681,7 @@ impl SyncState {
         let mut named = Vec::with_capacity(kept.iter().map(|(_, fp)| fp.backends.len()).sum());
         for (frontend, fp) in &kept {
             for addr in &fp.backends {
-                let backend = BackendEntry::new(frontend, addr);
+                let backend = BackendEntry::new(frontend, &addr);
                 let at = self.backends.find(&backend).unwrap_or_else(|| {
                     let id = Self::new_id(
                         self.reserved.backends.get(&backend),
@@ -1042,7 +1043,7 @@ mod tests {
     use super::*;
     use crate::{
         model::{EndpointAddr, Protocol, ServiceName, ServicePortName},
-        plan::{BackendPlan, FrontendKind, FrontendPlan},
+        plan::{BackendList, BackendPlan, FrontendKind, FrontendPlan},
     };
 
     /// The same frontend's entry in another slot.
@@ -1251,7 +1252,7 @@ mod tests {
                     IpAddr::V4(ip) => ip.to_ipv6_mapped().octets(),
                     IpAddr::V6(ip) => ip.octets(),
                 };
-                BackendPlan { addr: EndpointAddr::new(six(ip), b.addr.port()), ..*b }
+                BackendPlan { addr: EndpointAddr::new(six(ip), b.addr.port()), ..b }
             });
             let backends = backends.collect();
             plan.frontends.insert(twin, FrontendPlan { backends, source_ranges: vec![], ..fp });
@@ -1506,7 +1507,7 @@ mod tests {
                         port: "".into(),
                     }),
                     kind: FrontendKind::ClusterIp,
-                    backends: vec![],
+                    backends: BackendList::default(),
                     affinity_timeout_secs: None,
                     external: false,
                     local: false,
@@ -1671,7 +1672,7 @@ mod tests {
                 port: "".into(),
             }),
             kind: FrontendKind::ClusterIp,
-            backends,
+            backends: backends.into(),
             affinity_timeout_secs: affinity,
             external: !ranges.is_empty(),
             local: false,
@@ -1702,7 +1703,7 @@ mod tests {
                 if i == 1 && svc.local {
                     let twin = frontend_plan(backends, svc.affinity, vec![]);
                     plan.frontends.insert(frontends[3], twin);
-                    fp.backends.retain(|b| b.local);
+                    fp.backends = fp.backends.iter().filter(|b| b.local).collect();
                     (fp.external, fp.local, fp.two_scopes) = (true, true, true);
                 }
                 plan.frontends.insert(*frontend, fp);
@@ -1972,12 +1973,12 @@ mod tests {
         // A fourth endpoint on both frontends: one backend, a slot and a
         // count each.
         for f in [cluster, nodeport] {
-            plan.frontends.get_mut(&f).unwrap().backends = endpoints(7, &[3]);
+            plan.frontends.get_mut(&f).unwrap().backends = endpoints(7, &[3]).into();
         }
         let report = step(&mut state, &plan, &[cluster, nodeport], &mut maps);
         assert_eq!(report.writes, 5);
         // Gone from the ClusterIP only: the NodePort still uses it.
-        plan.frontends.get_mut(&cluster).unwrap().backends = endpoints(7, &[]);
+        plan.frontends.get_mut(&cluster).unwrap().backends = endpoints(7, &[]).into();
         let report = step(&mut state, &plan, &[cluster], &mut maps);
         // It left the ClusterIP's flows, not the NodePort's.
         assert_eq!((report.writes, report.departures.len()), (2, 1), "count, slot");
@@ -1989,7 +1990,8 @@ mod tests {
         assert_eq!((report.writes, report.departures.len()), (7, 4));
         assert_eq!(state.backend_count(), 15_000);
         // Replacing an endpoint of the ClusterIP, now their only user.
-        plan.frontends.get_mut(&cluster).unwrap().backends = endpoints(7, &[4])[1..].to_vec();
+        plan.frontends.get_mut(&cluster).unwrap().backends =
+            endpoints(7, &[4])[1..].to_vec().into();
         let report = step(&mut state, &plan, &[cluster], &mut maps);
         assert_eq!((report.writes, report.departures.len()), (3, 1));
         // The NodePort comes back: slot 0, 3 slots, reverse NAT; no backend.
