@@ -24,7 +24,7 @@ use proxy_agent::{
     fit,
     model::{self, ServiceName},
     plan::{Node, Planner},
-    source::{self, Changes, Store},
+    source::{self, Changes, Namespaces, Store},
 };
 use test_objects::{Protocol::Tcp, ep, port, service, slice};
 
@@ -88,8 +88,9 @@ fn phase<T>(name: &str, f: impl FnOnce() -> T) -> T {
 }
 
 /// Service `i` and its slice, read as the API-server source reads them
-/// (the objects themselves are dropped at once).
-fn read(changes: &mut Changes, i: usize, endpoints: usize) {
+/// (the objects themselves are dropped at once, the namespace's name
+/// shared).
+fn read(changes: &mut Changes, namespaces: &mut Namespaces, i: usize, endpoints: usize) {
     let (name, slice_name) = (format!("s{i}"), format!("s{i}-1"));
     let ip = Ipv4Addr::from(0x0a60_0000u32 + 10 + i as u32).to_string();
     let svc = service("bench", &name).cluster_ip(&ip).port(port("http", 80).target(8080)).build();
@@ -98,15 +99,15 @@ fn read(changes: &mut Changes, i: usize, endpoints: usize) {
         ep(&format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)).node("lab-node")
     });
     let es = slice("bench", &slice_name).service(&name).port("http", 8080, Tcp).endpoints(addrs);
-    let key = |name: String| ServiceName { namespace: "bench".into(), name: name.into() };
-    changes.services.insert(
-        key(name),
-        Some(source::parse_service(&proxy_agent::objects::Service::from_api(&svc))),
-    );
-    let parsed = model::parse_slice(proxy_agent::objects::EndpointSlice::from_api(&es.build()))
-        .map(|(_, parsed)| parsed)
-        .unwrap_or_default();
-    changes.slices.insert(key(slice_name), Some(Arc::new(parsed)));
+    let mut key =
+        |name: String| ServiceName { namespace: namespaces.get("bench"), name: name.into() };
+    let name = key(name);
+    let parsed = source::parse_service(&name, &proxy_agent::objects::Service::from_api(&svc));
+    changes.services.insert(name, Some(parsed));
+    let slice_name = key(slice_name);
+    let parsed =
+        model::parse_slice(&slice_name, proxy_agent::objects::EndpointSlice::from_api(&es.build()));
+    changes.slices.insert(slice_name, Some(Arc::new(parsed)));
 }
 
 fn main() {
@@ -119,7 +120,8 @@ fn main() {
 
     let changes = phase("read", || {
         let mut changes = Changes::default();
-        (0..services).for_each(|i| read(&mut changes, i, endpoints));
+        let mut namespaces = Namespaces::default();
+        (0..services).for_each(|i| read(&mut changes, &mut namespaces, i, endpoints));
         changes
     });
     let mut store = Store::default();

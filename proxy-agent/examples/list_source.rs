@@ -296,18 +296,22 @@ where
 /// The two lists one after the other, each part timed.
 async fn split(kubeconfig: &Path, page_size: Option<u32>) -> anyhow::Result<Value> {
     let page = page_size.unwrap_or(proxy_agent::source::kube::PAGE_SIZE);
-    use proxy_agent::{model, objects::Service};
+    use proxy_agent::{
+        model::{self, ServiceName},
+        objects::{EndpointSlice, Service},
+    };
     let client = proxy_agent::source::kube::client(Some(kubeconfig)).await?;
     let start = Instant::now();
     let mut services = Vec::new();
     let query =
         format!("labelSelector={}&fieldSelector={}", encode(LABELS), encode(SERVICE_FIELDS));
-    let parse = |s: Service| model::parse_service(&s);
+    let parse = |s: Service| ServiceName::of(&s.metadata).map(|n| model::parse_service(&n, &s));
     let s = list_kind(&client, "/api/v1/services", &query, page, parse, &mut services).await?;
     let mut slices = Vec::new();
     let query = format!("labelSelector={}", encode(LABELS));
     let path = "/apis/discovery.k8s.io/v1/endpointslices";
-    let es = list_kind(&client, path, &query, page, model::parse_slice, &mut slices).await?;
+    let parse = |s: EndpointSlice| ServiceName::of(&s.metadata).map(|n| model::parse_slice(&n, s));
+    let es = list_kind(&client, path, &query, page, parse, &mut slices).await?;
     let total = start.elapsed().as_secs_f64();
     let s_ = |d: Duration| d.as_secs_f64();
     Ok(json!({

@@ -592,8 +592,9 @@ pub fn build(services: &[Service], slices: &[EndpointSlice]) -> Model {
     let mut errors = Vec::new();
     let mut by_service: BTreeMap<ServiceName, Vec<ParsedSlice>> = BTreeMap::new();
     for slice in slices {
-        match parse_slice(objects::EndpointSlice::from_api(slice)) {
-            Ok((_, parsed)) => {
+        match object_name(&slice.metadata, "EndpointSlice") {
+            Ok(name) => {
+                let parsed = parse_slice(&name, objects::EndpointSlice::from_api(slice));
                 errors.extend(parsed.errors.iter().cloned());
                 if let Some(service) = parsed.service.clone() {
                     by_service.entry(service).or_default().push(parsed);
@@ -604,7 +605,9 @@ pub fn build(services: &[Service], slices: &[EndpointSlice]) -> Model {
     }
     let mut ports = Vec::new();
     for service in services {
-        match parse_service(&objects::Service::from_api(service)) {
+        let parsed = object_name(&service.metadata, "Service")
+            .and_then(|name| parse_service(&name, &objects::Service::from_api(service)));
+        match parsed {
             Ok(templates) => {
                 let Some(first) = templates.first() else { continue };
                 let slices = by_service.get(&first.name.service).into_iter().flatten();
@@ -644,23 +647,20 @@ pub struct ParsedSlice {
     pub trigger_time: Option<SystemTime>,
 }
 
-/// Reads an EndpointSlice (taking its endpoints); its name and what the
-/// proxy keeps of it.
-pub fn parse_slice(
-    slice: objects::EndpointSlice,
-) -> Result<(ServiceName, ParsedSlice), ModelError> {
-    let slice_name = object_name(&slice.metadata, "EndpointSlice")?;
+/// Reads EndpointSlice `slice_name` (taking its endpoints): what the proxy
+/// keeps of it. Its service's name shares the slice's namespace.
+pub fn parse_slice(slice_name: &ServiceName, slice: objects::EndpointSlice) -> ParsedSlice {
     let trigger_time = slice.trigger_time.as_deref().and_then(crate::time::parse_rfc3339);
     let mut parsed = ParsedSlice { trigger_time, ..ParsedSlice::default() };
     // FQDN slices are not proxied, as in kube-proxy.
     let (Some(service), Some(family)) = (slice.service_name, IpFamily::parse(&slice.address_type))
     else {
-        return Ok((slice_name, parsed));
+        return parsed;
     };
     parsed.service =
         Some(ServiceName { namespace: slice_name.namespace.clone(), name: service.into() });
     parsed.family = Some(family);
-    let ports = slice_ports(&slice_name, slice.ports, &mut parsed.errors);
+    let ports = slice_ports(slice_name, slice.ports, &mut parsed.errors);
     // Exactly as many as listed: a million endpoints are held here.
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
     let mut places = HashSet::new();
@@ -701,7 +701,7 @@ pub fn parse_slice(
             (key, numbered.collect())
         })
         .collect();
-    Ok((slice_name, parsed))
+    parsed
 }
 
 /// A slice's ports the proxy can use, by (name, protocol); the others are
@@ -953,15 +953,18 @@ fn cluster_ips(name: &ServiceName, spec: &ServiceSpec) -> Result<Vec<IpAddr>, Mo
 /// Reads a Service as the API server would have validated it: its proxied
 /// ports, without endpoints (none when it is not proxied), or why it
 /// cannot be used.
-pub fn parse_service(service: &objects::Service) -> Result<Vec<ServicePort>, ModelError> {
-    let name = object_name(&service.metadata, "Service")?;
+/// `name` is its name, shared by its ports' names.
+pub fn parse_service(
+    name: &ServiceName,
+    service: &objects::Service,
+) -> Result<Vec<ServicePort>, ModelError> {
     let Some(spec) = service.spec.as_ref() else { return Ok(Vec::new()) };
     if !is_proxied(service, spec) {
         return Ok(Vec::new());
     }
-    let cluster_ips = cluster_ips(&name, spec)?;
-    let affinity_timeout_secs = affinity_timeout(&name, spec)?;
-    let externals = Externals::of(&name, service, spec)?;
+    let cluster_ips = cluster_ips(name, spec)?;
+    let affinity_timeout_secs = affinity_timeout(name, spec)?;
+    let externals = Externals::of(name, service, spec)?;
 
     let mut seen = BTreeSet::new();
     let mut ports = Vec::new();
@@ -1050,13 +1053,20 @@ mod tests {
         endpoints.iter().map(|e| e.addr.ip().to_string()).collect()
     }
 
+    fn parsed_slice(slice: EndpointSlice) -> ParsedSlice {
+        parse_slice(
+            &ServiceName::of(&slice.metadata).unwrap(),
+            objects::EndpointSlice::from_api(&slice),
+        )
+    }
+
     #[test]
     fn an_endpoint_is_32_bytes_and_a_slices_endpoints_on_one_node_share_their_place() {
         // A million endpoints are held: each byte is a MiB.
         assert_eq!(std::mem::size_of::<Endpoint>(), 32);
         let endpoints = [ep("10.244.0.1").node("a"), ep("10.244.0.2").node("a"), ep("10.244.0.3")];
-        let slice = parse_slice(objects::EndpointSlice::from_api(&web_slice("s", 8080, endpoints)));
-        let list = &slice.unwrap().1.ports[0].1;
+        let slice = parsed_slice(web_slice("s", 8080, endpoints));
+        let list = &slice.ports[0].1;
         let place = |i: usize| list[i].place.as_ref();
         assert!(Arc::ptr_eq(place(0).unwrap(), place(1).unwrap()), "one place for node a");
         assert_eq!((list[0].node_name(), list[2].node_name()), (Some("a"), None));
@@ -1167,9 +1177,10 @@ mod tests {
             ep("10.244.0.2").ready(true).node("b"),
             ep("10.244.0.2").ready(true).node("c"),
         ];
-        let parsed = |slice| parse_slice(objects::EndpointSlice::from_api(&slice)).unwrap().1;
-        let slice = parsed(web_slice("a", 8080, endpoints));
-        let templates = parse_service(&objects::Service::from_api(&web())).unwrap();
+        let slice = parsed_slice(web_slice("a", 8080, endpoints));
+        let web = web();
+        let name = ServiceName::of(&web.metadata).unwrap();
+        let templates = parse_service(&name, &objects::Service::from_api(&web)).unwrap();
         let ports = with_endpoints(&templates, [&slice]);
         let http = ports.iter().find(|p| &*p.name.port == "http").unwrap();
         assert!(Arc::ptr_eq(&http.endpoints, &slice.ports[0].1), "held once");
@@ -1178,7 +1189,7 @@ mod tests {
         assert_eq!(http.endpoints[0].node_name(), Some("b"));
 
         // Two slices: a list of their own, merged.
-        let other = parsed(web_slice("b", 8080, [ep("10.244.0.4")]));
+        let other = parsed_slice(web_slice("b", 8080, [ep("10.244.0.4")]));
         let ports = with_endpoints(&templates, [&slice, &other]);
         let http = ports.iter().find(|p| &*p.name.port == "http").unwrap();
         assert_eq!(addrs(http), ["10.244.0.2:8080", "10.244.0.3:8080", "10.244.0.4:8080"]);

@@ -29,7 +29,7 @@ use kube::{
 };
 use tokio::sync::Notify;
 
-use super::{Changes, ParsedService};
+use super::{Changes, Namespaces, ParsedService};
 use crate::{
     model::{self, ParsedSlice, ServiceName},
     objects::{EndpointSlice, Service},
@@ -55,6 +55,7 @@ struct Collection<P> {
     pending: BTreeMap<ServiceName, Option<P>>,
     /// Listed completely at least once.
     complete: bool,
+    namespaces: Namespaces,
 }
 
 impl<P> Default for Collection<P> {
@@ -64,30 +65,37 @@ impl<P> Default for Collection<P> {
             relist: None,
             pending: BTreeMap::new(),
             complete: false,
+            namespaces: Namespaces::default(),
         }
     }
 }
 
-fn name_of<K: ResourceExt>(object: &K) -> ServiceName {
-    let meta = object.meta();
-    let namespace = meta.namespace.as_deref().unwrap_or_default().into();
-    // `name_any`'s choice, without its copy.
-    let name = meta.name.as_deref().or(meta.generate_name.as_deref()).unwrap_or_default();
-    ServiceName { namespace, name: name.into() }
-}
-
 impl<P> Collection<P> {
+    /// The name of `object`, shared with the parsed object.
+    fn name_of<K: ResourceExt>(&mut self, object: &K) -> ServiceName {
+        let meta = object.meta();
+        let namespace = self.namespaces.get(meta.namespace.as_deref().unwrap_or_default());
+        // `name_any`'s choice, without its copy.
+        let name = meta.name.as_deref().or(meta.generate_name.as_deref()).unwrap_or_default();
+        ServiceName { namespace, name: name.into() }
+    }
+
     /// Applies one watcher event, reading objects with `parse`; whether
     /// there are changes to take.
-    fn apply<K: ResourceExt>(&mut self, event: watcher::Event<K>, parse: fn(K) -> P) -> bool {
+    fn apply<K: ResourceExt>(
+        &mut self,
+        event: watcher::Event<K>,
+        parse: fn(&ServiceName, K) -> P,
+    ) -> bool {
         match event {
             watcher::Event::Init => {
                 self.relist = Some(Vec::new());
                 false
             }
             watcher::Event::InitApply(object) => {
-                let relist = self.relist.get_or_insert_with(Vec::new);
-                relist.push((name_of(&object), parse(object)));
+                let name = self.name_of(&object);
+                let parsed = parse(&name, object);
+                self.relist.get_or_insert_with(Vec::new).push((name, parsed));
                 false
             }
             watcher::Event::InitDone => {
@@ -119,13 +127,14 @@ impl<P> Collection<P> {
                 true
             }
             watcher::Event::Apply(object) => {
-                let name = name_of(&object);
+                let name = self.name_of(&object);
+                let parsed = parse(&name, object);
                 self.names.insert(name.clone());
-                self.pending.insert(name, Some(parse(object)));
+                self.pending.insert(name, Some(parsed));
                 true
             }
             watcher::Event::Delete(object) => {
-                let name = name_of(&object);
+                let name = self.name_of(&object);
                 self.names.remove(&name);
                 self.pending.insert(name, None);
                 true
@@ -158,13 +167,12 @@ impl NodeWatch {
     }
 }
 
-fn parse_service(service: Service) -> ParsedService {
-    super::parse_service(&service)
+fn parse_service(name: &ServiceName, service: Service) -> ParsedService {
+    super::parse_service(name, &service)
 }
 
-/// A slice without a name cannot come from the API server.
-fn parse_slice(slice: EndpointSlice) -> Arc<ParsedSlice> {
-    Arc::new(model::parse_slice(slice).map(|(_, parsed)| parsed).unwrap_or_default())
+fn parse_slice(name: &ServiceName, slice: EndpointSlice) -> Arc<ParsedSlice> {
+    Arc::new(model::parse_slice(name, slice))
 }
 
 #[derive(Default)]

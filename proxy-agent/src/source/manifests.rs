@@ -18,7 +18,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::{ObjectRef, Snapshot};
+use super::{Namespaces, ObjectRef, Snapshot};
 use crate::{model::ServiceName, yaml::Value};
 
 #[derive(Debug, thiserror::Error)]
@@ -267,6 +267,7 @@ fn parse(path: &Path, contents: &[u8]) -> Result<(Snapshot, Vec<ManifestError>),
     let mut snapshot = Snapshot::default();
     let mut errors = Vec::new();
     let mut index = 0;
+    let mut namespaces = Namespaces::default();
     // Each document is read into what the proxy keeps of it before the
     // next is parsed: a large manifest is never held whole as values.
     let mut each = |mut value: Value| {
@@ -279,7 +280,8 @@ fn parse(path: &Path, contents: &[u8]) -> Result<(Snapshot, Vec<ManifestError>),
             _ => vec![value],
         };
         for value in items {
-            decode(path, index, value, &mut snapshot, &mut errors);
+            let name = object_name(&value, &mut namespaces);
+            decode(path, index, (name, value), &mut snapshot, &mut errors);
             index += 1;
         }
     };
@@ -290,18 +292,17 @@ fn parse(path: &Path, contents: &[u8]) -> Result<(Snapshot, Vec<ManifestError>),
     Ok((snapshot, errors))
 }
 
-/// Adds one object to `snapshot`; one that does not decode is reported and
-/// listed as rejected.
+/// Adds one object (its name, if it has one, and value) to `snapshot`; one
+/// that does not decode is reported and listed as rejected.
 fn decode(
     path: &Path,
     index: usize,
-    value: Value,
+    (name, value): (Option<ServiceName>, Value),
     snapshot: &mut Snapshot,
     errors: &mut Vec<ManifestError>,
 ) {
     let api_version = value.get("apiVersion").and_then(Value::as_str).unwrap_or("");
     let kind = value.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
-    let name = object_name(&value);
     if kind.is_empty() || api_version.is_empty() {
         // Not an object (a bare string, a list, a typo'd key): nothing to
         // serve from it, but the file's other objects are used.
@@ -311,9 +312,11 @@ fn decode(
         return;
     }
     let decoded = match (api_version, kind.as_str()) {
-        ("v1", "Service") => serde_json::from_value(value).map(|s| snapshot.add_service(&s)),
+        ("v1", "Service") => {
+            serde_json::from_value(value).map(|s| snapshot.add_service(name.clone(), &s))
+        }
         ("discovery.k8s.io/v1", "EndpointSlice") => {
-            serde_json::from_value(value).map(|s| snapshot.add_slice(s))
+            serde_json::from_value(value).map(|s| snapshot.add_slice(name.clone(), s))
         }
         _ => {
             tracing::debug!(path = %path.display(), index, api_version, kind, "ignoring object");
@@ -335,11 +338,12 @@ fn decode(
     }
 }
 
-fn object_name(value: &Value) -> Option<ServiceName> {
+/// As [`ServiceName::of`] reads it, the namespace shared.
+fn object_name(value: &Value, namespaces: &mut Namespaces) -> Option<ServiceName> {
     let metadata = value.get("metadata")?;
-    let name = metadata.get("name")?.as_str()?;
+    let name = metadata.get("name")?.as_str().filter(|n| !n.is_empty())?;
     let namespace = metadata.get("namespace").and_then(Value::as_str).unwrap_or("default");
-    Some(ServiceName { namespace: namespace.into(), name: name.into() })
+    Some(ServiceName { namespace: namespaces.get(namespace), name: name.into() })
 }
 
 #[cfg(test)]

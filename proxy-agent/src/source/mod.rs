@@ -6,7 +6,7 @@ pub mod kube;
 pub mod manifests;
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashSet},
     sync::Arc,
     time::SystemTime,
 };
@@ -42,24 +42,60 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    pub fn add_service(&mut self, service: &objects::Service) {
-        match ServiceName::of(&service.metadata) {
-            Some(name) => self.services.push((name, parse_service(service))),
+    /// Adds Service `name` (`None`: it has none).
+    pub fn add_service(&mut self, name: Option<ServiceName>, service: &objects::Service) {
+        match name {
+            Some(name) => {
+                let parsed = parse_service(&name, service);
+                self.services.push((name, parsed));
+            }
             None => self.unnamed.push(ModelError::Unnamed { kind: "Service" }),
         }
     }
 
-    pub fn add_slice(&mut self, slice: objects::EndpointSlice) {
-        match model::parse_slice(slice) {
-            Ok((name, parsed)) => self.slices.push((name, Arc::new(parsed))),
-            Err(err) => self.unnamed.push(err),
+    /// Adds EndpointSlice `name` (`None`: it has none).
+    pub fn add_slice(&mut self, name: Option<ServiceName>, slice: objects::EndpointSlice) {
+        match name {
+            Some(name) => {
+                let parsed = Arc::new(model::parse_slice(&name, slice));
+                self.slices.push((name, parsed));
+            }
+            None => self.unnamed.push(ModelError::Unnamed { kind: "EndpointSlice" }),
         }
     }
 }
 
-/// A Service's ports as the store keeps them.
-pub fn parse_service(service: &objects::Service) -> ParsedService {
-    model::parse_service(service).map(Arc::from)
+/// Service `name`'s ports as the store keeps them.
+pub fn parse_service(name: &ServiceName, service: &objects::Service) -> ParsedService {
+    model::parse_service(name, service).map(Arc::from)
+}
+
+/// Namespace names, each held once: a cluster has few, each named by
+/// tens of thousands of objects (and the objects' names by the store, the
+/// model and the plan), where a copy each took 24 bytes and an allocation.
+#[derive(Debug, Default)]
+pub struct Namespaces {
+    known: HashSet<Arc<str>>,
+    /// How many were known after the last sweep.
+    swept: usize,
+}
+
+impl Namespaces {
+    /// The shared name of `namespace`.
+    pub fn get(&mut self, namespace: &str) -> Arc<str> {
+        if let Some(known) = self.known.get(namespace) {
+            return known.clone();
+        }
+        // Namespaces come and go: those no object names any more are
+        // forgotten whenever the set doubled since the last sweep.
+        if self.known.len() >= 2 * self.swept.max(32) {
+            self.known.retain(|n| Arc::strong_count(n) > 1);
+            self.swept = self.known.len();
+        }
+        let namespace: Arc<str> = namespace.into();
+        self.known.insert(namespace.clone());
+        namespace
+    }
 }
 
 /// What changed in a source since it was last asked, by object name;
@@ -294,8 +330,12 @@ pub(crate) fn snapshot_of(
     slices: &[k8s_openapi::api::discovery::v1::EndpointSlice],
 ) -> Snapshot {
     let mut snapshot = Snapshot::default();
-    services.iter().for_each(|s| snapshot.add_service(&objects::Service::from_api(s)));
-    slices.iter().for_each(|s| snapshot.add_slice(objects::EndpointSlice::from_api(s)));
+    for s in services {
+        snapshot.add_service(ServiceName::of(&s.metadata), &objects::Service::from_api(s));
+    }
+    for s in slices {
+        snapshot.add_slice(ServiceName::of(&s.metadata), objects::EndpointSlice::from_api(s));
+    }
     snapshot
 }
 
@@ -395,6 +435,19 @@ mod tests {
     }
 
     #[test]
+    fn a_namespace_is_held_once_and_forgotten_once_nothing_names_it() {
+        let mut namespaces = Namespaces::default();
+        let lab = namespaces.get("lab");
+        assert!(Arc::ptr_eq(&lab, &namespaces.get("lab")));
+        // Enough others, unused, for sweeps: those go, the one in use stays.
+        for i in 0..1000 {
+            namespaces.get(&format!("gone-{i}"));
+        }
+        assert!(namespaces.known.len() < 100, "{} kept", namespaces.known.len());
+        assert!(Arc::ptr_eq(&lab, &namespaces.get("lab")));
+    }
+
+    #[test]
     fn an_undecodable_object_keeps_its_last_good_version() {
         let mut store = Store::default();
         store.replace(snapshot(&[on_80("web", "10.96.0.10")], &[]));
@@ -411,15 +464,16 @@ mod tests {
         for name in ["a", "b"] {
             changes.services.insert(
                 web(name),
-                Some(parse_service(&objects::Service::from_api(&on_80(name, "10.96.0.1")))),
+                Some(parse_service(
+                    &web(name),
+                    &objects::Service::from_api(&on_80(name, "10.96.0.1")),
+                )),
             );
         }
         let labelled = |service: &str| {
             let s = slice("default", "s-1").service(service).port(None, 8080, Tcp);
-            let parsed = model::parse_slice(objects::EndpointSlice::from_api(
-                &s.endpoint(ep("10.244.1.2")).build(),
-            ));
-            Some(Arc::new(parsed.unwrap().1))
+            let slice = objects::EndpointSlice::from_api(&s.endpoint(ep("10.244.1.2")).build());
+            Some(Arc::new(model::parse_slice(&web("s-1"), slice)))
         };
         changes.slices.insert(web("s-1"), labelled("a"));
         store.apply(changes);
