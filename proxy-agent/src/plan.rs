@@ -142,8 +142,8 @@ impl BackendList {
 
     pub fn iter(&self) -> Iter<'_> {
         match &self.0 {
-            Repr::Listed(list) => Iter::Listed(list.iter()),
-            Repr::Endpoints { list, local } => Iter::Endpoints(list.iter(), *local),
+            Repr::Listed(list) => Iter(IterRepr::Listed(list.iter())),
+            Repr::Endpoints { list, local } => Iter(IterRepr::Endpoints(list.iter(), *local)),
         }
     }
 }
@@ -186,6 +186,7 @@ impl PartialEq for BackendList {
 
 impl Eq for BackendList {}
 
+#[cfg(test)]
 impl<const N: usize> PartialEq<[BackendPlan; N]> for BackendList {
     fn eq(&self, other: &[BackendPlan; N]) -> bool {
         self.iter().eq(other.iter().copied())
@@ -200,7 +201,10 @@ impl std::fmt::Debug for BackendList {
 
 /// The backends of a [`BackendList`], in order.
 #[derive(Clone)]
-pub enum Iter<'a> {
+pub struct Iter<'a>(IterRepr<'a>);
+
+#[derive(Clone)]
+enum IterRepr<'a> {
     Listed(std::slice::Iter<'a, BackendPlan>),
     Endpoints(std::slice::Iter<'a, Endpoint>, bool),
 }
@@ -209,18 +213,18 @@ impl Iterator for Iter<'_> {
     type Item = BackendPlan;
 
     fn next(&mut self) -> Option<BackendPlan> {
-        match self {
-            Iter::Listed(list) => list.next().copied(),
-            Iter::Endpoints(list, local) => {
+        match &mut self.0 {
+            IterRepr::Listed(list) => list.next().copied(),
+            IterRepr::Endpoints(list, local) => {
                 list.next().map(|e| BackendPlan { addr: e.addr, local: *local, host: false })
             }
         }
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        match self {
-            Iter::Listed(list) => list.size_hint(),
-            Iter::Endpoints(list, _) => list.size_hint(),
+        match &self.0 {
+            IterRepr::Listed(list) => list.size_hint(),
+            IterRepr::Endpoints(list, _) => list.size_hint(),
         }
     }
 }

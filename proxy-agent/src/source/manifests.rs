@@ -281,7 +281,7 @@ fn parse(path: &Path, contents: &[u8]) -> Result<(Snapshot, Vec<ManifestError>),
         };
         for value in items {
             let name = object_name(&value, &mut namespaces);
-            decode(path, index, (name, value), &mut snapshot, &mut errors);
+            decode(path, index, name, value, &mut snapshot, &mut errors);
             index += 1;
         }
     };
@@ -292,12 +292,13 @@ fn parse(path: &Path, contents: &[u8]) -> Result<(Snapshot, Vec<ManifestError>),
     Ok((snapshot, errors))
 }
 
-/// Adds one object (its name, if it has one, and value) to `snapshot`; one
+/// Adds one object (`name`: its name, if it has one) to `snapshot`; one
 /// that does not decode is reported and listed as rejected.
 fn decode(
     path: &Path,
     index: usize,
-    (name, value): (Option<ServiceName>, Value),
+    name: Option<ServiceName>,
+    value: Value,
     snapshot: &mut Snapshot,
     errors: &mut Vec<ManifestError>,
 ) {
