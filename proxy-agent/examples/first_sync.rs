@@ -21,10 +21,10 @@ use proxy_agent::{
         MapSizes,
         sync::{MapOp, MapWriter, SyncState},
     },
-    fit,
+    fit, intern,
     model::{self, ServiceName},
     plan::{Node, Planner},
-    source::{self, Changes, Namespaces, Store},
+    source::{self, Changes, Store},
 };
 use test_objects::{Protocol::Tcp, ep, port, service, slice};
 
@@ -90,7 +90,7 @@ fn phase<T>(name: &str, f: impl FnOnce() -> T) -> T {
 /// Service `i` and its slice, read as the API-server source reads them
 /// (the objects themselves are dropped at once, the namespace's name
 /// shared).
-fn read(changes: &mut Changes, namespaces: &mut Namespaces, i: usize, endpoints: usize) {
+fn read(changes: &mut Changes, i: usize, endpoints: usize) {
     let (name, slice_name) = (format!("s{i}"), format!("s{i}-1"));
     let ip = Ipv4Addr::from(0x0a60_0000u32 + 10 + i as u32).to_string();
     let svc = service("bench", &name).cluster_ip(&ip).port(port("http", 80).target(8080)).build();
@@ -99,8 +99,7 @@ fn read(changes: &mut Changes, namespaces: &mut Namespaces, i: usize, endpoints:
         ep(&format!("10.{}.{}.{}", 128 + k / 65_536, k / 256 % 256, k % 256)).node("lab-node")
     });
     let es = slice("bench", &slice_name).service(&name).port("http", 8080, Tcp).endpoints(addrs);
-    let mut key =
-        |name: String| ServiceName { namespace: namespaces.get("bench"), name: name.into() };
+    let key = |name: String| ServiceName { namespace: intern::name("bench"), name: name.into() };
     let name = key(name);
     let parsed = source::parse_service(&name, &proxy_agent::objects::Service::from_api(&svc));
     changes.services.insert(name, Some(parsed));
@@ -120,8 +119,7 @@ fn main() {
 
     let changes = phase("read", || {
         let mut changes = Changes::default();
-        let mut namespaces = Namespaces::default();
-        (0..services).for_each(|i| read(&mut changes, &mut namespaces, i, endpoints));
+        (0..services).for_each(|i| read(&mut changes, i, endpoints));
         changes
     });
     let mut store = Store::default();

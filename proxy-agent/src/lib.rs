@@ -14,6 +14,7 @@ pub mod fit;
 pub mod health;
 pub mod http;
 pub mod inspect;
+pub mod intern;
 pub mod json;
 pub mod link_events;
 pub mod metrics;

@@ -20,7 +20,8 @@
 //!   (`addressType`; FQDN slices are ignored).
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashSet},
+    cell::RefCell,
+    collections::{BTreeMap, BTreeSet},
     fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::Arc,
@@ -32,7 +33,10 @@ use k8s_openapi::api::{
     discovery::v1::EndpointSlice,
 };
 
-use crate::objects;
+use crate::{
+    intern::{self, Interner},
+    objects,
+};
 
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
@@ -230,8 +234,8 @@ pub struct Endpoint {
     pub serving: bool,
     pub terminating: bool,
     /// Its node and hints, behind a thin pointer (an endpoint is 32
-    /// bytes): one allocation shared by a slice's endpoints in the same
-    /// place, as a cluster has millions of endpoints and few nodes.
+    /// bytes): one allocation shared by the endpoints in the same place,
+    /// as a cluster has millions of endpoints and few nodes.
     place: Option<Arc<Place>>,
 }
 
@@ -249,15 +253,13 @@ impl Place {
         (node_name.is_some() || hints.is_some()).then_some(Place { node_name, hints })
     }
 
-    /// The one of `known` equal to this one, else this one, added to them
-    /// (a hash set: a slice's endpoints may be on as many nodes).
-    fn shared(self, known: &mut HashSet<Arc<Place>>) -> Arc<Place> {
-        if let Some(same) = known.get(&self) {
-            return same.clone();
+    /// The shared place equal to this one: every endpoint on a node (with
+    /// the same hints) names one, across slices.
+    fn shared(self) -> Arc<Place> {
+        thread_local! {
+            static PLACES: RefCell<Interner<Place>> = RefCell::default();
         }
-        let place = Arc::new(self);
-        known.insert(place.clone());
-        place
+        PLACES.with_borrow_mut(|places| places.get(&self, |place| Arc::new(place.clone())))
     }
 }
 
@@ -620,7 +622,7 @@ pub fn build(services: &[Service], slices: &[EndpointSlice]) -> Model {
 }
 
 /// Key of one slice port: (port name, protocol).
-type SlicePortKey = (String, Protocol);
+type SlicePortKey = (Arc<str>, Protocol);
 
 fn object_name(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -663,7 +665,6 @@ pub fn parse_slice(slice_name: &ServiceName, slice: objects::EndpointSlice) -> P
     let ports = slice_ports(slice_name, slice.ports, &mut parsed.errors);
     // Exactly as many as listed: a million endpoints are held here.
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
-    let mut places = HashSet::new();
     for endpoint in slice.endpoints {
         let ip = match endpoint.address {
             objects::Address::None => continue,
@@ -688,7 +689,7 @@ pub fn parse_slice(slice_name: &ServiceName, slice: objects::EndpointSlice) -> P
             ready: conditions.ready.unwrap_or(true),
             serving: conditions.serving.unwrap_or(true),
             terminating: conditions.terminating.unwrap_or(false),
-            place: Place::of(endpoint.node_name, endpoint.hints).map(|p| p.shared(&mut places)),
+            place: Place::of(endpoint.node_name, endpoint.hints).map(Place::shared),
         });
     }
     one_per_address(&mut endpoints);
@@ -735,7 +736,7 @@ fn slice_ports(
             });
             continue;
         };
-        usable.push(((port_name, protocol), number));
+        usable.push(((intern::name(&port_name), protocol), number));
     }
     usable
 }
@@ -1008,7 +1009,10 @@ pub fn parse_service(
             _ => None,
         };
         let template = ServicePort {
-            name: Arc::new(ServicePortName { service: name.clone(), port: port_name.into() }),
+            name: Arc::new(ServicePortName {
+                service: name.clone(),
+                port: intern::name(&port_name),
+            }),
             protocol,
             port: number,
             cluster_ip: Ipv4Addr::UNSPECIFIED.into(),
@@ -1061,7 +1065,7 @@ mod tests {
     }
 
     #[test]
-    fn an_endpoint_is_32_bytes_and_a_slices_endpoints_on_one_node_share_their_place() {
+    fn an_endpoint_is_32_bytes_and_endpoints_on_one_node_share_their_place_across_slices() {
         // A million endpoints are held: each byte is a MiB.
         assert_eq!(std::mem::size_of::<Endpoint>(), 32);
         let endpoints = [ep("10.244.0.1").node("a"), ep("10.244.0.2").node("a"), ep("10.244.0.3")];
@@ -1070,6 +1074,10 @@ mod tests {
         let place = |i: usize| list[i].place.as_ref();
         assert!(Arc::ptr_eq(place(0).unwrap(), place(1).unwrap()), "one place for node a");
         assert_eq!((list[0].node_name(), list[2].node_name()), (Some("a"), None));
+        let other = parsed_slice(web_slice("t", 8080, [ep("10.244.0.4").node("a")]));
+        let theirs = other.ports[0].1[0].place.as_ref().unwrap();
+        assert!(Arc::ptr_eq(place(0).unwrap(), theirs), "and another slice's");
+        assert!(Arc::ptr_eq(&slice.ports[0].0.0, &other.ports[0].0.0), "one port name");
     }
 
     #[test]

@@ -21,7 +21,7 @@
 //!   hints; `targetRef`, `zone`, `hostname`, further addresses are skipped;
 //! - as in k8s-openapi, an absent or `null` field is its default.
 
-use std::{borrow::Cow, cell::RefCell, collections::HashSet, fmt, net::IpAddr, sync::Arc};
+use std::{borrow::Cow, fmt, net::IpAddr, sync::Arc};
 
 use k8s_openapi::{
     api::core::v1::{ServiceSpec, ServiceStatus},
@@ -32,7 +32,10 @@ use serde::{
     de::{DeserializeOwned, IgnoredAny, MapAccess, SeqAccess, Visitor},
 };
 
-use crate::model::{Hints, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL};
+use crate::{
+    intern,
+    model::{Hints, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL},
+};
 
 /// The annotation the EndpointSlice controller sets to the time of the
 /// change (a pod, a service) that led to the slice's current state.
@@ -129,30 +132,10 @@ impl Meta {
     }
 }
 
-/// A node name, shared by every endpoint on that node: a cluster has
-/// millions of endpoints and few nodes. The names are kept per thread, up
-/// to 4,096 (then forgotten and kept afresh: a string per endpoint at
-/// worst, never a growing set).
-fn node_name(name: &str) -> Arc<str> {
-    thread_local! {
-        static NAMES: RefCell<HashSet<Arc<str>>> = RefCell::new(HashSet::new());
-    }
-    NAMES.with_borrow_mut(|names| {
-        if let Some(known) = names.get(name) {
-            return known.clone();
-        }
-        if names.len() >= 4096 {
-            names.clear();
-        }
-        let new: Arc<str> = name.into();
-        names.insert(new.clone());
-        new
-    })
-}
-
 fn shared_node_name<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Arc<str>>, D::Error> {
     let name = Option::<Cow<'de, str>>::deserialize(d)?;
-    Ok(name.map(|n| node_name(&n)))
+    // Shared by every endpoint on that node.
+    Ok(name.map(|n| intern::name(&n)))
 }
 
 /// An endpoint's first address, parsed as read.

@@ -29,8 +29,9 @@ use kube::{
 };
 use tokio::sync::Notify;
 
-use super::{Changes, Namespaces, ParsedService};
+use super::{Changes, ParsedService};
 use crate::{
+    intern,
     model::{self, ParsedSlice, ServiceName},
     objects::{EndpointSlice, Service},
 };
@@ -55,7 +56,6 @@ struct Collection<P> {
     pending: BTreeMap<ServiceName, Option<P>>,
     /// Listed completely at least once.
     complete: bool,
-    namespaces: Namespaces,
 }
 
 impl<P> Default for Collection<P> {
@@ -65,21 +65,20 @@ impl<P> Default for Collection<P> {
             relist: None,
             pending: BTreeMap::new(),
             complete: false,
-            namespaces: Namespaces::default(),
         }
     }
 }
 
-impl<P> Collection<P> {
-    /// The name of `object`, shared with the parsed object.
-    fn name_of<K: ResourceExt>(&mut self, object: &K) -> ServiceName {
-        let meta = object.meta();
-        let namespace = self.namespaces.get(meta.namespace.as_deref().unwrap_or_default());
-        // `name_any`'s choice, without its copy.
-        let name = meta.name.as_deref().or(meta.generate_name.as_deref()).unwrap_or_default();
-        ServiceName { namespace, name: name.into() }
-    }
+/// The name of `object`, shared with what is parsed of it.
+fn name_of<K: ResourceExt>(object: &K) -> ServiceName {
+    let meta = object.meta();
+    let namespace = intern::name(meta.namespace.as_deref().unwrap_or_default());
+    // `name_any`'s choice, without its copy.
+    let name = meta.name.as_deref().or(meta.generate_name.as_deref()).unwrap_or_default();
+    ServiceName { namespace, name: name.into() }
+}
 
+impl<P> Collection<P> {
     /// Applies one watcher event, reading objects with `parse`; whether
     /// there are changes to take.
     fn apply<K: ResourceExt>(
@@ -93,7 +92,7 @@ impl<P> Collection<P> {
                 false
             }
             watcher::Event::InitApply(object) => {
-                let name = self.name_of(&object);
+                let name = name_of(&object);
                 let parsed = parse(&name, object);
                 self.relist.get_or_insert_with(Vec::new).push((name, parsed));
                 false
@@ -127,14 +126,14 @@ impl<P> Collection<P> {
                 true
             }
             watcher::Event::Apply(object) => {
-                let name = self.name_of(&object);
+                let name = name_of(&object);
                 let parsed = parse(&name, object);
                 self.names.insert(name.clone());
                 self.pending.insert(name, Some(parsed));
                 true
             }
             watcher::Event::Delete(object) => {
-                let name = self.name_of(&object);
+                let name = name_of(&object);
                 self.names.remove(&name);
                 self.pending.insert(name, None);
                 true

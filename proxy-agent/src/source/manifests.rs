@@ -18,8 +18,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::{Namespaces, ObjectRef, Snapshot};
-use crate::{model::ServiceName, yaml::Value};
+use super::{ObjectRef, Snapshot};
+use crate::{intern, model::ServiceName, yaml::Value};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
@@ -267,7 +267,6 @@ fn parse(path: &Path, contents: &[u8]) -> Result<(Snapshot, Vec<ManifestError>),
     let mut snapshot = Snapshot::default();
     let mut errors = Vec::new();
     let mut index = 0;
-    let mut namespaces = Namespaces::default();
     // Each document is read into what the proxy keeps of it before the
     // next is parsed: a large manifest is never held whole as values.
     let mut each = |mut value: Value| {
@@ -280,7 +279,7 @@ fn parse(path: &Path, contents: &[u8]) -> Result<(Snapshot, Vec<ManifestError>),
             _ => vec![value],
         };
         for value in items {
-            let name = object_name(&value, &mut namespaces);
+            let name = object_name(&value);
             decode(path, index, name, value, &mut snapshot, &mut errors);
             index += 1;
         }
@@ -340,11 +339,11 @@ fn decode(
 }
 
 /// As [`ServiceName::of`] reads it, the namespace shared.
-fn object_name(value: &Value, namespaces: &mut Namespaces) -> Option<ServiceName> {
+fn object_name(value: &Value) -> Option<ServiceName> {
     let metadata = value.get("metadata")?;
     let name = metadata.get("name")?.as_str().filter(|n| !n.is_empty())?;
     let namespace = metadata.get("namespace").and_then(Value::as_str).unwrap_or("default");
-    Some(ServiceName { namespace: namespaces.get(namespace), name: name.into() })
+    Some(ServiceName { namespace: intern::name(namespace), name: name.into() })
 }
 
 #[cfg(test)]

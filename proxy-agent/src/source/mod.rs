@@ -6,7 +6,7 @@ pub mod kube;
 pub mod manifests;
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashSet},
+    collections::{BTreeMap, BTreeSet},
     sync::Arc,
     time::SystemTime,
 };
@@ -68,34 +68,6 @@ impl Snapshot {
 /// Service `name`'s ports as the store keeps them.
 pub fn parse_service(name: &ServiceName, service: &objects::Service) -> ParsedService {
     model::parse_service(name, service).map(Arc::from)
-}
-
-/// Namespace names, each held once: a cluster has few, each named by
-/// tens of thousands of objects (and the objects' names by the store, the
-/// model and the plan), where a copy each took 24 bytes and an allocation.
-#[derive(Debug, Default)]
-pub struct Namespaces {
-    known: HashSet<Arc<str>>,
-    /// How many were known after the last sweep.
-    swept: usize,
-}
-
-impl Namespaces {
-    /// The shared name of `namespace`.
-    pub fn get(&mut self, namespace: &str) -> Arc<str> {
-        if let Some(known) = self.known.get(namespace) {
-            return known.clone();
-        }
-        // Namespaces come and go: those no object names any more are
-        // forgotten whenever the set doubled since the last sweep.
-        if self.known.len() >= 2 * self.swept.max(32) {
-            self.known.retain(|n| Arc::strong_count(n) > 1);
-            self.swept = self.known.len();
-        }
-        let namespace: Arc<str> = namespace.into();
-        self.known.insert(namespace.clone());
-        namespace
-    }
 }
 
 /// What changed in a source since it was last asked, by object name;
@@ -432,19 +404,6 @@ mod tests {
         assert_eq!((update.service_changes, update.endpoint_changes), (0, 1));
         assert_eq!(update.trigger_times, [UNIX_EPOCH + Duration::new(1_748_772_001, 500_000_000)]);
         assert_eq!(store.replace(Snapshot::default()).service_changes, 1);
-    }
-
-    #[test]
-    fn a_namespace_is_held_once_and_forgotten_once_nothing_names_it() {
-        let mut namespaces = Namespaces::default();
-        let lab = namespaces.get("lab");
-        assert!(Arc::ptr_eq(&lab, &namespaces.get("lab")));
-        // Enough others, unused, for sweeps: those go, the one in use stays.
-        for i in 0..1000 {
-            namespaces.get(&format!("gone-{i}"));
-        }
-        assert!(namespaces.known.len() < 100, "{} kept", namespaces.known.len());
-        assert!(Arc::ptr_eq(&lab, &namespaces.get("lab")));
     }
 
     #[test]
