@@ -220,7 +220,8 @@ pub fn fit(desired: &Plan, served: &Plan, capacity: Capacity) -> Fitted {
 
 /// The entries `plan` takes in each map, on its own (counting the backends
 /// shared between frontends of one protocol once: sorted in a vector, a
-/// million take 16 MiB for a moment, where a set took twice that).
+/// million take 24 MiB for a moment, where a set took more than twice
+/// that).
 pub fn needed(plan: &Plan) -> Capacity {
     let named = plan.frontends.values().map(|fp| fp.backends.len()).sum();
     let mut backends = Vec::with_capacity(named);

@@ -7,8 +7,9 @@
 use std::{borrow::Borrow, cell::RefCell, collections::HashSet, hash::Hash, sync::Arc};
 
 /// A set of shared values. Values come and go (namespaces, nodes): those
-/// nothing else holds any more are forgotten whenever the set doubled since
-/// the last sweep, so it holds at most twice what is in use.
+/// nothing else holds any more are forgotten when a new one comes and the
+/// set doubled since the last sweep, so it holds at most twice what was in
+/// use then (and at least 64); its table keeps its largest size.
 pub struct Interner<T: ?Sized> {
     known: HashSet<Arc<T>>,
     /// How many were known after the last sweep.

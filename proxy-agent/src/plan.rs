@@ -149,14 +149,14 @@ impl BackendList {
 }
 
 impl From<Vec<BackendPlan>> for BackendList {
-    /// Sorted by address, unique.
+    /// `list` sorted by address, unique (as it is taken).
     fn from(list: Vec<BackendPlan>) -> Self {
         BackendList(Repr::Listed(list.into_boxed_slice()))
     }
 }
 
 impl FromIterator<BackendPlan> for BackendList {
-    /// Sorted by address, unique.
+    /// `list` sorted by address, unique (as it is taken).
     fn from_iter<I: IntoIterator<Item = BackendPlan>>(list: I) -> Self {
         list.into_iter().collect::<Vec<_>>().into()
     }
@@ -541,9 +541,9 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
         } else {
             port.cluster_endpoints(&node.name, node.zone.as_deref())
         };
-        let of_family: Vec<&Endpoint> =
+        let picked: Vec<&Endpoint> =
             endpoints.iter().copied().filter(|e| of_family(&e.addr.ip())).collect();
-        let backends = BackendList::of(&port.endpoints, &of_family, node);
+        let backends = BackendList::of(&port.endpoints, &picked, node);
         FrontendPlan {
             service: name.clone(),
             kind,

@@ -166,6 +166,8 @@ impl NodeWatch {
     }
 }
 
+// Each kind's parse, the object named as [`name_of`] reads it: the API
+// server sends none without a name or namespace.
 fn parse_service(name: &ServiceName, service: Service) -> ParsedService {
     super::parse_service(name, &service)
 }

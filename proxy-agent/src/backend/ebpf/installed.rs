@@ -52,6 +52,20 @@ impl State {
     fn refs(self) -> u32 {
         if self.is_staged() { 0 } else { self.0 }
     }
+
+    /// One more installed slot names it (an installed one: never reaching
+    /// the staged word).
+    fn named(&mut self) {
+        debug_assert!(self.is_installed() && self.0 < State::STAGED.0 - 1);
+        self.0 += 1;
+    }
+
+    /// One installed slot less names it, if any did.
+    fn unnamed(&mut self) {
+        if self.is_installed() && self.0 > 0 {
+            self.0 -= 1;
+        }
+    }
 }
 
 /// Where a recorded backend is: valid until it is removed (a sync removes
@@ -303,8 +317,8 @@ impl Backends {
     /// One more installed slot names backend `id`.
     pub fn add_ref(&mut self, id: u32) {
         if let Some(backend) = self.backend_mut(id) {
-            backend.state.0 += 1;
-            if backend.state.0 == 1 {
+            backend.state.named();
+            if backend.state.refs() == 1 {
                 self.unreferenced.remove(&id);
             }
         }
@@ -313,9 +327,9 @@ impl Backends {
     /// One installed slot less names backend `id`.
     pub fn drop_ref(&mut self, id: u32) {
         if let Some(backend) = self.backend_mut(id)
-            && backend.state.0 > 0
+            && backend.state.refs() > 0
         {
-            backend.state.0 -= 1;
+            backend.state.unnamed();
             if backend.state == State::UNREFERENCED {
                 self.unreferenced.insert(id);
             }
