@@ -437,8 +437,40 @@ pub struct RunArgs {
     /// why, refusals, drops) in this log, under the target `bpf`
     #[arg(long, value_enum, default_value = "off", value_name = "LEVEL")]
     pub bpf_log_level: BpfLogLevel,
+    /// eBPF mode: how NodePort, externalIP and LoadBalancer frontends pick
+    /// the backend of a new flow: `random` on each node, or `maglev`
+    /// (consistent hashing of the flow: every node picks the same backend,
+    /// and a backend change moves few flows); a service chooses its own
+    /// with the annotation `proxy-agent.io/lb-algorithm` or
+    /// `service.cilium.io/lb-algorithm`
+    #[arg(long, value_name = "ALGORITHM", default_value = "random", value_parser = parse_lb_algorithm)]
+    pub bpf_lb_algorithm: model::LbAlgorithm,
+    /// eBPF mode: the entries of each Maglev table (a prime of Cilium's
+    /// list: 251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521,
+    /// 131071); about 100 times a service's backends keeps a backend
+    /// change's disruption near 1/N. Two bytes an entry, per external
+    /// frontend using Maglev
+    #[arg(
+        long,
+        value_name = "PRIME",
+        default_value_t = proxy_common::maglev::DEFAULT_TABLE_SIZE,
+        value_parser = parse_maglev_table_size
+    )]
+    pub bpf_lb_maglev_table_size: u32,
     #[command(flatten)]
     pub pins: PinArgs,
+}
+
+pub fn parse_lb_algorithm(text: &str) -> Result<model::LbAlgorithm, String> {
+    model::LbAlgorithm::parse(text).ok_or_else(|| format!("{text:?}: expected random or maglev"))
+}
+
+pub fn parse_maglev_table_size(text: &str) -> Result<u32, String> {
+    let sizes = proxy_common::maglev::TABLE_SIZES;
+    text.parse().ok().filter(|size| sizes.contains(size)).ok_or_else(|| {
+        let list: Vec<String> = sizes.iter().map(u32::to_string).collect();
+        format!("{text:?}: the Maglev table size must be one of {}", list.join(", "))
+    })
 }
 
 fn parse_cidr(text: &str) -> Result<model::Cidr, String> {

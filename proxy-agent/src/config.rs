@@ -11,7 +11,7 @@ use crate::yaml::{Value, YamlError};
 
 use crate::{
     cli::{BpfLogLevel, ProxyMode, RunArgs, parse_go_duration},
-    model::Cidr,
+    model::{Cidr, LbAlgorithm},
 };
 
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
@@ -49,6 +49,10 @@ struct File {
     unreadable_source_grace: Option<String>,
     /// This proxy's own field: `--bpf-log-level`.
     bpf_log_level: Option<String>,
+    /// Ours, as Cilium's `bpf-lb-algorithm`: `--bpf-lb-algorithm`.
+    bpf_lb_algorithm: Option<String>,
+    /// Ours: `--bpf-lb-maglev-table-size`.
+    bpf_lb_maglev_table_size: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -100,6 +104,8 @@ const HONOURED: &[&str] = &[
     "detectLocalMode",
     "unreadableSourceGrace",
     "bpfLogLevel",
+    "bpfLbAlgorithm",
+    "bpfLbMaglevTableSize",
 ];
 
 /// kube-proxy's fields that do not apply to this proxy.
@@ -147,6 +153,8 @@ pub struct Settings {
     pub conntrack_udp_timeout: Option<Duration>,
     pub unreadable_source_grace: Option<Duration>,
     pub bpf_log_level: Option<BpfLogLevel>,
+    pub bpf_lb_algorithm: Option<LbAlgorithm>,
+    pub bpf_lb_maglev_table_size: Option<u32>,
 }
 
 /// Appends kube-proxy's default port to an address given without one.
@@ -270,6 +278,16 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
                 .map_err(bad("bpfLogLevel"))?,
         );
     }
+    if let Some(algorithm) = file.bpf_lb_algorithm {
+        s.bpf_lb_algorithm =
+            Some(crate::cli::parse_lb_algorithm(&algorithm).map_err(bad("bpfLbAlgorithm"))?);
+    }
+    if let Some(size) = file.bpf_lb_maglev_table_size {
+        s.bpf_lb_maglev_table_size = Some(
+            crate::cli::parse_maglev_table_size(&size.to_string())
+                .map_err(bad("bpfLbMaglevTableSize"))?,
+        );
+    }
     if let Some(mode) = file.detect_local_mode.filter(|m| !m.is_empty() && m != "ClusterCIDR") {
         warnings.push(format!("detectLocalMode {mode}: only ClusterCIDR is supported"));
     }
@@ -329,6 +347,12 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
     set!("conntrack_udp_timeout", args.conntrack_udp_timeout, settings.conntrack_udp_timeout);
     set!("unreadable_source_grace", args.unreadable_source_grace, settings.unreadable_source_grace);
     set!("bpf_log_level", args.bpf_log_level, settings.bpf_log_level);
+    set!("bpf_lb_algorithm", args.bpf_lb_algorithm, settings.bpf_lb_algorithm);
+    set!(
+        "bpf_lb_maglev_table_size",
+        args.bpf_lb_maglev_table_size,
+        settings.bpf_lb_maglev_table_size
+    );
 }
 
 #[cfg(test)]
@@ -370,6 +394,8 @@ oomScoreAdj: null
 someFutureField: true
 unreadableSourceGrace: 2s
 bpfLogLevel: debug
+bpfLbAlgorithm: maglev
+bpfLbMaglevTableSize: 65521
 "#;
 
     fn run_args(flags: &[&str]) -> (RunArgs, clap::ArgMatches) {
@@ -419,6 +445,8 @@ bpfLogLevel: debug
         assert_eq!(args.node.cluster_cidr.len(), 2, "one per family");
         assert_eq!(args.min_sync_period, Some(Duration::from_secs(2)));
         assert_eq!(args.bpf_log_level, BpfLogLevel::Debug);
+        assert_eq!(args.bpf_lb_algorithm, LbAlgorithm::Maglev);
+        assert_eq!(args.bpf_lb_maglev_table_size, 65521);
     }
 
     #[test]
@@ -438,5 +466,10 @@ bpfLogLevel: debug
         )
         .unwrap_err();
         assert!(err.to_string().contains("bpfLogLevel"), "{err}");
+        for (field, value) in [("bpfLbAlgorithm", "fastest"), ("bpfLbMaglevTableSize", "16384")] {
+            let text = format!("apiVersion: {API_VERSION}\nkind: {KIND}\n{field}: {value}\n");
+            let err = parse(std::path::Path::new("c"), &text).unwrap_err();
+            assert!(err.to_string().contains(field), "{err}");
+        }
     }
 }

@@ -306,6 +306,7 @@ mod tests {
             drop_when_empty: false,
             source_ranges: Vec::new(),
             two_scopes: false,
+            maglev: false,
         };
         plan.frontends.insert(frontend, fp);
     }

@@ -17,6 +17,7 @@ pub mod inspect;
 pub mod intern;
 pub mod json;
 pub mod link_events;
+pub mod maglev;
 pub mod metrics;
 pub mod model;
 pub mod monitor;

@@ -13,7 +13,8 @@
 //!   the [`ObjectMeta`] that [`kube::Resource::meta`] returns), the labels
 //!   and annotations the proxy reads (`kubernetes.io/service-name`,
 //!   `service.kubernetes.io/service-proxy-name`,
-//!   `endpoints.kubernetes.io/last-change-trigger-time`); `managedFields`,
+//!   `endpoints.kubernetes.io/last-change-trigger-time`, a Service's
+//!   load-balancer source ranges and load-balancing algorithm); `managedFields`,
 //!   other labels and annotations, owner references are skipped;
 //! - an endpoint: its first address, parsed as it is read (an address that
 //!   does not parse is kept as text, for the error), its conditions, its
@@ -34,7 +35,10 @@ use serde::{
 
 use crate::{
     intern,
-    model::{Hints, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL},
+    model::{
+        Hints, LB_ALGORITHM_ANNOTATIONS, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL,
+        SOURCE_RANGES_ANNOTATION,
+    },
 };
 
 /// The annotation the EndpointSlice controller sets to the time of the
@@ -42,7 +46,14 @@ use crate::{
 pub const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// The labels and annotations the proxy reads; others are skipped.
-const KEPT: [&str; 3] = [SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL, TRIGGER_TIME];
+const KEPT: [&str; 6] = [
+    SERVICE_NAME_LABEL,
+    SERVICE_PROXY_NAME_LABEL,
+    TRIGGER_TIME,
+    SOURCE_RANGES_ANNOTATION,
+    LB_ALGORITHM_ANNOTATIONS[0],
+    LB_ALGORITHM_ANNOTATIONS[1],
+];
 
 /// `null` as the default, as k8s-openapi reads every field.
 fn nullable<'de, D: Deserializer<'de>, T: Deserialize<'de> + Default>(d: D) -> Result<T, D::Error> {
@@ -337,6 +348,8 @@ pub struct Service {
     pub metadata: ObjectMeta,
     /// `service.kubernetes.io/service-proxy-name`: another proxy's.
     pub service_proxy_name: Option<String>,
+    /// The annotations the model reads (source ranges, algorithm).
+    pub annotations: Kept,
     pub spec: Option<ServiceSpec>,
     pub status: Option<ServiceStatus>,
 }
@@ -353,10 +366,11 @@ struct RawService {
 
 impl From<RawService> for Service {
     fn from(raw: RawService) -> Self {
-        let (metadata, labels, _) = raw.metadata.split();
+        let (metadata, labels, annotations) = raw.metadata.split();
         Service {
             metadata,
             service_proxy_name: labels.get(SERVICE_PROXY_NAME_LABEL).map(str::to_string),
+            annotations,
             spec: raw.spec,
             status: raw.status,
         }

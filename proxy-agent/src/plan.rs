@@ -24,7 +24,7 @@ use std::{
 
 use crate::compact;
 use crate::model::{
-    Cidr, Endpoint, EndpointAddr, IpFamily, Model, Protocol, ServiceName, ServicePort,
+    Cidr, Endpoint, EndpointAddr, IpFamily, LbAlgorithm, Model, Protocol, ServiceName, ServicePort,
     ServicePortName,
 };
 
@@ -285,6 +285,9 @@ pub struct FrontendPlan {
     /// No endpoint is ready: the backends are the serving, terminating
     /// ones (kube-proxy's fallback). Only the datapath's logs tell it.
     pub serves_terminating: bool,
+    /// An external frontend whose new flows pick their backend from a
+    /// Maglev table (eBPF mode; the iptables mode picks at random).
+    pub maglev: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -337,6 +340,9 @@ pub struct Node {
     pub nodeport_addresses: Vec<Cidr>,
     /// Its `topology.kubernetes.io/zone`, for EndpointSlice hints.
     pub zone: Option<String>,
+    /// `--bpf-lb-algorithm`: how external frontends pick a backend where
+    /// their service's annotations do not say.
+    pub lb_algorithm: LbAlgorithm,
 }
 
 impl Node {
@@ -555,6 +561,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             local,
             source_ranges,
             two_scopes: external && local,
+            maglev: external && port.lb_algorithm.or(node.lb_algorithm) == LbAlgorithm::Maglev,
         }
     };
     // What in-cluster clients of the external addresses get with the Local
@@ -594,7 +601,7 @@ mod tests {
     use std::net::{Ipv4Addr, Ipv6Addr};
 
     use super::*;
-    use crate::model::{self, Endpoint, EndpointAddr, Exposure, Hints};
+    use crate::model::{self, AlgorithmChoice, Endpoint, EndpointAddr, Exposure, Hints};
 
     /// An external IP, a load-balancer IP and a source range.
     fn exposed() -> Option<Box<Exposure>> {
@@ -621,6 +628,7 @@ mod tests {
             health_check_node_port: None,
             internal_local: false,
             affinity_timeout_secs: None,
+            lb_algorithm: Default::default(),
             endpoints: endpoints
                 .iter()
                 .map(|(addr, ready, node)| {
@@ -641,6 +649,7 @@ mod tests {
             ],
             nodeport_addresses: vec![],
             zone: None,
+            lb_algorithm: LbAlgorithm::Random,
         }
     }
 
@@ -1053,6 +1062,10 @@ mod tests {
                 health_check_node_port: None,
                 internal_local: rng.chance(20),
                 affinity_timeout_secs: rng.chance(20).then_some(10_800),
+                lb_algorithm: rng.pick(&[
+                    AlgorithmChoice::NodeDefault,
+                    AlgorithmChoice::Annotated(LbAlgorithm::Maglev),
+                ]),
                 endpoints: random_endpoints(rng).into(),
             })
             .collect()

@@ -35,6 +35,9 @@ pub enum Decided {
 pub const SNAT: u32 = 1 << 8;
 /// The backend is the client's remembered one (sessionAffinity).
 pub const AFFINITY: u32 = 1 << 9;
+/// The backend came from the frontend's Maglev table (the entry is
+/// `maglev::entry` of the packet's `maglev::flow_hash`).
+pub const MAGLEV: u32 = 1 << 10;
 const CODE: u32 = 0xff;
 
 /// The decision word the program writes into `cb[2]`.
@@ -68,7 +71,7 @@ mod tests {
             Decided::NoLocalEndpoint,
             Decided::Refused,
         ] {
-            for flags in [0, SNAT, AFFINITY, SNAT | AFFINITY] {
+            for flags in [0, SNAT, AFFINITY, SNAT | AFFINITY, MAGLEV, SNAT | MAGLEV] {
                 assert_eq!(decode(word(decided, flags)), Some((decided, flags)));
             }
         }

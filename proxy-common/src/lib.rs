@@ -6,6 +6,7 @@
 //! `"address": [10,96,0,10], "port": 80` instead of byte-swapped integers.
 #![no_std]
 
+pub mod maglev;
 pub mod monitor;
 
 /// Names of the maps in the BPF object; the agent pins each under its own name.
@@ -38,6 +39,7 @@ pub mod map_names {
     pub const MONITOR: &str = "MONITOR";
     pub const MONITOR_LOST: &str = "MONITOR_LOST";
     pub const FRONTEND_STATS: &str = "FRONTEND_STATS";
+    pub const MAGLEV: &str = "MAGLEV";
 }
 
 pub mod stats;
@@ -140,6 +142,9 @@ pub const MAX_FRAGMENTS: u32 = 16_384;
 pub const MAX_SOCK_FLOWS: u32 = 65_536;
 /// Departures handed to the socket iterator at once (more go in batches).
 pub const MAX_SOCK_ENDS: u32 = 4_096;
+/// Maglev table chunks (`maglev::MaglevKey`), allocated per entry: 16,384
+/// frontends' tables at the default size.
+pub const MAX_MAGLEV_CHUNKS: u32 = 65_536;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
@@ -211,6 +216,10 @@ flags!(
         /// No endpoint is ready: the backends are the serving, terminating
         /// ones (kube-proxy's fallback); only the decision records read it.
         6: serves_terminating, with_serves_terminating;
+        /// New flows pick their backend from the frontend's Maglev table
+        /// (`MAGLEV`), by a hash of their tuple, rather than at random: every
+        /// node picks the same backend for a flow.
+        7: uses_maglev, with_maglev;
     }
 );
 
@@ -1168,7 +1177,9 @@ pub struct Config {
     /// The IPv6 `--cluster-cidr`; a zero prefix length means none is set.
     pub cluster_cidr6: Ipv6Octets,
     pub cluster_cidr6_prefix: u8,
-    pub _pad6: [u8; 7],
+    pub _pad6: [u8; 3],
+    /// `--bpf-lb-maglev-table-size`: the entries of every Maglev table.
+    pub maglev_table_size: u32,
 }
 
 /// Indexes of the per-CPU counters array.
@@ -1270,6 +1281,8 @@ mod pod {
     unsafe impl aya::Pod for CtEntry6V2 {}
     unsafe impl aya::Pod for AffinityKey6 {}
     unsafe impl aya::Pod for SourceRangeKey6 {}
+    unsafe impl aya::Pod for maglev::MaglevKey {}
+    unsafe impl aya::Pod for maglev::MaglevChunk {}
 }
 
 #[cfg(test)]
@@ -1320,6 +1333,8 @@ mod tests {
         assert_eq!(size_of::<CtEntry6V2>(), 72);
         assert_eq!(size_of::<AffinityKey6>(), 24);
         assert_eq!(size_of::<SourceRangeKey6>(), 20);
+        assert_eq!(size_of::<maglev::MaglevKey>(), 8);
+        assert_eq!(size_of::<maglev::MaglevChunk>(), 8192);
     }
 
     #[test]
@@ -1336,8 +1351,10 @@ mod tests {
             e.with_drop_when_empty(true),
             e.with_source_ranges(true),
             e.with_two_scopes(true),
+            e.with_serves_terminating(true),
+            e.with_maglev(true),
         ];
-        assert_eq!(each.map(svc), [1, 2, 4, 8, 16, 32]);
+        assert_eq!(each.map(svc), [1, 2, 4, 8, 16, 32, 64, 128]);
         let b = BackendFlags::EMPTY;
         assert_eq!([b.with_local(true), b.with_host(true)].map(backend), [1, 2]);
 

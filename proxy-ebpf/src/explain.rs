@@ -6,7 +6,7 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::explain::{
-    AFFINITY, CB_BACKEND, CB_REV_NAT, CB_WORD, Decided, MAGIC, SNAT, word,
+    AFFINITY, CB_BACKEND, CB_REV_NAT, CB_WORD, Decided, MAGIC, MAGLEV, SNAT, word,
 };
 
 use crate::lb::Via;
@@ -47,8 +47,12 @@ impl Run {
     pub fn translated(self, ctx: &TcContext, backend_id: u32, snat: bool, via: Via) {
         if self == Run::Explain {
             let snat = if snat { SNAT } else { 0 };
-            let affinity = if matches!(via, Via::Affinity) { AFFINITY } else { 0 };
-            set(ctx, CB_WORD, word(Decided::Translated, snat | affinity));
+            let how = match via {
+                Via::Affinity => AFFINITY,
+                Via::Maglev => MAGLEV,
+                Via::Random | Via::Flow => 0,
+            };
+            set(ctx, CB_WORD, word(Decided::Translated, snat | how));
             set(ctx, CB_BACKEND, backend_id);
         }
     }

@@ -11,7 +11,7 @@ use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
     AFFINITY_CLIENT_IPV4, Backend, Backend6, BackendFlags, Config, CtEntry, CtEntry6, CtKey,
     CtKey6, CtValue, FragRewrite, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceKey6,
-    SourceRangeKey, SourceRangeKey6,
+    SourceRangeKey, SourceRangeKey6, maglev,
 };
 
 use crate::{
@@ -39,6 +39,8 @@ pub trait Family: IpHeader {
     /// A backend's address, port and flags.
     fn backend(b: &Self::Backend) -> (&Self::Addr, u16, BackendFlags);
     fn client(saddr: Self::Addr) -> Self::Client;
+    /// A new flow's `maglev::flow_hash`.
+    fn flow_hash(t: &Self::Tuple) -> u32;
 
     fn ct_get_ptr_mut(key: &Self::Tuple) -> Option<*mut Self::Entry>;
     fn ct_insert(key: &Self::Tuple, entry: &Self::Entry, flags: u64) -> Result<(), i32>;
@@ -87,6 +89,11 @@ impl Family for Ipv4Hdr {
     #[inline(always)]
     fn client(saddr: [u8; 4]) -> (u64, u8) {
         (u32::from_ne_bytes(saddr) as u64, AFFINITY_CLIENT_IPV4)
+    }
+
+    #[inline(always)]
+    fn flow_hash(t: &CtKey) -> u32 {
+        maglev::flow_hash(&[u32::from_be_bytes(t.saddr)], t.sport, t.dport, t.proto)
     }
 
     #[inline(always)]
@@ -180,6 +187,13 @@ impl Family for Ipv6Hdr {
     #[inline(always)]
     fn client(saddr: [u8; 16]) -> [u8; 16] {
         saddr
+    }
+
+    #[inline(always)]
+    fn flow_hash(t: &CtKey6) -> u32 {
+        let a = &t.saddr;
+        let words = [0, 4, 8, 12].map(|i| u32::from_be_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]));
+        maglev::flow_hash(&words, t.sport, t.dport, t.proto)
     }
 
     #[inline(always)]

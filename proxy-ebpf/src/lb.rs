@@ -6,10 +6,13 @@ use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
     AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, Counter, SCOPE_INTERNAL,
     ServiceKey, ServiceKey6, ServiceValue,
+    maglev::{self, CHUNK_SLOTS, MaglevKey},
 };
 
 use crate::explain::Run;
-use crate::maps::{AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, SERVICES, SERVICES6, count};
+use crate::maps::{
+    AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, CONFIG, MAGLEV, SERVICES, SERVICES6, count,
+};
 
 /// A services-map key, and so an address family: where its frontends and
 /// backends are.
@@ -137,6 +140,8 @@ pub enum Via {
     Affinity,
     /// At random among the frontend's backends.
     Random,
+    /// From the frontend's Maglev table, by the flow's hash.
+    Maglev,
     /// The backend of the socket's fresh UDP flow.
     Flow,
 }
@@ -163,6 +168,16 @@ pub fn in_cluster_scope<K: ServiceMapKey>(key: &K, svc: &ServiceValue) -> (K, Se
     (*key, *svc)
 }
 
+/// How a new flow's backend is picked where no affinity entry decides.
+#[derive(Clone, Copy)]
+pub enum Pick {
+    /// At random: the socket hooks, which see no flow to hash.
+    Random,
+    /// By the flow's hash (`maglev::flow_hash`) where the frontend has a
+    /// Maglev table, else at random: the per-packet path.
+    Hashed(u32),
+}
+
 /// Picks a backend of the frontend `svc` (found at `key`) for `client`.
 #[inline(always)]
 pub fn choose<K: ServiceMapKey, C: AffinityClient>(
@@ -170,17 +185,18 @@ pub fn choose<K: ServiceMapKey, C: AffinityClient>(
     svc: &ServiceValue,
     client: C,
 ) -> Verdict<K::Backend> {
-    choose_in(key, svc, client, Run::Real)
+    choose_in(key, svc, client, Run::Real, Pick::Random)
 }
 
-/// As [`choose`]; an explain run's packet neither remembers nor refreshes
-/// an affinity entry.
+/// As [`choose`], picking as `pick` says; an explain run's packet neither
+/// remembers nor refreshes an affinity entry.
 #[inline(always)]
 pub fn choose_in<K: ServiceMapKey, C: AffinityClient>(
     key: &K,
     svc: &ServiceValue,
     client: C,
     run: Run,
+    pick: Pick,
 ) -> Verdict<K::Backend> {
     count(Counter::ServiceHit);
     if svc.count == 0 {
@@ -201,7 +217,17 @@ pub fn choose_in<K: ServiceMapKey, C: AffinityClient>(
             via: Via::Affinity,
         };
     }
-    let Some((backend_id, backend)) = random_backend(key, svc.count) else {
+    let hashed = match pick {
+        Pick::Hashed(hash) if svc.flags.uses_maglev() => {
+            maglev_backend(key, svc.rev_nat_id, hash).map(|found| (found, Via::Maglev))
+        }
+        _ => None,
+    };
+    // A table missing mid-sync, or naming a slot beyond a count that
+    // shrank: at random, as a moment later the table would not pick.
+    let Some(((backend_id, backend), via)) =
+        hashed.or_else(|| random_backend(key, svc.count).map(|found| (found, Via::Random)))
+    else {
         count(Counter::SlotMiss);
         return Verdict::NoBackend;
     };
@@ -210,7 +236,29 @@ pub fn choose_in<K: ServiceMapKey, C: AffinityClient>(
         let value = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
         C::remember(&affinity_key, value);
     }
-    Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id, via: Via::Random }
+    Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id, via }
+}
+
+/// The backend the frontend's Maglev table gives a flow of `hash`: its
+/// entry names a slot, read in the table's chunk in place (8 KiB: never
+/// copied to the stack).
+#[inline(always)]
+fn maglev_backend<K: ServiceMapKey>(
+    key: &K,
+    rev_nat_id: u32,
+    hash: u32,
+) -> Option<(u32, K::Backend)> {
+    let size = CONFIG.get(0)?.maglev_table_size;
+    if size == 0 {
+        return None;
+    }
+    let entry = maglev::entry(hash, size);
+    let chunk = MaglevKey { rev_nat_id, chunk: entry / CHUNK_SLOTS as u32 };
+    // SAFETY: one entry read at once; the agent replaces a table by
+    // rewriting its chunks, and any slot a chunk names exists meanwhile.
+    let slot = unsafe { MAGLEV.get(&chunk) }?.slots[entry as usize % CHUNK_SLOTS];
+    let id = lookup_frontend(&key.with_slot(slot))?.backend_id;
+    Some((id, K::backend(id)?))
 }
 
 /// The remembered backend of `key`, if its entry is younger than the

@@ -127,6 +127,7 @@ pub fn why(via: Via, flags: ServiceFlags) -> (&'static str, &'static str) {
     let how = match via {
         Via::Affinity => "session affinity",
         Via::Random => "random pick",
+        Via::Maglev => "Maglev table",
         Via::Flow => "the socket's UDP flow",
     };
     let among = match (flags.is_local_only(), flags.serves_terminating()) {

@@ -18,6 +18,10 @@ use proxy_common::{
     AffinityKey6, Backend6, CtEntry6, CtKey6, MAX_AFFINITY6, MAX_CONNTRACK6, MAX_SOCK_REV_NAT6,
     RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6, SourceRangeKey6, TC6_PROGRAMS,
 };
+use proxy_common::{
+    MAX_MAGLEV_CHUNKS,
+    maglev::{MaglevChunk, MaglevKey},
+};
 
 /// The service maps are allocated per entry, as Cilium's are by default:
 /// sized for a large cluster (and with headroom to grow), a preallocated
@@ -43,6 +47,17 @@ pub static BACKENDS: HashMap<
 #[btf_map]
 pub static REV_NAT: HashMap<u32, RevNat, { MAX_REV_NAT as usize }, { BPF_F_NO_PREALLOC as usize }> =
     HashMap::new();
+
+/// The Maglev tables of the frontends that use one (`proxy_common::maglev`),
+/// in chunks, by reverse-NAT id: allocated per entry, so a cluster without
+/// Maglev pays nothing. Only the agent writes them.
+#[btf_map]
+pub static MAGLEV: HashMap<
+    MaglevKey,
+    MaglevChunk,
+    { MAX_MAGLEV_CHUNKS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
 /// The service port name and kind of each frontend, by reverse-NAT id: for
 /// operators only (the programs never read it), allocated per entry.

@@ -28,7 +28,7 @@ use crate::{
     explain::Run,
     family::Family,
     icmp::{self, IcmpError},
-    lb::{self, Verdict, Via},
+    lb::{self, Pick, Verdict, Via},
     log::{self, Outcome, Printable},
     maps::{CONFIG, FLOW6, FRAGMENTS, TC6, count},
     monitor::{self, EventAddr, What},
@@ -283,7 +283,8 @@ fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -
     if from_pods::<F>(cfg, t.saddr()) {
         (key, scoped) = lb::in_cluster_scope(&key, &svc);
     }
-    match lb::choose_in(&key, &scoped, F::client(t.saddr()), run) {
+    let pick = Pick::Hashed(F::flow_hash(t));
+    match lb::choose_in(&key, &scoped, F::client(t.saddr()), run, pick) {
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
             run.refused(ctx, Decided::NoLocalEndpoint);
             Decision::Drop(Outcome::NoLocalEndpoint, scoped.rev_nat_id)

@@ -203,6 +203,11 @@ impl ServiceBuilder {
         self
     }
 
+    pub fn annotation(mut self, key: &str, value: &str) -> Self {
+        set(&mut self.0.metadata.annotations, key, value);
+        self
+    }
+
     /// The label that hands the service to the proxy named `proxy`.
     pub fn proxy_name(self, proxy: &str) -> Self {
         self.label(SERVICE_PROXY_NAME_LABEL, proxy)

@@ -43,6 +43,8 @@ pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
         ips,
         nodeport_addresses: args.node.nodeport_addresses.clone(),
         zone: args.zone.clone(),
+        // The iptables rules pick at random whatever the algorithm.
+        lb_algorithm: Default::default(),
     };
     let families = match args.ip_family {
         Some(family) => vec![family],

@@ -71,8 +71,13 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
     } else {
         AddressSource::Fixed
     };
-    let mut node =
-        Node { name, ips, nodeport_addresses: args.node.nodeport_addresses.clone(), zone: None };
+    let mut node = Node {
+        name,
+        ips,
+        nodeport_addresses: args.node.nodeport_addresses.clone(),
+        zone: None,
+        lb_algorithm: args.bpf_lb_algorithm,
+    };
     let eligibility = match &source {
         Source::Manifests(_) => NodeEligibility::NoApiServer,
         Source::Kube(kube) => {

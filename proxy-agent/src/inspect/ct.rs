@@ -335,7 +335,11 @@ mod tests {
             kind: "NodePort".into(),
             service: "demo/web:echo".into(),
             flags: vec![],
-            backends: vec![LbBackend { address: "10.244.1.2:5353".into(), local: None }],
+            backends: vec![LbBackend {
+                address: "10.244.1.2:5353".into(),
+                local: None,
+                maglev_share: None,
+            }],
         }];
         let text = "udp      17 28 src=192.168.100.101 dst=192.168.100.11 sport=41000 dport=30053 src=10.244.1.2 dst=192.168.100.11 sport=5353 dport=41000 mark=0 use=1\n\
                     tcp      6 431999 ESTABLISHED src=10.0.0.1 dst=10.0.0.2 sport=1 dport=22 src=10.0.0.2 dst=10.0.0.1 sport=22 dport=1 [ASSURED] mark=0 use=1\n";

@@ -9,7 +9,10 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
-use proxy_common::explain::{AFFINITY, Decided, SNAT, decode};
+use proxy_common::{
+    explain::{AFFINITY, Decided, MAGLEV, SNAT, decode},
+    maglev,
+};
 use serde::Serialize;
 
 use super::{
@@ -175,9 +178,13 @@ pub struct Explanation {
     /// The backend picked, `address:port`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub picked: Option<String>,
-    /// How: `random` or `affinity`.
+    /// How: `random`, `affinity` or `maglev`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub via: Option<&'static str>,
+    /// With `maglev`: the table entry the flow's hash picked, and the
+    /// table's size (every node picks the same entry for the flow).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub maglev_entry: Option<(u32, u32)>,
     /// The packet as the program sends it on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub translated: Option<String>,
@@ -258,12 +265,30 @@ fn start(query: &Query, entry: Option<&LbEntry>) -> Explanation {
         backends: entry.map(|e| e.backends.clone()).unwrap_or_default(),
         picked: None,
         via: None,
+        maglev_entry: None,
         translated: None,
         snat: None,
         action: "passed on untouched".into(),
         reason: None,
         notes: Vec::new(),
     }
+}
+
+/// The Maglev table entry `query`'s flow hashes to (`proxy_common::maglev`),
+/// and the table's size: the backends' shares of it, summed.
+fn maglev_entry(query: &Query, backends: &[LbBackend]) -> Option<(u32, u32)> {
+    let size: u32 = backends.iter().map(|b| b.maglev_share).sum::<Option<u32>>()?;
+    let proto = crate::backend::ebpf::entries::proto(query.proto);
+    let (sport, dport) = (query.from.port(), query.to.port());
+    let hash = match query.from.ip() {
+        std::net::IpAddr::V4(ip) => maglev::flow_hash(&[ip.to_bits()], sport, dport, proto),
+        std::net::IpAddr::V6(ip) => {
+            let bits = ip.to_bits();
+            let words = [96, 64, 32, 0].map(|shift| (bits >> shift) as u32);
+            maglev::flow_hash(&words, sport, dport, proto)
+        }
+    };
+    (size > 0).then(|| (maglev::entry(hash, size), size))
 }
 
 /// The note of a ClusterIP's explanation.
@@ -288,7 +313,14 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
         Some((Decided::Translated, flags)) => {
             x.outcome = "translated";
             x.picked = dst;
-            x.via = Some(if flags & AFFINITY != 0 { "affinity" } else { "random" });
+            x.via = Some(match flags {
+                _ if flags & AFFINITY != 0 => "affinity",
+                _ if flags & MAGLEV != 0 => "maglev",
+                _ => "random",
+            });
+            if flags & MAGLEV != 0 {
+                x.maglev_entry = maglev_entry(query, &x.backends);
+            }
             x.translated = translated;
             if flags & SNAT != 0 {
                 x.snat = out.map(|(_, src, _)| src.ip().to_string());
@@ -379,7 +411,7 @@ pub fn explain_rules(query: &Query, save: &str, local: &[IpAddr]) -> Explanation
             if x.backends.is_empty() {
                 x.backends = candidates
                     .into_iter()
-                    .map(|(address, _)| LbBackend { address, local: None })
+                    .map(|(address, _)| LbBackend { address, local: None, maglev_share: None })
                     .collect();
             }
         }
@@ -442,6 +474,14 @@ pub fn text(x: &Explanation) -> String {
     }
     if let Some(picked) = &x.picked {
         line("picked:", &format!("{picked} ({})", x.via.unwrap_or("?")));
+        if let Some((entry, size)) = x.maglev_entry {
+            line(
+                "maglev:",
+                &format!(
+                    "entry {entry} of {size} (a hash of the client's address and port, the port and protocol)"
+                ),
+            );
+        }
     }
     if let Some(translated) = &x.translated {
         line("translated:", translated);
@@ -555,7 +595,11 @@ fd000000000000020000000000000000 40 00000000000000000000000000000000 00 00000000
             flags,
             backends: backends
                 .iter()
-                .map(|a| LbBackend { address: a.to_string(), local: Some(false) })
+                .map(|a| LbBackend {
+                    address: a.to_string(),
+                    local: Some(false),
+                    maglev_share: None,
+                })
                 .collect(),
         }
     }

@@ -165,7 +165,11 @@ impl<'a> Walk<'a> {
             for sep in endpoints {
                 let dnat = self.rules(&sep).find_map(|r| r.opt("--to-destination"));
                 if let Some(address) = dnat.map(str::to_string) {
-                    self.backends.push(LbBackend { address, local: local.then_some(true) });
+                    self.backends.push(LbBackend {
+                        address,
+                        local: local.then_some(true),
+                        maglev_share: None,
+                    });
                 }
             }
         }

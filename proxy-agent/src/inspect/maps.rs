@@ -1,7 +1,8 @@
 //! The service table from the eBPF mode's pinned maps: `SERVICES` and
 //! `SERVICES6` (each frontend's slot 0 and its backend slots), `BACKENDS`
-//! and `BACKENDS6`, and `FRONTEND_INFO` (service name and kind, by
-//! reverse-NAT id).
+//! and `BACKENDS6`, `FRONTEND_INFO` (service name and kind, by
+//! reverse-NAT id) and `MAGLEV` (each backend's share of its frontend's
+//! table).
 
 use std::{collections::BTreeMap, net::SocketAddr, path::Path};
 
@@ -10,7 +11,9 @@ use proxy_common::{
     Backend, Backend6, CtEntry6V1, CtEntry6V2, CtEntryV1, CtEntryV2, CtKey, CtKey6, FrontendInfo,
     IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER,
     KIND_NODE_PORT, ServiceKey, ServiceKey6, ServiceValue, SockRevNat, SockRevNat6, SockRevNatKey,
-    SockRevNatKey6, map_names,
+    SockRevNatKey6,
+    maglev::{MaglevChunk, MaglevKey},
+    map_names,
 };
 
 use super::{
@@ -44,9 +47,9 @@ pub fn read<K: aya::Pod, V: aya::Pod, C: FromIterator<(K, V)>>(
     Ok(map.iter().filter_map(Result::ok).collect())
 }
 
-/// A pinned map of the IPv6 family: none where an agent without them
-/// pinned the maps.
-fn read_ipv6<K: aya::Pod, V: aya::Pod>(
+/// A pinned map an older agent did not pin (the IPv6 family's, `MAGLEV`):
+/// none where it is not there.
+fn read_if_pinned<K: aya::Pod, V: aya::Pod>(
     root: &Path,
     name: &'static str,
 ) -> Result<Vec<(K, V)>, ReadError> {
@@ -59,15 +62,32 @@ fn read_ipv6<K: aya::Pod, V: aya::Pod>(
 /// The table of the maps pinned under `root`.
 pub fn read_pinned(root: &Path) -> Result<Vec<LbEntry>, ReadError> {
     let v4: Vec<(ServiceKey, ServiceValue)> = read(root, map_names::SERVICES)?;
-    let v6: Vec<(ServiceKey6, ServiceValue)> = read_ipv6(root, map_names::SERVICES6)?;
+    let v6: Vec<(ServiceKey6, ServiceValue)> = read_if_pinned(root, map_names::SERVICES6)?;
     let services = v4.into_iter().map(|(k, v)| (SlotKey::V4(k), v));
     let services = services.chain(v6.into_iter().map(|(k, v)| (SlotKey::V6(k), v))).collect();
     let v4: Vec<(u32, Backend)> = read(root, map_names::BACKENDS)?;
-    let v6: Vec<(u32, Backend6)> = read_ipv6(root, map_names::BACKENDS6)?;
+    let v6: Vec<(u32, Backend6)> = read_if_pinned(root, map_names::BACKENDS6)?;
     let backends = v4.into_iter().map(|(id, b)| (id, BackendEntry::V4(b)));
     let backends = backends.chain(v6.into_iter().map(|(id, b)| (id, BackendEntry::V6(b))));
     let infos = read(root, map_names::FRONTEND_INFO)?;
-    Ok(entries(&services, &backends.collect(), &infos))
+    let chunks: Vec<(MaglevKey, MaglevChunk)> = read_if_pinned(root, map_names::MAGLEV)?;
+    Ok(entries(&services, &backends.collect(), &infos, &maglev_shares(&chunks)))
+}
+
+/// Per frontend (reverse-NAT id) with a Maglev table, the entries naming
+/// each slot.
+pub type MaglevShares = BTreeMap<u32, BTreeMap<u16, u32>>;
+
+fn maglev_shares(chunks: &[(MaglevKey, MaglevChunk)]) -> MaglevShares {
+    let mut shares = MaglevShares::new();
+    for (key, chunk) in chunks {
+        let of_frontend = shares.entry(key.rev_nat_id).or_default();
+        // Zero: past the table's end.
+        for slot in chunk.slots.iter().filter(|s| **s != 0) {
+            *of_frontend.entry(*slot).or_default() += 1;
+        }
+    }
+    shares
 }
 
 /// The flows of the maps pinned under `root` at `now_ns`: per packet
@@ -84,15 +104,15 @@ pub fn read_flows(root: &Path, now_ns: u64) -> Result<Vec<CtRow>, ReadError> {
             v2.into_iter().map(|(k, v2)| (k, v2.into())).collect()
         }
     };
-    let conntrack6: Vec<(CtKey6, CtEntry6V1)> = match read_ipv6(root, map_names::CONNTRACK6) {
+    let conntrack6: Vec<(CtKey6, CtEntry6V1)> = match read_if_pinned(root, map_names::CONNTRACK6) {
         Ok(v1) => v1,
         Err(_) => {
-            let v2: Vec<(CtKey6, CtEntry6V2)> = read_ipv6(root, map_names::CONNTRACK6)?;
+            let v2: Vec<(CtKey6, CtEntry6V2)> = read_if_pinned(root, map_names::CONNTRACK6)?;
             v2.into_iter().map(|(k, v2)| (k, v2.into())).collect()
         }
     };
     let v4: Vec<(SockRevNatKey, SockRevNat)> = read(root, map_names::SOCK_REV_NAT)?;
-    let v6: Vec<(SockRevNatKey6, SockRevNat6)> = read_ipv6(root, map_names::SOCK_REV_NAT6)?;
+    let v6: Vec<(SockRevNatKey6, SockRevNat6)> = read_if_pinned(root, map_names::SOCK_REV_NAT6)?;
     let sockets: Vec<TranslatedSocket> =
         v4.into_iter().map(Into::into).chain(v6.into_iter().map(Into::into)).collect();
     let mut rows = ct::flows(&conntrack, &infos, now_ns);
@@ -124,6 +144,7 @@ pub fn entries(
     services: &BTreeMap<SlotKey, ServiceValue>,
     backends: &BTreeMap<u32, BackendEntry>,
     infos: &BTreeMap<u32, FrontendInfo>,
+    maglev: &MaglevShares,
 ) -> Vec<LbEntry> {
     services
         .iter()
@@ -138,9 +159,11 @@ pub fn entries(
                 (f.has_source_ranges(), flag::SOURCE_RANGES),
                 (f.drops_when_empty(), flag::DROP_WHEN_EMPTY),
                 (frontend.scope == Scope::Internal, flag::IN_CLUSTER),
+                (f.uses_maglev(), flag::MAGLEV),
             ];
-            let slot = |slot| services.get(&SlotKey::new(&frontend, slot));
+            let slot = |slot| Some((slot, services.get(&SlotKey::new(&frontend, slot))?));
             let slots = (1..=value.count).filter_map(slot);
+            let table = maglev.get(&value.rev_nat_id).filter(|_| f.uses_maglev());
             let protocol = frontend.protocol.as_str().to_lowercase();
             LbEntry {
                 frontend: format!("{}/{protocol}", SocketAddr::new(frontend.ip, frontend.port)),
@@ -148,10 +171,11 @@ pub fn entries(
                 service: info.map_or("?", FrontendInfo::name).to_string(),
                 flags: flags.into_iter().filter(|(on, _)| *on).map(|(_, name)| name).collect(),
                 backends: slots
-                    .filter_map(|slot| backends.get(&slot.backend_id))
-                    .map(|b| LbBackend {
+                    .filter_map(|(n, slot)| Some((n, backends.get(&slot.backend_id)?)))
+                    .map(|(n, b)| LbBackend {
                         address: b.addr().to_string(),
                         local: Some(b.flags().is_local()),
+                        maglev_share: table.map(|t| t.get(&n).copied().unwrap_or(0)),
                     })
                     .collect(),
             }
@@ -174,7 +198,7 @@ mod tests {
             IPPROTO_TCP,
             0,
         );
-        let flags = ServiceFlags::EMPTY.with_affinity(true);
+        let flags = ServiceFlags::EMPTY.with_affinity(true).with_maglev(true);
         let front = ServiceValue { count: 2, rev_nat_id: 7, flags, ..Default::default() };
         let front6 = ServiceValue { count: 1, rev_nat_id: 8, ..Default::default() };
         let slot =
@@ -202,21 +226,32 @@ mod tests {
             (7, FrontendInfo::new(KIND_CLUSTER_IP, "demo/web:dns")),
             (8, FrontendInfo::new(KIND_CLUSTER_IP, "demo/web:http")),
         ]);
-        let table = entries(&services, &backends, &infos);
+        let mut chunk = MaglevChunk::default();
+        chunk.slots[..251].iter_mut().enumerate().for_each(|(i, s)| *s = 1 + (i % 3 == 0) as u16);
+        let shares = maglev_shares(&[(MaglevKey { rev_nat_id: 7, chunk: 0 }, chunk)]);
+        let table = entries(&services, &backends, &infos, &shares);
         assert_eq!(table.len(), 2);
         let e = &table[0];
         assert_eq!((e.frontend.as_str(), e.kind.as_str()), ("10.96.0.10:53/udp", "ClusterIP"));
         assert_eq!(
             (e.service.as_str(), e.flags.as_slice()),
-            ("demo/web:dns", &[flag::AFFINITY][..])
+            ("demo/web:dns", &[flag::AFFINITY, flag::MAGLEV][..])
         );
-        let addrs: Vec<_> = e.backends.iter().map(|b| (b.address.as_str(), b.local)).collect();
-        assert_eq!(addrs, [("10.244.1.2:5353", Some(true)), ("10.244.1.3:5353", Some(false))]);
+        let addrs: Vec<_> =
+            e.backends.iter().map(|b| (b.address.as_str(), b.local, b.maglev_share)).collect();
+        assert_eq!(
+            addrs,
+            [
+                ("10.244.1.2:5353", Some(true), Some(167)),
+                ("10.244.1.3:5353", Some(false), Some(84))
+            ]
+        );
         let e = &table[1];
         assert_eq!(
             (e.frontend.as_str(), e.service.as_str()),
             ("[fd00:96::10]:80/tcp", "demo/web:http")
         );
         assert_eq!(e.backends[0].address, "[fd00:44::10]:8080");
+        assert_eq!(e.backends[0].maglev_share, None, "no table");
     }
 }

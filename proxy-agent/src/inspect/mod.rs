@@ -27,6 +27,9 @@ pub mod flag {
     /// The in-cluster twin of an external address with the Local policy
     /// (eBPF; iptables routes in-cluster sources in the same chain).
     pub const IN_CLUSTER: &str = "in-cluster";
+    /// New flows pick from a Maglev table (eBPF; the iptables rules pick
+    /// at random).
+    pub const MAGLEV: &str = "maglev";
 }
 
 /// One frontend of a service and where it sends traffic.
@@ -52,6 +55,10 @@ pub struct LbBackend {
     /// rules name local endpoints only for the Local policy).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local: Option<bool>,
+    /// The entries of the frontend's Maglev table that name it (eBPF, a
+    /// frontend with one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub maglev_share: Option<u32>,
 }
 
 /// Whether the service port `service` (`namespace/name:port`) is what
@@ -119,7 +126,11 @@ mod tests {
             flags: vec![],
             backends: backends
                 .iter()
-                .map(|(a, local)| LbBackend { address: a.to_string(), local: *local })
+                .map(|(a, local)| LbBackend {
+                    address: a.to_string(),
+                    local: *local,
+                    maglev_share: None,
+                })
                 .collect(),
         }
     }

@@ -13,7 +13,7 @@ use std::{
 
 use crate::{
     compact,
-    model::{self, Model, ModelError, ParsedSlice, ServiceName, ServicePort},
+    model::{self, AlgorithmChoice, Model, ModelError, ParsedSlice, ServiceName, ServicePort},
     objects,
 };
 
@@ -92,6 +92,8 @@ pub struct Store {
     slices_of: BTreeMap<ServiceName, Vec<ServiceName>>,
     /// Services whose latest version is invalid, and why.
     invalid: BTreeMap<ServiceName, ModelError>,
+    /// Served services whose algorithm annotation has an unknown value.
+    unknown_algorithm: BTreeSet<ServiceName>,
     /// Slices with skipped parts.
     slice_errors: BTreeMap<ServiceName, Vec<ModelError>>,
     /// Objects whose latest version does not decode (manifests).
@@ -127,6 +129,10 @@ impl Store {
                 }
                 Some(Ok(ports)) => {
                     self.invalid.remove(&name);
+                    match ports.iter().any(|p| p.lb_algorithm == AlgorithmChoice::Unknown) {
+                        true => self.unknown_algorithm.insert(name.clone()),
+                        false => self.unknown_algorithm.remove(&name),
+                    };
                     if self.services.get(&name) != Some(&ports) {
                         self.services.insert(name.clone(), ports);
                         update.service_changes += 1;
@@ -135,6 +141,7 @@ impl Store {
                 }
                 None => {
                     self.invalid.remove(&name);
+                    self.unknown_algorithm.remove(&name);
                     if self.services.remove(&name).is_some() {
                         update.service_changes += 1;
                         update.touched.insert(name);
@@ -275,6 +282,16 @@ impl Store {
         let kept = kept_services.chain(kept_rejected.map(|r| (r.kind.as_str(), &r.name)));
         for (kind, name) in kept {
             problems.push(("kept", format!("{kind} {name}: serving the last good version")));
+        }
+        for name in &self.unknown_algorithm {
+            let [ours, cilium] = model::LB_ALGORITHM_ANNOTATIONS;
+            problems.push((
+                "Service",
+                format!(
+                    "Service {name}: annotation {ours} or {cilium} is neither random nor maglev; \
+                     its external frontends use the node's --bpf-lb-algorithm"
+                ),
+            ));
         }
         problems
     }

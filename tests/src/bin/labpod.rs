@@ -20,9 +20,10 @@ use anyhow::{Context, bail};
 
 const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS] \
     (serve --name NAME [--dual-stack] [--tcp PORT]... [--udp PORT]... [--echo PORT]... \
-    | tcp ADDR COUNT [--interval-ms MS] | tcp-concurrent ADDR COUNT \
+    | tcp ADDR COUNT [--interval-ms MS] [--source-port-base PORT] | tcp-concurrent ADDR COUNT \
     | stream ADDR COUNT [--interval-ms MS] \
     | udp ADDR COUNT [--interval-ms MS] [--connect [--reconnect]] [--socket-per-datagram] \
+    [--source-port-base PORT] \
     [--size BYTES] | http ADDR PATH [--full] | http-abuse ADDR PATH... \
     | bulk ADDR BYTES)";
 
@@ -202,18 +203,45 @@ fn report(start: Instant, result: std::io::Result<(SocketAddr, String)>) {
 
 /// COUNT sequential connections, `--interval-ms` apart; `from` is what
 /// getpeername returned. Each line is flushed as it is printed.
+/// With `--source-port-base P`, connection `i` is made from port `P + i`
+/// (the same tuples again in a later run).
 fn tcp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
     let interval = take_opt(args, "--interval-ms").map_or(Ok(0), |t| t.parse())?;
+    let base: Option<u16> = take_opt(args, "--source-port-base").map(|p| p.parse()).transpose()?;
     let (addr, count) = target(args)?;
     for i in 0..count {
         if i > 0 {
             std::thread::sleep(Duration::from_millis(interval));
         }
         let start = Instant::now();
-        let answer = tcp_request(addr, "/", timeout).map(|(from, r)| (from, body(&r).into()));
+        let source_port = base.map(|b| b + i as u16);
+        let request = "GET / HTTP/1.0\r\n\r\n";
+        let answer = connect(addr, timeout, source_port)
+            .and_then(|stream| exchange_on(stream, request, timeout))
+            .map(|(from, r)| (from, body(&r).into()));
         report(start, answer);
     }
     Ok(())
+}
+
+/// A TCP connection to `addr`, from `source_port` if given (reusable at
+/// once: the same tuple is made again through another node).
+fn connect(
+    addr: SocketAddr,
+    timeout: Duration,
+    source_port: Option<u16>,
+) -> std::io::Result<TcpStream> {
+    let Some(port) = source_port else { return TcpStream::connect_timeout(&addr, timeout) };
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    socket.set_reuse_address(true)?;
+    let any: SocketAddr = if addr.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().unwrap();
+    socket.bind(&SocketAddr::new(any.ip(), port).into())?;
+    socket.connect_timeout(&addr.into(), timeout)?;
+    Ok(socket.into())
 }
 
 /// The body of an HTTP response.
@@ -242,7 +270,15 @@ fn exchange(
     request: &str,
     timeout: Duration,
 ) -> std::io::Result<(SocketAddr, String)> {
-    let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
+    exchange_on(TcpStream::connect_timeout(&addr, timeout)?, request, timeout)
+}
+
+/// Sends `request` on `stream`, reads the response until the server closes.
+fn exchange_on(
+    mut stream: TcpStream,
+    request: &str,
+    timeout: Duration,
+) -> std::io::Result<(SocketAddr, String)> {
     stream.set_read_timeout(Some(timeout))?;
     let peer = stream.peer_addr()?;
     stream.write_all(request.as_bytes())?;
@@ -331,9 +367,16 @@ fn udp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
     let per_datagram = flag("--socket-per-datagram").is_some();
     // After a failed attempt, connect again (a socket the proxy ended).
     let reconnect = flag("--reconnect").is_some();
+    // Datagram `i` from port `base + i`, a socket each.
+    let base: Option<u16> = take_opt(args, "--source-port-base").map(|p| p.parse()).transpose()?;
+    let per_datagram = per_datagram || base.is_some();
     let (addr, count) = target(args)?;
-    let open = || -> std::io::Result<UdpSocket> {
-        let socket = UdpSocket::bind(if addr.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" })?;
+    let mut sent_so_far = 0u16;
+    let mut open = || -> std::io::Result<UdpSocket> {
+        let port = base.map_or(0, |b| b + sent_so_far);
+        sent_so_far += 1;
+        let any = if addr.is_ipv6() { "::" } else { "0.0.0.0" };
+        let socket = UdpSocket::bind((any, port))?;
         socket.set_read_timeout(Some(timeout))?;
         if connect {
             socket.connect(addr)?;

@@ -564,7 +564,8 @@ fn config(args: &RunArgs, node_ips: &[IpAddr], host_netns_cookie: u64) -> Config
         snat_addr6: node_ips.iter().find_map(|ip| v6(*ip)).map_or([0; 16], |ip| ip.octets()),
         cluster_cidr6: cidr6,
         cluster_cidr6_prefix: prefix6,
-        _pad6: [0; 7],
+        _pad6: [0; 3],
+        maglev_table_size: args.bpf_lb_maglev_table_size,
     }
 }
 

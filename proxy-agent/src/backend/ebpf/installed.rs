@@ -169,6 +169,11 @@ impl Backends {
         self.at(at.0).id
     }
 
+    /// The entry of the backend at `at`, installed or staged.
+    pub fn entry_at(&self, at: Pos) -> &BackendEntry {
+        &self.at(at.0).entry
+    }
+
     pub fn is_installed_at(&self, at: Pos) -> bool {
         self.at(at.0).state.is_installed()
     }

@@ -57,7 +57,9 @@ use proxy_common::{
     FrontendStats, IPPROTO_TCP, IPPROTO_UDP, Layouts, MAX_BACKENDS, MAX_REV_NAT,
     MAX_SERVICE_ENTRIES, RevNat, RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceKey6,
     ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6,
-    SourceRangeKey, map_names,
+    SourceRangeKey,
+    maglev::{MaglevChunk, MaglevKey},
+    map_names,
 };
 use proxy_common::{
     AffinityKey6, CtEntry6, CtKey6, CtTuple, CtValue, SourceRangeKey6, TC6_PROGRAMS,
@@ -252,6 +254,7 @@ struct Maps {
     affinity: Map,
     conntrack: Map,
     source_ranges: Map,
+    maglev: Map,
     config: Map,
     fragments: Map,
     sock_flows: Map,
@@ -286,6 +289,7 @@ impl Maps {
             affinity: take(map_names::AFFINITY)?,
             conntrack: take(map_names::CONNTRACK)?,
             source_ranges: take(map_names::SOURCE_RANGES)?,
+            maglev: take(map_names::MAGLEV)?,
             config: take(map_names::CONFIG)?,
             fragments: take(map_names::FRAGMENTS)?,
             sock_flows: take(map_names::SOCK_FLOWS)?,
@@ -316,9 +320,10 @@ impl Maps {
         }
     }
 
-    fn by_name(&self) -> [(&'static str, &Map); 27] {
+    fn by_name(&self) -> [(&'static str, &Map); 28] {
         [
             (map_names::SERVICES, &self.services),
+            (map_names::MAGLEV, &self.maglev),
             (map_names::BACKENDS, &self.backends),
             (map_names::REV_NAT, &self.rev_nat),
             (map_names::FRONTEND_INFO, &self.frontend_info),
@@ -437,6 +442,22 @@ impl MapWriter for Maps {
                 }
                 MapOp::DeleteSourceRange { rev_nat_id, cidr, .. } => {
                     self.source_ranges(*rev_nat_id, cidr, false)
+                }
+                MapOp::PutMaglev { rev_nat_id, chunk, table, .. } => {
+                    let key = MaglevKey { rev_nat_id: *rev_nat_id, chunk: *chunk };
+                    HashMap::<_, MaglevKey, MaglevChunk>::try_from(&mut self.maglev)?.insert(
+                        key,
+                        table.chunk(*chunk),
+                        0,
+                    )
+                }
+                MapOp::DeleteMaglev { rev_nat_id, chunks, .. } => {
+                    let mut map = HashMap::<_, MaglevKey, MaglevChunk>::try_from(&mut self.maglev)?;
+                    for chunk in 0..*chunks {
+                        // Absent when a previous write failed: fine.
+                        let _ = map.remove(&MaglevKey { rev_nat_id: *rev_nat_id, chunk });
+                    }
+                    Ok(())
                 }
             }
         };
@@ -771,6 +792,7 @@ impl EbpfBackend {
     /// Writes the datapath settings (before the programs see traffic), and
     /// the maps' layouts for the next agent.
     pub fn configure(&mut self, config: &Config) -> Result<(), EbpfError> {
+        self.state.set_maglev_table_size(config.maglev_table_size);
         let name = map_names::CONFIG;
         let err = |source| EbpfError::Map { name, source };
         Array::<_, Config>::try_from(&mut self.maps.config)

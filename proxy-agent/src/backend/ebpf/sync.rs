@@ -7,11 +7,13 @@
 //!    service or kind), which no frontend slot names yet;
 //! 3. per frontend (internal scopes first, so a frontend's two-scopes flag
 //!    never names a twin not there yet): changed backend slots, new source
-//!    ranges, then the frontend slot (count, flags), then slots beyond the
-//!    new count and source ranges it no longer has (so the slots of one
-//!    frontend after another are one run of writes, batched);
+//!    ranges, its Maglev table where its slots or their backends changed
+//!    (naming only slots that exist), then the frontend slot (count, flags),
+//!    then slots beyond the new count, source ranges it no longer has and
+//!    a table it no longer uses (so the slots of one frontend after another
+//!    are one run of writes, batched);
 //! 4. removed frontends (external scopes first): the frontend slot first,
-//!    then its slots, source ranges and reverse-NAT entry;
+//!    then its slots, source ranges, table and reverse-NAT entry;
 //! 5. backends no slot names any more.
 //!
 //! So a program that read a frontend count always finds slots `1..=count`,
@@ -33,7 +35,8 @@ use hashbrown::HashMap;
 
 use proxy_common::{
     FrontendInfo, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT,
-    MAX_SOURCE_RANGES, ServiceFlags, ServiceValue,
+    MAX_MAGLEV_CHUNKS, MAX_SOURCE_RANGES, ServiceFlags, ServiceValue,
+    maglev::{self as maglev_map, CHUNK_SLOTS, MaglevChunk},
 };
 
 use super::{
@@ -44,7 +47,7 @@ use super::{
     installed::{Backends, Pos, Slots},
 };
 use crate::{
-    fit,
+    fit, maglev,
     model::{Cidr, IpFamily, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan, Scope},
 };
@@ -89,6 +92,41 @@ pub enum MapOp {
         id: u32,
         family: IpFamily,
     },
+    /// One chunk of a frontend's Maglev table (`proxy_common::maglev`):
+    /// entries `chunk * CHUNK_SLOTS ..` of `table`, shared by the chunks.
+    PutMaglev {
+        frontend: Frontend,
+        rev_nat_id: u32,
+        chunk: u32,
+        table: MaglevTable,
+    },
+    /// A frontend's Maglev table, its `chunks` chunks.
+    DeleteMaglev {
+        frontend: Frontend,
+        rev_nat_id: u32,
+        chunks: u32,
+    },
+}
+
+/// A frontend's Maglev table as written: each entry a slot of the
+/// frontend, and the digest of what it was computed from (the slots'
+/// backends), which tells the next sync whether to compute it again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MaglevTable {
+    pub entries: Arc<[u16]>,
+    pub digest: u64,
+}
+
+impl MaglevTable {
+    /// Entries `chunk * CHUNK_SLOTS ..` as the map holds them (zero past
+    /// the table's end).
+    pub fn chunk(&self, chunk: u32) -> MaglevChunk {
+        let mut value = MaglevChunk::default();
+        let start = (chunk as usize * CHUNK_SLOTS).min(self.entries.len());
+        let these = &self.entries[start..(start + CHUNK_SLOTS).min(self.entries.len())];
+        value.slots[..these.len()].copy_from_slice(these);
+        value
+    }
 }
 
 /// Applies map operations; the real one writes BPF maps.
@@ -227,6 +265,10 @@ struct InstalledFrontend {
     slots: Slots,
     /// Sorted.
     source_ranges: Vec<Cidr>,
+    /// Its Maglev table's chunks in the map (0: none), and the digest of
+    /// the table they hold (`None` while a write left them part old).
+    maglev_chunks: u32,
+    maglev_digest: Option<u64>,
 }
 
 /// What a frontend the maps do not hold is diffed against.
@@ -236,6 +278,8 @@ static NOT_INSTALLED: InstalledFrontend = InstalledFrontend {
     value: None,
     slots: Slots::EMPTY,
     source_ranges: Vec::new(),
+    maglev_chunks: 0,
+    maglev_digest: None,
 };
 
 /// What the maps hold, as far as the agent wrote them.
@@ -247,6 +291,8 @@ pub struct SyncState {
     /// Service map entries: frontend slots (0) and backend slots.
     service_entries: usize,
     source_range_entries: usize,
+    maglev_entries: usize,
+    maglev_table_size: TableSize,
     last_backend_id: u32,
     last_rev_nat_id: u32,
     /// Affinity cleanups owed, kept across failed syncs until done.
@@ -257,6 +303,21 @@ pub struct SyncState {
     reserved_ids: ReservedIds,
     /// The service maps' sizes.
     capacity: super::MapSizes,
+}
+
+/// `--bpf-lb-maglev-table-size`. Tests use the smallest size, one chunk,
+/// unless they set another.
+#[derive(Clone, Copy, Debug)]
+struct TableSize(u32);
+
+impl Default for TableSize {
+    fn default() -> Self {
+        TableSize(if cfg!(test) {
+            maglev_map::TABLE_SIZES[0]
+        } else {
+            maglev_map::DEFAULT_TABLE_SIZE
+        })
+    }
 }
 
 /// The reserved ids themselves, which new frontends and backends skip.
@@ -313,6 +374,7 @@ struct Added {
     services: usize,
     rev_nat: usize,
     source_ranges: usize,
+    maglev_chunks: usize,
 }
 
 /// Ids are handed out round-robin, skipping those in use, so a freed id is
@@ -329,6 +391,17 @@ impl SyncState {
     /// Nothing installed yet, in maps of these sizes.
     pub fn with_capacity(capacity: super::MapSizes) -> Self {
         SyncState { capacity, ..SyncState::default() }
+    }
+
+    /// Maglev tables of `size` entries (a prime of
+    /// `maglev::TABLE_SIZES`): set before any table is written.
+    pub fn set_maglev_table_size(&mut self, size: u32) {
+        debug_assert!(self.maglev_entries == 0 || size == self.maglev_table_size.0);
+        self.maglev_table_size = TableSize(size);
+    }
+
+    fn maglev_chunks(&self) -> u32 {
+        maglev_map::chunks(self.maglev_table_size.0)
     }
 
     /// Gives frontends and backends the ids a previous agent gave them, so
@@ -434,6 +507,7 @@ impl SyncState {
                 drop_when_empty: value.flags.drops_when_empty(),
                 source_ranges: installed.source_ranges.clone(),
                 two_scopes: value.flags.has_two_scopes(),
+                maglev: value.flags.uses_maglev(),
             };
             (*frontend, plan)
         });
@@ -441,12 +515,13 @@ impl SyncState {
     }
 
     /// Entries of the maps the agent writes, by map name.
-    pub fn map_entries(&self) -> [(&'static str, usize); 4] {
+    pub fn map_entries(&self) -> [(&'static str, usize); 5] {
         [
             ("SERVICES", self.service_entries),
             ("BACKENDS", self.backends.len()),
             ("REV_NAT", self.rev_nat.len()),
             ("SOURCE_RANGES", self.source_range_entries),
+            ("MAGLEV", self.maglev_entries),
         ]
     }
 
@@ -635,6 +710,7 @@ impl SyncState {
             ("service", self.service_entries + added.services, self.capacity.services),
             ("reverse-NAT", self.rev_nat.len() + added.rev_nat, self.capacity.rev_nat),
             ("source-range", self.source_range_entries + added.source_ranges, MAX_SOURCE_RANGES),
+            ("Maglev table chunk", self.maglev_entries + added.maglev_chunks, MAX_MAGLEV_CHUNKS),
         ];
         for (what, needed, capacity) in checks {
             if needed > capacity as usize {
@@ -767,7 +843,7 @@ impl SyncState {
             new.sort_unstable();
         }
         let slots = assign_slots(&installed.slots, &backend_ids);
-        for (slot, id) in (1..).zip(slots) {
+        for (slot, id) in (1..).zip(slots.iter().copied()) {
             let old = installed.slots.get(slot);
             if id != 0 && old != Some(id) {
                 let value = ServiceValue { backend_id: id, rev_nat_id, ..Default::default() };
@@ -795,6 +871,45 @@ impl SyncState {
                 tally.added.source_ranges += 1;
             }
         }
+        // Its table, naming the slots just written, before the count and
+        // flag that send packets to it.
+        // Without backends the program refuses before it reads a table.
+        let table_wanted = fp.maglev && !backend_ids.is_empty();
+        if table_wanted {
+            let entries: Vec<(u16, &BackendEntry)> = (1..)
+                .zip(&slots)
+                .map(|(slot, id)| {
+                    let at = backend_ids.iter().position(|b| b == id).expect("a slot's backend");
+                    (slot, self.backends.entry_at(named[at]))
+                })
+                .collect();
+            let size = self.maglev_table_size.0;
+            let digest = maglev_digest(&entries, size);
+            if installed.maglev_digest != Some(digest) {
+                let chunks = self.maglev_chunks();
+                match tally.as_deref_mut() {
+                    // The counting pass: the table is computed only for
+                    // the writes.
+                    Some(tally) => {
+                        let had = installed.maglev_chunks as usize;
+                        tally.added.maglev_chunks += (chunks as usize).saturating_sub(had);
+                    }
+                    None => {
+                        let table =
+                            MaglevTable { entries: maglev_table(&entries, size).into(), digest };
+                        for chunk in 0..chunks {
+                            let table = table.clone();
+                            emit(MapOp::PutMaglev {
+                                frontend: *frontend,
+                                rev_nat_id,
+                                chunk,
+                                table,
+                            });
+                        }
+                    }
+                }
+            }
+        }
         let value = ServiceValue {
             backend_id: 0,
             count: backend_ids.len() as u16,
@@ -817,6 +932,10 @@ impl SyncState {
         }
         for cidr in missing(&installed.source_ranges, &wanted) {
             emit(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr });
+        }
+        if !table_wanted && installed.maglev_chunks > 0 {
+            let chunks = installed.maglev_chunks;
+            emit(MapOp::DeleteMaglev { frontend: *frontend, rev_nat_id, chunks });
         }
         let Some(tally) = tally else { return };
         // Only what was installed can be lost (a first sync's frontends
@@ -858,6 +977,10 @@ impl SyncState {
         for cidr in &installed.source_ranges {
             emit(MapOp::DeleteSourceRange { frontend: *frontend, rev_nat_id, cidr: *cidr });
         }
+        if installed.maglev_chunks > 0 {
+            let chunks = installed.maglev_chunks;
+            emit(MapOp::DeleteMaglev { frontend: *frontend, rev_nat_id, chunks });
+        }
         emit(MapOp::DeleteRevNat { frontend: *frontend, id: rev_nat_id });
         let Some(tally) = tally else { return };
         for id in installed.slots.ids() {
@@ -893,6 +1016,7 @@ impl SyncState {
                 if let Some(gone) = self.frontends.remove(frontend) {
                     self.service_entries -= usize::from(gone.value.is_some()) + gone.slots.count();
                     self.source_range_entries -= gone.source_ranges.len();
+                    self.maglev_entries -= gone.maglev_chunks as usize;
                     for id in gone.slots.ids() {
                         self.backends.drop_ref(id);
                     }
@@ -926,6 +1050,22 @@ impl SyncState {
                         Some(old) => self.backends.drop_ref(old),
                         None => self.service_entries += 1,
                     }
+                }
+            }
+            MapOp::PutMaglev { frontend, chunk, table, .. } => {
+                let last = self.maglev_chunks() - 1;
+                let entry = self.frontends.entry(*frontend).or_default();
+                // Part old, part new until its last chunk is in.
+                entry.maglev_digest = (*chunk == last).then_some(table.digest);
+                if *chunk >= entry.maglev_chunks {
+                    self.maglev_entries += (*chunk + 1 - entry.maglev_chunks) as usize;
+                    entry.maglev_chunks = *chunk + 1;
+                }
+            }
+            MapOp::DeleteMaglev { frontend, .. } => {
+                if let Some(entry) = self.frontends.get_mut(frontend) {
+                    self.maglev_entries -= entry.maglev_chunks as usize;
+                    (entry.maglev_chunks, entry.maglev_digest) = (0, None);
                 }
             }
             MapOp::DeleteService { key } => {
@@ -1005,6 +1145,29 @@ fn flags(fp: &FrontendPlan) -> ServiceFlags {
         .with_source_ranges(!fp.source_ranges.is_empty())
         .with_two_scopes(fp.two_scopes)
         .with_serves_terminating(fp.serves_terminating)
+        .with_maglev(fp.maglev)
+}
+
+/// What a frontend's Maglev table is computed from, `(slot, backend)`:
+/// its digest (with the table's size).
+fn maglev_digest(entries: &[(u16, &BackendEntry)], size: u32) -> u64 {
+    use std::hash::{Hash, Hasher};
+    // Compared within this agent only: std's hasher will do.
+    let mut hasher = std::hash::DefaultHasher::new();
+    size.hash(&mut hasher);
+    for (slot, backend) in entries {
+        (slot, backend.addr()).hash(&mut hasher);
+    }
+    hasher.finish()
+}
+
+/// The Maglev table over `(slot, backend)`, `size` entries.
+fn maglev_table(entries: &[(u16, &BackendEntry)], size: u32) -> Vec<u16> {
+    let backends: Vec<maglev::Backend> = entries
+        .iter()
+        .map(|(slot, b)| maglev::Backend { slot: *slot, ip: b.addr().ip(), port: b.addr().port() })
+        .collect();
+    maglev::table(&backends, size)
 }
 
 /// The backend id for each slot `1..=backend_ids.len()`: those already
@@ -1060,6 +1223,7 @@ mod tests {
         backends: BTreeMap<u32, BackendEntry>,
         rev_nat: BTreeMap<u32, RevNatEntry>,
         source_ranges: BTreeSet<(u32, Cidr)>,
+        maglev: BTreeMap<(u32, u32), MaglevChunk>,
         writes: usize,
         fail_at: Option<usize>,
         /// Skips the check after every write (it is slow on large maps).
@@ -1077,6 +1241,23 @@ mod tests {
                 if value.flags.has_two_scopes() {
                     let twin = SlotKey::new(&key.frontend().internal(), 0);
                     assert!(self.services.contains_key(&twin), "{key:?} without its twin");
+                }
+                if value.flags.uses_maglev() && value.count > 0 {
+                    // What the program reads once it finds backends: every
+                    // chunk there, every entry naming a slot that exists
+                    // (past the count is fine: a table goes in before the
+                    // count that grows into it).
+                    let chunks =
+                        self.maglev.range((value.rev_nat_id, 0)..(value.rev_nat_id + 1, 0));
+                    let mut count = 0;
+                    for (_, chunk) in chunks {
+                        count += 1;
+                        for slot in chunk.slots.iter().filter(|s| **s != 0) {
+                            let slot_key = with_slot(key, *slot);
+                            assert!(self.services.contains_key(&slot_key), "{key:?} table: {slot}");
+                        }
+                    }
+                    assert!(count > 0, "{key:?} uses a table it has not");
                 }
                 for slot in 1..=value.count {
                     let slot_value = self.services.get(&with_slot(key, slot));
@@ -1110,6 +1291,14 @@ mod tests {
                 }
                 MapOp::DeleteSourceRange { rev_nat_id, cidr, .. } => {
                     let _ = self.source_ranges.remove(&(*rev_nat_id, *cidr));
+                }
+                MapOp::PutMaglev { rev_nat_id, chunk, table, .. } => {
+                    self.maglev.insert((*rev_nat_id, *chunk), table.chunk(*chunk));
+                }
+                MapOp::DeleteMaglev { rev_nat_id, chunks, .. } => {
+                    for chunk in 0..*chunks {
+                        self.maglev.remove(&(*rev_nat_id, chunk));
+                    }
                 }
             }
             if !self.unchecked {
@@ -1151,6 +1340,8 @@ mod tests {
                     external: !ranges.is_empty(),
                     local: false,
                     drop_when_empty: false,
+                    // Load-balancer IPs use Maglev.
+                    maglev: !ranges.is_empty(),
                     source_ranges: ranges,
                     two_scopes: false,
                     serves_terminating: false,
@@ -1515,6 +1706,7 @@ mod tests {
                     source_ranges: vec![],
                     two_scopes: false,
                     serves_terminating: false,
+                    maglev: false,
                 },
             );
         }
@@ -1566,7 +1758,9 @@ mod tests {
     type Content = (
         BTreeMap<SlotKey, (u16, ServiceFlags, u32, Vec<BackendEntry>, RevNatEntry, Vec<Cidr>)>,
         Vec<BackendEntry>,
-        [usize; 4],
+        [usize; 5],
+        // Per frontend with a table, the backend of each entry.
+        BTreeMap<SlotKey, Vec<BackendEntry>>,
     );
 
     fn content(maps: &Maps) -> Content {
@@ -1593,8 +1787,20 @@ mod tests {
             maps.backends.len(),
             maps.rev_nat.len(),
             maps.source_ranges.len(),
+            maps.maglev.len(),
         ];
-        (frontends, backends, sizes)
+        let tables = maps
+            .services
+            .iter()
+            .filter(|(k, v)| k.slot() == 0 && v.flags.uses_maglev())
+            .map(|(k, v)| {
+                let chunks = maps.maglev.range((v.rev_nat_id, 0)..(v.rev_nat_id + 1, 0));
+                let entries = chunks.flat_map(|(_, c)| c.slots).filter(|s| *s != 0);
+                let backend = |slot| maps.backends[&maps.services[&with_slot(k, slot)].backend_id];
+                (*k, entries.map(backend).collect())
+            })
+            .collect();
+        (frontends, backends, sizes, tables)
     }
 
     /// What a fresh state writes for `plan` with a full sync.
@@ -1613,6 +1819,7 @@ mod tests {
             maps.backends.len(),
             maps.rev_nat.len(),
             maps.source_ranges.len(),
+            maps.maglev.len(),
         ];
         assert_eq!(counts, sizes);
     }
@@ -1677,6 +1884,8 @@ mod tests {
             external: !ranges.is_empty(),
             local: false,
             drop_when_empty: false,
+            // External frontends of the churn use Maglev: tables follow it.
+            maglev: !ranges.is_empty(),
             source_ranges: ranges,
             two_scopes: false,
             serves_terminating: false,
