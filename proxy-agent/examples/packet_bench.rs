@@ -106,6 +106,7 @@ fn main() -> anyhow::Result<()> {
         tcp_time_wait_timeout_secs: 120,
         udp_timeout_secs: 30,
         log_level: level.word(),
+        maglev_table_size: proxy_common::maglev::DEFAULT_TABLE_SIZE,
         ..Config::default()
     })?;
     let drained = Arc::new(AtomicU64::new(0));
@@ -120,32 +121,39 @@ fn main() -> anyhow::Result<()> {
             }
         });
     }
-    let backends = (0..100u8)
+    let backends: Vec<BackendPlan> = (0..100u8)
         .map(|i| BackendPlan {
             addr: EndpointAddr::new(Ipv4Addr::from([10, 244, 2, i + 2]).into(), 8080),
             local: false,
             host: false,
         })
         .collect();
-    let frontend = |name: String, backends: Vec<BackendPlan>, external: bool| FrontendPlan {
-        service: Arc::new(ServicePortName {
-            service: ServiceName { namespace: "bench".into(), name: name.into() },
-            port: "".into(),
-        }),
-        kind: if external { FrontendKind::NodePort } else { FrontendKind::ClusterIp },
-        backends: backends.into(),
-        affinity_timeout_secs: None,
-        external,
-        local: false,
-        drop_when_empty: false,
-        source_ranges: vec![],
-        two_scopes: false,
-        serves_terminating: false,
-    };
+    let frontend =
+        |name: String, backends: Vec<BackendPlan>, external: bool, maglev| FrontendPlan {
+            service: Arc::new(ServicePortName {
+                service: ServiceName { namespace: "bench".into(), name: name.into() },
+                port: "".into(),
+            }),
+            kind: if external { FrontendKind::NodePort } else { FrontendKind::ClusterIp },
+            backends: backends.into(),
+            affinity_timeout_secs: None,
+            external,
+            local: false,
+            drop_when_empty: false,
+            source_ranges: vec![],
+            two_scopes: false,
+            serves_terminating: false,
+            maglev,
+        };
     let mut plan = Plan::default();
+    // The same backends behind a NodePort that picks from a Maglev table.
+    plan.frontends.insert(
+        Frontend::new(NODE.into(), 30081, Protocol::Tcp),
+        frontend("maglev".into(), backends.clone(), true, true),
+    );
     plan.frontends.insert(
         Frontend::new(NODE.into(), 30080, Protocol::Tcp),
-        frontend("web".into(), backends, true),
+        frontend("web".into(), backends, true, false),
     );
     for i in 1..services {
         let backend = BackendPlan {
@@ -155,7 +163,7 @@ fn main() -> anyhow::Result<()> {
         };
         plan.frontends.insert(
             Frontend::new(cluster_ip(i).into(), 80, Protocol::Tcp),
-            frontend(format!("s{i}"), vec![backend], false),
+            frontend(format!("s{i}"), vec![backend], false, false),
         );
     }
     dp.sync(&plan, None)?;
@@ -191,6 +199,11 @@ fn main() -> anyhow::Result<()> {
         // Outside the kernel's measure: the ring never fills.
         events += watch.by_ref().count();
     }
+    let mut maglev = Vec::new();
+    for port in 0..rounds {
+        maglev.push(dp.run_tc(&syn(10_000 + port, NODE, 30081), 1)?.duration);
+        events += watch.by_ref().count();
+    }
     let mut tracked = Vec::new();
     for port in 0..rounds {
         tracked.push(dp.run_tc(&syn(10_000 + port, NODE, 30080), 1)?.duration);
@@ -213,6 +226,10 @@ fn main() -> anyhow::Result<()> {
     println!(
         "node_port_new {:.0}  (new NodePort flow, 100 backends, SNAT; mean of {rounds})",
         mean(&new)
+    );
+    println!(
+        "node_port_new_maglev {:.0}  (the same from a Maglev table of 16381; mean of {rounds})",
+        mean(&maglev)
     );
     if !cluster.is_empty() {
         println!("cluster_ip_new {:.0}  (new ClusterIP flow; mean of {rounds})", mean(&cluster));

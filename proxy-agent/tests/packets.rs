@@ -66,6 +66,7 @@ fn frontend_plan<A: Into<IpAddr> + Copy>(
             .collect(),
         affinity_timeout_secs: None,
         external,
+        maglev: false,
         local: false,
         drop_when_empty: false,
         source_ranges: ranges.iter().map(|r| Cidr::parse(r).unwrap()).collect(),

@@ -1,5 +1,6 @@
 //! Maglev consistent hashing in the lab (eBPF mode only: the iptables
-//! rules pick at random, as kube-proxy's). Two nodes, pods a (node 0), b and
+//! rules pick at random, as kube-proxy's, which the last scenario checks).
+//! Two nodes, pods a (node 0), b and
 //! c (node 1), an external client that reaches the load-balancer IP through
 //! either node: its route moves from node 0 to node 1 as an ECMP rehash or
 //! a drained node moves a flow. Each scenario runs from the manifests and
@@ -34,6 +35,17 @@ both_sources!(
     removing_a_backend_moves_only_its_flows,
     the_node_default_and_an_unknown_annotation,
 );
+
+#[test]
+fn the_iptables_mode_serves_maglev_services_at_random_and_says_so_once() {
+    let manifest = balanced("lb", "10.96.0.20", LB_IP, Some((CILIUM, "maglev")), &["a", "b", "c"]);
+    let (lab, ext) = cluster(Setup::IPTABLES, &manifest, &["--bpf-lb-algorithm", "maglev"]);
+    let pods = pods_by_port(&lab, &ext, "tcp", &format!("{LB_IP}:80"), 47000, 30);
+    let spread: std::collections::BTreeSet<&String> = pods.values().collect();
+    assert_eq!(spread.len(), 3, "{pods:?}");
+    let log = lab.agent_log_on(0);
+    assert_eq!(log.matches("is an eBPF-mode feature").count(), 1, "{log}");
+}
 
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
 const LB_IP: &str = "10.200.0.10";

@@ -366,6 +366,57 @@ mod tests {
     }
 
     #[test]
+    fn an_algorithm_annotation_is_read_ours_first_and_an_unknown_one_reported() {
+        use model::{AlgorithmChoice::*, LB_ALGORITHM_ANNOTATIONS as KEYS, LbAlgorithm::*};
+        let annotated = |pairs: &[(&str, &str)]| {
+            let mut svc = test_objects::service("default", "web")
+                .cluster_ip("10.96.0.10")
+                .node_port_type()
+                .port(port(None, 80));
+            for (key, value) in pairs {
+                svc = svc.annotation(key, value);
+            }
+            svc.build()
+        };
+        let choice = |pairs: &[(&str, &str)]| {
+            let mut store = Store::default();
+            store.replace(snapshot(&[annotated(pairs)], &[]));
+            let choice = store.model().ports().next().unwrap().lb_algorithm;
+            (choice, store.problems())
+        };
+        assert_eq!(choice(&[]).0, NodeDefault);
+        assert_eq!(choice(&[(KEYS[1], "maglev")]).0, Annotated(Maglev), "Cilium's");
+        assert_eq!(choice(&[(KEYS[0], " Random ")]).0, Annotated(Random), "any case");
+        assert_eq!(choice(&[(KEYS[0], "random"), (KEYS[1], "maglev")]).0, Annotated(Random));
+        let (unknown, problems) = choice(&[(KEYS[1], "fastest")]);
+        assert_eq!(unknown, Unknown);
+        assert_eq!(unknown.or(Maglev), Maglev, "the node's default");
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].1.starts_with("Service default/web: annotation"), "{problems:?}");
+
+        // Fixed, the problem goes; the service was served all along.
+        let mut store = Store::default();
+        store.replace(snapshot(&[annotated(&[(KEYS[1], "fastest")])], &[]));
+        store.replace(snapshot(&[annotated(&[(KEYS[1], "maglev")])], &[]));
+        assert!(store.problems().is_empty());
+    }
+
+    #[test]
+    fn the_source_ranges_annotation_is_read_from_both_sources() {
+        // Through the lean objects the sources decode (it was dropped).
+        let svc = test_objects::service("default", "lb")
+            .cluster_ip("10.96.0.10")
+            .load_balancer_type()
+            .port(port(None, 80))
+            .ingress_ip("10.200.0.1")
+            .annotation(model::SOURCE_RANGES_ANNOTATION, "192.168.0.0/16")
+            .build();
+        let model = model_of(&[svc], &[]);
+        let ranges = model.ports().next().unwrap().source_ranges().to_vec();
+        assert_eq!(ranges, [model::Cidr::parse("192.168.0.0/16").unwrap()]);
+    }
+
+    #[test]
     fn an_invalid_update_keeps_the_last_good_service() {
         let good =
             service("{metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}");

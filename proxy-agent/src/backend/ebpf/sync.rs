@@ -1983,6 +1983,41 @@ mod tests {
     }
 
     #[test]
+    fn a_table_goes_in_whole_before_its_flag_and_follows_its_backends() {
+        let mut state = SyncState::default();
+        state.set_maglev_table_size(maglev_map::DEFAULT_TABLE_SIZE);
+        let mut maps = Maps::default();
+        let lb = frontend(2, Protocol::Tcp);
+        let chunks = maglev_map::chunks(maglev_map::DEFAULT_TABLE_SIZE) as usize;
+        state.sync(&plan(&[(lb, &[1, 2, 3], None)]), None, &mut maps).unwrap();
+        assert_eq!(maps.maglev.len(), chunks, "every chunk");
+        assert_counts(&state, &maps);
+        let table = |maps: &Maps| content(maps).3.into_values().next().unwrap_or_default();
+        let before = table(&maps);
+        assert_eq!(before.len(), maglev_map::DEFAULT_TABLE_SIZE as usize);
+
+        // One backend leaves: only its entries change, and nothing is
+        // rewritten for a sync that changes nothing.
+        state.sync(&plan(&[(lb, &[1, 3], None)]), None, &mut maps).unwrap();
+        let after = table(&maps);
+        let gone = before[0..1].iter().chain(&before).find(|b| !after.contains(b)).copied();
+        let moved = before.iter().zip(&after).filter(|(b, a)| b != a && Some(**b) != gone);
+        assert!(moved.count() <= before.len() / 100);
+        let writes = maps.writes;
+        state.sync(&plan(&[(lb, &[1, 3], None)]), None, &mut maps).unwrap();
+        assert_eq!(maps.writes, writes);
+
+        // No backends: no table; then the frontend goes.
+        state.sync(&plan(&[(lb, &[], None)]), None, &mut maps).unwrap();
+        assert!(maps.maglev.is_empty());
+        state.sync(&plan(&[(lb, &[4], None)]), None, &mut maps).unwrap();
+        assert_eq!(maps.maglev.len(), chunks);
+        state.sync(&Plan::default(), None, &mut maps).unwrap();
+        assert!(maps.maglev.is_empty() && maps.services.is_empty());
+        assert_counts(&state, &maps);
+    }
+
+    #[test]
     fn the_installed_plan_is_the_plan_synced() {
         let mut rng = Lcg(11);
         let mut services = vec![Svc::default(); 10];

@@ -35,6 +35,8 @@ pub struct IptablesDatapath {
     /// A previous agent's rules (or eBPF datapath, which serves in front
     /// of the rules until this agent serves) were in place at start.
     previous: bool,
+    /// Whether the log said that Maglev is the eBPF mode's (once).
+    maglev_told: bool,
 }
 
 impl IptablesDatapath {
@@ -57,7 +59,8 @@ impl IptablesDatapath {
             .collect();
         let previous = backends.first_mut().is_some_and(|b| b.rules_present())
             || ebpf::pinned(&args.pins.bpffs_root);
-        IptablesDatapath { backends, pins: args.pins.bpffs_root.clone(), previous }
+        let pins = args.pins.bpffs_root.clone();
+        IptablesDatapath { backends, pins, previous, maglev_told: false }
     }
 }
 
@@ -125,6 +128,12 @@ impl Datapath for IptablesDatapath {
             })?;
             metrics.rules(family).synced(start.elapsed(), report.full);
             report_sync(family, &report, metrics);
+        }
+        if !self.maglev_told && plan.frontends.values().any(|f| f.maglev) {
+            self.maglev_told = true;
+            tracing::warn!(
+                "Maglev (--bpf-lb-algorithm, the lb-algorithm annotations) is an eBPF-mode feature: the iptables rules pick backends at random, as kube-proxy's"
+            );
         }
         let backends: BTreeSet<_> =
             plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
