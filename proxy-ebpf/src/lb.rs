@@ -256,7 +256,7 @@ fn maglev_backend<K: ServiceMapKey>(
     let chunk = MaglevKey { rev_nat_id, chunk: entry / CHUNK_SLOTS as u32 };
     // SAFETY: one entry read at once; the agent replaces a table by
     // rewriting its chunks, and any slot a chunk names exists meanwhile.
-    let slot = unsafe { MAGLEV.get(&chunk) }?.slots[entry as usize % CHUNK_SLOTS];
+    let slot = unsafe { MAGLEV.get(chunk) }?.slots[entry as usize % CHUNK_SLOTS];
     let id = lookup_frontend(&key.with_slot(slot))?.backend_id;
     Some((id, K::backend(id)?))
 }
