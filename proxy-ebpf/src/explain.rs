@@ -9,6 +9,8 @@ use proxy_common::explain::{
     AFFINITY, CB_BACKEND, CB_REV_NAT, CB_WORD, Decided, MAGIC, MAGLEV, SNAT, word,
 };
 
+use proxy_common::ServiceFlags;
+
 use crate::lb::Via;
 
 /// Whether a packet is real or an explain run's.
@@ -42,15 +44,23 @@ impl Run {
         }
     }
 
-    /// Notes a translation to `backend_id`.
+    /// Notes a translation to `backend_id`, picked `via` by a frontend with
+    /// `flags`.
     #[inline(always)]
-    pub fn translated(self, ctx: &TcContext, backend_id: u32, snat: bool, via: Via) {
+    pub fn translated(
+        self,
+        ctx: &TcContext,
+        backend_id: u32,
+        snat: bool,
+        via: Via,
+        flags: ServiceFlags,
+    ) {
         if self == Run::Explain {
             let snat = if snat { SNAT } else { 0 };
             let how = match via {
                 Via::Affinity => AFFINITY,
-                Via::Maglev => MAGLEV,
-                Via::Random | Via::Flow => 0,
+                Via::Algorithm if flags.uses_maglev() => MAGLEV,
+                Via::Algorithm | Via::Flow => 0,
             };
             set(ctx, CB_WORD, word(Decided::Translated, snat | how));
             set(ctx, CB_BACKEND, backend_id);

@@ -10,9 +10,7 @@ use proxy_common::{
 };
 
 use crate::explain::Run;
-use crate::maps::{
-    AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, CONFIG, MAGLEV, SERVICES, SERVICES6, count,
-};
+use crate::maps::{AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, MAGLEV, SERVICES, SERVICES6, count};
 
 /// A services-map key, and so an address family: where its frontends and
 /// backends are.
@@ -138,10 +136,11 @@ pub enum Verdict<B> {
 pub enum Via {
     /// The client's remembered backend (sessionAffinity).
     Affinity,
-    /// At random among the frontend's backends.
-    Random,
-    /// From the frontend's Maglev table, by the flow's hash.
-    Maglev,
+    /// By the frontend's algorithm: at random among its backends, or from
+    /// its Maglev table by the flow's hash where it has one (its
+    /// `uses_maglev` flag says which; one value for both, so that the
+    /// verifier's paths through the two join right after the pick).
+    Algorithm,
     /// The backend of the socket's fresh UDP flow.
     Flow,
 }
@@ -169,14 +168,18 @@ pub fn in_cluster_scope<K: ServiceMapKey>(key: &K, svc: &ServiceValue) -> (K, Se
 }
 
 /// How a new flow's backend is picked where no affinity entry decides.
-#[derive(Clone, Copy)]
-pub enum Pick {
+pub enum Pick<H: FnOnce() -> u32> {
     /// At random: the socket hooks, which see no flow to hash.
     Random,
-    /// By the flow's hash (`maglev::flow_hash`) where the frontend has a
-    /// Maglev table, else at random: the per-packet path.
-    Hashed(u32),
+    /// By the flow's hash (`maglev::flow_hash`, computed by `hash` only for
+    /// a frontend with a Maglev table: the other paths stay as short as they
+    /// were, which older verifiers count) in tables of this size where the
+    /// frontend has one, else at random: the per-packet path.
+    Hashed { hash: H, table_size: u32 },
 }
+
+/// A pick at random (`Pick::Random` of no hash function).
+pub const RANDOM: Pick<fn() -> u32> = Pick::Random;
 
 /// Picks a backend of the frontend `svc` (found at `key`) for `client`.
 #[inline(always)]
@@ -185,18 +188,18 @@ pub fn choose<K: ServiceMapKey, C: AffinityClient>(
     svc: &ServiceValue,
     client: C,
 ) -> Verdict<K::Backend> {
-    choose_in(key, svc, client, Run::Real, Pick::Random)
+    choose_in(key, svc, client, Run::Real, RANDOM)
 }
 
 /// As [`choose`], picking as `pick` says; an explain run's packet neither
 /// remembers nor refreshes an affinity entry.
 #[inline(always)]
-pub fn choose_in<K: ServiceMapKey, C: AffinityClient>(
+pub fn choose_in<K: ServiceMapKey, C: AffinityClient, H: FnOnce() -> u32>(
     key: &K,
     svc: &ServiceValue,
     client: C,
     run: Run,
-    pick: Pick,
+    pick: Pick<H>,
 ) -> Verdict<K::Backend> {
     count(Counter::ServiceHit);
     if svc.count == 0 {
@@ -217,17 +220,18 @@ pub fn choose_in<K: ServiceMapKey, C: AffinityClient>(
             via: Via::Affinity,
         };
     }
+    let via = Via::Algorithm;
+    // Either way a slot, then one lookup of it: the two ways join before
+    // the lookups, which older verifiers (6.1) would otherwise walk twice.
     let hashed = match pick {
-        Pick::Hashed(hash) if svc.flags.uses_maglev() => {
-            maglev_backend(key, svc.rev_nat_id, hash).map(|found| (found, Via::Maglev))
+        Pick::Hashed { hash, table_size } if svc.flags.uses_maglev() => {
+            maglev_slot(svc.rev_nat_id, hash(), table_size)
         }
         _ => None,
     };
-    // A table missing mid-sync, or naming a slot beyond a count that
-    // shrank: at random, as a moment later the table would not pick.
-    let Some(((backend_id, backend), via)) =
-        hashed.or_else(|| random_backend(key, svc.count).map(|found| (found, Via::Random)))
-    else {
+    // A table missing mid-sync: at random.
+    let slot = hashed.unwrap_or_else(|| random_slot(svc.count));
+    let Some((backend_id, backend)) = backend_in(key, slot) else {
         count(Counter::SlotMiss);
         return Verdict::NoBackend;
     };
@@ -239,26 +243,19 @@ pub fn choose_in<K: ServiceMapKey, C: AffinityClient>(
     Verdict::Backend { backend, backend_id, rev_nat_id: svc.rev_nat_id, via }
 }
 
-/// The backend the frontend's Maglev table gives a flow of `hash`: its
-/// entry names a slot, read in the table's chunk in place (8 KiB: never
-/// copied to the stack).
+/// The slot the frontend's Maglev table of `size` entries gives a flow of
+/// `hash`, read in the table's chunk in place (8 KiB: never copied to the
+/// stack). One branch, the chunk's lookup: the path is close to what older
+/// verifiers (6.1) take.
 #[inline(always)]
-fn maglev_backend<K: ServiceMapKey>(
-    key: &K,
-    rev_nat_id: u32,
-    hash: u32,
-) -> Option<(u32, K::Backend)> {
-    let size = CONFIG.get(0)?.maglev_table_size;
-    if size == 0 {
-        return None;
-    }
+fn maglev_slot(rev_nat_id: u32, hash: u32, size: u32) -> Option<u16> {
     let entry = maglev::entry(hash, size);
     let chunk = MaglevKey { rev_nat_id, chunk: entry / CHUNK_SLOTS as u32 };
     // SAFETY: one entry read at once; the agent replaces a table by
     // rewriting its chunks, and any slot a chunk names exists meanwhile.
-    let slot = unsafe { MAGLEV.get(chunk) }?.slots[entry as usize % CHUNK_SLOTS];
-    let id = lookup_frontend(&key.with_slot(slot))?.backend_id;
-    Some((id, K::backend(id)?))
+    // An entry is never 0 (slot 0 is the frontend: its backend id 0 names
+    // no backend, and the caller refuses).
+    Some(unsafe { MAGLEV.get(chunk) }?.slots[entry as usize % CHUNK_SLOTS])
 }
 
 /// The remembered backend of `key`, if its entry is younger than the
@@ -288,8 +285,13 @@ fn affine_backend<K: ServiceMapKey, C: AffinityClient>(
 
 /// Uniform choice over slots `1..=count`, as iptables' statistic chain.
 #[inline(always)]
-fn random_backend<K: ServiceMapKey>(key: &K, count: u16) -> Option<(u32, K::Backend)> {
-    let slot = (unsafe { bpf_get_prandom_u32() } % count as u32) as u16 + 1;
+fn random_slot(count: u16) -> u16 {
+    (unsafe { bpf_get_prandom_u32() } % count as u32) as u16 + 1
+}
+
+/// The backend in `slot` of the frontend at `key`.
+#[inline(always)]
+fn backend_in<K: ServiceMapKey>(key: &K, slot: u16) -> Option<(u32, K::Backend)> {
     let id = lookup_frontend(&key.with_slot(slot))
         // A slot beyond a count that shrank after we read it: fall back to
         // slot 1, which exists unless the service is losing its last backend

@@ -126,8 +126,10 @@ pub fn orphan_fragment(key: &FragKey) {
 pub fn why(via: Via, flags: ServiceFlags) -> (&'static str, &'static str) {
     let how = match via {
         Via::Affinity => "session affinity",
-        Via::Random => "random pick",
-        Via::Maglev => "Maglev table",
+        // One string whatever the algorithm (`lb list` says which): each
+        // more the record can hold multiplies what older verifiers (6.1)
+        // walk through its formatting.
+        Via::Algorithm => "its algorithm (random or Maglev)",
         Via::Flow => "the socket's UDP flow",
     };
     let among = match (flags.is_local_only(), flags.serves_terminating()) {

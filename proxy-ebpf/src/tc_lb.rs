@@ -283,7 +283,7 @@ fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -
     if from_pods::<F>(cfg, t.saddr()) {
         (key, scoped) = lb::in_cluster_scope(&key, &svc);
     }
-    let pick = Pick::Hashed(F::flow_hash(t));
+    let pick = Pick::Hashed { hash: || F::flow_hash(t), table_size: cfg.maglev_table_size };
     match lb::choose_in(&key, &scoped, F::client(t.saddr()), run, pick) {
         Verdict::NoBackend if scoped.flags.drops_when_empty() => {
             run.refused(ctx, Decided::NoLocalEndpoint);
@@ -295,7 +295,7 @@ fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -
         }
         Verdict::Backend { backend, backend_id, rev_nat_id, via } => {
             let snat = needs_snat::<F>(&svc, cfg, pkt, &backend);
-            run.translated(ctx, backend_id, snat, via);
+            run.translated(ctx, backend_id, snat, via, scoped.flags);
             let (address, port, _) = F::backend(&backend);
             let saddr = if snat { F::snat_addr(cfg) } else { t.saddr() };
             let to = F::Tuple::new(saddr, *address, t.sport(), port, t.proto());

@@ -465,7 +465,10 @@ fn ebpf_decision_records_trace_a_refused_connect_and_a_snated_node_port_flow() {
     // The agent reads the records as they come; a moment may pass.
     let wanted = [
         ("connect4", "10.96.0.30:80 proto 6: no endpoint, refused"),
-        ("tc_ingress", "-> 192.168.100.11:30080 proto 6: backend 10.244.1.2:8080 by random pick"),
+        (
+            "tc_ingress",
+            "-> 192.168.100.11:30080 proto 6: backend 10.244.1.2:8080 by its algorithm (random or Maglev)",
+        ),
         ("tc_ingress", "-> 192.168.100.11:30080 proto 6: SNAT to 192.168.100.11:"),
     ];
     let found = |log: &str| {
