@@ -129,7 +129,7 @@ fn main() -> anyhow::Result<()> {
         })
         .collect();
     let frontend =
-        |name: String, backends: Vec<BackendPlan>, external: bool, maglev| FrontendPlan {
+        |name: String, backends: Vec<BackendPlan>, external: bool, (maglev, dsr)| FrontendPlan {
             service: Arc::new(ServicePortName {
                 service: ServiceName { namespace: "bench".into(), name: name.into() },
                 port: "".into(),
@@ -144,16 +144,22 @@ fn main() -> anyhow::Result<()> {
             two_scopes: false,
             serves_terminating: false,
             maglev,
+            dsr,
         };
     let mut plan = Plan::default();
     // The same backends behind a NodePort that picks from a Maglev table.
     plan.frontends.insert(
         Frontend::new(NODE.into(), 30081, Protocol::Tcp),
-        frontend("maglev".into(), backends.clone(), true, true),
+        frontend("maglev".into(), backends.clone(), true, (true, false)),
+    );
+    // And one whose flows go to them by direct server return.
+    plan.frontends.insert(
+        Frontend::new(NODE.into(), 30082, Protocol::Tcp),
+        frontend("dsr".into(), backends.clone(), true, (false, true)),
     );
     plan.frontends.insert(
         Frontend::new(NODE.into(), 30080, Protocol::Tcp),
-        frontend("web".into(), backends, true, false),
+        frontend("web".into(), backends, true, (false, false)),
     );
     for i in 1..services {
         let backend = BackendPlan {
@@ -163,7 +169,7 @@ fn main() -> anyhow::Result<()> {
         };
         plan.frontends.insert(
             Frontend::new(cluster_ip(i).into(), 80, Protocol::Tcp),
-            frontend(format!("s{i}"), vec![backend], false, false),
+            frontend(format!("s{i}"), vec![backend], false, (false, false)),
         );
     }
     dp.sync(&plan, None)?;
@@ -204,6 +210,15 @@ fn main() -> anyhow::Result<()> {
         maglev.push(dp.run_tc(&syn(10_000 + port, NODE, 30081), 1)?.duration);
         events += watch.by_ref().count();
     }
+    let mut dsr_new = Vec::new();
+    for port in 0..rounds {
+        dsr_new.push(dp.run_tc(&syn(10_000 + port, NODE, 30082), 1)?.duration);
+        events += watch.by_ref().count();
+    }
+    let mut dsr_tracked = Vec::new();
+    for port in 0..rounds {
+        dsr_tracked.push(dp.run_tc(&syn(10_000 + port, NODE, 30082), 1)?.duration);
+    }
     let mut tracked = Vec::new();
     for port in 0..rounds {
         tracked.push(dp.run_tc(&syn(10_000 + port, NODE, 30080), 1)?.duration);
@@ -230,6 +245,14 @@ fn main() -> anyhow::Result<()> {
     println!(
         "node_port_new_maglev {:.0}  (the same from a Maglev table of 16381; mean of {rounds})",
         mean(&maglev)
+    );
+    println!(
+        "node_port_new_dsr {:.0}  (the same by direct server return, option inserted; mean of {rounds})",
+        mean(&dsr_new)
+    );
+    println!(
+        "tracked_dsr {:.0}  (packet of a tracked DSR flow, option inserted; mean of {rounds})",
+        mean(&dsr_tracked)
     );
     if !cluster.is_empty() {
         println!("cluster_ip_new {:.0}  (new ClusterIP flow; mean of {rounds})", mean(&cluster));

@@ -443,8 +443,28 @@ pub struct RunArgs {
     /// and a backend change moves few flows); a service chooses its own
     /// with the annotation `proxy-agent.io/lb-algorithm` or
     /// `service.cilium.io/lb-algorithm`
-    #[arg(long, value_name = "ALGORITHM", default_value = "random", value_parser = parse_lb_algorithm)]
+    #[arg(
+        long,
+        value_name = "ALGORITHM",
+        default_value = "random",
+        value_parser = parse_annotated::<model::LbAlgorithm>
+    )]
     pub bpf_lb_algorithm: model::LbAlgorithm,
+    /// eBPF mode: how flows to NodePort, externalIP and LoadBalancer
+    /// frontends (policy Cluster) from outside the cluster reach backends
+    /// on other nodes: `snat` (masqueraded, replies back through the node
+    /// they entered: kube-proxy's way), `dsr` (direct server return: the
+    /// client's address kept, the service carried in an IPv4 option, the
+    /// replies sent from the backend's node straight to the client; IPv6
+    /// is masqueraded), `hybrid` (DSR for TCP, SNAT for UDP); a service
+    /// chooses its own with `proxy-agent.io/forwarding-mode` or
+    /// `service.cilium.io/forwarding-mode` (snat or dsr)
+    #[arg(long, value_name = "MODE", default_value = "snat", value_parser = parse_annotated::<model::LbMode>)]
+    pub bpf_lb_mode: model::LbMode,
+    /// eBPF mode: how DSR carries the service to the backend's node: `opt`,
+    /// an IPv4 option (Cilium's default; no tunnel device needed)
+    #[arg(long, value_name = "DISPATCH", default_value = "opt", value_parser = ["opt"])]
+    pub bpf_lb_dsr_dispatch: String,
     /// eBPF mode: the entries of each Maglev table (a prime of Cilium's
     /// list: 251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521,
     /// 131071); about 100 times a service's backends keeps a backend
@@ -461,8 +481,9 @@ pub struct RunArgs {
     pub pins: PinArgs,
 }
 
-pub fn parse_lb_algorithm(text: &str) -> Result<model::LbAlgorithm, String> {
-    model::LbAlgorithm::parse(text).ok_or_else(|| format!("{text:?}: expected random or maglev"))
+/// A flag taking one of `T`'s words.
+pub fn parse_annotated<T: model::Annotated>(text: &str) -> Result<T, String> {
+    T::parse(text).ok_or_else(|| format!("{text:?}: expected {}", T::choices()))
 }
 
 pub fn parse_maglev_table_size(text: &str) -> Result<u32, String> {

@@ -11,7 +11,7 @@ use crate::yaml::{Value, YamlError};
 
 use crate::{
     cli::{BpfLogLevel, ProxyMode, RunArgs, parse_go_duration},
-    model::{Cidr, LbAlgorithm},
+    model::{Cidr, LbAlgorithm, LbMode},
 };
 
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
@@ -53,6 +53,10 @@ struct File {
     bpf_lb_algorithm: Option<String>,
     /// Ours: `--bpf-lb-maglev-table-size`.
     bpf_lb_maglev_table_size: Option<u32>,
+    /// Ours, as Cilium's `bpf-lb-mode`: `--bpf-lb-mode`.
+    bpf_lb_mode: Option<String>,
+    /// Ours: `--bpf-lb-dsr-dispatch`.
+    bpf_lb_dsr_dispatch: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -106,6 +110,8 @@ const HONOURED: &[&str] = &[
     "bpfLogLevel",
     "bpfLbAlgorithm",
     "bpfLbMaglevTableSize",
+    "bpfLbMode",
+    "bpfLbDsrDispatch",
 ];
 
 /// kube-proxy's fields that do not apply to this proxy.
@@ -155,6 +161,7 @@ pub struct Settings {
     pub bpf_log_level: Option<BpfLogLevel>,
     pub bpf_lb_algorithm: Option<LbAlgorithm>,
     pub bpf_lb_maglev_table_size: Option<u32>,
+    pub bpf_lb_mode: Option<LbMode>,
 }
 
 /// Appends kube-proxy's default port to an address given without one.
@@ -280,7 +287,13 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
     }
     if let Some(algorithm) = file.bpf_lb_algorithm {
         s.bpf_lb_algorithm =
-            Some(crate::cli::parse_lb_algorithm(&algorithm).map_err(bad("bpfLbAlgorithm"))?);
+            Some(crate::cli::parse_annotated(&algorithm).map_err(bad("bpfLbAlgorithm"))?);
+    }
+    if let Some(mode) = file.bpf_lb_mode {
+        s.bpf_lb_mode = Some(crate::cli::parse_annotated(&mode).map_err(bad("bpfLbMode"))?);
+    }
+    if let Some(dispatch) = file.bpf_lb_dsr_dispatch.filter(|d| d != "opt") {
+        return Err(bad("bpfLbDsrDispatch")(format!("{dispatch:?}: only opt is supported")));
     }
     if let Some(size) = file.bpf_lb_maglev_table_size {
         s.bpf_lb_maglev_table_size = Some(
@@ -348,6 +361,7 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
     set!("unreadable_source_grace", args.unreadable_source_grace, settings.unreadable_source_grace);
     set!("bpf_log_level", args.bpf_log_level, settings.bpf_log_level);
     set!("bpf_lb_algorithm", args.bpf_lb_algorithm, settings.bpf_lb_algorithm);
+    set!("bpf_lb_mode", args.bpf_lb_mode, settings.bpf_lb_mode);
     set!(
         "bpf_lb_maglev_table_size",
         args.bpf_lb_maglev_table_size,
@@ -396,6 +410,8 @@ unreadableSourceGrace: 2s
 bpfLogLevel: debug
 bpfLbAlgorithm: maglev
 bpfLbMaglevTableSize: 65521
+bpfLbMode: hybrid
+bpfLbDsrDispatch: opt
 "#;
 
     fn run_args(flags: &[&str]) -> (RunArgs, clap::ArgMatches) {
@@ -447,6 +463,7 @@ bpfLbMaglevTableSize: 65521
         assert_eq!(args.bpf_log_level, BpfLogLevel::Debug);
         assert_eq!(args.bpf_lb_algorithm, LbAlgorithm::Maglev);
         assert_eq!(args.bpf_lb_maglev_table_size, 65521);
+        assert_eq!(args.bpf_lb_mode, LbMode::Hybrid);
     }
 
     #[test]
@@ -466,7 +483,13 @@ bpfLbMaglevTableSize: 65521
         )
         .unwrap_err();
         assert!(err.to_string().contains("bpfLogLevel"), "{err}");
-        for (field, value) in [("bpfLbAlgorithm", "fastest"), ("bpfLbMaglevTableSize", "16384")] {
+        let bad_values = [
+            ("bpfLbAlgorithm", "fastest"),
+            ("bpfLbMaglevTableSize", "16384"),
+            ("bpfLbMode", "tunnel"),
+            ("bpfLbDsrDispatch", "geneve"),
+        ];
+        for (field, value) in bad_values {
             let text = format!("apiVersion: {API_VERSION}\nkind: {KIND}\n{field}: {value}\n");
             let err = parse(std::path::Path::new("c"), &text).unwrap_err();
             assert!(err.to_string().contains(field), "{err}");

@@ -307,6 +307,7 @@ mod tests {
             source_ranges: Vec::new(),
             two_scopes: false,
             maglev: false,
+            dsr: false,
         };
         plan.frontends.insert(frontend, fp);
     }

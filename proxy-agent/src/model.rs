@@ -19,6 +19,12 @@
 //!   and source ranges, and the endpoints of that family's EndpointSlices
 //!   (`addressType`; FQDN slices are ignored).
 
+pub mod balancing;
+
+pub use balancing::{
+    ANNOTATIONS as BALANCING_ANNOTATIONS, Annotated, Choice, ForwardingMode, LbAlgorithm, LbMode,
+};
+
 use std::{
     cell::RefCell,
     collections::{BTreeMap, BTreeSet},
@@ -327,8 +333,10 @@ pub struct ServicePort {
     pub internal_local: bool,
     /// `Some(timeout)` for `sessionAffinity: ClientIP`.
     pub affinity_timeout_secs: Option<u32>,
-    /// How its external frontends pick a backend, as its annotations say.
-    pub lb_algorithm: AlgorithmChoice,
+    /// How its external frontends pick a backend, and how they send flows
+    /// to backends on other nodes, as its annotations say (one byte each).
+    pub lb_algorithm: Choice<LbAlgorithm>,
+    pub forwarding_mode: Choice<ForwardingMode>,
     /// All endpoints found, sorted by address, one per address. A port
     /// with one slice shares that slice's list (a million endpoints are
     /// held once, not once per slice and again per port).
@@ -821,74 +829,6 @@ fn affinity_timeout(name: &ServiceName, spec: &ServiceSpec) -> Result<Option<u32
 /// the field is empty.
 pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 
-/// The annotations that choose a service's load-balancing algorithm, the
-/// project's own first: Cilium's is read too, so a cluster moving from
-/// Cilium keeps its choices.
-pub const LB_ALGORITHM_ANNOTATIONS: [&str; 2] =
-    ["proxy-agent.io/lb-algorithm", "service.cilium.io/lb-algorithm"];
-
-/// How an external frontend picks the backend of a new flow (eBPF mode;
-/// `--bpf-lb-algorithm`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum LbAlgorithm {
-    /// Uniformly at random on each node, as kube-proxy.
-    #[default]
-    Random,
-    /// From the frontend's Maglev table by a hash of the flow: every node
-    /// picks the same backend, and a backend change moves few flows.
-    Maglev,
-}
-
-impl LbAlgorithm {
-    pub const ALL: [LbAlgorithm; 2] = [LbAlgorithm::Random, LbAlgorithm::Maglev];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LbAlgorithm::Random => "random",
-            LbAlgorithm::Maglev => "maglev",
-        }
-    }
-
-    /// A flag's or an annotation's value, in any case.
-    pub fn parse(text: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|a| a.as_str().eq_ignore_ascii_case(text.trim()))
-    }
-}
-
-/// What a service's annotations ([`LB_ALGORITHM_ANNOTATIONS`]) say of its
-/// algorithm. One byte in every port: the value of an unknown annotation is
-/// not kept (the store's problem names the annotation).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum AlgorithmChoice {
-    /// No annotation: the node's `--bpf-lb-algorithm`.
-    #[default]
-    NodeDefault,
-    Annotated(LbAlgorithm),
-    /// The first annotation present has a value that is no algorithm: the
-    /// node's default is used, and the problem reported.
-    Unknown,
-}
-
-impl AlgorithmChoice {
-    /// The first of the annotations present decides.
-    pub fn of(annotations: &objects::Kept) -> Self {
-        let value = LB_ALGORITHM_ANNOTATIONS.iter().find_map(|key| annotations.get(key));
-        match value.map(LbAlgorithm::parse) {
-            None => AlgorithmChoice::NodeDefault,
-            Some(Some(algorithm)) => AlgorithmChoice::Annotated(algorithm),
-            Some(None) => AlgorithmChoice::Unknown,
-        }
-    }
-
-    /// The algorithm, given the node's default.
-    pub fn or(self, default: LbAlgorithm) -> LbAlgorithm {
-        match self {
-            AlgorithmChoice::Annotated(algorithm) => algorithm,
-            AlgorithmChoice::NodeDefault | AlgorithmChoice::Unknown => default,
-        }
-    }
-}
-
 /// The service-wide part of its external exposure (both families).
 struct Externals {
     has_node_ports: bool,
@@ -1034,7 +974,8 @@ pub fn parse_service(
     let cluster_ips = cluster_ips(name, spec)?;
     let affinity_timeout_secs = affinity_timeout(name, spec)?;
     let externals = Externals::of(name, service, spec)?;
-    let lb_algorithm = AlgorithmChoice::of(&service.annotations);
+    let lb_algorithm = Choice::of(&service.annotations);
+    let forwarding_mode = Choice::of(&service.annotations);
 
     let mut seen = BTreeSet::new();
     let mut ports = Vec::new();
@@ -1101,6 +1042,7 @@ pub fn parse_service(
             internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
             affinity_timeout_secs,
             lb_algorithm,
+            forwarding_mode,
             endpoints: Arc::default(),
         };
         ports.extend(cluster_ips.iter().map(|ip| externals.in_family(&template, *ip)));

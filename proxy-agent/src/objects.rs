@@ -14,7 +14,8 @@
 //!   and annotations the proxy reads (`kubernetes.io/service-name`,
 //!   `service.kubernetes.io/service-proxy-name`,
 //!   `endpoints.kubernetes.io/last-change-trigger-time`, a Service's
-//!   load-balancer source ranges and load-balancing algorithm); `managedFields`,
+//!   load-balancer source ranges, load-balancing algorithm and forwarding
+//!   mode); `managedFields`,
 //!   other labels and annotations, owner references are skipped;
 //! - an endpoint: its first address, parsed as it is read (an address that
 //!   does not parse is kept as text, for the error), its conditions, its
@@ -36,7 +37,7 @@ use serde::{
 use crate::{
     intern,
     model::{
-        Hints, LB_ALGORITHM_ANNOTATIONS, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL,
+        BALANCING_ANNOTATIONS, Hints, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL,
         SOURCE_RANGES_ANNOTATION,
     },
 };
@@ -46,13 +47,15 @@ use crate::{
 pub const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// The labels and annotations the proxy reads; others are skipped.
-const KEPT: [&str; 6] = [
+const KEPT: [&str; 8] = [
     SERVICE_NAME_LABEL,
     SERVICE_PROXY_NAME_LABEL,
     TRIGGER_TIME,
     SOURCE_RANGES_ANNOTATION,
-    LB_ALGORITHM_ANNOTATIONS[0],
-    LB_ALGORITHM_ANNOTATIONS[1],
+    BALANCING_ANNOTATIONS[0],
+    BALANCING_ANNOTATIONS[1],
+    BALANCING_ANNOTATIONS[2],
+    BALANCING_ANNOTATIONS[3],
 ];
 
 /// `null` as the default, as k8s-openapi reads every field.
@@ -348,7 +351,7 @@ pub struct Service {
     pub metadata: ObjectMeta,
     /// `service.kubernetes.io/service-proxy-name`: another proxy's.
     pub service_proxy_name: Option<String>,
-    /// The annotations the model reads (source ranges, algorithm).
+    /// The annotations the model reads (source ranges, algorithm, mode).
     pub annotations: Kept,
     pub spec: Option<ServiceSpec>,
     pub status: Option<ServiceStatus>,

@@ -24,8 +24,8 @@ use std::{
 
 use crate::compact;
 use crate::model::{
-    Cidr, Endpoint, EndpointAddr, IpFamily, LbAlgorithm, Model, Protocol, ServiceName, ServicePort,
-    ServicePortName,
+    Cidr, Endpoint, EndpointAddr, ForwardingMode, IpFamily, LbAlgorithm, LbMode, Model, Protocol,
+    ServiceName, ServicePort, ServicePortName,
 };
 
 /// An address clients connect to, and which of its clients it serves.
@@ -288,6 +288,10 @@ pub struct FrontendPlan {
     /// An external frontend whose new flows pick their backend from a
     /// Maglev table (eBPF mode; the iptables mode picks at random).
     pub maglev: bool,
+    /// An external IPv4 frontend with the Cluster policy whose new flows
+    /// from outside the cluster reach backends on other nodes by direct
+    /// server return (eBPF mode; the iptables mode masquerades).
+    pub dsr: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -343,6 +347,8 @@ pub struct Node {
     /// `--bpf-lb-algorithm`: how external frontends pick a backend where
     /// their service's annotations do not say.
     pub lb_algorithm: LbAlgorithm,
+    /// `--bpf-lb-mode`: how they reach backends on other nodes, likewise.
+    pub lb_mode: LbMode,
 }
 
 impl Node {
@@ -540,6 +546,10 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
     let at = |ip, number| Frontend::new(ip, number, port.protocol);
     // Shared with the model (and the parsed Service).
     let name = port.name.clone();
+    // IPv6 flows are masqueraded: the destination-options header that
+    // would carry their service is not built (yet).
+    let mode = port.forwarding_mode.or(node.lb_mode.for_protocol(port.protocol));
+    let dsr = mode == ForwardingMode::Dsr && family == IpFamily::V4;
     let for_policy = |kind: FrontendKind, local: bool, source_ranges: Vec<Cidr>| {
         let external = kind != FrontendKind::ClusterIp;
         let endpoints = if local {
@@ -562,6 +572,7 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
             source_ranges,
             two_scopes: external && local,
             maglev: external && port.lb_algorithm.or(node.lb_algorithm) == LbAlgorithm::Maglev,
+            dsr: external && !local && dsr,
         }
     };
     // What in-cluster clients of the external addresses get with the Local
@@ -601,7 +612,7 @@ mod tests {
     use std::net::{Ipv4Addr, Ipv6Addr};
 
     use super::*;
-    use crate::model::{self, AlgorithmChoice, Endpoint, EndpointAddr, Exposure, Hints};
+    use crate::model::{self, Choice, Endpoint, EndpointAddr, Exposure, Hints};
 
     /// An external IP, a load-balancer IP and a source range.
     fn exposed() -> Option<Box<Exposure>> {
@@ -629,6 +640,7 @@ mod tests {
             internal_local: false,
             affinity_timeout_secs: None,
             lb_algorithm: Default::default(),
+            forwarding_mode: Default::default(),
             endpoints: endpoints
                 .iter()
                 .map(|(addr, ready, node)| {
@@ -650,6 +662,7 @@ mod tests {
             nodeport_addresses: vec![],
             zone: None,
             lb_algorithm: LbAlgorithm::Random,
+            lb_mode: LbMode::Snat,
         }
     }
 
@@ -1062,10 +1075,10 @@ mod tests {
                 health_check_node_port: None,
                 internal_local: rng.chance(20),
                 affinity_timeout_secs: rng.chance(20).then_some(10_800),
-                lb_algorithm: rng.pick(&[
-                    AlgorithmChoice::NodeDefault,
-                    AlgorithmChoice::Annotated(LbAlgorithm::Maglev),
-                ]),
+                lb_algorithm: rng
+                    .pick(&[Choice::NodeDefault, Choice::Annotated(LbAlgorithm::Maglev)]),
+                forwarding_mode: rng
+                    .pick(&[Choice::NodeDefault, Choice::Annotated(ForwardingMode::Dsr)]),
                 endpoints: random_endpoints(rng).into(),
             })
             .collect()

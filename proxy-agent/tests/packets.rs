@@ -67,6 +67,7 @@ fn frontend_plan<A: Into<IpAddr> + Copy>(
         affinity_timeout_secs: None,
         external,
         maglev: false,
+        dsr: false,
         local: false,
         drop_when_empty: false,
         source_ranges: ranges.iter().map(|r| Cidr::parse(r).unwrap()).collect(),

@@ -38,6 +38,9 @@ pub const AFFINITY: u32 = 1 << 9;
 /// The backend came from the frontend's Maglev table (the entry is
 /// `maglev::entry` of the packet's `maglev::flow_hash`).
 pub const MAGLEV: u32 = 1 << 10;
+/// The flow goes to a backend on another node by direct server return (an
+/// IPv4 option carries the service there; the client's address is kept).
+pub const DSR: u32 = 1 << 11;
 const CODE: u32 = 0xff;
 
 /// The decision word the program writes into `cb[2]`.
@@ -71,7 +74,7 @@ mod tests {
             Decided::NoLocalEndpoint,
             Decided::Refused,
         ] {
-            for flags in [0, SNAT, AFFINITY, SNAT | AFFINITY, MAGLEV, SNAT | MAGLEV] {
+            for flags in [0, SNAT, AFFINITY, SNAT | AFFINITY, MAGLEV, SNAT | MAGLEV, DSR | MAGLEV] {
                 assert_eq!(decode(word(decided, flags)), Some((decided, flags)));
             }
         }

@@ -6,6 +6,7 @@
 //! `"address": [10,96,0,10], "port": 80` instead of byte-swapped integers.
 #![no_std]
 
+pub mod dsr;
 pub mod maglev;
 pub mod monitor;
 
@@ -220,6 +221,11 @@ flags!(
         /// (`MAGLEV`), by a hash of their tuple, rather than at random: every
         /// node picks the same backend for a flow.
         7: uses_maglev, with_maglev;
+        /// New flows to a backend on another node are sent there by direct
+        /// server return (`dsr`): the client's address kept, the service
+        /// carried in an IP option, the replies sent from the backend's
+        /// node. Its replies come back through this node otherwise.
+        8: is_dsr, with_dsr;
     }
 );
 
@@ -645,6 +651,10 @@ pub const CT_FLAG_ESTABLISHED: u8 = 1 << 4;
 pub const CT_FLAG_FIN_ORIG: u8 = 1 << 5;
 /// TCP: the backend sent FIN.
 pub const CT_FLAG_FIN_REPLY: u8 = 1 << 6;
+/// A forward entry of a flow sent by direct server return: its packets
+/// carry the service in an IP option; or, on the backend's node, the
+/// reply entry a packet with that option made.
+pub const CT_FLAG_DSR: u8 = 1 << 7;
 /// The bits both entries of a flow share (the flow's state).
 pub const CT_STATE_FLAGS: u8 = CT_FLAG_CLOSED
     | CT_FLAG_SEEN_REPLY
@@ -672,9 +682,13 @@ pub mod ct {
     pub const fn next_flags(flags: u8, tcp_flags: u8) -> u8 {
         let reply = flags & CT_FLAG_REPLY != 0;
         let mut next = flags;
+        // A DSR flow's replies never pass the node it enters: there, a
+        // client's ACK without SYN says the backend answered.
+        let answered = flags & CT_FLAG_SEEN_REPLY != 0
+            || (flags & CT_FLAG_DSR != 0 && tcp_flags & TCP_SYN == 0);
         if reply {
             next |= CT_FLAG_SEEN_REPLY;
-        } else if flags & CT_FLAG_SEEN_REPLY != 0 && tcp_flags & TCP_ACK != 0 {
+        } else if answered && tcp_flags & TCP_ACK != 0 {
             next |= CT_FLAG_ESTABLISHED;
         }
         if tcp_flags & TCP_FIN != 0 {
@@ -1353,8 +1367,9 @@ mod tests {
             e.with_two_scopes(true),
             e.with_serves_terminating(true),
             e.with_maglev(true),
+            e.with_dsr(true),
         ];
-        assert_eq!(each.map(svc), [1, 2, 4, 8, 16, 32, 64, 128]);
+        assert_eq!(each.map(svc), [1, 2, 4, 8, 16, 32, 64, 128, 256]);
         let b = BackendFlags::EMPTY;
         assert_eq!([b.with_local(true), b.with_host(true)].map(backend), [1, 2]);
 
@@ -1403,6 +1418,18 @@ mod tests {
         // An RST closes at once.
         assert_eq!(life(next_flags(fwd | CT_FLAG_ESTABLISHED, TCP_RST)), 120);
         assert_eq!(lifetime_secs(&cfg(), IPPROTO_UDP, CT_FLAG_ESTABLISHED), 30);
+    }
+
+    #[test]
+    fn a_dsr_flow_is_established_by_the_clients_ack_alone() {
+        use ct::*;
+        let life = |flags| lifetime_secs(&cfg(), IPPROTO_TCP, flags);
+        // Its replies never pass the node it entered.
+        let f = next_flags(CT_FLAG_DSR, TCP_SYN);
+        assert_eq!(life(f), 60);
+        assert_eq!(life(next_flags(f, TCP_SYN | TCP_ACK)), 60, "no ACK of a SYN");
+        assert_eq!(life(next_flags(f, TCP_ACK)), 86_400);
+        assert_eq!(life(next_flags(0, TCP_ACK)), 60, "not without DSR");
     }
 
     #[test]

@@ -9,7 +9,7 @@ use aya_ebpf::{
     helpers::bpf_get_prandom_u32,
 };
 use proxy_common::{
-    CT_FLAG_REPLY, CT_FLAG_SNAT, CT_STATE_FLAGS, Config, CtTuple, CtValue,
+    CT_FLAG_DSR, CT_FLAG_REPLY, CT_FLAG_SNAT, CT_STATE_FLAGS, Config, CtTuple, CtValue,
     ct::{Closed, lifetime_secs, next_flags, on_closed, port_reusable},
 };
 
@@ -99,7 +99,8 @@ fn port_free<F: Family>(key: &F::Tuple, cfg: &Config, now: u64) -> bool {
     port_reusable(cfg, expires_ns, flags, now)
 }
 
-/// Records a new flow `orig` translated to `xlated`, its first packet
+/// Records a new flow `orig` translated to `xlated` (masqueraded with
+/// `snat`, sent by direct server return with `dsr`), its first packet
 /// (`len` bytes) counted in the forward entry. With SNAT, picks a
 /// source port in the configured range whose reply tuple is free (or held by
 /// a flow that closed long enough ago, as netfilter reuses closed tuples),
@@ -110,12 +111,15 @@ pub fn create<F: Family>(
     orig: &F::Tuple,
     xlated: &mut F::Tuple,
     rev_nat_id: u32,
-    snat: bool,
+    (snat, dsr): (bool, bool),
     len: u32,
     cfg: &Config,
     now: u64,
 ) -> bool {
-    let flags = if snat { CT_FLAG_SNAT } else { 0 };
+    // The DSR bit is only stored, never tested here: the verifier keeps
+    // the flows with and without it on one path.
+    let flags = (if snat { CT_FLAG_SNAT } else { 0 }) | ((dsr as u8) << 7);
+    const _: () = assert!(CT_FLAG_DSR == 1 << 7);
     let expires_ns = now + lifetime_ns(cfg, orig.proto(), 0);
     let back = orig.reversed();
     let mut entry = F::Entry::new(expires_ns, &back, rev_nat_id, flags | CT_FLAG_REPLY);
@@ -154,6 +158,58 @@ pub fn create<F: Family>(
         prefilter::mark_reply(xlated);
     }
     true
+}
+
+/// On a backend's node, a packet sent here by direct server return (its
+/// option naming `service`): the reply entry that makes the backend's
+/// replies leave as the service, straight to the client. Made at the
+/// flow's first packet here, or again once it no longer holds this
+/// service; else its state follows the client's packets (every one carries
+/// the option), as a forward entry's would.
+#[inline(always)]
+pub fn learn_dsr<F: Family>(
+    pkt: &Packet<F::Tuple>,
+    service: (F::Addr, u16),
+    rev_nat_id: u32,
+    cfg: &Config,
+    now: u64,
+) -> Learnt {
+    let t = &pkt.tuple;
+    let proto = t.proto();
+    let key = t.reversed();
+    let to = F::Tuple::new(service.0, t.saddr(), service.1, t.sport(), proto);
+    if let Some(entry) = F::ct_get_ptr_mut(&key) {
+        // SAFETY: as in `lookup`.
+        let current = unsafe { *entry };
+        if current.expires_ns() >= now && current.rewritten(proto) == to {
+            let state = next_flags(CT_FLAG_DSR | (current.flags() & CT_STATE_FLAGS), pkt.tcp_flags);
+            let flags = (current.flags() & !CT_STATE_FLAGS) | (state & CT_STATE_FLAGS);
+            let expires_ns = now + lifetime_ns(cfg, proto, flags);
+            if flags != current.flags() || expires_ns > current.expires_ns() + REFRESH_NS {
+                // SAFETY: as in `lookup`.
+                unsafe { (*entry).set_state(flags, expires_ns) };
+            }
+            return Learnt::Known;
+        }
+    }
+    let expires_ns = now + lifetime_ns(cfg, proto, 0);
+    let entry = F::Entry::new(expires_ns, &to, rev_nat_id, CT_FLAG_REPLY | CT_FLAG_DSR);
+    if F::ct_insert(&key, &entry, BPF_ANY as u64).is_err() {
+        return Learnt::NoRoom;
+    }
+    prefilter::mark_reply(t);
+    Learnt::New
+}
+
+/// What a DSR packet taught a backend's node.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Learnt {
+    /// A flow it did not know: its reply entry made.
+    New,
+    /// A flow it knew: its entry renewed.
+    Known,
+    /// No room for the entry.
+    NoRoom,
 }
 
 /// What packets with `key` are rewritten to, if a live flow has that entry.

@@ -6,7 +6,7 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::explain::{
-    AFFINITY, CB_BACKEND, CB_REV_NAT, CB_WORD, Decided, MAGIC, MAGLEV, SNAT, word,
+    AFFINITY, CB_BACKEND, CB_REV_NAT, CB_WORD, DSR, Decided, MAGIC, MAGLEV, SNAT, word,
 };
 
 use proxy_common::ServiceFlags;
@@ -51,12 +51,14 @@ impl Run {
         self,
         ctx: &TcContext,
         backend_id: u32,
-        snat: bool,
+        (snat, dsr): (bool, bool),
         via: Via,
         flags: ServiceFlags,
     ) {
         if self == Run::Explain {
-            let snat = if snat { SNAT } else { 0 };
+            // By arithmetic: a test of `dsr` would split the verifier's
+            // paths (see `tc_lb::dispatch`).
+            let snat = (snat as u32 * SNAT) | (dsr as u32 * DSR);
             let how = match via {
                 Via::Affinity => AFFINITY,
                 Via::Algorithm if flags.uses_maglev() => MAGLEV,

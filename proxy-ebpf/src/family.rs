@@ -6,6 +6,7 @@
 use aya_ebpf::{
     bindings::{bpf_fib_lookup as FibLookup, bpf_redir_neigh},
     maps::lpm_trie::Key,
+    programs::TcContext,
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
@@ -16,8 +17,8 @@ use proxy_common::{
 
 use crate::{
     lb::{AffinityClient, ServiceMapKey},
-    maps::{CONNTRACK, CONNTRACK6, FRAGMENTS, SOURCE_RANGES, SOURCE_RANGES6},
-    packet::{IpHeader, Packet},
+    maps::{CONNTRACK, CONNTRACK6, DSR_PENDING, FRAGMENTS, SOURCE_RANGES, SOURCE_RANGES6},
+    packet::{self, DsrPending, IpHeader, Packet},
 };
 
 pub trait Family: IpHeader {
@@ -57,6 +58,22 @@ pub trait Family: IpHeader {
     /// Leaves a first fragment's translation for its datagram's later
     /// fragments (IPv4; IPv6 fragments pass untouched).
     fn remember_fragment(pkt: &Packet<Self::Tuple>, to: &Self::Tuple);
+
+    /// Whether new flows of this family may go by direct server return
+    /// (IPv4's option; IPv6's destination-options header is not built yet:
+    /// such flows are SNATed).
+    const DSR: bool;
+    /// The service a packet sent here by direct server return names (its
+    /// DSR option).
+    fn dsr_service(ctx: &TcContext) -> Option<(Self::Addr, u16)>;
+    /// Leaves for [`Self::insert_pending_dsr`] whether the packet of `t`
+    /// (its destination: the service) goes by direct server return (`on`:
+    /// 1 or 0). Through a per-CPU map, whose values the verifier does not
+    /// track: the paths with and without DSR stay one up to the insertion.
+    fn pend_dsr(on: u8, t: &Self::Tuple);
+    /// Inserts the option [`Self::pend_dsr`] left, if any, into a packet
+    /// rewritten to its backend.
+    fn insert_pending_dsr(ctx: &TcContext) -> Result<(), i64>;
 
     /// Fills the FIB lookup's addresses.
     fn fib_addrs(fib: &mut FibLookup, to: &Self::Tuple);
@@ -135,6 +152,33 @@ impl Family for Ipv4Hdr {
         if let Some(key) = &pkt.first_fragment {
             let _ = FRAGMENTS.insert(key, FragRewrite { saddr: to.saddr, daddr: to.daddr }, 0);
         }
+    }
+
+    const DSR: bool = true;
+
+    #[inline(always)]
+    fn dsr_service(ctx: &TcContext) -> Option<([u8; 4], u16)> {
+        packet::dsr_service(ctx)
+    }
+
+    #[inline(always)]
+    fn pend_dsr(on: u8, t: &CtKey) {
+        if let Some(pending) = DSR_PENDING.get_ptr_mut(0) {
+            let value = DsrPending { on, _pad: 0, port: t.dport, address: t.daddr };
+            // SAFETY: this CPU's slot; a tc program is not preempted by
+            // another program using it.
+            unsafe { *pending = value };
+        }
+    }
+
+    #[inline(always)]
+    fn insert_pending_dsr(ctx: &TcContext) -> Result<(), i64> {
+        // SAFETY: as in `pend_dsr`, copied out at once.
+        let Some(pending) = DSR_PENDING.get_ptr(0).map(|p| unsafe { *p }) else { return Ok(()) };
+        if pending.on == 0 {
+            return Ok(());
+        }
+        packet::insert_dsr_option(ctx, pending.address, pending.port)
     }
 
     #[inline(always)]
@@ -248,6 +292,21 @@ impl Family for Ipv6Hdr {
 
     #[inline(always)]
     fn remember_fragment(_pkt: &Packet<CtKey6>, _to: &CtKey6) {}
+
+    const DSR: bool = false;
+
+    #[inline(always)]
+    fn dsr_service(_ctx: &TcContext) -> Option<([u8; 16], u16)> {
+        None
+    }
+
+    #[inline(always)]
+    fn pend_dsr(_on: u8, _t: &CtKey6) {}
+
+    #[inline(always)]
+    fn insert_pending_dsr(_ctx: &TcContext) -> Result<(), i64> {
+        Ok(())
+    }
 
     #[inline(always)]
     fn fib_addrs(fib: &mut FibLookup, to: &CtKey6) {

@@ -1,7 +1,7 @@
 //! The maps, declared with BTF so `bpftool map dump` prints field names.
 //! The agent pins them under `--bpffs-root` by these names.
 
-use crate::packet::Flow;
+use crate::packet::{DsrPending, Flow};
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray},
@@ -141,6 +141,13 @@ pub static TC6: ProgramArray<{ TC6_PROGRAMS.len() }> = ProgramArray::new();
 /// CPU: off the stack. No BTF: scratch space, never read from outside.
 #[map]
 pub static FLOW6: aya_ebpf::maps::PerCpuArray<Flow<CtKey6>> =
+    aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
+
+/// The DSR option of the packet being forwarded (`packet::DsrPending`), one
+/// per CPU: set before `forward`, read there (`Family::pend_dsr`). No BTF:
+/// scratch space, never read from outside.
+#[map]
+pub static DSR_PENDING: aya_ebpf::maps::PerCpuArray<DsrPending> =
     aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
 
 /// loadBalancerSourceRanges of IPv6 frontends: as `SOURCE_RANGES`.

@@ -6,7 +6,7 @@
 use core::mem::offset_of;
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, bpf_adj_room_mode::BPF_ADJ_ROOM_NET},
     helpers::generated::bpf_csum_diff,
     programs::TcContext,
 };
@@ -19,6 +19,7 @@ use network_types::{
 use proxy_common::{
     CtKey, CtKey6, CtTuple, FragKey, FragRewrite, IPPROTO_TCP, IPPROTO_UDP,
     ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    dsr::{DsrOption, OPT_LEN},
 };
 
 pub const IPPROTO_ICMP: u8 = 1;
@@ -266,6 +267,57 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
         plain_ip_header: ihl == Ipv4Hdr::LEN,
         first_fragment: more_fragments.then_some(frag_key),
     }))
+}
+
+/// The DSR option a packet being forwarded is to carry (`on`: 0 none, 1
+/// the service at `address`:`port`): see `Family::pend_dsr`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct DsrPending {
+    pub on: u8,
+    pub _pad: u8,
+    pub port: u16,
+    pub address: [u8; 4],
+}
+
+/// Version 4 and a header of 7 words: the plain 20 bytes and a DSR option.
+const IPV4_WITH_DSR: u8 = 0x47;
+
+/// The service the DSR option of an IPv4 packet names (`proxy_common::dsr`):
+/// one sent to a backend here by direct server return. Only a header of
+/// the plain 20 bytes and that option is read.
+#[inline(always)]
+pub fn dsr_service(ctx: &TcContext) -> Option<([u8; 4], u16)> {
+    if header::<u8>(ctx, IP_OFF)? != IPV4_WITH_DSR {
+        return None;
+    }
+    header::<DsrOption>(ctx, IP_OFF + Ipv4Hdr::LEN)?.service()
+}
+
+/// Inserts the DSR option naming `service`:`port` after the plain IPv4
+/// header of a packet (already rewritten to its backend): room made by
+/// `bpf_skb_adjust_room` at the network layer (which inserts it right
+/// after the 20 plain bytes and shrinks a GSO packet's segment size to
+/// fit), the header length and total length grown, the header checksum
+/// updated by the difference. The L4 checksum is unchanged: its
+/// pseudo-header counts the segment, not the IP header.
+#[inline(always)]
+pub fn insert_dsr_option(ctx: &TcContext, service: [u8; 4], port: u16) -> Result<(), i64> {
+    const LEN_AT: usize = IP_OFF + offset_of!(Ipv4Hdr, tot_len);
+    let first: [u8; 2] = header(ctx, IP_OFF).ok_or(-1i64)?;
+    let len: [u8; 2] = header(ctx, LEN_AT).ok_or(-1i64)?;
+    ctx.adjust_room(OPT_LEN as i32, BPF_ADJ_ROOM_NET, 0)?;
+    let option = DsrOption::new(service, port);
+    let new_first = [IPV4_WITH_DSR, first[1]];
+    let new_len = (u16::from_be_bytes(len) + OPT_LEN as u16).to_be_bytes();
+    ctx.store(IP_OFF + Ipv4Hdr::LEN, &option, 0)?;
+    ctx.store(IP_OFF, &new_first, 0)?;
+    ctx.store(LEN_AT, &new_len, 0)?;
+    // The option's words join the sum as new words over zero ones.
+    let mut sum = csum_diff_add(0, &first, &new_first);
+    sum = csum_diff_add(sum, &len, &new_len);
+    sum = csum_diff_add(sum, &[0; OPT_LEN as usize], &option.words());
+    ctx.l3_csum_replace(IP_OFF + offset_of!(Ipv4Hdr, check), 0, fold_diff(sum) as u64, 0)
 }
 
 /// Whether the frame carries IPv6.

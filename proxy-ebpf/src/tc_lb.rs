@@ -19,12 +19,13 @@ use aya_ebpf::{
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
-    Config, Counter, CtKey, CtTuple, CtValue, DropReason, FragKey, ServiceFlags, ServiceValue,
-    TC6_EGRESS, TC6_INGRESS, TC6_POD_REPLIES, explain::Decided, log_level,
+    CT_FLAG_DSR, CT_FLAG_REPLY, Config, Counter, CtKey, CtTuple, CtValue, DropReason, FragKey,
+    ServiceFlags, ServiceValue, TC6_EGRESS, TC6_INGRESS, TC6_POD_REPLIES, explain::Decided,
+    log_level,
 };
 
 use crate::{
-    conntrack,
+    conntrack::{self, Learnt},
     explain::Run,
     family::Family,
     icmp::{self, IcmpError},
@@ -120,7 +121,7 @@ where
     F::Tuple: Printable,
     F::Addr: EventAddr,
 {
-    let mut tracked_id = None;
+    let mut tracked = None;
     F::step(
         #[inline(always)]
         || {
@@ -128,11 +129,17 @@ where
                 conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now, || Run::of(ctx))
             {
                 f.to = entry.rewritten(f.pkt.tuple.proto());
-                tracked_id = Some(entry.rev_nat_id());
+                // A DSR flow's forward packets carry the service, each: a
+                // forward entry (not `REPLY`) with `DSR`. Arithmetic, not a
+                // test (see `dispatch`).
+                const _: () = assert!(CT_FLAG_DSR == 1 << 7 && CT_FLAG_REPLY == 1);
+                let flags = entry.flags();
+                F::pend_dsr((flags >> 7) & !flags & 1, &f.pkt.tuple);
+                tracked = Some(entry.rev_nat_id());
             }
         },
     );
-    if let Some(rev_nat_id) = tracked_id {
+    if let Some(rev_nat_id) = tracked {
         count(Counter::CtHit);
         // The entry counted the packet; the lean layout cannot.
         if !F::Entry::COUNTS && Run::of(ctx) == Run::Real {
@@ -147,8 +154,14 @@ where
         #[inline(always)]
         || decide::<F>(ctx, cfg, f),
     );
-    let (rev_nat_id, snat, via, flags) = match decision {
+    let (rev_nat_id, snat, dsr, via, flags) = match decision {
         Decision::Pass => {
+            // Sent here by direct server return: its backend is a pod here.
+            if !f.pkt.plain_ip_header
+                && let Some(service) = F::dsr_service(ctx)
+            {
+                return dsr_arrival::<F>(ctx, cfg, f, service);
+            }
             record_unknown::<F>(cfg, &f.pkt);
             return NEXT;
         }
@@ -171,8 +184,11 @@ where
             }
             return reject::refuse::<F>(ctx, &f.pkt);
         }
-        Decision::Translate { rev_nat_id, snat, via, flags } => (rev_nat_id, snat, via, flags),
+        Decision::Translate { rev_nat_id, snat, dsr, via, flags } => {
+            (rev_nat_id, snat, dsr, via, flags)
+        }
     };
+    F::pend_dsr(dsr as u8, &f.pkt.tuple);
     if Run::of(ctx) == Run::Explain {
         // Decided (see `decide`): the packet goes on as translated, but no
         // flow is created (so no SNAT port is chosen).
@@ -183,7 +199,10 @@ where
     }
     let created = F::step(
         #[inline(always)]
-        || conntrack::create::<F>(&f.pkt.tuple, &mut f.to, rev_nat_id, snat, ctx.len(), cfg, f.now),
+        || {
+            let (orig, len) = (&f.pkt.tuple, ctx.len());
+            conntrack::create::<F>(orig, &mut f.to, rev_nat_id, (snat, dsr), len, cfg, f.now)
+        },
     );
     if !created {
         count(Counter::Dropped);
@@ -259,7 +278,7 @@ enum Decision {
     Refuse(u32),
     /// A new flow, translated to the tuple [`decide`] wrote (its SNAT port
     /// yet to be found).
-    Translate { rev_nat_id: u32, snat: bool, via: Via, flags: ServiceFlags },
+    Translate { rev_nat_id: u32, snat: bool, dsr: bool, via: Via, flags: ServiceFlags },
 }
 
 /// Whether a packet of no flow starts one: its frontend, a backend, SNAT
@@ -294,13 +313,13 @@ fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -
             Decision::Refuse(scoped.rev_nat_id)
         }
         Verdict::Backend { backend, backend_id, rev_nat_id, via } => {
-            let snat = needs_snat::<F>(&svc, cfg, pkt, &backend);
-            run.translated(ctx, backend_id, snat, via, scoped.flags);
+            let (snat, dsr) = dispatch::<F>(&svc, cfg, pkt, &backend);
+            run.translated(ctx, backend_id, (snat, dsr), via, scoped.flags);
             let (address, port, _) = F::backend(&backend);
             let saddr = if snat { F::snat_addr(cfg) } else { t.saddr() };
             let to = F::Tuple::new(saddr, *address, t.sport(), port, t.proto());
             flow.to = to;
-            Decision::Translate { rev_nat_id, snat, via, flags: scoped.flags }
+            Decision::Translate { rev_nat_id, snat, dsr, via, flags: scoped.flags }
         }
     }
 }
@@ -342,32 +361,95 @@ fn from_pods<F: Family>(cfg: &Config, saddr: F::Addr) -> bool {
     F::in_cluster_cidr(cfg, saddr) == Some(true)
 }
 
-/// kube-proxy's masquerade decisions: external traffic with policy Cluster,
-/// a pod reaching itself (hairpin), and ClusterIP traffic from outside the
-/// cluster CIDR (or all of it with `--masquerade-all`). `svc` is the
-/// frontend the client addressed, whichever scope serves it: pods reaching
-/// a Local external address are not masqueraded (kube-proxy's short-circuit
-/// skips the ClusterIP's masquerade rule, which matches the ClusterIP).
+/// How a new flow leaves, `(snat, dsr)`: kube-proxy's masquerade
+/// decisions (external traffic with policy Cluster, a pod reaching itself
+/// (hairpin), ClusterIP traffic from outside the cluster CIDR or all of it
+/// with `--masquerade-all`), except that external traffic from outside the
+/// cluster to a DSR frontend goes by direct server return to a backend on
+/// another node (an unfragmented IPv4 packet; a backend here needs no
+/// option, its replies pass this node). `svc` is the frontend the client
+/// addressed, whichever scope serves it: pods reaching a Local external
+/// address are not masqueraded (kube-proxy's short-circuit skips the
+/// ClusterIP's masquerade rule, which matches the ClusterIP). Two values
+/// rather than one of three: `dsr` is only ever stored, never tested, up
+/// to where the option goes in, so that the verifier walks the paths with
+/// and without it as one (a value it must tell apart doubles every path
+/// after it, past what 6.1 accepts).
 #[inline(always)]
-fn needs_snat<F: Family>(
+fn dispatch<F: Family>(
     svc: &ServiceValue,
     cfg: &Config,
     pkt: &Packet<F::Tuple>,
     backend: &F::Backend,
-) -> bool {
+) -> (bool, bool) {
     let (address, _, flags) = F::backend(backend);
+    let saddr = pkt.tuple.saddr();
     // A host-network backend answers from this node anyway, and a packet
     // from a node address to a node address would be a martian.
     if flags.is_host() {
-        return false;
+        return (false, false);
     }
-    if *address == pkt.tuple.saddr() {
-        return true;
+    if *address == saddr {
+        return (true, false);
     }
     if svc.flags.is_external() {
-        return !svc.flags.is_local_only();
+        if svc.flags.is_local_only() {
+            return (false, false);
+        }
+        let dsr = F::DSR
+            && svc.flags.is_dsr()
+            && pkt.first_fragment.is_none()
+            && !from_pods::<F>(cfg, saddr);
+        // A backend here: its replies pass this node, no option needed.
+        return (!dsr, dsr && !flags.is_local());
     }
-    cfg.masquerade_all != 0 || F::in_cluster_cidr(cfg, pkt.tuple.saddr()) == Some(false)
+    let snat = cfg.masquerade_all != 0 || F::in_cluster_cidr(cfg, saddr) == Some(false);
+    (snat, false)
+}
+
+/// On a backend's node, a packet sent here by direct server return
+/// (`service`: what its option names): the flow's reply entry made or
+/// renewed (`conntrack::learn_dsr`), then the packet sent on to its pod
+/// past the stack, as translated packets are (the node's netfilter never
+/// sees the replies, which leave by redirect, and would call the flow's
+/// later packets invalid). Explain runs write nothing and pass.
+#[inline(always)]
+fn dsr_arrival<F: Family>(
+    ctx: &TcContext,
+    cfg: &Config,
+    f: &Flow<F::Tuple>,
+    service: (F::Addr, u16),
+) -> i32
+where
+    F::Addr: EventAddr,
+{
+    if Run::of(ctx) == Run::Explain {
+        return NEXT;
+    }
+    let key = F::service_key(service.0, service.1, f.pkt.tuple.proto());
+    // The frontend's id here, for its counters (none: 0).
+    let rev_nat_id = lb::lookup_frontend(&key).map_or(0, |v| v.rev_nat_id);
+    let learnt = F::step(
+        #[inline(always)]
+        || conntrack::learn_dsr::<F>(&f.pkt, service, rev_nat_id, cfg, f.now),
+    );
+    match learnt {
+        Learnt::NoRoom => {
+            count(Counter::Dropped);
+            stat::<F>(rev_nat_id, Event::dropped(DropReason::ConntrackFull));
+            return SHOT;
+        }
+        Learnt::New => {
+            count(Counter::CtNew);
+            stat::<F>(rev_nat_id, Event::flow::<F::Entry>(ctx.len()));
+            monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Translated(rev_nat_id));
+        }
+        Learnt::Known => {}
+    }
+    F::step(
+        #[inline(always)]
+        || send::<F>(ctx, &f.pkt.tuple),
+    )
 }
 
 /// Egress of the same interfaces: replies of host-network backends, which
@@ -517,9 +599,10 @@ fn later_fragment(ctx: &TcContext, key: &FragKey) -> i32 {
 }
 
 /// Rewrites `pkt` to `to` and sends it towards its new destination; the
-/// first fragment of a datagram leaves its translation for the others. The
-/// route comes first (it depends on `to` alone): a packet sent on from here
-/// has its TTL decremented in the same rewrite as its tuple.
+/// first fragment of a datagram leaves its translation for the others; a
+/// DSR flow's packet (`Family::pend_dsr`) carries its service in an
+/// option. The route comes first (it depends on `to` alone): a packet sent
+/// on from here has its TTL decremented in the same rewrite as its tuple.
 #[inline(always)]
 fn forward<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>, to: &F::Tuple) -> i32 {
     // SAFETY: bpf_fib_lookup is plain data; zero is a valid start.
@@ -533,6 +616,10 @@ fn forward<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>, to: &F::Tuple) ->
             count(Counter::Dropped);
             return SHOT;
         }
+    }
+    if F::insert_pending_dsr(ctx).is_err() {
+        count(Counter::Dropped);
+        return SHOT;
     }
     F::remember_fragment(pkt, to);
     match routed {

@@ -44,7 +44,7 @@ fn the_iptables_mode_serves_maglev_services_at_random_and_says_so_once() {
     let spread: std::collections::BTreeSet<&String> = pods.values().collect();
     assert_eq!(spread.len(), 3, "{pods:?}");
     let log = lab.agent_log_on(0);
-    assert_eq!(log.matches("is an eBPF-mode feature").count(), 1, "{log}");
+    assert_eq!(log.matches("are eBPF-mode features").count(), 1, "{log}");
 }
 
 const CLUSTER_CIDR: &str = "10.244.0.0/16";

@@ -43,8 +43,10 @@ pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
         ips,
         nodeport_addresses: args.node.nodeport_addresses.clone(),
         zone: args.zone.clone(),
-        // The iptables rules pick at random whatever the algorithm.
+        // The iptables rules pick at random and masquerade whatever the
+        // algorithm and mode.
         lb_algorithm: Default::default(),
+        lb_mode: Default::default(),
     };
     let families = match args.ip_family {
         Some(family) => vec![family],

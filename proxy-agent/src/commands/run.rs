@@ -77,6 +77,7 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
         nodeport_addresses: args.node.nodeport_addresses.clone(),
         zone: None,
         lb_algorithm: args.bpf_lb_algorithm,
+        lb_mode: args.bpf_lb_mode,
     };
     let eligibility = match &source {
         Source::Manifests(_) => NodeEligibility::NoApiServer,

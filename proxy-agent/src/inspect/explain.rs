@@ -10,7 +10,7 @@ use std::{
 };
 
 use proxy_common::{
-    explain::{AFFINITY, Decided, MAGLEV, SNAT, decode},
+    explain::{AFFINITY, DSR, Decided, MAGLEV, SNAT, decode},
     maglev,
 };
 use serde::Serialize;
@@ -322,6 +322,11 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
                 x.maglev_entry = maglev_entry(query, &x.backends);
             }
             x.translated = translated;
+            if flags & DSR != 0 {
+                x.notes.push(
+                    "direct server return: the client's address is kept, the service travels to the backend's node in an IPv4 option, and the backend's replies leave that node as the service, straight to the client".into(),
+                );
+            }
             if flags & SNAT != 0 {
                 x.snat = out.map(|(_, src, _)| src.ip().to_string());
                 x.notes.push(

@@ -160,6 +160,7 @@ pub fn entries(
                 (f.drops_when_empty(), flag::DROP_WHEN_EMPTY),
                 (frontend.scope == Scope::Internal, flag::IN_CLUSTER),
                 (f.uses_maglev(), flag::MAGLEV),
+                (f.is_dsr(), flag::DSR),
             ];
             let slot = |slot| Some((slot, services.get(&SlotKey::new(&frontend, slot))?));
             let slots = (1..=value.count).filter_map(slot);

@@ -30,6 +30,9 @@ pub mod flag {
     /// New flows pick from a Maglev table (eBPF; the iptables rules pick
     /// at random).
     pub const MAGLEV: &str = "maglev";
+    /// Flows from outside to backends on other nodes go by direct server
+    /// return (eBPF; the iptables rules masquerade).
+    pub const DSR: &str = "dsr";
 }
 
 /// One frontend of a service and where it sends traffic.

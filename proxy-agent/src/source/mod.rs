@@ -13,7 +13,9 @@ use std::{
 
 use crate::{
     compact,
-    model::{self, AlgorithmChoice, Model, ModelError, ParsedSlice, ServiceName, ServicePort},
+    model::{
+        self, ForwardingMode, LbAlgorithm, Model, ModelError, ParsedSlice, ServiceName, ServicePort,
+    },
     objects,
 };
 
@@ -92,8 +94,9 @@ pub struct Store {
     slices_of: BTreeMap<ServiceName, Vec<ServiceName>>,
     /// Services whose latest version is invalid, and why.
     invalid: BTreeMap<ServiceName, ModelError>,
-    /// Served services whose algorithm annotation has an unknown value.
-    unknown_algorithm: BTreeSet<ServiceName>,
+    /// Served services whose algorithm or forwarding-mode annotation has
+    /// an unknown value: the problem's message.
+    unknown_annotations: BTreeMap<ServiceName, Vec<String>>,
     /// Slices with skipped parts.
     slice_errors: BTreeMap<ServiceName, Vec<ModelError>>,
     /// Objects whose latest version does not decode (manifests).
@@ -129,9 +132,10 @@ impl Store {
                 }
                 Some(Ok(ports)) => {
                     self.invalid.remove(&name);
-                    match ports.iter().any(|p| p.lb_algorithm == AlgorithmChoice::Unknown) {
-                        true => self.unknown_algorithm.insert(name.clone()),
-                        false => self.unknown_algorithm.remove(&name),
+                    let unknown = unknown_annotations(&name, &ports);
+                    match unknown.is_empty() {
+                        true => self.unknown_annotations.remove(&name),
+                        false => self.unknown_annotations.insert(name.clone(), unknown),
                     };
                     if self.services.get(&name) != Some(&ports) {
                         self.services.insert(name.clone(), ports);
@@ -141,7 +145,7 @@ impl Store {
                 }
                 None => {
                     self.invalid.remove(&name);
-                    self.unknown_algorithm.remove(&name);
+                    self.unknown_annotations.remove(&name);
                     if self.services.remove(&name).is_some() {
                         update.service_changes += 1;
                         update.touched.insert(name);
@@ -283,18 +287,24 @@ impl Store {
         for (kind, name) in kept {
             problems.push(("kept", format!("{kind} {name}: serving the last good version")));
         }
-        for name in &self.unknown_algorithm {
-            let [ours, cilium] = model::LB_ALGORITHM_ANNOTATIONS;
-            problems.push((
-                "Service",
-                format!(
-                    "Service {name}: annotation {ours} or {cilium} is neither random nor maglev; \
-                     its external frontends use the node's --bpf-lb-algorithm"
-                ),
-            ));
+        for message in self.unknown_annotations.values().flatten() {
+            problems.push(("Service", message.clone()));
         }
         problems
     }
+}
+
+/// The problems of a service's balancing annotations with unknown values.
+fn unknown_annotations(name: &ServiceName, ports: &[ServicePort]) -> Vec<String> {
+    let Some(port) = ports.first() else { return Vec::new() };
+    let mut problems = Vec::new();
+    if port.lb_algorithm.is_unknown() {
+        problems.push(model::balancing::unknown_value::<LbAlgorithm>(name, "--bpf-lb-algorithm"));
+    }
+    if port.forwarding_mode.is_unknown() {
+        problems.push(model::balancing::unknown_value::<ForwardingMode>(name, "--bpf-lb-mode"));
+    }
+    problems
 }
 
 /// The model of a YAML stream of Services and EndpointSlices, for tests.
@@ -367,7 +377,8 @@ mod tests {
 
     #[test]
     fn an_algorithm_annotation_is_read_ours_first_and_an_unknown_one_reported() {
-        use model::{AlgorithmChoice::*, LB_ALGORITHM_ANNOTATIONS as KEYS, LbAlgorithm::*};
+        use model::{Annotated, Choice::*, LbAlgorithm::*};
+        let keys = LbAlgorithm::ANNOTATIONS;
         let annotated = |pairs: &[(&str, &str)]| {
             let mut svc = test_objects::service("default", "web")
                 .cluster_ip("10.96.0.10")
@@ -385,10 +396,10 @@ mod tests {
             (choice, store.problems())
         };
         assert_eq!(choice(&[]).0, NodeDefault);
-        assert_eq!(choice(&[(KEYS[1], "maglev")]).0, Annotated(Maglev), "Cilium's");
-        assert_eq!(choice(&[(KEYS[0], " Random ")]).0, Annotated(Random), "any case");
-        assert_eq!(choice(&[(KEYS[0], "random"), (KEYS[1], "maglev")]).0, Annotated(Random));
-        let (unknown, problems) = choice(&[(KEYS[1], "fastest")]);
+        assert_eq!(choice(&[(keys[1], "maglev")]).0, Annotated(Maglev), "Cilium's");
+        assert_eq!(choice(&[(keys[0], " Random ")]).0, Annotated(Random), "any case");
+        assert_eq!(choice(&[(keys[0], "random"), (keys[1], "maglev")]).0, Annotated(Random));
+        let (unknown, problems) = choice(&[(keys[1], "fastest")]);
         assert_eq!(unknown, Unknown);
         assert_eq!(unknown.or(Maglev), Maglev, "the node's default");
         assert_eq!(problems.len(), 1, "{problems:?}");
@@ -396,8 +407,19 @@ mod tests {
 
         // Fixed, the problem goes; the service was served all along.
         let mut store = Store::default();
-        store.replace(snapshot(&[annotated(&[(KEYS[1], "fastest")])], &[]));
-        store.replace(snapshot(&[annotated(&[(KEYS[1], "maglev")])], &[]));
+        store.replace(snapshot(&[annotated(&[(keys[1], "fastest")])], &[]));
+        store.replace(snapshot(&[annotated(&[(keys[1], "maglev")])], &[]));
+        assert!(store.problems().is_empty());
+        // The forwarding mode's, Cilium's values.
+        let modes = ForwardingMode::ANNOTATIONS;
+        let mode = |value| {
+            let mut store = Store::default();
+            store.replace(snapshot(&[annotated(&[(modes[1], value)])], &[]));
+            (store.model().ports().next().unwrap().forwarding_mode, store.problems().len())
+        };
+        assert_eq!(mode("dsr"), (Annotated(model::ForwardingMode::Dsr), 0));
+        assert_eq!(mode("snat"), (Annotated(model::ForwardingMode::Snat), 0));
+        assert_eq!(mode("geneve"), (Unknown, 1));
         assert!(store.problems().is_empty());
     }
 

@@ -508,6 +508,7 @@ impl SyncState {
                 source_ranges: installed.source_ranges.clone(),
                 two_scopes: value.flags.has_two_scopes(),
                 maglev: value.flags.uses_maglev(),
+                dsr: value.flags.is_dsr(),
             };
             (*frontend, plan)
         });
@@ -1146,6 +1147,7 @@ fn flags(fp: &FrontendPlan) -> ServiceFlags {
         .with_two_scopes(fp.two_scopes)
         .with_serves_terminating(fp.serves_terminating)
         .with_maglev(fp.maglev)
+        .with_dsr(fp.dsr)
 }
 
 /// What a frontend's Maglev table is computed from, `(slot, backend)`:
@@ -1340,8 +1342,9 @@ mod tests {
                     external: !ranges.is_empty(),
                     local: false,
                     drop_when_empty: false,
-                    // Load-balancer IPs use Maglev.
+                    // Load-balancer IPs use Maglev and DSR.
                     maglev: !ranges.is_empty(),
+                    dsr: !ranges.is_empty(),
                     source_ranges: ranges,
                     two_scopes: false,
                     serves_terminating: false,
@@ -1707,6 +1710,7 @@ mod tests {
                     two_scopes: false,
                     serves_terminating: false,
                     maglev: false,
+                    dsr: false,
                 },
             );
         }
@@ -1886,6 +1890,7 @@ mod tests {
             drop_when_empty: false,
             // External frontends of the churn use Maglev: tables follow it.
             maglev: !ranges.is_empty(),
+            dsr: !ranges.is_empty(),
             source_ranges: ranges,
             two_scopes: false,
             serves_terminating: false,

@@ -35,8 +35,8 @@ pub struct IptablesDatapath {
     /// A previous agent's rules (or eBPF datapath, which serves in front
     /// of the rules until this agent serves) were in place at start.
     previous: bool,
-    /// Whether the log said that Maglev is the eBPF mode's (once).
-    maglev_told: bool,
+    /// Whether the log said that Maglev and DSR are the eBPF mode's (once).
+    ebpf_only_told: bool,
 }
 
 impl IptablesDatapath {
@@ -60,7 +60,7 @@ impl IptablesDatapath {
         let previous = backends.first_mut().is_some_and(|b| b.rules_present())
             || ebpf::pinned(&args.pins.bpffs_root);
         let pins = args.pins.bpffs_root.clone();
-        IptablesDatapath { backends, pins, previous, maglev_told: false }
+        IptablesDatapath { backends, pins, previous, ebpf_only_told: false }
     }
 }
 
@@ -129,10 +129,10 @@ impl Datapath for IptablesDatapath {
             metrics.rules(family).synced(start.elapsed(), report.full);
             report_sync(family, &report, metrics);
         }
-        if !self.maglev_told && plan.frontends.values().any(|f| f.maglev) {
-            self.maglev_told = true;
+        if !self.ebpf_only_told && plan.frontends.values().any(|f| f.maglev || f.dsr) {
+            self.ebpf_only_told = true;
             tracing::warn!(
-                "Maglev (--bpf-lb-algorithm, the lb-algorithm annotations) is an eBPF-mode feature: the iptables rules pick backends at random, as kube-proxy's"
+                "Maglev and DSR (--bpf-lb-algorithm, --bpf-lb-mode, their annotations) are eBPF-mode features: the iptables rules pick backends at random and masquerade, as kube-proxy's"
             );
         }
         let backends: BTreeSet<_> =
