@@ -596,6 +596,15 @@ impl Lab {
         Ok(Pod { name: name.to_string(), netns, ip: addr })
     }
 
+    /// Sends external client `ext`'s traffic for the external service
+    /// range through node `node`, as an ECMP rehash or a drained node moves
+    /// a router's flows.
+    pub fn route_external_via(&self, ext: &Pod, node: usize) -> anyhow::Result<()> {
+        let via = &self.nodes[node].ip;
+        ip(&["-n", &ext.netns, "route", "replace", EXTERNAL_SERVICE_RANGE, "via", via])?;
+        Ok(())
+    }
+
     /// How many destination-unreachable errors ("fragmentation needed") the
     /// router of [`Lab::add_far_external`] has sent.
     pub fn far_router_unreachables(&self) -> anyhow::Result<u64> {
@@ -1347,6 +1356,45 @@ fn remove_scratch(dir: &Path) {
 /// for a failed one). A line comes when its attempt ends, which was sent
 /// its duration earlier: a reply in flight at the change may be lost (as
 /// with kube-proxy's conntrack deletion), and its line comes late.
+/// The two-node cluster of the external-traffic scenarios: pods web-a
+/// (node 0), web-b and web-c (node 1) serving HTTP on 8080, DNS on
+/// 5353/UDP and an echo on 9000; an external client `ext` at
+/// 192.168.100.101, its external service range routed to node 0;
+/// `manifest`; on both nodes kube-proxy's drop of conntrack-INVALID
+/// forwards and an agent with `--cluster-cidr 10.244.0.0/16` and `flags`.
+pub fn two_node_web_cluster(setup: Setup, manifest: &str, flags: &[&str]) -> (Lab, Pod) {
+    let mut lab = Lab::with(setup).unwrap();
+    lab.add_node().unwrap();
+    for (node, name, ip) in
+        [(0, "web-a", "10.244.1.2"), (1, "web-b", "10.244.2.2"), (1, "web-c", "10.244.2.3")]
+    {
+        let pod = lab.add_pod_on(node, name, ip).unwrap();
+        lab.serve(&pod, &[8080], &[5353]).unwrap();
+        lab.serve_echo(&pod, 9000).unwrap();
+    }
+    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    lab.write_manifest(manifest).unwrap();
+    for node in 0..2 {
+        lab.drop_invalid_forwards(node).unwrap();
+        let mut args = vec!["--cluster-cidr", "10.244.0.0/16"];
+        args.extend(flags);
+        lab.start_agent_on(node, &args).unwrap();
+    }
+    (lab, ext)
+}
+
+/// What each successful attempt's server saw: (pod, peer, reply source);
+/// panics on a failed one.
+pub fn answered(attempts: &[Attempt]) -> Vec<(String, String, String)> {
+    attempts
+        .iter()
+        .map(|a| match a {
+            Attempt::Ok { name, peer, from, .. } => (name.clone(), peer.clone(), from.clone()),
+            err => panic!("failed attempt: {err:?} in {attempts:?}"),
+        })
+        .collect()
+}
+
 pub fn answered_after(
     lines: impl IntoIterator<Item = std::io::Result<String>>,
     changed: Instant,

@@ -11,35 +11,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, EXTERNAL_SERVICE_RANGE, Lab, Pod, Setup, sh, two_node_endpoints};
+use proxy_lab::{Attempt, Lab, Pod, Setup, answered, sh, two_node_endpoints, two_node_web_cluster};
 use test_objects::{Protocol::*, ServiceBuilder, manifest, port, service};
 
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
 const CLIENT: &str = "192.168.100.101";
 const LB_IP: &str = "10.200.0.10";
-
-/// Two nodes running agents with `flags` on `manifest`, the pods (web and
-/// echo servers), and the external client routed through node 0.
-fn cluster(setup: Setup, manifest: &str, flags: &[&str]) -> (Lab, Pod) {
-    let mut lab = Lab::with(setup).unwrap();
-    lab.add_node().unwrap();
-    for (node, name, ip) in
-        [(0, "web-a", "10.244.1.2"), (1, "web-b", "10.244.2.2"), (1, "web-c", "10.244.2.3")]
-    {
-        let pod = lab.add_pod_on(node, name, ip).unwrap();
-        lab.serve(&pod, &[8080], &[5353]).unwrap();
-        lab.serve_echo(&pod, 9000).unwrap();
-    }
-    let ext = lab.add_external("ext", CLIENT).unwrap();
-    lab.write_manifest(manifest).unwrap();
-    for node in 0..2 {
-        lab.drop_invalid_forwards(node).unwrap();
-        let mut args = vec!["--cluster-cidr", CLUSTER_CIDR];
-        args.extend(flags);
-        lab.start_agent_on(node, &args).unwrap();
-    }
-    (lab, ext)
-}
 
 /// LoadBalancer service `lab/lb` at `LB_IP` (http 80 → 8080, dns 53/UDP →
 /// 5353, echo 90 → 9000) over `pods`, with `annotations`.
@@ -60,12 +37,6 @@ fn balanced(annotations: &[(&str, &str)], pods: &[&str]) -> String {
 
 const DSR: (&str, &str) = ("service.cilium.io/forwarding-mode", "dsr");
 const MAGLEV: (&str, &str) = ("proxy-agent.io/lb-algorithm", "maglev");
-
-/// Sends the external client's traffic for the service range through `node`.
-fn route_via(lab: &Lab, ext: &Pod, node: usize) {
-    let via = lab.nodes()[node].ip.clone();
-    sh("ip", &["-n", &ext.netns, "route", "replace", EXTERNAL_SERVICE_RANGE, "via", &via]).unwrap();
-}
 
 /// Counts, in the client's namespace, the packets that arrive from node
 /// `node`'s MAC address (a rule per node in a chain of its own).
@@ -112,28 +83,18 @@ fn arrivals(lab: &Lab, ext: &Pod) -> Vec<(String, u64)> {
         .collect()
 }
 
-fn answers(attempts: &[Attempt]) -> Vec<(String, String, String)> {
-    attempts
-        .iter()
-        .map(|a| match a {
-            Attempt::Ok { name, peer, from, .. } => (name.clone(), peer.clone(), from.clone()),
-            err => panic!("failed attempt: {err:?} in {attempts:?}"),
-        })
-        .collect()
-}
-
 fn ip_of(addr: &str) -> &str {
     addr.rsplit_once(':').map_or(addr, |(ip, _)| ip)
 }
 
 #[test]
 fn the_pod_sees_the_client_and_replies_leave_from_its_node() {
-    let (lab, ext) = cluster(Setup::EBPF, &balanced(&[DSR], &["b", "c"]), &[]);
+    let (lab, ext) = two_node_web_cluster(Setup::EBPF, &balanced(&[DSR], &["b", "c"]), &[]);
     count_arrivals_by_node(&lab, &ext);
     let tcp = lab.client_outside(&ext, &["tcp", &format!("{LB_IP}:80"), "20"]).unwrap();
     let udp = lab.client_outside(&ext, &["udp", &format!("{LB_IP}:53"), "20"]).unwrap();
     for (proto, attempts, service) in [("tcp", &tcp, ":80"), ("udp", &udp, ":53")] {
-        for (pod, peer, from) in answers(attempts) {
+        for (pod, peer, from) in answered(attempts) {
             assert_eq!(ip_of(&peer), CLIENT, "{proto}: {pod} saw {peer}, not the client");
             assert_eq!(from, format!("{LB_IP}{service}"), "{proto}: the reply's source");
         }
@@ -153,13 +114,16 @@ fn the_pod_sees_the_client_and_replies_leave_from_its_node() {
 
 #[test]
 fn hybrid_sends_tcp_by_dsr_and_masquerades_udp() {
-    let (lab, ext) =
-        cluster(Setup::EBPF, &balanced(&[], &["b", "c"]), &["--bpf-lb-mode", "hybrid"]);
+    let (lab, ext) = two_node_web_cluster(
+        Setup::EBPF,
+        &balanced(&[], &["b", "c"]),
+        &["--bpf-lb-mode", "hybrid"],
+    );
     let tcp = lab.client_outside(&ext, &["tcp", &format!("{LB_IP}:80"), "10"]).unwrap();
     let udp = lab.client_outside(&ext, &["udp", &format!("{LB_IP}:53"), "10"]).unwrap();
-    assert!(answers(&tcp).iter().all(|(_, peer, _)| ip_of(peer) == CLIENT), "{tcp:?}");
+    assert!(answered(&tcp).iter().all(|(_, peer, _)| ip_of(peer) == CLIENT), "{tcp:?}");
     let node0 = lab.nodes()[0].ip.clone();
-    assert!(answers(&udp).iter().all(|(_, peer, _)| ip_of(peer) == node0), "{udp:?}");
+    assert!(answered(&udp).iter().all(|(_, peer, _)| ip_of(peer) == node0), "{udp:?}");
 }
 
 /// A stream of exchanges every 50 ms to the echo port, its lines
@@ -205,10 +169,11 @@ impl Stream {
 /// pod and keeps the client's address); with SNAT it breaks, as the pod
 /// sees another source (what this proxy, like kube-proxy, cannot avoid).
 fn failover(annotations: &[(&str, &str)]) -> (Vec<Attempt>, usize) {
-    let (mut lab, ext) = cluster(Setup::EBPF, &balanced(annotations, &["a", "b", "c"]), &[]);
+    let (mut lab, ext) =
+        two_node_web_cluster(Setup::EBPF, &balanced(annotations, &["a", "b", "c"]), &[]);
     let stream = Stream::open(&mut lab, &ext, 80);
     stream.until(20);
-    route_via(&lab, &ext, 1);
+    lab.route_external_via(&ext, 1).unwrap();
     let attempts = stream.finish();
     let ok = attempts.iter().take_while(|a| a.pod().is_some()).count();
     (attempts, ok)
@@ -230,7 +195,7 @@ fn a_snat_stream_breaks_at_a_change_of_ingress_node() {
 
 #[test]
 fn agent_restarts_on_either_node_lose_no_dsr_exchange() {
-    let (mut lab, ext) = cluster(Setup::EBPF, &balanced(&[DSR], &["b", "c"]), &[]);
+    let (mut lab, ext) = two_node_web_cluster(Setup::EBPF, &balanced(&[DSR], &["b", "c"]), &[]);
     let stream = Stream::open(&mut lab, &ext, 120);
     let args = ["--cluster-cidr", CLUSTER_CIDR];
     for (node, after) in [(0, 10), (1, 50)] {

@@ -12,7 +12,7 @@ use std::{
 };
 
 use proxy_common::Counter;
-use proxy_lab::{Attempt, EXTERNAL_SERVICE_RANGE, Lab, Pod, Setup, two_node_endpoints};
+use proxy_lab::{Attempt, Lab, Pod, Setup, two_node_endpoints, two_node_web_cluster};
 use test_objects::{Protocol::*, ServiceBuilder, manifest, port, service};
 
 macro_rules! both_sources {
@@ -39,7 +39,8 @@ both_sources!(
 #[test]
 fn the_iptables_mode_serves_maglev_services_at_random_and_says_so_once() {
     let manifest = balanced("lb", "10.96.0.20", LB_IP, Some((CILIUM, "maglev")), &["a", "b", "c"]);
-    let (lab, ext) = cluster(Setup::IPTABLES, &manifest, &["--bpf-lb-algorithm", "maglev"]);
+    let (lab, ext) =
+        two_node_web_cluster(Setup::IPTABLES, &manifest, &["--bpf-lb-algorithm", "maglev"]);
     let pods = pods_by_port(&lab, &ext, "tcp", &format!("{LB_IP}:80"), 47000, 30);
     let spread: std::collections::BTreeSet<&String> = pods.values().collect();
     assert_eq!(spread.len(), 3, "{pods:?}");
@@ -47,31 +48,8 @@ fn the_iptables_mode_serves_maglev_services_at_random_and_says_so_once() {
     assert_eq!(log.matches("are eBPF-mode features").count(), 1, "{log}");
 }
 
-const CLUSTER_CIDR: &str = "10.244.0.0/16";
 const LB_IP: &str = "10.200.0.10";
 const RANDOM_LB_IP: &str = "10.200.0.11";
-
-/// Two nodes running agents (with `flags`) on `manifest`, the pods, and an
-/// external client routed to node 0.
-fn cluster(setup: Setup, manifest: &str, flags: &[&str]) -> (Lab, Pod) {
-    let mut lab = Lab::with(setup).unwrap();
-    lab.add_node().unwrap();
-    for (node, name, ip) in
-        [(0, "web-a", "10.244.1.2"), (1, "web-b", "10.244.2.2"), (1, "web-c", "10.244.2.3")]
-    {
-        let pod = lab.add_pod_on(node, name, ip).unwrap();
-        lab.serve(&pod, &[8080], &[5353]).unwrap();
-    }
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-    lab.write_manifest(manifest).unwrap();
-    for node in 0..2 {
-        lab.drop_invalid_forwards(node).unwrap();
-        let mut args = vec!["--cluster-cidr", CLUSTER_CIDR];
-        args.extend(flags);
-        lab.start_agent_on(node, &args).unwrap();
-    }
-    (lab, ext)
-}
 
 /// LoadBalancer service `name` at `lb_ip` (http 80 → 8080, dns 53/UDP →
 /// 5353) over `pods`, with the algorithm annotation `algorithm` if given.
@@ -97,13 +75,6 @@ fn balanced(
 
 const CILIUM: &str = "service.cilium.io/lb-algorithm";
 const OURS: &str = "proxy-agent.io/lb-algorithm";
-
-/// Sends the external client's traffic for the service range through `node`.
-fn route_via(lab: &Lab, ext: &Pod, node: usize) {
-    let via = lab.nodes()[node].ip.clone();
-    let args = ["-n", &ext.netns, "route", "replace", EXTERNAL_SERVICE_RANGE, "via", &via];
-    proxy_lab::sh("ip", &args).unwrap();
-}
 
 /// Which pod answered each of `count` requests (`tcp` or `udp` to `addr`),
 /// sent from source ports `base..`; panics on a failed attempt.
@@ -148,10 +119,10 @@ fn wait_until_gone(lab: &Lab, node: usize, name: &str, ip: &str) {
 fn every_node_sends_a_flow_to_the_same_pod(setup: Setup) {
     let manifest = balanced("lb", "10.96.0.20", LB_IP, Some((CILIUM, "maglev")), &["a", "b", "c"])
         + &balanced("rnd", "10.96.0.21", RANDOM_LB_IP, None, &["a", "b", "c"]);
-    let (lab, ext) = cluster(setup, &manifest, &[]);
+    let (lab, ext) = two_node_web_cluster(setup, &manifest, &[]);
     for (proto, port, base) in [("udp", 53, 41000), ("tcp", 80, 43000)] {
         let (addr, random) = (format!("{LB_IP}:{port}"), format!("{RANDOM_LB_IP}:{port}"));
-        route_via(&lab, &ext, 0);
+        lab.route_external_via(&ext, 0).unwrap();
         let created = lab.counter_on(1, Counter::CtNew).unwrap();
         let via_0 = pods_by_port(&lab, &ext, proto, &addr, base, 50);
         let random_via_0 = pods_by_port(&lab, &ext, proto, &random, base + 100, 50);
@@ -160,7 +131,7 @@ fn every_node_sends_a_flow_to_the_same_pod(setup: Setup) {
         assert_eq!(spread.len(), 3, "{proto}: the table spreads flows over every pod: {via_0:?}");
 
         // The same tuples through node 1, which has no state for them.
-        route_via(&lab, &ext, 1);
+        lab.route_external_via(&ext, 1).unwrap();
         let via_1 = pods_by_port(&lab, &ext, proto, &addr, base, 50);
         let random_via_1 = pods_by_port(&lab, &ext, proto, &random, base + 100, 50);
         assert!(
@@ -178,9 +149,9 @@ fn every_node_sends_a_flow_to_the_same_pod(setup: Setup) {
 
 fn removing_a_backend_moves_only_its_flows(setup: Setup) {
     let with = |pods: &[&str]| balanced("lb", "10.96.0.20", LB_IP, Some((OURS, "Maglev")), pods);
-    let (lab, ext) = cluster(setup, &with(&["a", "b", "c"]), &[]);
+    let (lab, ext) = two_node_web_cluster(setup, &with(&["a", "b", "c"]), &[]);
     let addr = format!("{LB_IP}:53");
-    route_via(&lab, &ext, 1);
+    lab.route_external_via(&ext, 1).unwrap();
     let before = pods_by_port(&lab, &ext, "udp", &addr, 45000, 60);
     let on_c = before.values().filter(|p| *p == "web-c").count();
     assert!(on_c > 5 && on_c < 60, "{before:?}");
@@ -188,7 +159,7 @@ fn removing_a_backend_moves_only_its_flows(setup: Setup) {
     lab.write_manifest(&with(&["a", "b"])).unwrap();
     wait_until_gone(&lab, 0, "lab/lb", "10.244.2.3");
     // Through node 0, which never saw these tuples: a table lookup each.
-    route_via(&lab, &ext, 0);
+    lab.route_external_via(&ext, 0).unwrap();
     let after = pods_by_port(&lab, &ext, "udp", &addr, 45000, 60);
     for (port, pod) in &before {
         match pod.as_str() {
@@ -203,7 +174,7 @@ fn the_node_default_and_an_unknown_annotation(setup: Setup) {
     // nonsense (which gets the default, and a warning naming it).
     let manifest = balanced("lb", "10.96.0.20", LB_IP, Some((OURS, "random")), &["a", "b", "c"])
         + &balanced("odd", "10.96.0.21", RANDOM_LB_IP, Some((CILIUM, "fastest")), &["a", "b", "c"]);
-    let (lab, _ext) = cluster(setup, &manifest, &["--bpf-lb-algorithm", "maglev"]);
+    let (lab, _ext) = two_node_web_cluster(setup, &manifest, &["--bpf-lb-algorithm", "maglev"]);
     let lb = lab.inspect_on(0, &["lb", "list", "--service", "lab/lb"]).unwrap();
     let odd = lab.inspect_on(0, &["lb", "list", "--service", "lab/odd"]).unwrap();
     assert!(!lb.contains("maglev"), "{lb}");

@@ -12,7 +12,7 @@ use std::{
 
 use proxy_common::Counter;
 use proxy_lab::{
-    Attempt, Lab, Mode, Pod, Setup, answered_after, both_modes, tally, two_node_endpoints,
+    Attempt, Lab, Mode, Pod, Setup, answered, answered_after, both_modes, tally, two_node_endpoints,
 };
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
@@ -95,16 +95,6 @@ fn host_endpoint() -> test_objects::EndpointBuilder {
     ep("192.168.100.11").node("lab-node")
 }
 
-fn ok_attempts(attempts: &[Attempt]) -> Vec<(String, String, String)> {
-    attempts
-        .iter()
-        .map(|a| match a {
-            Attempt::Ok { name, peer, from, .. } => (name.clone(), peer.clone(), from.clone()),
-            err => panic!("failed attempt: {err:?} in {attempts:?}"),
-        })
-        .collect()
-}
-
 fn peer_ip(peer: &str) -> &str {
     peer.split(':').next().unwrap()
 }
@@ -112,7 +102,7 @@ fn peer_ip(peer: &str) -> &str {
 fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node(setup: Setup) {
     let c = cluster(setup, &web(&["a", "b", "c"]));
     let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "90"]).unwrap();
-    let seen = ok_attempts(&attempts);
+    let seen = answered(&attempts);
     assert_eq!(tally(&attempts).len(), 3, "every endpoint: {:?}", tally(&attempts));
     for (name, peer, _) in &seen {
         assert_eq!(peer_ip(peer), "192.168.100.11", "{name} saw {peer}, not the node");
@@ -136,7 +126,7 @@ fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(
     {
         let attempts =
             c.lab.client_outside(&c.ext, &["tcp", &format!("{node_ip}:30080"), "40"]).unwrap();
-        for (name, peer, _) in ok_attempts(&attempts) {
+        for (name, peer, _) in answered(&attempts) {
             assert!(expect.contains(&name.as_str()), "{node_ip} sent to {name}");
             assert_eq!(peer_ip(&peer), "192.168.100.101", "the client IP is kept");
         }
@@ -155,7 +145,7 @@ fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(
     );
     assert!(c.lab.count_on(0, Counter::Dropped).unwrap() > dropped_before);
     // Node 1 serves it.
-    ok_attempts(&c.lab.client_outside(&c.ext, &["tcp", "192.168.100.12:30081", "5"]).unwrap());
+    answered(&c.lab.client_outside(&c.ext, &["tcp", "192.168.100.12:30081", "5"]).unwrap());
 }
 
 fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
@@ -170,7 +160,7 @@ fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
     // External clients: node 0's endpoint only, their address kept.
     for addr in addresses {
         let attempts = c.lab.client_outside(&c.ext, &["tcp", addr, "10"]).unwrap();
-        for (name, peer, _) in ok_attempts(&attempts) {
+        for (name, peer, _) in answered(&attempts) {
             assert_eq!((name.as_str(), peer_ip(&peer)), ("web-a", "192.168.100.101"), "{addr}");
         }
     }
@@ -184,7 +174,7 @@ fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
     for addr in addresses {
         let args = ["tcp", addr, "60"];
         let per_packet = c.lab.client_outside(&client, &args).unwrap();
-        for (_, peer, _) in ok_attempts(&per_packet) {
+        for (_, peer, _) in answered(&per_packet) {
             assert_eq!(peer_ip(&peer), "10.244.1.100", "{addr}: pods are not masqueraded");
         }
         let from_node = c.lab.labpod(&node, Some(&cgroup), &args).unwrap();
@@ -195,7 +185,7 @@ fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
                 .chain([("node", from_node)]);
         for (who, attempts) in clients {
             assert_eq!(attempts.len(), 60, "{who} to {addr}");
-            for (_, _, from) in ok_attempts(&attempts) {
+            for (_, _, from) in answered(&attempts) {
                 assert_eq!(from, addr, "{who}: the reply comes from the address called");
             }
             let answered: Vec<String> = tally(&attempts).into_keys().collect();
@@ -220,8 +210,8 @@ fn load_balancer_and_external_ips_with_source_ranges(setup: Setup) {
         .unwrap();
     assert!(matches!(&refused[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{refused:?}");
     // The source ranges guard the LB IP only, as in kube-proxy.
-    ok_attempts(&c.lab.client_outside(&c.ext2, &["tcp", "10.200.0.11:80", "10"]).unwrap());
-    ok_attempts(&c.lab.client_outside(&c.ext2, &["tcp", "192.168.100.11:30090", "10"]).unwrap());
+    answered(&c.lab.client_outside(&c.ext2, &["tcp", "10.200.0.11:80", "10"]).unwrap());
+    answered(&c.lab.client_outside(&c.ext2, &["tcp", "192.168.100.11:30090", "10"]).unwrap());
 }
 
 fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {
@@ -229,7 +219,7 @@ fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {
     let c = cluster(setup, &over(web, &["a"]));
     // web-a is outside the socket-LB cgroup: only tc sees its packets.
     let attempts = c.lab.client_outside(&c.pods[0], &["tcp", "10.96.0.20:80", "10"]).unwrap();
-    for (name, peer, from) in ok_attempts(&attempts) {
+    for (name, peer, from) in answered(&attempts) {
         assert_eq!(name, "web-a");
         assert_eq!(from, "10.96.0.20:80", "the reply comes from the service");
         assert_eq!(peer_ip(&peer), "192.168.100.11", "SNATed so the reply returns via the node");
@@ -244,12 +234,12 @@ fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node(setup: Setup) {
     let client = c.lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
     let attempts = c.lab.client_outside(&client, &["tcp", "10.96.0.21:80", "40"]).unwrap();
     assert_eq!(tally(&attempts).len(), 2);
-    for (_, peer, from) in ok_attempts(&attempts) {
+    for (_, peer, from) in answered(&attempts) {
         assert_eq!(peer_ip(&peer), "10.244.1.100", "in-cluster sources are not masqueraded");
         assert_eq!(from, "10.96.0.21:80");
     }
     for (_, _, from) in
-        ok_attempts(&c.lab.client_outside(&client, &["udp", "10.96.0.21:53", "5"]).unwrap())
+        answered(&c.lab.client_outside(&client, &["udp", "10.96.0.21:53", "5"]).unwrap())
     {
         assert_eq!(from, "10.96.0.21:53", "UDP replies come from the service");
     }
@@ -332,7 +322,7 @@ fn fragmented_datagrams_through_a_node_port(setup: Setup) {
         .lab
         .client_outside(&c.ext, &["udp", "192.168.100.11:30053", "10", "--size", "4000"])
         .unwrap();
-    for (_, peer, from) in ok_attempts(&attempts) {
+    for (_, peer, from) in answered(&attempts) {
         assert_eq!(from, "192.168.100.11:30053");
         assert_eq!(peer_ip(&peer), "192.168.100.11", "SNATed like any datagram");
     }
@@ -367,10 +357,10 @@ fn internal_local_policy_and_client_ip_affinity_per_packet(setup: Setup) {
     let client0 = c.lab.add_pod_on(0, "client0", "10.244.1.100").unwrap();
     let client1 = c.lab.add_pod_on(1, "client1", "10.244.2.100").unwrap();
     let from0 = c.lab.client_outside(&client0, &["tcp", "10.96.0.40:80", "20"]).unwrap();
-    ok_attempts(&from0);
+    answered(&from0);
     assert_eq!(tally(&from0).keys().collect::<Vec<_>>(), ["web-a"]);
     let from1 = c.lab.client_outside(&client1, &["tcp", "10.96.0.40:80", "40"]).unwrap();
-    ok_attempts(&from1);
+    answered(&from1);
     assert_eq!(tally(&from1).keys().collect::<Vec<_>>(), ["web-b", "web-c"]);
 
     // ClientIP affinity: each external client sticks to one backend, and
@@ -382,7 +372,7 @@ fn internal_local_policy_and_client_ip_affinity_per_packet(setup: Setup) {
     {
         let client = c.lab.add_external(&format!("sticky{i}"), addr).unwrap();
         let sticky = c.lab.client_outside(&client, &["tcp", "192.168.100.11:30085", "20"]).unwrap();
-        ok_attempts(&sticky);
+        answered(&sticky);
         assert_eq!(tally(&sticky).len(), 1, "{addr}: {:?}", tally(&sticky));
         picks.extend(tally(&sticky).into_keys());
     }
@@ -418,7 +408,7 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     assert_eq!(filters(), 1);
     assert!(!lab.pins.join("links").join("tc-eth0").exists(), "filters are not pinned");
     for (_, peer, _) in
-        ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "20"]).unwrap())
+        answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "20"]).unwrap())
     {
         assert_eq!(peer_ip(&peer), "192.168.100.11");
     }
@@ -428,7 +418,7 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     assert_eq!(filters(), 1);
     lab.start_agent(&netlink).unwrap();
     assert_eq!(filters(), 1, "one filter after the restart");
-    ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "20"]).unwrap());
+    answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "20"]).unwrap());
 
     // `cleanup` (in the node's namespace) removes filters as it does pins.
     lab.kill_agent();
@@ -460,7 +450,7 @@ fn ebpf_decision_records_trace_a_refused_connect_and_a_snated_node_port_flow() {
         matches!(&refused[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"),
         "{refused:?}"
     );
-    ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "1"]).unwrap());
+    answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "1"]).unwrap());
 
     // The agent reads the records as they come; a moment may pass.
     let wanted = [
@@ -509,7 +499,7 @@ fn ebpf_pods_created_after_the_agent_are_served_per_packet_through_link_notifica
     // Outside the cgroup: translated on the client's veth, reverse-translated
     // on web-a's.
     for (name, peer, from) in
-        ok_attempts(&lab.client_outside(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
+        answered(&lab.client_outside(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
     {
         assert_eq!(name, "web-a");
         assert_eq!(peer_ip(&peer), "10.244.1.100");
@@ -544,7 +534,7 @@ fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service
     lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
 
     for (name, peer, from) in
-        ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30099", "10"]).unwrap())
+        answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30099", "10"]).unwrap())
     {
         assert_eq!(name, "host");
         assert_eq!(peer_ip(&peer), "192.168.100.101", "delivered locally, not SNATed");
@@ -552,7 +542,7 @@ fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service
     }
     // From a pod outside the cgroup, per packet: the reply comes from the VIP.
     for (_, peer, from) in
-        ok_attempts(&lab.client_outside(&client, &["tcp", "10.96.0.50:80", "10"]).unwrap())
+        answered(&lab.client_outside(&client, &["tcp", "10.96.0.50:80", "10"]).unwrap())
     {
         assert_eq!(peer_ip(&peer), "10.244.1.100");
         assert_eq!(from, "10.96.0.50:80");
@@ -711,16 +701,13 @@ fn pod_interfaces_replies_only(attach: &[&str]) {
     // replies are translated back on its veth.
     for proto in ["tcp", "udp"] {
         let to = if proto == "tcp" { "192.168.100.11:30080" } else { "192.168.100.11:30053" };
-        for (name, peer, from) in
-            ok_attempts(&lab.client_outside(&ext, &[proto, to, "10"]).unwrap())
-        {
+        for (name, peer, from) in answered(&lab.client_outside(&ext, &[proto, to, "10"]).unwrap()) {
             assert_eq!((name.as_str(), peer_ip(&peer)), ("web-a", "192.168.100.11"));
             assert_eq!(from, to, "{proto} replies come from the NodePort");
         }
     }
     // A pod in the socket-LB cgroup: translated at connect().
-    for (name, _, from) in
-        ok_attempts(&lab.client(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
+    for (name, _, from) in answered(&lab.client(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
     {
         assert_eq!((name.as_str(), from.as_str()), ("web-a", "10.96.0.10:80"));
     }
@@ -733,7 +720,7 @@ fn pod_interfaces_replies_only(attach: &[&str]) {
         assert_eq!(programs(veth), full, "{veth}");
     }
     for (name, _, from) in
-        ok_attempts(&lab.client_outside(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
+        answered(&lab.client_outside(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
     {
         assert_eq!((name.as_str(), from.as_str()), ("web-a", "10.96.0.10:80"));
     }
@@ -741,5 +728,5 @@ fn pod_interfaces_replies_only(attach: &[&str]) {
     lab.stop_agent_on(0);
     lab.start_agent(&replies).unwrap();
     assert_eq!(programs("veth2"), ["ingress:tc_pod_replies"]);
-    ok_attempts(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "5"]).unwrap());
+    answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "5"]).unwrap());
 }
