@@ -454,15 +454,17 @@ pub struct RunArgs {
     /// frontends (policy Cluster) from outside the cluster reach backends
     /// on other nodes: `snat` (masqueraded, replies back through the node
     /// they entered: kube-proxy's way), `dsr` (direct server return: the
-    /// client's address kept, the service carried in an IPv4 option, the
-    /// replies sent from the backend's node straight to the client; IPv6
-    /// is masqueraded), `hybrid` (DSR for TCP, SNAT for UDP); a service
+    /// client's address kept, the service carried in an IPv4 option or an
+    /// IPv6 destination-options header, the replies sent from the
+    /// backend's node straight to the client), `hybrid` (DSR for TCP, SNAT
+    /// for UDP); a service
     /// chooses its own with `proxy-agent.io/forwarding-mode` or
     /// `service.cilium.io/forwarding-mode` (snat or dsr)
     #[arg(long, value_name = "MODE", default_value = "snat", value_parser = parse_annotated::<model::LbMode>)]
     pub bpf_lb_mode: model::LbMode,
     /// eBPF mode: how DSR carries the service to the backend's node: `opt`,
-    /// an IPv4 option (Cilium's default; no tunnel device needed)
+    /// an IPv4 option or IPv6 destination-options header (Cilium's default;
+    /// no tunnel device needed)
     #[arg(long, value_name = "DISPATCH", default_value = "opt", value_parser = ["opt"])]
     pub bpf_lb_dsr_dispatch: String,
     /// eBPF mode: the entries of each Maglev table (a prime of Cilium's

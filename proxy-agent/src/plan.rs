@@ -546,10 +546,8 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
     let at = |ip, number| Frontend::new(ip, number, port.protocol);
     // Shared with the model (and the parsed Service).
     let name = port.name.clone();
-    // IPv6 flows are masqueraded: the destination-options header that
-    // would carry their service is not built (yet).
     let mode = port.forwarding_mode.or(node.lb_mode.for_protocol(port.protocol));
-    let dsr = mode == ForwardingMode::Dsr && family == IpFamily::V4;
+    let dsr = mode == ForwardingMode::Dsr;
     let for_policy = |kind: FrontendKind, local: bool, source_ranges: Vec<Cidr>| {
         let external = kind != FrontendKind::ClusterIp;
         let endpoints = if local {

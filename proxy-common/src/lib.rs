@@ -693,6 +693,11 @@ pub mod ct {
         }
         if tcp_flags & TCP_FIN != 0 {
             next |= if reply { CT_FLAG_FIN_REPLY } else { CT_FLAG_FIN_ORIG };
+            // Nor does the backend's FIN: the client's ends the flow there
+            // (its last ACKs still pass while the entry lives).
+            if flags & CT_FLAG_DSR != 0 && !reply {
+                next |= CT_FLAG_FIN_REPLY;
+            }
         }
         let both_fins = CT_FLAG_FIN_ORIG | CT_FLAG_FIN_REPLY;
         if tcp_flags & TCP_RST != 0 || next & both_fins == both_fins {
@@ -1430,6 +1435,20 @@ mod tests {
         assert_eq!(life(next_flags(f, TCP_SYN | TCP_ACK)), 60, "no ACK of a SYN");
         assert_eq!(life(next_flags(f, TCP_ACK)), 86_400);
         assert_eq!(life(next_flags(0, TCP_ACK)), 60, "not without DSR");
+    }
+
+    #[test]
+    fn a_dsr_flow_closes_at_the_clients_fin_and_a_new_syn_restarts_it() {
+        use ct::*;
+        let life = |flags| lifetime_secs(&cfg(), IPPROTO_TCP, flags);
+        // The backend's FIN never passes the node the flow entered.
+        let est = next_flags(next_flags(CT_FLAG_DSR, TCP_SYN), TCP_ACK);
+        let closed = next_flags(est, TCP_FIN | TCP_ACK);
+        assert_eq!(life(closed), 120, "time-wait, not an hour of close-wait");
+        assert_eq!(on_closed(closed, TCP_ACK), Closed::Applies, "its last ACK still passes");
+        assert_eq!(on_closed(closed, TCP_SYN), Closed::Restarts);
+        // Without DSR, one FIN is not the end.
+        assert_eq!(life(next_flags(CT_FLAG_ESTABLISHED, TCP_FIN | TCP_ACK)), 3_600);
     }
 
     #[test]

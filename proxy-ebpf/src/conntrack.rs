@@ -160,16 +160,18 @@ pub fn create<F: Family>(
     true
 }
 
-/// On a backend's node, a packet sent here by direct server return (its
-/// option naming `service`): the reply entry that makes the backend's
+/// On a backend's node, a packet sent here by direct server return
+/// (`service`: its tuple with the service its option names as the
+/// destination): the reply entry that makes the backend's
 /// replies leave as the service, straight to the client. Made at the
 /// flow's first packet here, or again once it no longer holds this
-/// service; else its state follows the client's packets (every one carries
-/// the option), as a forward entry's would.
+/// service or a SYN reopens its closed 4-tuple; else its state follows the
+/// client's packets (every one carries the option), as a forward entry's
+/// would.
 #[inline(always)]
 pub fn learn_dsr<F: Family>(
     pkt: &Packet<F::Tuple>,
-    service: (F::Addr, u16),
+    service: &F::Tuple,
     rev_nat_id: u32,
     cfg: &Config,
     now: u64,
@@ -177,11 +179,17 @@ pub fn learn_dsr<F: Family>(
     let t = &pkt.tuple;
     let proto = t.proto();
     let key = t.reversed();
-    let to = F::Tuple::new(service.0, t.saddr(), service.1, t.sport(), proto);
+    let to = F::Tuple::new(service.daddr(), t.saddr(), service.dport(), t.sport(), proto);
     if let Some(entry) = F::ct_get_ptr_mut(&key) {
         // SAFETY: as in `lookup`.
         let current = unsafe { *entry };
-        if current.expires_ns() >= now && current.rewritten(proto) == to {
+        // A SYN on a closed flow's 4-tuple is a new flow (the client reused
+        // its port): the closed state would call the pod's SYN-ACK stale.
+        let restarts = on_closed(current.flags() & !CT_FLAG_REPLY, pkt.tcp_flags);
+        if current.expires_ns() >= now
+            && current.rewritten(proto) == to
+            && restarts == Closed::Applies
+        {
             let state = next_flags(CT_FLAG_DSR | (current.flags() & CT_STATE_FLAGS), pkt.tcp_flags);
             let flags = (current.flags() & !CT_STATE_FLAGS) | (state & CT_STATE_FLAGS);
             let expires_ns = now + lifetime_ns(cfg, proto, flags);

@@ -12,12 +12,14 @@ use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
     AFFINITY_CLIENT_IPV4, Backend, Backend6, BackendFlags, Config, CtEntry, CtEntry6, CtKey,
     CtKey6, CtValue, FragRewrite, SOURCE_RANGE_PREFIX_BITS, ServiceKey, ServiceKey6,
-    SourceRangeKey, SourceRangeKey6, maglev,
+    SourceRangeKey, SourceRangeKey6, dsr, maglev,
 };
 
 use crate::{
     lb::{AffinityClient, ServiceMapKey},
-    maps::{CONNTRACK, CONNTRACK6, DSR_PENDING, FRAGMENTS, SOURCE_RANGES, SOURCE_RANGES6},
+    maps::{
+        CONNTRACK, CONNTRACK6, DSR_PENDING, DSR_PENDING6, FRAGMENTS, SOURCE_RANGES, SOURCE_RANGES6,
+    },
     packet::{self, DsrPending, IpHeader, Packet},
 };
 
@@ -59,21 +61,22 @@ pub trait Family: IpHeader {
     /// fragments (IPv4; IPv6 fragments pass untouched).
     fn remember_fragment(pkt: &Packet<Self::Tuple>, to: &Self::Tuple);
 
-    /// Whether new flows of this family may go by direct server return
-    /// (IPv4's option; IPv6's destination-options header is not built yet:
-    /// such flows are SNATed).
-    const DSR: bool;
+    /// The bytes the DSR option or header adds (`dsr::overhead`).
+    const DSR_OVERHEAD: u16;
     /// The service a packet sent here by direct server return names (its
-    /// DSR option).
+    /// DSR option or header).
     fn dsr_service(ctx: &TcContext) -> Option<(Self::Addr, u16)>;
-    /// Leaves for [`Self::insert_pending_dsr`] whether the packet of `t`
-    /// (its destination: the service) goes by direct server return (`on`:
-    /// 1 or 0). Through a per-CPU map, whose values the verifier does not
-    /// track: the paths with and without DSR stay one up to the insertion.
+    /// Leaves for [`Self::take_pending_dsr`] what direct server return does
+    /// to the packet of `t` (`on`, see `packet::DsrPending`; for an
+    /// insertion, `t`'s destination is the service). Through a per-CPU map,
+    /// whose values the verifier does not track: the paths with and
+    /// without DSR stay one up to where it acts.
     fn pend_dsr(on: u8, t: &Self::Tuple);
-    /// Inserts the option [`Self::pend_dsr`] left, if any, into a packet
-    /// rewritten to its backend.
-    fn insert_pending_dsr(ctx: &TcContext) -> Result<(), i64>;
+    /// What [`Self::pend_dsr`] left.
+    fn take_pending_dsr() -> Option<DsrPending<Self::Addr>>;
+    /// Inserts the DSR option (IPv4) or header (IPv6) naming `pending`'s
+    /// service into a packet of `proto` rewritten to its backend.
+    fn insert_dsr(ctx: &TcContext, proto: u8, pending: &DsrPending<Self::Addr>) -> Result<(), i64>;
 
     /// Fills the FIB lookup's addresses.
     fn fib_addrs(fib: &mut FibLookup, to: &Self::Tuple);
@@ -154,7 +157,7 @@ impl Family for Ipv4Hdr {
         }
     }
 
-    const DSR: bool = true;
+    const DSR_OVERHEAD: u16 = dsr::overhead(false);
 
     #[inline(always)]
     fn dsr_service(ctx: &TcContext) -> Option<([u8; 4], u16)> {
@@ -172,12 +175,13 @@ impl Family for Ipv4Hdr {
     }
 
     #[inline(always)]
-    fn insert_pending_dsr(ctx: &TcContext) -> Result<(), i64> {
+    fn take_pending_dsr() -> Option<DsrPending<[u8; 4]>> {
         // SAFETY: as in `pend_dsr`, copied out at once.
-        let Some(pending) = DSR_PENDING.get_ptr(0).map(|p| unsafe { *p }) else { return Ok(()) };
-        if pending.on == 0 {
-            return Ok(());
-        }
+        DSR_PENDING.get_ptr(0).map(|p| unsafe { *p })
+    }
+
+    #[inline(always)]
+    fn insert_dsr(ctx: &TcContext, _proto: u8, pending: &DsrPending<[u8; 4]>) -> Result<(), i64> {
         packet::insert_dsr_option(ctx, pending.address, pending.port)
     }
 
@@ -293,19 +297,35 @@ impl Family for Ipv6Hdr {
     #[inline(always)]
     fn remember_fragment(_pkt: &Packet<CtKey6>, _to: &CtKey6) {}
 
-    const DSR: bool = false;
+    const DSR_OVERHEAD: u16 = dsr::overhead(true);
 
     #[inline(always)]
-    fn dsr_service(_ctx: &TcContext) -> Option<([u8; 16], u16)> {
-        None
+    fn dsr_service(ctx: &TcContext) -> Option<([u8; 16], u16)> {
+        packet::dsr_service6(ctx)
     }
 
     #[inline(always)]
-    fn pend_dsr(_on: u8, _t: &CtKey6) {}
+    fn pend_dsr(on: u8, t: &CtKey6) {
+        if let Some(pending) = DSR_PENDING6.get_ptr_mut(0) {
+            // SAFETY: as for IPv4; field by field, no 24-byte copy on the
+            // stack.
+            unsafe {
+                (*pending).on = on;
+                (*pending).port = t.dport;
+                (*pending).address = t.daddr;
+            }
+        }
+    }
 
     #[inline(always)]
-    fn insert_pending_dsr(_ctx: &TcContext) -> Result<(), i64> {
-        Ok(())
+    fn take_pending_dsr() -> Option<DsrPending<[u8; 16]>> {
+        // SAFETY: as for IPv4.
+        DSR_PENDING6.get_ptr(0).map(|p| unsafe { *p })
+    }
+
+    #[inline(always)]
+    fn insert_dsr(ctx: &TcContext, proto: u8, pending: &DsrPending<[u8; 16]>) -> Result<(), i64> {
+        packet::insert_dsr_header6(ctx, proto, pending.address, pending.port)
     }
 
     #[inline(always)]

@@ -143,11 +143,16 @@ pub static TC6: ProgramArray<{ TC6_PROGRAMS.len() }> = ProgramArray::new();
 pub static FLOW6: aya_ebpf::maps::PerCpuArray<Flow<CtKey6>> =
     aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
 
-/// The DSR option of the packet being forwarded (`packet::DsrPending`), one
-/// per CPU: set before `forward`, read there (`Family::pend_dsr`). No BTF:
-/// scratch space, never read from outside.
+/// What direct server return does to the packet being forwarded
+/// (`packet::DsrPending`), one per CPU: set before `forward`, read there
+/// (`Family::pend_dsr`). No BTF: scratch space, never read from outside.
 #[map]
-pub static DSR_PENDING: aya_ebpf::maps::PerCpuArray<DsrPending> =
+pub static DSR_PENDING: aya_ebpf::maps::PerCpuArray<DsrPending<[u8; 4]>> =
+    aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
+
+/// `DSR_PENDING` of the IPv6 path.
+#[map]
+pub static DSR_PENDING6: aya_ebpf::maps::PerCpuArray<DsrPending<[u8; 16]>> =
     aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
 
 /// loadBalancerSourceRanges of IPv6 frontends: as `SOURCE_RANGES`.

@@ -19,7 +19,7 @@ use network_types::{
 use proxy_common::{
     CtKey, CtKey6, CtTuple, FragKey, FragRewrite, IPPROTO_TCP, IPPROTO_UDP,
     ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
-    dsr::{DsrOption, OPT_LEN},
+    dsr::{self, DsrHeader6, DsrOption, HDR6_LEN, IPPROTO_DSTOPTS, OPT_LEN},
 };
 
 pub const IPPROTO_ICMP: u8 = 1;
@@ -132,7 +132,8 @@ pub struct Packet<T = CtKey> {
     pub l4_off: usize,
     /// TCP flags (0 for UDP).
     pub tcp_flags: u8,
-    /// The IPv4 header length is 20 (no options); always, in IPv6.
+    /// The IPv4 header length is 20 (no options); in IPv6, no extension
+    /// header (the DSR one is the only one parsed).
     pub plain_ip_header: bool,
     /// The first fragment of a fragmented IPv4 datagram: its later fragments
     /// are known by this key. (IPv6 fragments have an extension header: they
@@ -269,15 +270,16 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     }))
 }
 
-/// The DSR option a packet being forwarded is to carry (`on`: 0 none, 1
-/// the service at `address`:`port`): see `Family::pend_dsr`.
+/// What direct server return does to a packet being forwarded, left by
+/// `Family::pend_dsr` for `Family::take_pending_dsr` (`on`: a
+/// `dsr::action`; for `dsr::INSERT`, the service is at `address`:`port`).
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub struct DsrPending {
+pub struct DsrPending<A> {
     pub on: u8,
     pub _pad: u8,
     pub port: u16,
-    pub address: [u8; 4],
+    pub address: A,
 }
 
 /// Version 4 and a header of 7 words: the plain 20 bytes and a DSR option.
@@ -320,24 +322,96 @@ pub fn insert_dsr_option(ctx: &TcContext, service: [u8; 4], port: u16) -> Result
     ctx.l3_csum_replace(IP_OFF + offset_of!(Ipv4Hdr, check), 0, fold_diff(sum) as u64, 0)
 }
 
+/// The service the DSR header of an IPv6 packet names (see [`parse6`]).
+#[inline(always)]
+pub fn dsr_service6(ctx: &TcContext) -> Option<([u8; 16], u16)> {
+    header::<DsrHeader6>(ctx, IP_OFF + Ipv6Hdr::LEN)?.service()
+}
+
+/// Inserts the DSR destination-options header naming `service`:`port`
+/// after the fixed IPv6 header of a packet of protocol `proto` (already
+/// rewritten to its backend), as [`insert_dsr_option`] does for IPv4: the
+/// next header and the payload length follow. IPv6 has no header
+/// checksum, and the L4 pseudo-header counts neither.
+#[inline(always)]
+pub fn insert_dsr_header6(
+    ctx: &TcContext,
+    proto: u8,
+    service: [u8; 16],
+    port: u16,
+) -> Result<(), i64> {
+    const LEN_AT: usize = IP_OFF + offset_of!(Ipv6Hdr, payload_len);
+    let len: [u8; 2] = header(ctx, LEN_AT).ok_or(-1i64)?;
+    ctx.adjust_room(HDR6_LEN as i32, BPF_ADJ_ROOM_NET, 0)?;
+    ctx.store(IP_OFF + Ipv6Hdr::LEN, &DsrHeader6::new(proto, service, port), 0)?;
+    ctx.store(IP_OFF + offset_of!(Ipv6Hdr, next_hdr), &IPPROTO_DSTOPTS, 0)?;
+    ctx.store(LEN_AT, &(u16::from_be_bytes(len) + HDR6_LEN as u16).to_be_bytes(), 0)
+}
+
+/// Lowers the MSS a SYN-ACK announces by `overhead` bytes
+/// (`dsr::clamped_mss`), so that the client's full-size segments still fit
+/// once the dispatch has added its option. Only an MSS option first among
+/// the TCP options is read: where every mainstream stack writes it (Linux
+/// always), and one read, not a walk the verifier must bound.
+#[inline(always)]
+pub fn clamp_mss<H: IpHeader>(
+    ctx: &TcContext,
+    pkt: &Packet<H::Tuple>,
+    overhead: u16,
+) -> Result<(), i64> {
+    const MSS_KIND: [u8; 2] = [2, 4];
+    // A pod's SYN-ACK has a plain header: its options at a constant
+    // offset, as direct packet access wants.
+    let syn_ack = pkt.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK;
+    if !syn_ack || !pkt.plain_ip_header {
+        return Ok(());
+    }
+    let l4_off = IP_OFF + H::PLAIN_LEN;
+    let at = l4_off + TcpHdr::LEN;
+    let Some([kind, len, hi, lo]) = header::<[u8; 4]>(ctx, at) else { return Ok(()) };
+    let Some(mss) = ([kind, len] == MSS_KIND)
+        .then(|| dsr::clamped_mss(u16::from_be_bytes([hi, lo]), overhead))
+        .flatten()
+    else {
+        return Ok(());
+    };
+    // The option lies within the header only if the data offset says so.
+    let doff = header::<u8>(ctx, l4_off + 12).ok_or(-1i64)? >> 4;
+    if (doff as usize) * 4 < TcpHdr::LEN + 4 {
+        return Ok(());
+    }
+    let (old, new) = ([hi, lo], mss.to_be_bytes());
+    ctx.l4_csum_replace(pkt.l4_csum_off(), 0, csum_diff(old, new) as u64, 0)?;
+    ctx.store(at + 2, &new, 0)
+}
+
 /// Whether the frame carries IPv6.
 #[inline(always)]
 pub fn is_ipv6(ctx: &TcContext) -> bool {
     header::<u16>(ctx, offset_of!(EthHdr, ether_type)) == Some(EtherType::Ipv6 as u16)
 }
 
-/// Parses an Ethernet + IPv6 packet ([`is_ipv6`]): TCP or UDP right after the fixed
-/// header. Extension headers (fragments included), ICMPv6 (neighbour
-/// discovery) and anything else are `None` and pass untouched.
+/// Parses an Ethernet + IPv6 packet ([`is_ipv6`]): TCP or UDP right after
+/// the fixed header, or after a DSR destination-options header
+/// ([`dsr_service6`]; `plain_ip_header` false). Other extension headers
+/// (fragments included), ICMPv6 (neighbour discovery) and anything else
+/// are `false` and pass untouched.
 #[inline(always)]
 pub fn parse6(ctx: &TcContext, pkt: &mut Packet<CtKey6>) -> bool {
     // The version's word and the next header, before the addresses.
     let Some(first) = header::<[u8; 8]>(ctx, IP_OFF) else { return false };
-    let (version, proto) = (first[0] >> 4, first[offset_of!(Ipv6Hdr, next_hdr)]);
+    let (version, mut proto) = (first[0] >> 4, first[offset_of!(Ipv6Hdr, next_hdr)]);
+    let mut l4_off = IP_OFF + Ipv6Hdr::LEN;
+    if proto == IPPROTO_DSTOPTS {
+        let Some(dsr) = header::<DsrHeader6>(ctx, l4_off) else { return false };
+        if dsr.service().is_none() {
+            return false;
+        }
+        (proto, l4_off) = (dsr.next_hdr, l4_off + HDR6_LEN as usize);
+    }
     if version != 6 || (proto != IPPROTO_TCP && proto != IPPROTO_UDP) {
         return false;
     }
-    let l4_off = IP_OFF + Ipv6Hdr::LEN;
     let Some((sport, dport, tcp_flags)) = load_ports(ctx, l4_off, proto) else { return false };
     // Both addresses in one copy of words into the aligned key (see `CtKey6`).
     const _: () = assert!(offset_of!(CtKey6, daddr) == 16 && Ipv6Hdr::DADDR == Ipv6Hdr::SADDR + 16);
@@ -357,7 +431,7 @@ pub fn parse6(ctx: &TcContext, pkt: &mut Packet<CtKey6>) -> bool {
     (pkt.tuple.sport, pkt.tuple.dport, pkt.tuple.proto) = (sport, dport, proto);
     pkt.tuple._pad = [0; 3];
     (pkt.l4_off, pkt.tcp_flags, pkt.plain_ip_header, pkt.first_fragment) =
-        (l4_off, tcp_flags, true, None);
+        (l4_off, tcp_flags, l4_off == IP_OFF + Ipv6Hdr::LEN, None);
     true
 }
 

@@ -5,7 +5,8 @@
 //! touched. A packet that cannot be of a frontend, of a per-packet flow's
 //! reply, or of a SNAT port goes on untouched, IPv4 or IPv6; anything the
 //! filter cannot tell (IP options, a later fragment, ICMP and ICMPv6,
-//! headers beyond the linear data) takes the full path. An IPv6 packet with
+//! headers beyond the linear data, IPv6 destination options, which may
+//! carry a DSR service) takes the full path. An IPv6 packet with other
 //! extension headers passes, as the full path passes it.
 
 use core::mem::offset_of;
@@ -18,6 +19,7 @@ use network_types::{
 };
 use proxy_common::{
     Config, CtTuple, IPPROTO_TCP, IPPROTO_UDP,
+    dsr::IPPROTO_DSTOPTS,
     prefilter::{self, Address, Kind},
 };
 
@@ -152,8 +154,9 @@ fn endpoints4(ctx: &TcContext) -> Result<Endpoints<[u8; 4]>, Filter> {
 }
 
 /// An IPv6 packet with TCP or UDP right after its fixed header: its
-/// endpoints; ICMPv6 (errors may quote a flow) is inspected; anything else
-/// (extension headers, fragments) passes, as the full path passes it.
+/// endpoints; ICMPv6 (errors may quote a flow) and destination options (a
+/// DSR header) are inspected; anything else (other extension headers,
+/// fragments) passes, as the full path passes it.
 #[inline(always)]
 fn endpoints6(ctx: &TcContext) -> Result<Endpoints<[u8; 16]>, Filter> {
     if ctx.data() + HEADERS6 > ctx.data_end() {
@@ -161,7 +164,8 @@ fn endpoints6(ctx: &TcContext) -> Result<Endpoints<[u8; 16]>, Filter> {
     }
     let [next] = read(ctx, IP_OFF + offset_of!(Ipv6Hdr, next_hdr));
     if next != IPPROTO_TCP && next != IPPROTO_UDP {
-        return Err(if next == IPPROTO_ICMPV6 { Filter::Inspect } else { Filter::Pass });
+        let maybe_ours = next == IPPROTO_ICMPV6 || next == IPPROTO_DSTOPTS;
+        return Err(if maybe_ours { Filter::Inspect } else { Filter::Pass });
     }
     Ok(Endpoints {
         saddr: read(ctx, IP_OFF + offset_of!(Ipv6Hdr, src_addr)),

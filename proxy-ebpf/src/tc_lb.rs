@@ -19,9 +19,8 @@ use aya_ebpf::{
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
-    CT_FLAG_DSR, CT_FLAG_REPLY, Config, Counter, CtKey, CtTuple, CtValue, DropReason, FragKey,
-    ServiceFlags, ServiceValue, TC6_EGRESS, TC6_INGRESS, TC6_POD_REPLIES, explain::Decided,
-    log_level,
+    Config, Counter, CtKey, CtTuple, CtValue, DropReason, FragKey, ServiceFlags, ServiceValue,
+    TC6_EGRESS, TC6_INGRESS, TC6_POD_REPLIES, dsr, explain::Decided, log_level,
 };
 
 use crate::{
@@ -129,12 +128,7 @@ where
                 conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now, || Run::of(ctx))
             {
                 f.to = entry.rewritten(f.pkt.tuple.proto());
-                // A DSR flow's forward packets carry the service, each: a
-                // forward entry (not `REPLY`) with `DSR`. Arithmetic, not a
-                // test (see `dispatch`).
-                const _: () = assert!(CT_FLAG_DSR == 1 << 7 && CT_FLAG_REPLY == 1);
-                let flags = entry.flags();
-                F::pend_dsr((flags >> 7) & !flags & 1, &f.pkt.tuple);
+                F::pend_dsr(dsr::action(entry.flags(), f.pkt.tcp_flags), &f.pkt.tuple);
                 tracked = Some(entry.rev_nat_id());
             }
         },
@@ -157,10 +151,8 @@ where
     let (rev_nat_id, snat, dsr, via, flags) = match decision {
         Decision::Pass => {
             // Sent here by direct server return: its backend is a pod here.
-            if !f.pkt.plain_ip_header
-                && let Some(service) = F::dsr_service(ctx)
-            {
-                return dsr_arrival::<F>(ctx, cfg, f, service);
+            if !f.pkt.plain_ip_header && F::step(|| dsr_service::<F>(ctx, f)) {
+                return dsr_arrival::<F>(ctx, cfg, f);
             }
             record_unknown::<F>(cfg, &f.pkt);
             return NEXT;
@@ -188,6 +180,7 @@ where
             (rev_nat_id, snat, dsr, via, flags)
         }
     };
+    const _: () = assert!(dsr::INSERT == 1);
     F::pend_dsr(dsr as u8, &f.pkt.tuple);
     if Run::of(ctx) == Run::Explain {
         // Decided (see `decide`): the packet goes on as translated, but no
@@ -366,8 +359,8 @@ fn from_pods<F: Family>(cfg: &Config, saddr: F::Addr) -> bool {
 /// (hairpin), ClusterIP traffic from outside the cluster CIDR or all of it
 /// with `--masquerade-all`), except that external traffic from outside the
 /// cluster to a DSR frontend goes by direct server return to a backend on
-/// another node (an unfragmented IPv4 packet; a backend here needs no
-/// option, its replies pass this node). `svc` is the frontend the client
+/// another node (an unfragmented packet; a backend here needs no option,
+/// its replies pass this node). `svc` is the frontend the client
 /// addressed, whichever scope serves it: pods reaching a Local external
 /// address are not masqueraded (kube-proxy's short-circuit skips the
 /// ClusterIP's masquerade rule, which matches the ClusterIP). Two values
@@ -396,10 +389,7 @@ fn dispatch<F: Family>(
         if svc.flags.is_local_only() {
             return (false, false);
         }
-        let dsr = F::DSR
-            && svc.flags.is_dsr()
-            && pkt.first_fragment.is_none()
-            && !from_pods::<F>(cfg, saddr);
+        let dsr = svc.flags.is_dsr() && pkt.first_fragment.is_none() && !from_pods::<F>(cfg, saddr);
         // A backend here: its replies pass this node, no option needed.
         return (!dsr, dsr && !flags.is_local());
     }
@@ -407,31 +397,41 @@ fn dispatch<F: Family>(
     (snat, false)
 }
 
-/// On a backend's node, a packet sent here by direct server return
-/// (`service`: what its option names): the flow's reply entry made or
-/// renewed (`conntrack::learn_dsr`), then the packet sent on to its pod
-/// past the stack, as translated packets are (the node's netfilter never
-/// sees the replies, which leave by redirect, and would call the flow's
-/// later packets invalid). Explain runs write nothing and pass.
+/// Whether a packet of no flow was sent here by direct server return: if
+/// so, `flow.to` is its tuple with the service its option names as the
+/// destination. (Written in place: the IPv6 path's frame has no room for
+/// the service.)
 #[inline(always)]
-fn dsr_arrival<F: Family>(
-    ctx: &TcContext,
-    cfg: &Config,
-    f: &Flow<F::Tuple>,
-    service: (F::Addr, u16),
-) -> i32
+fn dsr_service<F: Family>(ctx: &TcContext, flow: &mut Flow<F::Tuple>) -> bool {
+    let Some((address, port)) = F::dsr_service(ctx) else { return false };
+    let t = &flow.pkt.tuple;
+    flow.to = F::Tuple::new(t.saddr(), address, t.sport(), port, t.proto());
+    true
+}
+
+/// On a backend's node, a packet sent here by direct server return
+/// ([`dsr_service`]): the flow's reply entry made or renewed
+/// (`conntrack::learn_dsr`), then the packet sent on to its pod past the
+/// stack, as translated packets are (the node's netfilter never sees the
+/// replies, which leave by redirect, and would call the flow's later
+/// packets invalid). Explain runs write nothing and pass.
+#[inline(always)]
+fn dsr_arrival<F: Family>(ctx: &TcContext, cfg: &Config, f: &Flow<F::Tuple>) -> i32
 where
     F::Addr: EventAddr,
 {
     if Run::of(ctx) == Run::Explain {
         return NEXT;
     }
-    let key = F::service_key(service.0, service.1, f.pkt.tuple.proto());
-    // The frontend's id here, for its counters (none: 0).
-    let rev_nat_id = lb::lookup_frontend(&key).map_or(0, |v| v.rev_nat_id);
-    let learnt = F::step(
+    let (learnt, rev_nat_id) = F::step(
         #[inline(always)]
-        || conntrack::learn_dsr::<F>(&f.pkt, service, rev_nat_id, cfg, f.now),
+        || {
+            let service = &f.to;
+            let key = F::service_key(service.daddr(), service.dport(), service.proto());
+            // The frontend's id here, for its counters (none: 0).
+            let rev_nat_id = lb::lookup_frontend(&key).map_or(0, |v| v.rev_nat_id);
+            (conntrack::learn_dsr::<F>(&f.pkt, service, rev_nat_id, cfg, f.now), rev_nat_id)
+        },
     );
     match learnt {
         Learnt::NoRoom => {
@@ -617,7 +617,7 @@ fn forward<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>, to: &F::Tuple) ->
             return SHOT;
         }
     }
-    if F::insert_pending_dsr(ctx).is_err() {
+    if apply_pending_dsr::<F>(ctx, pkt).is_err() {
         count(Counter::Dropped);
         return SHOT;
     }
@@ -625,6 +625,18 @@ fn forward<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>, to: &F::Tuple) ->
     match routed {
         Some(rc) => redirect::<F>(ctx, &fib, rc),
         None => STACK,
+    }
+}
+
+/// Does what `dsr::action` or a new flow's dispatch left for the
+/// rewritten `pkt`, if anything.
+#[inline(always)]
+fn apply_pending_dsr<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>) -> Result<(), i64> {
+    let Some(pending) = F::take_pending_dsr() else { return Ok(()) };
+    match pending.on {
+        dsr::INSERT => F::insert_dsr(ctx, pkt.tuple.proto(), &pending),
+        dsr::CLAMP => packet::clamp_mss::<F>(ctx, pkt, F::DSR_OVERHEAD),
+        _ => Ok(()),
     }
 }
 

@@ -112,13 +112,31 @@ pub struct Pod {
 /// node 0), `b` and `c` (web-b 10.244.2.2, web-c 10.244.2.3, on node 1).
 pub fn two_node_endpoints(pods: &[&str]) -> Vec<test_objects::EndpointBuilder> {
     pods.iter()
-        .map(|p| match *p {
-            "a" => test_objects::ep("10.244.1.2").node("lab-node"),
-            "b" => test_objects::ep("10.244.2.2").node("lab-node2"),
-            "c" => test_objects::ep("10.244.2.3").node("lab-node2"),
-            other => panic!("no pod {other}"),
+        .map(|p| {
+            let (address, node) = two_node_pod(p);
+            test_objects::ep(address).node(node)
         })
         .collect()
+}
+
+/// The same pods' IPv6 endpoints, in a dual-stack lab ([`v6`]).
+pub fn two_node_endpoints6(pods: &[&str]) -> Vec<test_objects::EndpointBuilder> {
+    pods.iter()
+        .map(|p| {
+            let (address, node) = two_node_pod(p);
+            test_objects::ep(&v6(address)).node(node)
+        })
+        .collect()
+}
+
+/// A two-node web pod's IPv4 address and node, by letter.
+fn two_node_pod(letter: &str) -> (&'static str, &'static str) {
+    match letter {
+        "a" => ("10.244.1.2", "lab-node"),
+        "b" => ("10.244.2.2", "lab-node2"),
+        "c" => ("10.244.2.3", "lab-node2"),
+        other => panic!("no pod {other}"),
+    }
 }
 
 /// One parsed client line.
@@ -602,6 +620,10 @@ impl Lab {
     pub fn route_external_via(&self, ext: &Pod, node: usize) -> anyhow::Result<()> {
         let via = &self.nodes[node].ip;
         ip(&["-n", &ext.netns, "route", "replace", EXTERNAL_SERVICE_RANGE, "via", via])?;
+        if let Some(via) = &self.nodes[node].ip6 {
+            let range = EXTERNAL_SERVICE_RANGE6;
+            ip(&["-n", &ext.netns, "-6", "route", "replace", range, "via", via])?;
+        }
         Ok(())
     }
 
@@ -1363,7 +1385,38 @@ fn remove_scratch(dir: &Path) {
 /// `manifest`; on both nodes kube-proxy's drop of conntrack-INVALID
 /// forwards and an agent with `--cluster-cidr 10.244.0.0/16` and `flags`.
 pub fn two_node_web_cluster(setup: Setup, manifest: &str, flags: &[&str]) -> (Lab, Pod) {
+    two_node_web_cluster_on(Stack::Ipv4, setup, manifest, flags)
+}
+
+/// The address families of a lab.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Stack {
+    Ipv4,
+    /// [`Lab::dual_stack`].
+    Dual,
+}
+
+impl Stack {
+    /// The agents' `--cluster-cidr` for the two-node cluster's pods.
+    pub fn cluster_cidrs(self) -> &'static str {
+        match self {
+            Stack::Ipv4 => "10.244.0.0/16",
+            Stack::Dual => "10.244.0.0/16,fd00:244::/32",
+        }
+    }
+}
+
+/// [`two_node_web_cluster`] of `stack`.
+pub fn two_node_web_cluster_on(
+    stack: Stack,
+    setup: Setup,
+    manifest: &str,
+    flags: &[&str],
+) -> (Lab, Pod) {
     let mut lab = Lab::with(setup).unwrap();
+    if stack == Stack::Dual {
+        lab.dual_stack().unwrap();
+    }
     lab.add_node().unwrap();
     for (node, name, ip) in
         [(0, "web-a", "10.244.1.2"), (1, "web-b", "10.244.2.2"), (1, "web-c", "10.244.2.3")]
@@ -1376,7 +1429,7 @@ pub fn two_node_web_cluster(setup: Setup, manifest: &str, flags: &[&str]) -> (La
     lab.write_manifest(manifest).unwrap();
     for node in 0..2 {
         lab.drop_invalid_forwards(node).unwrap();
-        let mut args = vec!["--cluster-cidr", "10.244.0.0/16"];
+        let mut args = vec!["--cluster-cidr", stack.cluster_cidrs()];
         args.extend(flags);
         lab.start_agent_on(node, &args).unwrap();
     }

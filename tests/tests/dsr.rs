@@ -1,48 +1,107 @@
 //! Direct server return in the lab (eBPF mode; the iptables mode
-//! masquerades, as kube-proxy). Two nodes, pod a on node 0, b and c on
-//! node 1, an external client whose route to the load-balancer IPs goes
-//! through node 0 and can be moved to node 1 (an ECMP rehash, a drained
-//! node). Every node drops conntrack-INVALID forwards, as kube-proxy's
-//! KUBE-FORWARD does.
+//! masquerades, as kube-proxy). Two dual-stack nodes, pod a on node 0, b
+//! and c on node 1, an external client whose routes to the load-balancer
+//! IPs go through node 0 and can be moved to node 1 (an ECMP rehash, a
+//! drained node). Every node drops conntrack-INVALID forwards, as
+//! kube-proxy's KUBE-FORWARD does. Each scenario that applies to both
+//! families runs in both: IPv4's option and IPv6's destination-options
+//! header.
 
 use std::{
     io::{BufRead, BufReader},
+    net::SocketAddr,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, Lab, Pod, Setup, answered, sh, two_node_endpoints, two_node_web_cluster};
+use proxy_lab::{
+    Attempt, Lab, Pod, Setup, Stack, answered, sh, two_node_endpoints, two_node_endpoints6,
+    two_node_web_cluster_on,
+};
 use test_objects::{Protocol::*, ServiceBuilder, manifest, port, service};
 
-const CLUSTER_CIDR: &str = "10.244.0.0/16";
-const CLIENT: &str = "192.168.100.101";
-const LB_IP: &str = "10.200.0.10";
+/// The family a scenario runs in: the service's address, the client's.
+#[derive(Clone, Copy, Debug)]
+enum Family {
+    V4,
+    V6,
+}
 
-/// LoadBalancer service `lab/lb` at `LB_IP` (http 80 → 8080, dns 53/UDP →
-/// 5353, echo 90 → 9000) over `pods`, with `annotations`.
-fn balanced(annotations: &[(&str, &str)], pods: &[&str]) -> String {
-    let mut svc: ServiceBuilder = service("lab", "lb")
-        .cluster_ip("10.96.0.20")
+impl Family {
+    fn lb_ip(self) -> &'static str {
+        match self {
+            Family::V4 => "10.200.0.10",
+            Family::V6 => "fd00:200::10",
+        }
+    }
+
+    fn client(self) -> &'static str {
+        match self {
+            Family::V4 => "192.168.100.101",
+            Family::V6 => "fd00:100::101",
+        }
+    }
+
+    /// The load-balancer IP's `port`, as a socket address.
+    fn at(self, port: u16) -> String {
+        SocketAddr::new(self.lb_ip().parse().unwrap(), port).to_string()
+    }
+
+    /// The client's firewall tool.
+    fn tables(self) -> &'static str {
+        match self {
+            Family::V4 => "iptables",
+            Family::V6 => "ip6tables",
+        }
+    }
+}
+
+/// LoadBalancer service `lab/lb` of `family` at its `lb_ip` (http 80 →
+/// 8080, dns 53/UDP → 5353, echo 90 → 9000) over `pods`, with
+/// `annotations`.
+fn balanced_in(family: Family, annotations: &[(&str, &str)], pods: &[&str]) -> String {
+    let mut svc: ServiceBuilder = service("lab", "lb");
+    svc = match family {
+        Family::V4 => svc.cluster_ip("10.96.0.20"),
+        Family::V6 => {
+            svc.cluster_ip("fd00:96::20").cluster_ips(&["fd00:96::20"]).ip_families(&["IPv6"])
+        }
+    };
+    svc = svc
         .load_balancer_type()
         .port(port("http", 80).target(8080))
         .port(port("dns", 53).udp().target(5353))
         .port(port("echo", 90).target(9000))
-        .ingress_ip(LB_IP);
+        .ingress_ip(family.lb_ip());
     for (key, value) in annotations {
         svc = svc.annotation(key, value);
     }
     let slice = svc.slice().port("http", 8080, Tcp).port("dns", 5353, Udp).port("echo", 9000, Tcp);
-    manifest(&[&svc, &slice.endpoints(two_node_endpoints(pods))])
+    let slice = match family {
+        Family::V4 => slice.endpoints(two_node_endpoints(pods)),
+        Family::V6 => slice.address_type("IPv6").endpoints(two_node_endpoints6(pods)),
+    };
+    manifest(&[&svc, &slice])
+}
+
+/// The IPv4 service.
+fn balanced(annotations: &[(&str, &str)], pods: &[&str]) -> String {
+    balanced_in(Family::V4, annotations, pods)
+}
+
+/// The two-node dual-stack cluster on `manifest`, agents with `flags`.
+fn cluster(manifest: &str, flags: &[&str]) -> (Lab, Pod) {
+    two_node_web_cluster_on(Stack::Dual, Setup::EBPF, manifest, flags)
 }
 
 const DSR: (&str, &str) = ("service.cilium.io/forwarding-mode", "dsr");
 const MAGLEV: (&str, &str) = ("proxy-agent.io/lb-algorithm", "maglev");
 
-/// Counts, in the client's namespace, the packets that arrive from node
-/// `node`'s MAC address (a rule per node in a chain of its own).
-fn count_arrivals_by_node(lab: &Lab, ext: &Pod) {
+/// Counts, in the client's namespace, the packets of `family` that arrive
+/// from node `node`'s MAC address (a rule per node in a chain of its own).
+fn count_arrivals_by_node(lab: &Lab, ext: &Pod, family: Family) {
     let ipt = |args: &[&str]| {
-        let args: Vec<&str> = ["netns", "exec", &ext.netns, "iptables"]
+        let args: Vec<&str> = ["netns", "exec", &ext.netns, family.tables()]
             .into_iter()
             .chain(args.iter().copied())
             .collect();
@@ -53,9 +112,17 @@ fn count_arrivals_by_node(lab: &Lab, ext: &Pod) {
     for node in lab.nodes() {
         let link = sh("ip", &["-n", &node.netns, "-br", "link", "show", "eth0"]).unwrap();
         let mac = link.split_whitespace().nth(2).unwrap().to_string();
+        // Neighbour discovery and other ICMP are no replies.
+        let icmp = match family {
+            Family::V4 => "icmp",
+            Family::V6 => "ipv6-icmp",
+        };
         ipt(&[
             "-A",
             "FROM-NODES",
+            "!",
+            "-p",
+            icmp,
             "-m",
             "mac",
             "--mac-source",
@@ -70,10 +137,9 @@ fn count_arrivals_by_node(lab: &Lab, ext: &Pod) {
 
 /// Packets the client received from each node's MAC since
 /// [`count_arrivals_by_node`], by node name.
-fn arrivals(lab: &Lab, ext: &Pod) -> Vec<(String, u64)> {
-    let out =
-        sh("ip", &["netns", "exec", &ext.netns, "iptables", "-L", "FROM-NODES", "-v", "-x", "-n"])
-            .unwrap();
+fn arrivals(lab: &Lab, ext: &Pod, family: Family) -> Vec<(String, u64)> {
+    let args = ["netns", "exec", &ext.netns, family.tables(), "-L", "FROM-NODES", "-v", "-x", "-n"];
+    let out = sh("ip", &args).unwrap();
     lab.nodes()
         .iter()
         .map(|node| {
@@ -83,28 +149,29 @@ fn arrivals(lab: &Lab, ext: &Pod) -> Vec<(String, u64)> {
         .collect()
 }
 
-fn ip_of(addr: &str) -> &str {
-    addr.rsplit_once(':').map_or(addr, |(ip, _)| ip)
+fn ip_of(addr: &str) -> String {
+    addr.parse::<SocketAddr>().map_or(addr.to_string(), |a| a.ip().to_string())
 }
 
-#[test]
-fn the_pod_sees_the_client_and_replies_leave_from_its_node() {
-    let (lab, ext) = two_node_web_cluster(Setup::EBPF, &balanced(&[DSR], &["b", "c"]), &[]);
-    count_arrivals_by_node(&lab, &ext);
-    let tcp = lab.client_outside(&ext, &["tcp", &format!("{LB_IP}:80"), "20"]).unwrap();
-    let udp = lab.client_outside(&ext, &["udp", &format!("{LB_IP}:53"), "20"]).unwrap();
-    for (proto, attempts, service) in [("tcp", &tcp, ":80"), ("udp", &udp, ":53")] {
+/// Through node 0, to pods on node 1 only: TCP and UDP keep the client's
+/// address and are answered from the service, by node 1 directly; a 1 MB
+/// download works at MTU 1500.
+fn the_pod_sees_the_client_and_replies_leave_from_its_node(family: Family) {
+    let (lab, ext) = cluster(&balanced_in(family, &[DSR], &["b", "c"]), &[]);
+    count_arrivals_by_node(&lab, &ext, family);
+    let tcp = lab.client_outside(&ext, &["tcp", &family.at(80), "20"]).unwrap();
+    let udp = lab.client_outside(&ext, &["udp", &family.at(53), "20"]).unwrap();
+    for (proto, attempts, service) in [("tcp", &tcp, 80), ("udp", &udp, 53)] {
         for (pod, peer, from) in answered(attempts) {
-            assert_eq!(ip_of(&peer), CLIENT, "{proto}: {pod} saw {peer}, not the client");
-            assert_eq!(from, format!("{LB_IP}{service}"), "{proto}: the reply's source");
+            assert_eq!(ip_of(&peer), family.client(), "{proto}: {pod} saw {peer}, not the client");
+            assert_eq!(from, family.at(service), "{proto}: the reply's source");
         }
     }
-    // A 1 MB download at MTU 1500 everywhere.
-    let bulk = lab.client_outside(&ext, &["bulk", &format!("{LB_IP}:80"), "1000000"]).unwrap();
+    let bulk = lab.client_outside(&ext, &["bulk", &family.at(80), "1000000"]).unwrap();
     assert!(matches!(&bulk[..], [Attempt::Ok { bytes: Some(1_000_000), .. }]), "{bulk:?}");
     // Received as the client's stack counts them (GRO merges a download's
     // segments): every answer above is at least one.
-    let seen = arrivals(&lab, &ext);
+    let seen = arrivals(&lab, &ext, family);
     let (via_ingress, via_backend) = (seen[0].1, seen[1].1);
     assert!(via_backend > 40, "the replies came from the backends' node: {seen:?}");
     assert_eq!(via_ingress, 0, "none came back through the ingress node: {seen:?}");
@@ -113,17 +180,64 @@ fn the_pod_sees_the_client_and_replies_leave_from_its_node() {
 }
 
 #[test]
+fn the_pod_sees_the_client_and_replies_leave_from_its_node_ipv4() {
+    the_pod_sees_the_client_and_replies_leave_from_its_node(Family::V4);
+}
+
+#[test]
+fn the_pod_sees_the_client_and_replies_leave_from_its_node_ipv6() {
+    the_pod_sees_the_client_and_replies_leave_from_its_node(Family::V6);
+}
+
+/// Full-size packets from the client (its offloads off: every segment
+/// leaves at MTU 1500, as from a real NIC without GSO) still reach the pod
+/// with the option added: the pod's SYN-ACK announced an MSS lowered by
+/// the option's size. Without that, each would be 8 (IPv6: 24) bytes too
+/// big for the link to node 1 and the upload would stall.
+fn full_size_uploads_fit_with_the_option(family: Family) {
+    let (lab, ext) = cluster(&balanced_in(family, &[DSR], &["b", "c"]), &[]);
+    let offloads = ["netns", "exec", &ext.netns, "ethtool", "-K", "eth0", "tso", "off"];
+    sh("ip", &[&offloads[..], &["gso", "off"]].concat()).unwrap();
+    let upload = lab.client_outside(&ext, &["upload", &family.at(80), "1000000"]).unwrap();
+    assert!(matches!(&upload[..], [Attempt::Ok { bytes: Some(1_000_000), .. }]), "{upload:?}");
+    let (_, peer, _) = &answered(&upload)[0];
+    assert_eq!(ip_of(peer), family.client(), "by DSR: the pod saw the client");
+}
+
+#[test]
+fn full_size_uploads_fit_with_the_option_ipv4() {
+    full_size_uploads_fit_with_the_option(Family::V4);
+}
+
+#[test]
+fn full_size_uploads_fit_with_the_option_ipv6() {
+    full_size_uploads_fit_with_the_option(Family::V6);
+}
+
+#[test]
 fn hybrid_sends_tcp_by_dsr_and_masquerades_udp() {
-    let (lab, ext) = two_node_web_cluster(
-        Setup::EBPF,
-        &balanced(&[], &["b", "c"]),
-        &["--bpf-lb-mode", "hybrid"],
-    );
-    let tcp = lab.client_outside(&ext, &["tcp", &format!("{LB_IP}:80"), "10"]).unwrap();
-    let udp = lab.client_outside(&ext, &["udp", &format!("{LB_IP}:53"), "10"]).unwrap();
-    assert!(answered(&tcp).iter().all(|(_, peer, _)| ip_of(peer) == CLIENT), "{tcp:?}");
+    let (lab, ext) = cluster(&balanced(&[], &["b", "c"]), &["--bpf-lb-mode", "hybrid"]);
+    let v4 = Family::V4;
+    let tcp = lab.client_outside(&ext, &["tcp", &v4.at(80), "10"]).unwrap();
+    let udp = lab.client_outside(&ext, &["udp", &v4.at(53), "10"]).unwrap();
+    assert!(answered(&tcp).iter().all(|(_, peer, _)| ip_of(peer) == v4.client()), "{tcp:?}");
     let node0 = lab.nodes()[0].ip.clone();
     assert!(answered(&udp).iter().all(|(_, peer, _)| ip_of(peer) == node0), "{udp:?}");
+}
+
+/// A client reusing its port right after its last connection closed (as
+/// busy clients and load generators do) is answered at once, by the pod
+/// Maglev gives its 5-tuple: neither node's closed flow delays the new
+/// SYN-ACK (a lost one would be sent again after a second, past the
+/// client's timeout).
+#[test]
+fn a_reused_client_port_is_a_new_flow_at_once() {
+    let (lab, ext) = cluster(&balanced(&[DSR, MAGLEV], &["b", "c"]), &[]);
+    let to = Family::V4.at(80);
+    let args = ["--timeout-ms", "700", "tcp", &to, "1", "--source-port-base", "40000"];
+    let pods: Vec<String> =
+        (0..3).map(|_| answered(&lab.client_outside(&ext, &args).unwrap())[0].0.clone()).collect();
+    assert!(pods.iter().all(|p| *p == pods[0]), "{pods:?}");
 }
 
 /// A stream of exchanges every 50 ms to the echo port, its lines
@@ -134,9 +248,9 @@ struct Stream {
 }
 
 impl Stream {
-    fn open(lab: &mut Lab, ext: &Pod, exchanges: usize) -> Stream {
+    fn open(lab: &mut Lab, ext: &Pod, family: Family, exchanges: usize) -> Stream {
         let count = exchanges.to_string();
-        let args = ["stream", &format!("{LB_IP}:90"), &count, "--interval-ms", "50"];
+        let args = ["stream", &family.at(90), &count, "--interval-ms", "50"];
         let mut child = lab.spawn_outside(ext, &args).unwrap();
         let stdout = child.stdout.take().unwrap();
         let lines = Arc::new(Mutex::new(Vec::new()));
@@ -168,10 +282,9 @@ impl Stream {
 /// DSR and Maglev it goes on (node 1, with no state for it, picks the same
 /// pod and keeps the client's address); with SNAT it breaks, as the pod
 /// sees another source (what this proxy, like kube-proxy, cannot avoid).
-fn failover(annotations: &[(&str, &str)]) -> (Vec<Attempt>, usize) {
-    let (mut lab, ext) =
-        two_node_web_cluster(Setup::EBPF, &balanced(annotations, &["a", "b", "c"]), &[]);
-    let stream = Stream::open(&mut lab, &ext, 80);
+fn failover(family: Family, annotations: &[(&str, &str)]) -> (Vec<Attempt>, usize) {
+    let (mut lab, ext) = cluster(&balanced_in(family, annotations, &["a", "b", "c"]), &[]);
+    let stream = Stream::open(&mut lab, &ext, family, 80);
     stream.until(20);
     lab.route_external_via(&ext, 1).unwrap();
     let attempts = stream.finish();
@@ -179,25 +292,34 @@ fn failover(annotations: &[(&str, &str)]) -> (Vec<Attempt>, usize) {
     (attempts, ok)
 }
 
-#[test]
-fn a_dsr_maglev_stream_survives_a_change_of_ingress_node() {
-    let (attempts, ok) = failover(&[DSR, MAGLEV]);
+fn a_dsr_maglev_stream_survives_a_change_of_ingress_node(family: Family) {
+    let (attempts, ok) = failover(family, &[DSR, MAGLEV]);
     assert_eq!((attempts.len(), ok), (80, 80), "{attempts:?}");
     let pods: std::collections::BTreeSet<&str> = attempts.iter().filter_map(Attempt::pod).collect();
     assert_eq!(pods.len(), 1, "one pod all along: {pods:?}");
 }
 
 #[test]
+fn a_dsr_maglev_stream_survives_a_change_of_ingress_node_ipv4() {
+    a_dsr_maglev_stream_survives_a_change_of_ingress_node(Family::V4);
+}
+
+#[test]
+fn a_dsr_maglev_stream_survives_a_change_of_ingress_node_ipv6() {
+    a_dsr_maglev_stream_survives_a_change_of_ingress_node(Family::V6);
+}
+
+#[test]
 fn a_snat_stream_breaks_at_a_change_of_ingress_node() {
-    let (attempts, ok) = failover(&[MAGLEV]);
+    let (attempts, ok) = failover(Family::V4, &[MAGLEV]);
     assert!((20..80).contains(&ok), "the break is documented, not hidden: {attempts:?}");
 }
 
 #[test]
 fn agent_restarts_on_either_node_lose_no_dsr_exchange() {
-    let (mut lab, ext) = two_node_web_cluster(Setup::EBPF, &balanced(&[DSR], &["b", "c"]), &[]);
-    let stream = Stream::open(&mut lab, &ext, 120);
-    let args = ["--cluster-cidr", CLUSTER_CIDR];
+    let (mut lab, ext) = cluster(&balanced(&[DSR], &["b", "c"]), &[]);
+    let stream = Stream::open(&mut lab, &ext, Family::V4, 120);
+    let args = ["--cluster-cidr", Stack::Dual.cluster_cidrs()];
     for (node, after) in [(0, 10), (1, 50)] {
         stream.until(after);
         lab.kill_agent_on(node);

@@ -15,6 +15,8 @@ const PACKAGES: &[&str] = &[
     "conntrack",
     "bpftool",
     "util-linux",
+    // The lab turns a client's offloads off to send full-size packets.
+    "ethtool",
 ];
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 const BPF_LINKER_VERSION: &str = "0.13.0";

@@ -324,7 +324,7 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
             x.translated = translated;
             if flags & DSR != 0 {
                 x.notes.push(
-                    "direct server return: the client's address is kept, the service travels to the backend's node in an IPv4 option, and the backend's replies leave that node as the service, straight to the client".into(),
+                    "direct server return: the client's address is kept, the service travels to the backend's node in an IPv4 option (IPv6: a destination-options header), and the backend's replies leave that node as the service, straight to the client".into(),
                 );
             }
             if flags & SNAT != 0 {

@@ -8,7 +8,9 @@
 //! `err ms=<elapsed> kind=<io::ErrorKind>`. A request for `/bytes/N` is
 //! answered with the answer line and N bytes of padding after it (bulk
 //! transfers); the `bulk` client reports how many arrived as `bytes=N`
-//! before the answer.
+//! before the answer. A request with a `Content-Length` of N (the `upload`
+//! client's) has its N bytes read and counted, answered `bytes=<received>`
+//! before the answer line.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -25,7 +27,7 @@ const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS]
     | udp ADDR COUNT [--interval-ms MS] [--connect [--reconnect]] [--socket-per-datagram] \
     [--source-port-base PORT] \
     [--size BYTES] | http ADDR PATH [--full] | http-abuse ADDR PATH... \
-    | bulk ADDR BYTES)";
+    | bulk ADDR BYTES | upload ADDR BYTES)";
 
 fn main() -> anyhow::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
@@ -48,6 +50,7 @@ fn main() -> anyhow::Result<()> {
         Some("http") => http_get(&args, timeout),
         Some("http-abuse") => http_abuse(&args, timeout),
         Some("bulk") => bulk_client(&args, timeout),
+        Some("upload") => upload_client(&args, timeout),
         _ => bail!(USAGE),
     }
 }
@@ -160,6 +163,17 @@ fn serve_tcp(name: &str, mut stream: TcpStream) {
     }
     let (Ok(local), Ok(peer)) = (stream.local_addr(), stream.peer_addr()) else { return };
     let mut body = answer(name, local, peer);
+    if let Some(length) = content_length(&request) {
+        let head = request.windows(4).position(|w| w == b"\r\n\r\n").map_or(0, |i| i + 4);
+        let mut received = request.len() - head;
+        while received < length {
+            match stream.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => received += n,
+            }
+        }
+        body = format!("bytes={received} {body}");
+    }
     if let Some(size) = padding_requested(&request) {
         body.push('\n');
         body.extend(std::iter::repeat_n('x', size));
@@ -179,6 +193,13 @@ fn serve_echo(name: &str, stream: TcpStream) {
             return;
         }
     }
+}
+
+/// The `Content-Length` of a request's head.
+fn content_length(request: &[u8]) -> Option<usize> {
+    String::from_utf8_lossy(request)
+        .lines()
+        .find_map(|l| l.strip_prefix("Content-Length: ")?.trim().parse().ok())
 }
 
 /// N for a request of `/bytes/N`.
@@ -280,6 +301,7 @@ fn exchange_on(
     timeout: Duration,
 ) -> std::io::Result<(SocketAddr, String)> {
     stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
     let peer = stream.peer_addr()?;
     stream.write_all(request.as_bytes())?;
     let mut response = String::new();
@@ -430,6 +452,22 @@ fn bulk_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
         let body = body(&response);
         let (answer, padding) = body.split_once('\n').unwrap_or((body, ""));
         (from, format!("bytes={} {answer}", padding.len()))
+    });
+    report(start, result);
+    Ok(())
+}
+
+/// One upload of BYTES bytes: the server reports `bytes=<received>` before
+/// its answer.
+fn upload_client(args: &[String], timeout: Duration) -> anyhow::Result<()> {
+    let addr = args.get(1).context(USAGE)?.parse()?;
+    let size: usize = args.get(2).context(USAGE)?.parse()?;
+    let start = Instant::now();
+    let head = format!("POST /upload HTTP/1.0\r\nContent-Length: {size}\r\n\r\n");
+    let request = head + &"x".repeat(size);
+    let result = exchange(addr, &request, timeout).map(|(from, response)| {
+        let body = body(&response).to_string();
+        (from, body)
     });
     report(start, result);
     Ok(())
