@@ -28,9 +28,16 @@
 //! - the latency of one endpoint change (from the test API server) to the
 //!   end of the sync that programs it, p50 and p99;
 //! - the agent's peak RSS and the BPF maps' memory;
+//! - the external path (eBPF mode, two nodes, once: `--external-only` runs
+//!   it alone): an external client's connections to nginx in a pod on the
+//!   second node, straight to the pod (routed via its node) and through
+//!   the first node's NodePorts by SNAT, by DSR, and by DSR with Maglev
+//!   (one service each, annotated, the same agents): rates and CPU per
+//!   10,000 connections, as ratios to the direct run and DSR's to SNAT's;
 //! - the per-packet program's nanoseconds per packet (`BPF_PROG_TEST_RUN`)
-//!   at 2 and 100,000 services: a miss, new NodePort and ClusterIP flows, a
-//!   tracked flow.
+//!   at 2 and 100,000 services: a miss, new NodePort flows (random, Maglev,
+//!   DSR) and ClusterIP flows, a tracked flow and a tracked DSR flow, and
+//!   the ratios of each run (Maglev ÷ random, DSR ÷ SNAT).
 //!
 //! Results go to `target/bench/results.json`, a report and SVG plots next
 //! to it; `--docs` copies them into docs/.
@@ -93,8 +100,13 @@ pub struct Options {
     pub docs: bool,
     /// Only the programming runs (from the API server, and at the largest
     /// size from one JSON and one YAML file) and the change latency
-    #[arg(long)]
+    #[arg(long, conflicts_with = "external_only")]
     pub programming_only: bool,
+    /// Only the external path: two nodes, an external client's connections
+    /// straight to a pod and through NodePorts by SNAT, DSR and DSR with
+    /// Maglev (eBPF mode)
+    #[arg(long)]
+    pub external_only: bool,
 }
 
 fn sizes(opts: &Options) -> Vec<usize> {
@@ -169,34 +181,63 @@ fn lab(setup: Setup) -> anyhow::Result<(Lab, Pod, Pod, Pod)> {
     let mut lab = Lab::with(setup)?;
     lab.dual_stack()?;
     let web = lab.add_pod("web-0", POD)?;
-    let conf = lab.dir.join("nginx.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            "daemon off; master_process off; worker_processes 1; pid {dir}/nginx.pid; error_log {dir}/nginx.log;\nevents {{ worker_connections 4096; }}\nhttp {{ access_log off; keepalive_timeout 0;\n  server {{ listen {SERVICE_PORT} reuseport; listen {DIRECT_PORT} reuseport; listen [::]:{SERVICE_PORT} reuseport; listen [::]:{DIRECT_PORT} reuseport; location / {{ return 200 \"ok\\n\"; }} }} }}\n",
-            dir = lab.dir.display()
-        ),
-    )?;
-    lab.spawn_in(&web.netns, "nginx", &["-c", &conf.to_string_lossy()])?;
+    start_nginx(&mut lab, &web, &[SERVICE_PORT, DIRECT_PORT], true)?;
     let client = lab.add_pod("client", "10.244.1.100")?;
     let per_packet = lab.add_pod("client-pp", "10.244.1.101")?;
     let ext = lab.add_external("ext", "192.168.100.101")?;
     sh("ip", &["-n", &ext.netns, "route", "add", "10.244.1.0/24", "via", "192.168.100.11"])?;
     for netns in [&client.netns, &per_packet.netns, &ext.netns] {
-        sh(
-            "ip",
-            &["netns", "exec", netns, "sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"],
-        )?;
-        sh("ip", &["netns", "exec", netns, "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"])?;
+        open_client_ports(netns)?;
     }
-    // nginx is up when it answers.
+    wait_answering(&lab, &client, &format!("{POD}:{DIRECT_PORT}"))?;
+    Ok((lab, client, per_packet, ext))
+}
+
+/// nginx in `pod` on `ports` (and on IPv6 too with `ipv6`): one process, no
+/// master (stopping it leaves no worker behind), no access log, no
+/// keep-alive; its pid in the lab's `nginx.pid`, where [`rate`] reads it.
+/// One per lab.
+fn start_nginx(lab: &mut Lab, pod: &Pod, ports: &[u16], ipv6: bool) -> anyhow::Result<()> {
+    let mut listen = String::new();
+    for port in ports {
+        let _ = write!(listen, "listen {port} reuseport; ");
+    }
+    if ipv6 {
+        for port in ports {
+            let _ = write!(listen, "listen [::]:{port} reuseport; ");
+        }
+    }
+    let conf = lab.dir.join("nginx.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "daemon off; master_process off; worker_processes 1; pid {dir}/nginx.pid; error_log {dir}/nginx.log;\nevents {{ worker_connections 4096; }}\nhttp {{ access_log off; keepalive_timeout 0;\n  server {{ {listen}location / {{ return 200 \"ok\\n\"; }} }} }}\n",
+            dir = lab.dir.display()
+        ),
+    )?;
+    lab.spawn_in(&pod.netns, "nginx", &["-c", &conf.to_string_lossy()])?;
+    Ok(())
+}
+
+/// A client namespace's ephemeral ports widened and TIME_WAIT reuse on, so
+/// runs of thousands of short connections do not run out of ports.
+fn open_client_ports(netns: &str) -> anyhow::Result<()> {
+    sh(
+        "ip",
+        &["netns", "exec", netns, "sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"],
+    )?;
+    sh("ip", &["netns", "exec", netns, "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"])?;
+    Ok(())
+}
+
+/// Waits (5 s at most) until nginx answers `client` at `addr`.
+fn wait_answering(lab: &Lab, client: &Pod, addr: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(5);
-    while lab.labpod(&client.netns, None, &["http", &format!("{POD}:{DIRECT_PORT}"), "/"]).is_err()
-    {
-        anyhow::ensure!(Instant::now() < deadline, "nginx did not start");
+    while lab.labpod(&client.netns, None, &["http", addr, "/"]).is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "nginx did not answer at {addr}");
         std::thread::sleep(Duration::from_millis(50));
     }
-    Ok((lab, client, per_packet, ext))
+    Ok(())
 }
 
 /// One wrk run: connections per second, and the CPU they cost.
@@ -401,6 +442,173 @@ fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Valu
     Ok(result)
 }
 
+/// The external path's backend pod, on the second node, and the external
+/// client.
+const EXTERNAL_POD: &str = "10.244.2.2";
+const EXTERNAL_CLIENT: &str = "192.168.100.101";
+const CLUSTER_CIDR: &str = "10.244.0.0/16";
+/// The external path's rounds at most (each has ports of its own).
+const EXTERNAL_MAX_ROUNDS: usize = 9;
+
+/// One kind of external run: its name in the results, whether it goes
+/// through a NodePort of the first node (or straight to the pod's
+/// address), and the annotations of its services.
+struct ExternalKind {
+    name: &'static str,
+    node_port: bool,
+    annotations: &'static [(&'static str, &'static str)],
+}
+
+const FORWARDING: &str = "proxy-agent.io/forwarding-mode";
+const EXTERNAL_KINDS: [ExternalKind; 4] = [
+    ExternalKind { name: "direct", node_port: false, annotations: &[] },
+    ExternalKind { name: "snat", node_port: true, annotations: &[(FORWARDING, "snat")] },
+    ExternalKind { name: "dsr", node_port: true, annotations: &[(FORWARDING, "dsr")] },
+    ExternalKind {
+        name: "maglev_dsr",
+        node_port: true,
+        annotations: &[(FORWARDING, "dsr"), ("proxy-agent.io/lb-algorithm", "maglev")],
+    },
+];
+
+/// The pod's port and the NodePort of kind `kind` (an index into
+/// [`EXTERNAL_KINDS`]) in round `round` (0: the warm-up). Every run has
+/// ports of its own, so no run meets the 4-tuples another left behind:
+/// in the pod (TIME_WAIT, the same client address and ports for the
+/// direct and DSR runs), in the first node's SNAT ports (a closed flow's
+/// port rests 60 s: one backend address and port takes about 1,000 new
+/// SNAT flows a second for long) and in the DSR flows the second node
+/// learnt (see docs/benchmarks.md).
+fn external_ports(round: usize, kind: usize) -> (u16, u16) {
+    let offset = (10 * round + kind) as u16;
+    (8080 + offset, 30080 + offset)
+}
+
+/// The external path's NodePort services (policy Cluster): one per kind
+/// but the direct one and round, each with the pod on the second node as
+/// its only endpoint.
+fn external_manifest(rounds: usize) -> String {
+    let mut out = String::new();
+    for round in 0..=rounds {
+        for (k, kind) in EXTERNAL_KINDS.iter().enumerate().filter(|(_, kind)| kind.node_port) {
+            let (port, node_port) = external_ports(round, k);
+            let annotations: Vec<String> =
+                kind.annotations.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+            let _ = write!(
+                out,
+                "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: bench, annotations: {{{annotations}}}}}\nspec: {{clusterIP: 10.96.1.{ip}, type: NodePort, ports: [{{name: http, port: 80, targetPort: {port}, nodePort: {node_port}}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: bench, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: http, port: {port}}}]\nendpoints: [{{addresses: [{EXTERNAL_POD}], nodeName: lab-node2}}]\n",
+                name = format!("{}-{round}", kind.name.replace('_', "-")),
+                annotations = annotations.join(", "),
+                ip = 10 * round + k + 1,
+            );
+        }
+    }
+    out
+}
+
+/// The addresses the pod's TIME_WAIT sockets on `port` name as their
+/// peer: who the pod saw connecting (the server closes first).
+fn pod_peers(lab: &Lab, pod: &Pod, port: u16) -> anyhow::Result<Vec<String>> {
+    let sport = format!(":{port}");
+    let out =
+        lab.run_in(&pod.netns, None, "ss", &["-Htn", "state", "time-wait", "sport", "=", &sport])?;
+    let mut peers: Vec<String> = out
+        .lines()
+        .filter_map(|l| Some(l.split_whitespace().last()?.rsplit_once(':')?.0.to_string()))
+        .collect();
+    peers.sort();
+    peers.dedup();
+    Ok(peers)
+}
+
+/// The external path on two nodes (eBPF mode): an external client's
+/// connections (wrk, `Connection: close`) to nginx in a pod on the second
+/// node, straight to the pod's address (routed via that node), and through
+/// the first node's NodePorts: SNAT, DSR, and DSR with Maglev, all served
+/// by the same agents (a service annotation each), in `rounds` rounds that
+/// take the kinds in turn (each round starting one further along), the
+/// median of each. A warm-up run of each kind checks first that each path
+/// is what it claims: the pod sees the client's address directly and with
+/// DSR, the first node's with SNAT.
+fn external_path(opts: &Options) -> anyhow::Result<Value> {
+    anyhow::ensure!(
+        opts.rounds <= EXTERNAL_MAX_ROUNDS,
+        "the external path takes {EXTERNAL_MAX_ROUNDS} rounds at most"
+    );
+    let mut lab = Lab::with(Setup { mode: Mode::Ebpf, source: Source::Manifests })?;
+    let node2 = lab.add_node()?;
+    let web = lab.add_pod_on(node2, "web-0", EXTERNAL_POD)?;
+    let ports: Vec<u16> = (0..=opts.rounds)
+        .flat_map(|round| (0..EXTERNAL_KINDS.len()).map(move |k| external_ports(round, k).0))
+        .collect();
+    start_nginx(&mut lab, &web, &ports, false)?;
+    let ext = lab.add_external("ext", EXTERNAL_CLIENT)?;
+    open_client_ports(&ext.netns)?;
+    // The direct runs cross the second node only, as its forwarding.
+    let (node1_ip, node2_ip) = (lab.nodes()[0].ip.clone(), lab.nodes()[node2].ip.clone());
+    let pod_cidr = lab.nodes()[node2].pod_cidr.clone();
+    sh("ip", &["-n", &ext.netns, "route", "add", &pod_cidr, "via", &node2_ip])?;
+    lab.write_manifest(&external_manifest(opts.rounds))?;
+    for node in 0..lab.nodes().len() {
+        lab.drop_invalid_forwards(node)?;
+        lab.start_agent_on(node, &["--cluster-cidr", CLUSTER_CIDR])?;
+    }
+    let addr = |round: usize, k: usize| {
+        let (port, node_port) = external_ports(round, k);
+        match EXTERNAL_KINDS[k].node_port {
+            true => format!("{node1_ip}:{node_port}"),
+            false => format!("{EXTERNAL_POD}:{port}"),
+        }
+    };
+    for (k, kind) in EXTERNAL_KINDS.iter().enumerate() {
+        wait_answering(&lab, &ext, &addr(0, k))?;
+        rate(&lab, &ext, false, &addr(0, k), 1)?;
+        let expected = if kind.name == "snat" { &node1_ip } else { &ext.ip };
+        let peers = pod_peers(&lab, &web, external_ports(0, k).0)?;
+        anyhow::ensure!(
+            peers == [expected.clone()],
+            "{}: the pod saw {peers:?}, not {expected}",
+            kind.name
+        );
+    }
+    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); EXTERNAL_KINDS.len()];
+    for round in 1..=opts.rounds {
+        for i in 0..EXTERNAL_KINDS.len() {
+            let k = (round + i) % EXTERNAL_KINDS.len();
+            runs[k].push(rate(&lab, &ext, false, &addr(round, k), opts.seconds)?);
+        }
+    }
+    let mut result = json!({"rounds": opts.rounds, "seconds": opts.seconds});
+    for (kind, values) in EXTERNAL_KINDS.iter().zip(&runs) {
+        let name = kind.name;
+        result[format!("{name}_per_s")] = json!(median(values.iter().map(|r| r.per_s).collect()));
+        result[format!("{name}_cpu_ms_per_10k")] =
+            json!(median(values.iter().map(|r| r.cpu_ms_per_10k).collect()));
+        result[format!("{name}_runs")] =
+            json!(values.iter().map(|r| [r.per_s, r.cpu_ms_per_10k]).collect::<Vec<_>>());
+    }
+    let figure = |name: &str, what: &str| result[format!("{name}_{what}")].as_f64();
+    let mut ratios = Vec::new();
+    for (of, to) in [
+        ("snat", "direct"),
+        ("dsr", "direct"),
+        ("maglev_dsr", "direct"),
+        ("dsr", "snat"),
+        ("maglev_dsr", "dsr"),
+    ] {
+        for (what, key) in [("per_s", "rate"), ("cpu_ms_per_10k", "cpu")] {
+            if let (Some(a), Some(b)) = (figure(of, what), figure(to, what)) {
+                ratios.push((format!("{of}_{key}_vs_{to}"), a / b));
+            }
+        }
+    }
+    for (key, value) in ratios {
+        result[key] = json!(value);
+    }
+    eprintln!("  {result}");
+    Ok(result)
+}
+
 /// Stops the agent and removes its datapath (which outlives it by design),
 /// leaving the lab as it was before the agent started.
 fn stop_and_clean(lab: &mut Lab) -> anyhow::Result<()> {
@@ -546,10 +754,16 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let started = Instant::now();
     let modes: Vec<Mode> = opts.modes.iter().map(|m| m.lab()).collect();
     let mut results = json!({
-        "command": format!("cargo xtask bench{}", if opts.full { " --full" } else { "" }),
+        "command": command(&opts),
         "machine": machine(),
         "connection_rates": [], "programming": [], "change_latency": [], "per_packet": [],
+        "external_path": [],
     });
+    if opts.external_only {
+        eprintln!("external path: ebpf mode, two nodes");
+        push(&mut results, "external_path", external_path(&opts)?);
+        return report(results, started, &opts);
+    }
     // Programming first: a mode's connection rates at N services of one
     // endpoint are not measured where it could not program N/10 services
     // of ten (as many rules) within the limit.
@@ -602,8 +816,12 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
             push(&mut results, "connection_rates", connection_rates(mode, n, &opts)?);
         }
     }
-    // The per-packet program at 2 services (a NodePort and a ClusterIP)
-    // and at 100,000.
+    if modes.contains(&Mode::Ebpf) {
+        eprintln!("external path: ebpf mode, two nodes");
+        push(&mut results, "external_path", external_path(&opts)?);
+    }
+    // The per-packet program at 2 services (NodePorts: random, Maglev and
+    // DSR; and a ClusterIP) and at 100,000.
     build_packet_bench()?;
     // Alternating rounds, the median of each figure: one run is noisy.
     let mut runs: Vec<(usize, Vec<Value>)> = vec![(2, vec![]), (100_000, vec![])];
@@ -675,15 +893,29 @@ const PACKET_BENCH: &str = "target/release/examples/packet_bench";
 /// The figures `packet_bench` prints, and `tracked_net`: a tracked packet
 /// less `run_overhead` (what one run costs beside the program, which the
 /// figures of one run per packet pay and the misses, over 1M repeats, not).
-const PER_PACKET: [&str; 8] = [
+const PER_PACKET: [&str; 11] = [
     "miss_ns",
     "socket_lb_reply_ns",
     "ipv6_miss_ns",
     "node_port_new_ns",
+    "node_port_new_maglev_ns",
+    "node_port_new_dsr_ns",
     "cluster_ip_new_ns",
     "tracked_ns",
+    "tracked_dsr_ns",
     "run_overhead_ns",
     "tracked_net_ns",
+];
+/// Ratios within one `packet_bench` run (its figures measured a moment
+/// apart, so the machine's load changes them less than it does figures of
+/// different runs): a new NodePort flow picked from a Maglev table over a
+/// random pick, a new DSR flow over a new SNAT flow, and a tracked DSR
+/// packet over a tracked SNAT packet; each as `(name, numerator,
+/// denominator)`.
+const PER_PACKET_RATIOS: [(&str, &str, &str); 3] = [
+    ("maglev_vs_random", "node_port_new_maglev_ns", "node_port_new_ns"),
+    ("dsr_vs_snat_new", "node_port_new_dsr_ns", "node_port_new_ns"),
+    ("dsr_vs_snat_tracked", "tracked_dsr_ns", "tracked_ns"),
 ];
 
 fn build_packet_bench() -> anyhow::Result<()> {
@@ -701,7 +933,8 @@ fn build_packet_bench() -> anyhow::Result<()> {
 /// The median of each figure over `values` (runs at `n` services).
 fn medians(n: usize, values: &[Value]) -> Value {
     let mut result = json!({"services": n, "rounds": values.len()});
-    for key in PER_PACKET {
+    let keys = PER_PACKET.into_iter().chain(PER_PACKET_RATIOS.map(|(name, _, _)| name));
+    for key in keys {
         result[key] = json!(median(values.iter().filter_map(|v| v[key].as_f64()).collect()));
     }
     result
@@ -778,8 +1011,27 @@ fn per_packet(bin: &str, extra: &[&str], n: usize) -> anyhow::Result<Value> {
     {
         result["tracked_net_ns"] = json!(tracked - overhead);
     }
+    for (name, of, to) in PER_PACKET_RATIOS {
+        if let (Some(a), Some(b)) = (result[of].as_f64(), result[to].as_f64()) {
+            result[name] = json!(a / b);
+        }
+    }
     eprintln!("  {result}");
     Ok(result)
+}
+
+/// The command line that made the results, as far as it changes them.
+fn command(opts: &Options) -> String {
+    let mut command = String::from("cargo xtask bench");
+    for (set, flag) in [(opts.full, " --full"), (opts.external_only, " --external-only")] {
+        if set {
+            command.push_str(flag);
+        }
+    }
+    if opts.external_only || opts.rounds != 3 || opts.seconds != 2 {
+        let _ = write!(command, " --rounds {} --seconds {}", opts.rounds, opts.seconds);
+    }
+    command
 }
 
 fn push(results: &mut Value, key: &str, value: Value) {

@@ -38,8 +38,10 @@ enum Task {
     Test,
     /// What a Service costs: connection rates against a direct connection,
     /// programming time, change latency and memory, for 1, 1,000 and 10,000
-    /// services (and 100,000 with --full), in eBPF and iptables mode; writes
-    /// target/bench/ (results.json, report.md, plots).
+    /// services (and 100,000 with --full), in eBPF and iptables mode; an
+    /// external client's path on two nodes (direct, SNAT, DSR, DSR with
+    /// Maglev); the per-packet program; writes target/bench/ (results.json,
+    /// report.md, plots).
     Bench {
         #[command(flatten)]
         options: bench::Options,

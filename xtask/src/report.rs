@@ -142,23 +142,67 @@ pub fn markdown(results: &Value) -> String {
             ),
         };
     }
+    external_table(&mut out, results);
     let _ = writeln!(out, "\n### Per-packet program, ns per packet (`BPF_PROG_TEST_RUN`)\n");
     let _ = writeln!(
         out,
-        "| services | miss (not a service) | new NodePort flow (SNAT, 100 backends) | new ClusterIP flow | tracked flow |\n|---:|---:|---:|---:|---:|"
+        "| services | miss (not a service) | new NodePort flow (SNAT, 100 backends) | new NodePort flow, Maglev | new NodePort flow, DSR | new ClusterIP flow | tracked flow | tracked DSR flow | Maglev ÷ random | new DSR ÷ new SNAT | tracked DSR ÷ SNAT |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in rows(results, "per_packet") {
+        let ns = |k: &str| r[k].as_f64().map_or("–".into(), |v| format!("{v:.0}"));
         let _ = writeln!(
             out,
-            "| {} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r["services"],
-            num(r, "miss_ns"),
-            num(r, "node_port_new_ns"),
-            num(r, "cluster_ip_new_ns"),
-            num(r, "tracked_ns")
+            ns("miss_ns"),
+            ns("node_port_new_ns"),
+            ns("node_port_new_maglev_ns"),
+            ns("node_port_new_dsr_ns"),
+            ns("cluster_ip_new_ns"),
+            ns("tracked_ns"),
+            ns("tracked_dsr_ns"),
+            ratio(r, "maglev_vs_random"),
+            ratio(r, "dsr_vs_snat_new"),
+            ratio(r, "dsr_vs_snat_tracked"),
         );
     }
     out
+}
+
+/// The external path on two nodes: an external client to a pod on the
+/// second node, straight and through the first node's NodePorts.
+fn external_table(out: &mut String, results: &Value) {
+    let Some(r) = rows(results, "external_path").next() else { return };
+    let _ = writeln!(
+        out,
+        "\n### External path, two nodes (eBPF mode): an external client to a pod on the other node, {} rounds of {} s, medians\n\nCPU: wrk's and nginx's user + system time (with the softirq work that ran in their context: most of both nodes' forwarding) per 10,000 connections.\n\n| path | conn/s | CPU ms per 10,000 | rate ÷ direct | CPU ÷ direct |\n|---|---:|---:|---:|---:|",
+        r["rounds"], r["seconds"]
+    );
+    for (name, label) in [
+        ("direct", "direct to the pod (via its node)"),
+        ("snat", "NodePort, SNAT"),
+        ("dsr", "NodePort, DSR"),
+        ("maglev_dsr", "NodePort, DSR with Maglev"),
+    ] {
+        let (rate, cpu) =
+            (num(r, &format!("{name}_per_s")), num(r, &format!("{name}_cpu_ms_per_10k")));
+        let (rate_ratio, cpu_ratio) = match name {
+            "direct" => ("1".to_string(), "1".to_string()),
+            _ => (
+                ratio(r, &format!("{name}_rate_vs_direct")),
+                ratio(r, &format!("{name}_cpu_vs_direct")),
+            ),
+        };
+        let _ = writeln!(out, "| {label} | {rate:.0} | {cpu:.0} | {rate_ratio} | {cpu_ratio} |");
+    }
+    let _ = writeln!(
+        out,
+        "\nDSR ÷ SNAT: rate {}, CPU {}; DSR with Maglev ÷ DSR: rate {}, CPU {}.",
+        ratio(r, "dsr_rate_vs_snat"),
+        ratio(r, "dsr_cpu_vs_snat"),
+        ratio(r, "maglev_dsr_rate_vs_dsr"),
+        ratio(r, "maglev_dsr_cpu_vs_dsr"),
+    );
 }
 
 type Series = (String, Vec<(f64, f64)>);
@@ -205,6 +249,12 @@ fn plot(
     data: &[Series],
     y_log: bool,
 ) -> anyhow::Result<()> {
+    // Nothing to draw (a run of the external path alone): no plot, where
+    // an empty range would have the axes ask for endless ticks.
+    if data.iter().all(|(_, points)| points.is_empty()) {
+        let _ = std::fs::remove_file(path);
+        return Ok(());
+    }
     let root = SVGBackend::new(path, (720, 420)).into_drawing_area();
     root.fill(&WHITE)?;
     let points = data.iter().flat_map(|(_, p)| p.iter());
@@ -272,7 +322,9 @@ pub fn plots(results: &Value, dir: &Path) -> anyhow::Result<()> {
 pub fn to_docs(dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all("docs/bench")?;
     for plot in ["connection-rate.svg", "programming-time.svg"] {
-        std::fs::copy(dir.join(plot), Path::new("docs/bench").join(plot))?;
+        if dir.join(plot).exists() {
+            std::fs::copy(dir.join(plot), Path::new("docs/bench").join(plot))?;
+        }
     }
     let report = std::fs::read_to_string(dir.join("report.md"))?;
     let doc = std::fs::read_to_string("docs/benchmarks.md")?;
