@@ -64,6 +64,8 @@ pub const SOCK_ITERATORS: &str = "bpf_sock_destroy from socket iterators (6.5+)"
 pub const SOCK_DESTROY: &str = "sock_diag SOCK_DESTROY (ends sockets to removed pods)";
 pub const SET_RETVAL: &str = "bpf_set_retval (5.18+; else refusals are EPERM)";
 pub const IPV6: &str = "IPv6 stack and ip6tables (IPv6 services)";
+pub const MAGLEV: &str = "Maglev (--bpf-lb-algorithm maglev)";
+pub const DSR: &str = "DSR (--bpf-lb-mode dsr|hybrid)";
 
 /// Picks the mode: eBPF when every required feature is there.
 pub fn decide(features: &[Feature]) -> Decision {
@@ -150,6 +152,29 @@ pub fn run() -> Vec<Feature> {
                 Err(e) => format!(
                     "{e} (CONFIG_INET_DIAG_DESTROY?): connected UDP sockets keep a removed endpoint"
                 ),
+            },
+        },
+        // Both are in the programs just verified (their maps, the hash,
+        // bpf_skb_adjust_room at the network layer, the FIB lookup): what
+        // they need beyond that is memory and a network, said here.
+        Feature {
+            name: MAGLEV,
+            required: false,
+            found: programs.is_ok(),
+            detail: if programs.is_ok() {
+                "verified; a table per external frontend that asks for it, 2 bytes an entry (32 KiB at 16381)".into()
+            } else {
+                "programs do not load".into()
+            },
+        },
+        Feature {
+            name: DSR,
+            required: false,
+            found: programs.is_ok(),
+            detail: if programs.is_ok() {
+                "verified; the network between nodes must carry IPv4 options and IPv6 destination options, and let replies leave with the service's address".into()
+            } else {
+                "programs do not load".into()
             },
         },
         Feature {

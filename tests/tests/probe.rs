@@ -22,6 +22,11 @@ fn this_kernel_runs_the_ebpf_mode() {
     assert!(table.contains(&"--proxy-mode auto would run: ebpf"), "{out}");
     // Then where the programs go, and why.
     assert!(out.contains("tc_pod_replies (ingress only)"), "{out}");
+    // What Maglev and DSR need, as features of their own.
+    for feature in ["Maglev (--bpf-lb-algorithm maglev)", "DSR (--bpf-lb-mode dsr|hybrid)"] {
+        let line = table.iter().find(|l| l.starts_with(feature)).unwrap_or_else(|| panic!("{out}"));
+        assert!(line.contains(" optional  yes "), "{line}");
+    }
 }
 
 #[test]
