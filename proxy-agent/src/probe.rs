@@ -157,26 +157,16 @@ pub fn run() -> Vec<Feature> {
         // Both are in the programs just verified (their maps, the hash,
         // bpf_skb_adjust_room at the network layer, the FIB lookup): what
         // they need beyond that is memory and a network, said here.
-        Feature {
-            name: MAGLEV,
-            required: false,
-            found: programs.is_ok(),
-            detail: if programs.is_ok() {
-                "verified; a table per external frontend that asks for it, 2 bytes an entry (32 KiB at 16381)".into()
-            } else {
-                "programs do not load".into()
-            },
-        },
-        Feature {
-            name: DSR,
-            required: false,
-            found: programs.is_ok(),
-            detail: if programs.is_ok() {
-                "verified; the network between nodes must carry IPv4 options and IPv6 destination options, and let replies leave with the service's address".into()
-            } else {
-                "programs do not load".into()
-            },
-        },
+        in_programs(
+            MAGLEV,
+            programs.is_ok(),
+            "a table per external frontend that asks for it, 2 bytes an entry (32 KiB at 16381)",
+        ),
+        in_programs(
+            DSR,
+            programs.is_ok(),
+            "the network between nodes must carry IPv4 options and IPv6 destination options, and let replies leave with the service's address",
+        ),
         Feature {
             name: IPV6,
             required: false,
@@ -189,6 +179,12 @@ pub fn run() -> Vec<Feature> {
             },
         },
     ]
+}
+
+/// A feature the verified programs hold (`loaded`), and what else it needs.
+fn in_programs(name: &'static str, loaded: bool, needs: &str) -> Feature {
+    let detail = if loaded { format!("verified; {needs}") } else { "programs do not load".into() };
+    Feature { name, required: false, found: loaded, detail }
 }
 
 /// What serving IPv6 needs beyond the programs: the kernel's IPv6 stack,
