@@ -302,24 +302,37 @@ pub fn dsr_service(ctx: &TcContext) -> Option<([u8; 4], u16)> {
 /// after the 20 plain bytes and shrinks a GSO packet's segment size to
 /// fit), the header length and total length grown, the header checksum
 /// updated by the difference. The L4 checksum is unchanged: its
-/// pseudo-header counts the segment, not the IP header.
+/// pseudo-header counts the segment, not the IP header. Written in place
+/// (the helper leaves the headers in the linear data): a store helper per
+/// field would cost about as much as the room itself.
 #[inline(always)]
 pub fn insert_dsr_option(ctx: &TcContext, service: [u8; 4], port: u16) -> Result<(), i64> {
-    const LEN_AT: usize = IP_OFF + offset_of!(Ipv4Hdr, tot_len);
+    const LEN_AT: usize = offset_of!(Ipv4Hdr, tot_len);
+    const CHECK_AT: usize = offset_of!(Ipv4Hdr, check);
     let first: [u8; 2] = header(ctx, IP_OFF).ok_or(-1i64)?;
-    let len: [u8; 2] = header(ctx, LEN_AT).ok_or(-1i64)?;
+    let len: [u8; 2] = header(ctx, IP_OFF + LEN_AT).ok_or(-1i64)?;
     ctx.adjust_room(OPT_LEN as i32, BPF_ADJ_ROOM_NET, 0)?;
     let option = DsrOption::new(service, port);
     let new_first = [IPV4_WITH_DSR, first[1]];
     let new_len = (u16::from_be_bytes(len) + OPT_LEN as u16).to_be_bytes();
-    ctx.store(IP_OFF + Ipv4Hdr::LEN, &option, 0)?;
-    ctx.store(IP_OFF, &new_first, 0)?;
-    ctx.store(LEN_AT, &new_len, 0)?;
     // The option's words join the sum as new words over zero ones.
     let mut sum = csum_diff_add(0, &first, &new_first);
     sum = csum_diff_add(sum, &len, &new_len);
     sum = csum_diff_add(sum, &[0; OPT_LEN as usize], &option.words());
-    ctx.l3_csum_replace(IP_OFF + offset_of!(Ipv4Hdr, check), 0, fold_diff(sum) as u64, 0)
+    let ip = ctx.data() + IP_OFF;
+    if ip + Ipv4Hdr::LEN + OPT_LEN as usize > ctx.data_end() {
+        return Err(-1);
+    }
+    // SAFETY: within the linear data, as just checked; unaligned stores,
+    // as in `rewrite`.
+    unsafe {
+        core::ptr::write_unaligned(ip as *mut [u8; 2], new_first);
+        core::ptr::write_unaligned((ip + LEN_AT) as *mut [u8; 2], new_len);
+        core::ptr::write_unaligned((ip + Ipv4Hdr::LEN) as *mut DsrOption, option);
+        let at = (ip + CHECK_AT) as *mut u16;
+        at.write_unaligned(csum_replaced(at.read_unaligned(), fold_diff(sum)));
+    }
+    Ok(())
 }
 
 /// The service the DSR header of an IPv6 packet names (see [`parse6`]).
@@ -340,12 +353,22 @@ pub fn insert_dsr_header6(
     service: [u8; 16],
     port: u16,
 ) -> Result<(), i64> {
-    const LEN_AT: usize = IP_OFF + offset_of!(Ipv6Hdr, payload_len);
-    let len: [u8; 2] = header(ctx, LEN_AT).ok_or(-1i64)?;
+    const LEN_AT: usize = offset_of!(Ipv6Hdr, payload_len);
+    let len: [u8; 2] = header(ctx, IP_OFF + LEN_AT).ok_or(-1i64)?;
     ctx.adjust_room(HDR6_LEN as i32, BPF_ADJ_ROOM_NET, 0)?;
-    ctx.store(IP_OFF + Ipv6Hdr::LEN, &DsrHeader6::new(proto, service, port), 0)?;
-    ctx.store(IP_OFF + offset_of!(Ipv6Hdr, next_hdr), &IPPROTO_DSTOPTS, 0)?;
-    ctx.store(LEN_AT, &(u16::from_be_bytes(len) + HDR6_LEN as u16).to_be_bytes(), 0)
+    let ip = ctx.data() + IP_OFF;
+    if ip + Ipv6Hdr::LEN + HDR6_LEN as usize > ctx.data_end() {
+        return Err(-1);
+    }
+    let new_len = (u16::from_be_bytes(len) + HDR6_LEN as u16).to_be_bytes();
+    // SAFETY: as in `insert_dsr_option`.
+    unsafe {
+        *((ip + offset_of!(Ipv6Hdr, next_hdr)) as *mut u8) = IPPROTO_DSTOPTS;
+        core::ptr::write_unaligned((ip + LEN_AT) as *mut [u8; 2], new_len);
+        let hdr = DsrHeader6::new(proto, service, port);
+        core::ptr::write_unaligned((ip + Ipv6Hdr::LEN) as *mut DsrHeader6, hdr);
+    }
+    Ok(())
 }
 
 /// Lowers the MSS a SYN-ACK announces by `overhead` bytes
