@@ -11,8 +11,8 @@
 //! the type, the length, the port and the address, in network order. The
 //! IPv6 one is Cilium's too: a destination-options header of 24 bytes
 //! holding one option of type 0x1b (its two high bits 00: "skip it if
-//! unknown", the pod's kernel ignores it), the port, two reserved bytes and
-//! the address.
+//! unknown", the pod's kernel ignores it), the address, the port and two
+//! reserved bytes.
 //!
 //! Both add bytes to every packet of the client's side of the flow; the
 //! backend's node lowers the MSS its pod announces by as much (see
@@ -97,10 +97,10 @@ pub struct DsrHeader6 {
     pub kind: u8,
     /// The option's data: everything after this byte.
     pub len: u8,
+    pub address: [u8; 16],
     /// Network order.
     pub port: [u8; 2],
     pub _reserved: [u8; 2],
-    pub address: [u8; 16],
 }
 
 impl DsrHeader6 {
@@ -112,9 +112,9 @@ impl DsrHeader6 {
             hdr_len: HDR6_UNITS,
             kind: OPT6_TYPE,
             len: HDR6_LEN - 4,
+            address,
             port: port.to_be_bytes(),
             _reserved: [0; 2],
-            address,
         }
     }
 
@@ -135,8 +135,9 @@ pub const fn overhead(ipv6: bool) -> u16 {
 }
 
 /// What an MSS option announcing `mss` becomes under DSR (`overhead`
-/// bytes less), or `None` where it stays: never below TCP's default of 536
-/// (RFC 9293), which a path must carry anyway.
+/// bytes less), or `None` where it stays: never below IPv4 TCP's default
+/// of 536 (RFC 9293), a floor for both families (an IPv6 path carries more,
+/// and the pod's own MSS is far above it on any real link).
 pub const fn clamped_mss(mss: u16, overhead: u16) -> Option<u16> {
     const FLOOR: u16 = 536;
     if mss >= FLOOR + overhead { Some(mss - overhead) } else { None }
@@ -161,7 +162,12 @@ mod tests {
         let address = [0xfd, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
         let hdr = DsrHeader6::new(6, address, 80);
         assert_eq!(size_of::<DsrHeader6>(), HDR6_LEN as usize);
-        assert_eq!((hdr.next_hdr, hdr.hdr_len, hdr.kind, hdr.len), (6, 2, 0x1b, 20));
+        // Byte for byte as Cilium's nodes write and read it.
+        // SAFETY: a repr(C) struct of bytes, no padding.
+        let bytes: [u8; 24] = unsafe { core::mem::transmute(hdr) };
+        assert_eq!(bytes[..4], [6, 2, 0x1b, 20]);
+        assert_eq!(bytes[4..20], address);
+        assert_eq!(bytes[20..], [0, 80, 0, 0]);
         assert_eq!(hdr.service(), Some((address, 80)));
         // A header of another length, or a padding option first, is not ours.
         assert_eq!(DsrHeader6 { hdr_len: 0, ..hdr }.service(), None);

@@ -693,9 +693,11 @@ pub mod ct {
         }
         if tcp_flags & TCP_FIN != 0 {
             next |= if reply { CT_FLAG_FIN_REPLY } else { CT_FLAG_FIN_ORIG };
-            // Nor does the backend's FIN: the client's ends the flow there
-            // (its last ACKs still pass while the entry lives).
-            if flags & CT_FLAG_DSR != 0 && !reply {
+            // Nor does the backend's FIN: on the node the flow entered (its
+            // entry never sees a reply), the client's ends the flow (its
+            // last ACKs still pass while the entry lives). The backend's
+            // node sees both FINs and waits for them, as for any flow.
+            if flags & (CT_FLAG_DSR | CT_FLAG_SEEN_REPLY) == CT_FLAG_DSR && !reply {
                 next |= CT_FLAG_FIN_REPLY;
             }
         }
@@ -1445,10 +1447,14 @@ mod tests {
         let est = next_flags(next_flags(CT_FLAG_DSR, TCP_SYN), TCP_ACK);
         let closed = next_flags(est, TCP_FIN | TCP_ACK);
         assert_eq!(life(closed), 120, "time-wait, not an hour of close-wait");
-        assert_eq!(on_closed(closed, TCP_ACK), Closed::Applies, "its last ACK still passes");
+        assert_eq!(life(next_flags(closed, TCP_ACK)), 120, "its last ACKs keep it closed");
         assert_eq!(on_closed(closed, TCP_SYN), Closed::Restarts);
         // Without DSR, one FIN is not the end.
         assert_eq!(life(next_flags(CT_FLAG_ESTABLISHED, TCP_FIN | TCP_ACK)), 3_600);
+        // Nor on the backend's node, whose entry saw the pod's replies: a
+        // client that half-closes may wait long for the rest.
+        let learnt = CT_FLAG_DSR | CT_FLAG_SEEN_REPLY | CT_FLAG_ESTABLISHED;
+        assert_eq!(life(next_flags(learnt, TCP_FIN | TCP_ACK)), 3_600);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use core::mem::offset_of;
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, bpf_adj_room_mode::BPF_ADJ_ROOM_NET},
-    helpers::generated::bpf_csum_diff,
+    helpers::generated::{bpf_csum_diff, bpf_csum_update},
     programs::TcContext,
 };
 use network_types::{
@@ -311,10 +311,10 @@ pub fn insert_dsr_option(ctx: &TcContext, service: [u8; 4], port: u16) -> Result
     const CHECK_AT: usize = offset_of!(Ipv4Hdr, check);
     let first: [u8; 2] = header(ctx, IP_OFF).ok_or(-1i64)?;
     let len: [u8; 2] = header(ctx, IP_OFF + LEN_AT).ok_or(-1i64)?;
+    let new_len = grown(len, OPT_LEN)?;
     ctx.adjust_room(OPT_LEN as i32, BPF_ADJ_ROOM_NET, 0)?;
     let option = DsrOption::new(service, port);
     let new_first = [IPV4_WITH_DSR, first[1]];
-    let new_len = (u16::from_be_bytes(len) + OPT_LEN as u16).to_be_bytes();
     // The option's words join the sum as new words over zero ones.
     let mut sum = csum_diff_add(0, &first, &new_first);
     sum = csum_diff_add(sum, &len, &new_len);
@@ -355,20 +355,44 @@ pub fn insert_dsr_header6(
 ) -> Result<(), i64> {
     const LEN_AT: usize = offset_of!(Ipv6Hdr, payload_len);
     let len: [u8; 2] = header(ctx, IP_OFF + LEN_AT).ok_or(-1i64)?;
+    let new_len = grown(len, HDR6_LEN)?;
+    // The next header shares its word with the hop limit.
+    const NEXT_AT: usize = offset_of!(Ipv6Hdr, next_hdr);
+    const _: () =
+        assert!(offset_of!(Ipv6Hdr, hop_limit) == NEXT_AT + 1 && NEXT_AT.is_multiple_of(2));
+    let next: [u8; 2] = header(ctx, IP_OFF + NEXT_AT).ok_or(-1i64)?;
     ctx.adjust_room(HDR6_LEN as i32, BPF_ADJ_ROOM_NET, 0)?;
     let ip = ctx.data() + IP_OFF;
     if ip + Ipv6Hdr::LEN + HDR6_LEN as usize > ctx.data_end() {
         return Err(-1);
     }
-    let new_len = (u16::from_be_bytes(len) + HDR6_LEN as u16).to_be_bytes();
+    let hdr = DsrHeader6::new(proto, service, port);
     // SAFETY: as in `insert_dsr_option`.
     unsafe {
-        *((ip + offset_of!(Ipv6Hdr, next_hdr)) as *mut u8) = IPPROTO_DSTOPTS;
+        *((ip + NEXT_AT) as *mut u8) = IPPROTO_DSTOPTS;
         core::ptr::write_unaligned((ip + LEN_AT) as *mut [u8; 2], new_len);
-        let hdr = DsrHeader6::new(proto, service, port);
         core::ptr::write_unaligned((ip + Ipv6Hdr::LEN) as *mut DsrHeader6, hdr);
     }
+    // IPv6 has no header checksum to balance the change: a packet whose
+    // receive checksum covers it (CHECKSUM_COMPLETE) has it updated.
+    let mut sum = csum_diff_add(0, &len, &new_len);
+    sum = csum_diff_add(sum, &next, &[IPPROTO_DSTOPTS, next[1]]);
+    // SAFETY: a plain 24-byte value, read as bytes.
+    let words: [u8; HDR6_LEN as usize] = unsafe { core::mem::transmute(hdr) };
+    sum = csum_diff_add(sum, &[0; HDR6_LEN as usize], &words);
+    // SAFETY: the program's own skb.
+    unsafe { bpf_csum_update(ctx.skb.skb, fold_diff(sum)) };
     Ok(())
+}
+
+/// A length field of a packet `by` bytes longer; an error where it would
+/// wrap or where it does not count the packet (0: BIG TCP's over 64 KiB).
+#[inline(always)]
+fn grown(len: [u8; 2], by: u8) -> Result<[u8; 2], i64> {
+    match u16::from_be_bytes(len) {
+        0 => Err(-1),
+        len => len.checked_add(by as u16).map(u16::to_be_bytes).ok_or(-1),
+    }
 }
 
 /// Lowers the MSS a SYN-ACK announces by `overhead` bytes

@@ -359,8 +359,9 @@ fn from_pods<F: Family>(cfg: &Config, saddr: F::Addr) -> bool {
 /// (hairpin), ClusterIP traffic from outside the cluster CIDR or all of it
 /// with `--masquerade-all`), except that external traffic from outside the
 /// cluster to a DSR frontend goes by direct server return to a backend on
-/// another node (an unfragmented packet; a backend here needs no option,
-/// its replies pass this node). `svc` is the frontend the client
+/// another node (an unfragmented packet with a plain header, where the
+/// option can go; a backend here needs no option, its replies pass this
+/// node). `svc` is the frontend the client
 /// addressed, whichever scope serves it: pods reaching a Local external
 /// address are not masqueraded (kube-proxy's short-circuit skips the
 /// ClusterIP's masquerade rule, which matches the ClusterIP). Two values
@@ -389,7 +390,10 @@ fn dispatch<F: Family>(
         if svc.flags.is_local_only() {
             return (false, false);
         }
-        let dsr = svc.flags.is_dsr() && pkt.first_fragment.is_none() && !from_pods::<F>(cfg, saddr);
+        let dsr = svc.flags.is_dsr()
+            && pkt.plain_ip_header
+            && pkt.first_fragment.is_none()
+            && !from_pods::<F>(cfg, saddr);
         // A backend here: its replies pass this node, no option needed.
         return (!dsr, dsr && !flags.is_local());
     }
