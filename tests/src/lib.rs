@@ -129,6 +129,18 @@ pub fn two_node_endpoints6(pods: &[&str]) -> Vec<test_objects::EndpointBuilder> 
         .collect()
 }
 
+/// The two-node web pods on a lab of two nodes: web-a on node 0, web-b
+/// and web-c on node 1 ([`two_node_endpoints`]), each serving http 8080,
+/// dns 5353/UDP and echo 9000.
+pub fn add_two_node_web_pods(lab: &mut Lab) {
+    for (node, letter) in [(0, "a"), (1, "b"), (1, "c")] {
+        let (address, _) = two_node_pod(letter);
+        let pod = lab.add_pod_on(node, &format!("web-{letter}"), address).unwrap();
+        lab.serve(&pod, &[8080], &[5353]).unwrap();
+        lab.serve_echo(&pod, 9000).unwrap();
+    }
+}
+
 /// A two-node web pod's IPv4 address and node, by letter.
 fn two_node_pod(letter: &str) -> (&'static str, &'static str) {
     match letter {
@@ -1418,13 +1430,7 @@ pub fn two_node_web_cluster_on(
         lab.dual_stack().unwrap();
     }
     lab.add_node().unwrap();
-    for (node, name, ip) in
-        [(0, "web-a", "10.244.1.2"), (1, "web-b", "10.244.2.2"), (1, "web-c", "10.244.2.3")]
-    {
-        let pod = lab.add_pod_on(node, name, ip).unwrap();
-        lab.serve(&pod, &[8080], &[5353]).unwrap();
-        lab.serve_echo(&pod, 9000).unwrap();
-    }
+    add_two_node_web_pods(&mut lab);
     let ext = lab.add_external("ext", "192.168.100.101").unwrap();
     lab.write_manifest(manifest).unwrap();
     for node in 0..2 {

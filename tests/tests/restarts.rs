@@ -17,7 +17,8 @@ use std::{
 };
 
 use proxy_lab::{
-    Attempt, Lab, Mode, Pod, Setup, both_modes, tally, target_bin, two_node_endpoints,
+    Attempt, Lab, Mode, Pod, Setup, add_two_node_web_pods, both_modes, tally, target_bin,
+    two_node_endpoints,
 };
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
@@ -140,13 +141,7 @@ impl Cluster {
     fn start(setup: Setup, extra: &[&'static str]) -> Self {
         let mut lab = Lab::with(setup).unwrap();
         lab.add_node().unwrap();
-        for (node, name, ip) in
-            [(0, "web-a", "10.244.1.2"), (1, "web-b", "10.244.2.2"), (1, "web-c", "10.244.2.3")]
-        {
-            let pod = lab.add_pod_on(node, name, ip).unwrap();
-            lab.serve(&pod, &[8080], &[5353]).unwrap();
-            lab.serve_echo(&pod, 9000).unwrap();
-        }
+        add_two_node_web_pods(&mut lab);
         let client = lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
         let ext = lab.add_external("ext", "192.168.100.101").unwrap();
         lab.write_manifest(&services()).unwrap();
