@@ -24,7 +24,7 @@ use proxy_agent::{
     fit, intern,
     model::{self, ServiceName},
     plan::{Node, Planner},
-    source::{self, Changes, Store},
+    source::{Changes, Store},
 };
 use test_objects::{Protocol::Tcp, ep, port, service, slice};
 
@@ -101,7 +101,7 @@ fn read(changes: &mut Changes, i: usize, endpoints: usize) {
     let es = slice("bench", &slice_name).service(&name).port("http", 8080, Tcp).endpoints(addrs);
     let key = |name: String| ServiceName { namespace: intern::name("bench"), name: name.into() };
     let name = key(name);
-    let parsed = source::parse_service(&name, &proxy_agent::objects::Service::from_api(&svc));
+    let parsed = model::parse_service(&name, proxy_agent::objects::Service::from_api(&svc));
     changes.services.insert(name, Some(parsed));
     let slice_name = key(slice_name);
     let parsed =

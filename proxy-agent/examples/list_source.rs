@@ -305,7 +305,7 @@ async fn split(kubeconfig: &Path, page_size: Option<u32>) -> anyhow::Result<Valu
     let mut services = Vec::new();
     let query =
         format!("labelSelector={}&fieldSelector={}", encode(LABELS), encode(SERVICE_FIELDS));
-    let parse = |s: Service| ServiceName::of(&s.metadata).map(|n| model::parse_service(&n, &s));
+    let parse = |s: Service| ServiceName::of(&s.metadata).map(|n| model::parse_service(&n, s));
     let s = list_kind(&client, "/api/v1/services", &query, page, parse, &mut services).await?;
     let mut slices = Vec::new();
     let query = format!("labelSelector={}", encode(LABELS));

@@ -34,17 +34,25 @@ use serde::{
     de::{DeserializeOwned, IgnoredAny, MapAccess, SeqAccess, Visitor},
 };
 
-use crate::{
-    intern,
-    model::{
-        BALANCING_ANNOTATIONS, Hints, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL,
-        SOURCE_RANGES_ANNOTATION,
-    },
-};
+use crate::intern;
 
+/// The label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// The label of objects another proxy serves.
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// The annotation the EndpointSlice controller sets to the time of the
 /// change (a pod, a service) that led to the slice's current state.
 pub const TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+/// The LoadBalancer source-ranges annotation kube-proxy still honours when
+/// the field is empty.
+pub const SOURCE_RANGES_ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
+/// The annotations that choose a service's load-balancing algorithm and
+/// forwarding mode ([`crate::model::balancing`]), the project's own first,
+/// then Cilium's.
+pub const LB_ALGORITHM_ANNOTATIONS: [&str; 2] =
+    ["proxy-agent.io/lb-algorithm", "service.cilium.io/lb-algorithm"];
+pub const FORWARDING_MODE_ANNOTATIONS: [&str; 2] =
+    ["proxy-agent.io/forwarding-mode", "service.cilium.io/forwarding-mode"];
 
 /// The labels and annotations the proxy reads; others are skipped.
 const KEPT: [&str; 8] = [
@@ -52,10 +60,10 @@ const KEPT: [&str; 8] = [
     SERVICE_PROXY_NAME_LABEL,
     TRIGGER_TIME,
     SOURCE_RANGES_ANNOTATION,
-    BALANCING_ANNOTATIONS[0],
-    BALANCING_ANNOTATIONS[1],
-    BALANCING_ANNOTATIONS[2],
-    BALANCING_ANNOTATIONS[3],
+    LB_ALGORITHM_ANNOTATIONS[0],
+    LB_ALGORITHM_ANNOTATIONS[1],
+    FORWARDING_MODE_ANNOTATIONS[0],
+    FORWARDING_MODE_ANNOTATIONS[1],
 ];
 
 /// `null` as the default, as k8s-openapi reads every field.
@@ -230,6 +238,20 @@ struct RawHints {
     for_zones: Vec<Named>,
     #[serde(default, deserialize_with = "nullable")]
     for_nodes: Vec<Named>,
+}
+
+/// The zones (`forZones`) and nodes (`forNodes`) an endpoint should serve.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Hints {
+    pub zones: Vec<String>,
+    pub nodes: Vec<String>,
+}
+
+impl Hints {
+    /// `None` when there are no hints.
+    pub fn new(zones: Vec<String>, nodes: Vec<String>) -> Option<Box<Hints>> {
+        (!zones.is_empty() || !nodes.is_empty()).then(|| Box::new(Hints { zones, nodes }))
+    }
 }
 
 fn hints<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Box<Hints>>, D::Error> {

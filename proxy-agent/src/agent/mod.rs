@@ -24,12 +24,10 @@ use crate::{
     metrics::Metrics,
     node::{AddressSource, NodeInfo},
     plan::{Frontend, Node, Planner},
-    source::{
-        Store, StoreUpdate,
-        kube::KubeSource,
-        manifests::{Manifests, Reload},
-    },
+    source::{Store, StoreUpdate, manifests::Reload},
 };
+
+pub use crate::source::Source;
 
 /// How often the manifests are checked (new bytes are taken on the second
 /// read that finds them), and the datapath looked after.
@@ -51,43 +49,6 @@ const MAX_RETRY: Duration = Duration::from_secs(10);
 const RETRY_EVERY: u32 = 25;
 /// What the agent logs once its datapath serves the source.
 const SERVING: &str = "datapath ready; serving";
-
-/// Where Services and EndpointSlices come from.
-pub enum Source {
-    Manifests(Manifests),
-    Kube(KubeSource),
-}
-
-impl Source {
-    /// What changed since the last reload; `None` where there is nothing to
-    /// look at: manifest files are read at polls only, so that their new
-    /// bytes are taken when two reads a poll apart agree (other rounds, a
-    /// link event or a due sync, may come a moment after a read).
-    fn reload(&mut self, polled: bool) -> Option<Reload> {
-        match self {
-            Source::Manifests(manifests) => polled.then(|| manifests.reload()),
-            Source::Kube(kube) => {
-                let (changed, complete) = kube.poll();
-                Some(Reload { changed, complete, ..Reload::default() })
-            }
-        }
-    }
-
-    /// Brings `store` up to date with the source.
-    fn update(&self, store: &mut Store) -> StoreUpdate {
-        match self {
-            Source::Manifests(manifests) => store.replace(manifests.snapshot()),
-            Source::Kube(kube) => store.apply(kube.take_changes()),
-        }
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Source::Manifests(_) => "manifests",
-            Source::Kube(_) => "API server",
-        }
-    }
-}
 
 /// What the loop starts from (`commands::run` builds it).
 pub struct Start {

@@ -4,7 +4,7 @@
 //! annotations, the project's own and Cilium's (so a cluster moving from
 //! Cilium keeps its choices).
 
-use crate::objects;
+use crate::objects::{self, FORWARDING_MODE_ANNOTATIONS, LB_ALGORITHM_ANNOTATIONS};
 
 /// A setting a service may choose by annotation, and the words it takes.
 pub trait Annotated: Copy + Sized + 'static {
@@ -38,8 +38,7 @@ pub enum LbAlgorithm {
 }
 
 impl Annotated for LbAlgorithm {
-    const ANNOTATIONS: [&'static str; 2] =
-        ["proxy-agent.io/lb-algorithm", "service.cilium.io/lb-algorithm"];
+    const ANNOTATIONS: [&'static str; 2] = LB_ALGORITHM_ANNOTATIONS;
     const ALL: &'static [Self] = &[LbAlgorithm::Random, LbAlgorithm::Maglev];
 
     fn as_str(self) -> &'static str {
@@ -64,8 +63,7 @@ pub enum ForwardingMode {
 }
 
 impl Annotated for ForwardingMode {
-    const ANNOTATIONS: [&'static str; 2] =
-        ["proxy-agent.io/forwarding-mode", "service.cilium.io/forwarding-mode"];
+    const ANNOTATIONS: [&'static str; 2] = FORWARDING_MODE_ANNOTATIONS;
     const ALL: &'static [Self] = &[ForwardingMode::Snat, ForwardingMode::Dsr];
 
     fn as_str(self) -> &'static str {
@@ -102,10 +100,14 @@ impl Annotated for LbMode {
 
 impl LbMode {
     /// The forwarding of a service port of `protocol` under this mode.
-    pub fn for_protocol(self, protocol: super::Protocol) -> ForwardingMode {
+    pub fn for_protocol(self, protocol: super::vocabulary::Protocol) -> ForwardingMode {
         match (self, protocol) {
-            (LbMode::Snat, _) | (LbMode::Hybrid, super::Protocol::Udp) => ForwardingMode::Snat,
-            (LbMode::Dsr, _) | (LbMode::Hybrid, super::Protocol::Tcp) => ForwardingMode::Dsr,
+            (LbMode::Snat, _) | (LbMode::Hybrid, super::vocabulary::Protocol::Udp) => {
+                ForwardingMode::Snat
+            }
+            (LbMode::Dsr, _) | (LbMode::Hybrid, super::vocabulary::Protocol::Tcp) => {
+                ForwardingMode::Dsr
+            }
         }
     }
 }
@@ -149,14 +151,6 @@ impl<T: Copy> Choice<T> {
         matches!(self, Choice::Unknown)
     }
 }
-
-/// Every annotation the proxy reads for these settings.
-pub const ANNOTATIONS: [&str; 4] = [
-    LbAlgorithm::ANNOTATIONS[0],
-    LbAlgorithm::ANNOTATIONS[1],
-    ForwardingMode::ANNOTATIONS[0],
-    ForwardingMode::ANNOTATIONS[1],
-];
 
 /// The problem of a service whose annotations of `T` have an unknown value.
 pub fn unknown_value<T: Annotated>(service: &impl std::fmt::Display, flag: &str) -> String {

@@ -29,10 +29,10 @@ use kube::{
 };
 use tokio::sync::Notify;
 
-use super::{Changes, ParsedService};
+use super::snapshot::Changes;
 use crate::{
     intern,
-    model::{self, ParsedSlice, ServiceName},
+    model::{self, ParsedService, ParsedSlice, ServiceName},
     objects::{EndpointSlice, Service},
 };
 
@@ -166,12 +166,8 @@ impl NodeWatch {
     }
 }
 
-// Each kind's parse, the object named as [`name_of`] reads it: the API
-// server sends none without a name or namespace.
-fn parse_service(name: &ServiceName, service: Service) -> ParsedService {
-    super::parse_service(name, &service)
-}
-
+// A slice's parse, shared, the object named as [`name_of`] reads it (as a
+// Service's): the API server sends none without a name or namespace.
 fn parse_slice(name: &ServiceName, slice: EndpointSlice) -> Arc<ParsedSlice> {
     Arc::new(model::parse_slice(name, slice))
 }
@@ -245,7 +241,7 @@ impl KubeSource {
                 services,
                 &shared,
                 &changed,
-                |s, e| s.services.apply(e, parse_service),
+                |s, e| s.services.apply(e, model::parse_service),
             ),
             spawn_watch(
                 Api::<EndpointSlice>::all(client.clone()),
@@ -370,6 +366,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::parse_service;
 
     fn service(name: &str, port: i32) -> Service {
         let service = test_objects::service("lab", name).cluster_ip("10.96.0.10");

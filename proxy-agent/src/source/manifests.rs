@@ -18,7 +18,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::{ObjectRef, Snapshot};
+use super::snapshot::{ObjectRef, Snapshot};
 use crate::{intern, model::ServiceName, yaml::Value};
 
 #[derive(Debug, thiserror::Error)]
@@ -313,7 +313,7 @@ fn decode(
     }
     let decoded = match (api_version, kind.as_str()) {
         ("v1", "Service") => {
-            serde_json::from_value(value).map(|s| snapshot.add_service(name.clone(), &s))
+            serde_json::from_value(value).map(|s| snapshot.add_service(name.clone(), s))
         }
         ("discovery.k8s.io/v1", "EndpointSlice") => {
             serde_json::from_value(value).map(|s| snapshot.add_slice(name.clone(), s))

@@ -1,0 +1,237 @@
+//! EndpointSlices as kube-proxy reads them: each slice's endpoints per
+//! slice port, then a service port's endpoints merged from its slices.
+
+use std::{cell::RefCell, sync::Arc, time::SystemTime};
+
+use super::{
+    error::ModelError,
+    service::ServicePort,
+    vocabulary::{EndpointAddr, IpFamily, Protocol, ServiceName},
+};
+pub use crate::objects::Hints;
+use crate::{
+    intern::{self, Interner},
+    objects,
+};
+
+/// One endpoint of a service port, with the EndpointSlice conditions.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Endpoint {
+    /// Of the family of its service port's cluster IP.
+    pub addr: EndpointAddr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    /// Its node and hints, behind a thin pointer (an endpoint is 32
+    /// bytes): one allocation shared by the endpoints in the same place,
+    /// as a cluster has millions of endpoints and few nodes.
+    pub(super) place: Option<Arc<Place>>,
+}
+
+/// Where an endpoint runs and which clients it should serve.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) struct Place {
+    node_name: Option<Arc<str>>,
+    /// EndpointSlice hints, boxed: most endpoints have none.
+    hints: Option<Box<Hints>>,
+}
+
+impl Place {
+    /// `None` for an endpoint of no node without hints.
+    fn of(node_name: Option<Arc<str>>, hints: Option<Box<Hints>>) -> Option<Place> {
+        (node_name.is_some() || hints.is_some()).then_some(Place { node_name, hints })
+    }
+
+    /// The shared place equal to this one: every endpoint on a node (with
+    /// the same hints) names one, across slices.
+    fn shared(self) -> Arc<Place> {
+        thread_local! {
+            static PLACES: RefCell<Interner<Place>> = RefCell::default();
+        }
+        PLACES.with_borrow_mut(|places| places.get(&self, |place| Arc::new(place.clone())))
+    }
+}
+
+impl Endpoint {
+    /// An endpoint in these conditions, of no node and without hints.
+    pub fn new(addr: EndpointAddr, ready: bool, serving: bool, terminating: bool) -> Self {
+        Endpoint { addr, ready, serving, terminating, place: None }
+    }
+
+    /// The same on `node_name`, with `hints`.
+    pub fn placed(self, node_name: Option<Arc<str>>, hints: Option<Box<Hints>>) -> Self {
+        Endpoint { place: Place::of(node_name, hints).map(Arc::new), ..self }
+    }
+
+    pub fn node_name(&self) -> Option<&str> {
+        self.place.as_ref()?.node_name.as_deref()
+    }
+
+    fn hints(&self) -> Option<&Hints> {
+        self.place.as_ref()?.hints.as_deref()
+    }
+
+    pub fn zone_hints(&self) -> &[String] {
+        self.hints().map_or(&[], |h| &h.zones)
+    }
+
+    pub fn node_hints(&self) -> &[String] {
+        self.hints().map_or(&[], |h| &h.nodes)
+    }
+}
+
+/// Key of one slice port: (port name, protocol).
+type SlicePortKey = (Arc<str>, Protocol);
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ParsedSlice {
+    /// The service it belongs to (`kubernetes.io/service-name`, in its
+    /// namespace); `None` when the proxy has no use for it (FQDN,
+    /// unlabelled).
+    pub service: Option<ServiceName>,
+    /// Its `addressType` (meaningless without `service`).
+    pub(super) family: Option<IpFamily>,
+    /// Per slice port, its endpoints with its number: sorted by address,
+    /// one per address, as a service port holds them.
+    pub(super) ports: Vec<(SlicePortKey, Arc<[Endpoint]>)>,
+    /// Addresses and ports that were skipped.
+    pub errors: Vec<ModelError>,
+    /// `endpoints.kubernetes.io/last-change-trigger-time`.
+    pub trigger_time: Option<SystemTime>,
+}
+
+/// Reads EndpointSlice `slice_name` (taking its endpoints): what the proxy
+/// keeps of it. Its service's name shares the slice's namespace.
+pub fn parse_slice(slice_name: &ServiceName, slice: objects::EndpointSlice) -> ParsedSlice {
+    let trigger_time = slice.trigger_time.as_deref().and_then(crate::time::parse_rfc3339);
+    let mut parsed = ParsedSlice { trigger_time, ..ParsedSlice::default() };
+    // FQDN slices are not proxied, as in kube-proxy.
+    let (Some(service), Some(family)) = (slice.service_name, IpFamily::parse(&slice.address_type))
+    else {
+        return parsed;
+    };
+    parsed.service =
+        Some(ServiceName { namespace: slice_name.namespace.clone(), name: service.into() });
+    parsed.family = Some(family);
+    let ports = slice_ports(slice_name, slice.ports, &mut parsed.errors);
+    // Exactly as many as listed: a million endpoints are held here.
+    let mut endpoints = Vec::with_capacity(slice.endpoints.len());
+    for endpoint in slice.endpoints {
+        let ip = match endpoint.address {
+            objects::Address::None => continue,
+            objects::Address::Ip(ip) if IpFamily::of(ip) == family => Ok(ip),
+            // An address of the other family is not one of this slice's.
+            objects::Address::Ip(ip) => Err(ip.to_string()),
+            objects::Address::Invalid(text) => Err(text),
+        };
+        let ip = match ip {
+            Ok(ip) => ip,
+            Err(value) => {
+                let slice = slice_name.clone();
+                parsed.errors.push(ModelError::InvalidEndpointAddress { slice, value });
+                continue;
+            }
+        };
+        let conditions = endpoint.conditions;
+        endpoints.push(Endpoint {
+            addr: EndpointAddr::new(ip, 0),
+            // Unset conditions mean ready, serving, not terminating (as
+            // kube-proxy reads them).
+            ready: conditions.ready.unwrap_or(true),
+            serving: conditions.serving.unwrap_or(true),
+            terminating: conditions.terminating.unwrap_or(false),
+            place: Place::of(endpoint.node_name, endpoint.hints).map(Place::shared),
+        });
+    }
+    one_per_address(&mut endpoints);
+    parsed.ports = ports
+        .into_iter()
+        .map(|(key, number)| {
+            let numbered = endpoints
+                .iter()
+                .map(|e| Endpoint { addr: EndpointAddr::new(e.addr.ip(), number), ..e.clone() });
+            (key, numbered.collect())
+        })
+        .collect();
+    parsed
+}
+
+/// A slice's ports the proxy can use, by (name, protocol); the others are
+/// reported.
+fn slice_ports(
+    slice_name: &ServiceName,
+    ports: Vec<objects::SlicePort>,
+    errors: &mut Vec<ModelError>,
+) -> Vec<(SlicePortKey, u16)> {
+    let mut usable = Vec::with_capacity(ports.len());
+    for port in ports {
+        let port_name = port.name.unwrap_or_default();
+        let protocol = match Protocol::parse(port.protocol.as_deref()) {
+            Ok(Some(protocol)) => protocol,
+            Ok(None) => continue,
+            Err(protocol) => {
+                errors.push(ModelError::UnsupportedSlicePortProtocol {
+                    slice: slice_name.clone(),
+                    port_name,
+                    protocol,
+                });
+                continue;
+            }
+        };
+        let number = port.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0);
+        let Some(number) = number else {
+            errors.push(ModelError::InvalidEndpointPort {
+                slice: slice_name.clone(),
+                port_name,
+                port: port.port,
+            });
+            continue;
+        };
+        usable.push(((intern::name(&port_name), protocol), number));
+    }
+    usable
+}
+
+/// A service's ports (from [`parse_service`]) with the endpoints of its
+/// slices: merged, one per address; a service port takes the number of the
+/// slice port of its family with its name and protocol.
+pub fn with_endpoints<'a>(
+    ports: &[ServicePort],
+    slices: impl IntoIterator<Item = &'a ParsedSlice>,
+) -> Vec<ServicePort> {
+    let slices: Vec<&ParsedSlice> = slices.into_iter().collect();
+    ports
+        .iter()
+        .map(|port| {
+            let lists = slices
+                .iter()
+                .filter(|slice| slice.family == Some(port.family()))
+                .flat_map(|slice| {
+                    slice.ports.iter().filter(|((name, protocol), _)| {
+                        **name == *port.name.port && *protocol == port.protocol
+                    })
+                })
+                .map(|(_, endpoints)| endpoints);
+            ServicePort { endpoints: merged(lists), ..port.clone() }
+        })
+        .collect()
+}
+
+/// Endpoint lists of one service port merged: one list is shared as it is.
+fn merged<'a>(mut lists: impl Iterator<Item = &'a Arc<[Endpoint]>>) -> Arc<[Endpoint]> {
+    let Some(first) = lists.next() else { return Arc::default() };
+    let Some(second) = lists.next() else { return first.clone() };
+    let mut all: Vec<Endpoint> =
+        [first, second].into_iter().chain(lists).flat_map(|list| list.iter().cloned()).collect();
+    one_per_address(&mut all);
+    all.into()
+}
+
+/// Sorts by address, keeping one endpoint per address: the first in the
+/// best state (the same endpoint in two slices during a rebalance, or
+/// listed twice in one).
+fn one_per_address(endpoints: &mut Vec<Endpoint>) {
+    // Stable: among equals, the first listed stays first.
+    endpoints.sort_by_key(|e| (e.addr, std::cmp::Reverse((e.ready, e.serving))));
+    endpoints.dedup_by_key(|e| e.addr);
+}
