@@ -17,7 +17,7 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use super::{LbEntry, maps::protocol};
+use super::{LbEntry, protocol};
 
 /// One flow of service traffic.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]

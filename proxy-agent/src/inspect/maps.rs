@@ -9,9 +9,8 @@ use std::{collections::BTreeMap, net::SocketAddr, path::Path};
 use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common::{
     Backend, Backend6, CtEntry6V1, CtEntry6V2, CtEntryV1, CtEntryV2, CtKey, CtKey6, FrontendInfo,
-    IPPROTO_TCP, IPPROTO_UDP, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER,
-    KIND_NODE_PORT, ServiceKey, ServiceKey6, ServiceValue, SockRevNat, SockRevNat6, SockRevNatKey,
-    SockRevNatKey6,
+    KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, ServiceKey, ServiceKey6,
+    ServiceValue, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6,
     maglev::{MaglevChunk, MaglevKey},
     map_names,
 };
@@ -121,14 +120,6 @@ pub fn read_flows(root: &Path, now_ns: u64) -> Result<Vec<CtRow>, ReadError> {
     Ok(rows)
 }
 
-pub fn protocol(proto: u8) -> &'static str {
-    match proto {
-        IPPROTO_TCP => "tcp",
-        IPPROTO_UDP => "udp",
-        _ => "?",
-    }
-}
-
 pub fn kind(info: &FrontendInfo) -> &'static str {
     match info.kind {
         KIND_CLUSTER_IP => "ClusterIP",
@@ -189,6 +180,7 @@ mod tests {
     use proxy_common::{BackendFlags, ServiceFlags};
 
     use super::*;
+    use proxy_common::{IPPROTO_TCP, IPPROTO_UDP};
 
     #[test]
     fn frontends_are_joined_with_their_backends_and_names() {

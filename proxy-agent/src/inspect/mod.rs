@@ -12,6 +12,7 @@ pub mod rule_walk;
 
 use std::fmt::Write as _;
 
+use proxy_common::{IPPROTO_TCP, IPPROTO_UDP};
 use serde::Serialize;
 
 /// Flags of a frontend, in words (the same in both modes).
@@ -33,6 +34,15 @@ pub mod flag {
     /// Flows from outside to backends on other nodes go by direct server
     /// return (eBPF; the iptables rules masquerade).
     pub const DSR: &str = "dsr";
+}
+
+/// A protocol number's name, as the tables print it.
+pub fn protocol(proto: u8) -> &'static str {
+    match proto {
+        IPPROTO_TCP => "tcp",
+        IPPROTO_UDP => "udp",
+        _ => "?",
+    }
 }
 
 /// One frontend of a service and where it sends traffic.

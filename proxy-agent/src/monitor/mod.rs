@@ -16,7 +16,7 @@ use std::{
 use proxy_common::monitor::{EventTuple, MonitorEvent, hook, reason, verdict};
 use serde::Serialize;
 
-use crate::inspect::maps::protocol;
+use crate::inspect::protocol;
 
 /// One event, in words.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
