@@ -14,22 +14,12 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+pub use crate::node::NodeEligibility;
 use crate::{
     http::{self, Reply},
     model::{IpFamily, ServiceName, ServicePort},
     time,
 };
-
-/// Whether this node should receive load-balancer traffic, from its Node
-/// object (kube-proxy: it exists, is not being deleted, and has no
-/// `ToBeDeletedByClusterAutoscaler` taint). Without an API server there is
-/// no Node object, and the node is taken as eligible.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NodeEligibility {
-    NoApiServer,
-    Eligible,
-    Ineligible,
-}
 
 #[derive(Debug)]
 struct State {

@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, net::IpAddr};
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::Node;
 
-use crate::{health::NodeEligibility, sys};
+use crate::sys;
 
 /// The node label naming its zone.
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
@@ -96,6 +96,17 @@ pub fn tc_interfaces(
             Some((name.clone(), facing))
         })
         .collect()
+}
+
+/// Whether this node should receive load-balancer traffic, from its Node
+/// object (kube-proxy: it exists, is not being deleted, and has no
+/// `ToBeDeletedByClusterAutoscaler` taint). Without an API server there is
+/// no Node object, and the node is taken as eligible.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeEligibility {
+    NoApiServer,
+    Eligible,
+    Ineligible,
 }
 
 /// What the Node object says about this node.

@@ -19,11 +19,14 @@
 //!   and source ranges, and the endpoints of that family's EndpointSlices
 //!   (`addressType`; FQDN slices are ignored).
 //!
-//! By concern, as kube-proxy splits them: the shared [`vocabulary`], the
-//! semantics of [`service`]s and of [`endpoint_slice`]s, the
-//! [`balancing`] annotations, and here the [`Model`] of them all.
+//! By concern, as kube-proxy splits them, each using only those before it:
+//! the shared [`vocabulary`], the [`error`]s, an [`endpoint`], the
+//! [`balancing`] annotations, the semantics of [`service`]s, those of
+//! [`endpoint_slice`]s (which fill a service's ports), and here the
+//! [`Model`] of them all.
 
 pub mod balancing;
+pub mod endpoint;
 pub mod endpoint_slice;
 pub mod error;
 pub mod service;
@@ -35,7 +38,8 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 pub use self::{
     balancing::{Annotated, Choice, ForwardingMode, LbAlgorithm, LbMode},
-    endpoint_slice::{Endpoint, Hints, ParsedSlice, parse_slice, with_endpoints},
+    endpoint::{Endpoint, Hints},
+    endpoint_slice::{ParsedSlice, parse_slice, with_endpoints},
     error::ModelError,
     service::{DEFAULT_AFFINITY_TIMEOUT_SECS, Exposure, ParsedService, ServicePort, parse_service},
     vocabulary::{

@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::ServiceSpec;
 
 use super::{
     balancing::{Choice, ForwardingMode, LbAlgorithm},
-    endpoint_slice::Endpoint,
+    endpoint::Endpoint,
     error::ModelError,
     vocabulary::{Cidr, IpFamily, Protocol, ServiceName, ServicePortName},
 };

@@ -9,7 +9,8 @@ use test_objects::{EndpointBuilder, Protocol::*, ServiceBuilder, ep, port, slice
 fn hinted(endpoints: impl IntoIterator<Item = EndpointBuilder>) -> ServicePort {
     let web = svc("web", "10.96.0.10").port(port(None, 80));
     let endpoints = web.slice().port(None, 8080, Tcp).endpoints(endpoints);
-    let model = crate::source::model_of(&[web.build()], &[endpoints.build()]);
+    let model = build(&[web.build()], &[endpoints.build()]);
+    assert!(model.errors.is_empty(), "{:?}", model.errors);
     model.ports().next().unwrap().clone()
 }
 
