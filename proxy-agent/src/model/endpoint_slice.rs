@@ -124,7 +124,7 @@ fn slice_ports(
     usable
 }
 
-/// A service's ports (from [`parse_service`]) with the endpoints of its
+/// A service's ports (from [`super::parse_service`]) with the endpoints of its
 /// slices: merged, one per address; a service port takes the number of the
 /// slice port of its family with its name and protocol.
 pub fn with_endpoints<'a>(

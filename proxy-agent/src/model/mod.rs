@@ -91,7 +91,7 @@ impl Model {
     }
 
     /// Rebuilds the map of services dense after `grown` were set (see
-    /// [`compact::refill`]).
+    /// [`crate::compact::refill`]).
     pub fn refill(&mut self, grown: usize) {
         crate::compact::refill(&mut self.services, grown);
     }
