@@ -54,7 +54,7 @@ fn qemu(image: &Image, initrd: &Path, accel: Accel, cmdline: &str) -> Command {
         Accel::Tcg => cmd.args(["-accel", "tcg,tb-size=256", "-cpu", "max"]),
     };
     // No network device: the lab makes its own namespaces inside.
-    cmd.args(["-m", "2048", "-smp", "2", "-nic", "none", "-no-reboot"])
+    cmd.args(["-m", "3072", "-smp", "2", "-nic", "none", "-no-reboot"])
         .args(["-display", "none", "-serial", "stdio", "-monitor", "none"])
         .arg("-kernel")
         .arg(&image.vmlinuz)
