@@ -1,11 +1,14 @@
 //! Developer tasks: `cargo xtask setup | demo | test | bench | packet-bench | soak |
 //! vmtest`.
 
+mod artifacts;
 mod bench;
 mod demo;
 mod report;
+mod runner;
 mod setup;
 mod soak;
+mod suite;
 mod vmtest;
 
 use std::process::Command;
@@ -34,8 +37,17 @@ enum Task {
         mode: DemoMode,
     },
     /// Setup, lint, build, and run every test (unit and lab; needs root),
-    /// then the kernel matrix on 6.1 (`vmtest --kernel 6.1`).
-    Test,
+    /// each in its own process, several at a time, with the kernel matrix
+    /// on 6.1 (`vmtest --kernel 6.1`) booted beside them; the time of each
+    /// phase at the end.
+    Test {
+        /// Tests run at a time (the lab's tests mostly wait)
+        #[arg(long, default_value_t = 6)]
+        jobs: usize,
+        /// The VM matrix's kernel: 5.10, 6.1, all, or none
+        #[arg(long, default_value = "6.1", value_parser = ["5.10", "6.1", "all", "none"])]
+        kernel: String,
+    },
     /// What a Service costs: connection rates against a direct connection,
     /// programming time, change latency and memory, for 1, 1,000 and 10,000
     /// services (and 100,000 with --full), in eBPF and iptables mode; an
@@ -123,21 +135,11 @@ fn main() -> anyhow::Result<()> {
         Task::Setup => setup::run(),
         Task::Demo { mode } => {
             setup::run()?;
-            build()?;
+            artifacts::bins()?;
             demo::run(mode.lab())
         }
-        Task::Test => {
-            setup::run()?;
-            require_root()?;
-            cargo(&["fmt", "--all", "--check"])?;
-            let clippy = ["clippy", "--workspace", "--exclude", "proxy-ebpf", "--all-targets"];
-            cargo(&[&clippy[..], &["--", "-D", "warnings"]].concat())?;
-            clippy_bpf()?;
-            build_other_layout()?;
-            build()?;
-            cargo(&["test", "--workspace", "--exclude", "proxy-ebpf"])?;
-            setup::vm_packages()?;
-            vmtest::run(&vmtest::kernels("6.1"))
+        Task::Test { jobs, kernel } => {
+            suite::run(suite::Options { jobs, kernels: vmtest::kernels(&kernel) })
         }
         Task::Bench { options, iptables_backends } => {
             setup::run()?;
@@ -148,7 +150,7 @@ fn main() -> anyhow::Result<()> {
             if rerun_optimized()? {
                 return Ok(());
             }
-            release_build()?;
+            artifacts::release_bins()?;
             if iptables_backends {
                 return bench::iptables_backends(&options.sizes, options.full);
             }
@@ -169,7 +171,7 @@ fn main() -> anyhow::Result<()> {
             if rerun_optimized()? {
                 return Ok(());
             }
-            release_build()?;
+            artifacts::release_bins()?;
             let warm_up = std::time::Duration::from_secs(warm_up);
             soak::run(soak::Options { minutes, mode: mode.lab(), rate, warm_up })
         }
@@ -195,29 +197,8 @@ fn rerun_optimized() -> anyhow::Result<bool> {
     Ok(true)
 }
 
-/// The agent and the lab's pod binary, optimized.
-fn release_build() -> anyhow::Result<()> {
-    cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])
-}
-
-/// The agent and the lab's pod binary, which the demo and lab tests run.
-fn build() -> anyhow::Result<()> {
-    cargo(&["build", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])
-}
-
-/// The agent with the other conntrack layout (`ct-lean`), as
-/// `target/debug/proxy-agent-ct-lean`: the upgrade tests move flows
-/// between it and the default build.
-fn build_other_layout() -> anyhow::Result<()> {
-    cargo(&["build", "-p", "proxy-agent", "--features", "ct-lean"])?;
-    let dir = std::path::Path::new("target/debug");
-    std::fs::copy(dir.join("proxy-agent"), dir.join("proxy-agent-ct-lean"))
-        .context("keeping the ct-lean build")?;
-    Ok(())
-}
-
 /// Lints the BPF crate for its own target, as the build compiles it.
-fn clippy_bpf() -> anyhow::Result<()> {
+pub(crate) fn clippy_bpf() -> anyhow::Result<()> {
     let status = Command::new("rustup")
         .args(["run", "nightly", "cargo", "clippy", "-p", "proxy-ebpf"])
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
@@ -234,7 +215,7 @@ fn clippy_bpf() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn cargo(args: &[&str]) -> anyhow::Result<()> {
+pub(crate) fn cargo(args: &[&str]) -> anyhow::Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = Command::new(&cargo)
         .args(args)
@@ -246,7 +227,7 @@ fn cargo(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn require_root() -> anyhow::Result<()> {
+pub(crate) fn require_root() -> anyhow::Result<()> {
     // SAFETY: no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("the lab needs root: network namespaces, cgroups and BPF programs");

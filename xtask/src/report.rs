@@ -127,8 +127,13 @@ pub fn markdown(results: &Value) -> String {
             "| {} | {source} | {services} × {per_service} |",
             r["mode"].as_str().unwrap_or("")
         );
-        let _ = match r["failed"].as_str() {
-            Some(why) => writeln!(out, "{head} failed: {why} | | | | | | |"),
+        let unfinished = match (r["failed"].as_str(), r["over_limit_s"].as_u64()) {
+            (Some(why), _) => Some(format!("failed: {why}")),
+            (None, Some(limit)) => Some(format!("not serving within {limit} s")),
+            (None, None) => None,
+        };
+        let _ = match unfinished {
+            Some(why) => writeln!(out, "{head} {why} | | | | | | |"),
             None => writeln!(
                 out,
                 "{head} {:.2} | {:.2} | {:.3} | {} | {} | {:.1} | {:.1} |",

@@ -1,0 +1,131 @@
+//! `cargo xtask test`: lint, build once, then the kernel matrix's VM boots
+//! beside everything else (it only needs the build) while the other
+//! layout's agent is built, the lints run and every test runs in parallel;
+//! the time of each phase at the end.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+use crate::{artifacts, cargo, clippy_bpf, require_root, runner, setup, vmtest};
+
+pub struct Options {
+    /// Tests run at a time.
+    pub jobs: usize,
+    /// The VM matrix's kernels (none: no VM).
+    pub kernels: Vec<vmtest::Kernel>,
+}
+
+pub fn run(options: Options) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut phases = Phases::default();
+    phases.time("setup", || {
+        setup::run()?;
+        if !options.kernels.is_empty() {
+            setup::vm_packages()?;
+        }
+        Ok(())
+    })?;
+    require_root()?;
+    phases.time("format", || cargo(&["fmt", "--all", "--check"]))?;
+    let tests = phases.time("build", || {
+        artifacts::bins()?;
+        artifacts::tests(&[])
+    })?;
+    let vm = {
+        let (kernels, tests) = (options.kernels.clone(), tests.clone());
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let result =
+                if kernels.is_empty() { Ok(()) } else { vmtest::run_built(&kernels, &tests) };
+            (result, started.elapsed())
+        })
+    };
+    let beside = (|| {
+        phases.time("other conntrack layout", artifacts::other_layout)?;
+        phases.time("lint", || {
+            let clippy = ["clippy", "--workspace", "--exclude", "proxy-ebpf", "--all-targets"];
+            cargo(&[&clippy[..], &["--", "-D", "warnings"]].concat())?;
+            clippy_bpf()
+        })?;
+        phases.time("tests", || runner::run(&tests, options.jobs))
+    })();
+    // The VM is waited for whatever happened here: its qemu must not
+    // outlive the task.
+    let (vm_result, vm_took) = vm.join().map_err(|_| anyhow::anyhow!("the VM thread panicked"))?;
+    let summary = beside?;
+    if !options.kernels.is_empty() {
+        let names: Vec<&str> = options.kernels.iter().map(|k| k.name).collect();
+        phases.add(&format!("VM matrix {} (beside the above)", names.join(", ")), vm_took);
+    }
+    for (name, output) in &summary.failed {
+        eprintln!("\n---- {name} ----\n{output}");
+    }
+    eprintln!("\nslowest tests:");
+    for (name, took) in &summary.slowest {
+        eprintln!("  {:>6.1} s  {name}", took.as_secs_f64());
+    }
+    eprintln!(
+        "\ntests: {} passed, {} failed, {} ignored ({} at a time)",
+        summary.passed,
+        summary.failed.len(),
+        summary.ignored,
+        options.jobs
+    );
+    phases.add("total", started.elapsed());
+    eprint!("{}", phases.table());
+    if !summary.failed.is_empty() {
+        let names: Vec<&str> = summary.failed.iter().map(|(n, _)| n.as_str()).collect();
+        bail!("{} tests failed: {}", names.len(), names.join(", "));
+    }
+    vm_result.context("the VM matrix")
+}
+
+/// Wall time per phase, in order.
+#[derive(Default)]
+struct Phases(Vec<(String, Duration)>);
+
+impl Phases {
+    fn time<T>(
+        &mut self,
+        name: &str,
+        phase: impl FnOnce() -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let started = Instant::now();
+        eprintln!("== {name}");
+        let result = phase();
+        self.add(name, started.elapsed());
+        if result.is_err() {
+            eprint!("{}", self.table());
+        }
+        result
+    }
+
+    fn add(&mut self, name: &str, took: Duration) {
+        self.0.push((name.to_string(), took));
+    }
+
+    fn table(&self) -> String {
+        let mut out = String::from("\nphase                                      time\n");
+        for (name, took) in &self.0 {
+            let secs = took.as_secs();
+            out += &format!("{name:<40} {:>3}:{:02}\n", secs / 60, secs % 60);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_read_as_minutes_and_seconds() {
+        let mut phases = Phases::default();
+        phases.add("build", Duration::from_secs(254));
+        phases.add("tests", Duration::from_millis(59_900));
+        let table = phases.table();
+        assert!(table.contains("build                                      4:14\n"), "{table}");
+        assert!(table.contains("tests                                      0:59\n"), "{table}");
+    }
+}
