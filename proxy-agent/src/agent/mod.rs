@@ -99,6 +99,12 @@ pub struct Start {
     pub metrics: Arc<Metrics>,
     pub health: Arc<ProxyHealth>,
     pub service_checks: ServiceChecks,
+    pub settings: LoopSettings,
+}
+
+/// The loop's periods.
+#[derive(Clone, Copy, Debug)]
+pub struct LoopSettings {
     /// `--min-sync-period`, else the mode's default.
     pub min_sync_period: Option<Duration>,
     pub sync_period: Duration,
@@ -187,10 +193,13 @@ impl Agent {
             metrics,
             health,
             service_checks,
-            min_sync_period,
-            sync_period,
-            interface_rescan_period,
-            unreadable_source_grace,
+            settings:
+                LoopSettings {
+                    min_sync_period,
+                    sync_period,
+                    interface_rescan_period,
+                    unreadable_source_grace,
+                },
         } = start;
         Agent {
             source,
