@@ -24,7 +24,6 @@ pub mod node;
 pub mod objects;
 pub mod plan;
 pub mod service_stats;
-pub mod sockets;
 pub mod source;
 pub mod sys;
 pub mod time;

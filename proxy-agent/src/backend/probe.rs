@@ -81,7 +81,7 @@ pub fn run() -> Vec<Feature> {
     let cgroup2 = sys::cgroup2_root();
     let mut programs = BpfObject::load(TcAttach::for_this_kernel());
     let iterators = programs.as_mut().ok().map(BpfObject::load_socket_iterators);
-    let destroy = crate::sockets::probe();
+    let destroy = super::ebpf::sock_diag::probe();
     let set_retval = crate::backend::ebpf::has_set_retval();
     let ipv6 = ipv6();
     vec![

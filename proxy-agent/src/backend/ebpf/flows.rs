@@ -6,17 +6,20 @@ use std::net::IpAddr;
 
 use aya::maps::{HashMap, Map, MapError};
 use proxy_common::{
-    AffinityValue, CtEntry, CtKey, FrontendInfo, FrontendStats, IPPROTO_UDP, SockFlow, SockFlowKey,
-    map_names,
+    AffinityValue, CtEntry, CtEntry6, CtKey, CtKey6, CtTuple, CtValue, FrontendInfo, FrontendStats,
+    IPPROTO_UDP, SockFlow, SockFlowKey, map_names,
 };
-use proxy_common::{CtEntry6, CtKey6, CtTuple, CtValue};
 
-use super::departures::Departures;
-use super::flow_counts::{FlowCounts, Growth};
-use super::prefilter::Prefilter;
-use super::reconciler::AffinityPurge;
-
-use super::{BpfObject, EbpfError, batch, conntrack, maps::hash_fd, prefilter, replies};
+use super::{
+    BpfObject, EbpfError, batch, conntrack,
+    departures::Departures,
+    flow_counts::{FlowCounts, Growth},
+    maps::hash_fd,
+    prefilter,
+    prefilter::Prefilter,
+    reconciler::AffinityPurge,
+    replies,
+};
 
 impl BpfObject {
     /// Sets the pre-filter bits of every flow in `CONNTRACK` and

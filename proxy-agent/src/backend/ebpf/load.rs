@@ -9,20 +9,18 @@ use aya::{
     maps::Array,
     programs::{CgroupSockAddr, SchedClassifier},
 };
-use proxy_common::TC6_PROGRAMS;
-use proxy_common::{Config, Layouts, map_names};
-
-use super::carry::{Carry, Conversion, Pinned, STATE_MAPS};
-use super::flow_counts::{FlowCounts, Growth};
-use super::reconciler::{Reconciler, SyncError, SyncReport};
-use super::sock_end::SocketEnding;
+use proxy_common::{Config, Layouts, TC6_PROGRAMS, map_names};
 
 use super::{
     BpfObject, EbpfError, MapSizes,
     attach::{INGRESS, TC_PROGRAMS, TcAttach},
     carry,
+    carry::{Carry, Conversion, Pinned, STATE_MAPS},
+    flow_counts::{FlowCounts, Growth},
     maps::Maps,
+    reconciler::{Reconciler, SyncError, SyncReport},
     records, sock_end,
+    sock_end::SocketEnding,
 };
 use crate::plan::Plan;
 

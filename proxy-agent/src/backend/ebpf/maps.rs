@@ -13,18 +13,20 @@ use aya::{
 };
 use proxy_common::{
     Backend, Backend6, FrontendInfo, RevNat, RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey,
-    ServiceKey6, ServiceValue, SourceRangeKey,
+    ServiceKey6, ServiceValue, SourceRangeKey, SourceRangeKey6, TC6_PROGRAMS,
     maglev::{MaglevChunk, MaglevKey},
     map_names,
 };
-use proxy_common::{SourceRangeKey6, TC6_PROGRAMS};
 
-use super::entries::{BackendEntry, RevNatEntry, SlotKey};
-use super::prefilter::Prefilter;
-use super::reconciler::{BatchKind, MapOp, MapWriter, apply_each};
-use super::replies::Replies;
-
-use super::{EbpfError, batch, frontend_stats, prefilter, program};
+use super::{
+    EbpfError, batch,
+    entries::{BackendEntry, RevNatEntry, SlotKey},
+    frontend_stats, prefilter,
+    prefilter::Prefilter,
+    program,
+    reconciler::{BatchKind, MapOp, MapWriter, apply_each},
+    replies::Replies,
+};
 use crate::model::IpFamily;
 
 /// The maps the agent writes or reads.

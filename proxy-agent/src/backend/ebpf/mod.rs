@@ -16,8 +16,8 @@
 //!
 //! The object's other concerns each have a module: [`load`]ing the
 //! programs, [`attach`]ing them, [`pins`] and take-over, conntrack
-//! collection ([`flows`]), ending sockets ([`sock_end`]), [`test_run`]s,
-//! the event [`ring`] and [`counters`].
+//! collection ([`flows`]), ending sockets ([`sock_end`], [`sock_diag`]),
+//! [`test_run`]s, the event [`ring`] and [`counters`].
 //!
 //! Pin layout (`--bpffs-root`, default `/sys/fs/bpf/proxy`):
 //! `maps/<MAP>` for every map, `links/<program>` for the cgroup attachments
@@ -50,6 +50,7 @@ pub mod records;
 pub mod replies;
 pub mod ring;
 pub mod settings;
+pub mod sock_diag;
 pub mod sock_end;
 mod test_run;
 

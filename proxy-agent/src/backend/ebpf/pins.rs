@@ -15,11 +15,9 @@ use aya::{
 };
 use proxy_common::{Config, map_names};
 
-use super::departures::Departures;
-use super::reconciler::AffinityPurge;
-
 use super::{
-    BpfObject, EbpfError, attach::TcRole, io_err, load::PROGRAMS, program, remove_tc_filters,
+    BpfObject, EbpfError, attach::TcRole, departures::Departures, io_err, load::PROGRAMS, program,
+    reconciler::AffinityPurge, remove_tc_filters,
 };
 
 impl BpfObject {

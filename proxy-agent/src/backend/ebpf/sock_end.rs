@@ -1,7 +1,6 @@
-//! How the agent ends the connected sockets of departed backends (see
-//! [`crate::sockets`]): socket iterators calling the `bpf_sock_destroy`
-//! kfunc where the kernel has it (6.5+), else `sock_diag`, else nothing,
-//! said once.
+//! How the agent ends the connected sockets of departed backends: socket
+//! iterators calling the `bpf_sock_destroy` kfunc where the kernel has it
+//! (6.5+), else [`sock_diag`](super::sock_diag), else nothing, said once.
 //!
 //! aya resolves no kfunc calls, so the object is given the kfunc's BTF id
 //! here before loading: the BPF side emits the call with a placeholder
@@ -20,8 +19,8 @@ use proxy_common::{
     SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
 };
 
+use super::sock_diag::Peer;
 use super::{BpfObject, EbpfError, departures::Departures, program};
-use crate::sockets::Peer;
 
 /// The socket iterator program of each protocol.
 const ITERATORS: [(&str, &str, u8); 2] =
@@ -150,7 +149,7 @@ impl Iterators {
             for key in batch {
                 ends.insert(key, 1, 0).map_err(map_err)?;
             }
-            let run = crate::sockets::in_each_netns(|| self.links(ebpf, protocols), Self::run);
+            let run = super::sock_diag::in_each_netns(|| self.links(ebpf, protocols), Self::run);
             let mut ends =
                 HashMap::<_, SockEndKey, u8>::try_from(&mut self.ends).map_err(map_err)?;
             for key in batch {
@@ -163,27 +162,6 @@ impl Iterators {
             })?;
         }
         Ok(ended)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_placeholder_call_gets_the_kfuncs_id_at_instruction_boundaries_only() {
-        let call = SOCK_DESTROY_CALL.to_le_bytes();
-        let mut object = vec![0u8; 8];
-        object.extend_from_slice(&call);
-        // The same bytes across two instructions are not a call.
-        object.extend_from_slice(&[0; 4]);
-        object.extend_from_slice(&call);
-        object.extend_from_slice(&[0; 4]);
-        let resolved = with_call_target(&object, 0x1234);
-        assert_eq!(&resolved[8..12], &[0x85, 0x20, 0, 0], "the call itself is kept");
-        assert_eq!(&resolved[12..16], &0x1234u32.to_le_bytes());
-        assert_eq!(&resolved[20..28], &call, "unaligned: untouched");
-        assert_eq!(resolved.len(), object.len());
     }
 }
 
@@ -207,7 +185,7 @@ impl BpfObject {
                 if let Some(Err(e)) = iterators {
                     tracing::debug!(error = %e, "no socket iterators with bpf_sock_destroy; trying sock_diag");
                 }
-                match crate::sockets::probe() {
+                match super::sock_diag::probe() {
                     Ok(()) => SocketEnding::SockDiag,
                     Err(e) => {
                         tracing::warn!(error = %e, "this kernel does not end sockets on request (neither bpf_sock_destroy nor CONFIG_INET_DIAG_DESTROY): a connected UDP socket keeps an endpoint that was removed until it reconnects");
@@ -240,7 +218,7 @@ impl BpfObject {
 
     /// Ends the sockets the socket LB connected to backends that left
     /// their frontends, in the way and for the protocols chosen (see
-    /// [`crate::sockets`]); returns how many.
+    /// [`sock_diag`](super::sock_diag)); returns how many.
     pub fn end_sockets(&mut self, departures: &Departures) -> Result<usize, EbpfError> {
         let protocols = &self.socket_protocols;
         let keys = departures.socket_keys(protocols);
@@ -286,11 +264,32 @@ impl BpfObject {
                             departures.ends_flow_to(rev_nat_id, *proto, peer.address, peer.port)
                         })
                     };
-                    ended += crate::sockets::destroy(*proto, &must_end).map_err(io)?;
+                    ended += super::sock_diag::destroy(*proto, &must_end).map_err(io)?;
                 }
                 Ok(ended)
             }
             SocketEnding::Unavailable => Ok(0),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_placeholder_call_gets_the_kfuncs_id_at_instruction_boundaries_only() {
+        let call = SOCK_DESTROY_CALL.to_le_bytes();
+        let mut object = vec![0u8; 8];
+        object.extend_from_slice(&call);
+        // The same bytes across two instructions are not a call.
+        object.extend_from_slice(&[0; 4]);
+        object.extend_from_slice(&call);
+        object.extend_from_slice(&[0; 4]);
+        let resolved = with_call_target(&object, 0x1234);
+        assert_eq!(&resolved[8..12], &[0x85, 0x20, 0, 0], "the call itself is kept");
+        assert_eq!(&resolved[12..16], &0x1234u32.to_le_bytes());
+        assert_eq!(&resolved[20..28], &call, "unaligned: untouched");
+        assert_eq!(resolved.len(), object.len());
     }
 }
