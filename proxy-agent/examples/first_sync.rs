@@ -18,10 +18,10 @@ use std::{
 
 use proxy_agent::{
     backend::ebpf::{
-        MapSizes,
-        sync::{MapOp, MapWriter, SyncState},
+        MapSizes, fit,
+        reconciler::{MapOp, MapWriter, Reconciler},
     },
-    fit, intern,
+    intern,
     model::{self, ServiceName},
     plan::{Node, Planner},
     source::{Changes, Store},
@@ -137,7 +137,7 @@ fn main() {
         backends: (needed.backends as u32 + 1).next_power_of_two(),
         rev_nat: (needed.rev_nat as u32 + 1).next_power_of_two(),
     };
-    let mut state = SyncState::with_capacity(sizes);
+    let mut state = Reconciler::with_capacity(sizes);
     let mut writer = Counter::default();
     let report = phase("sync", || state.sync(planner.plan(), None, &mut writer));
     match report {

@@ -23,8 +23,7 @@ use std::{
 };
 
 use proxy_agent::{
-    backend::ebpf::{EbpfBackend, MapSizes, TcAttach},
-    cli::BpfLogLevel,
+    backend::ebpf::{BpfObject, MapSizes, TcAttach, settings::BpfLogLevel},
     model::{EndpointAddr, Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
@@ -91,7 +90,7 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: single-threaded here; the namespace is this process's alone.
     anyhow::ensure!(unsafe { libc::unshare(libc::CLONE_NEWNET) } == 0, "unshare");
     let entries = (services * 2 + 1024).max(proxy_common::MAX_SERVICE_ENTRIES);
-    let mut dp = EbpfBackend::load_with(
+    let mut dp = BpfObject::load_with(
         TcAttach::Tcx,
         MapSizes { services: entries, backends: entries, rev_nat: entries },
         None,

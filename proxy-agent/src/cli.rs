@@ -10,7 +10,14 @@ use std::{
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
-    backend::{ebpf::sock_end::SocketDestroy, iptables::exec::Xtables},
+    backend::{
+        ProxyMode, TrafficRules,
+        ebpf::{
+            settings::{BpfLogLevel, PodInterfacePrograms, TcAttachChoice},
+            sock_end::SocketDestroy,
+        },
+        iptables::exec::Xtables,
+    },
     model,
 };
 
@@ -65,10 +72,45 @@ pub enum Command {
     /// What the datapath would do with one packet: the real per-packet
     /// program run on a crafted packet against the live maps, leaving no
     /// state (eBPF mode, IPv4)
-    Explain(crate::commands::explain::ExplainArgs),
+    Explain(ExplainArgs),
     /// A live stream of the datapath's decisions, one line each: new flows
     /// and their translation, drops and refusals with their reason
     Monitor(MonitorArgs),
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct ExplainArgs {
+    #[command(flatten)]
+    pub inspect: InspectArgs,
+    /// tcp or udp
+    #[arg(long, value_name = "PROTO", value_parser = protocol)]
+    pub proto: model::Protocol,
+    /// The client: IP, or IP:PORT ([IPv6]:PORT) (without a port, an ephemeral
+    /// one); of the same family as --to
+    #[arg(long, value_name = "IP[:PORT]", value_parser = client)]
+    pub from: (IpAddr, Option<u16>),
+    /// Where the packet is sent
+    #[arg(long, value_name = "IP:PORT")]
+    pub to: SocketAddr,
+    /// The interface the packet comes in on (default: the one this node
+    /// routes the client's address through)
+    #[arg(long, value_name = "IFACE")]
+    pub interface: Option<String>,
+}
+
+fn protocol(s: &str) -> Result<model::Protocol, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "tcp" => Ok(model::Protocol::Tcp),
+        "udp" => Ok(model::Protocol::Udp),
+        _ => Err(format!("{s}: tcp or udp")),
+    }
+}
+
+fn client(s: &str) -> Result<(IpAddr, Option<u16>), String> {
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok((addr.ip(), Some(addr.port())));
+    }
+    s.parse::<IpAddr>().map(|ip| (ip, None)).map_err(|e| format!("{s}: IP or IP:PORT ({e})"))
 }
 
 #[derive(Args, Clone, Debug)]
@@ -215,74 +257,11 @@ fn parse_ip_family(text: &str) -> Result<model::IpFamily, String> {
     model::IpFamily::parse(text).ok_or_else(|| "expected IPv4 or IPv6".into())
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ProxyMode {
-    /// eBPF when the kernel can run it (see `probe`), else iptables
-    Auto,
-    /// BPF programs: socket load balancing on cgroup hooks, per-packet
-    /// translation in tc
-    Ebpf,
-    /// kube-proxy's iptables rules, applied with iptables-restore
-    Iptables,
-}
-
 /// `--pod-interfaces` when not given.
 pub const DEFAULT_POD_INTERFACES: &str = "veth,lxc,cali";
 /// The default bound of the service maps: 4 Mi entries, room for 100,000
 /// services of 10 endpoints with the growth's headroom.
 pub const BPF_LB_MAP_MAX: u32 = 1 << 22;
-
-/// What the per-packet programs do on pod-facing interfaces.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum PodInterfacePrograms {
-    /// `replies` where the socket programs cover every pod (attached to the
-    /// cgroup2 root, for every network namespace), `full` otherwise
-    Auto,
-    /// What they do on node interfaces: new flows to frontends (ClusterIP
-    /// traffic that escaped the socket LB, hairpin), both directions
-    Full,
-    /// Only replies of per-packet flows to pods here (NodePort, externalIP,
-    /// LB IP), at ingress: pods' own connections are the socket LB's
-    Replies,
-}
-
-/// How the per-packet program is attached to interfaces.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum TcAttachArg {
-    /// TCX links on kernels 6.6 and later, clsact filters before
-    Auto,
-    /// TCX links, pinned: they outlive the agent
-    Tcx,
-    /// clsact filters (netlink): removed when the agent stops
-    Netlink,
-}
-
-/// Which decision records the BPF programs write into the agent's log.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
-pub enum BpfLogLevel {
-    /// None (a compare per log point)
-    #[default]
-    Off,
-    /// Refusals and drops: no endpoint, a source outside the ranges, no SNAT port
-    Info,
-    /// Also every new flow's backend (and why), SNAT, packets a flow lost
-    Debug,
-    /// Also connects and packets that are no service's (very verbose)
-    Trace,
-}
-
-impl BpfLogLevel {
-    /// The word the programs read (`proxy_common::log_level`).
-    pub fn word(self) -> u8 {
-        use proxy_common::log_level;
-        match self {
-            BpfLogLevel::Off => log_level::OFF,
-            BpfLogLevel::Info => log_level::INFO,
-            BpfLogLevel::Debug => log_level::DEBUG,
-            BpfLogLevel::Trace => log_level::TRACE,
-        }
-    }
-}
 
 /// The node and its traffic rules; shared by `run` and `render`.
 #[derive(Args, Clone, Debug)]
@@ -381,7 +360,7 @@ pub struct RunArgs {
     pub pod_interface_programs: PodInterfacePrograms,
     /// How the per-packet program is attached to interfaces
     #[arg(long, value_enum, default_value = "auto")]
-    pub tc_attach: TcAttachArg,
+    pub tc_attach: TcAttachChoice,
     /// The socket programs translate only for the node's own network
     /// namespace (the agent's); pods see the ClusterIP and the per-packet
     /// path serves them (service meshes, VMs in pods), as Cilium's
@@ -512,9 +491,13 @@ impl NodeArgs {
         Ok(())
     }
 
-    /// The `--cluster-cidr` of this family (the first one given).
-    pub fn cluster_cidr(&self, family: model::IpFamily) -> Option<model::Cidr> {
-        self.cluster_cidr.iter().copied().find(|c| c.family() == family)
+    /// The traffic rules the flags give.
+    pub fn traffic(&self) -> TrafficRules {
+        TrafficRules {
+            nodeport_addresses: self.nodeport_addresses.clone(),
+            cluster_cidrs: self.cluster_cidr.clone(),
+            masquerade_all: self.masquerade_all,
+        }
     }
 }
 
@@ -626,7 +609,7 @@ mod tests {
         };
         let dual = node(&["10.244.0.0/16", "fd00:10:244::/56"]);
         assert!(dual.check().is_ok());
-        let v6 = dual.cluster_cidr(model::IpFamily::V6).unwrap();
+        let v6 = dual.traffic().cluster_cidr(model::IpFamily::V6).unwrap();
         assert_eq!(v6.to_string(), "fd00:10:244::/56");
         assert!(node(&["10.244.0.0/16", "10.245.0.0/16"]).check().is_err());
     }

@@ -10,7 +10,8 @@ use serde::Deserialize;
 use crate::yaml::{Value, YamlError};
 
 use crate::{
-    cli::{BpfLogLevel, ProxyMode, RunArgs, parse_go_duration},
+    backend::{ProxyMode, ebpf::settings::BpfLogLevel},
+    cli::{RunArgs, parse_go_duration},
     model::{Cidr, LbAlgorithm, LbMode},
 };
 

@@ -11,7 +11,7 @@ use std::{
 };
 
 use proxy_agent::{
-    backend::ebpf::{EbpfBackend, PacketRun, TcAttach},
+    backend::ebpf::{BpfObject, PacketRun, TcAttach},
     model::{Cidr, EndpointAddr, Protocol, ServiceName, ServicePortName},
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
@@ -76,9 +76,9 @@ fn frontend_plan<A: Into<IpAddr> + Copy>(
     }
 }
 
-fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> EbpfBackend {
+fn datapath(frontends: Vec<(Frontend, FrontendPlan)>) -> BpfObject {
     in_own_netns();
-    let mut backend = EbpfBackend::load(TcAttach::Tcx).expect("load the programs");
+    let mut backend = BpfObject::load(TcAttach::Tcx).expect("load the programs");
     backend.configure(&test_config()).unwrap();
     backend.sync(&Plan { frontends: frontends.into_iter().collect() }, None).unwrap();
     backend
@@ -208,7 +208,7 @@ fn tuple(p: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
     ((addr(26), port(34)), (addr(30), port(36)))
 }
 
-fn run(backend: &mut EbpfBackend, p: &[u8]) -> PacketRun {
+fn run(backend: &mut BpfObject, p: &[u8]) -> PacketRun {
     backend.run_tc(p, 1).expect("test run")
 }
 
@@ -251,7 +251,7 @@ fn pod_interfaces_covered_by_the_socket_lb_translate_only_replies() {
         (frontend(NODE, 30080, Protocol::Tcp), frontend_plan(&[(POD, 8080)], true, &[])),
         (frontend(vip, 80, Protocol::Tcp), frontend_plan(&[(POD, 8080)], false, &[])),
     ]);
-    let pod_replies = |dp: &mut EbpfBackend, p: &[u8]| dp.run_tc_pod_replies(p, 1).unwrap();
+    let pod_replies = |dp: &mut BpfObject, p: &[u8]| dp.run_tc_pod_replies(p, 1).unwrap();
     let to_service = tcp(([10, 244, 1, 5], 50000), (vip, 80), SYN);
     let out = pod_replies(&mut dp, &to_service);
     assert_eq!((out.verdict, &out.packet), (NEXT, &to_service), "left to the socket LB");
@@ -277,7 +277,7 @@ fn replies_reach_the_full_path_only_from_backends_with_per_packet_flows() {
         (frontend(vip, 80, Protocol::Tcp), frontend_plan(&[(POD, 8080)], false, &[])),
         (frontend(dns, 53, Protocol::Udp), frontend_plan(&[(POD, 5353)], false, &[])),
     ]);
-    let pod_replies = |dp: &mut EbpfBackend, p: &[u8]| dp.run_tc_pod_replies(p, 1).unwrap();
+    let pod_replies = |dp: &mut BpfObject, p: &[u8]| dp.run_tc_pod_replies(p, 1).unwrap();
     let (pod, client) = (IpAddr::from(POD), [10, 244, 1, 5]);
     // A new datapath inspects every reply (the flows it may have carried
     // over), until two collections have rebuilt both generations.

@@ -3,6 +3,7 @@
 //! count what was wrong, retry what failed.
 
 mod lifecycle;
+mod pace;
 mod stats;
 
 use std::{
@@ -15,6 +16,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use self::{
     lifecycle::{Event, Phase},
+    pace::{Pace, coalesce},
     stats::ServiceStats,
 };
 use crate::{
@@ -32,15 +34,6 @@ pub use crate::source::Source;
 /// How often the manifests are checked (new bytes are taken on the second
 /// read that finds them), and the datapath looked after.
 pub(crate) const POLL: Duration = Duration::from_millis(200);
-/// API server changes are taken as they come (with whatever else arrived
-/// meanwhile), up to this many in `BURST_WINDOW`...
-const BURST_TAKES: usize = 20;
-const BURST_WINDOW: Duration = Duration::from_millis(100);
-/// ...beyond that, in a burst, the events that follow within this much of
-/// each other are taken together...
-const QUIET: Duration = Duration::from_millis(3);
-/// ...up to this long after the first.
-const MAX_COALESCE: Duration = Duration::from_millis(250);
 /// Failed syncs are retried after this, doubling up to `MAX_RETRY`.
 const FIRST_RETRY: Duration = Duration::from_millis(200);
 const MAX_RETRY: Duration = Duration::from_secs(10);
@@ -60,6 +53,12 @@ pub struct Start {
     pub metrics: Arc<Metrics>,
     pub health: Arc<ProxyHealth>,
     pub service_checks: ServiceChecks,
+    pub settings: LoopSettings,
+}
+
+/// The loop's periods.
+#[derive(Clone, Copy, Debug)]
+pub struct LoopSettings {
     /// `--min-sync-period`, else the mode's default.
     pub min_sync_period: Option<Duration>,
     pub sync_period: Duration,
@@ -148,10 +147,13 @@ impl Agent {
             metrics,
             health,
             service_checks,
-            min_sync_period,
-            sync_period,
-            interface_rescan_period,
-            unreadable_source_grace,
+            settings:
+                LoopSettings {
+                    min_sync_period,
+                    sync_period,
+                    interface_rescan_period,
+                    unreadable_source_grace,
+                },
         } = start;
         Agent {
             source,
@@ -696,39 +698,6 @@ async fn changed(notify: Option<&tokio::sync::Notify>) {
     }
 }
 
-/// When to take a change at once and when to wait for more: at most
-/// `BURST_TAKES` changes go at once in any `BURST_WINDOW`.
-#[derive(Debug, Default)]
-struct Pace {
-    taken: std::collections::VecDeque<Instant>,
-}
-
-impl Pace {
-    /// Whether a change arriving at `now` should wait for those following.
-    fn coalesce(&mut self, now: Instant) -> bool {
-        while self.taken.front().is_some_and(|t| now.duration_since(*t) >= BURST_WINDOW) {
-            self.taken.pop_front();
-        }
-        if self.taken.len() >= BURST_TAKES {
-            return true;
-        }
-        self.taken.push_back(now);
-        false
-    }
-}
-
-/// Waits until the events stop coming for `QUIET`, or `MAX_COALESCE`.
-async fn coalesce(notify: Option<&tokio::sync::Notify>) {
-    let deadline = tokio::time::Instant::now() + MAX_COALESCE;
-    loop {
-        tokio::select! {
-            _ = changed(notify) => {}
-            _ = tokio::time::sleep(QUIET) => return,
-            _ = tokio::time::sleep_until(deadline) => return,
-        }
-    }
-}
-
 async fn link_change(links: Option<&LinkEvents>) -> std::io::Result<()> {
     match links {
         Some(links) => links.changed().await,
@@ -740,22 +709,5 @@ async fn until(due: Option<Instant>) {
     match due {
         Some(due) => tokio::time::sleep_until(due.into()).await,
         None => std::future::pending().await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn changes_go_at_once_until_a_burst_then_wait() {
-        let mut pace = Pace::default();
-        let start = Instant::now();
-        let at = |ms| start + Duration::from_millis(ms);
-        assert!((0..BURST_TAKES as u64).all(|i| !pace.coalesce(at(i))));
-        assert!(pace.coalesce(at(50)), "the 21st within 100 ms waits");
-        assert!(!pace.coalesce(at(100)), "the first has left the window");
-        assert!(pace.coalesce(at(100)), "and only the first");
-        assert!(!pace.coalesce(at(300)));
     }
 }

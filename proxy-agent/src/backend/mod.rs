@@ -5,16 +5,55 @@
 
 pub mod ebpf;
 pub mod iptables;
+pub mod probe;
 
 use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 
+use clap::ValueEnum;
+
 use crate::{
-    cli::{ProxyMode, RunArgs},
     metrics::Metrics,
-    model::Model,
+    model::{Cidr, IpFamily, Model},
     plan::{Frontend, Node, Plan},
-    probe,
 };
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ProxyMode {
+    /// eBPF when the kernel can run it (see `probe`), else iptables
+    Auto,
+    /// BPF programs: socket load balancing on cgroup hooks, per-packet
+    /// translation in tc
+    Ebpf,
+    /// kube-proxy's iptables rules, applied with iptables-restore
+    Iptables,
+}
+
+/// What the backend is told to do: the mode, and each mode's settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub mode: ProxyMode,
+    pub ebpf: ebpf::Settings,
+    pub iptables: iptables::datapath::Settings,
+}
+
+/// The node's traffic rules, as both modes apply them (kube-proxy's
+/// `--nodeport-addresses`, `--cluster-cidr`, `--masquerade-all`).
+#[derive(Clone, Debug, Default)]
+pub struct TrafficRules {
+    /// NodePorts are served only on node addresses within these (none: all).
+    pub nodeport_addresses: Vec<Cidr>,
+    /// The pods' CIDRs, at most one per family: ClusterIP traffic from
+    /// other sources is masqueraded.
+    pub cluster_cidrs: Vec<Cidr>,
+    pub masquerade_all: bool,
+}
+
+impl TrafficRules {
+    /// The cluster CIDR of this family (the first one given).
+    pub fn cluster_cidr(&self, family: IpFamily) -> Option<Cidr> {
+        self.cluster_cidrs.iter().copied().find(|c| c.family() == family)
+    }
+}
 
 /// What a successful sync did, for the metrics.
 #[derive(Debug, Default)]
@@ -83,10 +122,12 @@ pub trait Datapath: Send {
 
 /// The datapath of the mode asked for, or for `auto` of the mode the kernel
 /// can run, loaded (eBPF) or prepared (iptables).
-pub fn start(args: &RunArgs, node: &Node) -> anyhow::Result<Box<dyn Datapath>> {
-    Ok(match choose(args.proxy_mode) {
-        ProxyMode::Iptables => Box::new(iptables::datapath::IptablesDatapath::new(args, node)),
-        _ => Box::new(ebpf::datapath::EbpfDatapath::new(args, node)?),
+pub fn start(settings: &Settings, node: &Node) -> anyhow::Result<Box<dyn Datapath>> {
+    Ok(match choose(settings.mode) {
+        ProxyMode::Iptables => {
+            Box::new(iptables::datapath::IptablesDatapath::new(&settings.iptables, node))
+        }
+        _ => Box::new(ebpf::datapath::EbpfDatapath::new(&settings.ebpf, node)?),
     })
 }
 

@@ -9,19 +9,12 @@ use std::{
     path::Path,
 };
 
-use anyhow::{Context as _, bail};
-use aya::programs::{
-    links::{FdLink, PinnedLink},
-    loaded_programs,
-};
-use clap::Args;
-
 use crate::{
     backend::{
         ebpf::{TC_INGRESS, TC_POD_REPLIES, explain::Explainer},
         iptables::exec::{Runner as _, System, Xtables},
     },
-    cli::{InspectArgs, InspectMode, Output},
+    cli::{ExplainArgs, InspectMode, Output},
     inspect::{
         self,
         explain::{
@@ -29,44 +22,14 @@ use crate::{
             text, tuple,
         },
     },
-    model::{IpFamily, Protocol},
+    model::IpFamily,
     sys,
 };
-
-#[derive(Args, Clone, Debug)]
-pub struct ExplainArgs {
-    #[command(flatten)]
-    pub inspect: InspectArgs,
-    /// tcp or udp
-    #[arg(long, value_name = "PROTO", value_parser = protocol)]
-    pub proto: Protocol,
-    /// The client: IP, or IP:PORT ([IPv6]:PORT) (without a port, an ephemeral
-    /// one); of the same family as --to
-    #[arg(long, value_name = "IP[:PORT]", value_parser = client)]
-    pub from: (IpAddr, Option<u16>),
-    /// Where the packet is sent
-    #[arg(long, value_name = "IP:PORT")]
-    pub to: SocketAddr,
-    /// The interface the packet comes in on (default: the one this node
-    /// routes the client's address through)
-    #[arg(long, value_name = "IFACE")]
-    pub interface: Option<String>,
-}
-
-fn protocol(s: &str) -> Result<Protocol, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "tcp" => Ok(Protocol::Tcp),
-        "udp" => Ok(Protocol::Udp),
-        _ => Err(format!("{s}: tcp or udp")),
-    }
-}
-
-fn client(s: &str) -> Result<(IpAddr, Option<u16>), String> {
-    if let Ok(addr) = s.parse::<SocketAddr>() {
-        return Ok((addr.ip(), Some(addr.port())));
-    }
-    s.parse::<IpAddr>().map(|ip| (ip, None)).map_err(|e| format!("{s}: IP or IP:PORT ({e})"))
-}
+use anyhow::{Context as _, bail};
+use aya::programs::{
+    links::{FdLink, PinnedLink},
+    loaded_programs,
+};
 
 pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     let ((from_ip, port), to) = (args.from, args.to);

@@ -16,11 +16,12 @@ use tokio::{
 };
 
 use crate::{
+    backend::ebpf::ring::Watch,
     cli::{InspectMode, MonitorArgs, Output},
     monitor::{
         self, Filter, Line,
         iptables::{self, Counters},
-        ring::{PinnedNames, Watch},
+        names::PinnedNames,
     },
     sys,
 };

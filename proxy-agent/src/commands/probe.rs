@@ -3,7 +3,7 @@
 
 use anyhow::Context as _;
 
-use crate::{cli::ProbeArgs, probe};
+use crate::{backend::probe, cli::ProbeArgs};
 
 pub fn run(args: &ProbeArgs) -> anyhow::Result<()> {
     let features = probe::run();

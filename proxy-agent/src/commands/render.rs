@@ -52,8 +52,10 @@ pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
         Some(family) => vec![family],
         None => IpFamily::ALL.to_vec(),
     };
+    let traffic = args.node.traffic();
     for family in &families {
-        let options = render_options(&node, &args.node, !args.no_nfacct, *family);
+        let localhost = args.node.iptables_localhost_nodeports;
+        let options = render_options(&node, &traffic, localhost, !args.no_nfacct, *family);
         if families.len() > 1 {
             println!("{}", family_header(*family));
         }

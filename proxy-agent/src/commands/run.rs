@@ -10,8 +10,8 @@ use anyhow::Context as _;
 use clap::parser::ValueSource;
 
 use crate::{
-    agent::{self, Source, Start},
-    backend,
+    agent::{self, LoopSettings, Source, Start},
+    backend::{self, ebpf::settings::FlowTimeouts},
     cli::RunArgs,
     config,
     health::{NodeEligibility, ProxyHealth, ServiceChecks},
@@ -91,8 +91,8 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
     // source's first lists, which the runtime serves meanwhile, or beside
     // the first reads of the manifests.
     let loading = {
-        let (args, node) = (args.clone(), node.clone());
-        tokio::task::spawn_blocking(move || backend::start(&args, &node))
+        let (settings, node) = (backend_settings(args), node.clone());
+        tokio::task::spawn_blocking(move || backend::start(&settings, &node))
     };
     let source = match source {
         Source::Manifests(mut manifests) => {
@@ -129,11 +129,49 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
         metrics,
         health,
         node,
-        min_sync_period: args.min_sync_period,
-        sync_period: args.sync_period,
-        interface_rescan_period: args.interface_rescan_period,
-        unreadable_source_grace: args.unreadable_source_grace,
+        settings: LoopSettings {
+            min_sync_period: args.min_sync_period,
+            sync_period: args.sync_period,
+            interface_rescan_period: args.interface_rescan_period,
+            unreadable_source_grace: args.unreadable_source_grace,
+        },
     })
+}
+
+/// The backend's settings from the flags.
+fn backend_settings(args: &RunArgs) -> backend::Settings {
+    let traffic = args.node.traffic();
+    let bpffs_root = args.pins.bpffs_root.clone();
+    backend::Settings {
+        mode: args.proxy_mode,
+        ebpf: backend::ebpf::Settings {
+            bpffs_root: bpffs_root.clone(),
+            cgroup: args.cgroup_path.clone(),
+            tc_attach: args.tc_attach,
+            pod_interfaces: args.pod_interfaces.clone(),
+            pod_interface_programs: args.pod_interface_programs,
+            socket_lb_host_netns_only: args.socket_lb_host_netns_only,
+            socket_destroy: args.socket_destroy,
+            terminate_tcp_on_endpoint_removal: args.terminate_tcp_on_endpoint_removal,
+            map_max: args.bpf_lb_map_max,
+            snat_port_range: args.snat_port_range,
+            traffic: traffic.clone(),
+            timeouts: FlowTimeouts {
+                tcp_established: args.conntrack_tcp_timeout_established,
+                tcp_close_wait: args.conntrack_tcp_timeout_close_wait,
+                tcp_time_wait: args.conntrack_tcp_timeout_time_wait,
+                udp: args.conntrack_udp_timeout,
+            },
+            log_level: args.bpf_log_level,
+            maglev_table_size: args.bpf_lb_maglev_table_size,
+        },
+        iptables: backend::iptables::datapath::Settings {
+            xtables: args.iptables_backend,
+            traffic,
+            localhost_nodeports: args.node.iptables_localhost_nodeports,
+            bpffs_root,
+        },
+    }
 }
 
 /// The source the flags ask for: `--manifests`, else the API server.

@@ -1,11 +1,12 @@
 //! `proxy-agent monitor`: the datapath's decisions as they happen, one line
 //! each. The eBPF mode's events come from the `EVENTS` ring buffer
-//! ([`ring`]); turning them into lines (service, interface, words) is pure
-//! and lives here. The iptables mode's lines come from the kernel's
-//! conntrack events and the refusing rules' counters ([`iptables`]).
+//! (`backend::ebpf::ring`), named from the pinned maps ([`names`]); turning
+//! them into lines (service, interface, words) is pure and lives here. The
+//! iptables mode's lines come from the kernel's conntrack events and the
+//! refusing rules' counters ([`iptables`]).
 
 pub mod iptables;
-pub mod ring;
+pub mod names;
 
 use std::{
     fmt::Write as _,

@@ -1,6 +1,7 @@
-//! The eBPF mode as the agent's loop drives it: the programs and maps
-//! ([`EbpfBackend`]), where they attach, and their upkeep (interfaces that
-//! come and go, expired flows).
+//! The eBPF mode as the agent's loop drives it (the first of the layers a
+//! plan passes through, see the module above): the plan fitted into the
+//! maps of the loaded [`BpfObject`], which grow with it; where the programs
+//! attach; and their upkeep (interfaces that come and go, expired flows).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -14,14 +15,15 @@ use anyhow::Context as _;
 use proxy_common::{Config, MAX_SERVICE_ENTRIES};
 
 use super::{
-    CounterReader, EbpfBackend, MapSizes, TcAttach, TcRole, frontend_stats,
+    BpfObject, CounterReader, MapSizes, TcAttach, TcRole,
+    fit::{self, Capacity, Refusal},
+    frontend_stats,
+    reconciler::{SyncError, SyncReport},
+    settings::{PodInterfacePrograms, Settings, TcAttachChoice},
     sock_end::SocketDestroy,
-    sync::{SyncError, SyncReport},
 };
 use crate::{
     backend::{Datapath, Synced, iptables},
-    cli::{PodInterfacePrograms, RunArgs, TcAttachArg},
-    fit::{self, Capacity, Refusal},
     metrics::Metrics,
     model::{IpFamily, Model, ServiceName, v4, v6},
     node,
@@ -57,7 +59,7 @@ fn gc_interval(entries: usize) -> Duration {
 
 /// The eBPF datapath and what looking after it needs.
 pub struct EbpfDatapath {
-    backend: EbpfBackend,
+    object: BpfObject,
     loading: Loading,
     cgroup: PathBuf,
     /// Name prefixes of pod-facing interfaces.
@@ -93,36 +95,36 @@ impl Loading {
     /// Loads the programs into service maps of `capacity`, carrying the
     /// state maps pinned under the root over (a previous agent's, or this
     /// one's when they grow), and configures them; nothing is attached.
-    fn load(&self, capacity: Capacity) -> anyhow::Result<EbpfBackend> {
-        let mut backend = self.prepare(capacity)?;
-        backend.verify().context("loading the BPF programs")?;
-        self.finish(&mut backend);
-        Ok(backend)
+    fn load(&self, capacity: Capacity) -> anyhow::Result<BpfObject> {
+        let mut object = self.prepare(capacity)?;
+        object.verify().context("loading the BPF programs")?;
+        self.finish(&mut object);
+        Ok(object)
     }
 
     /// [`Self::load`] but for the programs: verified by the caller, then
     /// [`Self::finish`]ed.
-    fn prepare(&self, capacity: Capacity) -> anyhow::Result<EbpfBackend> {
+    fn prepare(&self, capacity: Capacity) -> anyhow::Result<BpfObject> {
         let sizes = MapSizes {
             services: map_size(capacity.services),
             backends: map_size(capacity.backends),
             rev_nat: map_size(capacity.rev_nat),
         };
-        let mut backend = EbpfBackend::prepare(self.tc_mode, sizes, Some(&self.root))
+        let mut object = BpfObject::prepare(self.tc_mode, sizes, Some(&self.root))
             .context("loading the BPF object")?;
-        backend.configure(&self.config).context("writing the datapath settings")?;
-        Ok(backend)
+        object.configure(&self.config).context("writing the datapath settings")?;
+        Ok(object)
     }
 
     /// What verified programs are set up with: the reader of their decision
     /// records and the way sockets are ended.
-    fn finish(&self, backend: &mut EbpfBackend) {
+    fn finish(&self, object: &mut BpfObject) {
         // Read whatever the level: it can change while the programs run.
-        match backend.take_records_with(super::records::ToTracing) {
-            Ok(records) => backend.keep_records_reader(super::records::drain(records)),
+        match object.take_records_with(super::records::ToTracing) {
+            Ok(records) => object.keep_records_reader(super::records::drain(records)),
             Err(e) => tracing::warn!(error = %e, "the programs' decision records cannot be read"),
         }
-        let ending = backend.choose_socket_ending(self.socket_destroy, self.terminate_tcp);
+        let ending = object.choose_socket_ending(self.socket_destroy, self.terminate_tcp);
         tracing::info!(way = ending.describe(), "sockets connected to removed endpoints are ended");
     }
 }
@@ -167,20 +169,20 @@ impl EbpfDatapath {
     /// maps of the default size (at most `--bpf-lb-map-max`: the first
     /// sync grows them to what the source holds), configures them and
     /// reserves the SNAT ports; nothing is attached yet.
-    pub fn new(args: &RunArgs, node: &Node) -> anyhow::Result<Self> {
-        let cgroup = match &args.cgroup_path {
+    pub fn new(settings: &Settings, node: &Node) -> anyhow::Result<Self> {
+        let cgroup = match &settings.cgroup {
             Some(path) => path.clone(),
             None => sys::cgroup2_root().context("finding the cgroup2 mount")?,
         };
-        let root = args.pins.bpffs_root.clone();
+        let root = settings.bpffs_root.clone();
         sys::ensure_bpffs_dir(&root).with_context(|| format!("preparing {}", root.display()))?;
         let previous = super::pinned(&root);
-        let tc_mode = match args.tc_attach {
-            TcAttachArg::Auto => TcAttach::for_this_kernel(),
-            TcAttachArg::Tcx => TcAttach::Tcx,
-            TcAttachArg::Netlink => TcAttach::Netlink,
+        let tc_mode = match settings.tc_attach {
+            TcAttachChoice::Auto => TcAttach::for_this_kernel(),
+            TcAttachChoice::Tcx => TcAttach::Tcx,
+            TcAttachChoice::Netlink => TcAttach::Netlink,
         };
-        let bound = args.bpf_lb_map_max as usize;
+        let bound = settings.map_max as usize;
         let start = (MAX_SERVICE_ENTRIES as usize).min(bound);
         let capacity = Capacity {
             services: start,
@@ -188,7 +190,7 @@ impl EbpfDatapath {
             rev_nat: start,
             source_ranges: proxy_common::MAX_SOURCE_RANGES as usize,
         };
-        let host_netns_cookie = if args.socket_lb_host_netns_only {
+        let host_netns_cookie = if settings.socket_lb_host_netns_only {
             sys::netns_cookie().context("reading this network namespace's cookie")?
         } else {
             0
@@ -196,12 +198,12 @@ impl EbpfDatapath {
         let loading = Loading {
             tc_mode,
             root,
-            config: config(args, &node.ips, host_netns_cookie),
-            socket_destroy: args.socket_destroy,
-            terminate_tcp: args.terminate_tcp_on_endpoint_removal,
+            config: config(settings, &node.ips, host_netns_cookie),
+            socket_destroy: settings.socket_destroy,
+            terminate_tcp: settings.terminate_tcp_on_endpoint_removal,
         };
-        let backend = loading.load(capacity)?;
-        let (min, max) = args.snat_port_range;
+        let object = loading.load(capacity)?;
+        let (min, max) = settings.snat_port_range;
         if let Some((low, high)) = sys::ephemeral_ports()
             && min <= high
             && low <= max
@@ -216,11 +218,11 @@ impl EbpfDatapath {
         } else {
             "the node's network namespace only"
         };
-        let bpf_log_level = args.bpf_log_level;
+        let bpf_log_level = settings.log_level;
         let pod_role = pod_role(
-            args.pod_interface_programs,
+            settings.pod_interface_programs,
             is_cgroup2_root(&cgroup),
-            args.socket_lb_host_netns_only,
+            settings.socket_lb_host_netns_only,
         )?;
         let pod_interfaces = match pod_role {
             TcRole::Full => "new flows to frontends and their replies, both directions",
@@ -229,10 +231,10 @@ impl EbpfDatapath {
             }
         };
         tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, node_interfaces = "new flows to frontends and their replies, both directions", pod_interfaces, "BPF programs loaded");
-        let pod_interfaces = args.pod_interfaces.clone();
+        let pod_interfaces = settings.pod_interfaces.clone();
         let next_gc = Instant::now();
         Ok(EbpfDatapath {
-            backend,
+            object,
             loading,
             cgroup,
             pod_interfaces,
@@ -262,15 +264,15 @@ impl EbpfDatapath {
         let outgrown = self.serving.is_none()
             && fit::grown(self.capacity, fit::needed(plan), self.bound).is_some();
         if self.refused.is_empty() && !outgrown {
-            match self.backend.sync(plan, dirty) {
+            match self.object.sync(plan, dirty) {
                 Err(SyncError::Capacity { .. }) => {}
                 result => return result,
             }
         }
         // What the maps serve, named as the plan names it.
         let served = self
-            .backend
-            .state()
+            .object
+            .reconciler()
             .installed_plan(|f| plan.frontends.get(f).map(|fp| fp.service.clone()));
         let larger = fit::grown(self.capacity, fit::needed(plan), self.bound);
         if let Some(larger) = larger.filter(|_| self.growable) {
@@ -298,10 +300,10 @@ impl EbpfDatapath {
         let mut fitted = fit::fit(plan, served, self.capacity);
         let refused = std::mem::take(&mut fitted.refused);
         self.report_refused(refused, &fitted.plan, metrics);
-        match self.backend.sync(&fitted.plan, None) {
+        match self.object.sync(&fitted.plan, None) {
             Err(SyncError::Capacity { .. }) => {
                 tracing::info!("{STEPWISE}");
-                self.backend.sync_in_steps(served, &fitted.plan)
+                self.object.sync_in_steps(served, &fitted.plan)
             }
             result => result,
         }
@@ -327,16 +329,16 @@ impl EbpfDatapath {
                 tracing::info!(from = ?before, to = ?larger, "the services outgrew the maps: growing them")
             }
         }
-        let backend = self.loading.prepare(larger)?;
-        let old = std::mem::replace(&mut self.backend, backend);
+        let object = self.loading.prepare(larger)?;
+        let old = std::mem::replace(&mut self.object, object);
         self.capacity = larger;
         let mut fill = || -> anyhow::Result<SyncReport> {
             // Nothing runs the new programs yet: they are verified while the
             // maps fill, whole where they fit (the usual case, and the cheap
             // one).
             let synced =
-                self.backend.verify_while_syncing(plan).context("loading the BPF programs")?;
-            self.loading.finish(&mut self.backend);
+                self.object.verify_while_syncing(plan).context("loading the BPF programs")?;
+            self.loading.finish(&mut self.object);
             let report = match synced {
                 Err(SyncError::Capacity { .. }) => self.sync_fitted(plan, served, metrics),
                 Ok(report) => {
@@ -358,7 +360,7 @@ impl EbpfDatapath {
                 Ok(report)
             }
             Err(e) => {
-                self.backend = old;
+                self.object = old;
                 self.capacity = before;
                 Err(e)
             }
@@ -369,12 +371,12 @@ impl EbpfDatapath {
     fn activate(&mut self, node_ips: &[IpAddr], metrics: &Metrics) -> anyhow::Result<()> {
         let wanted = self.wanted_interfaces(node_ips).context("listing interfaces")?;
         let root = &self.loading.root;
-        self.backend
+        self.object
             .activate(&self.cgroup, &wanted, root)
             .with_context(|| format!("attaching to {} and {wanted:?}", self.cgroup.display()))?;
-        metrics.set_datapath(CounterReader::open(root)?);
+        metrics.set_datapath(Box::new(CounterReader::open(root)?));
         metrics.set_service_stats_source(Box::new(frontend_stats::Pinned(root.clone())));
-        let carried = self.backend.carried().iter().map(|(m, c)| (*m, c.as_str())).collect();
+        let carried = self.object.carried().iter().map(|(m, c)| (*m, c.as_str())).collect();
         metrics.set_carried(carried);
         self.serving = Some(node_ips.to_vec());
         Ok(())
@@ -454,7 +456,7 @@ impl Datapath for EbpfDatapath {
         let report = self.sync_maps(plan, dirty, metrics).inspect_err(|_| {
             metrics.map_update_failures.fetch_add(1, Relaxed);
         })?;
-        let state = self.backend.state();
+        let state = self.object.reconciler();
         let backends = state.backend_count();
         metrics.set_map_entries(&state.map_entries());
         tracing::info!(
@@ -463,15 +465,15 @@ impl Datapath for EbpfDatapath {
             writes = report.writes,
             "datapath synced"
         );
-        match self.backend.flush_udp_flows(&report.departures) {
+        match self.object.flush_udp_flows(&report.departures) {
             Ok(0) => {}
             Ok(flushed) => tracing::info!(flushed, "UDP flows to removed endpoints deleted"),
             Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
         }
-        metrics.add_flow_growth(self.backend.take_flow_growth());
+        metrics.add_flow_growth(self.object.take_flow_growth());
         // Connected sockets would keep sending to the pod that left.
         let started = Instant::now();
-        match self.backend.end_sockets(&report.departures) {
+        match self.object.end_sockets(&report.departures) {
             Ok(0) => {}
             Ok(ended) => {
                 let ms = started.elapsed().as_secs_f64() * 1000.0;
@@ -489,8 +491,8 @@ impl Datapath for EbpfDatapath {
         if Instant::now() < self.next_gc {
             return false;
         }
-        let collected = self.backend.collect_conntrack();
-        metrics.add_flow_growth(self.backend.take_flow_growth());
+        let collected = self.object.collect_conntrack();
+        metrics.add_flow_growth(self.object.take_flow_growth());
         let left = collected.as_ref().map_or(0, |(_, left)| *left);
         self.next_gc = Instant::now() + gc_interval(left);
         match collected {
@@ -513,7 +515,7 @@ impl Datapath for EbpfDatapath {
 
     fn scan_interfaces(&mut self, node_ips: &[IpAddr]) {
         match self.wanted_interfaces(node_ips) {
-            Ok(wanted) => self.backend.set_tc_interfaces(&self.loading.root, &wanted),
+            Ok(wanted) => self.object.set_tc_interfaces(&self.loading.root, &wanted),
             Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
         }
     }
@@ -534,13 +536,14 @@ impl Datapath for EbpfDatapath {
     }
 }
 
-/// The datapath's settings from the flags.
-fn config(args: &RunArgs, node_ips: &[IpAddr], host_netns_cookie: u64) -> Config {
+/// The programs' settings.
+fn config(settings: &Settings, node_ips: &[IpAddr], host_netns_cookie: u64) -> Config {
+    let traffic = &settings.traffic;
     let cluster_cidr =
-        args.node.cluster_cidr(IpFamily::V4).and_then(|c| Some((v4(c.addr)?.octets(), c.len)));
+        traffic.cluster_cidr(IpFamily::V4).and_then(|c| Some((v4(c.addr)?.octets(), c.len)));
     let (cidr, prefix) = cluster_cidr.unwrap_or(([0; 4], 0));
     let cluster_cidr6 =
-        args.node.cluster_cidr(IpFamily::V6).and_then(|c| Some((v6(c.addr)?.octets(), c.len)));
+        traffic.cluster_cidr(IpFamily::V6).and_then(|c| Some((v6(c.addr)?.octets(), c.len)));
     let (cidr6, prefix6) = cluster_cidr6.unwrap_or(([0; 16], 0));
     let secs = |d: Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX).max(1);
     Config {
@@ -548,16 +551,16 @@ fn config(args: &RunArgs, node_ips: &[IpAddr], host_netns_cookie: u64) -> Config
         snat_addr: node_ips.iter().find_map(|ip| v4(*ip)).map_or([0; 4], |ip| ip.octets()),
         cluster_cidr: cidr,
         cluster_cidr_prefix: prefix,
-        masquerade_all: args.node.masquerade_all as u8,
-        snat_port_min: args.snat_port_range.0,
-        snat_port_max: args.snat_port_range.1,
-        log_level: args.bpf_log_level.word(),
+        masquerade_all: traffic.masquerade_all as u8,
+        snat_port_min: settings.snat_port_range.0,
+        snat_port_max: settings.snat_port_range.1,
+        log_level: settings.log_level.word(),
         _pad: 0,
         tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
-        tcp_established_timeout_secs: secs(args.conntrack_tcp_timeout_established),
-        tcp_close_wait_timeout_secs: secs(args.conntrack_tcp_timeout_close_wait),
-        tcp_time_wait_timeout_secs: secs(args.conntrack_tcp_timeout_time_wait),
-        udp_timeout_secs: secs(args.conntrack_udp_timeout),
+        tcp_established_timeout_secs: secs(settings.timeouts.tcp_established),
+        tcp_close_wait_timeout_secs: secs(settings.timeouts.tcp_close_wait),
+        tcp_time_wait_timeout_secs: secs(settings.timeouts.tcp_time_wait),
+        udp_timeout_secs: secs(settings.timeouts.udp),
         udp_stream_timeout_secs: UDP_STREAM_TIMEOUT_SECS,
         host_netns_cookie,
         // No IPv6 node address: nothing is SNATed to the node over IPv6.
@@ -565,7 +568,7 @@ fn config(args: &RunArgs, node_ips: &[IpAddr], host_netns_cookie: u64) -> Config
         cluster_cidr6: cidr6,
         cluster_cidr6_prefix: prefix6,
         _pad6: [0; 3],
-        maglev_table_size: args.bpf_lb_maglev_table_size,
+        maglev_table_size: settings.maglev_table_size,
     }
 }
 

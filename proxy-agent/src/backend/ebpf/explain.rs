@@ -16,7 +16,7 @@ use proxy_common::{
     Layouts, TC6_INGRESS, TC6_POD_REPLIES, TC6_PROGRAMS, explain::MAGIC, map_names,
 };
 
-use super::{EbpfError, OBJECT, TC_INGRESS, TC_POD_REPLIES, io_err, program, sock_end};
+use super::{EbpfError, TC_INGRESS, TC_POD_REPLIES, io_err, load::OBJECT, program, sock_end};
 
 /// Where `__sk_buff` has its fields (`include/uapi/linux/bpf.h`): the
 /// kernel takes `ifindex`, `ingress_ifindex` and `cb` from `ctx_in`.

@@ -16,7 +16,7 @@ use proxy_common::{
 
 use super::{
     entries::{BackendEntry, SlotKey},
-    sync::MapOp,
+    reconciler::MapOp,
 };
 
 /// The bitmap in the kernel and this agent's copy of it.

@@ -1,13 +1,12 @@
-//! How the agent ends the connected sockets of departed backends (see
-//! [`crate::sockets`]): socket iterators calling the `bpf_sock_destroy`
-//! kfunc where the kernel has it (6.5+), else `sock_diag`, else nothing,
-//! said once.
+//! How the agent ends the connected sockets of departed backends: socket
+//! iterators calling the `bpf_sock_destroy` kfunc where the kernel has it
+//! (6.5+), else [`sock_diag`](super::sock_diag), else nothing, said once.
 //!
 //! aya resolves no kfunc calls, so the object is given the kfunc's BTF id
 //! here before loading: the BPF side emits the call with a placeholder
 //! immediate ([`SOCK_DESTROY_CALL`]).
 
-use std::{borrow::Cow, io::Read};
+use std::{borrow::Cow, io::Read, net::IpAddr, path::PathBuf};
 
 use aya::{
     Btf, Ebpf,
@@ -15,9 +14,13 @@ use aya::{
     programs::{Iter, iter::IterLink},
 };
 use aya_obj::btf::BtfKind;
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP, MAX_SOCK_ENDS, SOCK_DESTROY_CALL, SockEndKey};
+use proxy_common::{
+    IPPROTO_TCP, IPPROTO_UDP, MAX_SOCK_ENDS, SOCK_DESTROY_CALL, SockEndKey, SockRevNat,
+    SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
+};
 
-use super::{EbpfError, program};
+use super::sock_diag::Peer;
+use super::{BpfObject, EbpfError, departures::Departures, program};
 
 /// The socket iterator program of each protocol.
 const ITERATORS: [(&str, &str, u8); 2] =
@@ -146,7 +149,7 @@ impl Iterators {
             for key in batch {
                 ends.insert(key, 1, 0).map_err(map_err)?;
             }
-            let run = crate::sockets::in_each_netns(|| self.links(ebpf, protocols), Self::run);
+            let run = super::sock_diag::in_each_netns(|| self.links(ebpf, protocols), Self::run);
             let mut ends =
                 HashMap::<_, SockEndKey, u8>::try_from(&mut self.ends).map_err(map_err)?;
             for key in batch {
@@ -159,6 +162,114 @@ impl Iterators {
             })?;
         }
         Ok(ended)
+    }
+}
+
+impl BpfObject {
+    /// Picks how the sockets the socket LB connected to departed backends
+    /// are ended (`want`; `auto` tries the socket iterators, then
+    /// sock_diag), for UDP and, with `tcp`, TCP. Says once in the log what
+    /// it picked, or why nothing works here.
+    pub fn choose_socket_ending(&mut self, want: SocketDestroy, tcp: bool) -> &SocketEnding {
+        let iterators = match want {
+            SocketDestroy::SockDiag => None,
+            SocketDestroy::Auto | SocketDestroy::BpfIterator => Some(self.load_socket_iterators()),
+        };
+        self.socket_ending = match iterators {
+            Some(Ok(())) => std::mem::take(&mut self.socket_ending),
+            Some(Err(e)) if want == SocketDestroy::BpfIterator => {
+                tracing::warn!(error = %e, "--socket-destroy bpf-iterator: the socket iterators do not load here (bpf_sock_destroy needs Linux 6.5+): connected sockets keep an endpoint that was removed until they reconnect");
+                SocketEnding::Unavailable
+            }
+            iterators => {
+                if let Some(Err(e)) = iterators {
+                    tracing::debug!(error = %e, "no socket iterators with bpf_sock_destroy; trying sock_diag");
+                }
+                match super::sock_diag::probe() {
+                    Ok(()) => SocketEnding::SockDiag,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "this kernel does not end sockets on request (neither bpf_sock_destroy nor CONFIG_INET_DIAG_DESTROY): a connected UDP socket keeps an endpoint that was removed until it reconnects");
+                        SocketEnding::Unavailable
+                    }
+                }
+            }
+        };
+        self.socket_protocols =
+            if tcp { vec![IPPROTO_UDP, IPPROTO_TCP] } else { vec![IPPROTO_UDP] };
+        // The kernel's types parsed for the iterators' loading.
+        crate::sys::release_freed_memory();
+        &self.socket_ending
+    }
+
+    /// Loads the socket iterators (verified: the kernel has
+    /// `bpf_sock_destroy` and lets them call it) and makes them the way
+    /// sockets are ended.
+    pub fn load_socket_iterators(&mut self) -> Result<(), EbpfError> {
+        if !matches!(self.socket_ending, SocketEnding::Iterators(_)) {
+            // Their attach targets and kfunc are the running kernel's
+            // types: parsed again here (about 20 ms) rather than kept from
+            // the programs' loading, tens of MiB through the first sync.
+            let kernel_btf = aya::Btf::from_sys_fs().ok();
+            let iterators = Iterators::load(&mut self.ebpf, kernel_btf.as_ref())?;
+            self.socket_ending = SocketEnding::Iterators(iterators);
+        }
+        Ok(())
+    }
+
+    /// Ends the sockets the socket LB connected to backends that left
+    /// their frontends, in the way and for the protocols chosen (see
+    /// [`sock_diag`](super::sock_diag)); returns how many.
+    pub fn end_sockets(&mut self, departures: &Departures) -> Result<usize, EbpfError> {
+        let protocols = &self.socket_protocols;
+        let keys = departures.socket_keys(protocols);
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let io = |source| EbpfError::Io {
+            action: "ending sockets to",
+            path: PathBuf::from("removed endpoints"),
+            source,
+        };
+        match &mut self.socket_ending {
+            SocketEnding::Iterators(iterators) => iterators.end(&mut self.ebpf, &keys, protocols),
+            SocketEnding::SockDiag => {
+                let map_err = |name| move |source| EbpfError::Map { name, source };
+                let (v4, v6) = (map_names::SOCK_REV_NAT, map_names::SOCK_REV_NAT6);
+                let map =
+                    HashMap::<_, SockRevNatKey, SockRevNat>::try_from(&self.maps.sock_rev_nat)
+                        .map_err(map_err(v4))?;
+                let map6 =
+                    HashMap::<_, SockRevNatKey6, SockRevNat6>::try_from(&self.maps.sock_rev_nat6)
+                        .map_err(map_err(v6))?;
+                // The frontend the socket LB sent the socket's peer for.
+                let frontend = |peer: &Peer| {
+                    let (cookie, port) = (peer.cookie, peer.port);
+                    match peer.address {
+                        IpAddr::V4(ip) => {
+                            let address = ip.octets();
+                            let key = SockRevNatKey { cookie, address, port, _pad: 0 };
+                            map.get(&key, 0).ok().map(|t| t.rev_nat_id)
+                        }
+                        IpAddr::V6(ip) => {
+                            let address = ip.octets();
+                            let key = SockRevNatKey6 { cookie, address, port, _pad: [0; 6] };
+                            map6.get(&key, 0).ok().map(|t| t.rev_nat_id)
+                        }
+                    }
+                };
+                let mut ended = 0;
+                for proto in protocols.iter().filter(|p| departures.has_proto(**p)) {
+                    let must_end = |peer: &Peer| {
+                        frontend(peer).is_some_and(|rev_nat_id| {
+                            departures.ends_flow_to(rev_nat_id, *proto, peer.address, peer.port)
+                        })
+                    };
+                    ended += super::sock_diag::destroy(*proto, &must_end).map_err(io)?;
+                }
+                Ok(ended)
+            }
+            SocketEnding::Unavailable => Ok(0),
+        }
     }
 }
 

@@ -12,10 +12,14 @@ use std::{
     time::Duration,
 };
 
-use super::{CANARY, IptablesBackend, IptablesError, counters::RuleCounters, exec::System, render};
+use super::{
+    CANARY, IptablesBackend, IptablesError,
+    counters::RuleCounters,
+    exec::{System, Xtables},
+    render,
+};
 use crate::{
-    backend::{Datapath, Synced, ebpf},
-    cli::{NodeArgs, RunArgs},
+    backend::{Datapath, Synced, TrafficRules, ebpf},
     metrics::Metrics,
     model::{IpFamily, Model},
     plan::{Frontend, Node, Plan},
@@ -26,6 +30,18 @@ use crate::{
 const CANARY_EVERY: u32 = 10;
 /// ...and every canary once in this many checks.
 const THOROUGH_CANARY_EVERY: u32 = 15;
+
+/// The iptables mode's settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The iptables implementation to program.
+    pub xtables: Xtables,
+    pub traffic: TrafficRules,
+    /// NodePorts also answer on 127.0.0.0/8 (kube-proxy's default).
+    pub localhost_nodeports: bool,
+    /// Where the eBPF mode pins, to remove its datapath.
+    pub bpffs_root: PathBuf,
+}
 
 pub struct IptablesDatapath {
     /// One per family served, IPv4 first.
@@ -40,26 +56,28 @@ pub struct IptablesDatapath {
 }
 
 impl IptablesDatapath {
-    pub fn new(args: &RunArgs, node: &Node) -> Self {
-        if render_options(node, &args.node, false, IpFamily::V4).localhost_nodeports() {
+    pub fn new(settings: &Settings, node: &Node) -> Self {
+        let options = |family| {
+            render_options(node, &settings.traffic, settings.localhost_nodeports, false, family)
+        };
+        if options(IpFamily::V4).localhost_nodeports() {
             // As kube-proxy: NodePorts on 127.0.0.1 need DNAT of loopback traffic.
             if let Err(e) = sys::set_sysctl("net/ipv4/conf/all/route_localnet", "1") {
                 tracing::warn!("could not enable route_localnet (localhost NodePorts): {e}");
             }
         }
-        let xtables = args.iptables_backend.resolve(&mut System::default());
+        let xtables = settings.xtables.resolve(&mut System::default());
         let families = families(node);
         tracing::info!(backend = ?xtables, ?families, "iptables implementation");
         let mut backends: Vec<_> = families
             .into_iter()
             .map(|family| {
-                let options = render_options(node, &args.node, false, family);
-                IptablesBackend::new(System::new(xtables).for_family(family), options)
+                IptablesBackend::new(System::new(xtables).for_family(family), options(family))
             })
             .collect();
         let previous = backends.first_mut().is_some_and(|b| b.rules_present())
-            || ebpf::pinned(&args.pins.bpffs_root);
-        let pins = args.pins.bpffs_root.clone();
+            || ebpf::pinned(&settings.bpffs_root);
+        let pins = settings.bpffs_root.clone();
         IptablesDatapath { backends, pins, previous, ebpf_only_told: false }
     }
 }
@@ -226,7 +244,8 @@ fn look_after_family(
 /// What the iptables rules of `family` depend on besides the services.
 pub fn render_options(
     node: &Node,
-    args: &NodeArgs,
+    traffic: &TrafficRules,
+    localhost_nodeports: bool,
     nfacct: bool,
     family: IpFamily,
 ) -> render::Options {
@@ -235,10 +254,10 @@ pub fn render_options(
         node_name: node.name.clone(),
         zone: node.zone.clone(),
         node_ips: node.ips.iter().copied().filter(|ip| IpFamily::of(*ip) == family).collect(),
-        nodeport_addresses: args.nodeport_addresses.clone(),
-        cluster_cidr: args.cluster_cidr(family),
-        masquerade_all: args.masquerade_all,
-        localhost_nodeports: args.iptables_localhost_nodeports,
+        nodeport_addresses: traffic.nodeport_addresses.clone(),
+        cluster_cidr: traffic.cluster_cidr(family),
+        masquerade_all: traffic.masquerade_all,
+        localhost_nodeports,
         nfacct,
         random_fully: true,
         conntrack_tcp_liberal: std::fs::read_to_string(

@@ -7,14 +7,11 @@ use std::fmt::Write as _;
 
 use aya::util::KernelVersion;
 
-use crate::{
-    backend::{
-        ebpf::{EbpfBackend, TcAttach},
-        iptables::exec::{Runner as _, System},
-    },
-    model::IpFamily,
-    sys,
+use super::{
+    ebpf::{BpfObject, TcAttach},
+    iptables::exec::{Runner as _, System},
 };
+use crate::{model::IpFamily, sys};
 
 /// One kernel feature and whether this kernel has it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,9 +79,9 @@ pub fn run() -> Vec<Feature> {
     let version = kernel.map_or_else(|| "unknown kernel".to_string(), |v| format!("kernel {v}"));
     let btf = aya::features().btf().is_some();
     let cgroup2 = sys::cgroup2_root();
-    let mut programs = EbpfBackend::load(TcAttach::for_this_kernel());
-    let iterators = programs.as_mut().ok().map(EbpfBackend::load_socket_iterators);
-    let destroy = crate::sockets::probe();
+    let mut programs = BpfObject::load(TcAttach::for_this_kernel());
+    let iterators = programs.as_mut().ok().map(BpfObject::load_socket_iterators);
+    let destroy = super::ebpf::sock_diag::probe();
     let set_retval = crate::backend::ebpf::has_set_retval();
     let ipv6 = ipv6();
     vec![

@@ -1,0 +1,303 @@
+//! Loading the BPF object: the programs by name, the loader's map sizes
+//! and carried-over state maps, the verifier run (in parallel), and the
+//! programs' settings and decision records.
+
+use std::{collections::BTreeMap, path::Path};
+
+use aya::{
+    Ebpf,
+    maps::Array,
+    programs::{CgroupSockAddr, SchedClassifier},
+};
+use proxy_common::{Config, Layouts, TC6_PROGRAMS, map_names};
+
+use super::{
+    BpfObject, EbpfError, MapSizes,
+    attach::{INGRESS, TC_PROGRAMS, TcAttach},
+    carry,
+    carry::{Carry, Conversion, Pinned, STATE_MAPS},
+    flow_counts::{FlowCounts, Growth},
+    maps::Maps,
+    reconciler::{Reconciler, SyncError, SyncReport},
+    records, sock_end,
+    sock_end::SocketEnding,
+};
+use crate::plan::Plan;
+
+/// The socket-LB programs, by their function names in proxy-ebpf: IPv4
+/// sockets, and IPv6 ones reaching IPv4 services through v4-mapped
+/// addresses.
+pub const PROGRAMS: [&str; 8] = [
+    "connect4",
+    "sendmsg4",
+    "recvmsg4",
+    "getpeername4",
+    "connect6",
+    "sendmsg6",
+    "recvmsg6",
+    "getpeername6",
+];
+/// The per-packet program, attached to the ingress of node and pod interfaces.
+pub const TC_INGRESS: &str = "tc_ingress";
+/// Its egress companion (replies the stack sends for translated flows).
+pub const TC_EGRESS: &str = "tc_egress";
+/// The ingress program of pod interfaces whose pods the socket LB covers:
+/// replies of per-packet flows only.
+pub const TC_POD_REPLIES: &str = "tc_pod_replies";
+/// The socket programs' global saying whether they may call
+/// `bpf_set_retval`.
+pub(super) const SET_RETVAL: &str = "SET_RETVAL";
+
+/// Whether the socket programs can fail `connect()` with ECONNREFUSED
+/// (`bpf_set_retval`, Linux 5.18+); without it a refusal is EPERM.
+pub fn has_set_retval() -> bool {
+    aya::sys::is_helper_supported(
+        aya::programs::ProgramType::CgroupSockAddr,
+        aya::sys::BpfHelper::BPF_FUNC_set_retval,
+    )
+    .unwrap_or(false)
+}
+
+pub(super) static OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+
+/// Loads every program of the object, on up to [`VERIFIER_THREADS`]
+/// threads, each taking the next program in turn: each is verified on its
+/// own, and all of them take seconds of CPU on the way to serving at every
+/// start. The per-packet entry points come first: `tc_ingress` and
+/// `tc_ingress6` are most of that time (1.3 s and 0.6 s of 2.3 s here), so
+/// each starts on a thread of its own.
+pub(super) fn verify_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+    let tc = TC_PROGRAMS.map(|(name, _, _)| name);
+    let names: Vec<&'static str> = tc.into_iter().chain(TC6_PROGRAMS).chain(PROGRAMS).collect();
+    let mut programs: Vec<_> = ebpf
+        .programs_mut()
+        .filter_map(|(name, program)| Some((*names.iter().find(|n| **n == name)?, program)))
+        .collect();
+    if let Some(name) = names.iter().find(|n| !programs.iter().any(|(p, _)| p == *n)) {
+        return Err(EbpfError::Missing { what: "program", name });
+    }
+    let heaviest = [INGRESS.0, TC6_PROGRAMS[0]];
+    programs.sort_by_key(|(name, _)| !heaviest.contains(name));
+    let queue = std::sync::Mutex::new(programs.into_iter());
+    let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(VERIFIER_THREADS);
+    std::thread::scope(|scope| {
+        let loading: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    std::iter::from_fn(next).try_for_each(|(name, p)| load_program(name, p))
+                })
+            })
+            .collect();
+        loading
+            .into_iter()
+            .try_for_each(|thread| thread.join().unwrap_or(Err(EbpfError::VerifierThread)))
+    })
+}
+
+/// At most this many programs are verified at once.
+const VERIFIER_THREADS: usize = 4;
+
+fn load_program(name: &'static str, program: &mut aya::programs::Program) -> Result<(), EbpfError> {
+    let err = |source| EbpfError::Program { name, source };
+    if PROGRAMS.contains(&name) {
+        <&mut CgroupSockAddr>::try_from(program).map_err(err)?.load().map_err(err)
+    } else {
+        <&mut SchedClassifier>::try_from(program).map_err(err)?.load().map_err(err)
+    }
+}
+
+impl BpfObject {
+    /// Loads and verifies the programs with the default map sizes, carrying
+    /// nothing over.
+    pub fn load(tc_mode: TcAttach) -> Result<Self, EbpfError> {
+        Self::load_with(tc_mode, MapSizes::default(), None)
+    }
+
+    /// Loads and verifies the programs; nothing is attached yet. With the
+    /// bpffs `root` of a previous agent, its state maps are carried over
+    /// and its ids reserved (see [`carry`]).
+    pub fn load_with(
+        tc_mode: TcAttach,
+        sizes: MapSizes,
+        root: Option<&Path>,
+    ) -> Result<Self, EbpfError> {
+        let mut backend = Self::prepare(tc_mode, sizes, root)?;
+        backend.verify()?;
+        Ok(backend)
+    }
+
+    /// [`Self::load_with`] but for the programs: the maps are made (and the
+    /// state maps carried over), the programs are not verified yet
+    /// ([`Self::verify`], [`Self::verify_while_syncing`]).
+    pub fn prepare(
+        tc_mode: TcAttach,
+        sizes: MapSizes,
+        root: Option<&Path>,
+    ) -> Result<Self, EbpfError> {
+        crate::sys::raise_memlock_rlimit();
+        let set_retval = u8::from(has_set_retval());
+        let mut loader = aya::EbpfLoader::new();
+        loader
+            .override_global(SET_RETVAL, &set_retval, true)
+            .map_max_entries(map_names::SERVICES, sizes.services)
+            .map_max_entries(map_names::BACKENDS, sizes.backends)
+            .map_max_entries(map_names::REV_NAT, sizes.rev_nat)
+            // Each family's maps are sized alike, for both families' entries
+            // together (the IPv6 ones are allocated per entry).
+            .map_max_entries(map_names::SERVICES6, sizes.services)
+            .map_max_entries(map_names::BACKENDS6, sizes.backends)
+            .map_max_entries(map_names::REV_NAT6, sizes.rev_nat)
+            .map_max_entries(map_names::FRONTEND_INFO, sizes.rev_nat)
+            .map_max_entries(map_names::FRONTEND_STATS, sizes.rev_nat);
+        let pinned = root.map(Pinned::open).transpose().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "could not read the previous agent's map layouts; starting afresh");
+            None
+        });
+        let mut carried = Vec::new();
+        let mut conversions = Vec::new();
+        for map in &STATE_MAPS {
+            let Some(pinned) = &pinned else { break };
+            let carry = pinned.carry(map);
+            if let Some(conversion) = carry_over(pinned, map, carry, &mut loader) {
+                conversions.push(conversion);
+            }
+            carried.push((map.name, carry));
+        }
+        // The kernel's types, for its kfuncs (absent: none is called).
+        let kernel_btf = aya::Btf::from_sys_fs().ok();
+        let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
+        let mut maps = Maps::take(&mut ebpf)?;
+        let mut state = Reconciler::with_capacity(sizes);
+        if let Some(pinned) = &pinned {
+            match pinned.reserved() {
+                Ok(reserved) => state.reserve(reserved),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the previous agent's ids; frontends and backends get new ones")
+                }
+            }
+        }
+        for conversion in &conversions {
+            let name = conversion.map.name;
+            let copied = conversion
+                .copy_into(maps.state_map(name), false)
+                .map_err(|source| EbpfError::Map { name, source })?;
+            tracing::info!(map = name, entries = copied, "converted the previous agent's entries");
+        }
+        let tc_interfaces = BTreeMap::new();
+        Ok(Self {
+            ebpf,
+            maps,
+            reconciler: state,
+            tc_mode,
+            tc_interfaces,
+            carried,
+            conversions,
+            socket_ending: SocketEnding::Unavailable,
+            records: None,
+            socket_protocols: Vec::new(),
+            flow_counts: FlowCounts::default(),
+            flow_counts6: FlowCounts::default(),
+            flow_growth: Growth::new(),
+        })
+    }
+
+    /// Loads the programs (the verifier runs) and points `TC6` at the
+    /// IPv6 ones.
+    pub fn verify(&mut self) -> Result<(), EbpfError> {
+        verify_programs(&mut self.ebpf)?;
+        self.maps.fill_tc6(&mut self.ebpf)
+    }
+
+    /// [`Self::verify`] on another thread while this one brings the maps
+    /// to `plan` ([`Self::sync`]): at a first sync of many services the
+    /// verifier's second or two then no longer come before the writes.
+    pub fn verify_while_syncing(
+        &mut self,
+        plan: &Plan,
+    ) -> Result<Result<SyncReport, SyncError>, EbpfError> {
+        let (ebpf, state, maps) = (&mut self.ebpf, &mut self.reconciler, &mut self.maps);
+        let (verified, synced) = std::thread::scope(|scope| {
+            let verifying = scope.spawn(|| verify_programs(ebpf));
+            let synced = state.sync(plan, None, maps);
+            let verified = verifying.join().unwrap_or_else(|_| Err(EbpfError::VerifierThread));
+            (verified, synced)
+        });
+        self.purge_owed();
+        verified?;
+        self.maps.fill_tc6(&mut self.ebpf)?;
+        Ok(synced)
+    }
+
+    /// What became of each state map of the previous agent.
+    pub fn carried(&self) -> &[(&'static str, Carry)] {
+        &self.carried
+    }
+
+    /// Writes the datapath settings (before the programs see traffic), and
+    /// the maps' layouts for the next agent.
+    pub fn configure(&mut self, config: &Config) -> Result<(), EbpfError> {
+        self.reconciler.set_maglev_table_size(config.maglev_table_size);
+        let name = map_names::CONFIG;
+        let err = |source| EbpfError::Map { name, source };
+        Array::<_, Config>::try_from(&mut self.maps.config)
+            .map_err(err)?
+            .set(0, config, 0)
+            .map_err(err)?;
+        let name = map_names::LAYOUT;
+        let err = |source| EbpfError::Map { name, source };
+        Array::<_, Layouts>::try_from(&mut self.maps.layout)
+            .map_err(err)?
+            .set(0, Layouts::CURRENT, 0)
+            .map_err(err)
+    }
+
+    /// The reader of the programs' decision records, into `logger` (once).
+    pub fn take_records_with<L: log::Log>(
+        &mut self,
+        logger: L,
+    ) -> Result<aya_log::EbpfLogger<L>, aya_log::Error> {
+        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, logger)
+    }
+
+    /// Keeps the task reading the records: it stops when these programs go.
+    pub fn keep_records_reader(&mut self, reader: records::Reader) {
+        self.records = Some(reader);
+    }
+}
+
+/// Prepares carrying `map` over as `carry` says: the loader reuses the
+/// pinned map, or a conversion reads it.
+pub(super) fn carry_over(
+    pinned: &Pinned,
+    map: &'static carry::StateMap,
+    carry: Carry,
+    loader: &mut aya::EbpfLoader<'_>,
+) -> Option<Conversion> {
+    let name = map.name;
+    match carry {
+        Carry::Nothing => None,
+        Carry::Reuse => {
+            tracing::info!(map = name, "carrying the previous agent's map over");
+            loader.map_pin_path(name, pinned.path(name));
+            None
+        }
+        Carry::Convert { from } => match Conversion::open(pinned, map, from) {
+            Ok(conversion) => Some(conversion),
+            Err(e) => {
+                tracing::warn!(map = name, error = %e, "could not open the previous map; its entries are lost");
+                None
+            }
+        },
+        Carry::Reset { version } => {
+            tracing::warn!(
+                map = name,
+                version,
+                ours = ?Layouts::CURRENT,
+                "the previous agent's map has a layout this build cannot read; its entries are lost"
+            );
+            None
+        }
+    }
+}
