@@ -13,7 +13,7 @@ use proxy_common::{
     ct::{Closed, lifetime_secs, next_flags, on_closed, port_reusable},
 };
 
-use crate::{explain::Run, family::Family, packet::Packet, prefilter};
+use crate::{family::Family, packet::Packet, prefilter, run::Run};
 
 const NS_PER_SEC: u64 = 1_000_000_000;
 /// Expiry is rewritten at most this often per flow while its state holds.

@@ -1,33 +1,20 @@
 //! Explain runs (`proxy_common::explain`): a crafted packet the agent runs
-//! through the program under `BPF_PROG_TEST_RUN`, marked in `cb`. Such a
-//! run takes the real path but writes no state (conntrack entries,
-//! affinity, refreshes) and leaves its decision in `cb`. The marker is read
-//! only where a new flow is decided or state would be written.
+//! through the program under `BPF_PROG_TEST_RUN`, marked in `cb` (`run`).
+//! Such a run takes the real path but writes no state (conntrack entries,
+//! affinity, refreshes) and leaves its decision in `cb`, noted here. The
+//! marker is read only where a new flow is decided or state would be
+//! written.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::explain::{
-    AFFINITY, CB_BACKEND, CB_REV_NAT, CB_WORD, DSR, Decided, MAGIC, MAGLEV, SNAT, word,
+use proxy_common::{
+    ServiceFlags,
+    explain::{AFFINITY, CB_BACKEND, CB_REV_NAT, CB_WORD, DSR, Decided, MAGLEV, SNAT, word},
 };
 
-use proxy_common::ServiceFlags;
+use crate::{lb::Via, run::Run};
 
-use crate::lb::Via;
-
-/// Whether a packet is real or an explain run's.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Run {
-    Real,
-    Explain,
-}
-
+/// The notes an explain run's packet leaves; a real packet's are none.
 impl Run {
-    #[inline(always)]
-    pub fn of(ctx: &TcContext) -> Run {
-        // SAFETY: the context's own fields.
-        let cb = unsafe { &(*ctx.skb.skb).cb };
-        if cb[0] == MAGIC[0] && cb[1] == MAGIC[1] { Run::Explain } else { Run::Real }
-    }
-
     /// Notes the frontend the packet addressed.
     #[inline(always)]
     pub fn frontend(self, ctx: &TcContext, rev_nat_id: u32) {

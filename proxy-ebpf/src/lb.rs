@@ -9,8 +9,8 @@ use proxy_common::{
     maglev::{self, CHUNK_SLOTS, MaglevKey},
 };
 
-use crate::explain::Run;
 use crate::maps::{AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, MAGLEV, SERVICES, SERVICES6, count};
+use crate::run::Run;
 
 /// A services-map key, and so an address family: where its frontends and
 /// backends are.

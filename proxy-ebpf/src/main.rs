@@ -16,6 +16,8 @@ mod monitor;
 mod packet;
 mod prefilter;
 mod reject;
+mod report;
+mod run;
 mod sock_end;
 mod sock_lb;
 mod stats;

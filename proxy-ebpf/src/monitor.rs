@@ -17,7 +17,7 @@ use proxy_common::{
     monitor::{EVENTS_BYTES, EventTuple, MonitorEvent, hook, reason, verdict},
 };
 
-use crate::{log::Outcome, sock_lb};
+use crate::log::Outcome;
 
 #[btf_map]
 pub static EVENTS: RingBuf<MonitorEvent, { EVENTS_BYTES as usize }> = RingBuf::new();
@@ -91,11 +91,11 @@ pub fn tc<T: CtTuple<Addr: EventAddr>>(ctx: &TcContext, before: &T, after: &T, w
 }
 
 /// A socket hook's decision about a call to `service` (`to`: the backend
-/// it was translated to; else the service again).
+/// it was translated to; else the service again). `hook` names the hook
+/// (`proxy_common::monitor::hook`), asked only while a monitor runs.
 #[inline(always)]
 pub fn socket<A: EventAddr>(
-    sock_hook: sock_lb::Hook,
-    ipv6_hooks: bool,
+    hook: impl FnOnce() -> u8,
     service: (A, u16),
     to: (A, u16),
     proto: u8,
@@ -104,12 +104,7 @@ pub fn socket<A: EventAddr>(
     if !on() {
         return;
     }
-    let hook = match (sock_hook, ipv6_hooks) {
-        (sock_lb::Hook::Socket, false) => hook::CONNECT4,
-        (sock_lb::Hook::Datagram, false) => hook::SENDMSG4,
-        (sock_lb::Hook::Socket, true) => hook::CONNECT6,
-        (sock_lb::Hook::Datagram, true) => hook::SENDMSG6,
-    };
+    let hook = hook();
     let before = A::Tuple::new(A::default(), service.0, 0, service.1, proto);
     let after = A::Tuple::new(A::default(), to.0, 0, to.1, proto);
     write(&before, &after, &Meta::new(hook, 0, what));

@@ -18,14 +18,15 @@ use aya_log_ebpf::macro_support::{Argument, IpFormatter};
 use proxy_common::{
     AFFINITY_CLIENT_NETNS, Config, Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceKey6,
     ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6,
-    log_level,
+    log_level, monitor::hook as monitor_hook,
 };
 
 use crate::{
     lb::{self, ServiceMapKey, Verdict, Via},
-    log::{self, record},
+    log::{self, Outcome, record},
     maps::{CONFIG, SOCK_FLOWS, SOCK_REV_NAT, SOCK_REV_NAT6, count},
     monitor::{self, EventAddr, What},
+    report::{self, Denied, Site},
     stats::{self, Event},
 };
 
@@ -248,6 +249,17 @@ fn in_scope(ctx: &SockAddrContext, cfg: &Config) -> bool {
 }
 
 impl Hook {
+    /// The translating hook's name in monitor events.
+    #[inline(always)]
+    fn event<F: SockFamily>(self) -> u8 {
+        match (self, F::IPV6_HOOKS) {
+            (Hook::Socket, false) => monitor_hook::CONNECT4,
+            (Hook::Datagram, false) => monitor_hook::SENDMSG4,
+            (Hook::Socket, true) => monitor_hook::CONNECT6,
+            (Hook::Datagram, true) => monitor_hook::SENDMSG6,
+        }
+    }
+
     /// The program's name, for the decision records.
     #[inline(always)]
     fn program<F: SockFamily>(self, translate: bool) -> &'static str {
@@ -338,19 +350,8 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     };
     match verdict {
         Verdict::NoBackend => {
-            stats::count(svc.rev_nat_id, Event::SOCKET_REFUSED);
-            record!(
-                cfg,
-                ctx,
-                program,
-                INFO,
-                "{:i}:{} proto {}: no endpoint, refused (ECONNREFUSED)",
-                address,
-                port,
-                proto
-            );
-            let service = (address, port);
-            monitor::socket(hook, F::IPV6_HOOKS, service, service, proto, What::Refused);
+            let call = Call::<F> { ctx, hook, program, service: (address, port), proto };
+            report::denied(&call, cfg, svc.rev_nat_id, Denied::Refused);
             // Fail the call at once with ECONNREFUSED instead of EPERM.
             // SAFETY: reading a global the loader initialised.
             if unsafe { core::ptr::read_volatile(&SET_RETVAL) } != 0 {
@@ -387,12 +388,52 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
             // A datagram of a known flow is no new decision.
             if !matches!(via, Via::Flow) {
                 let what = What::Translated(rev_nat_id);
-                monitor::socket(hook, F::IPV6_HOOKS, (address, port), to, proto, what);
+                monitor::socket(|| hook.event::<F>(), (address, port), to, proto, what);
             }
             F::Address::remember_reverse(cookie, to, (address, port), rev_nat_id);
             set_user::<F>(ctx, to);
             ALLOW
         }
+    }
+}
+
+/// A call to a service, as `report` tells of its refusal (the socket hooks
+/// drop nothing).
+struct Call<'a, F: SockFamily> {
+    ctx: &'a SockAddrContext,
+    hook: Hook,
+    program: &'static str,
+    service: Addr<F::Address>,
+    proto: u8,
+}
+
+impl<F: SockFamily> Site for Call<'_, F> {
+    const REFUSED: Event = Event::SOCKET_REFUSED;
+
+    #[inline(always)]
+    fn stat(&self, rev_nat_id: u32, event: Event) {
+        stats::count(rev_nat_id, event);
+    }
+
+    #[inline(always)]
+    fn record(&self, cfg: &Config, _refused: Outcome) {
+        let ((address, port), proto) = (self.service, self.proto);
+        record!(
+            cfg,
+            self.ctx,
+            self.program,
+            INFO,
+            "{:i}:{} proto {}: no endpoint, refused (ECONNREFUSED)",
+            address,
+            port,
+            proto
+        );
+    }
+
+    #[inline(always)]
+    fn event(&self, what: What) {
+        let (service, proto) = (self.service, self.proto);
+        monitor::socket(|| self.hook.event::<F>(), service, service, proto, what);
     }
 }
 

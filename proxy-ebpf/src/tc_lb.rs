@@ -25,7 +25,6 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Learnt},
-    explain::Run,
     family::Family,
     icmp::{self, IcmpError},
     lb::{self, Pick, Verdict, Via},
@@ -35,6 +34,8 @@ use crate::{
     packet::{self, Flow, Packet, Parsed},
     prefilter::{self, Filter, Hook},
     reject,
+    report::{self, Denied, Site},
+    run::Run,
     stats::{self, Event},
     tc_act::{NEXT, SHOT, STACK},
 };
@@ -161,18 +162,15 @@ where
         // counter, record or event tells of a packet that never was.
         Decision::Drop(outcome, rev_nat_id) => {
             if Run::of(ctx) == Run::Real {
-                count(Counter::Dropped);
-                stat::<F>(rev_nat_id, Event::dropped(stats_reason(outcome)));
-                record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
-                monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Dropped(outcome));
+                let site = Ingress::<F> { ctx, tuple: &f.pkt.tuple };
+                report::denied(&site, cfg, rev_nat_id, Denied::Dropped(outcome));
             }
             return SHOT;
         }
         Decision::Refuse(rev_nat_id) => {
             if Run::of(ctx) == Run::Real {
-                stat::<F>(rev_nat_id, Event::REFUSED);
-                record(cfg, log_level::INFO, true, &f.pkt.tuple, Outcome::NoEndpoint);
-                monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Refused);
+                let site = Ingress::<F> { ctx, tuple: &f.pkt.tuple };
+                report::denied(&site, cfg, rev_nat_id, Denied::Refused);
             }
             return reject::refuse::<F>(ctx, &f.pkt);
         }
@@ -198,11 +196,9 @@ where
         },
     );
     if !created {
-        count(Counter::Dropped);
         let outcome = if snat { Outcome::NoSnatPort } else { Outcome::ConntrackFull };
-        stat::<F>(rev_nat_id, Event::dropped(stats_reason(outcome)));
-        record(cfg, log_level::INFO, true, &f.pkt.tuple, outcome);
-        monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Dropped(outcome));
+        let site = Ingress::<F> { ctx, tuple: &f.pkt.tuple };
+        report::denied(&site, cfg, rev_nat_id, Denied::Dropped(outcome));
         return SHOT;
     }
     count(Counter::CtNew);
@@ -240,15 +236,32 @@ fn stat<F: Family>(rev_nat_id: u32, event: Event) {
     )
 }
 
-/// The drop reason a dropping outcome is counted under.
-#[inline(always)]
-fn stats_reason(outcome: Outcome) -> DropReason {
-    match outcome {
-        Outcome::SourceOutsideRanges => DropReason::SourceOutsideRanges,
-        Outcome::NoLocalEndpoint => DropReason::NoLocalEndpoint,
-        Outcome::NoSnatPort => DropReason::NoSnatPort,
-        Outcome::ConntrackFull => DropReason::ConntrackFull,
-        _ => DropReason::RewriteFailed,
+/// A packet of no flow on tc ingress, as `report` tells of its denial.
+struct Ingress<'a, F: Family> {
+    ctx: &'a TcContext,
+    tuple: &'a F::Tuple,
+}
+
+impl<F: Family> Site for Ingress<'_, F>
+where
+    F::Tuple: Printable,
+    F::Addr: EventAddr,
+{
+    const REFUSED: Event = Event::REFUSED;
+
+    #[inline(always)]
+    fn stat(&self, rev_nat_id: u32, event: Event) {
+        stat::<F>(rev_nat_id, event);
+    }
+
+    #[inline(always)]
+    fn record(&self, cfg: &Config, outcome: Outcome) {
+        record(cfg, log_level::INFO, true, self.tuple, outcome);
+    }
+
+    #[inline(always)]
+    fn event(&self, what: What) {
+        monitor::tc(self.ctx, self.tuple, self.tuple, what);
     }
 }
 

@@ -1,0 +1,31 @@
+//! Names of the maps in the BPF object; the agent pins each under its own name.
+
+pub const SERVICES: &str = "SERVICES";
+pub const BACKENDS: &str = "BACKENDS";
+pub const REV_NAT: &str = "REV_NAT";
+pub const SOCK_REV_NAT: &str = "SOCK_REV_NAT";
+pub const AFFINITY: &str = "AFFINITY";
+pub const COUNTERS: &str = "COUNTERS";
+pub const CONNTRACK: &str = "CONNTRACK";
+pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
+pub const CONFIG: &str = "CONFIG";
+pub const FRAGMENTS: &str = "FRAGMENTS";
+pub const LAYOUT: &str = "LAYOUT";
+pub const SOCK_FLOWS: &str = "SOCK_FLOWS";
+pub const SOCK_ENDS: &str = "SOCK_ENDS";
+pub const FRONTEND_INFO: &str = "FRONTEND_INFO";
+pub const PREFILTER: &str = "PREFILTER";
+pub const PREFILTER_REPLIES: &str = "PREFILTER_REPLIES";
+pub const SERVICES6: &str = "SERVICES6";
+pub const BACKENDS6: &str = "BACKENDS6";
+pub const REV_NAT6: &str = "REV_NAT6";
+pub const SOCK_REV_NAT6: &str = "SOCK_REV_NAT6";
+pub const CONNTRACK6: &str = "CONNTRACK6";
+pub const AFFINITY6: &str = "AFFINITY6";
+pub const SOURCE_RANGES6: &str = "SOURCE_RANGES6";
+pub const TC6: &str = "TC6";
+pub const EVENTS: &str = "EVENTS";
+pub const MONITOR: &str = "MONITOR";
+pub const MONITOR_LOST: &str = "MONITOR_LOST";
+pub const FRONTEND_STATS: &str = "FRONTEND_STATS";
+pub const MAGLEV: &str = "MAGLEV";
