@@ -81,7 +81,8 @@ pub fn ip_header(p: &[u8]) -> Option<(&[u8], u16)> {
     let ethertype = u16::from_be_bytes([*p.get(12)?, *p.get(13)?]);
     let len = match ethertype {
         ETH_IPV6 => IP6_LEN,
-        _ => usize::from(*p.get(ETH_LEN)? & 0x0f) * 4,
+        // At least the fixed header, whatever a broken length field says.
+        _ => (usize::from(*p.get(ETH_LEN)? & 0x0f) * 4).max(IP_LEN),
     };
     Some((p.get(ETH_LEN..ETH_LEN + len)?, ethertype))
 }
