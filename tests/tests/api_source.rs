@@ -8,9 +8,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{NODE_IP, 
-    Attempt, EXT_IP, Lab, Mode, Pod, Request, Setup, Source, apiserver::ApiServer, node_ip,
-    node_port, tally, two_node_endpoints,
+use proxy_lab::{
+    Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Request, Setup, Source, apiserver::ApiServer,
+    node_ip, node_port, tally, two_node_endpoints,
 };
 use test_objects::{Protocol::*, ep, manifest, port, service};
 

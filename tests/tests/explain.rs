@@ -136,7 +136,10 @@ fn explain_agrees_with_real_packets(setup: Setup) {
         assert!(pods.contains(text(&through_node_port["picked"])), "{through_node_port}");
         assert_eq!(text(&through_node_port["snat"]), NODE_IP);
     } else {
-        assert!(through_node_port.get("picked").is_none(), "chosen per connection: {through_node_port}");
+        assert!(
+            through_node_port.get("picked").is_none(),
+            "chosen per connection: {through_node_port}"
+        );
         assert!(text(&through_node_port["snat"]).starts_with("MASQUERADE"), "{through_node_port}");
     }
     assert_eq!(text(&through_node_port["frontend"]["kind"]), "NodePort");
