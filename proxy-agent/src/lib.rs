@@ -22,6 +22,7 @@ pub mod model;
 pub mod monitor;
 pub mod node;
 pub mod objects;
+pub mod packet_craft;
 pub mod plan;
 pub mod service_stats;
 pub mod source;

@@ -13,6 +13,10 @@ use std::{
 use proxy_agent::{
     backend::ebpf::{BpfObject, PacketRun, TcAttach},
     model::{Cidr, EndpointAddr, Protocol, ServiceName, ServicePortName},
+    packet_craft::{
+        self, ICMP, ICMPV6, TCP, UDP, fold, l4_checksum_ok, set_ipv4_checksum, set_l4_checksum,
+        sum16, with_ports,
+    },
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
 use proxy_common::{
@@ -28,8 +32,6 @@ const REDIRECT: i32 = 7;
 const NODE: [u8; 4] = [192, 168, 100, 11];
 const CLIENT: [u8; 4] = [192, 168, 100, 101];
 const POD: [u8; 4] = [10, 244, 2, 2];
-const TCP: u8 = 6;
-const UDP: u8 = 17;
 const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
 const RST: u8 = 0x04;
@@ -105,23 +107,29 @@ fn test_config() -> Config {
     }
 }
 
+/// Distinct MACs (destination, source), for the programs that swap them.
+const MACS: [u8; 12] = [2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2];
+
+/// Ethernet + IP (valid header checksum) + L4 header (`src` and `dst`'s
+/// ports, then `l4_rest`) and payload, its L4 checksum left as given.
+fn frame<const N: usize>(
+    proto: u8,
+    src: ([u8; N], u16),
+    dst: ([u8; N], u16),
+    rest: &[u8],
+) -> Vec<u8>
+where
+    IpAddr: From<[u8; N]>,
+{
+    let l4 = with_ports(src.1, dst.1, rest);
+    let mut p = packet_craft::frame(proto, IpAddr::from(src.0), IpAddr::from(dst.0), &l4);
+    p[..12].copy_from_slice(&MACS);
+    p
+}
+
 /// Ethernet + IPv4 (valid header checksum) + L4 header and payload.
 fn packet(proto: u8, src: ([u8; 4], u16), dst: ([u8; 4], u16), l4_rest: &[u8]) -> Vec<u8> {
-    let mut l4 = Vec::new();
-    l4.extend_from_slice(&src.1.to_be_bytes());
-    l4.extend_from_slice(&dst.1.to_be_bytes());
-    l4.extend_from_slice(l4_rest);
-    let mut p = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x08, 0x00];
-    let total = (20 + l4.len()) as u16;
-    let mut ip = vec![0x45, 0, 0, 0, 0x12, 0x34, 0x40, 0, 64, proto, 0, 0];
-    ip[2..4].copy_from_slice(&total.to_be_bytes());
-    ip.extend_from_slice(&src.0);
-    ip.extend_from_slice(&dst.0);
-    let sum = fold(sum16(&ip));
-    ip[10..12].copy_from_slice(&sum.to_be_bytes());
-    p.extend_from_slice(&ip);
-    p.extend_from_slice(&l4);
-    p
+    frame(proto, src, dst, l4_rest)
 }
 
 /// A 32-byte TCP header with the given flags, seq 1000, MSS and SACK options, and a
@@ -156,50 +164,17 @@ fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), with_checksum: bool) -> Vec<u8>
     p
 }
 
-fn sum16(bytes: &[u8]) -> u32 {
-    bytes.chunks(2).map(|c| u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32).sum()
-}
-
-fn fold(mut sum: u32) -> u16 {
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-fn l4_sum(p: &[u8]) -> u32 {
-    let (ip, l4) = (&p[14..34], &p[34..]);
-    let mut pseudo = Vec::new();
-    pseudo.extend_from_slice(&ip[12..20]);
-    pseudo.extend_from_slice(&[0, ip[9]]);
-    pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
-    sum16(&pseudo) + sum16(l4)
-}
-
 fn csum_offset(p: &[u8]) -> usize {
     34 + if p[23] == TCP { 16 } else { 6 }
 }
 
-fn set_l4_checksum(p: &mut [u8]) {
-    let off = csum_offset(p);
-    p[off..off + 2].copy_from_slice(&[0, 0]);
-    let sum = fold(l4_sum(p));
-    p[off..off + 2].copy_from_slice(&sum.to_be_bytes());
-}
-
 /// Checks the IPv4 header checksum and the TCP/UDP/ICMP one.
 fn assert_checksums(p: &[u8]) {
-    assert_eq!(fold(sum16(&p[14..34])), 0, "IPv4 header checksum of {p:02x?}");
-    match p[23] {
-        1 => assert_eq!(fold(sum16(&p[34..])), 0, "ICMP checksum"),
-        _ => {
-            let off = csum_offset(p);
-            if p[23] == UDP && p[off..off + 2] == [0, 0] {
-                return;
-            }
-            assert_eq!(fold(l4_sum(p)), 0, "L4 checksum of {p:02x?}");
-        }
+    assert!(packet_craft::ipv4_checksum_ok(p), "IPv4 header checksum of {p:02x?}");
+    if p[23] == UDP && p[csum_offset(p)..csum_offset(p) + 2] == [0, 0] {
+        return;
     }
+    assert!(l4_checksum_ok(p), "L4 checksum of {p:02x?}");
 }
 
 fn tuple(p: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
@@ -500,13 +475,11 @@ fn fragments_of_a_datagram_follow_the_first() {
     let whole = udp((CLIENT, 40000), (NODE, 30053), true);
     let mut first = whole.clone();
     first[20] |= 0x20;
-    first[24..26].copy_from_slice(&[0, 0]);
-    let sum = fold(sum16(&first[14..34]));
-    first[24..26].copy_from_slice(&sum.to_be_bytes());
+    set_ipv4_checksum(&mut first);
     let out = run(&mut dp, &first);
     let ((src, sport), dst) = tuple(&out.packet);
     assert_eq!((src, dst), (NODE, (POD, 5353)));
-    assert_eq!(fold(sum16(&out.packet[14..34])), 0, "IPv4 header checksum");
+    assert!(packet_craft::ipv4_checksum_ok(&out.packet), "IPv4 header checksum");
     // The same rewrite applied to the unfragmented datagram gives the same
     // UDP checksum: the incremental update is right for the whole datagram.
     let mut expect = whole.clone();
@@ -520,14 +493,12 @@ fn fragments_of_a_datagram_follow_the_first() {
     // A later fragment (offset 8 bytes, same id): addresses only.
     let mut later = packet(UDP, (CLIENT, 0x6162), (NODE, 0x6364), b"efgh");
     later[20..22].copy_from_slice(&[0x00, 0x01]);
-    later[24..26].copy_from_slice(&[0, 0]);
-    let sum = fold(sum16(&later[14..34]));
-    later[24..26].copy_from_slice(&sum.to_be_bytes());
+    set_ipv4_checksum(&mut later);
     let moved = run(&mut dp, &later);
     assert_eq!(moved.packet[26..30], NODE);
     assert_eq!(moved.packet[30..34], POD);
     assert_eq!(moved.packet[34..], later[34..], "payload untouched");
-    assert_eq!(fold(sum16(&moved.packet[14..34])), 0, "IPv4 header checksum");
+    assert!(packet_craft::ipv4_checksum_ok(&moved.packet), "IPv4 header checksum");
 }
 
 #[test]
@@ -635,7 +606,6 @@ fn masquerade_of_sources_outside_the_cluster_cidr() {
     assert_eq!(tuple(&from_outside.packet).0.0, NODE, "off-cluster source masqueraded");
 }
 
-const ICMP: u8 = 1;
 const ROUTER: [u8; 4] = [192, 168, 100, 2];
 
 /// An ICMP error from `from` to `to` quoting `quoted` (a frame built above)
@@ -649,13 +619,11 @@ fn icmp_error(
     quoted: &[u8],
     quote: usize,
 ) -> Vec<u8> {
-    let mut msg = vec![kind, code, 0, 0];
-    msg.extend_from_slice(&rest);
+    let mut msg = rest.to_vec();
     msg.extend_from_slice(&quoted[14..14 + quote]);
-    let sum = fold(sum16(&msg));
-    msg[2..4].copy_from_slice(&sum.to_be_bytes());
-    let word = |i: usize| u16::from_be_bytes([msg[i], msg[i + 1]]);
-    packet(ICMP, (from, word(0)), (to, word(2)), &msg[4..])
+    let mut p = packet(ICMP, (from, u16::from_be_bytes([kind, code])), (to, 0), &msg);
+    set_l4_checksum(&mut p);
+    p
 }
 
 type Endpoint = ([u8; 4], u16);
@@ -797,42 +765,24 @@ const POD6: [u8; 16] = [0xfd, 0, 0, 0x10, 0x02, 0x44, 0, 2, 0, 0, 0, 0, 0, 0, 0,
 /// In the IPv6 cluster CIDR of `datapath` (its /48).
 const POD_CLIENT6: [u8; 16] = [0xfd, 0, 0, 0x10, 0x02, 0x44, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
 const CLUSTER_IP6: [u8; 16] = [0xfd, 0, 0, 0x96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10];
-const ICMPV6: u8 = 58;
 
 type Endpoint6 = ([u8; 16], u16);
 
 /// Ethernet + IPv6 (next header `proto`) + L4 header and payload.
 fn packet6(proto: u8, src: Endpoint6, dst: Endpoint6, l4_rest: &[u8]) -> Vec<u8> {
-    let mut p = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x86, 0xdd, 0x60, 0, 0, 0];
-    p.extend_from_slice(&((4 + l4_rest.len()) as u16).to_be_bytes());
-    p.extend_from_slice(&[proto, 64]);
-    p.extend_from_slice(&src.0);
-    p.extend_from_slice(&dst.0);
-    p.extend_from_slice(&src.1.to_be_bytes());
-    p.extend_from_slice(&dst.1.to_be_bytes());
-    p.extend_from_slice(l4_rest);
-    p
+    frame(proto, src, dst, l4_rest)
 }
 
 fn tcp6(src: Endpoint6, dst: Endpoint6, flags: u8) -> Vec<u8> {
     let mut p = packet6(TCP, src, dst, &tcp_rest(flags));
-    set_l4_checksum6(&mut p);
+    set_l4_checksum(&mut p);
     p
 }
 
 fn udp6(src: Endpoint6, dst: Endpoint6) -> Vec<u8> {
     let mut p = packet6(UDP, src, dst, &udp_rest());
-    set_l4_checksum6(&mut p);
+    set_l4_checksum(&mut p);
     p
-}
-
-/// The L4 (or ICMPv6) sum with the IPv6 pseudo-header.
-fn l4_sum6(p: &[u8]) -> u32 {
-    let l4 = &p[54..];
-    let mut pseudo = p[22..54].to_vec();
-    pseudo.extend_from_slice(&(l4.len() as u32).to_be_bytes());
-    pseudo.extend_from_slice(&[0, 0, 0, p[20]]);
-    sum16(&pseudo) + sum16(l4)
 }
 
 fn csum_offset6(p: &[u8]) -> usize {
@@ -843,19 +793,12 @@ fn csum_offset6(p: &[u8]) -> usize {
     }
 }
 
-fn set_l4_checksum6(p: &mut [u8]) {
-    let off = csum_offset6(p);
-    p[off..off + 2].copy_from_slice(&[0, 0]);
-    let sum = fold(l4_sum6(p));
-    p[off..off + 2].copy_from_slice(&sum.to_be_bytes());
-}
-
 /// Checks the TCP, UDP or ICMPv6 checksum (a UDP one must not be zero).
 fn assert_checksums6(p: &[u8]) {
     assert_eq!(u16::from_be_bytes([p[18], p[19]]) as usize, p.len() - 54, "payload length");
     let off = csum_offset6(p);
     assert_ne!(p[off..off + 2], [0, 0], "IPv6 checksums are never zero");
-    assert_eq!(fold(l4_sum6(p)), 0, "L4 checksum of {p:02x?}");
+    assert!(l4_checksum_ok(p), "L4 checksum of {p:02x?}");
 }
 
 fn tuple6(p: &[u8]) -> (Endpoint6, Endpoint6) {
@@ -1085,7 +1028,7 @@ fn icmp6_error(
     body.extend_from_slice(&quoted[14..14 + quote]);
     let type_code = u16::from_be_bytes([kind, code]);
     let mut p = packet6(ICMPV6, (from, type_code), (to, 0), &body);
-    set_l4_checksum6(&mut p);
+    set_l4_checksum(&mut p);
     p
 }
 
@@ -1307,9 +1250,7 @@ fn ipv4_packets_are_forwarded_by_a_fib_lookup_with_the_ttl_decremented() {
     // A TTL that runs out here: dropped, not sent on with 0.
     let mut last_hop = tcp((CLIENT, 40003), (NODE, 30080), SYN);
     last_hop[22] = 1;
-    last_hop[24..26].copy_from_slice(&[0, 0]);
-    let sum = fold(sum16(&last_hop[14..34]));
-    last_hop[24..26].copy_from_slice(&sum.to_be_bytes());
+    set_ipv4_checksum(&mut last_hop);
     assert_eq!(run(&mut dp, &last_hop).verdict, SHOT);
 }
 
@@ -1322,9 +1263,7 @@ fn with_ip_options(p: &[u8]) -> Vec<u8> {
     q[14] = 0x46;
     let total = u16::from_be_bytes([q[16], q[17]]) + 4;
     q[16..18].copy_from_slice(&total.to_be_bytes());
-    q[24..26].copy_from_slice(&[0, 0]);
-    let sum = fold(sum16(&q[14..38]));
-    q[24..26].copy_from_slice(&sum.to_be_bytes());
+    set_ipv4_checksum(&mut q);
     q
 }
 
@@ -1345,10 +1284,11 @@ fn ipv4_headers_with_options_are_translated_with_valid_checksums() {
         assert_eq!(out.packet[34..38], [1, 1, 1, 0], "options untouched");
         assert_eq!(u16::from_be_bytes([out.packet[40], out.packet[41]]), 8080);
         assert_eq!(out.packet[22], 64, "the stack decrements the TTL");
-        assert_eq!(fold(sum16(&out.packet[14..38])), 0, "IPv4 header checksum");
+        assert!(packet_craft::ipv4_checksum_ok(&out.packet), "IPv4 header checksum");
         // The L4 checksum as over the same segment behind a plain header.
         let mut plain = out.packet[..34].to_vec();
         plain.extend_from_slice(&out.packet[38..]);
-        assert_eq!(fold(l4_sum(&plain)), 0, "TCP checksum of {:02x?}", out.packet);
+        plain[14] = 0x45;
+        assert!(l4_checksum_ok(&plain), "TCP checksum of {:02x?}", out.packet);
     }
 }

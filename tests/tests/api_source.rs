@@ -9,7 +9,8 @@ use std::{
 };
 
 use proxy_lab::{
-    Attempt, Lab, Mode, Pod, Setup, Source, apiserver::ApiServer, tally, two_node_endpoints,
+    Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Request, Setup, Source, apiserver::ApiServer,
+    node_ip, node_port, tally, two_node_endpoints,
 };
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
@@ -67,12 +68,12 @@ fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
 }
 
 fn tcp(lab: &Lab, client: &Pod, addr: &str, count: usize) -> Vec<Attempt> {
-    lab.client(client, &["--timeout-ms", "500", "tcp", addr, &count.to_string()]).unwrap()
+    lab.client(client).timeout_ms(500).tcp(addr, count).unwrap()
 }
 
 /// An HTTP GET from a namespace: (status code, headers and body).
 fn get(lab: &Lab, netns: &str, addr: &str, path: &str) -> (u16, String) {
-    let response = lab.labpod(netns, None, &["http", addr, path, "--full"]).unwrap();
+    let response = lab.client_in(netns, None).http_get(addr, path).unwrap();
     let status = response.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     (status, response)
 }
@@ -86,10 +87,9 @@ fn watches_that_break_or_expire_resume_without_disturbing_traffic() {
 
     // Traffic all along, from outside the socket-LB cgroup (per packet).
     let mut flow = lab
-        .spawn_outside(
-            &client,
-            &["--timeout-ms", "1000", "tcp", "10.96.0.10:80", "100", "--interval-ms", "50"],
-        )
+        .client_outside(&client)
+        .timeout_ms(1000)
+        .spawn(Request::tcp("10.96.0.10:80", 100).interval_ms(50))
         .unwrap();
 
     // Connections reset: the watchers resume where they were.
@@ -167,15 +167,17 @@ fn one_change_is_programmed_quickly_and_a_burst_in_few_syncs() {
     lab.write_manifest(&web(80, &on_node0(&pods[..1]), Some(now.trim()))).unwrap();
     let programmed = "kubeproxy_network_programming_duration_seconds_count";
     wait_for("the change", Duration::from_secs(5), || metric(&lab, programmed) >= 1.0);
-    let latency = metric(&lab, "kubeproxy_network_programming_duration_seconds_sum");
-    eprintln!("one endpoint change reached the kernel in {:.1} ms", latency * 1000.0);
     assert_eq!(
         tally(&tcp(&lab, &client, "10.96.0.10:80", 20)).keys().collect::<Vec<_>>(),
         ["web-0"]
     );
 
     // A burst: 500 services with a slice each, created at once.
-    let syncs = metric(&lab, "proxy_sync_total");
+    let changes = |lab: &Lab| {
+        metric(lab, "kubeproxy_sync_proxy_rules_service_changes_total")
+            + metric(lab, "kubeproxy_sync_proxy_rules_endpoint_changes_total")
+    };
+    let (syncs, changes_before) = (metric(&lab, "proxy_sync_total"), changes(&lab));
     let burst: String = (0..500)
         .map(|i| {
             let ip = format!("10.97.{}.{}", i / 250, i % 250 + 1);
@@ -185,12 +187,14 @@ fn one_change_is_programmed_quickly_and_a_burst_in_few_syncs() {
         })
         .collect();
     api(&lab).apply(&burst).unwrap();
-    wait_for("the burst", Duration::from_secs(30), || metric(&lab, "proxy_frontends") >= 501.0);
+    wait_for("the burst", Duration::from_secs(30), || {
+        metric(&lab, "proxy_frontends") >= 501.0 && changes(&lab) - changes_before >= 1000.0
+    });
     let burst_syncs = metric(&lab, "proxy_sync_total") - syncs;
-    eprintln!("1000 objects created at once: {burst_syncs} syncs");
-    // Coalesced (1 or 2 syncs on a quiet machine, a few more under load),
-    // not one sync per change.
-    assert!(burst_syncs < 100.0, "a burst of 1000 changes took {burst_syncs} syncs");
+    // Taken together, not a sync per change. How many a sync takes depends
+    // on how fast the watch delivers them against how long a sync takes:
+    // 30 to 80 syncs on the 2-core development machine under load.
+    assert!(burst_syncs <= 100.0, "1000 changes at once took {burst_syncs} syncs");
     assert!(tcp(&lab, &client, "10.97.1.250:80", 1)[0].pod().is_some(), "the last one serves");
 }
 
@@ -213,7 +217,7 @@ fn healthz_and_livez_follow_the_node_as_kube_proxy() {
     // The cluster autoscaler is about to remove the node: load balancers
     // should stop sending it traffic; the proxy itself is alive.
     api(&lab)
-        .apply("apiVersion: v1\nkind: Node\nmetadata: {name: lab-node}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}\nstatus: {addresses: [{type: InternalIP, address: 192.168.100.11}]}\n")
+        .apply(&format!("apiVersion: v1\nkind: Node\nmetadata: {{name: lab-node}}\nspec: {{taints: [{{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}}]}}\nstatus: {{addresses: [{{type: InternalIP, address: {NODE_IP}}}]}}\n"))
         .unwrap();
     wait_for("the taint", Duration::from_secs(5), || {
         get(&lab, &node, "127.0.0.1:10256", "/healthz").0 == 503
@@ -245,7 +249,7 @@ fn health_check_node_ports(setup: Setup) {
     lab.add_node().unwrap();
     let a = lab.add_pod_on(0, "web-a", "10.244.1.2").unwrap();
     lab.serve(&a, &[8080], &[]).unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     let lb = service("lab", "lb")
         .load_balancer_type()
         .cluster_ip("10.96.0.12")
@@ -259,19 +263,18 @@ fn health_check_node_ports(setup: Setup) {
         lab.start_agent_on(node, &["--cluster-cidr", "10.244.0.0/16"]).unwrap();
     }
     // What a cloud load balancer's health checker sees, from outside.
-    let (status, here) = get(&lab, &ext.netns, "192.168.100.11:32000", "/");
+    let (status, here) = get(&lab, &ext.netns, &node_port(32000), "/");
     assert_eq!(status, 200, "{here}");
     assert!(here.contains("X-Load-Balancing-Endpoint-Weight: 1"), "{here}");
     assert!(here.ends_with("{\n\t\"service\": {\n\t\t\"namespace\": \"lab\",\n\t\t\"name\": \"lb\"\n\t},\n\t\"localEndpoints\": 1,\n\t\"serviceProxyHealthy\": true\n}"), "{here}");
-    let (status, there) = get(&lab, &ext.netns, "192.168.100.12:32000", "/");
+    let (status, there) = get(&lab, &ext.netns, &format!("{}:32000", node_ip(1)), "/");
     assert_eq!(status, 503, "no local endpoint on node 1: {there}");
     assert!(there.contains("\"localEndpoints\": 0"), "{there}");
 
     // The service goes: so does its health check.
     lab.write_manifest("").unwrap();
     wait_for("the health check to close", Duration::from_secs(5), || {
-        lab.labpod(&ext.netns, None, &["--timeout-ms", "300", "http", "192.168.100.11:32000", "/"])
-            .is_err()
+        lab.client_outside(&ext).timeout_ms(300).http_body(&node_port(32000), "/").is_err()
     });
 }
 
@@ -312,9 +315,9 @@ fn topology_hints_keep_traffic_in_the_zone(setup: Setup) {
     }
     let client0 = lab.add_pod_on(0, "client0", "10.244.1.100").unwrap();
     let client1 = lab.add_pod_on(1, "client1", "10.244.2.100").unwrap();
-    let from0 = lab.client_outside(&client0, &["tcp", "10.96.0.10:80", "30"]).unwrap();
+    let from0 = lab.client_outside(&client0).tcp("10.96.0.10:80", 30).unwrap();
     assert_eq!(tally(&from0).keys().collect::<Vec<_>>(), ["web-a"], "zone-0 stays in zone-0");
-    let from1 = lab.client_outside(&client1, &["tcp", "10.96.0.10:80", "40"]).unwrap();
+    let from1 = lab.client_outside(&client1).tcp("10.96.0.10:80", 40).unwrap();
     assert_eq!(tally(&from1).keys().collect::<Vec<_>>(), ["web-b", "web-c"]);
 }
 

@@ -15,8 +15,8 @@ use std::{
 };
 
 use proxy_lab::{
-    Attempt, Lab, Pod, Setup, Stack, answered, sh, two_node_endpoints, two_node_endpoints6,
-    two_node_web_cluster_on,
+    Attempt, EXT_IP, EXT_IP6, Lab, Pod, Request, Setup, Stack, answered, sh, two_node_endpoints,
+    two_node_endpoints6, two_node_web_cluster_on,
 };
 use test_objects::{Protocol::*, ServiceBuilder, manifest, port, service};
 
@@ -37,8 +37,8 @@ impl Family {
 
     fn client(self) -> &'static str {
         match self {
-            Family::V4 => "192.168.100.101",
-            Family::V6 => "fd00:100::101",
+            Family::V4 => EXT_IP,
+            Family::V6 => EXT_IP6,
         }
     }
 
@@ -159,15 +159,15 @@ fn ip_of(addr: &str) -> String {
 fn the_pod_sees_the_client_and_replies_leave_from_its_node(family: Family) {
     let (lab, ext) = cluster(&balanced_in(family, &[DSR], &["b", "c"]), &[]);
     count_arrivals_by_node(&lab, &ext, family);
-    let tcp = lab.client_outside(&ext, &["tcp", &family.at(80), "20"]).unwrap();
-    let udp = lab.client_outside(&ext, &["udp", &family.at(53), "20"]).unwrap();
+    let tcp = lab.client_outside(&ext).tcp(&family.at(80), 20).unwrap();
+    let udp = lab.client_outside(&ext).udp(&family.at(53), 20).unwrap();
     for (proto, attempts, service) in [("tcp", &tcp, 80), ("udp", &udp, 53)] {
         for (pod, peer, from) in answered(attempts) {
             assert_eq!(ip_of(&peer), family.client(), "{proto}: {pod} saw {peer}, not the client");
             assert_eq!(from, family.at(service), "{proto}: the reply's source");
         }
     }
-    let bulk = lab.client_outside(&ext, &["bulk", &family.at(80), "1000000"]).unwrap();
+    let bulk = lab.client_outside(&ext).run(Request::bulk(&family.at(80), 1000000)).unwrap();
     assert!(matches!(&bulk[..], [Attempt::Ok { bytes: Some(1_000_000), .. }]), "{bulk:?}");
     // Received as the client's stack counts them (GRO merges a download's
     // segments): every answer above is at least one.
@@ -198,7 +198,7 @@ fn full_size_uploads_fit_with_the_option(family: Family) {
     let (lab, ext) = cluster(&balanced_in(family, &[DSR], &["b", "c"]), &[]);
     let offloads = ["netns", "exec", &ext.netns, "ethtool", "-K", "eth0", "tso", "off"];
     sh("ip", &[&offloads[..], &["gso", "off"]].concat()).unwrap();
-    let upload = lab.client_outside(&ext, &["upload", &family.at(80), "1000000"]).unwrap();
+    let upload = lab.client_outside(&ext).run(Request::upload(&family.at(80), 1000000)).unwrap();
     assert!(matches!(&upload[..], [Attempt::Ok { bytes: Some(1_000_000), .. }]), "{upload:?}");
     let (_, peer, _) = &answered(&upload)[0];
     assert_eq!(ip_of(peer), family.client(), "by DSR: the pod saw the client");
@@ -218,8 +218,8 @@ fn full_size_uploads_fit_with_the_option_ipv6() {
 fn hybrid_sends_tcp_by_dsr_and_masquerades_udp() {
     let (lab, ext) = cluster(&balanced(&[], &["b", "c"]), &["--bpf-lb-mode", "hybrid"]);
     let v4 = Family::V4;
-    let tcp = lab.client_outside(&ext, &["tcp", &v4.at(80), "10"]).unwrap();
-    let udp = lab.client_outside(&ext, &["udp", &v4.at(53), "10"]).unwrap();
+    let tcp = lab.client_outside(&ext).tcp(&v4.at(80), 10).unwrap();
+    let udp = lab.client_outside(&ext).udp(&v4.at(53), 10).unwrap();
     assert!(answered(&tcp).iter().all(|(_, peer, _)| ip_of(peer) == v4.client()), "{tcp:?}");
     let node0 = lab.nodes()[0].ip.clone();
     assert!(answered(&udp).iter().all(|(_, peer, _)| ip_of(peer) == node0), "{udp:?}");
@@ -234,9 +234,10 @@ fn hybrid_sends_tcp_by_dsr_and_masquerades_udp() {
 fn a_reused_client_port_is_a_new_flow_at_once() {
     let (lab, ext) = cluster(&balanced(&[DSR, MAGLEV], &["b", "c"]), &[]);
     let to = Family::V4.at(80);
-    let args = ["--timeout-ms", "700", "tcp", &to, "1", "--source-port-base", "40000"];
+    let client = lab.client_outside(&ext).timeout_ms(700);
+    let request = || Request::tcp(&to, 1).source_port_base(40000);
     let pods: Vec<String> =
-        (0..3).map(|_| answered(&lab.client_outside(&ext, &args).unwrap())[0].0.clone()).collect();
+        (0..3).map(|_| answered(&client.run(request()).unwrap())[0].0.clone()).collect();
     assert!(pods.iter().all(|p| *p == pods[0]), "{pods:?}");
 }
 
@@ -249,9 +250,8 @@ struct Stream {
 
 impl Stream {
     fn open(lab: &mut Lab, ext: &Pod, family: Family, exchanges: usize) -> Stream {
-        let count = exchanges.to_string();
-        let args = ["stream", &family.at(90), &count, "--interval-ms", "50"];
-        let mut child = lab.spawn_outside(ext, &args).unwrap();
+        let request = Request::stream(&family.at(90), exchanges).interval_ms(50);
+        let mut child = lab.client_outside(ext).spawn(request).unwrap();
         let stdout = child.stdout.take().unwrap();
         let lines = Arc::new(Mutex::new(Vec::new()));
         let sink = lines.clone();

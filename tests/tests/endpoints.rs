@@ -27,9 +27,7 @@ fn malformed_and_slow_requests_leave_the_probes_answering() {
         ("127.0.0.1:10256", &["/healthz", "/livez"][..]),
         ("127.0.0.1:10249", &["/metrics", "/healthz", "/proxyMode"][..]),
     ] {
-        let mut args = vec!["--timeout-ms", "3000", "http-abuse", addr];
-        args.extend(probes);
-        let out = lab.labpod(&lab.node, None, &args).unwrap();
+        let out = lab.client_in(&lab.node, None).timeout_ms(3000).http_abuse(addr, probes).unwrap();
         assert!(out.contains("garbage HTTP/1.1 400 "), "{addr}:\n{out}");
         assert!(out.contains("endless HTTP/1.1 431 "), "{addr}:\n{out}");
         for probe in probes {

@@ -8,12 +8,12 @@
 
 use std::collections::BTreeSet;
 
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, both_modes, tally};
+use proxy_lab::{
+    Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Setup, both_modes, external_ip, node_port, tally,
+};
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
 both_modes!(explain_agrees_with_real_packets);
-
-const NODE: &str = "192.168.100.11";
 
 fn explain(lab: &Lab, proto: &str, from: &str, to: &str) -> serde_json::Value {
     let args = ["explain", "--proto", proto, "--from", from, "--to", to, "-o", "json"];
@@ -69,8 +69,8 @@ fn scene(setup: Setup) -> Scene {
         let pod = lab.add_pod(name, ip).unwrap();
         lab.serve(&pod, &[8080], &[]).unwrap();
     }
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-    let ext2 = lab.add_external("ext2", "192.168.100.102").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
+    let ext2 = lab.add_external("ext2", &external_ip(2)).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
     let here = || ["10.244.1.2", "10.244.1.3"].map(|ip| ep(ip).ready(true).node("lab-node"));
     let svc = |name: &str, ip: &str, node_port: i32| {
@@ -85,7 +85,7 @@ fn scene(setup: Setup) -> Scene {
     let empty = svc("empty", "10.96.0.12", 30082);
     let lb = svc("lb", "10.96.0.13", 30083)
         .load_balancer_type()
-        .source_ranges(&["192.168.100.101/32"])
+        .source_ranges(&[&format!("{EXT_IP}/32")])
         .ingress_ip("10.200.0.10");
     let slice = |s: &test_objects::ServiceBuilder| s.slice().port("http", 8080, Tcp);
     let elsewhere = [ep("10.244.2.3").ready(true).node("other-node")];
@@ -118,32 +118,35 @@ fn explain_agrees_with_real_packets(setup: Setup) {
 
     // Explain runs first, all of them: they must leave nothing behind.
     let before = ebpf.then(|| state(lab));
-    let node_port = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30080"));
+    let through_node_port = explain(lab, "tcp", EXT_IP, &node_port(30080));
     let cluster_ip = explain(lab, "tcp", "10.244.1.100:40000", "10.96.0.10:80");
-    let sticky = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30085"));
-    let far = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30081"));
-    let empty = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30082"));
-    let outside = explain(lab, "tcp", "192.168.100.102", "10.200.0.10:80");
-    let inside = explain(lab, "tcp", "192.168.100.101", "10.200.0.10:80");
-    let nothing = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30999"));
+    let sticky = explain(lab, "tcp", EXT_IP, &node_port(30085));
+    let far = explain(lab, "tcp", EXT_IP, &node_port(30081));
+    let empty = explain(lab, "tcp", EXT_IP, &node_port(30082));
+    let outside = explain(lab, "tcp", &external_ip(2), "10.200.0.10:80");
+    let inside = explain(lab, "tcp", EXT_IP, "10.200.0.10:80");
+    let nothing = explain(lab, "tcp", EXT_IP, &node_port(30999));
     assert_eq!(ebpf.then(|| state(lab)), before, "explain left no flow and no affinity");
 
     // NodePort, policy Cluster: translated, SNAT to the node, as real
     // connections are.
-    assert_eq!(text(&node_port["outcome"]), "translated", "{node_port}");
-    assert_eq!(candidates(&node_port), pods);
+    assert_eq!(text(&through_node_port["outcome"]), "translated", "{through_node_port}");
+    assert_eq!(candidates(&through_node_port), pods);
     if ebpf {
-        assert!(pods.contains(text(&node_port["picked"])), "{node_port}");
-        assert_eq!(text(&node_port["snat"]), NODE);
+        assert!(pods.contains(text(&through_node_port["picked"])), "{through_node_port}");
+        assert_eq!(text(&through_node_port["snat"]), NODE_IP);
     } else {
-        assert!(node_port.get("picked").is_none(), "chosen per connection: {node_port}");
-        assert!(text(&node_port["snat"]).starts_with("MASQUERADE"), "{node_port}");
+        assert!(
+            through_node_port.get("picked").is_none(),
+            "chosen per connection: {through_node_port}"
+        );
+        assert!(text(&through_node_port["snat"]).starts_with("MASQUERADE"), "{through_node_port}");
     }
-    assert_eq!(text(&node_port["frontend"]["kind"]), "NodePort");
-    let real = lab.client_outside(&s.ext, &["tcp", &format!("{NODE}:30080"), "20"]).unwrap();
+    assert_eq!(text(&through_node_port["frontend"]["kind"]), "NodePort");
+    let real = lab.client_outside(&s.ext).tcp(&node_port(30080), 20).unwrap();
     for (pod, peer) in answers(&real) {
         assert!(["web-a", "web-b"].contains(&pod.as_str()));
-        assert_eq!(peer, NODE, "the backend saw the SNAT explain named");
+        assert_eq!(peer, NODE_IP, "the backend saw the SNAT explain named");
     }
 
     // The text says the same, a field a line.
@@ -155,9 +158,9 @@ fn explain_agrees_with_real_packets(setup: Setup) {
                 "--proto",
                 "tcp",
                 "--from",
-                "192.168.100.101:40000",
+                &format!("{EXT_IP}:40000"),
                 "--to",
-                &format!("{NODE}:30080"),
+                &node_port(30080),
             ],
         )
         .unwrap();
@@ -176,17 +179,17 @@ fn explain_agrees_with_real_packets(setup: Setup) {
         assert!(pods.contains(text(&cluster_ip["picked"])));
         assert!(text(&cluster_ip["program"]).starts_with("tc_ingress on "), "{cluster_ip}");
     }
-    let real = lab.client_outside(&s.client, &["tcp", "10.96.0.10:80", "10"]).unwrap();
+    let real = lab.client_outside(&s.client).tcp("10.96.0.10:80", 10).unwrap();
     for (_, peer) in answers(&real) {
         assert_eq!(peer, "10.244.1.100");
     }
 
     // Affinity: explain remembered nothing; after real connections, it
     // names the backend they stick to (eBPF; iptables says affinity rules).
-    let real = lab.client_outside(&s.ext, &["tcp", &format!("{NODE}:30085"), "5"]).unwrap();
+    let real = lab.client_outside(&s.ext).tcp(&node_port(30085), 5).unwrap();
     let stuck: Vec<String> = tally(&real).into_keys().collect();
     assert_eq!(stuck.len(), 1, "{real:?}");
-    let again = explain(lab, "tcp", "192.168.100.101", &format!("{NODE}:30085"));
+    let again = explain(lab, "tcp", EXT_IP, &node_port(30085));
     if ebpf {
         assert_eq!(text(&sticky["via"]), "random", "{sticky}");
         assert_eq!(text(&again["via"]), "affinity", "{again}");
@@ -198,34 +201,32 @@ fn explain_agrees_with_real_packets(setup: Setup) {
     // NodePort, policy Local, no endpoint here: dropped, and real SYNs time out.
     assert_eq!(text(&far["outcome"]), "dropped", "{far}");
     assert!(text(&far["reason"]).contains("Local"), "{far}");
-    let real = lab
-        .client_outside(&s.ext, &["--timeout-ms", "500", "tcp", &format!("{NODE}:30081"), "1"])
-        .unwrap();
+    let real = lab.client_outside(&s.ext).timeout_ms(500).tcp(&node_port(30081), 1).unwrap();
     assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{real:?}");
 
     // No endpoints: refused with a reset, as real connections are.
     assert_eq!(text(&empty["outcome"]), "refused", "{empty}");
     let answer = if ebpf { "TCP reset" } else { "ICMP port unreachable" };
     assert!(text(&empty["action"]).contains(answer), "{empty}");
-    let real = lab.client_outside(&s.ext, &["tcp", &format!("{NODE}:30082"), "1"]).unwrap();
+    let rejected = || lab.count_on(0, proxy_common::Counter::Rejected).unwrap();
+    let refused_before = rejected();
+    let real = lab.client_outside(&s.ext).tcp(&node_port(30082), 1).unwrap();
     assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"));
+    assert!(rejected() > refused_before, "refused by the datapath, not the node's stack");
 
     // loadBalancerSourceRanges: outside dropped, inside translated.
     assert_eq!(text(&outside["outcome"]), "dropped", "{outside}");
     assert!(text(&outside["reason"]).contains("loadBalancerSourceRanges"));
-    let real = lab
-        .client_outside(&s.ext2, &["--timeout-ms", "500", "tcp", "10.200.0.10:80", "1"])
-        .unwrap();
+    let real = lab.client_outside(&s.ext2).timeout_ms(500).tcp("10.200.0.10:80", 1).unwrap();
     assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{real:?}");
     assert_eq!(text(&inside["outcome"]), "translated", "{inside}");
-    answers(&lab.client_outside(&s.ext, &["tcp", "10.200.0.10:80", "3"]).unwrap());
+    answers(&lab.client_outside(&s.ext).tcp("10.200.0.10:80", 3).unwrap());
 
     // No service: passed on untouched; the node's own stack refuses it.
     assert_eq!(text(&nothing["outcome"]), "passed", "{nothing}");
     assert!(nothing.get("frontend").is_none(), "{nothing}");
-    let rejected = || lab.count_on(0, proxy_common::Counter::Rejected).unwrap();
     let refused_before = rejected();
-    let real = lab.client_outside(&s.ext, &["tcp", &format!("{NODE}:30999"), "1"]).unwrap();
+    let real = lab.client_outside(&s.ext).tcp(&node_port(30999), 1).unwrap();
     assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"));
     assert_eq!(rejected(), refused_before, "not refused by the datapath");
 }

@@ -24,7 +24,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use proxy_lab::{Attempt, Lab, Pod, Setup, Source, tally};
+use proxy_lab::{Attempt, EXT_IP, Lab, Pod, Request, Setup, Source, node_port, tally};
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
 /// Each client's exchanges are this far apart...
@@ -69,33 +69,25 @@ impl Bench {
         let mut lab = Lab::with(setup).unwrap();
         lab.add_web_pods(3, &[8080], &[5353]).unwrap();
         let client = lab.add_pod("client", "10.244.1.100").unwrap();
-        let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+        let ext = lab.add_external("ext", EXT_IP).unwrap();
         Bench { lab, client, ext }
     }
 
     /// Steady load on the stable service: TCP connections and UDP
     /// datagrams through the socket path and through its NodePort.
     fn load(&mut self) -> Load {
-        let count = (LOAD_LIMIT.as_millis() as u64 / INTERVAL_MS).to_string();
-        let interval = INTERVAL_MS.to_string();
-        let args = |proto: &'static str, addr: &'static str| {
-            vec![proto, addr, count.as_str(), "--interval-ms", interval.as_str()]
-        };
+        let count = (LOAD_LIMIT.as_millis() as u64 / INTERVAL_MS) as usize;
+        let steady =
+            |proto: &str, addr: &str| Request::of(proto, addr, count).interval_ms(INTERVAL_MS);
         let mut load = Load::default();
-        let (client, ext) = (self.client.clone(), self.ext.clone());
-        let lab = &mut self.lab;
-        load.add(
-            "TCP socket LB",
-            lab.spawn_client(&client, &args("tcp", "10.96.0.10:80")).unwrap(),
-        );
-        load.add(
-            "UDP socket LB",
-            lab.spawn_client(&client, &args("udp", "10.96.0.10:53")).unwrap(),
-        );
-        let nodeport = args("tcp", "192.168.100.11:30080");
-        load.add("TCP NodePort", lab.spawn_outside(&ext, &nodeport).unwrap());
-        let nodeport = args("udp", "192.168.100.11:30053");
-        load.add("UDP NodePort", lab.spawn_outside(&ext, &nodeport).unwrap());
+        let (socket_lb, per_packet) =
+            (self.lab.client(&self.client), self.lab.client_outside(&self.ext));
+        load.add("TCP socket LB", socket_lb.spawn(steady("tcp", "10.96.0.10:80")).unwrap());
+        load.add("UDP socket LB", socket_lb.spawn(steady("udp", "10.96.0.10:53")).unwrap());
+        let nodeport = steady("tcp", &node_port(30080));
+        load.add("TCP NodePort", per_packet.spawn(nodeport).unwrap());
+        let nodeport = steady("udp", &node_port(30053));
+        load.add("UDP NodePort", per_packet.spawn(nodeport).unwrap());
         // Under way before the faults start.
         std::thread::sleep(Duration::from_millis(500));
         load
@@ -103,7 +95,7 @@ impl Bench {
 
     /// Which pod the churned service's ClusterIP answers from (socket path).
     fn churned_pod(&self) -> Option<String> {
-        let attempts = self.lab.client(&self.client, &["tcp", "10.96.0.20:80", "1"]).ok()?;
+        let attempts = self.lab.client(&self.client).tcp("10.96.0.20:80", 1).ok()?;
         attempts.first().and_then(|a| a.pod().map(str::to_string))
     }
 
@@ -341,7 +333,7 @@ fn wait_for_pod(b: &Bench, ip: u8, pod: &str) {
     let addr = format!("10.96.1.{ip}:80");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let attempts = b.lab.client(&b.client, &["tcp", &addr, "1"]).unwrap();
+        let attempts = b.lab.client(&b.client).tcp(&addr, 1).unwrap();
         if attempts[0].pod() == Some(pod) {
             return;
         }
@@ -389,8 +381,7 @@ fn full_maps_refuse_only_the_services_that_do_not_fit() {
     b.lab.write_manifest(&replacement).unwrap();
     wait_for_pod(&b, 11, "web-2");
     assert!(b.lab.agent_log().contains("applying the change service by service"));
-    let gone =
-        b.lab.client(&b.client, &["--timeout-ms", "500", "tcp", "10.96.1.1:80", "1"]).unwrap();
+    let gone = b.lab.client(&b.client).timeout_ms(500).tcp("10.96.1.1:80", 1).unwrap();
     assert!(gone[0].pod().is_none(), "the replaced service is gone: {gone:?}");
     assert_eq!(refused_gauge(&b.lab), r#"proxy_services_refused{reason="services_map_full"} 0"#);
     let metrics = b.lab.metrics().unwrap();

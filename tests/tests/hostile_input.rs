@@ -15,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Lab, Mode, Pod, tally};
+use proxy_lab::{Lab, Mode, Pod, Tally};
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
 /// Each scenario in eBPF and iptables mode, on the manifests.
@@ -57,21 +57,14 @@ fn lab(mode: Mode) -> (Lab, Pod, Pod) {
     (lab, pod, client)
 }
 
-/// Which pods answered `count` connections to `addr` (errors by kind).
-fn reach(lab: &Lab, client: &Pod, addr: &str, count: usize) -> Vec<(String, usize)> {
-    let attempts =
-        lab.client(client, &["--timeout-ms", "500", "tcp", addr, &count.to_string()]).unwrap();
-    let mut counts = tally(&attempts);
-    for attempt in &attempts {
-        if let proxy_lab::Attempt::Err { kind, .. } = attempt {
-            *counts.entry(format!("<{kind}>")).or_default() += 1;
-        }
-    }
-    counts.into_iter().collect()
+/// Which pods answered `count` connections to `addr`, and which failed.
+fn reach(lab: &Lab, client: &Pod, addr: &str, count: usize) -> Tally {
+    let attempts = lab.client(client).timeout_ms(500).tcp(addr, count).unwrap();
+    Tally::of(&attempts)
 }
 
-fn served_by(pod: &Pod, count: usize) -> Vec<(String, usize)> {
-    vec![(pod.name.clone(), count)]
+fn served_by(pod: &Pod, count: usize) -> Tally {
+    Tally { pods: [(pod.name.clone(), count)].into(), errors: Default::default() }
 }
 
 /// How many times the agent's log says `needle`.

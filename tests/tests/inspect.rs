@@ -5,7 +5,7 @@
 
 use std::collections::BTreeSet;
 
-use proxy_lab::{Attempt, Lab, Setup, both_modes, tally};
+use proxy_lab::{Attempt, EXT_IP, Lab, NODE_IP, Setup, both_modes, node_port, tally};
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
 both_modes!(
@@ -102,9 +102,9 @@ fn lb_list_shows_every_frontend_with_its_flags_and_backends(setup: Setup) {
 
     // What real connections do: the Local-policy ClusterIP reaches only
     // the one backend `lb list` names, the other refuses.
-    let attempts = lab.client(&client, &["tcp", "10.96.0.12:80", "10"]).unwrap();
+    let attempts = lab.client(&client).tcp("10.96.0.12:80", 10).unwrap();
     assert_eq!(tally(&attempts).into_iter().collect::<Vec<_>>(), [("web-0".to_string(), 10)]);
-    let refused = lab.client(&client, &["--timeout-ms", "1000", "udp", "10.96.0.11:53", "1"]);
+    let refused = lab.client(&client).timeout_ms(1000).udp("10.96.0.11:53", 1);
     let refused = refused.unwrap();
     assert!(matches!(refused.as_slice(), [Attempt::Err { .. }]), "{refused:?}");
 }
@@ -117,7 +117,7 @@ fn ct_list_shows_the_flows_real_traffic_made(setup: Setup) {
     let mut lab = Lab::with(setup).unwrap();
     let pods = lab.add_web_pods(2, &[], &[5353]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     let web = service("demo", "web")
         .node_port_type()
         .cluster_ip("10.96.0.10")
@@ -127,8 +127,8 @@ fn ct_list_shows_the_flows_real_traffic_made(setup: Setup) {
     lab.write_manifest(&manifest(&[&web, &slice])).unwrap();
     lab.start_agent(&[]).unwrap();
 
-    let outside = lab.client_outside(&ext, &["udp", "192.168.100.11:30053", "3"]).unwrap();
-    let inside = lab.client(&client, &["udp", "10.96.0.10:53", "3"]).unwrap();
+    let outside = lab.client_outside(&ext).udp(&node_port(30053), 3).unwrap();
+    let inside = lab.client(&client).udp("10.96.0.10:53", 3).unwrap();
     assert!(outside.iter().chain(&inside).all(|a| a.pod().is_some()), "{outside:?} {inside:?}");
 
     let json = lab.inspect_on(0, &["ct", "list", "-o", "json"]).unwrap();
@@ -144,12 +144,12 @@ fn ct_list_shows_the_flows_real_traffic_made(setup: Setup) {
             .filter(to_a_pod)
             .count()
     };
-    assert!(of("192.168.100.11:30053") >= 1, "the NodePort flow: {json}");
+    assert!(of(&node_port(30053)) >= 1, "the NodePort flow: {json}");
     assert!(of("10.96.0.10:53") >= 1, "the ClusterIP flow: {json}");
-    let node_port = rows.iter().find(|r| r["frontend"] == "192.168.100.11:30053").unwrap();
-    assert!(node_port["client"].as_str().unwrap().starts_with("192.168.100.101:"), "{json}");
+    let node_port = rows.iter().find(|r| r["frontend"] == node_port(30053)).unwrap();
+    assert!(node_port["client"].as_str().unwrap().starts_with(&format!("{EXT_IP}:")), "{json}");
     let snat = node_port["snat"].as_str().unwrap_or_default();
-    assert!(snat.starts_with("192.168.100.11:"), "SNATed to the node: {json}");
+    assert!(snat.starts_with(&format!("{NODE_IP}:")), "SNATed to the node: {json}");
 
     // --backend keeps the flows to that pod only.
     let one = pod_ips[0];
@@ -203,7 +203,7 @@ fn ebpf_every_documented_bpftool_recipe_runs() {
     let slice = web.slice().port("http", 8080, Tcp).endpoints([ep("10.244.1.2").ready(true)]);
     lab.write_manifest(&manifest(&[&web, &slice])).unwrap();
     lab.start_agent(&[]).unwrap();
-    assert!(lab.client(&client, &["tcp", "10.96.0.10:80", "1"]).unwrap()[0].pod().is_some());
+    assert!(lab.client(&client).tcp("10.96.0.10:80", 1).unwrap()[0].pod().is_some());
 
     let commands = documented_bpftool_commands();
     assert!(commands.len() >= 10, "{commands:?}");

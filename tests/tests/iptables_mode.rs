@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use proxy_lab::{Attempt, Lab, Mode, Pod, tally, target_bin};
+use proxy_lab::{Attempt, Lab, Mode, NODE_IP6, Pod, Request, Tally, target_bin};
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
 /// Service `web` (80/TCP → 8080) over `pods`, and an unrelated `other`.
@@ -32,20 +32,9 @@ fn lab(mode: Mode) -> (Lab, Vec<Pod>, Pod) {
 
 /// `count` connections to the service from `client` (outside the socket-LB
 /// cgroup), by the pods that answered.
-fn reach(lab: &Lab, client: &Pod, count: usize) -> std::collections::BTreeMap<String, usize> {
-    let attempts = lab
-        .client_outside(
-            client,
-            &["--timeout-ms", "500", "tcp", "10.96.0.10:80", &count.to_string()],
-        )
-        .unwrap();
-    let mut counts = tally(&attempts);
-    for attempt in &attempts {
-        if let Attempt::Err { kind, .. } = attempt {
-            *counts.entry(format!("<{kind}>")).or_default() += 1;
-        }
-    }
-    counts
+fn reach(lab: &Lab, client: &Pod, count: usize) -> Tally {
+    let attempts = lab.client_outside(client).timeout_ms(500).tcp("10.96.0.10:80", count).unwrap();
+    Tally::of(&attempts)
 }
 
 /// The chains of `table` named `KUBE-…` in `iptables-save` output.
@@ -152,7 +141,7 @@ fn an_ipv6_node_address_brings_the_ipv6_family_s_rules_and_cleanup_removes_them(
     let slice6 = slice6.port("http", 8080, Tcp).endpoint(ep("fd00:244:1::2").node("lab-node"));
     let ipv4 = web_manifest(&pods.iter().collect::<Vec<_>>());
     lab.write_manifest(&format!("{ipv4}---\n{}", manifest(&[&web6, &slice6]))).unwrap();
-    lab.start_agent(&["--node-ip", "fd00:100::11"]).unwrap();
+    lab.start_agent(&["--node-ip", NODE_IP6]).unwrap();
     let saved6 = saved_on(&lab, "ip6tables-save");
     for needle in [
         "-A KUBE-SERVICES -d fd00:96::10/128 -p tcp -m comment --comment \"lab/web6:http cluster IP\"",
@@ -177,7 +166,7 @@ fn an_ipv6_node_address_brings_the_ipv6_family_s_rules_and_cleanup_removes_them(
 fn rules_flushed_by_another_program_come_back() {
     let (mut lab, _pods, client) = lab(Mode::Iptables);
     lab.start_agent(&[]).unwrap();
-    assert_eq!(reach(&lab, &client, 20).len(), 2);
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
 
     // What a firewall reload does: flush every chain, delete ours, put
     // back its own rules (which keep conntrack on).
@@ -188,13 +177,15 @@ fn rules_flushed_by_another_program_come_back() {
     lab.drop_invalid_forwards(0).unwrap();
     // A connection attempted meanwhile: its SYN makes an untranslated
     // conntrack entry, which its retransmissions would keep matching.
-    let mut patient =
-        lab.spawn_outside(&client, &["--timeout-ms", "8000", "tcp", "10.96.0.10:80", "1"]).unwrap();
-    wait_for("the resync", Duration::from_secs(10), || {
-        reach(&lab, &client, 1).keys().all(|k| k.starts_with("web-"))
-    });
+    let mut patient = lab
+        .client_outside(&client)
+        .timeout_ms(8000)
+        .spawn(Request::tcp("10.96.0.10:80", 1))
+        .unwrap();
+    wait_for("the resync", Duration::from_secs(10), || reach(&lab, &client, 1).errors.is_empty());
     let counts = reach(&lab, &client, 20);
-    assert_eq!(counts.len(), 2, "{counts:?}\n{}", lab.agent_log());
+    assert_eq!(counts.errors, Default::default(), "{counts:?}\n{}", lab.agent_log());
+    assert_eq!(counts.pods.len(), 2, "{counts:?}\n{}", lab.agent_log());
     let mut line = String::new();
     std::io::BufRead::read_line(
         &mut std::io::BufReader::new(patient.stdout.take().unwrap()),
@@ -244,14 +235,14 @@ fn a_refused_partial_restore_is_followed_by_a_full_one() {
     assert!(lab.agent_log().contains("sync failed"), "{}", lab.agent_log());
     assert!(metric(&lab, "kubeproxy_sync_proxy_rules_iptables_restore_failures_total") >= 1);
     let counts = reach(&lab, &client, 60);
-    assert_eq!(counts.len(), 3, "every endpoint again: {counts:?}");
+    assert_eq!(counts.served().len(), 3, "every endpoint again: {counts:?}");
 }
 
 #[test]
 fn switching_modes_removes_the_other_modes_datapath() {
     let (mut lab, _pods, client) = lab(Mode::Ebpf);
     lab.start_agent(&[]).unwrap();
-    assert_eq!(reach(&lab, &client, 20).len(), 2);
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
     let cgroup = lab.cgroup.to_string_lossy().into_owned();
     let programs = || proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
     assert!(programs().contains("connect4"));
@@ -263,7 +254,7 @@ fn switching_modes_removes_the_other_modes_datapath() {
     assert!(!lab.pins.join("links").exists(), "pins left");
     let tc = lab.exec_on(0, "tc", &["filter", "show", "dev", "eth0", "ingress"]).unwrap();
     assert!(!tc.contains("tc_ingress"), "{tc}");
-    assert_eq!(reach(&lab, &client, 20).len(), 2);
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
     assert!(lab.iptables_save_on(0).unwrap().contains("KUBE-SERVICES"));
 
     // iptables → eBPF: once the programs serve, the rules go.
@@ -272,7 +263,7 @@ fn switching_modes_removes_the_other_modes_datapath() {
     let saved = lab.iptables_save_on(0).unwrap();
     assert_eq!(ours(&saved), Vec::<&str>::new(), "{saved}");
     assert!(lab.agent_log().contains("removed the iptables mode's rules"));
-    assert_eq!(reach(&lab, &client, 20).len(), 2);
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
 }
 
 #[test]
@@ -280,7 +271,7 @@ fn auto_mode_runs_ebpf_on_this_kernel() {
     let (mut lab, _pods, client) = lab(Mode::Ebpf);
     lab.start_agent(&["--proxy-mode", "auto"]).unwrap();
     assert!(lab.agent_log().contains("mode=\"ebpf\""), "{}", lab.agent_log());
-    assert_eq!(reach(&lab, &client, 20).len(), 2);
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
 }
 
 /// `--iptables-backend auto` programs the implementation the node's kubelet
@@ -300,7 +291,7 @@ fn the_rules_go_where_kubelets_chains_are() {
         let (ours, theirs) = (saved(&lab, kubelet), saved(&lab, other));
         assert!(ours.contains("-A KUBE-SERVICES"), "{kubelet}: {ours}");
         assert!(!theirs.contains("KUBE-SERVICES"), "{other}: {theirs}");
-        assert_eq!(reach(&lab, &client, 10).values().sum::<usize>(), 10);
+        assert_eq!(reach(&lab, &client, 10).served().values().sum::<usize>(), 10);
 
         lab.stop_agent_on(0);
         let agent = target_bin("proxy-agent").to_string_lossy().into_owned();
@@ -349,12 +340,12 @@ fn healthz_fails_while_syncs_fail_and_recovers_after() {
     assert!(metric(&lab, "kubeproxy_sync_proxy_rules_iptables_restore_failures_total") >= 2);
     assert!(metric(&lab, "kubeproxy_proxy_healthz_total{code=\"503\"}") >= 1);
     // The last good rules keep serving meanwhile.
-    assert!(reach(&lab, &client, 10).keys().all(|k| !k.starts_with('<')));
+    reach(&lab, &client, 10).served();
 
     // The administrator's rule goes: the next retry applies the change.
     lab.exec_on(0, "iptables", &["-t", "nat", "-F", "ADMIN-AUDIT"]).unwrap();
     lab.exec_on(0, "iptables", &["-t", "nat", "-X", "ADMIN-AUDIT"]).unwrap();
     wait_for("healthz 200 again", Duration::from_secs(30), || status(&lab) == "200");
     let counts = reach(&lab, &client, 20);
-    assert_eq!(counts.keys().collect::<Vec<_>>(), [&pods[0].name], "{counts:?}");
+    assert_eq!(counts.served().keys().collect::<Vec<_>>(), [&pods[0].name], "{counts:?}");
 }

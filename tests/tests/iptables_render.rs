@@ -7,7 +7,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use proxy_lab::{Lab, sh, target_bin};
+use proxy_lab::{Lab, NODE_IP, NODE_IP6, sh, target_bin};
 
 const MANIFEST: &str = r#"apiVersion: v1
 kind: Service
@@ -77,9 +77,10 @@ fn restore(netns: &str, program: &str, args: &[&str], input: &str) -> std::proce
 /// `render iptables` of [`MANIFEST`] for a dual-stack `lab-node`.
 fn render(lab: &Lab, extra: &[&str]) -> String {
     let manifest = lab.write_manifest(MANIFEST).unwrap().to_string_lossy().into_owned();
+    let node_ips = format!("{NODE_IP},{NODE_IP6}");
     let mut args =
         vec!["render", "iptables", "--manifests", &manifest, "--hostname-override", "lab-node"];
-    args.extend(["--node-ip", "192.168.100.11,fd00:100::11"]);
+    args.extend(["--node-ip", &node_ips]);
     args.extend(["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56"]);
     args.extend(extra);
     sh(&target_bin("proxy-agent").to_string_lossy(), &args).unwrap()

@@ -14,7 +14,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, answered_after, both_modes, sample, tally, v6};
+use proxy_lab::{
+    Attempt, EXT_IP, EXT_IP6, Lab, Mode, NODE_IP6, Pod, Request, Setup, answered_after, both_modes,
+    sample, tally, v6,
+};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service, slice};
 
 both_modes!(
@@ -31,8 +34,6 @@ both_modes!(
     explain_ipv6_agrees_with_real_packets,
 );
 
-const NODE6: &str = "fd00:100::11";
-const EXT6: &str = "fd00:100::101";
 const CLUSTER_CIDRS: &str = "10.244.0.0/16,fd00:244::/32";
 
 /// One dual-stack node; pods web-a, web-b, web-c (10.244.1.2-4 and
@@ -60,7 +61,7 @@ fn dual_lab_with(setup: Setup, manifest: &str, args: &[&str]) -> DualLab {
         pods.push(pod);
     }
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     lab.write_manifest(manifest).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     lab.start_agent(&[&["--cluster-cidr", CLUSTER_CIDRS], args].concat()).unwrap();
@@ -152,13 +153,13 @@ fn a_dual_stack_service_reaches_each_familys_endpoints_on_each_cluster_ip(setup:
     let c = dual_lab(setup, &over(web, "web", &["a", "b"], &["c"]));
     let client6: IpAddr = v6(&c.client.ip).parse().unwrap();
 
-    let v4 = c.lab.client(&c.client, &["tcp", "10.96.0.10:80", "20"]).unwrap();
+    let v4 = c.lab.client(&c.client).tcp("10.96.0.10:80", 20).unwrap();
     let seen: BTreeSet<String> = answers(&v4).into_iter().map(|(name, ..)| name).collect();
     assert_eq!(seen, BTreeSet::from(["web-a".into(), "web-b".into()]), "{v4:?}");
 
     for proto in ["tcp", "udp"] {
         let vip = at("fd00:96::10", if proto == "tcp" { 80 } else { 53 });
-        let attempts = c.lab.client(&c.client, &[proto, &vip, "10"]).unwrap();
+        let attempts = c.lab.client(&c.client).run(Request::of(proto, &vip, 10)).unwrap();
         for (name, peer, from) in answers(&attempts) {
             assert_eq!(name, "web-c", "only the IPv6 endpoint: {attempts:?}");
             assert_eq!(peer, client6, "a pod's address is kept");
@@ -171,12 +172,16 @@ fn a_dual_stack_service_reaches_each_familys_endpoints_on_each_cluster_ip(setup:
 fn ipv6_node_port_cluster_policy_reaches_the_backend_from_the_nodes_ipv6_address(setup: Setup) {
     let np = node_ports(dual("np", "10.96.0.11", "fd00:96::11"), 30080, 30053);
     let c = dual_lab(setup, &over(np, "np", &["a", "b"], &["a", "b"]));
-    for (proto, node_port, count) in [("tcp", 30080, "30"), ("udp", 30053, "10")] {
-        let to = at(NODE6, node_port);
-        let attempts = c.lab.client_outside(&c.ext, &[proto, &to, count]).unwrap();
+    for (proto, node_port, count) in [("tcp", 30080, 30), ("udp", 30053, 10)] {
+        let to = at(NODE_IP6, node_port);
+        let attempts = c.lab.client_outside(&c.ext).run(Request::of(proto, &to, count)).unwrap();
         let seen = answers(&attempts);
         for (_, peer, from) in &seen {
-            assert_eq!(*peer, NODE6.parse::<IpAddr>().unwrap(), "masqueraded to the node's IPv6");
+            assert_eq!(
+                *peer,
+                NODE_IP6.parse::<IpAddr>().unwrap(),
+                "masqueraded to the node's IPv6"
+            );
             assert_eq!(*from, to, "{proto} replies come from the NodePort");
         }
         if proto == "tcp" {
@@ -214,12 +219,12 @@ fn ipv6_node_port_local_policy_keeps_the_clients_ipv6_address(setup: Setup) {
     let np = node_ports(np, 30081, 30054);
     let c = dual_lab(setup, &over(np, "local", &["a"], &["a"]));
     for (proto, node_port) in [("tcp", 30081), ("udp", 30054)] {
-        let to = at(NODE6, node_port);
+        let to = at(NODE_IP6, node_port);
         for (name, peer, from) in
-            answers(&c.lab.client_outside(&c.ext, &[proto, &to, "10"]).unwrap())
+            answers(&c.lab.client_outside(&c.ext).run(Request::of(proto, &to, 10)).unwrap())
         {
             assert_eq!(name, "web-a");
-            assert_eq!(peer, EXT6.parse::<IpAddr>().unwrap(), "the client's address is kept");
+            assert_eq!(peer, EXT_IP6.parse::<IpAddr>().unwrap(), "the client's address is kept");
             assert_eq!(from, to);
         }
     }
@@ -232,11 +237,11 @@ fn ipv6_hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {
     let own = web_ports(ipv6_only("self", "fd00:96::20"));
     let c = dual_lab(setup, &over(own, "self", &[], &["a"]));
     let vip = at("fd00:96::20", 80);
-    let attempts = c.lab.client_outside(&c.pods[0], &["tcp", &vip, "10"]).unwrap();
+    let attempts = c.lab.client_outside(&c.pods[0]).tcp(&vip, 10).unwrap();
     for (name, peer, from) in answers(&attempts) {
         assert_eq!(name, "web-a");
         assert_eq!(from, vip, "the reply comes from the service");
-        assert_eq!(peer, NODE6.parse::<IpAddr>().unwrap(), "masqueraded to the node");
+        assert_eq!(peer, NODE_IP6.parse::<IpAddr>().unwrap(), "masqueraded to the node");
     }
 }
 
@@ -265,30 +270,38 @@ fn empty_service() -> String {
 /// rules are kube-proxy's, so a kube-proxy node behaves the same.
 fn ipv6_services_without_endpoints_refuse_pods(setup: Setup) {
     let c = dual_lab(setup, &empty_service());
-    refused(c.lab.client(&c.client, &["tcp", &at("fd00:96::30", 80), "3"]).unwrap(), 1500.0);
+    refused(c.lab.client(&c.client).tcp(&at("fd00:96::30", 80), 3).unwrap(), 1500.0);
     let dns = at("fd00:96::30", 53);
-    refused(c.lab.client(&c.client, &["udp", &dns, "3", "--connect"]).unwrap(), 100.0);
+    refused(c.lab.client(&c.client).run(Request::udp(&dns, 3).connected()).unwrap(), 100.0);
 }
 
 /// Scenario 4, through the IPv6 NodePort from outside (within the same
 /// second as above over TCP).
 fn ipv6_node_ports_without_endpoints_refuse(setup: Setup) {
     let c = dual_lab(setup, &empty_service());
-    let node_port = at(NODE6, 30090);
-    refused(c.lab.client_outside(&c.ext, &["tcp", &node_port, "3"]).unwrap(), 1500.0);
+    let node_port = at(NODE_IP6, 30090);
+    let refused_before = rejected(&c.lab);
+    refused(c.lab.client_outside(&c.ext).tcp(&node_port, 3).unwrap(), 1500.0);
+    assert!(rejected(&c.lab) >= refused_before + 3, "refused by the datapath, not the stack");
+}
+
+/// The new flows the datapath refused (the eBPF counter, or the packets of
+/// the REJECT rules): the node's own stack refuses a closed port too.
+fn rejected(lab: &Lab) -> u64 {
+    lab.count_on(0, proxy_common::Counter::Rejected).unwrap()
 }
 
 /// Scenario 4: a UDP flow to an IPv6 cluster IP stays on one endpoint, and
 /// leaves it within a second of its removal (no stale flow).
 fn ipv6_udp_flows_move_off_a_removed_endpoint(setup: Setup) {
-    udp_moves_off_a_removed_endpoint(setup, &[], &[])
+    udp_moves_off_a_removed_endpoint(setup, false, &[])
 }
 
 /// The same from a connected socket: the eBPF mode ends the socket the
 /// socket LB connected to the pod (the client connects again), the iptables
 /// mode deletes the flow's conntrack entry.
 fn ipv6_connected_udp_sockets_move_off_a_removed_endpoint(setup: Setup) {
-    udp_moves_off_a_removed_endpoint(setup, &["--connect", "--reconnect"], &[])
+    udp_moves_off_a_removed_endpoint(setup, true, &[])
 }
 
 /// The same with sock_diag ending the socket, the way kernels without
@@ -296,15 +309,17 @@ fn ipv6_connected_udp_sockets_move_off_a_removed_endpoint(setup: Setup) {
 #[test]
 fn ebpf_sock_diag_ends_a_connected_ipv6_udp_socket_whose_pod_leaves() {
     let sock_diag = ["--socket-destroy", "sock-diag"];
-    udp_moves_off_a_removed_endpoint(Setup::EBPF, &["--connect", "--reconnect"], &sock_diag)
+    udp_moves_off_a_removed_endpoint(Setup::EBPF, true, &sock_diag)
 }
 
-fn udp_moves_off_a_removed_endpoint(setup: Setup, socket: &[&str], agent: &[&str]) {
+/// From a connected socket (which connects again when ended) or not.
+fn udp_moves_off_a_removed_endpoint(setup: Setup, connected: bool, agent: &[&str]) {
     let web = || web_ports(ipv6_only("web", "fd00:96::10"));
-    let mut c = dual_lab_with(setup, &over(web(), "web", &[], &["a", "b", "c"]), agent);
+    let c = dual_lab_with(setup, &over(web(), "web", &[], &["a", "b", "c"]), agent);
     let vip = at("fd00:96::10", 53);
-    let args = [&["udp", &vip, "30", "--interval-ms", "100"], socket].concat();
-    let mut client = c.lab.spawn_client(&c.client, &args).unwrap();
+    let request = Request::udp(&vip, 30).interval_ms(100);
+    let request = if connected { request.connected().reconnecting() } else { request };
+    let mut client = c.lab.client(&c.client).spawn(request).unwrap();
     let mut lines = BufReader::new(client.stdout.take().unwrap()).lines();
     let mut next = || Attempt::parse(&lines.next().unwrap().unwrap()).unwrap();
     let first = next();
@@ -333,7 +348,7 @@ fn an_ipv6_only_service_is_served_from_kube_proxys_ip6tables_chains(setup: Setup
     let v6only = web_ports(ipv6_only("v6only", "fd00:96::40"));
     let c = dual_lab(setup, &over(v6only, "v6only", &[], &["a", "b"]));
     let vip = at("fd00:96::40", 80);
-    let attempts = c.lab.client(&c.client, &["tcp", &vip, "20"]).unwrap();
+    let attempts = c.lab.client(&c.client).tcp(&vip, 20).unwrap();
     assert_eq!(answers(&attempts).len(), 20);
     assert_eq!(tally(&attempts).len(), 2, "both endpoints: {:?}", tally(&attempts));
     if setup.mode != Mode::Iptables {
@@ -388,7 +403,7 @@ fn lb_and_ct_list_show_both_families(setup: Setup) {
     assert_eq!(backends("[fd00:96::10]:53/udp"), set(&["[fd00:244:1::4]:5353"]));
 
     let dns = at("fd00:96::10", 53);
-    assert_eq!(answers(&c.lab.client(&c.client, &["udp", &dns, "3"]).unwrap()).len(), 3);
+    assert_eq!(answers(&c.lab.client(&c.client).udp(&dns, 3).unwrap()).len(), 3);
     let flows = c.lab.inspect_on(0, &["ct", "list", "--backend", "fd00:244:1::4", "-o", "json"]);
     let flows = flows.unwrap();
     let rows: Vec<serde_json::Value> = serde_json::from_str(&flows).expect(&flows);
@@ -421,8 +436,8 @@ fn explain_ipv6_agrees_with_real_packets(setup: Setup) {
     let ebpf = setup.mode == Mode::Ebpf;
     let flows = || ebpf.then(|| c.lab.inspect_on(0, &["ct", "list", "-o", "json"]).unwrap());
     let before = flows();
-    let node_port = explain(&c.lab, EXT6, &at(NODE6, 30080));
-    let empty = explain(&c.lab, EXT6, &at(NODE6, 30090));
+    let node_port = explain(&c.lab, EXT_IP6, &at(NODE_IP6, 30080));
+    let empty = explain(&c.lab, EXT_IP6, &at(NODE_IP6, 30090));
     assert_eq!(flows(), before, "explain left no flow");
 
     let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
@@ -433,32 +448,34 @@ fn explain_ipv6_agrees_with_real_packets(setup: Setup) {
     assert_eq!(candidates.map(|b| text(&b["address"])).collect::<BTreeSet<_>>(), pods);
     if ebpf {
         assert!(pods.contains(&text(&node_port["picked"])), "{node_port}");
-        assert_eq!(text(&node_port["snat"]), NODE6, "{node_port}");
+        assert_eq!(text(&node_port["snat"]), NODE_IP6, "{node_port}");
         assert!(text(&node_port["program"]).starts_with("tc_ingress on "), "{node_port}");
     } else {
         assert!(text(&node_port["snat"]).starts_with("MASQUERADE"), "{node_port}");
         assert!(text(&node_port["program"]).starts_with("ip6tables"), "{node_port}");
     }
     // The text, a field a line.
-    let from = at(EXT6, 40000);
-    let args = ["explain", "--proto", "tcp", "--from", &from, "--to", &at(NODE6, 30080)];
+    let from = at(EXT_IP6, 40000);
+    let args = ["explain", "--proto", "tcp", "--from", &from, "--to", &at(NODE_IP6, 30080)];
     let table = c.lab.inspect_on(0, &args).unwrap();
     println!("{table}");
     for field in ["packet:", "program:", "frontend:", "backends:", "snat:", "verdict:"] {
         assert!(table.lines().any(|l| l.starts_with(field)), "{field} in {table}");
     }
-    let real = c.lab.client_outside(&c.ext, &["tcp", &at(NODE6, 30080), "10"]).unwrap();
+    let real = c.lab.client_outside(&c.ext).tcp(&at(NODE_IP6, 30080), 10).unwrap();
     for (_, peer, _) in answers(&real) {
-        assert_eq!(peer, NODE6.parse::<IpAddr>().unwrap(), "the SNAT explain named");
+        assert_eq!(peer, NODE_IP6.parse::<IpAddr>().unwrap(), "the SNAT explain named");
     }
 
     assert_eq!(text(&empty["outcome"]), "refused", "{empty}");
     let answer = if ebpf { "TCP reset" } else { "ICMPv6 port unreachable" };
     assert!(text(&empty["action"]).contains(answer), "{empty}");
-    refused(c.lab.client_outside(&c.ext, &["tcp", &at(NODE6, 30090), "1"]).unwrap(), 1500.0);
+    let refused_before = rejected(&c.lab);
+    refused(c.lab.client_outside(&c.ext).tcp(&at(NODE_IP6, 30090), 1).unwrap(), 1500.0);
+    assert!(rejected(&c.lab) > refused_before, "refused by the datapath, not the stack");
 
     // Mixed families are refused with a message.
-    let mixed = ["explain", "--proto", "tcp", "--from", EXT6, "--to", "10.96.0.11:80"];
+    let mixed = ["explain", "--proto", "tcp", "--from", EXT_IP6, "--to", "10.96.0.11:80"];
     let err = c.lab.inspect_on(0, &mixed).unwrap_err().to_string();
     assert!(err.contains("different IP families"), "{err}");
 }

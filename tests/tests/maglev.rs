@@ -12,7 +12,7 @@ use std::{
 };
 
 use proxy_common::Counter;
-use proxy_lab::{Attempt, Lab, Pod, Setup, two_node_endpoints, two_node_web_cluster};
+use proxy_lab::{Attempt, Lab, Pod, Request, Setup, two_node_endpoints, two_node_web_cluster};
 use test_objects::{Protocol::*, ServiceBuilder, manifest, port, service};
 
 macro_rules! both_sources {
@@ -86,9 +86,8 @@ fn pods_by_port(
     base: u16,
     count: u16,
 ) -> BTreeMap<u16, String> {
-    let (count_arg, base_arg) = (count.to_string(), base.to_string());
-    let args = [proto, addr, &count_arg, "--source-port-base", &base_arg];
-    let attempts = lab.client_outside(ext, &args).unwrap();
+    let request = Request::of(proto, addr, count.into()).source_port_base(base);
+    let attempts = lab.client_outside(ext).run(request).unwrap();
     assert_eq!(attempts.len(), count as usize, "{attempts:?}");
     (base..)
         .zip(&attempts)

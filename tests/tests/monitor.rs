@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, Lab, Pod, Setup, both_modes};
+use proxy_lab::{Attempt, EXT_IP, Lab, NODE_IP, Pod, Setup, both_modes, node_port};
 use serde_json::Value;
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
@@ -82,12 +82,12 @@ fn is(line: &Value, service: &str, verdict: &str) -> bool {
 /// the connection's (backend, peer) as the backend saw them.
 fn node_port_line(lab: &Lab, ext: &Pod, stream: &Stream) -> (Value, (String, String)) {
     for _ in 0..20 {
-        let attempts = lab.client_outside(ext, &["tcp", "192.168.100.11:30080", "1"]).unwrap();
+        let attempts = lab.client_outside(ext).tcp(&node_port(30080), 1).unwrap();
         let (local, peer) = reached(&attempts);
         let shows = |l: &Value| {
             is(l, "demo/web:http", "translated")
                 && l["after"].as_str().is_some_and(|a| a.ends_with(&format!("-> {local}")))
-                && l["before"].as_str().is_some_and(|b| b.ends_with("-> 192.168.100.11:30080"))
+                && l["before"].as_str().is_some_and(|b| b.ends_with(&format!("-> {NODE_IP}:30080")))
         };
         if let Some(line) = stream.find(Duration::from_secs(2), shows) {
             return (line, (local, peer));
@@ -100,7 +100,7 @@ fn monitor_shows_translations_refusals_and_drops_with_their_service(setup: Setup
     let mut lab = Lab::with(setup).unwrap();
     let pods = lab.add_web_pods(2, &[8080], &[]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     let web = service("demo", "web")
         .node_port_type()
         .cluster_ip("10.96.0.10")
@@ -118,15 +118,15 @@ fn monitor_shows_translations_refusals_and_drops_with_their_service(setup: Setup
     let far_slice = far.slice().port("http", 8080, Tcp).endpoints(elsewhere);
     lab.write_manifest(&manifest(&[&web, &slice, &empty, &far, &far_slice])).unwrap();
     lab.start_agent(&[]).unwrap();
-    let refuse = ["--timeout-ms", "1000", "tcp", "10.96.0.11:80", "1"];
+    let refuse = |lab: &Lab| lab.client(&client).timeout_ms(1000).tcp("10.96.0.11:80", 1).unwrap();
 
     // Filtered: only the refusal of the empty service, then it stops
     // (--count). Alone: in the eBPF mode monitors share one ring buffer.
     let drops = Stream::start(&mut lab, &["--drops", "--service", "demo/empty", "--count", "1"]);
     let mut refusal = None;
     for _ in 0..20 {
-        lab.client(&client, &["tcp", "10.96.0.10:80", "1"]).unwrap();
-        let attempts = lab.client(&client, &refuse).unwrap();
+        lab.client(&client).tcp("10.96.0.10:80", 1).unwrap();
+        let attempts = refuse(&lab);
         assert!(matches!(attempts.as_slice(), [Attempt::Err { .. }]), "{attempts:?}");
         refusal = drops.find(Duration::from_secs(2), |_| true);
         if refusal.is_some() {
@@ -143,9 +143,9 @@ fn monitor_shows_translations_refusals_and_drops_with_their_service(setup: Setup
     let all = Stream::start(&mut lab, &[]);
     let (line, (local, peer)) = node_port_line(&lab, &ext, &all);
     assert_eq!(line["after"], format!("{peer} -> {local}"), "{line}");
-    assert!(line["before"].as_str().unwrap().starts_with("192.168.100.101:"), "{line}");
+    assert!(line["before"].as_str().unwrap().starts_with(&format!("{EXT_IP}:")), "{line}");
     // From a pod: the eBPF mode translates at connect (no source yet).
-    let (local, _) = reached(&lab.client(&client, &["tcp", "10.96.0.10:80", "1"]).unwrap());
+    let (local, _) = reached(&lab.client(&client).tcp("10.96.0.10:80", 1).unwrap());
     let pod_line = all.find(Duration::from_secs(10), |l| {
         is(l, "demo/web:http", "translated")
             && l["before"].as_str().is_some_and(|b| b.ends_with("-> 10.96.0.10:80"))
@@ -153,14 +153,13 @@ fn monitor_shows_translations_refusals_and_drops_with_their_service(setup: Setup
     let pod_line = pod_line.expect("a line of the pod's connection");
     let after = pod_line["after"].as_str().unwrap();
     assert!(after.ends_with(&format!("-> {local}")), "{pod_line}");
-    let attempts = lab.client(&client, &refuse).unwrap();
+    let attempts = refuse(&lab);
     assert!(matches!(attempts.as_slice(), [Attempt::Err { .. }]), "{attempts:?}");
     let refusal = all.find(Duration::from_secs(10), |l| is(l, "demo/empty:http", "refused"));
     assert_eq!(refusal.expect("a line of the refusal")["reason"], "no endpoint");
 
     // A drop: from outside to the Local NodePort, no endpoint on this node.
-    let far = ["--timeout-ms", "500", "tcp", "192.168.100.11:30081", "1"];
-    let attempts = lab.client_outside(&ext, &far).unwrap();
+    let attempts = lab.client_outside(&ext).timeout_ms(500).tcp(&node_port(30081), 1).unwrap();
     assert!(matches!(attempts.as_slice(), [Attempt::Err { .. }]), "{attempts:?}");
     let drop = all.find(Duration::from_secs(10), |l| is(l, "demo/far:http", "dropped"));
     let drop = drop.expect("a line of the drop");

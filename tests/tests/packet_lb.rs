@@ -12,7 +12,8 @@ use std::{
 
 use proxy_common::Counter;
 use proxy_lab::{
-    Attempt, Lab, Mode, Pod, Setup, answered, answered_after, both_modes, tally, two_node_endpoints,
+    Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Request, Setup, answered, answered_after, both_modes,
+    external_ip, node_ip, node_port, tally, two_node_endpoints,
 };
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
@@ -55,8 +56,8 @@ fn cluster(setup: Setup, manifest: &str) -> Cluster {
         lab.serve(&pod, &[8080], &[5353]).unwrap();
         pods.push(pod);
     }
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-    let ext2 = lab.add_external("ext2", "192.168.100.102").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
+    let ext2 = lab.add_external("ext2", &external_ip(2)).unwrap();
     lab.write_manifest(manifest).unwrap();
     for node in 0..2 {
         lab.drop_invalid_forwards(node).unwrap();
@@ -92,7 +93,7 @@ fn web(pods: &[&str]) -> String {
 
 /// Node 0 itself, as a host-network endpoint.
 fn host_endpoint() -> test_objects::EndpointBuilder {
-    ep("192.168.100.11").node("lab-node")
+    ep(NODE_IP).node("lab-node")
 }
 
 fn peer_ip(peer: &str) -> &str {
@@ -101,11 +102,11 @@ fn peer_ip(peer: &str) -> &str {
 
 fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node(setup: Setup) {
     let c = cluster(setup, &web(&["a", "b", "c"]));
-    let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "90"]).unwrap();
+    let attempts = c.lab.client_outside(&c.ext).tcp(&node_port(30080), 90).unwrap();
     let seen = answered(&attempts);
     assert_eq!(tally(&attempts).len(), 3, "every endpoint: {:?}", tally(&attempts));
     for (name, peer, _) in &seen {
-        assert_eq!(peer_ip(peer), "192.168.100.11", "{name} saw {peer}, not the node");
+        assert_eq!(peer_ip(peer), NODE_IP, "{name} saw {peer}, not the node");
     }
     let new_flows = match setup.mode {
         Mode::Ebpf => c.lab.counter_on(0, Counter::CtNew).unwrap(),
@@ -121,31 +122,25 @@ fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(
     let c = cluster(setup, &manifest);
 
     // Node 0 has only web-a; node 1 has web-b and web-c.
-    for (node_ip, expect) in
-        [("192.168.100.11", vec!["web-a"]), ("192.168.100.12", vec!["web-b", "web-c"])]
-    {
-        let attempts =
-            c.lab.client_outside(&c.ext, &["tcp", &format!("{node_ip}:30080"), "40"]).unwrap();
+    for (node_ip, expect) in [(NODE_IP, vec!["web-a"]), (&node_ip(1), vec!["web-b", "web-c"])] {
+        let attempts = c.lab.client_outside(&c.ext).tcp(&format!("{node_ip}:30080"), 40).unwrap();
         for (name, peer, _) in answered(&attempts) {
             assert!(expect.contains(&name.as_str()), "{node_ip} sent to {name}");
-            assert_eq!(peer_ip(&peer), "192.168.100.101", "the client IP is kept");
+            assert_eq!(peer_ip(&peer), EXT_IP, "the client IP is kept");
         }
         assert_eq!(tally(&attempts).len(), expect.len());
     }
 
     // No local endpoint for "far" on node 0: dropped, not refused.
     let dropped_before = c.lab.count_on(0, Counter::Dropped).unwrap();
-    let attempts = c
-        .lab
-        .client_outside(&c.ext, &["--timeout-ms", "500", "tcp", "192.168.100.11:30081", "1"])
-        .unwrap();
+    let attempts = c.lab.client_outside(&c.ext).timeout_ms(500).tcp(&node_port(30081), 1).unwrap();
     assert!(
         matches!(&attempts[0], Attempt::Err { kind, .. } if kind == "TimedOut"),
         "{attempts:?}"
     );
     assert!(c.lab.count_on(0, Counter::Dropped).unwrap() > dropped_before);
     // Node 1 serves it.
-    answered(&c.lab.client_outside(&c.ext, &["tcp", "192.168.100.12:30081", "5"]).unwrap());
+    answered(&c.lab.client_outside(&c.ext).tcp(&format!("{}:30081", node_ip(1)), 5).unwrap());
 }
 
 fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
@@ -155,13 +150,13 @@ fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
         .port(port("http", 80).target(8080).node_port(30080))
         .ingress_ip("10.200.0.10");
     let mut c = cluster(setup, &over(web, &["a", "b", "c"]));
-    let addresses = ["192.168.100.11:30080", "10.200.0.10:80"];
+    let addresses = [&node_port(30080), "10.200.0.10:80"];
 
     // External clients: node 0's endpoint only, their address kept.
     for addr in addresses {
-        let attempts = c.lab.client_outside(&c.ext, &["tcp", addr, "10"]).unwrap();
+        let attempts = c.lab.client_outside(&c.ext).tcp(addr, 10).unwrap();
         for (name, peer, _) in answered(&attempts) {
-            assert_eq!((name.as_str(), peer_ip(&peer)), ("web-a", "192.168.100.101"), "{addr}");
+            assert_eq!((name.as_str(), peer_ip(&peer)), ("web-a", EXT_IP), "{addr}");
         }
     }
 
@@ -170,17 +165,15 @@ fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
     // pod on node 0 per packet (its address kept) and through the socket
     // hooks, and node 0 itself (kube-proxy's "LOCAL traffic" rules).
     let client = c.lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
-    let (node, cgroup) = (c.lab.node.clone(), c.lab.cgroup.clone());
+    let node = c.lab.client_in(&c.lab.node, Some(&c.lab.cgroup));
     for addr in addresses {
-        let args = ["tcp", addr, "60"];
-        let per_packet = c.lab.client_outside(&client, &args).unwrap();
+        let per_packet = c.lab.client_outside(&client).tcp(addr, 60).unwrap();
         for (_, peer, _) in answered(&per_packet) {
             assert_eq!(peer_ip(&peer), "10.244.1.100", "{addr}: pods are not masqueraded");
         }
-        let from_node = c.lab.labpod(&node, Some(&cgroup), &args).unwrap();
-        let from_node: Vec<Attempt> = from_node.lines().filter_map(Attempt::parse).collect();
+        let from_node = node.tcp(addr, 60).unwrap();
         let clients =
-            [("pod", per_packet), ("pod in cgroup", c.lab.client(&client, &args).unwrap())]
+            [("pod", per_packet), ("pod in cgroup", c.lab.client(&client).tcp(addr, 60).unwrap())]
                 .into_iter()
                 .chain([("node", from_node)]);
         for (who, attempts) in clients {
@@ -198,31 +191,28 @@ fn load_balancer_and_external_ips_with_source_ranges(setup: Setup) {
     let lb = node_ports("lb", "10.96.0.12", 30090, 30091)
         .load_balancer_type()
         .external_ips(&["10.200.0.11"])
-        .source_ranges(&["192.168.100.101/32"])
+        .source_ranges(&[&format!("{EXT_IP}/32")])
         .ingress_ip("10.200.0.10");
     let c = cluster(setup, &over(lb, &["a", "b", "c"]));
 
-    let admitted = c.lab.client_outside(&c.ext, &["tcp", "10.200.0.10:80", "30"]).unwrap();
+    let admitted = c.lab.client_outside(&c.ext).tcp("10.200.0.10:80", 30).unwrap();
     assert_eq!(tally(&admitted).len(), 3, "the LB IP reaches the service: {admitted:?}");
-    let refused = c
-        .lab
-        .client_outside(&c.ext2, &["--timeout-ms", "500", "tcp", "10.200.0.10:80", "1"])
-        .unwrap();
+    let refused = c.lab.client_outside(&c.ext2).timeout_ms(500).tcp("10.200.0.10:80", 1).unwrap();
     assert!(matches!(&refused[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{refused:?}");
     // The source ranges guard the LB IP only, as in kube-proxy.
-    answered(&c.lab.client_outside(&c.ext2, &["tcp", "10.200.0.11:80", "10"]).unwrap());
-    answered(&c.lab.client_outside(&c.ext2, &["tcp", "192.168.100.11:30090", "10"]).unwrap());
+    answered(&c.lab.client_outside(&c.ext2).tcp("10.200.0.11:80", 10).unwrap());
+    answered(&c.lab.client_outside(&c.ext2).tcp(&node_port(30090), 10).unwrap());
 }
 
 fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {
     let web = svc("self", "10.96.0.20").port(port("http", 80).target(8080));
     let c = cluster(setup, &over(web, &["a"]));
     // web-a is outside the socket-LB cgroup: only tc sees its packets.
-    let attempts = c.lab.client_outside(&c.pods[0], &["tcp", "10.96.0.20:80", "10"]).unwrap();
+    let attempts = c.lab.client_outside(&c.pods[0]).tcp("10.96.0.20:80", 10).unwrap();
     for (name, peer, from) in answered(&attempts) {
         assert_eq!(name, "web-a");
         assert_eq!(from, "10.96.0.20:80", "the reply comes from the service");
-        assert_eq!(peer_ip(&peer), "192.168.100.11", "SNATed so the reply returns via the node");
+        assert_eq!(peer_ip(&peer), NODE_IP, "SNATed so the reply returns via the node");
     }
 }
 
@@ -232,15 +222,13 @@ fn cluster_ip_from_a_pod_outside_the_cgroup_to_the_other_node(setup: Setup) {
         .port(port("dns", 53).udp().target(5353));
     let mut c = cluster(setup, &over(far, &["b", "c"]));
     let client = c.lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
-    let attempts = c.lab.client_outside(&client, &["tcp", "10.96.0.21:80", "40"]).unwrap();
+    let attempts = c.lab.client_outside(&client).tcp("10.96.0.21:80", 40).unwrap();
     assert_eq!(tally(&attempts).len(), 2);
     for (_, peer, from) in answered(&attempts) {
         assert_eq!(peer_ip(&peer), "10.244.1.100", "in-cluster sources are not masqueraded");
         assert_eq!(from, "10.96.0.21:80");
     }
-    for (_, _, from) in
-        answered(&c.lab.client_outside(&client, &["udp", "10.96.0.21:53", "5"]).unwrap())
-    {
+    for (_, _, from) in answered(&c.lab.client_outside(&client).udp("10.96.0.21:53", 5).unwrap()) {
         assert_eq!(from, "10.96.0.21:53", "UDP replies come from the service");
     }
 }
@@ -249,13 +237,13 @@ fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows(setup: Setup)
     let mut lab = Lab::with(setup).unwrap();
     let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
     lab.serve(&pod, &[8080], &[]).unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     lab.write_manifest(&web(&["a"])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     lab.start_agent(&["--conntrack-tcp-timeout-time-wait", "2s"]).unwrap();
 
     let attempts =
-        lab.client_outside(&ext, &["tcp-concurrent", "192.168.100.11:30080", "1000"]).unwrap();
+        lab.client_outside(&ext).run(Request::tcp_concurrent(&node_port(30080), 1000)).unwrap();
     assert_eq!(attempts.len(), 1000);
     let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
     assert!(failed.is_empty(), "{} failed, e.g. {:?}", failed.len(), failed.first());
@@ -280,17 +268,18 @@ fn a_thousand_concurrent_node_port_connections_and_no_leaked_flows(setup: Setup)
 }
 
 fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(setup: Setup) {
-    let mut c = cluster(setup, &web(&["a", "b", "c"]));
+    let c = cluster(setup, &web(&["a", "b", "c"]));
     // One socket, one flow: 30 datagrams over 3 s.
     let mut client = c
         .lab
-        .spawn_outside(&c.ext, &["udp", "192.168.100.11:30053", "30", "--interval-ms", "100"])
+        .client_outside(&c.ext)
+        .spawn(Request::udp(&node_port(30053), 30).interval_ms(100))
         .unwrap();
     let mut lines = BufReader::new(client.stdout.take().unwrap()).lines();
     let mut next = || Attempt::parse(&lines.next().unwrap().unwrap()).unwrap();
     let first = next();
     let Attempt::Ok { name: stuck_to, from, .. } = first else { panic!("{first:?}") };
-    assert_eq!(from, "192.168.100.11:30053", "replies come from the node port");
+    assert_eq!(from, node_port(30053), "replies come from the node port");
     let early: Vec<_> = (0..4).map(|_| next().pod().unwrap_or("<lost>").to_string()).collect();
     assert!(early.iter().all(|n| *n == stuck_to), "one flow, one backend: {stuck_to} {early:?}");
 
@@ -318,19 +307,17 @@ fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(setup: Setup) {
 fn fragmented_datagrams_through_a_node_port(setup: Setup) {
     let c = cluster(setup, &web(&["a", "b", "c"]));
     // 4000 bytes: three fragments on a 1500-byte MTU.
-    let attempts = c
-        .lab
-        .client_outside(&c.ext, &["udp", "192.168.100.11:30053", "10", "--size", "4000"])
-        .unwrap();
+    let attempts =
+        c.lab.client_outside(&c.ext).run(Request::udp(&node_port(30053), 10).size(4000)).unwrap();
     for (_, peer, from) in answered(&attempts) {
-        assert_eq!(from, "192.168.100.11:30053");
-        assert_eq!(peer_ip(&peer), "192.168.100.11", "SNATed like any datagram");
+        assert_eq!(from, node_port(30053));
+        assert_eq!(peer_ip(&peer), NODE_IP, "SNATed like any datagram");
     }
 }
 
 fn no_endpoints_are_refused_not_timed_out(setup: Setup) {
     let c = cluster(setup, &over(node_ports("empty", "10.96.0.30", 30080, 30053), &[]));
-    let attempts = c.lab.client_outside(&c.ext, &["tcp", "192.168.100.11:30080", "3"]).unwrap();
+    let attempts = c.lab.client_outside(&c.ext).tcp(&node_port(30080), 3).unwrap();
     for attempt in &attempts {
         assert!(
             matches!(attempt, Attempt::Err { kind, ms } if kind == "ConnectionRefused" && *ms < 100.0),
@@ -338,7 +325,7 @@ fn no_endpoints_are_refused_not_timed_out(setup: Setup) {
         );
     }
     let udp =
-        c.lab.client_outside(&c.ext, &["udp", "192.168.100.11:30053", "1", "--connect"]).unwrap();
+        c.lab.client_outside(&c.ext).run(Request::udp(&node_port(30053), 1).connected()).unwrap();
     assert!(matches!(&udp[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"), "{udp:?}");
     assert!(c.lab.count_on(0, Counter::Rejected).unwrap() >= 4);
 }
@@ -356,28 +343,27 @@ fn internal_local_policy_and_client_ip_affinity_per_packet(setup: Setup) {
     // internalTrafficPolicy: Local keeps ClusterIP traffic on the node.
     let client0 = c.lab.add_pod_on(0, "client0", "10.244.1.100").unwrap();
     let client1 = c.lab.add_pod_on(1, "client1", "10.244.2.100").unwrap();
-    let from0 = c.lab.client_outside(&client0, &["tcp", "10.96.0.40:80", "20"]).unwrap();
+    let from0 = c.lab.client_outside(&client0).tcp("10.96.0.40:80", 20).unwrap();
     answered(&from0);
     assert_eq!(tally(&from0).keys().collect::<Vec<_>>(), ["web-a"]);
-    let from1 = c.lab.client_outside(&client1, &["tcp", "10.96.0.40:80", "40"]).unwrap();
+    let from1 = c.lab.client_outside(&client1).tcp("10.96.0.40:80", 40).unwrap();
     answered(&from1);
     assert_eq!(tally(&from1).keys().collect::<Vec<_>>(), ["web-b", "web-c"]);
 
     // ClientIP affinity: each external client sticks to one backend, and
     // the clients are told apart (over a few clients, not all on one pod).
     let mut picks = std::collections::BTreeSet::new();
-    for (i, addr) in ["192.168.100.103", "192.168.100.104", "192.168.100.105", "192.168.100.106"]
-        .iter()
-        .enumerate()
+    for (i, addr) in
+        [&external_ip(3), &external_ip(4), &external_ip(5), &external_ip(6)].iter().enumerate()
     {
         let client = c.lab.add_external(&format!("sticky{i}"), addr).unwrap();
-        let sticky = c.lab.client_outside(&client, &["tcp", "192.168.100.11:30085", "20"]).unwrap();
+        let sticky = c.lab.client_outside(&client).tcp(&node_port(30085), 20).unwrap();
         answered(&sticky);
         assert_eq!(tally(&sticky).len(), 1, "{addr}: {:?}", tally(&sticky));
         picks.extend(tally(&sticky).into_keys());
     }
     for client in [&c.ext, &c.ext2] {
-        let sticky = c.lab.client_outside(client, &["tcp", "192.168.100.11:30085", "20"]).unwrap();
+        let sticky = c.lab.client_outside(client).tcp(&node_port(30085), 20).unwrap();
         picks.extend(tally(&sticky).into_keys());
     }
     assert!(picks.len() > 1, "six clients, all on {picks:?}: is the client in the key?");
@@ -389,7 +375,7 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     let mut lab = Lab::new().unwrap();
     let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
     lab.serve(&pod, &[8080], &[5353]).unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     lab.write_manifest(&web(&["a"])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     let netlink = ["--tc-attach", "netlink"];
@@ -407,10 +393,8 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     };
     assert_eq!(filters(), 1);
     assert!(!lab.pins.join("links").join("tc-eth0").exists(), "filters are not pinned");
-    for (_, peer, _) in
-        answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "20"]).unwrap())
-    {
-        assert_eq!(peer_ip(&peer), "192.168.100.11");
+    for (_, peer, _) in answered(&lab.client_outside(&ext).tcp(&node_port(30080), 20).unwrap()) {
+        assert_eq!(peer_ip(&peer), NODE_IP);
     }
 
     // A crashed agent leaves its filter; the next one replaces it.
@@ -418,7 +402,7 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     assert_eq!(filters(), 1);
     lab.start_agent(&netlink).unwrap();
     assert_eq!(filters(), 1, "one filter after the restart");
-    answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "20"]).unwrap());
+    answered(&lab.client_outside(&ext).tcp(&node_port(30080), 20).unwrap());
 
     // `cleanup` (in the node's namespace) removes filters as it does pins.
     lab.kill_agent();
@@ -433,33 +417,35 @@ fn ebpf_decision_records_trace_a_refused_connect_and_a_snated_node_port_flow() {
     let mut lab = Lab::new().unwrap();
     let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
     lab.serve(&pod, &[8080], &[5353]).unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     let empty = over(node_ports("empty", "10.96.0.30", 30081, 30054), &[]);
     lab.write_manifest(&(web(&["a"]) + &empty)).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     lab.start_agent(&[]).unwrap();
     // Off by default: a refusal writes nothing; then switched on at run
     // time, the programs unchanged.
-    let _ = lab.client(&pod, &["tcp", "10.96.0.30:80", "1"]).unwrap();
+    let _ = lab.client(&pod).tcp("10.96.0.30:80", 1).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert!(!lab.agent_log().contains("no endpoint, refused"), "{}", lab.agent_log());
     lab.inspect_on(0, &["bpf-log-level", "debug"]).unwrap();
 
-    let refused = lab.client(&pod, &["tcp", "10.96.0.30:80", "1"]).unwrap();
+    let refused = lab.client(&pod).tcp("10.96.0.30:80", 1).unwrap();
     assert!(
         matches!(&refused[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"),
         "{refused:?}"
     );
-    answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "1"]).unwrap());
+    answered(&lab.client_outside(&ext).tcp(&node_port(30080), 1).unwrap());
 
     // The agent reads the records as they come; a moment may pass.
     let wanted = [
         ("connect4", "10.96.0.30:80 proto 6: no endpoint, refused"),
         (
             "tc_ingress",
-            "-> 192.168.100.11:30080 proto 6: backend 10.244.1.2:8080 by its algorithm (random or Maglev)",
+            &format!(
+                "-> {NODE_IP}:30080 proto 6: backend 10.244.1.2:8080 by its algorithm (random or Maglev)"
+            ),
         ),
-        ("tc_ingress", "-> 192.168.100.11:30080 proto 6: SNAT to 192.168.100.11:"),
+        ("tc_ingress", &format!("-> {NODE_IP}:30080 proto 6: SNAT to {NODE_IP}:")),
     ];
     let found = |log: &str| {
         wanted.iter().all(|(program, text)| {
@@ -499,7 +485,7 @@ fn ebpf_pods_created_after_the_agent_are_served_per_packet_through_link_notifica
     // Outside the cgroup: translated on the client's veth, reverse-translated
     // on web-a's.
     for (name, peer, from) in
-        answered(&lab.client_outside(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
+        answered(&lab.client_outside(&client).tcp("10.96.0.10:80", 10).unwrap())
     {
         assert_eq!(name, "web-a");
         assert_eq!(peer_ip(&peer), "10.244.1.100");
@@ -521,9 +507,9 @@ fn ebpf_pods_created_after_the_agent_are_served_per_packet_through_link_notifica
 fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service(setup: Setup) {
     let mut lab = Lab::with(setup).unwrap();
     // A host-network "pod": a server in the node's own namespace.
-    let host = Pod { name: "host".into(), netns: lab.node.clone(), ip: "192.168.100.11".into() };
+    let host = Pod { name: "host".into(), netns: lab.node.clone(), ip: NODE_IP.into() };
     lab.serve(&host, &[9090], &[]).unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
     let hostnet = svc("hostnet", "10.96.0.50")
         .node_port_type()
@@ -534,15 +520,14 @@ fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service
     lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
 
     for (name, peer, from) in
-        answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30099", "10"]).unwrap())
+        answered(&lab.client_outside(&ext).tcp(&node_port(30099), 10).unwrap())
     {
         assert_eq!(name, "host");
-        assert_eq!(peer_ip(&peer), "192.168.100.101", "delivered locally, not SNATed");
-        assert_eq!(from, "192.168.100.11:30099");
+        assert_eq!(peer_ip(&peer), EXT_IP, "delivered locally, not SNATed");
+        assert_eq!(from, node_port(30099));
     }
     // From a pod outside the cgroup, per packet: the reply comes from the VIP.
-    for (_, peer, from) in
-        answered(&lab.client_outside(&client, &["tcp", "10.96.0.50:80", "10"]).unwrap())
+    for (_, peer, from) in answered(&lab.client_outside(&client).tcp("10.96.0.50:80", 10).unwrap())
     {
         assert_eq!(peer_ip(&peer), "10.244.1.100");
         assert_eq!(from, "10.96.0.50:80");
@@ -558,18 +543,16 @@ fn host_network_backends_are_reached_through_the_stack_and_answer_as_the_service
 fn path_mtu_discovery_through_a_node_port_and_a_cluster_ip(setup: Setup) {
     let mut c = cluster(setup, &web(&["b"]));
     let far = c.lab.add_far_external("far", 1280).unwrap();
-    for target in ["192.168.100.11:30080", "10.96.0.10:80"] {
+    for target in [&node_port(30080), "10.96.0.10:80"] {
         // A stalled transfer fails at its first read of more than 5 s.
-        let attempts = c
-            .lab
-            .client_outside(&far, &["--timeout-ms", "5000", "bulk", target, "200000"])
-            .unwrap();
+        let attempts =
+            c.lab.client_outside(&far).timeout_ms(5000).run(Request::bulk(target, 200000)).unwrap();
         let [Attempt::Ok { bytes: Some(bytes), name, peer, from, .. }] = &attempts[..] else {
             panic!("{target}: {attempts:?}");
         };
         assert_eq!(*bytes, 200_000, "{target}: the whole download");
         assert_eq!((name.as_str(), from.as_str()), ("web-b", target));
-        assert_eq!(peer_ip(peer), "192.168.100.11", "masqueraded to node 0");
+        assert_eq!(peer_ip(peer), NODE_IP, "masqueraded to node 0");
     }
     assert!(c.lab.far_router_unreachables().unwrap() >= 2, "the narrow link was met");
     if setup.mode == Mode::Ebpf {
@@ -583,7 +566,7 @@ fn path_mtu_discovery_through_a_node_port_and_a_cluster_ip(setup: Setup) {
 /// its way out) for the client's connected socket to take it.
 fn the_stacks_refusal_for_a_host_network_backend_names_the_node_port(setup: Setup) {
     let mut lab = Lab::with(setup).unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     let hostnet = svc("hostnet", "10.96.0.50")
         .node_port_type()
         .port(port("dns", 53).udp().target(9053).node_port(30098));
@@ -591,8 +574,19 @@ fn the_stacks_refusal_for_a_host_network_backend_names_the_node_port(setup: Setu
     lab.write_manifest(&manifest(&[&hostnet, &slice])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
-    let udp = lab.client_outside(&ext, &["udp", "192.168.100.11:30098", "1", "--connect"]).unwrap();
+    // The node's stack refuses a closed node port by itself: the datagram
+    // must have gone to the backend, and the error come back through the
+    // datapath.
+    let translated = || match setup.mode {
+        Mode::Ebpf => lab.counter(Counter::IcmpRevNat).unwrap(),
+        Mode::Iptables => {
+            lab.rule_packets_on(0, "nat", &format!("--to-destination {NODE_IP}:9053")).unwrap()
+        }
+    };
+    let before = translated();
+    let udp = lab.client_outside(&ext).run(Request::udp(&node_port(30098), 1).connected()).unwrap();
     assert!(matches!(&udp[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"), "{udp:?}");
+    assert!(translated() > before, "the refusal came back through the datapath");
 }
 
 /// A node without an address (none on its interfaces, no `--node-ip`)
@@ -607,18 +601,18 @@ fn a_node_without_an_address_serves_cluster_ips_then_node_ports_once_it_has_one(
         let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
         lab.serve(&pod, &[8080], &[5353]).unwrap();
         let client = lab.add_pod("client", "10.244.1.100").unwrap();
-        let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+        let ext = lab.add_external("ext", EXT_IP).unwrap();
         lab.write_manifest(&web(&["a"])).unwrap();
         let node = lab.node.clone();
-        let uplink = ["-n", &node, "addr", "del", "192.168.100.11/24", "dev", "eth0"];
+        let uplink = ["-n", &node, "addr", "del", &format!("{NODE_IP}/24"), "dev", "eth0"];
         proxy_lab::sh("ip", &uplink).unwrap();
         lab.omit_node_ip(0);
         lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
         assert!(lab.agent_log().contains("no node address found"), "{}", lab.agent_log());
-        let attempts = lab.client(&client, &["tcp", "10.96.0.10:80", "5"]).unwrap();
+        let attempts = lab.client(&client).tcp("10.96.0.10:80", 5).unwrap();
         assert_eq!(tally(&attempts).get("web-a"), Some(&5), "{attempts:?}");
 
-        let readd = ["-n", &node, "addr", "add", "192.168.100.11/24", "dev", "eth0"];
+        let readd = ["-n", &node, "addr", "add", &format!("{NODE_IP}/24"), "dev", "eth0"];
         proxy_lab::sh("ip", &readd).unwrap();
         let deadline = Instant::now() + Duration::from_secs(15);
         while lab.agent_alive() && Instant::now() < deadline {
@@ -627,7 +621,7 @@ fn a_node_without_an_address_serves_cluster_ips_then_node_ports_once_it_has_one(
         assert!(!lab.agent_alive(), "the agent restarts for its new address");
         assert!(lab.agent_log().contains("this node has an address now"), "{}", lab.agent_log());
         lab.start_agent(&["--cluster-cidr", CLUSTER_CIDR]).unwrap();
-        let attempts = lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "5"]).unwrap();
+        let attempts = lab.client_outside(&ext).tcp(&node_port(30080), 5).unwrap();
         assert_eq!(tally(&attempts).get("web-a"), Some(&5), "{attempts:?}");
     }
 }
@@ -653,7 +647,7 @@ fn pod_interfaces_replies_only(attach: &[&str]) {
     let web_a = lab.add_pod("web-a", "10.244.1.2").unwrap();
     lab.serve(&web_a, &[8080], &[5353]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     lab.write_manifest(&web(&["a"])).unwrap();
     lab.drop_invalid_forwards(0).unwrap();
     let replies: Vec<&str> =
@@ -700,15 +694,15 @@ fn pod_interfaces_replies_only(attach: &[&str]) {
     // NodePort (policy Cluster: SNAT) to the pod here, TCP and UDP: the
     // replies are translated back on its veth.
     for proto in ["tcp", "udp"] {
-        let to = if proto == "tcp" { "192.168.100.11:30080" } else { "192.168.100.11:30053" };
-        for (name, peer, from) in answered(&lab.client_outside(&ext, &[proto, to, "10"]).unwrap()) {
-            assert_eq!((name.as_str(), peer_ip(&peer)), ("web-a", "192.168.100.11"));
+        let to = node_port(if proto == "tcp" { 30080 } else { 30053 });
+        let attempts = lab.client_outside(&ext).run(Request::of(proto, &to, 10)).unwrap();
+        for (name, peer, from) in answered(&attempts) {
+            assert_eq!((name.as_str(), peer_ip(&peer)), ("web-a", NODE_IP));
             assert_eq!(from, to, "{proto} replies come from the NodePort");
         }
     }
     // A pod in the socket-LB cgroup: translated at connect().
-    for (name, _, from) in answered(&lab.client(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
-    {
+    for (name, _, from) in answered(&lab.client(&client).tcp("10.96.0.10:80", 10).unwrap()) {
         assert_eq!((name.as_str(), from.as_str()), ("web-a", "10.96.0.10:80"));
     }
 
@@ -719,8 +713,7 @@ fn pod_interfaces_replies_only(attach: &[&str]) {
     for veth in ["veth1", "veth2"] {
         assert_eq!(programs(veth), full, "{veth}");
     }
-    for (name, _, from) in
-        answered(&lab.client_outside(&client, &["tcp", "10.96.0.10:80", "10"]).unwrap())
+    for (name, _, from) in answered(&lab.client_outside(&client).tcp("10.96.0.10:80", 10).unwrap())
     {
         assert_eq!((name.as_str(), from.as_str()), ("web-a", "10.96.0.10:80"));
     }
@@ -728,5 +721,5 @@ fn pod_interfaces_replies_only(attach: &[&str]) {
     lab.stop_agent_on(0);
     lab.start_agent(&replies).unwrap();
     assert_eq!(programs("veth2"), ["ingress:tc_pod_replies"]);
-    answered(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "5"]).unwrap());
+    answered(&lab.client_outside(&ext).tcp(&node_port(30080), 5).unwrap());
 }

@@ -17,8 +17,8 @@ use std::{
 };
 
 use proxy_lab::{
-    Attempt, Lab, Mode, Pod, Setup, add_two_node_web_pods, both_modes, tally, target_bin,
-    two_node_endpoints,
+    Attempt, EXT_IP, Lab, Mode, Pod, Request, Setup, Stack, both_modes, node_port, tally,
+    target_bin, two_node_endpoints, two_node_web_cluster,
 };
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
@@ -79,15 +79,13 @@ mod ebpf_only {
     }
 }
 
-const CLUSTER_CIDR: &str = "10.244.0.0/16";
 /// Each long-lived flow's exchanges, `INTERVAL_MS` apart: at most a minute
 /// and a half, whatever happens to the test (the checks stop them earlier).
-const INTERVAL_MS: &str = "50";
-const EXCHANGES: &str = "1800";
+const INTERVAL_MS: u64 = 50;
+const EXCHANGES: usize = 1800;
 
-/// Two nodes with agents, pods web-a (node 0), web-b and web-c (node 1)
-/// serving HTTP on 8080, a line-echo on 9000 and UDP on 5353; a client pod
-/// on node 0 and an external client.
+/// The two-node web cluster ([`two_node_web_cluster`]) on the restart
+/// scenarios' services, and a client pod on node 0.
 struct Cluster {
     lab: Lab,
     client: Pod,
@@ -139,42 +137,31 @@ fn services() -> String {
 
 impl Cluster {
     fn start(setup: Setup, extra: &[&'static str]) -> Self {
-        let mut lab = Lab::with(setup).unwrap();
-        lab.add_node().unwrap();
-        add_two_node_web_pods(&mut lab);
+        let (mut lab, ext) = two_node_web_cluster(setup, &services(), extra);
         let client = lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
-        let ext = lab.add_external("ext", "192.168.100.101").unwrap();
-        lab.write_manifest(&services()).unwrap();
-        let mut args = vec!["--cluster-cidr", CLUSTER_CIDR];
+        let mut args = vec!["--cluster-cidr", Stack::Ipv4.cluster_cidrs()];
         args.extend(extra);
-        for node in 0..2 {
-            lab.drop_invalid_forwards(node).unwrap();
-            lab.start_agent_on(node, &args).unwrap();
-        }
         Cluster { lab, client, ext, args }
     }
 
     /// Every kind of long-lived flow, exchanging until checked.
     fn open_flows(&mut self) -> Flows {
-        let (ext, client) = (self.ext.clone(), self.client.clone());
-        let stream = |addr: &'static str| ["stream", addr, EXCHANGES, "--interval-ms", INTERVAL_MS];
-        let udp = |addr: &'static str| {
-            ["udp", addr, EXCHANGES, "--interval-ms", INTERVAL_MS, "--connect"]
-        };
+        let (ext, client) = (&self.ext, &self.client);
+        let stream = |addr: &str| Request::stream(addr, EXCHANGES).interval_ms(INTERVAL_MS);
+        let udp = |addr: &str| Request::udp(addr, EXCHANGES).interval_ms(INTERVAL_MS).connected();
         let mut flows = Flows::default();
         for (what, pod, addr) in [
-            ("NodePort, policy Cluster", &ext, "192.168.100.11:30090"),
-            ("NodePort, policy Local", &ext, "192.168.100.11:30091"),
-            ("load-balancer IP", &ext, "10.200.0.10:90"),
-            ("per-packet ClusterIP", &client, "10.96.0.21:90"),
+            ("NodePort, policy Cluster", ext, &node_port(30090)),
+            ("NodePort, policy Local", ext, &node_port(30091)),
+            ("load-balancer IP", ext, &"10.200.0.10:90".into()),
+            ("per-packet ClusterIP", client, &"10.96.0.21:90".into()),
         ] {
-            flows.add(what, self.lab.spawn_outside(pod, &stream(addr)).unwrap());
+            flows.add(what, self.lab.client_outside(pod).spawn(stream(addr)).unwrap());
         }
-        flows.add(
-            "UDP NodePort",
-            self.lab.spawn_outside(&ext, &udp("192.168.100.11:30053")).unwrap(),
-        );
-        flows.add("UDP socket LB", self.lab.spawn_client(&client, &udp("10.96.0.21:53")).unwrap());
+        let udp_node_port = udp(&node_port(30053));
+        flows.add("UDP NodePort", self.lab.client_outside(ext).spawn(udp_node_port).unwrap());
+        let udp_socket_lb = udp("10.96.0.21:53");
+        flows.add("UDP socket LB", self.lab.client(client).spawn(udp_socket_lb).unwrap());
         flows.wait_for(10, &self.lab);
         flows
     }
@@ -298,11 +285,11 @@ fn flows_survive_a_restart_while_the_services_changed(setup: Setup) {
     let gone = over(http_node_port("gone", "10.96.0.30", 30099), &["a"]);
     c.lab.write_manifest(&(services() + &gone)).unwrap();
     let served = |lab: &Lab, ext: &Pod, addr: &str| {
-        lab.client_outside(ext, &["--timeout-ms", "1000", "tcp", addr, "1"]).unwrap()
+        lab.client_outside(ext).timeout_ms(1000).tcp(addr, 1).unwrap()
     };
     // Serves the new service (the agent is still the first one).
     let deadline = Instant::now() + Duration::from_secs(10);
-    while served(&c.lab, &c.ext, "192.168.100.11:30099")[0].pod().is_none() {
+    while served(&c.lab, &c.ext, &node_port(30099))[0].pod().is_none() {
         assert!(Instant::now() < deadline, "gone never served");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -313,9 +300,9 @@ fn flows_survive_a_restart_while_the_services_changed(setup: Setup) {
     std::thread::sleep(Duration::from_secs(2));
     c.lab.start_agent_on(0, &c.args).unwrap();
     flows.check(&c.lab, &c.lab.agent_log());
-    let added = served(&c.lab, &c.ext, "192.168.100.11:30098");
+    let added = served(&c.lab, &c.ext, &node_port(30098));
     assert!(added[0].pod().is_some(), "the added service serves: {added:?}");
-    let gone = served(&c.lab, &c.ext, "192.168.100.11:30099");
+    let gone = served(&c.lab, &c.ext, &node_port(30099));
     assert!(
         matches!(&gone[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"),
         "the removed NodePort refuses: {gone:?}"
@@ -326,15 +313,15 @@ fn session_affinity_survives_a_restart(setup: Setup) {
     let mut lab = Lab::with(setup).unwrap();
     lab.add_web_pods(6, &[8080], &[]).unwrap();
     let client = lab.add_pod("client", "10.244.1.100").unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     let sticky = http_node_port("sticky", "10.96.0.40", 30040).client_ip_affinity(None);
     let endpoints = (0..6).map(|i| ep(&format!("10.244.1.{}", 2 + i)).node("lab-node"));
     let slice = sticky.slice().port("http", 8080, Tcp).endpoints(endpoints);
     lab.write_manifest(&manifest(&[&sticky, &slice])).unwrap();
     lab.start_agent(&[]).unwrap();
     let pods = |lab: &Lab| {
-        let socket = lab.client(&client, &["tcp", "10.96.0.40:80", "5"]).unwrap();
-        let packet = lab.client_outside(&ext, &["tcp", "192.168.100.11:30040", "5"]).unwrap();
+        let socket = lab.client(&client).tcp("10.96.0.40:80", 5).unwrap();
+        let packet = lab.client_outside(&ext).tcp(&node_port(30040), 5).unwrap();
         [tally(&socket), tally(&packet)]
     };
     let before = pods(&lab);
@@ -349,12 +336,12 @@ fn session_affinity_survives_a_restart(setup: Setup) {
 
 fn short_connections_never_fail_through_five_restarts(setup: Setup) {
     let mut c = Cluster::start(setup, &[]);
-    let (ext, client) = (c.ext.clone(), c.client.clone());
     let mut load = Flows::default();
     // At most a minute or so, whatever happens to the test.
-    let args = |addr: &'static str| ["tcp", addr, "6000", "--interval-ms", "5"];
-    load.add("socket LB", c.lab.spawn_client(&client, &args("10.96.0.10:80")).unwrap());
-    load.add("NodePort", c.lab.spawn_outside(&ext, &args("192.168.100.11:30080")).unwrap());
+    let steady = |addr: &str| Request::tcp(addr, 6000).interval_ms(5);
+    let socket_lb = c.lab.client(&c.client).spawn(steady("10.96.0.10:80")).unwrap();
+    load.add("socket LB", socket_lb);
+    load.add("NodePort", c.lab.client_outside(&c.ext).spawn(steady(&node_port(30080))).unwrap());
     load.wait_for(20, &c.lab);
     for _ in 0..5 {
         c.lab.kill_agent_on(0);

@@ -3,7 +3,7 @@
 //! the socket-LB cgroup, per packet), a NodePort, a service without
 //! endpoints and a source-range drop, and each counter equals what was sent.
 
-use proxy_lab::{Attempt, Lab, Mode, Setup, both_modes, sample};
+use proxy_lab::{Attempt, EXT_IP, Lab, Mode, Setup, both_modes, node_port, sample};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
 both_modes!(per_service_counters_match_the_traffic_sent);
@@ -29,7 +29,7 @@ fn per_service_counters_match_the_traffic_sent(setup: Setup) {
     // TIME_WAIT. A per-packet flow given one of their ports would meet that
     // state, be reset and start again: two flows for one connection.
     let outside = lab.add_pod("outside", "10.244.1.101").unwrap();
-    let ext = lab.add_external("ext", "192.168.100.101").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
     let web = service("lab", "web")
         .cluster_ip("10.96.0.10")
         .node_port_type()
@@ -53,15 +53,15 @@ fn per_service_counters_match_the_traffic_sent(setup: Setup) {
 
     // Socket LB: 7 connections; per packet: 5 from the pod outside the
     // cgroup, 6 through the NodePort.
-    assert_eq!(oks(&lab.client(&client, &["tcp", "10.96.0.10:80", "7"]).unwrap()), 7);
-    assert_eq!(oks(&lab.client_outside(&outside, &["tcp", "10.96.0.10:80", "5"]).unwrap()), 5);
-    assert_eq!(oks(&lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "6"]).unwrap()), 6);
+    assert_eq!(oks(&lab.client(&client).tcp("10.96.0.10:80", 7).unwrap()), 7);
+    assert_eq!(oks(&lab.client_outside(&outside).tcp("10.96.0.10:80", 5).unwrap()), 5);
+    assert_eq!(oks(&lab.client_outside(&ext).tcp(&node_port(30080), 6).unwrap()), 6);
     // No endpoints: 3 refused by the socket LB, 4 per packet.
-    lab.client(&client, &["tcp", "10.96.0.30:80", "3"]).unwrap();
-    lab.client_outside(&ext, &["tcp", "192.168.100.11:30081", "4"]).unwrap();
+    lab.client(&client).tcp("10.96.0.30:80", 3).unwrap();
+    lab.client_outside(&ext).tcp(&node_port(30081), 4).unwrap();
     // Outside the source ranges: one SYN, dropped (no retransmission
     // within the timeout).
-    lab.client_outside(&ext, &["--timeout-ms", "500", "tcp", "10.200.0.10:80", "1"]).unwrap();
+    lab.client_outside(&ext).timeout_ms(500).tcp("10.200.0.10:80", 1).unwrap();
 
     let web = "namespace=\"lab\",service=\"web\",port=\"http\"";
     let packet_conns = format!("{web},path=\"packet\"");

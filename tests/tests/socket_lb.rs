@@ -4,13 +4,16 @@
 //! cgroup; in iptables mode its packets meet the node's rules.
 
 use std::{
+    collections::BTreeSet,
     io::{BufRead, BufReader},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use proxy_common::Counter;
-use proxy_lab::{Attempt, Lab, Mode, Pod, Setup, Source, both_modes, tally};
+use proxy_lab::{
+    Attempt, Client, Lab, Mode, NODE_IP, Pod, Request, Setup, Source, both_modes, tally,
+};
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service, slice};
 
 both_modes!(
@@ -63,7 +66,7 @@ fn web_manifest(pods: &[&Pod], affinity_secs: Option<i32>) -> String {
 }
 
 fn tcp(lab: &Lab, client: &Pod, addr: &str, count: usize) -> Vec<Attempt> {
-    lab.client(client, &["tcp", addr, &count.to_string()]).unwrap()
+    lab.client(client).tcp(addr, count).unwrap()
 }
 
 fn all_ok(attempts: &[Attempt]) {
@@ -95,7 +98,7 @@ fn udp_replies_and_tcp_peer_show_the_cluster_ip(setup: Setup) {
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(&[]).unwrap();
 
-    let udp = lab.client(&client, &["udp", "10.96.0.10:53", "20"]).unwrap();
+    let udp = lab.client(&client).udp("10.96.0.10:53", 20).unwrap();
     all_ok(&udp);
     for attempt in &udp {
         let Attempt::Ok { from, local, .. } = attempt else { unreachable!() };
@@ -118,7 +121,7 @@ fn an_unconnected_udp_socket_keeps_to_one_pod_and_per_query_sockets_spread(setup
     lab.start_agent(&[]).unwrap();
 
     let one_socket =
-        lab.client(&client, &["udp", "10.96.0.10:53", "1000", "--interval-ms", "0"]).unwrap();
+        lab.client(&client).run(Request::udp("10.96.0.10:53", 1000).interval_ms(0)).unwrap();
     all_ok(&one_socket);
     assert_eq!(one_socket.len(), 1000);
     let counts = tally(&one_socket);
@@ -129,7 +132,7 @@ fn an_unconnected_udp_socket_keeps_to_one_pod_and_per_query_sockets_spread(setup
     }
 
     let per_query =
-        lab.client(&client, &["udp", "10.96.0.10:53", "60", "--socket-per-datagram"]).unwrap();
+        lab.client(&client).run(Request::udp("10.96.0.10:53", 60).socket_per_datagram()).unwrap();
     all_ok(&per_query);
     let counts = tally(&per_query);
     assert!(counts.len() > 1, "60 sockets, one pod: {counts:?}");
@@ -142,8 +145,8 @@ fn an_unconnected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Se
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(&[]).unwrap();
 
-    let args = ["udp", "10.96.0.10:53", "100", "--interval-ms", "50"];
-    let mut child = lab.spawn_client(&client, &args).unwrap();
+    let request = Request::udp("10.96.0.10:53", 100).interval_ms(50);
+    let mut child = lab.client(&client).spawn(request).unwrap();
     let lines = Arc::new(Mutex::new(Vec::<(Instant, String)>::new()));
     let (stdout, sink) = (child.stdout.take().expect("piped"), lines.clone());
     let reader = std::thread::spawn(move || {
@@ -340,10 +343,13 @@ spec: {clusterIP: 10.96.0.33, ports: [{port: eighty}]}
     lab.start_agent(&[]).unwrap();
 
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 20));
-    // The bad ones have no frontend: their addresses stay unreachable.
-    let refused =
-        lab.client(&client, &["--timeout-ms", "300", "tcp", "10.96.0.32:80", "1"]).unwrap();
-    assert!(refused[0].pod().is_none());
+    // The bad ones have no frontend: their addresses stay unreachable (a
+    // frontend without endpoints would refuse at once instead).
+    let unserved = lab.client(&client).timeout_ms(300).tcp("10.96.0.32:80", 1).unwrap();
+    assert!(
+        matches!(&unserved[..], [Attempt::Err { kind, .. }] if kind == "TimedOut"),
+        "{unserved:?}"
+    );
 
     let deadline = Instant::now() + Duration::from_secs(5);
     let metrics = loop {
@@ -426,7 +432,7 @@ fn ipv6_sockets_reach_an_ipv4_cluster_ip_through_its_v4_mapped_address(setup: Se
     let attempts = tcp(&lab, &client, "[::ffff:10.96.0.10]:80", 20);
     all_ok(&attempts);
     assert_eq!(tally(&attempts).len(), 2, "both endpoints: {attempts:?}");
-    let udp = lab.client(&client, &["udp", "[::ffff:10.96.0.10]:53", "5"]).unwrap();
+    let udp = lab.client(&client).udp("[::ffff:10.96.0.10]:53", 5).unwrap();
     all_ok(&udp);
     for (attempt, expected) in
         attempts.iter().map(|a| (a, "80")).chain(udp.iter().map(|a| (a, "53")))
@@ -466,6 +472,15 @@ fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it(setup: Setup) 
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(&[]).unwrap();
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
+    let cgroup = lab.cgroup.to_string_lossy().into_owned();
+    // The ids of the programs attached to the test cgroup (eBPF).
+    let programs = || {
+        let attached = proxy_lab::sh("bpftool", &["-j", "cgroup", "show", &cgroup]).unwrap();
+        let attached: Vec<serde_json::Value> = serde_json::from_str(&attached).unwrap_or_default();
+        attached.iter().filter_map(|p| p["id"].as_u64()).collect::<BTreeSet<_>>()
+    };
+    let old_programs = programs();
+    assert_eq!(old_programs.is_empty(), setup.mode == Mode::Iptables, "{old_programs:?}");
 
     lab.kill_agent();
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 10));
@@ -495,17 +510,18 @@ fn the_datapath_survives_an_agent_crash_and_a_restart_replaces_it(setup: Setup) 
     }
     // The watchers retry with backoff (up to 3.2 s after a few failures).
     let deadline = Instant::now() + Duration::from_secs(20);
-    while lab.agent_log().matches("datapath ready; serving").count() < 2
-        && Instant::now() < deadline
-    {
+    while lab.agent_log().matches("datapath ready; serving").count() < 2 {
+        assert!(Instant::now() < deadline, "the new agent never served:\n{}", lab.agent_log());
+        assert!(lab.agent_alive(), "the new agent exited:\n{}", lab.agent_log());
         std::thread::sleep(Duration::from_millis(50));
     }
     match setup.mode {
         Mode::Ebpf => {
-            let cgroup = lab.cgroup.to_string_lossy().into_owned();
             let attached = proxy_lab::sh("bpftool", &["cgroup", "show", &cgroup]).unwrap();
             assert_eq!(attached.matches("connect4").count(), 1, "{attached}");
             assert_eq!(attached.lines().count(), 9, "a header and eight programs: {attached}");
+            let new_programs = programs();
+            assert!(new_programs.is_disjoint(&old_programs), "{old_programs:?} {new_programs:?}");
         }
         Mode::Iptables => {
             let saved = lab.iptables_save_on(0).unwrap();
@@ -539,7 +555,7 @@ fn ebpf_host_netns_only_leaves_pods_to_the_per_packet_path() {
         assert!(peer.starts_with("10.244.1.100:"), "and the backend the pod: {peer}");
     }
 
-    let node = Pod { name: "node".into(), netns: lab.node.clone(), ip: "192.168.100.11".into() };
+    let node = Pod { name: "node".into(), netns: lab.node.clone(), ip: NODE_IP.into() };
     let before = lab.counter(Counter::CtNew).unwrap();
     all_ok(&tcp(&lab, &node, &format!("{VIP}:80"), 10));
     let per_packet = lab.counter(Counter::CtNew).unwrap() - before;
@@ -597,8 +613,8 @@ struct Follow {
 }
 
 impl Follow {
-    fn start(lab: &mut Lab, client: &Pod, args: &[&str]) -> Self {
-        let mut child = lab.spawn_client(client, args).unwrap();
+    fn start(client: Client, request: Request) -> Self {
+        let mut child = client.spawn(request).unwrap();
         let stdout = child.stdout.take().unwrap();
         let (tx, lines) = std::sync::mpsc::channel();
         let reader = std::thread::spawn(move || {
@@ -633,9 +649,9 @@ impl Follow {
 
 /// Datagrams over one connected socket (reconnecting after an error), 20 a
 /// second; one to a pod just deleted is lost, a short timeout reports it.
-fn connected_udp(lab: &mut Lab, client: &Pod, vip: &str) -> Follow {
-    let args = ["--timeout-ms", "300", "udp", vip, "200", "--interval-ms", "50"];
-    Follow::start(lab, client, &[&args[..], &["--connect", "--reconnect"]].concat())
+fn connected_udp(lab: &Lab, client: &Pod, vip: &str) -> Follow {
+    let request = Request::udp(vip, 200).interval_ms(50).connected().reconnecting();
+    Follow::start(lab.client(client).timeout_ms(300), request)
 }
 
 /// The attempts started a second or more after the change.
@@ -667,7 +683,7 @@ fn connected_udp_socket_after_its_pod_leaves(
     let (mut lab, pods, client) = web_lab(setup, 3);
     lab.write_manifest(&web_manifest(&pods.iter().collect::<Vec<_>>(), None)).unwrap();
     lab.start_agent(agent).unwrap();
-    let follow = connected_udp(&mut lab, &client, vip);
+    let follow = connected_udp(&lab, &client, vip);
     let Attempt::Ok { name: gone, .. } = follow.next().1 else { panic!("first datagram") };
     let kept: Vec<&Pod> = pods.iter().filter(|p| p.name != gone).collect();
     lab.write_manifest(&web_manifest(&kept, None)).unwrap();
@@ -703,7 +719,7 @@ fn a_pod_leaving_one_service_keeps_the_sockets_of_another(setup: Setup) {
     lab.start_agent(&[]).unwrap();
     // Connect to `web` until the socket lands on the first pod.
     let web = (0..30)
-        .map(|_| connected_udp(&mut lab, &client, "10.96.0.10:53"))
+        .map(|_| connected_udp(&lab, &client, "10.96.0.10:53"))
         .find_map(|follow| match follow.next().1.pod() {
             Some(pod) if pod == pods[0].name => Some(follow),
             _ => {
@@ -712,7 +728,7 @@ fn a_pod_leaving_one_service_keeps_the_sockets_of_another(setup: Setup) {
             }
         })
         .expect("a socket to web lands on the first pod");
-    let dns_socket = connected_udp(&mut lab, &client, "10.96.0.11:53");
+    let dns_socket = connected_udp(&lab, &client, "10.96.0.11:53");
     assert_eq!(dns_socket.next().1.pod(), Some(pods[0].name.as_str()));
 
     write(&mut lab, &pods[1..].iter().collect::<Vec<_>>());
@@ -747,8 +763,8 @@ fn ebpf_tcp_connections_to_a_removed_endpoint_end_only_when_asked() {
         lab.write_manifest(&with(&[&pod])).unwrap();
         let flag: &[&str] = if terminate { &["--terminate-tcp-on-endpoint-removal"] } else { &[] };
         lab.start_agent(&[flag, &["--socket-destroy", way]].concat()).unwrap();
-        let args = ["stream", "10.96.0.10:90", "60", "--interval-ms", "50"];
-        let child = lab.spawn_client(&client, &args).unwrap();
+        let request = Request::stream("10.96.0.10:90", 60).interval_ms(50);
+        let child = lab.client(&client).spawn(request).unwrap();
         std::thread::sleep(Duration::from_millis(500));
         lab.write_manifest(&with(&[])).unwrap();
         let out = child.wait_with_output().unwrap();

@@ -45,7 +45,7 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     println!("   (in the node namespace; its log: {}/agent-0.log)", lab.dir.display());
 
     println!("\n== 12 HTTP requests from the client to the ClusterIP 10.96.0.10:80");
-    let attempts = lab.client(&client, &["tcp", "10.96.0.10:80", "12"])?;
+    let attempts = lab.client(&client).tcp("10.96.0.10:80", 12)?;
     for (i, attempt) in attempts.iter().enumerate() {
         match attempt {
             Attempt::Ok { name, local, from, ms, .. } => println!(
@@ -58,8 +58,7 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     println!("   per pod: {:?}", tally(&attempts));
 
     println!("\n== 6 HTTP requests from the external client to the NodePort 192.168.100.11:30080");
-    for (i, attempt) in
-        lab.client_outside(&ext, &["tcp", "192.168.100.11:30080", "6"])?.iter().enumerate()
+    for (i, attempt) in lab.client_outside(&ext).tcp("192.168.100.11:30080", 6)?.iter().enumerate()
     {
         match attempt {
             Attempt::Ok { name, local, peer, ms, .. } => println!(
@@ -71,7 +70,7 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     }
 
     println!("\n== 3 UDP datagrams from the client to 10.96.0.10:53");
-    for attempt in lab.client(&client, &["udp", "10.96.0.10:53", "3"])? {
+    for attempt in lab.client(&client).udp("10.96.0.10:53", 3)? {
         if let Attempt::Ok { name, from, .. } = attempt {
             println!("   reply from {from} (as recvmsg reports it), sent by {name} from port 5353");
         }
@@ -80,7 +79,7 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     println!(
         "\n== 3 HTTP requests from the client to the IPv6 ClusterIP [fd00:96::10]:80 (the service is dual-stack)"
     );
-    for attempt in lab.client(&client, &["tcp", "[fd00:96::10]:80", "3"])? {
+    for attempt in lab.client(&client).tcp("[fd00:96::10]:80", 3)? {
         match attempt {
             Attempt::Ok { name, local, from, .. } => {
                 println!(
@@ -94,7 +93,7 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     println!(
         "\n== 3 HTTP requests from an IPv6 socket of the client to [::ffff:10.96.0.10]:80 (the IPv4 ClusterIP, v4-mapped, as dual-stack programs reach IPv4)"
     );
-    for attempt in lab.client(&client, &["tcp", "[::ffff:10.96.0.10]:80", "3"])? {
+    for attempt in lab.client(&client).tcp("[::ffff:10.96.0.10]:80", 3)? {
         match attempt {
             Attempt::Ok { name, from, .. } => {
                 println!("   answered by {name}; the IPv6 socket sees its peer as {from}")

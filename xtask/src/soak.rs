@@ -21,7 +21,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use proxy_lab::{Attempt, BIN_DIR_ENV, Lab, Mode, Setup, Source};
+use proxy_lab::{Attempt, BIN_DIR_ENV, Lab, Mode, Request, Setup, Source};
 use serde_json::{Value, json};
 
 const OUT: &str = "target/soak";
@@ -198,13 +198,11 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let pid = lab.agent_pid_on(0).context("agent pid")?;
     let total = opts.warm_up + Duration::from_secs(opts.minutes * 60);
     // Bounded: they end on their own a minute after the soak would.
-    let count = ((total.as_millis() as u64 + 60_000) / CLIENT_INTERVAL_MS).to_string();
-    let interval = CLIENT_INTERVAL_MS.to_string();
-    let args =
-        |addr: &'static str| ["tcp", addr, count.as_str(), "--interval-ms", interval.as_str()];
+    let count = ((total.as_millis() as u64 + 60_000) / CLIENT_INTERVAL_MS) as usize;
+    let steady = |addr: &str| Request::tcp(addr, count).interval_ms(CLIENT_INTERVAL_MS);
     let clients = [
-        Client::start("socket LB", lab.spawn_client(&client, &args("10.96.0.10:80"))?),
-        Client::start("NodePort", lab.spawn_outside(&ext, &args("192.168.100.11:30080"))?),
+        Client::start("socket LB", lab.client(&client).spawn(steady("10.96.0.10:80"))?),
+        Client::start("NodePort", lab.client_outside(&ext).spawn(steady("192.168.100.11:30080"))?),
     ];
     let started = Instant::now();
     let every = Duration::from_secs_f64(1.0 / f64::from(opts.rate.max(1)));

@@ -19,15 +19,8 @@ use super::{
     LbBackend, LbEntry, flag,
     rule_walk::{Packet, Walked, walk},
 };
-use crate::{backend::ebpf::explain::ExplainRun, model::Protocol};
+use crate::{backend::ebpf::explain::ExplainRun, model::Protocol, packet_craft};
 
-const ETH_LEN: usize = 14;
-const IP_LEN: usize = 20;
-const IP6_LEN: usize = 40;
-const ETH_IPV4: u16 = 0x0800;
-const ETH_IPV6: u16 = 0x86dd;
-const TCP: u8 = 6;
-const UDP: u8 = 17;
 const SYN: u8 = 0x02;
 
 /// tc verdicts.
@@ -41,125 +34,28 @@ const REDIRECT: i32 = 7;
 /// IPv4 or IPv6 (an IPv4 address of a mixed pair taken as IPv4-mapped: the
 /// caller refuses mixed families), with valid checksums.
 pub fn craft(proto: Protocol, from: SocketAddr, to: SocketAddr) -> Vec<u8> {
-    let (number, rest) = match proto {
+    match proto {
         // seq 1, data offset 6 words, SYN, window, checksum and urgent 0,
         // MSS 1460.
-        Protocol::Tcp => {
-            (TCP, vec![0, 0, 0, 1, 0, 0, 0, 0, 0x60, SYN, 0xfa, 0xf0, 0, 0, 0, 0, 2, 4, 0x05, 0xb4])
-        }
+        Protocol::Tcp => packet_craft::packet(
+            packet_craft::TCP,
+            from,
+            to,
+            &[0, 0, 0, 1, 0, 0, 0, 0, 0x60, SYN, 0xfa, 0xf0, 0, 0, 0, 0, 2, 4, 0x05, 0xb4],
+        ),
         // Length (8 + 4 bytes of payload), checksum 0, payload.
-        Protocol::Udp => (UDP, vec![0, 12, 0, 0, b'p', b'i', b'n', b'g']),
-    };
-    let mut l4 = Vec::with_capacity(4 + rest.len());
-    l4.extend_from_slice(&from.port().to_be_bytes());
-    l4.extend_from_slice(&to.port().to_be_bytes());
-    l4.extend_from_slice(&rest);
-    let (ethertype, ip) = match (from.ip(), to.ip()) {
-        (IpAddr::V4(src), IpAddr::V4(dst)) => (ETH_IPV4, ipv4_header(number, src, dst, l4.len())),
-        (src, dst) => (ETH_IPV6, ipv6_header(number, v6(src), v6(dst), l4.len())),
-    };
-    let (src, dst) = (ip_of(&ip, ethertype, 0), ip_of(&ip, ethertype, 1));
-    let at = if number == TCP { 16 } else { 6 };
-    let sum = fold(sum16(&pseudo_header(number, src, dst, l4.len())) + sum16(&l4));
-    // A UDP checksum of 0 would mean none (forbidden over IPv6).
-    let sum = if sum == 0 && number == UDP { 0xffff } else { sum };
-    l4[at..at + 2].copy_from_slice(&sum.to_be_bytes());
-    let mut p = vec![0; ETH_LEN];
-    p[12..14].copy_from_slice(&ethertype.to_be_bytes());
-    p.extend_from_slice(&ip);
-    p.extend_from_slice(&l4);
-    p
-}
-
-fn v6(ip: IpAddr) -> Ipv6Addr {
-    match ip {
-        IpAddr::V4(ip) => ip.to_ipv6_mapped(),
-        IpAddr::V6(ip) => ip,
+        Protocol::Udp => packet_craft::packet(
+            packet_craft::UDP,
+            from,
+            to,
+            &[0, 12, 0, 0, b'p', b'i', b'n', b'g'],
+        ),
     }
-}
-
-fn ipv4_header(number: u8, src: Ipv4Addr, dst: Ipv4Addr, l4_len: usize) -> Vec<u8> {
-    let mut ip = vec![0x45, 0, 0, 0, 0, 1, 0x40, 0, 64, number, 0, 0];
-    ip[2..4].copy_from_slice(&((IP_LEN + l4_len) as u16).to_be_bytes());
-    ip.extend_from_slice(&src.octets());
-    ip.extend_from_slice(&dst.octets());
-    let sum = fold(sum16(&ip));
-    ip[10..12].copy_from_slice(&sum.to_be_bytes());
-    ip
-}
-
-fn ipv6_header(number: u8, src: Ipv6Addr, dst: Ipv6Addr, l4_len: usize) -> Vec<u8> {
-    // Version 6, no traffic class or flow label, payload length, next
-    // header, hop limit 64.
-    let mut ip = vec![0x60, 0, 0, 0, 0, 0, number, 64];
-    ip[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
-    ip.extend_from_slice(&src.octets());
-    ip.extend_from_slice(&dst.octets());
-    ip
-}
-
-/// The source (`which` 0) or destination (1) address of an IP header.
-fn ip_of(ip: &[u8], ethertype: u16, which: usize) -> IpAddr {
-    if ethertype == ETH_IPV6 {
-        let o = 8 + 16 * which;
-        IpAddr::from(<[u8; 16]>::try_from(&ip[o..o + 16]).unwrap_or_default())
-    } else {
-        let o = 12 + 4 * which;
-        IpAddr::from(<[u8; 4]>::try_from(&ip[o..o + 4]).unwrap_or_default())
-    }
-}
-
-/// The pseudo-header the L4 checksum covers (RFC 793, RFC 8200 8.1).
-fn pseudo_header(number: u8, src: IpAddr, dst: IpAddr, l4_len: usize) -> Vec<u8> {
-    let mut pseudo = Vec::with_capacity(40);
-    match (src, dst) {
-        (IpAddr::V4(src), IpAddr::V4(dst)) => {
-            pseudo.extend_from_slice(&src.octets());
-            pseudo.extend_from_slice(&dst.octets());
-            pseudo.extend_from_slice(&[0, number]);
-            pseudo.extend_from_slice(&(l4_len as u16).to_be_bytes());
-        }
-        (src, dst) => {
-            pseudo.extend_from_slice(&v6(src).octets());
-            pseudo.extend_from_slice(&v6(dst).octets());
-            pseudo.extend_from_slice(&(l4_len as u32).to_be_bytes());
-            pseudo.extend_from_slice(&[0, 0, 0, number]);
-        }
-    }
-    pseudo
-}
-
-fn sum16(bytes: &[u8]) -> u32 {
-    bytes.chunks(2).map(|c| u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32).sum()
-}
-
-fn fold(mut sum: u32) -> u16 {
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-/// Where a frame's IP header starts and ends, and its ethertype.
-fn ip_header(p: &[u8]) -> Option<(&[u8], u16)> {
-    let ethertype = u16::from_be_bytes([*p.get(12)?, *p.get(13)?]);
-    let len = if ethertype == ETH_IPV6 { IP6_LEN } else { IP_LEN };
-    Some((p.get(ETH_LEN..ETH_LEN + len)?, ethertype))
 }
 
 /// The tuple of a frame (IPv4, or IPv6 without extension headers):
 /// protocol, source, destination.
-pub fn tuple(p: &[u8]) -> Option<(u8, SocketAddr, SocketAddr)> {
-    let (ip, ethertype) = ip_header(p)?;
-    let number = if ethertype == ETH_IPV6 { ip[6] } else { ip[9] };
-    let ports = p.get(ETH_LEN + ip.len()..ETH_LEN + ip.len() + 4)?;
-    let port = |o: usize| u16::from_be_bytes([ports[o], ports[o + 1]]);
-    Some((
-        number,
-        SocketAddr::new(ip_of(ip, ethertype, 0), port(0)),
-        SocketAddr::new(ip_of(ip, ethertype, 1), port(2)),
-    ))
-}
+pub use packet_craft::tuple;
 
 /// What the datapath does with the packet, as `explain` prints it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -552,29 +448,15 @@ mod tests {
     }
 
     #[test]
-    fn crafted_packets_have_valid_checksums_and_read_back() {
-        let pairs =
-            [("192.168.1.5:40000", "10.96.0.10:80"), ("[fd00::5]:40000", "[fd00:96::10]:80")];
-        for (from, to) in pairs {
-            for proto in [Protocol::Tcp, Protocol::Udp] {
-                let p = craft(proto, addr(from), addr(to));
-                let (ip, ethertype) = ip_header(&p).unwrap();
-                let v4 = ethertype == ETH_IPV4;
-                assert_eq!(v4, addr(from).is_ipv4(), "{from}: ethertype {ethertype:#x}");
-                if v4 {
-                    assert_eq!(fold(sum16(ip)), 0, "IPv4 header checksum");
-                } else {
-                    assert_eq!(ip[4..6], ((p.len() - ETH_LEN - IP6_LEN) as u16).to_be_bytes());
-                }
-                let number = if proto == Protocol::Tcp { TCP } else { UDP };
-                assert_eq!(tuple(&p), Some((number, addr(from), addr(to))));
-                let l4 = &p[ETH_LEN + ip.len()..];
-                let pseudo = pseudo_header(number, addr(from).ip(), addr(to).ip(), l4.len());
-                assert_eq!(fold(sum16(&pseudo) + sum16(l4)), 0, "{proto:?} checksum from {from}");
-            }
-        }
-        assert_eq!(tuple(&[0; 20]), None);
-        assert_eq!(tuple(&[&[0u8; 12][..], &[0x86, 0xdd]].concat()), None);
+    fn the_crafted_packets_start_the_flow_asked_for() {
+        let (from, to) = (addr("192.168.1.5:40000"), addr("10.96.0.10:80"));
+        let syn = craft(Protocol::Tcp, from, to);
+        assert_eq!(tuple(&syn), Some((packet_craft::TCP, from, to)));
+        assert!(packet_craft::ipv4_checksum_ok(&syn) && packet_craft::l4_checksum_ok(&syn));
+        let (from, to) = (addr("[fd00::5]:40000"), addr("[fd00:96::10]:53"));
+        let datagram = craft(Protocol::Udp, from, to);
+        assert_eq!(tuple(&datagram), Some((packet_craft::UDP, from, to)));
+        assert!(packet_craft::l4_checksum_ok(&datagram), "{datagram:02x?}");
     }
 
     #[test]

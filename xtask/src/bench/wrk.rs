@@ -53,7 +53,7 @@ pub(super) fn open_client_ports(netns: &str) -> anyhow::Result<()> {
 /// Waits (5 s at most) until nginx answers `client` at `addr`.
 pub(super) fn wait_answering(lab: &Lab, client: &Pod, addr: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(5);
-    while lab.labpod(&client.netns, None, &["http", addr, "/"]).is_err() {
+    while lab.client_outside(client).http_body(addr, "/").is_err() {
         anyhow::ensure!(Instant::now() < deadline, "nginx did not answer at {addr}");
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -1,0 +1,173 @@
+//! What the lab does on the host: commands, namespaces' links and sysctls,
+//! cgroups, its bpffs, stopping processes, and sweeping labs a killed run
+//! left behind.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+
+use crate::{BPFFS_DIR, PREFIX};
+
+const CGROUP2: &str = "/sys/fs/cgroup/unified";
+
+/// Runs a command, failing with its output when it fails.
+pub fn sh(program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out =
+        Command::new(program).args(args).output().with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "{program} {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+pub(crate) fn ip(args: &[&str]) -> anyhow::Result<String> {
+    sh("ip", args)
+}
+
+pub(crate) fn cgroup2_root() -> PathBuf {
+    // The development machines have a hybrid hierarchy; a pure v2 host has
+    // it at /sys/fs/cgroup.
+    if Path::new(CGROUP2).join("cgroup.procs").exists() {
+        PathBuf::from(CGROUP2)
+    } else {
+        PathBuf::from("/sys/fs/cgroup")
+    }
+}
+
+/// Signals an agent's process group (it and the tools it runs), and kills
+/// it after 5 s if it has not stopped.
+pub(crate) fn stop(agent: &mut Child, signal: i32) {
+    let group = -(agent.id() as i32);
+    // SAFETY: signals to a process group this lab created.
+    unsafe { libc::kill(group, signal) };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while matches!(agent.try_wait(), Ok(None)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: as above; the group may be gone already.
+    unsafe { libc::kill(group, libc::SIGKILL) };
+    let _ = agent.wait();
+}
+
+/// A veth pair: `name` in `netns` (with `options`, e.g. its MTU), its peer
+/// `eth0` in `peer_netns`.
+pub(crate) fn veth_to_eth0(
+    netns: &str,
+    name: &str,
+    options: &[&str],
+    peer_netns: &str,
+) -> anyhow::Result<()> {
+    let add = ["-n", netns, "link", "add", name];
+    let peer = ["type", "veth", "peer", "name", "eth0", "netns", peer_netns];
+    ip(&[&add[..], options, &peer[..]].concat()).map(drop)
+}
+
+pub(crate) fn sysctl(netns: &str, key: &str, value: &str) -> anyhow::Result<()> {
+    sh("ip", &["netns", "exec", netns, "sysctl", "-qw", &format!("{key}={value}")]).map(drop)
+}
+
+pub(crate) fn wait_link_up(netns: &str, dev: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let out = ip(&["-n", netns, "-o", "link", "show", dev])?;
+        if out.contains("LOWER_UP") && !out.contains("NO-CARRIER") {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{dev} in {netns} did not come up: {out}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Kills what is left in a cgroup and removes it.
+pub(crate) fn remove_cgroup(cgroup: &Path) {
+    for _ in 0..50 {
+        if !cgroup.exists() || std::fs::remove_dir(cgroup).is_ok() {
+            return;
+        }
+        if let Ok(procs) = std::fs::read_to_string(cgroup.join("cgroup.procs")) {
+            for pid in procs.lines().filter_map(|p| p.parse::<i32>().ok()) {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The pid in a `pxl-<pid>-…` name.
+pub(crate) fn owner_pid(name: &str) -> Option<i32> {
+    name.strip_prefix(PREFIX)?.split('-').next()?.parse().ok()
+}
+
+/// Removes namespaces, cgroups and pins of labs whose process is gone.
+pub(crate) fn sweep_stale() {
+    let dead = |name: &str| {
+        owner_pid(name).is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+    };
+    if let Ok(list) = ip(&["netns", "list"]) {
+        for name in list.lines().filter_map(|l| l.split_whitespace().next()) {
+            if dead(name) {
+                let _ = ip(&["netns", "del", name]);
+            }
+        }
+    }
+    let scratch = std::env::temp_dir();
+    for dir in [cgroup2_root(), scratch.clone()] {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if dead(&name) {
+                if dir == scratch {
+                    remove_scratch(&entry.path());
+                } else {
+                    remove_cgroup(&entry.path());
+                }
+            }
+        }
+    }
+}
+
+/// A bpffs of the lab's own.
+pub(crate) fn mount_bpffs(at: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(at)?;
+    let target = std::ffi::CString::new(at.as_os_str().as_encoded_bytes())?;
+    // SAFETY: static NUL-terminated strings and a valid target path.
+    let rc = unsafe {
+        libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null())
+    };
+    if rc != 0 {
+        bail!("mounting bpffs at {}: {}", at.display(), std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Unmounts the lab's bpffs (dropping whatever is still pinned there) and
+/// removes its scratch dir.
+pub(crate) fn remove_scratch(dir: &Path) {
+    if let Ok(target) = std::ffi::CString::new(dir.join(BPFFS_DIR).as_os_str().as_encoded_bytes()) {
+        // SAFETY: a valid path; failure (not mounted) is fine.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_names_carry_their_owner() {
+        assert_eq!(owner_pid("pxl-4242-3-node"), Some(4242));
+        assert_eq!(owner_pid("proxy"), None);
+    }
+}
