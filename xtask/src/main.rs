@@ -42,7 +42,7 @@ enum Task {
     /// phase at the end.
     Test {
         /// Tests run at a time (the lab's tests mostly wait)
-        #[arg(long, default_value_t = 6)]
+        #[arg(long, default_value_t = 4)]
         jobs: usize,
         /// The VM matrix's kernel: 5.10, 6.1, all, or none
         #[arg(long, default_value = "6.1", value_parser = ["5.10", "6.1", "all", "none"])]

@@ -46,10 +46,11 @@ pub struct Summary {
 /// Runs every test of `binaries`, `jobs` at a time, printing a line as
 /// each ends; fails when one did.
 pub fn run(binaries: &[TestBinary], jobs: usize) -> anyhow::Result<Summary> {
-    let mut cases = Vec::new();
+    let mut lists = Vec::new();
     for binary in binaries {
-        cases.extend(list(binary)?);
+        lists.push((binary.package == LAB, list(binary)?));
     }
+    let cases = in_turn(lists);
     let total = cases.len();
     eprintln!("tests: {total} tests from {} executables, {jobs} at a time", binaries.len());
     let queue = Arc::new(Mutex::new(VecDeque::from(cases)));
@@ -103,6 +104,24 @@ fn mark(verdict: &Verdict) -> &'static str {
         Verdict::Ignored => "ignore",
         Verdict::Failed(_) => "  FAIL",
     }
+}
+
+/// The lab's package: its tests are the long ones.
+const LAB: &str = "proxy-lab";
+
+/// The lab's tests first (the long ones: none should start last), taking
+/// each executable's in turn (so the tests running at a time are of
+/// different kinds), then the unit tests, which fill the end.
+fn in_turn<T>(lists: Vec<(bool, Vec<T>)>) -> Vec<T> {
+    let (lab, units): (Vec<_>, Vec<_>) = lists.into_iter().partition(|(lab, _)| *lab);
+    let mut order = Vec::new();
+    for group in [lab, units] {
+        let mut lists: Vec<_> = group.into_iter().map(|(_, list)| list.into_iter()).collect();
+        while !lists.is_empty() {
+            lists.retain_mut(|list| list.next().map(|case| order.push(case)).is_some());
+        }
+    }
+    order
 }
 
 /// The tests of an executable (`--list --format terse`: `name: test`).
@@ -165,6 +184,16 @@ mod tests {
     fn a_list_names_the_tests() {
         let list = "a::b: test\nc::d::ebpf: test\nbench_x: benchmark\n";
         assert_eq!(parse_list(list).collect::<Vec<_>>(), ["a::b", "c::d::ebpf"]);
+    }
+
+    #[test]
+    fn the_labs_tests_go_first_each_executable_in_turn() {
+        let lists = vec![
+            (false, vec!["unit-1", "unit-2"]),
+            (true, vec!["a-1", "a-2", "a-3"]),
+            (true, vec!["b-1"]),
+        ];
+        assert_eq!(in_turn(lists), ["a-1", "b-1", "a-2", "a-3", "unit-1", "unit-2"]);
     }
 
     #[test]

@@ -61,7 +61,11 @@ fn qemu(image: &Image, initrd: &Path, accel: Accel, cmdline: &str) -> Command {
         .arg("-initrd")
         .arg(initrd)
         .arg("-append")
-        .arg(format!("console=ttyS0 panic=-1 quiet {cmdline}"))
+        // `no_timer_check`: on a loaded host the emulated CPU can miss the
+        // IO-APIC timer check at boot, and the guest then hangs before
+        // userspace (seen as its last console line, "8254 timer not
+        // connected to IO-APIC").
+        .arg(format!("console=ttyS0 panic=-1 quiet no_timer_check {cmdline}"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
