@@ -16,7 +16,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use self::{
     lifecycle::{Event, Phase},
-    pace::{Pace, coalesce},
+    pace::{Pace, changed, coalesce},
     stats::ServiceStats,
 };
 use crate::{
@@ -688,13 +688,6 @@ impl Warned {
         if self.count > Self::EXAMPLES {
             tracing::warn!(more = self.count - Self::EXAMPLES, "{what}");
         }
-    }
-}
-
-async fn changed(notify: Option<&tokio::sync::Notify>) {
-    match notify {
-        Some(notify) => notify.notified().await,
-        None => std::future::pending().await,
     }
 }
 

@@ -3,8 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use super::changed;
-
 /// API server changes are taken as they come (with whatever else arrived
 /// meanwhile), up to this many in `BURST_WINDOW`...
 const BURST_TAKES: usize = 20;
@@ -33,6 +31,14 @@ impl Pace {
         }
         self.taken.push_back(now);
         false
+    }
+}
+
+/// Waits for the source's next change (forever without a notifier).
+pub(super) async fn changed(notify: Option<&tokio::sync::Notify>) {
+    match notify {
+        Some(notify) => notify.notified().await,
+        None => std::future::pending().await,
     }
 }
 

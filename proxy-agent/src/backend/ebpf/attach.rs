@@ -9,7 +9,7 @@ use std::{
 
 use aya::{
     programs::{
-        Link, LinkOrder, SchedClassifier, TcAttachType,
+        Link, LinkOrder, SchedClassifier,
         links::FdLink,
         tc::{
             NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle, qdisc_add_clsact,
@@ -20,52 +20,9 @@ use aya::{
 };
 
 use super::{
-    BpfObject, EbpfError,
-    load::{TC_EGRESS, TC_INGRESS, TC_POD_REPLIES},
-    pins::pin_replacing,
-    program,
+    BpfObject, EbpfError, pin_replacing, program,
+    programs::{TC_PROGRAMS, TcHook, TcRole},
 };
-
-/// A per-packet program: its name, hook, and the prefix of its pin under
-/// `links/`. Both ingress programs pin as `tc-IFACE`, so a role change
-/// replaces one with the other in place.
-pub(super) type TcHook = (&'static str, TcAttachType, &'static str);
-pub(super) const INGRESS: TcHook = (TC_INGRESS, TcAttachType::Ingress, "tc");
-pub(super) const EGRESS: TcHook = (TC_EGRESS, TcAttachType::Egress, "tc-egress");
-pub(super) const POD_REPLIES: TcHook = (TC_POD_REPLIES, TcAttachType::Ingress, "tc");
-/// Every per-packet program (loading, cleanup).
-pub(super) const TC_PROGRAMS: [TcHook; 3] = [INGRESS, EGRESS, POD_REPLIES];
-
-/// What the per-packet programs do on an interface.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum TcRole {
-    /// Translate new flows to frontends and the flows they track, both
-    /// directions: node interfaces, and pod interfaces whose pods' sockets
-    /// the socket LB does not all cover.
-    Full,
-    /// Only replies of per-packet flows, at ingress: pod interfaces whose
-    /// pods' connections the socket LB translates (it covers the root
-    /// cgroup for every network namespace), so a pod never sends to a
-    /// frontend, and no reply the stack sends a pod was per-packet
-    /// translated.
-    PodReplies,
-}
-
-impl TcRole {
-    fn hooks(self) -> &'static [TcHook] {
-        match self {
-            TcRole::Full => &[INGRESS, EGRESS],
-            TcRole::PodReplies => &[POD_REPLIES],
-        }
-    }
-
-    /// The hooks the role leaves empty.
-    fn unused(self) -> impl Iterator<Item = TcHook> {
-        [INGRESS, EGRESS]
-            .into_iter()
-            .filter(move |(_, _, prefix)| self.hooks().iter().all(|h| h.2 != *prefix))
-    }
-}
 
 /// How the per-packet program is attached to an interface's ingress.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

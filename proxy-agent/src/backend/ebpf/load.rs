@@ -13,37 +13,18 @@ use proxy_common::{Config, Layouts, TC6_PROGRAMS, map_names};
 
 use super::{
     BpfObject, EbpfError, MapSizes,
-    attach::{INGRESS, TC_PROGRAMS, TcAttach},
+    attach::TcAttach,
     carry,
     carry::{Carry, Conversion, Pinned, STATE_MAPS},
     flow_counts::{FlowCounts, Growth},
     maps::Maps,
+    programs::{INGRESS, PROGRAMS, TC_PROGRAMS},
     reconciler::{Reconciler, SyncError, SyncReport},
     records, sock_end,
     sock_end::SocketEnding,
 };
 use crate::plan::Plan;
 
-/// The socket-LB programs, by their function names in proxy-ebpf: IPv4
-/// sockets, and IPv6 ones reaching IPv4 services through v4-mapped
-/// addresses.
-pub const PROGRAMS: [&str; 8] = [
-    "connect4",
-    "sendmsg4",
-    "recvmsg4",
-    "getpeername4",
-    "connect6",
-    "sendmsg6",
-    "recvmsg6",
-    "getpeername6",
-];
-/// The per-packet program, attached to the ingress of node and pod interfaces.
-pub const TC_INGRESS: &str = "tc_ingress";
-/// Its egress companion (replies the stack sends for translated flows).
-pub const TC_EGRESS: &str = "tc_egress";
-/// The ingress program of pod interfaces whose pods the socket LB covers:
-/// replies of per-packet flows only.
-pub const TC_POD_REPLIES: &str = "tc_pod_replies";
 /// The socket programs' global saying whether they may call
 /// `bpf_set_retval`.
 pub(super) const SET_RETVAL: &str = "SET_RETVAL";

@@ -45,6 +45,7 @@ mod load;
 mod maps;
 mod pins;
 pub mod prefilter;
+mod programs;
 pub mod reconciler;
 pub mod records;
 pub mod replies;
@@ -54,10 +55,11 @@ pub mod sock_diag;
 pub mod sock_end;
 mod test_run;
 
-pub use attach::{TcAttach, TcRole, remove_tc_filters};
+pub use attach::{TcAttach, remove_tc_filters};
 pub use counters::CounterReader;
-pub use load::{PROGRAMS, TC_EGRESS, TC_INGRESS, TC_POD_REPLIES, has_set_retval};
+pub use load::has_set_retval;
 pub use pins::{cleanup, pinned, remove_pins, set_pinned_log_level};
+pub use programs::{PROGRAMS, TC_EGRESS, TC_INGRESS, TC_POD_REPLIES, TcRole};
 pub use reconciler::{AffinityPurge, Reconciler, SyncError, SyncReport};
 pub use settings::Settings;
 pub use test_run::PacketRun;
@@ -105,6 +107,29 @@ pub enum EbpfError {
     Layout { pinned: Layouts },
     #[error("the thread loading the programs stopped before it finished")]
     VerifierThread,
+}
+
+/// Pins an object at `path` in place of what is pinned there, in one step:
+/// under a staging name first, made private, then renamed over the old pin
+/// (bpffs renames like any filesystem). Returns `path`.
+fn pin_replacing(
+    path: &Path,
+    pin: impl FnOnce(&Path) -> Result<(), aya::pin::PinError>,
+) -> Result<PathBuf, EbpfError> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    // bpffs refuses names with a dot.
+    let staged = path.with_file_name(format!("{name}~new"));
+    // A crash's leftover would make the pin fail with EEXIST.
+    match std::fs::remove_file(&staged) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            return Err(io_err("unpinning", &staged)(e));
+        }
+        _ => {}
+    }
+    pin(&staged).map_err(|source| EbpfError::Pin { path: staged.clone(), source })?;
+    crate::sys::private_file(&staged).map_err(io_err("restricting", &staged))?;
+    std::fs::rename(&staged, path).map_err(io_err("renaming", &staged))?;
+    Ok(path.to_path_buf())
 }
 
 fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> EbpfError {

@@ -16,8 +16,12 @@ use aya::{
 use proxy_common::{Config, map_names};
 
 use super::{
-    BpfObject, EbpfError, attach::TcRole, departures::Departures, io_err, load::PROGRAMS, program,
-    reconciler::AffinityPurge, remove_tc_filters,
+    BpfObject, EbpfError,
+    departures::Departures,
+    io_err, pin_replacing, program,
+    programs::{PROGRAMS, TcRole},
+    reconciler::AffinityPurge,
+    remove_tc_filters,
 };
 
 impl BpfObject {
@@ -201,27 +205,4 @@ pub(super) fn remove_pins_except(
         }
     }
     Ok(removed)
-}
-
-/// Pins an object at `path` in place of what is pinned there, in one step:
-/// under a staging name first, made private, then renamed over the old pin
-/// (bpffs renames like any filesystem). Returns `path`.
-pub(super) fn pin_replacing(
-    path: &Path,
-    pin: impl FnOnce(&Path) -> Result<(), aya::pin::PinError>,
-) -> Result<PathBuf, EbpfError> {
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    // bpffs refuses names with a dot.
-    let staged = path.with_file_name(format!("{name}~new"));
-    // A crash's leftover would make the pin fail with EEXIST.
-    match std::fs::remove_file(&staged) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => {
-            return Err(io_err("unpinning", &staged)(e));
-        }
-        _ => {}
-    }
-    pin(&staged).map_err(|source| EbpfError::Pin { path: staged.clone(), source })?;
-    crate::sys::private_file(&staged).map_err(io_err("restricting", &staged))?;
-    std::fs::rename(&staged, path).map_err(io_err("renaming", &staged))?;
-    Ok(path.to_path_buf())
 }

@@ -7,9 +7,8 @@ use std::net::IpAddr;
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 
 use super::{
-    BpfObject, EbpfError, explain,
-    load::{TC_EGRESS, TC_INGRESS, TC_POD_REPLIES},
-    program,
+    BpfObject, EbpfError, explain, program,
+    programs::{TC_EGRESS, TC_INGRESS, TC_POD_REPLIES},
 };
 
 /// What the per-packet program did to one packet under `BPF_PROG_TEST_RUN`.
