@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{Context, bail};
 
-use crate::{Lab, host::stop, target_bin};
+use crate::{Lab, host::stop, scaled, target_bin};
 use std::process::Child;
 
 /// What the agent logs once its datapath serves the manifests.
@@ -83,7 +83,7 @@ impl Lab {
         // The log is appended to across restarts: wait for one more line.
         let attached_before = self.agent_log_on(node).matches(SERVING).count();
         self.spawn_agent_on(node, extra)?;
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + scaled(timeout);
         while self.agent_log_on(node).matches(SERVING).count() == attached_before {
             let agent = self.nodes[node].agent.as_mut().context("agent")?;
             if let Some(status) = agent.try_wait()? {

@@ -69,6 +69,17 @@ pub fn target_bin(name: &str) -> PathBuf {
     })
 }
 
+/// Multiplies the lab's waits for an agent to serve (`PROXY_LAB_WAIT_SCALE`,
+/// 1 when unset): the VM matrix's emulated CPU, sharing the host with the
+/// test run, verifies the programs many times slower than the host.
+pub const WAIT_SCALE_ENV: &str = "PROXY_LAB_WAIT_SCALE";
+
+/// `wait` scaled by [`WAIT_SCALE_ENV`].
+pub fn scaled(wait: std::time::Duration) -> std::time::Duration {
+    let scale = std::env::var(WAIT_SCALE_ENV).ok().and_then(|s| s.parse::<u32>().ok());
+    wait * scale.unwrap_or(1).max(1)
+}
+
 /// Whether the running kernel is at least `major.minor` (some behaviours
 /// differ on older kernels, as docs/operations.md says).
 pub fn kernel_at_least(major: u32, minor: u32) -> bool {

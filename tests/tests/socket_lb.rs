@@ -225,7 +225,10 @@ fn a_service_without_endpoints_refuses_at_once(setup: Setup) {
         match attempt {
             Attempt::Err { ms, kind } => {
                 assert_eq!(kind, refusal);
-                assert!(ms < 100.0, "refusal took {ms} ms");
+                // At once, not after a timeout (seconds): slower only by
+                // the emulated CPU of the VM matrix.
+                let at_once = proxy_lab::scaled(Duration::from_millis(100));
+                assert!(ms < at_once.as_secs_f64() * 1000.0, "refusal took {ms} ms");
             }
             ok => panic!("connected to a service without endpoints: {ok:?}"),
         }

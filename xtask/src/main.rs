@@ -36,10 +36,10 @@ enum Task {
         #[arg(long, value_enum, default_value = "ebpf")]
         mode: DemoMode,
     },
-    /// Setup, lint, build, and run every test (unit and lab; needs root),
-    /// each in its own process, several at a time, with the kernel matrix
-    /// on 6.1 (`vmtest --kernel 6.1`) booted beside them; the time of each
-    /// phase at the end.
+    /// Setup, lint, build once, and run every test (unit and lab; needs
+    /// root), each in its own process, several at a time, then the kernel
+    /// matrix on 6.1 (`vmtest --kernel 6.1`) with the same build; the time
+    /// of each phase at the end.
     Test {
         /// Tests run at a time (the lab's tests mostly wait)
         #[arg(long, default_value_t = 4)]

@@ -9,6 +9,9 @@ export HOME=/root RUST_BACKTRACE=1
 # The guest's own links to the agent and the pod binary (the host may
 # build meanwhile): the lab's tests take them from here.
 export PROXY_LAB_BIN_DIR="$dir/bin"
+# The emulated CPU shares the host with the test run: an agent's programs
+# take minutes to verify where the host takes seconds.
+export PROXY_LAB_WAIT_SCALE=5
 echo "VMTEST-KERNEL $(uname -r)"
 # Loopback only (the probe opens a socket); the guest has no other device.
 ip link set lo up
