@@ -38,7 +38,13 @@ pub fn run(options: Options) -> anyhow::Result<()> {
         cargo(&[&clippy[..], &["--", "-D", "warnings"]].concat())?;
         clippy_bpf()
     })?;
-    let summary = phases.time("tests", || runner::run(&tests, options.jobs))?;
+    let summary = phases.time("tests", || {
+        // The examples in the libraries' docs (not test executables).
+        let libraries = ["proxy-agent", "proxy-common", "proxy-lab", "test-objects"];
+        let packages = libraries.iter().flat_map(|p| ["-p", p]);
+        cargo(&[&["test", "--doc"][..], &packages.collect::<Vec<_>>()].concat())?;
+        runner::run(&tests, options.jobs)
+    })?;
     // After the tests, not beside them: on two cores an emulated CPU
     // sharing the host with the lab verifies the programs minutes late, and
     // both sides' waits and latency checks fail.
