@@ -437,13 +437,15 @@ fn service_maps_grow_under_load_and_are_sized_at_start() {
 
     let big = services(0) + &crowd(70, 1000) + &padded("late", 1, &["10.244.1.4".into()]);
     b.lab.write_manifest(&big).unwrap();
-    wait_for_pod(&b, 1, "web-2");
-    // Said once the new programs are attached, a moment after they serve.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // Growing loads every program again, verifier and all: bounded as an
+    // agent's start is, not as a map write. Said once the new programs are
+    // attached, a moment after they serve.
+    let deadline = Instant::now() + proxy_lab::scaled(Duration::from_secs(60));
     while !b.lab.agent_log().contains("the service maps grew") {
         assert!(Instant::now() < deadline, "{}", b.lab.agent_log());
         std::thread::sleep(Duration::from_millis(50));
     }
+    wait_for_pod(&b, 1, "web-2");
     let log = b.lab.agent_log();
     // The replaced load's decision-record reader stopped with it: the agent
     // holds one records ring buffer, not one per load.
