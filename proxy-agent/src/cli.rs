@@ -219,7 +219,7 @@ pub struct PrepareArgs {
     /// As `run --snat-port-range`
     #[arg(long, value_name = "MIN-MAX", default_value = "10000-29999", value_parser = parse_port_range)]
     pub snat_port_range: (u16, u16),
-    /// Set route_localnet, as `run --iptables-localhost-nodeports` needs
+    /// Set route_localnet, as `run --localhost-nodeports` needs in iptables mode
     /// (it lets martian packets to 127.0.0.0/8 in: only for that)
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub iptables_localhost_nodeports: bool,
@@ -285,10 +285,18 @@ pub struct NodeArgs {
     /// Masquerade all ClusterIP traffic (translated per packet, or by iptables)
     #[arg(long)]
     pub masquerade_all: bool,
-    /// iptables mode: NodePorts also answer on 127.0.0.0/8 (kube-proxy's
-    /// default; sets net.ipv4.conf.all.route_localnet)
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
-    pub iptables_localhost_nodeports: bool,
+    /// NodePorts also answer on 127.0.0.0/8 to the node's own clients, IPv4
+    /// only (kube-proxy's `localhostNodePorts`, on by default): the eBPF
+    /// mode translates such connections at the socket, the iptables mode
+    /// DNATs them (and sets net.ipv4.conf.all.route_localnet)
+    #[arg(
+        long,
+        alias = "iptables-localhost-nodeports",
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL"
+    )]
+    pub localhost_nodeports: bool,
 }
 
 /// Where the datapath is pinned; shared by `run` and `cleanup`.

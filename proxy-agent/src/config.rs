@@ -344,8 +344,8 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
     set!("sync_period", args.sync_period, settings.sync_period);
     set!("min_sync_period", args.min_sync_period, settings.min_sync_period.map(Some));
     set!(
-        "iptables_localhost_nodeports",
-        args.node.iptables_localhost_nodeports,
+        "localhost_nodeports",
+        args.node.localhost_nodeports,
         settings.localhost_nodeports
     );
     set!(

@@ -20,7 +20,9 @@ pub struct Config {
     /// Which decision records the programs write (`log_level`); the agent
     /// rewrites it at run time.
     pub log_level: u8,
-    pub _pad: u8,
+    /// `--socket-lb-host-netns-only`: the socket programs translate only for
+    /// sockets of the node's network namespace (`node_netns_cookie`).
+    pub socket_lb_node_only: u8,
     pub tcp_syn_timeout_secs: u32,
     pub tcp_established_timeout_secs: u32,
     /// After one side's FIN (half-closed).
@@ -30,9 +32,11 @@ pub struct Config {
     pub udp_timeout_secs: u32,
     /// A UDP flow that saw a reply (netfilter's "stream" timeout).
     pub udp_stream_timeout_secs: u32,
-    /// `--socket-lb-host-netns-only`: the socket programs translate only for
-    /// sockets of this network namespace (the node's); 0 for every socket.
-    pub host_netns_cookie: u64,
+    /// The node's network namespace (its `bpf_get_netns_cookie`): only its
+    /// sockets reach localhost NodePorts, and with `socket_lb_node_only`
+    /// any service. 0 where the kernel cannot tell it (before 5.14): no
+    /// socket is the node's then.
+    pub node_netns_cookie: u64,
     /// The node's IPv6 address clients are SNATed to (all zero: none).
     pub snat_addr6: Ipv6Octets,
     /// The IPv6 `--cluster-cidr`; a zero prefix length means none is set.

@@ -39,6 +39,9 @@ pub trait Family: IpHeader {
     fn step<R>(f: impl FnOnce() -> R) -> R;
 
     fn service_key(daddr: Self::Addr, dport: u16, proto: u8) -> Self::Service;
+    /// Whether `daddr` is a loopback address a localhost NodePort answers
+    /// on (127.0.0.0/8; none for IPv6, as kube-proxy).
+    fn is_localhost(daddr: Self::Addr) -> bool;
     /// A backend's address, port and flags.
     fn backend(b: &Self::Backend) -> (&Self::Addr, u16, BackendFlags);
     fn client(saddr: Self::Addr) -> Self::Client;
@@ -99,6 +102,11 @@ impl Family for Ipv4Hdr {
     #[inline(always)]
     fn service_key(daddr: [u8; 4], dport: u16, proto: u8) -> ServiceKey {
         ServiceKey::new(daddr, dport, proto, 0)
+    }
+
+    #[inline(always)]
+    fn is_localhost(daddr: [u8; 4]) -> bool {
+        daddr[0] == 127
     }
 
     #[inline(always)]
@@ -225,6 +233,11 @@ impl Family for Ipv6Hdr {
     #[inline(always)]
     fn service_key(daddr: [u8; 16], dport: u16, proto: u8) -> ServiceKey6 {
         ServiceKey6::new(daddr, dport, proto, 0)
+    }
+
+    #[inline(always)]
+    fn is_localhost(_: [u8; 16]) -> bool {
+        false
     }
 
     #[inline(always)]

@@ -68,6 +68,10 @@ type Addr<A> = (A, u16);
 pub trait SockAddress: Copy + PartialEq + IpFormatter + Argument + EventAddr {
     type Key: ServiceMapKey;
     fn key(self, port: u16, proto: u8) -> Self::Key;
+    /// The frontend address of a localhost NodePort, if this is one of
+    /// kube-proxy's (IPv4 only): every 127.0.0.0/8 address is the one the
+    /// agent plans them at, 127.0.0.1.
+    fn localhost(self) -> Option<Self>;
     fn backend_addr(backend: &<Self::Key as ServiceMapKey>::Backend) -> Addr<Self>;
     /// Remembers that the socket `cookie`, sent to `backend`, was meant for
     /// `service` (its frontend `rev_nat_id`).
@@ -83,6 +87,11 @@ impl SockAddress for [u8; 4] {
     #[inline(always)]
     fn key(self, port: u16, proto: u8) -> ServiceKey {
         ServiceKey::new(self, port, proto, 0)
+    }
+
+    #[inline(always)]
+    fn localhost(self) -> Option<Self> {
+        (self[0] == 127).then_some([127, 0, 0, 1])
     }
 
     #[inline(always)]
@@ -112,6 +121,11 @@ impl SockAddress for [u8; 16] {
     #[inline(always)]
     fn key(self, port: u16, proto: u8) -> ServiceKey6 {
         ServiceKey6::new(self, port, proto, 0)
+    }
+
+    #[inline(always)]
+    fn localhost(self) -> Option<Self> {
+        None
     }
 
     #[inline(always)]
@@ -235,17 +249,18 @@ fn destination<F: SockFamily>(sa: &bpf_sock_addr) -> Option<(Addr<F::Address>, u
     Some(((F::user_addr(sa)?, u16::from_be(sa.user_port as u16)), proto))
 }
 
-/// Whether sockets of the network namespace `netns` (a cookie) are
-/// translated here: all of them, or with `--socket-lb-host-netns-only` only
-/// the node's own, so pods (service meshes, VMs) see the ClusterIP and the
-/// per-packet path serves them.
+/// Whether the socket's call to a frontend is translated here: every
+/// socket's, or with `--socket-lb-host-netns-only` only the node's own, so
+/// pods (service meshes, VMs) see the ClusterIP and the per-packet path
+/// serves them. A localhost NodePort only ever the node's: a pod's
+/// loopback is its own.
 #[inline(always)]
-fn in_scope(ctx: &SockAddrContext, cfg: &Config) -> bool {
-    if cfg.host_netns_cookie == 0 {
+fn in_scope(ctx: &SockAddrContext, cfg: &Config, localhost: bool) -> bool {
+    if cfg.socket_lb_node_only == 0 && !localhost {
         return true;
     }
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    netns == cfg.host_netns_cookie
+    cfg.node_netns_cookie != 0 && netns == cfg.node_netns_cookie
 }
 
 impl Hook {
@@ -309,22 +324,18 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     };
     let Some(cfg) = CONFIG.get(0) else { return ALLOW };
     let program = hook.program::<F>(true);
-    let key = address.key(port, proto);
+    let localhost = address.localhost();
+    let key = localhost.unwrap_or(address).key(port, proto);
     let Some(svc) = lb::lookup_frontend(&key) else {
         record!(cfg, ctx, program, TRACE, "{:i}:{} proto {}: no service", address, port, proto);
         return ALLOW;
     };
-    if !in_scope(ctx, cfg) {
-        record!(
-            cfg,
-            ctx,
-            program,
-            TRACE,
-            "{:i}:{} proto {}: a pod's socket, left to the per-packet path",
-            address,
-            port,
-            proto
-        );
+    if !in_scope(ctx, cfg, localhost.is_some()) {
+        let why = match localhost {
+            Some(_) => "its own loopback (not the node's socket)",
+            None => "a pod's socket, left to the per-packet path",
+        };
+        record!(cfg, ctx, program, TRACE, "{:i}:{} proto {}: {}", address, port, proto, why);
         return ALLOW;
     }
     let (key, svc) = lb::in_cluster_scope(&key, &svc);
@@ -483,7 +494,7 @@ pub fn try_reverse<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     // Only while the service still exists: a reply from a pod that is no
     // longer behind it should show its own address. The socket got either
     // scope of the address (the internal one has its own id).
-    let frontend = service.0.key(service.1, sa.protocol as u8);
+    let frontend = service.0.localhost().unwrap_or(service.0).key(service.1, sa.protocol as u8);
     let Some(svc) = lb::lookup_frontend(&frontend) else {
         if let Some(cfg) = CONFIG.get(0) {
             record!(

@@ -296,6 +296,12 @@ enum Decision {
 fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -> Decision {
     let pkt = &flow.pkt;
     let t = &pkt.tuple;
+    // Localhost NodePorts are the node's own sockets' (the socket LB's): a
+    // packet to 127.0.0.0/8 from an interface is martian, left to the stack
+    // that drops it (kube-proxy guards them likewise, CVE-2020-8558).
+    if F::is_localhost(t.daddr()) {
+        return Decision::Pass;
+    }
     let mut key = F::service_key(t.daddr(), t.dport(), t.proto());
     let Some(svc) = lb::lookup_frontend(&key) else { return Decision::Pass };
     let run = Run::of(ctx);

@@ -32,6 +32,7 @@ both_modes!(
     host_network_backends_are_reached_through_the_stack_and_answer_as_the_service,
     path_mtu_discovery_through_a_node_port_and_a_cluster_ip,
     the_stacks_refusal_for_a_host_network_backend_names_the_node_port,
+    localhost_node_ports_answer_the_node_itself,
 );
 
 const CLUSTER_CIDR: &str = "10.244.0.0/16";
@@ -184,6 +185,46 @@ fn local_policy_addresses_give_in_cluster_clients_every_endpoint(setup: Setup) {
             let answered: Vec<String> = tally(&attempts).into_keys().collect();
             assert_eq!(answered, ["web-a", "web-b", "web-c"], "{who} to {addr}");
         }
+    }
+}
+
+/// kube-proxy's localhost NodePorts (`localhostNodePorts`, on by default):
+/// the node's own clients reach a NodePort on any 127.0.0.0/8 address, as
+/// "LOCAL" traffic: with the Local policy every endpoint, masqueraded.
+fn localhost_node_ports_answer_the_node_itself(setup: Setup) {
+    let web = node_ports("web", "10.96.0.10", 30080, 30053);
+    let far = node_ports("far", "10.96.0.11", 30081, 30054).external_policy("Local");
+    let mut c = cluster(setup, &(over(web, &["a", "b", "c"]) + &over(far, &["b", "c"])));
+    let pod = c.lab.add_pod_on(0, "client", "10.244.1.100").unwrap();
+    let node = c.lab.client_in(&c.lab.node, Some(&c.lab.cgroup));
+    // `far` has no endpoint on node 0: its node's clients get node 1's.
+    let cases = [
+        ("127.0.0.1:30080", vec!["web-a", "web-b", "web-c"]),
+        ("127.0.0.5:30080", vec!["web-a", "web-b", "web-c"]),
+        ("127.0.0.1:30081", vec!["web-b", "web-c"]),
+        (&node_port(30081), vec!["web-b", "web-c"]),
+    ];
+    for (addr, expect) in cases {
+        let attempts = node.tcp(addr, 60).unwrap();
+        for (name, peer, from) in answered(&attempts) {
+            assert_eq!(from, addr, "the node sees the address it called");
+            assert!(!peer_ip(&peer).starts_with("127."), "{name} saw {peer}: not masqueraded");
+        }
+        let answered: Vec<String> = tally(&attempts).into_keys().collect();
+        assert_eq!(answered, expect, "{addr}");
+    }
+    let datagrams = node.udp("127.0.0.1:30053", 20).unwrap();
+    for (_, _, from) in answered(&datagrams) {
+        assert_eq!(from, "127.0.0.1:30053", "a datagram's reply comes from the address called");
+    }
+
+    // A pod's loopback is its own: nothing listens there.
+    for client in [c.lab.client(&pod), c.lab.client_outside(&pod)] {
+        let attempts = client.timeout_ms(500).tcp("127.0.0.1:30080", 1).unwrap();
+        assert!(
+            matches!(&attempts[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"),
+            "a pod's 127.0.0.1:30080: {attempts:?}"
+        );
     }
 }
 

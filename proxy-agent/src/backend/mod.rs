@@ -105,6 +105,12 @@ pub trait Datapath: Send {
         false
     }
 
+    /// Whether it can serve NodePorts on 127.0.0.0/8 to the node's own
+    /// clients (`Node::serves_localhost_nodeports`), where asked to.
+    fn serves_localhost_nodeports(&self) -> bool {
+        true
+    }
+
     /// Whether the datapath follows interfaces as they come and go.
     fn follows_interfaces(&self) -> bool {
         false

@@ -42,6 +42,7 @@ pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
         name: node::name(&args.node.hostname_override)?,
         ips,
         nodeport_addresses: args.node.nodeport_addresses.clone(),
+        localhost_nodeports: args.node.localhost_nodeports,
         zone: args.zone.clone(),
         // The iptables rules pick at random and masquerade whatever the
         // algorithm and mode.
@@ -54,8 +55,7 @@ pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
     };
     let traffic = args.node.traffic();
     for family in &families {
-        let localhost = args.node.iptables_localhost_nodeports;
-        let options = render_options(&node, &traffic, localhost, !args.no_nfacct, *family);
+        let options = render_options(&node, &traffic, !args.no_nfacct, *family);
         if families.len() > 1 {
             println!("{}", family_header(*family));
         }

@@ -75,6 +75,7 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
         name,
         ips,
         nodeport_addresses: args.node.nodeport_addresses.clone(),
+        localhost_nodeports: args.node.localhost_nodeports,
         zone: None,
         lb_algorithm: args.bpf_lb_algorithm,
         lb_mode: args.bpf_lb_mode,
@@ -105,6 +106,7 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
         kube => kube,
     };
     let datapath = loading.await??;
+    node.localhost_nodeports &= datapath.serves_localhost_nodeports();
     tracing::info!(mode = datapath.mode(), source = source.name(), node = %node.name, node_ips = ?node.ips, zone = ?node.zone, "starting");
 
     // kube-proxy: unhealthy once a change waits twice the sync period.
@@ -168,7 +170,6 @@ fn backend_settings(args: &RunArgs) -> backend::Settings {
         iptables: backend::iptables::datapath::Settings {
             xtables: args.iptables_backend,
             traffic,
-            localhost_nodeports: args.node.iptables_localhost_nodeports,
             bpffs_root,
         },
     }

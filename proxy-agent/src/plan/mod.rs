@@ -20,7 +20,7 @@ pub mod backends;
 
 use std::{
     collections::{BTreeMap, BTreeSet, btree_map::Entry},
-    net::IpAddr,
+    net::{IpAddr, Ipv4Addr},
     sync::Arc,
 };
 
@@ -177,6 +177,9 @@ pub struct Node {
     pub ips: Vec<IpAddr>,
     /// `--nodeport-addresses`; empty means every node address.
     pub nodeport_addresses: Vec<Cidr>,
+    /// `--localhost-nodeports`: NodePorts also answer on 127.0.0.0/8, to
+    /// the node's own clients, where `nodeport_addresses` allows.
+    pub localhost_nodeports: bool,
     /// Its `topology.kubernetes.io/zone`, for EndpointSlice hints.
     pub zone: Option<String>,
     /// `--bpf-lb-algorithm`: how external frontends pick a backend where
@@ -187,12 +190,26 @@ pub struct Node {
 }
 
 impl Node {
+    /// Whether `ip` is within `--nodeport-addresses` (none: every address).
+    fn serves_nodeports_on(&self, ip: IpAddr) -> bool {
+        self.nodeport_addresses.is_empty() || self.nodeport_addresses.iter().any(|c| c.contains(ip))
+    }
+
+    /// Whether NodePorts answer on 127.0.0.0/8, as kube-proxy decides: asked
+    /// for, and `--nodeport-addresses` (if given) holds 127.0.0.1. IPv4
+    /// only: nothing answers on `::1`.
+    pub fn serves_localhost_nodeports(&self) -> bool {
+        self.localhost_nodeports && self.serves_nodeports_on(Ipv4Addr::LOCALHOST.into())
+    }
+
+    /// The addresses NodePorts of `family` are served on: the node's within
+    /// `--nodeport-addresses`, and 127.0.0.1 for localhost NodePorts (the
+    /// datapath's: any 127.0.0.0/8 address is that one).
     fn nodeport_ips(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
-        let within = |ip: &IpAddr| {
-            self.nodeport_addresses.is_empty()
-                || self.nodeport_addresses.iter().any(|c| c.contains(*ip))
-        };
-        self.ips.iter().copied().filter(move |ip| IpFamily::of(*ip) == family && within(ip))
+        let of_family = move |ip: &IpAddr| IpFamily::of(*ip) == family;
+        let node = self.ips.iter().copied().filter(move |ip| self.serves_nodeports_on(*ip));
+        let localhost = self.serves_localhost_nodeports().then_some(Ipv4Addr::LOCALHOST.into());
+        node.chain(localhost).filter(of_family)
     }
 }
 

@@ -49,6 +49,7 @@ fn node() -> Node {
             "fd00:100::11".parse().unwrap(),
         ],
         nodeport_addresses: vec![],
+        localhost_nodeports: false,
         zone: None,
         lb_algorithm: LbAlgorithm::Random,
         lb_mode: LbMode::Snat,
@@ -183,6 +184,45 @@ fn node_ports_external_and_load_balancer_ips_become_external_frontends() {
     n.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap()];
     let (narrowed, _) = super::plan(&model::Model::from_ports([p]), &n);
     assert_eq!(narrowed.frontends.len(), 4);
+}
+
+#[test]
+fn localhost_node_ports_are_served_at_127_0_0_1_as_kube_proxy_decides() {
+    let mut p = port("a", [10, 96, 0, 1], &[("10.0.0.2:8080", true, "node-b")]);
+    p.node_port = Some(30080);
+    p.external_local = true;
+    let localhost = |nodeport_addresses: &[&str]| {
+        let n = Node {
+            localhost_nodeports: true,
+            nodeport_addresses: nodeport_addresses.iter().map(|c| Cidr::parse(c).unwrap()).collect(),
+            ..node()
+        };
+        let (plan, _) = super::plan(&model::Model::from_ports([p.clone()]), &n);
+        let frontend = Frontend::new(Ipv4Addr::LOCALHOST.into(), 30080, Protocol::Tcp);
+        (plan.frontends.get(&frontend).cloned(), plan.frontends.get(&frontend.internal()).cloned())
+    };
+    // As on a node address: with the Local policy and no endpoint here, the
+    // node's own clients get the cluster-wide endpoints (kube-proxy's
+    // `--src-type LOCAL` short-circuit), from the internal-scope twin.
+    let (external, internal) = localhost(&[]);
+    let external = external.expect("a NodePort at 127.0.0.1");
+    assert_eq!(external.kind, FrontendKind::NodePort);
+    assert!(external.two_scopes && external.backends.is_empty() && external.drop_when_empty);
+    assert_eq!(internal.expect("its in-cluster twin").backends.len(), 1);
+    // --nodeport-addresses without loopback turns them off, as kube-proxy;
+    // with it, or with 0.0.0.0/0, they stay.
+    assert_eq!(localhost(&["192.168.100.0/24"]).0, None);
+    assert!(localhost(&["192.168.100.0/24", "127.0.0.0/8"]).0.is_some());
+    assert!(localhost(&["0.0.0.0/0"]).0.is_some());
+    // Off unless asked for, and never on IPv6.
+    let (plan, _) = super::plan(&model::Model::from_ports([p.clone()]), &node());
+    assert!(plan.frontends.keys().all(|f| !f.ip.is_loopback()));
+    let mut v6 = port("b", [10, 96, 0, 2], &[]);
+    v6.cluster_ip = "fd00:96::2".parse().unwrap();
+    v6.node_port = Some(30081);
+    let n = Node { localhost_nodeports: true, ..node() };
+    let (plan, _) = super::plan(&model::Model::from_ports([v6]), &n);
+    assert!(plan.frontends.keys().all(|f| !f.ip.is_loopback()), "{:?}", plan.frontends.keys());
 }
 
 #[test]

@@ -190,15 +190,11 @@ impl EbpfDatapath {
             rev_nat: start,
             source_ranges: proxy_common::MAX_SOURCE_RANGES as usize,
         };
-        let host_netns_cookie = if settings.socket_lb_host_netns_only {
-            sys::netns_cookie().context("reading this network namespace's cookie")?
-        } else {
-            0
-        };
+        let node_netns_cookie = node_netns_cookie(settings, node)?;
         let loading = Loading {
             tc_mode,
             root,
-            config: config(settings, &node.ips, host_netns_cookie),
+            config: config(settings, &node.ips, node_netns_cookie),
             socket_destroy: settings.socket_destroy,
             terminate_tcp: settings.terminate_tcp_on_endpoint_removal,
         };
@@ -213,10 +209,10 @@ impl EbpfDatapath {
             );
         }
         sys::reserve_ports(min, max).context("reserving the SNAT port range")?;
-        let socket_lb = if host_netns_cookie == 0 {
-            "every network namespace"
-        } else {
+        let socket_lb = if settings.socket_lb_host_netns_only {
             "the node's network namespace only"
+        } else {
+            "every network namespace"
         };
         let bpf_log_level = settings.log_level;
         let pod_role = pod_role(
@@ -508,6 +504,11 @@ impl Datapath for EbpfDatapath {
         false
     }
 
+    /// The socket programs tell the node's sockets by its namespace's cookie.
+    fn serves_localhost_nodeports(&self) -> bool {
+        self.loading.config.node_netns_cookie != 0
+    }
+
     /// The per-packet programs go on node- and pod-facing interfaces.
     fn follows_interfaces(&self) -> bool {
         true
@@ -536,8 +537,29 @@ impl Datapath for EbpfDatapath {
     }
 }
 
+/// The cookie of the node's network namespace (this process's), which the
+/// socket programs tell the node's own sockets by; 0 where the kernel
+/// cannot say it (`SO_NETNS_COOKIE`, 5.14+): then localhost NodePorts are
+/// not served, and `--socket-lb-host-netns-only` cannot be.
+fn node_netns_cookie(settings: &Settings, node: &Node) -> anyhow::Result<u64> {
+    match sys::netns_cookie() {
+        Ok(cookie) => Ok(cookie),
+        Err(e) if settings.socket_lb_host_netns_only => {
+            Err(e).context("reading this network namespace's cookie (--socket-lb-host-netns-only)")
+        }
+        Err(e) => {
+            if node.serves_localhost_nodeports() {
+                tracing::warn!(
+                    "localhost NodePorts are not served: the socket programs cannot tell the node's own sockets without this network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+): {e}"
+                );
+            }
+            Ok(0)
+        }
+    }
+}
+
 /// The programs' settings.
-fn config(settings: &Settings, node_ips: &[IpAddr], host_netns_cookie: u64) -> Config {
+fn config(settings: &Settings, node_ips: &[IpAddr], node_netns_cookie: u64) -> Config {
     let traffic = &settings.traffic;
     let cluster_cidr =
         traffic.cluster_cidr(IpFamily::V4).and_then(|c| Some((v4(c.addr)?.octets(), c.len)));
@@ -555,14 +577,14 @@ fn config(settings: &Settings, node_ips: &[IpAddr], host_netns_cookie: u64) -> C
         snat_port_min: settings.snat_port_range.0,
         snat_port_max: settings.snat_port_range.1,
         log_level: settings.log_level.word(),
-        _pad: 0,
+        socket_lb_node_only: settings.socket_lb_host_netns_only as u8,
         tcp_syn_timeout_secs: TCP_SYN_TIMEOUT_SECS,
         tcp_established_timeout_secs: secs(settings.timeouts.tcp_established),
         tcp_close_wait_timeout_secs: secs(settings.timeouts.tcp_close_wait),
         tcp_time_wait_timeout_secs: secs(settings.timeouts.tcp_time_wait),
         udp_timeout_secs: secs(settings.timeouts.udp),
         udp_stream_timeout_secs: UDP_STREAM_TIMEOUT_SECS,
-        host_netns_cookie,
+        node_netns_cookie,
         // No IPv6 node address: nothing is SNATed to the node over IPv6.
         snat_addr6: node_ips.iter().find_map(|ip| v6(*ip)).map_or([0; 16], |ip| ip.octets()),
         cluster_cidr6: cidr6,

@@ -37,8 +37,6 @@ pub struct Settings {
     /// The iptables implementation to program.
     pub xtables: Xtables,
     pub traffic: TrafficRules,
-    /// NodePorts also answer on 127.0.0.0/8 (kube-proxy's default).
-    pub localhost_nodeports: bool,
     /// Where the eBPF mode pins, to remove its datapath.
     pub bpffs_root: PathBuf,
 }
@@ -57,9 +55,7 @@ pub struct IptablesDatapath {
 
 impl IptablesDatapath {
     pub fn new(settings: &Settings, node: &Node) -> Self {
-        let options = |family| {
-            render_options(node, &settings.traffic, settings.localhost_nodeports, false, family)
-        };
+        let options = |family| render_options(node, &settings.traffic, false, family);
         if options(IpFamily::V4).localhost_nodeports() {
             // As kube-proxy: NodePorts on 127.0.0.1 need DNAT of loopback traffic.
             if let Err(e) = sys::set_sysctl("net/ipv4/conf/all/route_localnet", "1") {
@@ -245,7 +241,6 @@ fn look_after_family(
 pub fn render_options(
     node: &Node,
     traffic: &TrafficRules,
-    localhost_nodeports: bool,
     nfacct: bool,
     family: IpFamily,
 ) -> render::Options {
@@ -257,7 +252,7 @@ pub fn render_options(
         nodeport_addresses: traffic.nodeport_addresses.clone(),
         cluster_cidr: traffic.cluster_cidr(family),
         masquerade_all: traffic.masquerade_all,
-        localhost_nodeports,
+        localhost_nodeports: node.serves_localhost_nodeports(),
         nfacct,
         random_fully: true,
         conntrack_tcp_liberal: std::fs::read_to_string(

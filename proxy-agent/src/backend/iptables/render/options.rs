@@ -1,6 +1,6 @@
 //! What the rules depend on besides the services.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use crate::model::{Cidr, IpFamily};
 
@@ -21,7 +21,8 @@ pub struct Options {
     /// `--cluster-cidr` of `family`: the local-traffic detector.
     pub cluster_cidr: Option<Cidr>,
     pub masquerade_all: bool,
-    /// NodePorts answer on 127.0.0.0/8 (kube-proxy's default for IPv4).
+    /// NodePorts answer on 127.0.0.0/8 (kube-proxy's default for IPv4), as
+    /// `plan::Node::serves_localhost_nodeports` decides.
     pub localhost_nodeports: bool,
     /// The kernel has nfnetlink_acct counters (kube-proxy counts with them).
     pub nfacct: bool,
@@ -40,12 +41,8 @@ impl Options {
             || self.nodeport_addresses.iter().any(|c| c.len == 0 && c.family() == self.family)
     }
 
-    /// Localhost NodePorts are on: IPv4 only, and kube-proxy turns them off
-    /// when `--nodeport-addresses` leaves out loopback.
+    /// Localhost NodePorts are on: IPv4 only.
     pub fn localhost_nodeports(&self) -> bool {
-        self.family == IpFamily::V4
-            && self.localhost_nodeports
-            && (self.nodeports_everywhere()
-                || self.nodeport_addresses.iter().any(|c| c.contains(Ipv4Addr::LOCALHOST.into())))
+        self.family == IpFamily::V4 && self.localhost_nodeports
     }
 }
