@@ -229,4 +229,30 @@ fn explain_agrees_with_real_packets(setup: Setup) {
     let real = lab.client_outside(&s.ext).tcp(&node_port(30999), 1).unwrap();
     assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"));
     assert_eq!(rejected(), refused_before, "not refused by the datapath");
+
+    localhost_node_ports(&s, &pods);
+}
+
+/// Localhost NodePorts, from the node itself: explain and real connections
+/// agree (eBPF: the socket programs' lookup; iptables: the rules walked).
+fn localhost_node_ports(s: &Scene, pods: &BTreeSet<String>) {
+    let lab = &s.lab;
+    let node = lab.client_in(&lab.node, Some(&lab.cgroup));
+    let web = explain(lab, "tcp", "127.0.0.1", "127.0.0.1:30080");
+    assert_eq!(text(&web["outcome"]), "translated", "{web}");
+    assert_eq!(&candidates(&web), pods, "{web}");
+    let real = node.tcp("127.0.0.1:30080", 20).unwrap();
+    assert_eq!(tally(&real).len(), 2, "{real:?}");
+    // Policy Local, no endpoint here: the node's own clients get every
+    // endpoint (the other node's).
+    let far = explain(lab, "tcp", "127.0.0.1", "127.0.0.3:30081");
+    assert_eq!(text(&far["outcome"]), "translated", "{far}");
+    assert_eq!(candidates(&far), BTreeSet::from(["10.244.2.3:8080".to_string()]), "{far}");
+    // No endpoint: refused, as real connections are.
+    let empty = explain(lab, "tcp", "127.0.0.1", "127.0.0.1:30082");
+    assert_eq!(text(&empty["outcome"]), "refused", "{empty}");
+    let real = node.tcp("127.0.0.1:30082", 1).unwrap();
+    assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "ConnectionRefused"));
+    let nothing = explain(lab, "tcp", "127.0.0.1", "127.0.0.1:30999");
+    assert_eq!(text(&nothing["outcome"]), "passed", "{nothing}");
 }

@@ -18,8 +18,8 @@ use crate::{
     inspect::{
         self,
         explain::{
-            Explanation, Query, craft, explain, explain_rules, route_interface, route_interface6,
-            text, tuple,
+            Explanation, Query, craft, explain, explain_localhost, explain_rules, is_localhost,
+            route_interface, route_interface6, text, tuple,
         },
     },
     model::IpFamily,
@@ -39,6 +39,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     let from = SocketAddr::new(from_ip, port.unwrap_or_else(ephemeral_port));
     let x = match super::lb::mode(&args.inspect) {
         InspectMode::Iptables => rules(args, from, to)?,
+        _ if is_localhost(to) => localhost(args, from, to)?,
         _ => program(args, from, to)?,
     };
     match args.inspect.output {
@@ -73,6 +74,20 @@ fn rules(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result
         replies_only: false,
     };
     Ok(explain_rules(&query, &save, &local))
+}
+
+/// The eBPF mode's localhost NodePorts: the socket programs' lookup, made
+/// in the pinned service table.
+fn localhost(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result<Explanation> {
+    let entries = inspect::maps::read_pinned(&args.inspect.pins.bpffs_root)?;
+    let query = Query {
+        proto: args.proto,
+        from,
+        to,
+        program: "connect4/sendmsg4 (the socket LB), for the node's own sockets".into(),
+        replies_only: false,
+    };
+    Ok(explain_localhost(&query, &entries))
 }
 
 /// The eBPF mode: the program attached to the interface, run.

@@ -270,6 +270,51 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
     x
 }
 
+/// Whether `to` is a localhost NodePort's address (127.0.0.0/8, IPv4 only
+/// as kube-proxy), which the eBPF mode serves at the node's own sockets.
+pub fn is_localhost(to: SocketAddr) -> bool {
+    matches!(to, SocketAddr::V4(to) if to.ip().is_loopback())
+}
+
+/// The explanation of a connection from the node itself to a localhost
+/// NodePort in the eBPF mode, from the service table `entries`: the socket
+/// programs translate it at connect()/sendmsg(), which no test run can run,
+/// by the lookup they make (any 127.0.0.0/8 address is 127.0.0.1; the node
+/// is an in-cluster client, so a frontend's in-cluster twin serves it).
+pub fn explain_localhost(query: &Query, entries: &[LbEntry]) -> Explanation {
+    let addressed = format!("127.0.0.1:{}/{}", query.to.port(), proto_name(query.proto));
+    let at: Vec<&LbEntry> = entries.iter().filter(|e| e.frontend == addressed).collect();
+    let entry = at
+        .iter()
+        .find(|e| e.flags.contains(&flag::IN_CLUSTER))
+        .or_else(|| at.first())
+        .copied();
+    let mut x = start(query, entry);
+    x.notes.push(
+        "only the node's own sockets (its network namespace): a pod's 127.0.0.1 is its own loopback, and a packet to 127.0.0.0/8 arriving on an interface is martian, left to the stack that drops it".into(),
+    );
+    let Some(entry) = entry else {
+        x.reason = Some(
+            "no NodePort at this port (localhost NodePorts: --localhost-nodeports, on by default)"
+                .into(),
+        );
+        x.action = "left to the node's loopback: whatever listens there answers".into();
+        return x;
+    };
+    if entry.backends.is_empty() {
+        x.outcome = "refused";
+        x.reason = Some(NO_ENDPOINT.into());
+        x.action = "connect() fails at once with ECONNREFUSED (sendmsg() likewise)".into();
+        return x;
+    }
+    x.outcome = "translated";
+    x.action = "connect()/sendmsg() goes to a backend picked at random per socket (per fresh flow for unconnected UDP), from the node's address the route to it gives: the backend never sees 127.0.0.1, and the socket sees the address it called".into();
+    if entry.flags.contains(&flag::AFFINITY) {
+        x.notes.push("sessionAffinity: the node (its network namespace) keeps to the backend it reached last while the entry lives".into());
+    }
+    x
+}
+
 /// The explanation of `query`'s packet in the iptables mode: kube-proxy's
 /// rules (`save`, an `iptables-save` output) walked for it
 /// ([`rule_walk`](super::rule_walk)) on a node with the addresses `local`.

@@ -176,7 +176,9 @@ fn matches(rule: &Rule, p: &Packet) -> bool {
     let mut i = 0;
     while i < w.len() {
         let arg = w.get(i + 1).map(String::as_str).unwrap_or_default();
-        let local = |a: IpAddr| arg != "LOCAL" || p.local.contains(&a);
+        // Loopback is local whatever addresses `lo` lists: 127.0.0.1/8
+        // makes the whole /8 so.
+        let local = |a: IpAddr| arg != "LOCAL" || a.is_loopback() || p.local.contains(&a);
         let test = match w[i].as_str() {
             "!" => {
                 negate = true;
