@@ -343,11 +343,7 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
     set!("masquerade_all", args.node.masquerade_all, settings.masquerade_all);
     set!("sync_period", args.sync_period, settings.sync_period);
     set!("min_sync_period", args.min_sync_period, settings.min_sync_period.map(Some));
-    set!(
-        "localhost_nodeports",
-        args.node.localhost_nodeports,
-        settings.localhost_nodeports
-    );
+    set!("localhost_nodeports", args.node.localhost_nodeports, settings.localhost_nodeports);
     set!(
         "conntrack_tcp_timeout_established",
         args.conntrack_tcp_timeout_established,

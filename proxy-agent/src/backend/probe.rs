@@ -63,6 +63,7 @@ pub const SET_RETVAL: &str = "bpf_set_retval (5.18+; else refusals are EPERM)";
 pub const IPV6: &str = "IPv6 stack and ip6tables (IPv6 services)";
 pub const MAGLEV: &str = "Maglev (--bpf-lb-algorithm maglev)";
 pub const DSR: &str = "DSR (--bpf-lb-mode dsr|hybrid)";
+pub const NETNS_COOKIE: &str = "network namespace cookie (SO_NETNS_COOKIE, 5.14+)";
 
 /// Picks the mode: eBPF when every required feature is there.
 pub fn decide(features: &[Feature]) -> Decision {
@@ -84,6 +85,7 @@ pub fn run() -> Vec<Feature> {
     let destroy = super::ebpf::sock_diag::probe();
     let set_retval = crate::backend::ebpf::has_set_retval();
     let ipv6 = ipv6();
+    let netns_cookie = sys::netns_cookie();
     vec![
         Feature {
             name: BTF,
@@ -164,6 +166,15 @@ pub fn run() -> Vec<Feature> {
             programs.is_ok(),
             "the network between nodes must carry IPv4 options and IPv6 destination options, and let replies leave with the service's address",
         ),
+        Feature {
+            name: NETNS_COOKIE,
+            required: false,
+            found: netns_cookie.is_ok(),
+            detail: match &netns_cookie {
+                Ok(_) => "the socket programs tell the node's own sockets: localhost NodePorts (127.0.0.0/8) served, --socket-lb-host-netns-only possible".into(),
+                Err(e) => format!("{e}: in the eBPF mode, no localhost NodePorts and no --socket-lb-host-netns-only (the iptables mode serves localhost NodePorts)"),
+            },
+        },
         Feature {
             name: IPV6,
             required: false,

@@ -284,11 +284,8 @@ pub fn is_localhost(to: SocketAddr) -> bool {
 pub fn explain_localhost(query: &Query, entries: &[LbEntry]) -> Explanation {
     let addressed = format!("127.0.0.1:{}/{}", query.to.port(), proto_name(query.proto));
     let at: Vec<&LbEntry> = entries.iter().filter(|e| e.frontend == addressed).collect();
-    let entry = at
-        .iter()
-        .find(|e| e.flags.contains(&flag::IN_CLUSTER))
-        .or_else(|| at.first())
-        .copied();
+    let entry =
+        at.iter().find(|e| e.flags.contains(&flag::IN_CLUSTER)).or_else(|| at.first()).copied();
     let mut x = start(query, entry);
     x.notes.push(
         "only the node's own sockets (its network namespace): a pod's 127.0.0.1 is its own loopback, and a packet to 127.0.0.0/8 arriving on an interface is martian, left to the stack that drops it".into(),

@@ -194,7 +194,10 @@ fn localhost_node_ports_are_served_at_127_0_0_1_as_kube_proxy_decides() {
     let localhost = |nodeport_addresses: &[&str]| {
         let n = Node {
             localhost_nodeports: true,
-            nodeport_addresses: nodeport_addresses.iter().map(|c| Cidr::parse(c).unwrap()).collect(),
+            nodeport_addresses: nodeport_addresses
+                .iter()
+                .map(|c| Cidr::parse(c).unwrap())
+                .collect(),
             ..node()
         };
         let (plan, _) = super::plan(&model::Model::from_ports([p.clone()]), &n);
