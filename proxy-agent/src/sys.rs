@@ -171,7 +171,6 @@ fn default_route_in(table: &str) -> Option<String> {
         .map(|(_, iface)| iface)
 }
 
-/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns()`.
 /// The cookie of this process's network namespace, as
 /// `bpf_get_netns_cookie` gives it to the programs (`SO_NETNS_COOKIE`,
 /// Linux 5.14+).
@@ -201,6 +200,7 @@ pub fn netns_cookie() -> io::Result<u64> {
     }
 }
 
+/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns()`.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: a valid timespec out-parameter.
