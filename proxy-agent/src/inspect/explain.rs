@@ -548,6 +548,24 @@ fd000000000000020000000000000000 40 00000000000000000000000000000000 00 00000000
     }
 
     #[test]
+    fn a_localhost_node_port_is_the_socket_lb_s_lookup_at_127_0_0_1() {
+        let entries = [
+            entry("127.0.0.1:30080/tcp", "NodePort", vec![flag::LOCAL_POLICY], &[]),
+            entry("127.0.0.1:30080/tcp", "NodePort", vec![flag::IN_CLUSTER], &["10.244.2.2:80"]),
+            entry("127.0.0.1:30082/tcp", "NodePort", vec![], &[]),
+        ];
+        assert!(is_localhost(addr("127.0.0.5:30080")) && !is_localhost(addr("[::1]:30080")));
+        // Any 127/8 address; the node is an in-cluster client: the twin.
+        let x = explain_localhost(&query("127.0.0.5:30080"), &entries);
+        assert_eq!((x.outcome, x.backends.len()), ("translated", 1), "{x:?}");
+        assert_eq!(x.frontend.unwrap().flags, [flag::IN_CLUSTER]);
+        let x = explain_localhost(&query("127.0.0.1:30082"), &entries);
+        assert_eq!((x.outcome, x.reason.as_deref()), ("refused", Some(NO_ENDPOINT)));
+        let x = explain_localhost(&query("127.0.0.1:30999"), &entries);
+        assert!(x.outcome == "passed" && x.frontend.is_none(), "{x:?}");
+    }
+
+    #[test]
     fn a_translated_node_port_flow_names_its_backend_and_snat() {
         let entries = [
             entry(
