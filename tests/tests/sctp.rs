@@ -30,20 +30,21 @@ fn lab(mode: Mode) -> (Lab, Vec<Pod>, Pod) {
     (lab, pods, client)
 }
 
-/// The pods that answered 20 connections to web's TCP port.
-fn tcp_served(lab: &Lab, client: &Pod) -> Tally {
-    let attempts = lab.client_outside(client).timeout_ms(500).tcp("10.96.0.10:80", 20).unwrap();
-    Tally::of(&attempts)
+/// [`lab`] with its agent started, web's TCP port served by both pods.
+fn serving(mode: Mode) -> (Lab, Vec<Pod>) {
+    let (mut lab, pods, client) = lab(mode);
+    lab.start_agent(&[]).unwrap();
+    let attempts = lab.client_outside(&client).timeout_ms(500).tcp("10.96.0.10:80", 20).unwrap();
+    let counts = Tally::of(&attempts);
+    assert_eq!(counts.served().len(), 2, "{counts:?}\n{}", lab.agent_log());
+    (lab, pods)
 }
 
 /// The rules go in (the kernel has the sctp match even where it has no
 /// SCTP sockets), and the TCP port is served as before.
 #[test]
 fn the_iptables_mode_writes_the_sctp_rules_and_serves_the_tcp_port() {
-    let (mut lab, pods, client) = lab(Mode::Iptables);
-    lab.start_agent(&[]).unwrap();
-    let counts = tcp_served(&lab, &client);
-    assert_eq!(counts.served().len(), 2, "{counts:?}\n{}", lab.agent_log());
+    let (lab, pods) = serving(Mode::Iptables);
     let saved = lab.iptables_save_on(0).unwrap();
     for line in [
         "-A KUBE-SERVICES -d 10.96.0.10/32 -p sctp -m comment --comment \"lab/web:diameter cluster IP\" -m sctp --dport 3868 -j KUBE-SVC-",
@@ -68,10 +69,7 @@ fn the_iptables_mode_writes_the_sctp_rules_and_serves_the_tcp_port() {
 /// metric counts it, and the TCP port is served.
 #[test]
 fn the_ebpf_mode_leaves_sctp_ports_out_and_says_so_once() {
-    let (mut lab, _pods, client) = lab(Mode::Ebpf);
-    lab.start_agent(&[]).unwrap();
-    let counts = tcp_served(&lab, &client);
-    assert_eq!(counts.served().len(), 2, "{counts:?}\n{}", lab.agent_log());
+    let (lab, _pods) = serving(Mode::Ebpf);
     let log = lab.agent_log();
     let said = log.lines().filter(|l| l.contains("SCTP service ports are not served")).count();
     assert_eq!(said, 1, "{log}");

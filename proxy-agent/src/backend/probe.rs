@@ -86,8 +86,10 @@ pub fn run() -> Vec<Feature> {
     let destroy = super::ebpf::sock_diag::probe();
     let set_retval = crate::backend::ebpf::has_set_retval();
     let ipv6 = ipv6();
-    let sctp_sockets = kernel_part(registered("/proc/net/protocols", "SCTP"), "sctp.ko");
-    let sctp_match = kernel_part(registered("/proc/net/ip_tables_matches", "sctp"), "xt_sctp.ko");
+    let sctp_sockets = kernel_part(registered("/proc/net/protocols", "SCTP"), "sctp");
+    // The list is ip_tables' (iptables-legacy): with nft alone it is not
+    // there, and a loaded xt_sctp is in /sys/module.
+    let sctp_match = kernel_part(registered("/proc/net/ip_tables_matches", "sctp"), "xt_sctp");
     vec![
         Feature {
             name: BTF,
@@ -211,19 +213,21 @@ fn registered(list: &str, name: &str) -> bool {
     text.lines().any(|l| l.split_whitespace().next() == Some(name))
 }
 
-/// Whether the kernel has a part: `registered`, or `module` on the module
-/// lists, loaded on first use. Nothing is loaded here: as kube-proxy opens
-/// no SCTP socket, loading SCTP is left to those who use it.
+/// Whether the kernel has a part: `registered`, or its `module` loaded, or
+/// on the module lists (loaded on first use). Nothing is loaded here: as
+/// kube-proxy opens no SCTP socket, loading SCTP is left to those who use
+/// it.
 fn kernel_part(registered: bool, module: &str) -> Result<String, String> {
-    if registered {
+    if registered || std::path::Path::new("/sys/module").join(module).exists() {
         return Ok("in the running kernel".into());
     }
+    let file = format!("{module}.ko");
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let dir = std::path::Path::new("/lib/modules").join(release.trim());
     let lists = ["modules.builtin", "modules.dep"].map(|f| std::fs::read_to_string(dir.join(f)));
-    match lists.iter().flatten().any(|text| lists_module(text, module)) {
-        true => Ok(format!("{module}, loaded on first use")),
-        false => Err(format!("not in this kernel, nor {module} in {}", dir.display())),
+    match lists.iter().flatten().any(|text| lists_module(text, &file)) {
+        true => Ok(format!("{file}, loaded on first use")),
+        false => Err(format!("not in this kernel, nor {file} in {}", dir.display())),
     }
 }
 

@@ -90,36 +90,28 @@ impl Unserved {
 
 #[cfg(test)]
 mod tests {
-    use std::{net::Ipv4Addr, sync::Arc};
+    use std::net::Ipv4Addr;
+
+    use test_objects::{Protocol::Sctp, ServiceBuilder, port, service};
 
     use super::*;
-    use crate::{
-        model::ServicePortName,
-        plan::{BackendPlan, FrontendKind, FrontendPlan},
-    };
+    use crate::plan::Node;
 
-    fn frontend(ip: u8, protocol: Protocol) -> Frontend {
-        Frontend::new(Ipv4Addr::new(10, 96, 0, ip).into(), 80, protocol)
+    /// The plan of `services` (their cluster IPs: the node has no address).
+    fn plan(services: &[&ServiceBuilder]) -> Plan {
+        let services: Vec<_> = services.iter().map(|s| (*s).clone().build()).collect();
+        crate::plan::plan(&crate::source::model_of(&services, &[]), &Node::default()).0
     }
 
-    fn add(plan: &mut Plan, name: &str, frontend: Frontend) {
-        let service = ServiceName { namespace: "default".into(), name: name.into() };
-        let service = Arc::new(ServicePortName { service, port: "".into() });
-        let fp = FrontendPlan {
-            service,
-            kind: FrontendKind::ClusterIp,
-            backends: Vec::<BackendPlan>::new().into(),
-            affinity_timeout_secs: None,
-            external: false,
-            local: false,
-            drop_when_empty: false,
-            source_ranges: Vec::new(),
-            two_scopes: false,
-            serves_terminating: false,
-            maglev: false,
-            dsr: false,
-        };
-        plan.frontends.insert(frontend, fp);
+    /// `mixed` at 10.96.0.1: http 80/TCP, and diameter 3868/SCTP unless
+    /// `tcp_only`.
+    fn mixed(tcp_only: bool) -> ServiceBuilder {
+        let mixed = service("default", "mixed").cluster_ip("10.96.0.1").port(port("http", 80));
+        if tcp_only { mixed } else { mixed.port(port("diameter", 3868).protocol(Sctp)) }
+    }
+
+    fn frontend(ip: u8, port: u16, protocol: Protocol) -> Frontend {
+        Frontend::new(Ipv4Addr::new(10, 96, 0, ip).into(), port, protocol)
     }
 
     fn names(services: &BTreeSet<ServiceName>) -> Vec<String> {
@@ -128,37 +120,35 @@ mod tests {
 
     #[test]
     fn sctp_frontends_are_left_out_and_their_services_named_once_per_change() {
-        let (tcp, sctp, sctp2) =
-            (frontend(1, Protocol::Tcp), frontend(1, Protocol::Sctp), frontend(2, Protocol::Sctp));
-        let mut plan = Plan::default();
-        add(&mut plan, "mixed", tcp);
-        add(&mut plan, "mixed", sctp);
+        let (tcp, sctp) = (frontend(1, 80, Protocol::Tcp), frontend(1, 3868, Protocol::Sctp));
         let mut unserved = Unserved::default();
-
-        let served = unserved.leave_out(&plan, None);
+        let first = plan(&[&mixed(false)]);
+        assert_eq!(first.frontends.len(), 2);
+        let served = unserved.leave_out(&first, None);
         assert_eq!(served.plan.frontends.keys().collect::<Vec<_>>(), [&tcp]);
-        assert_eq!(unserved.changed(&plan).map(names), Some(vec!["default/mixed".into()]));
+        assert_eq!(unserved.changed(&first).map(names), Some(vec!["default/mixed".into()]));
         assert_eq!(unserved.services(), 1);
-        unserved.leave_out(&plan, None);
-        assert_eq!(unserved.changed(&plan), None, "unchanged: not reported again");
+        unserved.leave_out(&first, None);
+        assert_eq!(unserved.changed(&first), None, "unchanged: not reported again");
 
-        // A change names only the frontends that changed.
-        add(&mut plan, "telecom", sctp2);
-        let dirty = BTreeSet::from([sctp2]);
-        let served = unserved.leave_out(&plan, Some(&dirty));
+        // A change: only the frontends that changed are looked at.
+        let telecom = service("default", "telecom").cluster_ip("10.96.0.2");
+        let telecom = telecom.port(port("sigtran", 2905).protocol(Sctp));
+        let second = plan(&[&mixed(false), &telecom]);
+        let dirty = BTreeSet::from([frontend(2, 2905, Protocol::Sctp)]);
+        let served = unserved.leave_out(&second, Some(&dirty));
         assert_eq!(served.dirty(), Some(&BTreeSet::new()));
-        assert_eq!(served.plan.frontends.len(), 1);
-        let changed = unserved.changed(&plan).map(names);
+        assert_eq!(served.plan.frontends.keys().collect::<Vec<_>>(), [&tcp]);
+        let changed = unserved.changed(&second).map(names);
         assert_eq!(changed, Some(vec!["default/mixed".into(), "default/telecom".into()]));
 
         // Gone again: the plan passes through as it is.
-        plan.frontends.remove(&sctp);
-        plan.frontends.remove(&sctp2);
-        let dirty = BTreeSet::from([sctp, sctp2, tcp]);
-        let served = unserved.leave_out(&plan, Some(&dirty));
+        let third = plan(&[&mixed(true)]);
+        let dirty = BTreeSet::from([sctp, frontend(2, 2905, Protocol::Sctp), tcp]);
+        let served = unserved.leave_out(&third, Some(&dirty));
         assert!(matches!(served.plan, Cow::Borrowed(_)));
         assert_eq!(served.dirty(), Some(&dirty));
-        assert_eq!(unserved.changed(&plan).map(names), Some(vec![]));
+        assert_eq!(unserved.changed(&third).map(names), Some(vec![]));
         assert_eq!(unserved.services(), 0);
     }
 }
