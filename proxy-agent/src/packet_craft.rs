@@ -13,6 +13,7 @@ pub const ETH_IPV6: u16 = 0x86dd;
 pub const ICMP: u8 = 1;
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
+pub const SCTP: u8 = 132;
 pub const ICMPV6: u8 = 58;
 
 /// A frame with zero MACs: the IP header of `src` and `dst` (IPv4 with its
@@ -46,6 +47,33 @@ pub fn packet(number: u8, from: SocketAddr, to: SocketAddr, rest: &[u8]) -> Vec<
     let mut p = frame(number, from.ip(), to.ip(), &with_ports(from.port(), to.port(), rest));
     set_l4_checksum(&mut p);
     p
+}
+
+/// An SCTP INIT from `from` to `to` (verification tag 0, as an INIT has),
+/// its CRC32c checksum set.
+pub fn sctp_init(from: SocketAddr, to: SocketAddr) -> Vec<u8> {
+    // Verification tag 0, checksum (set below); INIT chunk of 20 bytes:
+    // initiate tag 1, a_rwnd 65535, 10 outbound and inbound streams, TSN 1.
+    let rest = [
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 20, 0, 0, 0, 1, 0, 0, 0xff, 0xff, 0, 10, 0, 10, 0, 0, 0, 1,
+    ];
+    let mut l4 = with_ports(from.port(), to.port(), &rest);
+    // RFC 9260 appendix A: the CRC32c's bytes go out least significant first.
+    let sum = crc32c(&l4);
+    l4[8..12].copy_from_slice(&sum.to_le_bytes());
+    frame(SCTP, from.ip(), to.ip(), &l4)
+}
+
+/// CRC32c (Castagnoli, reflected), bit by bit: a crafted packet's worth.
+fn crc32c(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for byte in bytes {
+        crc ^= u32::from(*byte);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82f6_3b78 } else { crc >> 1 };
+        }
+    }
+    !crc
 }
 
 fn v6(ip: IpAddr) -> Ipv6Addr {
@@ -219,6 +247,23 @@ mod tests {
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn crc32c_matches_the_standard_check_value() {
+        assert_eq!(crc32c(b"123456789"), 0xe306_9283);
+    }
+
+    #[test]
+    fn an_sctp_init_carries_its_ports_and_a_checksum_over_the_message() {
+        let p = sctp_init(addr("10.0.0.1:4000"), addr("10.96.0.1:80"));
+        assert_eq!(p[ETH_LEN + 9], SCTP);
+        let l4 = &p[ETH_LEN + IP_LEN..];
+        assert_eq!(&l4[..4], &[0x0f, 0xa0, 0, 80]);
+        assert_eq!(l4[12], 1, "an INIT chunk");
+        let mut zeroed = l4.to_vec();
+        zeroed[8..12].fill(0);
+        assert_eq!(u32::from_le_bytes(l4[8..12].try_into().unwrap()), crc32c(&zeroed));
     }
 
     #[test]

@@ -74,6 +74,7 @@ pub const MAX_MAGLEV_CHUNKS: u32 = 65_536;
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_SCTP: u8 = 132;
 
 /// `ServiceKey::scope`: the frontend every client of an address gets, the
 /// only one at most addresses.

@@ -156,6 +156,12 @@ impl Request {
         Self::new("tcp", addr, count)
     }
 
+    /// `count` SCTP associations, one after the other, each an exchange
+    /// as [`Request::tcp`]'s.
+    pub fn sctp(addr: &str, count: usize) -> Self {
+        Self::new("sctp", addr, count)
+    }
+
     /// `count` TCP connections open at once.
     pub fn tcp_concurrent(addr: &str, count: usize) -> Self {
         Self::new("tcp-concurrent", addr, count)

@@ -143,6 +143,12 @@ impl Lab {
         self.start_server(pod, &["--echo".into(), port.to_string()])
     }
 
+    /// Starts a server in `pod` answering SCTP associations on `port` as
+    /// the TCP server answers connections (the kernel needs SCTP).
+    pub fn serve_sctp(&mut self, pod: &Pod, port: u16) -> anyhow::Result<()> {
+        self.start_server(pod, &["--sctp".into(), port.to_string()])
+    }
+
     fn start_server(&mut self, pod: &Pod, args: &[String]) -> anyhow::Result<()> {
         let mut cmd = Command::new(target_bin("labpod"));
         cmd.args(["--netns", &pod.netns, "serve", "--name", &pod.name]).args(args);

@@ -23,6 +23,7 @@ spec:
   ports:
   - {name: http, port: 80, nodePort: 30080}
   - {name: dns, port: 53, protocol: UDP, nodePort: 30053}
+  - {name: diameter, port: 3868, protocol: SCTP, targetPort: 3869, nodePort: 30868}
 status: {loadBalancer: {ingress: [{ip: 10.200.0.10}]}}
 ---
 apiVersion: v1
@@ -34,7 +35,7 @@ apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
 metadata: {name: web-1, namespace: lab, labels: {kubernetes.io/service-name: web}}
 addressType: IPv4
-ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]
+ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}, {name: diameter, port: 3869, protocol: SCTP}]
 endpoints:
 - {addresses: [10.244.1.2], nodeName: lab-node}
 - {addresses: [10.244.2.2], nodeName: lab-node2}
@@ -49,13 +50,13 @@ spec:
   ipFamilies: [IPv6]
   ipFamilyPolicy: SingleStack
   externalIPs: [fd00:200::11]
-  ports: [{name: http, port: 80, nodePort: 30082}]
+  ports: [{name: http, port: 80, nodePort: 30082}, {name: diameter, port: 3868, protocol: SCTP, nodePort: 30869}]
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
 metadata: {name: web6-1, namespace: lab, labels: {kubernetes.io/service-name: web6}}
 addressType: IPv6
-ports: [{name: http, port: 8080}]
+ports: [{name: http, port: 8080}, {name: diameter, port: 3868, protocol: SCTP}]
 endpoints:
 - {addresses: ['fd00:244:1::2'], nodeName: lab-node}
 - {addresses: ['fd00:244:2::2'], nodeName: lab-node2}
@@ -108,6 +109,9 @@ fn rendered_rules_are_accepted_and_applied_by_iptables_restore() {
     for line in [
         "-A KUBE-NODEPORTS -m comment --comment \"lab/web:http health check node port\" -m tcp -p tcp --dport 32000 -j ACCEPT",
         "-A KUBE-SERVICES -m comment --comment \"lab/empty has no endpoints\" -m tcp -p tcp -d 10.96.0.20 --dport 80 -j REJECT",
+        "-A KUBE-SERVICES -m comment --comment \"lab/web:diameter loadbalancer IP\" -m sctp -p sctp -d 10.200.0.10 --dport 3868 -j KUBE-FW-",
+        "-A KUBE-NODEPORTS -m comment --comment lab/web:diameter -m sctp -p sctp --dport 30868 -j KUBE-EXT-",
+        "-m sctp -p sctp -j DNAT --to-destination 10.244.1.2:3869",
     ] {
         assert!(rules.contains(line), "missing {line}\n{rules}");
     }
@@ -131,6 +135,14 @@ fn rendered_rules_are_accepted_and_applied_by_iptables_restore() {
             "KUBE-PROXY-FIREWALL",
         ] {
             assert!(saved.contains(chain), "{save} has no {chain}:\n{saved}");
+        }
+        // The SCTP port's rules, as iptables-save prints them back.
+        for sctp in [
+            "-A KUBE-SERVICES -d 10.96.0.10/32 -p sctp -m comment --comment \"lab/web:diameter cluster IP\" -m sctp --dport 3868 -j KUBE-SVC-",
+            "-A KUBE-NODEPORTS -p sctp -m comment --comment \"lab/web:diameter\" -m sctp --dport 30868 -j KUBE-EXT-",
+            " -m sctp -j DNAT --to-destination 10.244.1.2:3869",
+        ] {
+            assert!(saved.contains(sctp), "{save} has no {sctp}:\n{saved}");
         }
     }
 }
@@ -156,5 +168,9 @@ fn an_ipv6_only_service_s_rules_are_applied_by_ip6tables_restore() {
             assert!(saved.contains(chain), "{save} has no {chain}:\n{saved}");
         }
         assert!(saved.contains("fd00:96::10/128"), "{save}:\n{saved}");
+        assert!(
+            saved.contains("-j DNAT --to-destination [fd00:244:1::2]:3868"),
+            "{save}:\n{saved}"
+        );
     }
 }

@@ -27,6 +27,17 @@ fn this_kernel_runs_the_ebpf_mode() {
         let line = table.iter().find(|l| l.starts_with(feature)).unwrap_or_else(|| panic!("{out}"));
         assert!(line.contains(" optional  yes "), "{line}");
     }
+    // SCTP: sockets (the development kernel has none) and the sctp match
+    // (built in here), each said, never required.
+    let sctp_match = std::fs::read_to_string("/proc/net/ip_tables_matches")
+        .is_ok_and(|m| m.lines().any(|l| l == "sctp"));
+    for (feature, expected) in [("SCTP sockets", None), ("iptables sctp match", Some(sctp_match))] {
+        let line = table.iter().find(|l| l.starts_with(feature)).unwrap_or_else(|| panic!("{out}"));
+        match expected {
+            Some(true) => assert!(line.contains(" optional  yes "), "{line}"),
+            _ => assert!(line.contains(" optional "), "{line}"),
+        }
+    }
 }
 
 #[test]

@@ -64,6 +64,8 @@ pub const IPV6: &str = "IPv6 stack and ip6tables (IPv6 services)";
 pub const MAGLEV: &str = "Maglev (--bpf-lb-algorithm maglev)";
 pub const DSR: &str = "DSR (--bpf-lb-mode dsr|hybrid)";
 pub const NETNS_COOKIE: &str = "network namespace cookie (SO_NETNS_COOKIE, 5.14+)";
+pub const SCTP_SOCKETS: &str = "SCTP sockets (pods here speaking SCTP)";
+pub const SCTP_MATCH: &str = "iptables sctp match (SCTP services, iptables mode)";
 
 /// Picks the mode: eBPF when every required feature is there.
 pub fn decide(features: &[Feature]) -> Decision {
@@ -86,6 +88,10 @@ pub fn run() -> Vec<Feature> {
     let set_retval = crate::backend::ebpf::has_set_retval();
     let ipv6 = ipv6();
     let netns_cookie = sys::netns_cookie();
+    let sctp_sockets = kernel_part(registered("/proc/net/protocols", "SCTP"), "sctp");
+    // The list is ip_tables' (iptables-legacy): with nft alone it is not
+    // there, and a loaded xt_sctp is in /sys/module.
+    let sctp_match = kernel_part(registered("/proc/net/ip_tables_matches", "sctp"), "xt_sctp");
     vec![
         Feature {
             name: BTF,
@@ -186,7 +192,62 @@ pub fn run() -> Vec<Feature> {
                 Err(why) => format!("{why}: IPv6 services are not served"),
             },
         },
+        Feature {
+            name: SCTP_SOCKETS,
+            required: false,
+            found: sctp_sockets.is_ok(),
+            detail: match sctp_sockets {
+                Ok(how) => how,
+                Err(why) => format!("{why} (CONFIG_IP_SCTP): no pod here can open an SCTP socket"),
+            },
+        },
+        Feature {
+            name: SCTP_MATCH,
+            required: false,
+            found: sctp_match.is_ok(),
+            detail: match sctp_match {
+                Ok(how) => format!(
+                    "{how}: SCTP service ports get rules (the eBPF mode leaves them out, for now)"
+                ),
+                Err(why) => format!(
+                    "{why} (CONFIG_NETFILTER_XT_MATCH_SCTP): SCTP service ports are left out in both modes"
+                ),
+            },
+        },
     ]
+}
+
+/// Whether the kernel's `list` under /proc names `name` (its first word on
+/// a line): a protocol or match built in or loaded.
+fn registered(list: &str, name: &str) -> bool {
+    let text = std::fs::read_to_string(list).unwrap_or_default();
+    text.lines().any(|l| l.split_whitespace().next() == Some(name))
+}
+
+/// Whether the kernel has a part: `registered`, or its `module` loaded, or
+/// on the module lists (loaded on first use). Nothing is loaded here: as
+/// kube-proxy opens no SCTP socket, loading SCTP is left to those who use
+/// it.
+fn kernel_part(registered: bool, module: &str) -> Result<String, String> {
+    if registered || std::path::Path::new("/sys/module").join(module).exists() {
+        return Ok("in the running kernel".into());
+    }
+    let file = format!("{module}.ko");
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let dir = std::path::Path::new("/lib/modules").join(release.trim());
+    let lists = ["modules.builtin", "modules.dep"].map(|f| std::fs::read_to_string(dir.join(f)));
+    match lists.iter().flatten().any(|text| lists_module(text, &file)) {
+        true => Ok(format!("{file}, loaded on first use")),
+        false => Err(format!("not in this kernel, nor {file} in {}", dir.display())),
+    }
+}
+
+/// Whether a `modules.dep` or `modules.builtin` text lists `module`
+/// (`sctp.ko`, maybe compressed: `sctp.ko.xz`).
+fn lists_module(text: &str, module: &str) -> bool {
+    text.lines().filter_map(|l| l.split(':').next()?.rsplit('/').next()).any(|file| {
+        file == module || file.strip_prefix(module).is_some_and(|rest| rest.starts_with('.'))
+    })
 }
 
 /// A feature the verified programs hold (`loaded`), and what else it needs.
@@ -297,6 +358,15 @@ mod tests {
         let details = details(&features);
         assert!(details.starts_with("== programs load") && details.contains("unknown func"));
         assert!(details.lines().count() == 4, "{details}");
+    }
+
+    #[test]
+    fn modules_are_found_by_file_name_compressed_or_not() {
+        let dep = "kernel/net/sctp/sctp.ko.xz: kernel/lib/libcrc32c.ko.xz kernel/net/udp_tunnel.ko\nkernel/net/netfilter/xt_sctp.ko:\n";
+        assert!(lists_module(dep, "sctp.ko") && lists_module(dep, "xt_sctp.ko"));
+        // A dependency is not the module itself, nor is a longer name.
+        assert!(!lists_module(dep, "libcrc32c.ko") && !lists_module(dep, "ctp.ko"));
+        assert!(!lists_module("kernel/net/sctp/sctp_diag.ko:\n", "sctp.ko"));
     }
 
     #[test]

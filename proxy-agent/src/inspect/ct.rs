@@ -362,4 +362,22 @@ mod tests {
             ["conntrack", "udp", "192.168.100.101:41000", "192.168.100.11:30053"]
         );
     }
+
+    #[test]
+    fn sctp_associations_are_rows_with_their_state() {
+        let lb = [LbEntry {
+            frontend: "10.96.0.10:3868/sctp".into(),
+            kind: "ClusterIP".into(),
+            service: "demo/web:diameter".into(),
+            flags: vec![],
+            backends: vec![],
+        }];
+        let text = "sctp     132 431999 ESTABLISHED src=10.244.1.100 dst=10.96.0.10 sport=40006 dport=3868 src=10.244.1.2 dst=10.244.1.100 sport=3869 dport=40006 [ASSURED] mark=0 use=1\n";
+        let rows = conntrack(text, &lb);
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        let r = &rows[0];
+        assert_eq!((r.proto.as_str(), r.state.as_str()), ("sctp", "established"));
+        assert_eq!((r.backend.as_str(), r.expires_secs), ("10.244.1.2:3869", Some(431999)));
+        assert_eq!(protocol(proxy_common::IPPROTO_SCTP), "sctp");
+    }
 }

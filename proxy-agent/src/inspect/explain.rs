@@ -50,6 +50,7 @@ pub fn craft(proto: Protocol, from: SocketAddr, to: SocketAddr) -> Vec<u8> {
             to,
             &[0, 12, 0, 0, b'p', b'i', b'n', b'g'],
         ),
+        Protocol::Sctp => packet_craft::sctp_init(from, to),
     }
 }
 
@@ -119,6 +120,7 @@ fn proto_name(proto: Protocol) -> &'static str {
     match proto {
         Protocol::Tcp => "tcp",
         Protocol::Udp => "udp",
+        Protocol::Sctp => "sctp",
     }
 }
 
@@ -236,7 +238,7 @@ pub fn explain(query: &Query, run: &ExplainRun, entries: &[LbEntry]) -> Explanat
             x.reason = Some(NO_ENDPOINT.into());
             let answer = match query.proto {
                 Protocol::Tcp => "a TCP reset".into(),
-                Protocol::Udp => port_unreachable(query),
+                Protocol::Udp | Protocol::Sctp => port_unreachable(query),
             };
             x.action = format!("answered with {answer}, out of the interface it came in on");
         }

@@ -12,7 +12,7 @@ pub mod rule_walk;
 
 use std::fmt::Write as _;
 
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 use serde::Serialize;
 
 /// Flags of a frontend, in words (the same in both modes).
@@ -41,6 +41,7 @@ pub fn protocol(proto: u8) -> &'static str {
     match proto {
         IPPROTO_TCP => "tcp",
         IPPROTO_UDP => "udp",
+        IPPROTO_SCTP => "sctp",
         _ => "?",
     }
 }

@@ -99,15 +99,15 @@ impl Annotated for LbMode {
 }
 
 impl LbMode {
-    /// The forwarding of a service port of `protocol` under this mode.
+    /// The forwarding of a service port of `protocol` under this mode:
+    /// hybrid sends TCP direct and everything else through SNAT.
     pub fn for_protocol(self, protocol: super::vocabulary::Protocol) -> ForwardingMode {
+        use super::vocabulary::Protocol;
         match (self, protocol) {
-            (LbMode::Snat, _) | (LbMode::Hybrid, super::vocabulary::Protocol::Udp) => {
+            (LbMode::Snat, _) | (LbMode::Hybrid, Protocol::Udp | Protocol::Sctp) => {
                 ForwardingMode::Snat
             }
-            (LbMode::Dsr, _) | (LbMode::Hybrid, super::vocabulary::Protocol::Tcp) => {
-                ForwardingMode::Dsr
-            }
+            (LbMode::Dsr, _) | (LbMode::Hybrid, Protocol::Tcp) => ForwardingMode::Dsr,
         }
     }
 }
@@ -170,6 +170,7 @@ mod tests {
     fn hybrid_is_dsr_for_tcp_and_snat_for_udp() {
         assert_eq!(LbMode::Hybrid.for_protocol(Protocol::Tcp), ForwardingMode::Dsr);
         assert_eq!(LbMode::Hybrid.for_protocol(Protocol::Udp), ForwardingMode::Snat);
+        assert_eq!(LbMode::Hybrid.for_protocol(Protocol::Sctp), ForwardingMode::Snat);
         assert_eq!(LbMode::Dsr.for_protocol(Protocol::Udp), ForwardingMode::Dsr);
         assert_eq!(LbMode::Snat.for_protocol(Protocol::Tcp), ForwardingMode::Snat);
         assert_eq!(LbMode::parse("Hybrid"), Some(LbMode::Hybrid));

@@ -99,8 +99,7 @@ fn slice_ports(
     for port in ports {
         let port_name = port.name.unwrap_or_default();
         let protocol = match Protocol::parse(port.protocol.as_deref()) {
-            Ok(Some(protocol)) => protocol,
-            Ok(None) => continue,
+            Ok(protocol) => protocol,
             Err(protocol) => {
                 errors.push(ModelError::UnsupportedSlicePortProtocol {
                     slice: slice_name.clone(),

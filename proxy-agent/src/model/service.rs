@@ -338,10 +338,6 @@ pub fn parse_service(name: &ServiceName, service: objects::Service) -> ParsedSer
                 protocol,
             }
         })?;
-        let Some(protocol) = protocol else {
-            tracing::debug!(service = %name, port = %port_name, "SCTP port: not proxied");
-            continue;
-        };
         let number = u16::try_from(port.port).ok().filter(|p| *p != 0).ok_or_else(|| {
             ModelError::InvalidPort {
                 service: name.clone(),

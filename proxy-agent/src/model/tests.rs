@@ -198,14 +198,25 @@ fn unset_serving_means_serving_for_the_terminating_fallback() {
 }
 
 #[test]
-fn sctp_ports_are_skipped_not_rejected() {
-    let sctp = svc("a", "10.96.0.3").port(port("x", 80)).port(port("y", 90).protocol(Sctp)).build();
-    let model = build(std::slice::from_ref(&sctp), &[]);
-    assert!(model.errors.is_empty());
-    assert_eq!(model.ports().count(), 1, "the TCP port is still served");
-    let sctp_slice = slice("default", "s").service("a").port("y", 90, Sctp);
+fn sctp_ports_are_proxied_with_their_endpoints() {
+    let sctp = svc("a", "10.96.0.3").port(port("x", 80)).port(port("y", 90).protocol(Sctp));
+    let sctp = sctp.build();
+    let sctp_slice = slice("default", "s").service("a").port("y", 9090, Sctp);
     let sctp_slice = sctp_slice.endpoint(ep("10.244.0.2")).build();
-    assert!(build(&[sctp], &[sctp_slice]).errors.is_empty());
+    let model = build(&[sctp], &[sctp_slice]);
+    assert!(model.errors.is_empty(), "{:?}", model.errors);
+    let protocols: Vec<_> = model.ports().map(|p| p.protocol).collect();
+    assert_eq!(protocols, [Protocol::Tcp, Protocol::Sctp]);
+    let y = model.ports().find(|p| p.protocol == Protocol::Sctp).unwrap();
+    assert_eq!(addrs(y), ["10.244.0.2:9090"]);
+}
+
+#[test]
+fn an_sctp_port_and_a_tcp_port_may_share_a_number() {
+    let both = svc("a", "10.96.0.3").port(port("t", 90)).port(port("s", 90).protocol(Sctp));
+    let model = build(&[both.build()], &[]);
+    assert!(model.errors.is_empty(), "{:?}", model.errors);
+    assert_eq!(model.ports().count(), 2);
 }
 
 /// `default/dual`: IPv6 first, then IPv4 (as `ipFamilies` says), with

@@ -55,24 +55,24 @@ impl fmt::Display for ServicePortName {
 pub enum Protocol {
     Tcp,
     Udp,
+    Sctp,
 }
 
 impl Protocol {
-    /// Parses a Kubernetes protocol name; absent means TCP. SCTP is valid
-    /// but not proxied (`Ok(None)`); anything else is an error.
-    pub(super) fn parse(value: Option<&str>) -> Result<Option<Self>, String> {
-        match value.unwrap_or("TCP") {
-            "TCP" => Ok(Some(Protocol::Tcp)),
-            "UDP" => Ok(Some(Protocol::Udp)),
-            "SCTP" => Ok(None),
-            other => Err(other.to_string()),
-        }
+    pub const ALL: [Protocol; 3] = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp];
+
+    /// Parses a Kubernetes protocol name; absent means TCP; anything but
+    /// the three Kubernetes knows is an error.
+    pub(super) fn parse(value: Option<&str>) -> Result<Self, String> {
+        let value = value.unwrap_or("TCP");
+        Protocol::ALL.into_iter().find(|p| p.as_str() == value).ok_or_else(|| value.to_string())
     }
 
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Tcp => "TCP",
             Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
         }
     }
 
@@ -81,6 +81,7 @@ impl Protocol {
         match self {
             Protocol::Tcp => "tcp",
             Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
         }
     }
 }

@@ -11,6 +11,10 @@
 //! before the answer. A request with a `Content-Length` of N (the `upload`
 //! client's) has its N bytes read and counted, answered `bytes=<received>`
 //! before the answer line.
+//!
+//! SCTP associations (one-to-one sockets, which read and write as TCP
+//! connections do) are served and made as TCP connections are: `--sctp
+//! PORT` serves, the `sctp` client connects.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -22,7 +26,9 @@ use anyhow::{Context, bail};
 
 const USAGE: &str = "usage: labpod --netns NAME [--cgroup DIR] [--timeout-ms MS] \
     (serve --name NAME [--dual-stack] [--tcp PORT]... [--udp PORT]... [--echo PORT]... \
-    | tcp ADDR COUNT [--interval-ms MS] [--source-port-base PORT] | tcp-concurrent ADDR COUNT \
+    [--sctp PORT]... \
+    | (tcp|sctp) ADDR COUNT [--interval-ms MS] [--source-port-base PORT] \
+    | tcp-concurrent ADDR COUNT \
     | stream ADDR COUNT [--interval-ms MS] \
     | udp ADDR COUNT [--interval-ms MS] [--connect [--reconnect]] [--socket-per-datagram] \
     [--source-port-base PORT] \
@@ -43,7 +49,8 @@ fn main() -> anyhow::Result<()> {
         Duration::from_millis(take_opt(&mut args, "--timeout-ms").map_or(Ok(2000), |t| t.parse())?);
     match args.first().map(String::as_str) {
         Some("serve") => serve(&mut args),
-        Some("tcp") => tcp_client(&mut args, timeout),
+        Some("tcp") => tcp_client(&mut args, timeout, Stream::Tcp),
+        Some("sctp") => tcp_client(&mut args, timeout, Stream::Sctp),
         Some("tcp-concurrent") => tcp_concurrent(&args, timeout),
         Some("stream") => stream_client(&mut args, timeout),
         Some("udp") => udp_client(&mut args, timeout),
@@ -53,6 +60,38 @@ fn main() -> anyhow::Result<()> {
         Some("upload") => upload_client(&args, timeout),
         _ => bail!(USAGE),
     }
+}
+
+/// The protocol of a stream socket.
+#[derive(Clone, Copy)]
+enum Stream {
+    Tcp,
+    Sctp,
+}
+
+impl Stream {
+    fn protocol(self) -> socket2::Protocol {
+        match self {
+            Stream::Tcp => socket2::Protocol::TCP,
+            Stream::Sctp => socket2::Protocol::from(libc::IPPROTO_SCTP),
+        }
+    }
+}
+
+/// A listening SCTP one-to-one socket on `any:port`, as a `TcpListener`:
+/// accept, read and write are the same calls.
+fn sctp_listener(any: &str, port: &str) -> anyhow::Result<TcpListener> {
+    let addr: SocketAddr = format!("{any}:{port}").parse()?;
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(Stream::Sctp.protocol()),
+    )
+    .context("an SCTP socket (is SCTP in this kernel?)")?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(128)?;
+    Ok(socket.into())
 }
 
 fn take_opt(args: &mut Vec<String>, name: &str) -> Option<String> {
@@ -108,23 +147,22 @@ fn serve(args: &mut Vec<String>) -> anyhow::Result<()> {
         None => "0.0.0.0",
     };
     let mut threads = Vec::new();
+    let mut listeners: Vec<(TcpListener, Handler)> = Vec::new();
     for port in take_all(args, "--tcp") {
-        let listener = TcpListener::bind(format!("{any}:{port}"))?;
-        let name = name.clone();
-        threads.push(std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                let name = name.clone();
-                std::thread::spawn(move || serve_tcp(&name, stream));
-            }
-        }));
+        listeners.push((TcpListener::bind(format!("{any}:{port}"))?, serve_tcp));
     }
     for port in take_all(args, "--echo") {
-        let listener = TcpListener::bind(format!("{any}:{port}"))?;
+        listeners.push((TcpListener::bind(format!("{any}:{port}"))?, serve_echo));
+    }
+    for port in take_all(args, "--sctp") {
+        listeners.push((sctp_listener(any, &port)?, serve_tcp));
+    }
+    for (listener, serve) in listeners {
         let name = name.clone();
         threads.push(std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 let name = name.clone();
-                std::thread::spawn(move || serve_echo(&name, stream));
+                std::thread::spawn(move || serve(&name, stream));
             }
         }));
     }
@@ -147,6 +185,9 @@ fn serve(args: &mut Vec<String>) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// What a server does with each connection it accepts.
+type Handler = fn(&str, TcpStream);
 
 /// Answers one HTTP/1.0-style request and closes. The whole request is read
 /// first: closing with unread bytes would make the kernel send a reset.
@@ -222,11 +263,11 @@ fn report(start: Instant, result: std::io::Result<(SocketAddr, String)>) {
     }
 }
 
-/// COUNT sequential connections, `--interval-ms` apart; `from` is what
-/// getpeername returned. Each line is flushed as it is printed.
-/// With `--source-port-base P`, connection `i` is made from port `P + i`
-/// (the same tuples again in a later run).
-fn tcp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
+/// COUNT sequential connections (or SCTP associations), `--interval-ms`
+/// apart; `from` is what getpeername returned. Each line is flushed as it
+/// is printed. With `--source-port-base P`, connection `i` is made from
+/// port `P + i` (the same tuples again in a later run).
+fn tcp_client(args: &mut Vec<String>, timeout: Duration, stream: Stream) -> anyhow::Result<()> {
     let interval = take_opt(args, "--interval-ms").map_or(Ok(0), |t| t.parse())?;
     let base: Option<u16> = take_opt(args, "--source-port-base").map(|p| p.parse()).transpose()?;
     let (addr, count) = target(args)?;
@@ -237,7 +278,7 @@ fn tcp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
         let start = Instant::now();
         let source_port = base.map(|b| b + i as u16);
         let request = "GET / HTTP/1.0\r\n\r\n";
-        let answer = connect(addr, timeout, source_port)
+        let answer = connect(addr, timeout, source_port, stream)
             .and_then(|stream| exchange_on(stream, request, timeout))
             .map(|(from, r)| (from, body(&r).into()));
         report(start, answer);
@@ -245,22 +286,28 @@ fn tcp_client(args: &mut Vec<String>, timeout: Duration) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A TCP connection to `addr`, from `source_port` if given (reusable at
-/// once: the same tuple is made again through another node).
+/// A TCP connection (or SCTP association) to `addr`, from `source_port`
+/// if given (reusable at once: the same tuple is made again through
+/// another node).
 fn connect(
     addr: SocketAddr,
     timeout: Duration,
     source_port: Option<u16>,
+    stream: Stream,
 ) -> std::io::Result<TcpStream> {
-    let Some(port) = source_port else { return TcpStream::connect_timeout(&addr, timeout) };
+    if let (None, Stream::Tcp) = (source_port, stream) {
+        return TcpStream::connect_timeout(&addr, timeout);
+    }
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM,
-        Some(socket2::Protocol::TCP),
+        Some(stream.protocol()),
     )?;
-    socket.set_reuse_address(true)?;
-    let any: SocketAddr = if addr.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().unwrap();
-    socket.bind(&SocketAddr::new(any.ip(), port).into())?;
+    if let Some(port) = source_port {
+        socket.set_reuse_address(true)?;
+        let any: SocketAddr = if addr.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }.parse().unwrap();
+        socket.bind(&SocketAddr::new(any.ip(), port).into())?;
+    }
     socket.connect_timeout(&addr.into(), timeout)?;
     Ok(socket.into())
 }

@@ -34,12 +34,13 @@ pub const KERNELS: [Kernel; 2] = [
     Kernel { name: "6.1", suite: "bookworm", auto: "ebpf" },
 ];
 
-/// One behaviour of the smoke subset: a `both_modes!` test of a lab test
-/// binary, run as `<function>::ebpf` and `<function>::iptables`.
+/// One behaviour of the smoke subset: a test of a lab test binary, run as
+/// `<function>::<mode>` in each of its modes (a `both_modes!` test's: both).
 struct Scenario {
     id: &'static str,
     binary: &'static str,
     function: &'static str,
+    modes: &'static [&'static str],
 }
 
 const SCENARIOS: &[Scenario] = &[
@@ -47,41 +48,56 @@ const SCENARIOS: &[Scenario] = &[
         id: "clusterip-tcp",
         binary: "socket_lb",
         function: "tcp_connections_spread_uniformly_over_three_endpoints",
+        modes: &MODES,
     },
     Scenario {
         id: "clusterip-udp",
         binary: "socket_lb",
         function: "udp_replies_and_tcp_peer_show_the_cluster_ip",
+        modes: &MODES,
     },
     Scenario {
         id: "no-endpoints-socket",
         binary: "socket_lb",
         function: "a_service_without_endpoints_refuses_at_once",
+        modes: &MODES,
     },
     Scenario {
         id: "nodeport-snat",
         binary: "packet_lb",
         function: "node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node",
+        modes: &MODES,
     },
     Scenario {
         id: "nodeport-local",
         binary: "packet_lb",
         function: "node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints",
+        modes: &MODES,
     },
     Scenario {
         id: "hairpin",
         binary: "packet_lb",
         function: "hairpin_a_pod_reaches_itself_through_its_cluster_ip",
+        modes: &MODES,
     },
     Scenario {
         id: "no-endpoints-packet",
         binary: "packet_lb",
         function: "no_endpoints_are_refused_not_timed_out",
+        modes: &MODES,
+    },
+    // The eBPF mode does not serve SCTP yet.
+    Scenario {
+        id: "sctp-echo",
+        binary: "sctp",
+        function: "sctp_echo_follows_the_endpoints",
+        modes: &["iptables"],
     },
     Scenario {
         id: "restart",
         binary: "restarts",
         function: "flows_survive_an_agent_crash_and_restart",
+        modes: &MODES,
     },
 ];
 
@@ -115,6 +131,9 @@ const MODULES: &[&str] = &[
     "xt_MASQUERADE",
     "xt_set",
     "ipt_REJECT",
+    "xt_sctp",
+    // SCTP sockets (with libcrc32c and the rest it needs, modprobe's).
+    "sctp",
     "inet_diag",
     "tcp_diag",
     "udp_diag",
@@ -175,7 +194,7 @@ fn prepare_guest(dir: &Path, root: &Path, tests: &[TestBinary]) -> anyhow::Resul
             .iter()
             .find(|t| t.package == "proxy-lab" && t.name == scenario.binary)
             .with_context(|| format!("no test binary {}", scenario.binary))?;
-        for mode in MODES {
+        for mode in scenario.modes {
             let _ = writeln!(
                 plan,
                 "{} {mode} {} {}",

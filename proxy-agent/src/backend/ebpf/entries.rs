@@ -7,8 +7,8 @@
 use std::net::{IpAddr, SocketAddr};
 
 use proxy_common::{
-    Backend, Backend6, BackendFlags, IPPROTO_TCP, IPPROTO_UDP, RevNat, RevNat6, SCOPE_EXTERNAL,
-    SCOPE_INTERNAL, ServiceKey, ServiceKey6,
+    Backend, Backend6, BackendFlags, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, RevNat, RevNat6,
+    SCOPE_EXTERNAL, SCOPE_INTERNAL, ServiceKey, ServiceKey6,
 };
 
 use crate::{
@@ -42,11 +42,16 @@ pub fn proto(protocol: Protocol) -> u8 {
     match protocol {
         Protocol::Tcp => IPPROTO_TCP,
         Protocol::Udp => IPPROTO_UDP,
+        Protocol::Sctp => IPPROTO_SCTP,
     }
 }
 
 fn protocol(proto: u8) -> Protocol {
-    if proto == IPPROTO_UDP { Protocol::Udp } else { Protocol::Tcp }
+    match proto {
+        IPPROTO_UDP => Protocol::Udp,
+        IPPROTO_SCTP => Protocol::Sctp,
+        _ => Protocol::Tcp,
+    }
 }
 
 impl SlotKey {

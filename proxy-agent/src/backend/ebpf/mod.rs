@@ -54,6 +54,7 @@ pub mod settings;
 pub mod sock_diag;
 pub mod sock_end;
 mod test_run;
+mod unserved;
 
 pub use attach::{TcAttach, remove_tc_filters};
 pub use counters::CounterReader;

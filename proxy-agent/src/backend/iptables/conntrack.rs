@@ -13,9 +13,12 @@
 //!   entries without DNAT, which would keep them from reaching the new pods.
 //!
 //! And, beyond kube-proxy, when the rules were missing (someone flushed
-//! them): unanswered TCP and UDP entries to a service address made meanwhile
-//! were not translated, and a client retrying (a SYN resent from the same
-//! port) would keep matching them until they expire. Answered ones are left
+//! them): unanswered TCP, UDP and SCTP entries to a service address made
+//! meanwhile were not translated, and a client retrying (a SYN or an INIT
+//! resent from the same port) would keep matching them until they expire.
+//! SCTP entries are otherwise left alone, as kube-proxy leaves them (its
+//! cleanup is UDP's only): an association is a connection, as TCP's, and its
+//! entry ends with it. Answered ones are left
 //! alone: something real answered them.
 
 use std::{
@@ -104,11 +107,8 @@ impl Entry {
     /// Parses `tcp 6 117 SYN_SENT src=… dst=… sport=… dport=… [UNREPLIED]
     /// src=… dst=… sport=… dport=… …`; `None` for other protocols.
     pub fn parse(line: &str) -> Option<Self> {
-        let protocol = match line.split_whitespace().next()? {
-            "tcp" => Protocol::Tcp,
-            "udp" => Protocol::Udp,
-            _ => return None,
-        };
+        let name = line.split_whitespace().next()?;
+        let protocol = Protocol::ALL.into_iter().find(|p| p.lower() == name)?;
         let values = |key: &'static str| {
             line.split_whitespace().filter_map(move |w| w.strip_prefix(key)?.strip_prefix('='))
         };
@@ -324,14 +324,20 @@ mod tests {
 tcp      6 431999 ESTABLISHED src=10.244.1.100 dst=10.96.0.10 sport=40002 dport=80 src=10.244.1.2 dst=10.244.1.100 sport=8080 dport=40002 [ASSURED] mark=0 use=1
 tcp      6 431999 ESTABLISHED src=10.244.1.100 dst=10.96.0.10 sport=40004 dport=80 src=10.96.0.10 dst=10.244.1.100 sport=80 dport=40004 [ASSURED] mark=0 use=1
 udp      17 29 src=10.244.1.100 dst=10.96.0.99 sport=5000 dport=53 [UNREPLIED] src=10.96.0.99 dst=10.244.1.100 sport=53 dport=5000 mark=0 use=1
+sctp     132 2 COOKIE_WAIT src=10.244.1.100 dst=10.96.0.10 sport=40006 dport=3868 [UNREPLIED] src=10.96.0.10 dst=10.244.1.100 sport=3868 dport=40006 mark=0 use=1
+sctp     132 431999 ESTABLISHED src=10.244.1.100 dst=10.96.0.10 sport=40008 dport=3868 src=10.244.1.2 dst=10.244.1.100 sport=3868 dport=40008 [ASSURED] mark=0 use=1
 icmp     1 29 src=10.244.1.100 dst=10.96.0.10 type=8 code=0 id=7 src=10.96.0.10 dst=10.244.1.100 type=0 code=0 id=7 mark=0 use=1
 ";
-        let frontends = BTreeSet::from([(Protocol::Tcp, VIP, 80)]);
+        let frontends = BTreeSet::from([(Protocol::Tcp, VIP, 80), (Protocol::Sctp, VIP, 3868)]);
         let found = untranslated(listing, &frontends);
-        assert_eq!(found.len(), 1, "answered, DNATed and other flows are kept: {found:?}");
+        assert_eq!(found.len(), 2, "answered, DNATed and other flows are kept: {found:?}");
         assert_eq!(
             found[0].delete_args().join(" "),
             "-D -p tcp --orig-src 10.244.1.100 --orig-dst 10.96.0.10 --orig-port-src 40000 --orig-port-dst 80"
+        );
+        assert_eq!(
+            found[1].delete_args().join(" "),
+            "-D -p sctp --orig-src 10.244.1.100 --orig-dst 10.96.0.10 --orig-port-src 40006 --orig-port-dst 3868"
         );
     }
 

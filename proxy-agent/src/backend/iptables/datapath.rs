@@ -259,5 +259,8 @@ pub fn render_options(
             "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",
         )
         .is_ok_and(|v| v.trim() != "0"),
+        // Tried: a kernel without the sctp match refuses them, and the
+        // backend leaves SCTP ports out from then on.
+        sctp: true,
     }
 }

@@ -29,7 +29,7 @@ use self::{
     exec::{ExecError, Runner},
     render::{ChainRef, Digests, KUBELET_FIREWALL, Options, Ruleset, Scope, jump_rules, render},
 };
-use crate::model::{IpFamily, Model};
+use crate::model::{IpFamily, Model, Protocol};
 
 const IPTABLES: &str = "iptables";
 const RESTORE: &str = "iptables-restore";
@@ -173,25 +173,32 @@ impl<R: Runner> IptablesBackend<R> {
     }
 
     /// Makes the kernel's rules those of `model`. After any failure the
-    /// next sync is a full one.
+    /// next sync is a full one. Rules refused for their SCTP ports (a
+    /// kernel without the `sctp` match) are written again without them,
+    /// and SCTP ports are left out from then on: the others are served.
     pub fn sync(&mut self, model: &Model) -> Result<SyncReport, IptablesError> {
-        let ruleset = render(model, &self.options);
-        let full = self.full_sync_due();
-        if self.last_full.is_none() {
-            // First sync: rules a previous agent left are serving.
-            self.rules_were_missing = self.canary_missing("mangle").unwrap_or(false);
-        }
-        let applied = self.applied.take();
-        let mut report = match (&applied, full) {
-            (Some(applied), false) => {
-                self.apply(&ruleset, Scope::ChangedSince(applied), applied.keys())?
+        let mut report = match self.write_rules(model) {
+            Err(refused @ IptablesError::Restore { .. })
+                if self.options.sctp
+                    && model
+                        .ports_of(self.options.family)
+                        .any(|p| p.protocol == Protocol::Sctp) =>
+            {
+                self.options.sctp = false;
+                match self.write_rules(model) {
+                    Ok(report) => {
+                        tracing::warn!(family = %self.options.family, "SCTP service ports are not served: iptables-restore refused their rules (is the kernel's sctp match, xt_sctp, missing?), the rules without them are in: {refused}");
+                        report
+                    }
+                    Err(e) => {
+                        // Not SCTP's doing.
+                        self.options.sctp = true;
+                        return Err(e);
+                    }
+                }
             }
-            _ => self.apply_full(&ruleset)?,
+            result => result?,
         };
-        self.applied = Some(ruleset.digests());
-        if full {
-            self.last_full = Some(Instant::now());
-        }
         let udp = udp_services(model, self.options.family, &self.options.node_ips);
         let mut stale = stale_flows(&self.udp, &udp);
         stale.append(&mut self.pending_flows);
@@ -200,6 +207,28 @@ impl<R: Runner> IptablesBackend<R> {
         if self.rules_were_missing {
             self.delete_untranslated(model, &mut report);
             self.rules_were_missing = false;
+        }
+        Ok(report)
+    }
+
+    /// One attempt at the rules of `model`.
+    fn write_rules(&mut self, model: &Model) -> Result<SyncReport, IptablesError> {
+        let ruleset = render(model, &self.options);
+        let full = self.full_sync_due();
+        if self.last_full.is_none() {
+            // First sync: rules a previous agent left are serving.
+            self.rules_were_missing = self.canary_missing("mangle").unwrap_or(false);
+        }
+        let applied = self.applied.take();
+        let report = match (&applied, full) {
+            (Some(applied), false) => {
+                self.apply(&ruleset, Scope::ChangedSince(applied), applied.keys())?
+            }
+            _ => self.apply_full(&ruleset)?,
+        };
+        self.applied = Some(ruleset.digests());
+        if full {
+            self.last_full = Some(Instant::now());
         }
         Ok(report)
     }
@@ -453,6 +482,8 @@ mod tests {
         failing_restores: usize,
         /// Another program holds the xtables lock: iptables exits 4.
         lock_held: bool,
+        /// A kernel without the sctp match: restores with SCTP rules fail.
+        no_sctp_match: bool,
     }
 
     impl Runner for Fake {
@@ -486,6 +517,11 @@ mod tests {
                     if self.failing_restores > 0 {
                         self.failing_restores -= 1;
                         return Err(failed("iptables-restore: line 3 failed"));
+                    }
+                    if self.no_sctp_match && stdin.unwrap_or_default().contains("-p sctp") {
+                        return Err(failed(
+                            "Warning: Extension sctp revision 0 not supported, missing kernel module?\niptables-restore: line 40 failed",
+                        ));
                     }
                     let mut current = "filter";
                     for line in stdin.unwrap_or_default().lines() {
@@ -657,6 +693,47 @@ mod tests {
         // deleted it.
         assert_eq!(report.chains_deleted, 1);
         assert_eq!(restores(&backend.runner).len(), 3);
+    }
+
+    /// Service `web` of [`web`] with an SCTP port beside its UDP one.
+    fn web_with_sctp() -> Model {
+        use test_objects::{Protocol::*, ep, port, service};
+        let web = service("default", "web").cluster_ip("10.96.0.10").port(port("dns", 53).udp());
+        let web = web.port(port("diameter", 3868).protocol(Sctp));
+        let slice = web.slice().port("dns", 5353, Udp).port("diameter", 3868, Sctp);
+        let slice = slice.endpoint(ep("10.244.1.2"));
+        crate::source::model_of(&[web.build()], &[slice.build()])
+    }
+
+    #[test]
+    fn sctp_rules_go_in_where_the_kernel_takes_them() {
+        let mut backend = IptablesBackend::new(Fake::default(), options());
+        backend.sync(&web_with_sctp()).unwrap();
+        assert_eq!(restores(&backend.runner).len(), 1);
+        assert!(backend.options.sctp);
+    }
+
+    #[test]
+    fn sctp_rules_refused_leave_sctp_ports_out_and_serve_the_rest() {
+        let fake = Fake { no_sctp_match: true, ..Fake::default() };
+        let mut backend = IptablesBackend::new(fake, options());
+        let report = backend.sync(&web_with_sctp()).unwrap();
+        assert!(report.full);
+        assert!(!backend.options.sctp);
+        // The UDP port's chains are in; the SCTP port's are not.
+        let svcs = |b: &IptablesBackend<Fake>| {
+            b.runner.chains["nat"].iter().filter(|c| c.starts_with("KUBE-SVC-")).count()
+        };
+        assert_eq!(svcs(&backend), 1);
+        assert_eq!(restores(&backend.runner).len(), 2, "refused once, then without SCTP");
+        // Not tried again at every sync.
+        backend.sync(&web_with_sctp()).unwrap();
+        assert_eq!(restores(&backend.runner).len(), 3);
+        // A failure that is not SCTP's is an error, and SCTP is not blamed.
+        let mut backend = IptablesBackend::new(Fake::default(), options());
+        backend.runner.failing_restores = 2;
+        assert!(backend.sync(&web_with_sctp()).is_err());
+        assert!(backend.options.sctp);
     }
 
     #[test]

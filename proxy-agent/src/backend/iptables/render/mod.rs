@@ -22,7 +22,7 @@ pub use self::{
     ruleset::{ChainRef, Digests, Ruleset, Scope},
 };
 use self::{ruleset::Table, service_rules::ServiceRules};
-use crate::model::{IpFamily, Model};
+use crate::model::{IpFamily, Model, Protocol};
 
 /// kube-proxy's masquerade mark (bit 14), as it formats it.
 const MARK: &str = "0x00004000";
@@ -74,7 +74,8 @@ pub fn jump_rules() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
 
 /// The rules for `model`'s ports of `opts.family`.
 pub fn render(model: &Model, opts: &Options) -> Ruleset {
-    let ports = || model.ports_of(opts.family);
+    let ports =
+        || model.ports_of(opts.family).filter(|p| opts.sctp || p.protocol != Protocol::Sctp);
     let large = ports().map(|p| p.endpoints.len()).sum::<usize>() > LARGE_CLUSTER_ENDPOINTS;
     let mut filter = Table::default();
     let mut nat = Table::default();

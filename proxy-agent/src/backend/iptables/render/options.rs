@@ -31,6 +31,9 @@ pub struct Options {
     /// `net.netfilter.nf_conntrack_tcp_be_liberal` is set: kube-proxy then
     /// does not drop conntrack-INVALID forwards.
     pub conntrack_tcp_liberal: bool,
+    /// SCTP ports get rules: false where the kernel refused them (no
+    /// `sctp` match), leaving those ports out.
+    pub sctp: bool,
 }
 
 impl Options {

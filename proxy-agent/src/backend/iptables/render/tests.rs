@@ -40,6 +40,7 @@ pub(crate) fn options() -> Options {
         nfacct: true,
         random_fully: true,
         conntrack_tcp_liberal: false,
+        sctp: true,
     }
 }
 
@@ -205,6 +206,39 @@ fn node_port_local_policy_and_a_service_without_endpoints_golden() {
 "# + NODEPORTS_LAST;
     // kube-proxy walks services in Go map order; we walk them by name.
     assert_eq!(render(&model(&services), &options()).to_string(), expected);
+}
+
+/// An SCTP port gets kube-proxy's rules, as TCP and UDP do (its proxier
+/// writes `-m <protocol> -p <protocol>` whatever the protocol), the chain
+/// names hashed with `sctp`, DNAT to the target port: a Diameter service
+/// at a cluster IP, a NodePort, an external IP and a load-balancer IP.
+#[test]
+fn an_sctp_port_gets_kube_proxys_rules_with_port_translation() {
+    use test_objects::Protocol::Sctp;
+    let diameter = svc("diameter", "10.96.0.80").load_balancer_type().external_ips(&["10.200.0.8"]);
+    let diameter = diameter.port(port("diameter", 3868).protocol(Sctp).node_port(30868));
+    let diameter = diameter.ingress_ip("198.51.100.8");
+    let endpoints = diameter.slice().port("diameter", 3869, Sctp);
+    let endpoints = endpoints.endpoint(ep("10.244.1.7").node("node-a"));
+    let empty = svc("empty", "10.96.0.81").port(port("sigtran", 2905).protocol(Sctp));
+    let m = crate::source::model_of(&[diameter.build(), empty.build()], &[endpoints.build()]);
+    let l: Vec<String> = render(&m, &options()).to_string().lines().map(str::to_string).collect();
+    for line in [
+        "-A KUBE-SERVICES -m comment --comment \"default/empty:sigtran has no endpoints\" -m sctp -p sctp -d 10.96.0.81 --dport 2905 -j REJECT",
+        "-A KUBE-SERVICES -m comment --comment \"default/diameter:diameter cluster IP\" -m sctp -p sctp -d 10.96.0.80 --dport 3868 -j KUBE-SVC-M2TMZFIBI5SX3EW2",
+        "-A KUBE-SERVICES -m comment --comment \"default/diameter:diameter external IP\" -m sctp -p sctp -d 10.200.0.8 --dport 3868 -j KUBE-EXT-M2TMZFIBI5SX3EW2",
+        "-A KUBE-SERVICES -m comment --comment \"default/diameter:diameter loadbalancer IP\" -m sctp -p sctp -d 198.51.100.8 --dport 3868 -j KUBE-EXT-M2TMZFIBI5SX3EW2",
+        "-A KUBE-NODEPORTS -m comment --comment default/diameter:diameter -m sctp -p sctp -d 127.0.0.0/8 --dport 30868 -m nfacct --nfacct-name localhost_nps_accepted_pkts -j KUBE-EXT-M2TMZFIBI5SX3EW2",
+        "-A KUBE-NODEPORTS -m comment --comment default/diameter:diameter -m sctp -p sctp --dport 30868 -j KUBE-EXT-M2TMZFIBI5SX3EW2",
+        "-A KUBE-SVC-M2TMZFIBI5SX3EW2 -m comment --comment \"default/diameter:diameter cluster IP\" -m sctp -p sctp -d 10.96.0.80 --dport 3868 ! -s 10.244.0.0/16 -j KUBE-MARK-MASQ",
+        "-A KUBE-EXT-M2TMZFIBI5SX3EW2 -m comment --comment \"masquerade traffic for default/diameter:diameter external destinations\" -j KUBE-MARK-MASQ",
+        "-A KUBE-SVC-M2TMZFIBI5SX3EW2 -m comment --comment \"default/diameter:diameter -> 10.244.1.7:3869\" -j KUBE-SEP-P6PVRGDOH2EFATBI",
+        "-A KUBE-SEP-P6PVRGDOH2EFATBI -m comment --comment default/diameter:diameter -s 10.244.1.7 -j KUBE-MARK-MASQ",
+        "-A KUBE-SEP-P6PVRGDOH2EFATBI -m comment --comment default/diameter:diameter -m sctp -p sctp -j DNAT --to-destination 10.244.1.7:3869",
+    ] {
+        has(&l, line);
+    }
+    assert!(!l.iter().any(|x| x.contains(" tcp") || x.contains(" udp")), "SCTP rules only");
 }
 
 /// The rules of a service with its slice.
