@@ -319,11 +319,12 @@ fn refusals(log: &str, service: &str) -> usize {
     log.lines().filter(|l| l.contains(&format!("Service {service} does not fit"))).count()
 }
 
+/// The services refused for want of room in the maps.
 fn refused_gauge(lab: &Lab) -> String {
     let metrics = lab.metrics().unwrap();
     metrics
         .lines()
-        .filter(|l| l.starts_with("proxy_services_refused{"))
+        .filter(|l| l.starts_with("proxy_services_refused{reason=\"services_map_full\"}"))
         .collect::<Vec<_>>()
         .join("\n")
 }
