@@ -253,8 +253,10 @@ fn destination<F: SockFamily>(sa: &bpf_sock_addr) -> Option<(Addr<F::Address>, u
 /// socket's, or with `--socket-lb-host-netns-only` only the node's own, so
 /// pods (service meshes, VMs) see the ClusterIP and the per-packet path
 /// serves them. A localhost NodePort only ever the node's: a pod's
-/// loopback is its own.
-#[inline(always)]
+/// loopback is its own. A call of its own: inlined, it took the `*6`
+/// hooks' frame past what 6.1's verifier allows a chain of calls (512
+/// bytes, each frame rounded up to 32).
+#[inline(never)]
 fn in_scope(ctx: &SockAddrContext, cfg: &Config, localhost: bool) -> bool {
     if cfg.socket_lb_node_only == 0 && !localhost {
         return true;
@@ -324,18 +326,28 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     };
     let Some(cfg) = CONFIG.get(0) else { return ALLOW };
     let program = hook.program::<F>(true);
-    let localhost = address.localhost();
-    let key = localhost.unwrap_or(address).key(port, proto);
+    // Only a flag outlives the lookup: the `*6` hooks' stack is short.
+    let (key, localhost) = match address.localhost() {
+        Some(localhost) => (localhost.key(port, proto), true),
+        None => (address.key(port, proto), false),
+    };
     let Some(svc) = lb::lookup_frontend(&key) else {
         record!(cfg, ctx, program, TRACE, "{:i}:{} proto {}: no service", address, port, proto);
         return ALLOW;
     };
-    if !in_scope(ctx, cfg, localhost.is_some()) {
-        let why = match localhost {
-            Some(_) => "its own loopback (not the node's socket)",
-            None => "a pod's socket, left to the per-packet path",
-        };
-        record!(cfg, ctx, program, TRACE, "{:i}:{} proto {}: {}", address, port, proto, why);
+    // One record for both cases: each argument costs stack, of which the
+    // `*6` hooks have none to spare on 6.1 (its verifier's 512 bytes).
+    if !in_scope(ctx, cfg, localhost) {
+        record!(
+            cfg,
+            ctx,
+            program,
+            TRACE,
+            "{:i}:{} proto {}: not the node's socket (a pod's loopback is its own; its services are the per-packet path's)",
+            address,
+            port,
+            proto
+        );
         return ALLOW;
     }
     let (key, svc) = lb::in_cluster_scope(&key, &svc);
