@@ -3,8 +3,9 @@
 //! take: not a service (a miss, IPv4 and IPv6), a backend's reply of a
 //! connection the socket LB translated (no per-packet flow), a new NodePort
 //! flow (backend pick, SNAT port, two conntrack inserts), a new ClusterIP
-//! flow, and a packet of a tracked flow; with `--services N` installed (one
-//! is the NodePort's). The flows' figures are of one run per packet, which
+//! flow, and a packet of a tracked flow, the last two also of SCTP (the
+//! SCTP program's tail call and CRC update); with `--services N` installed
+//! (one is the NodePort's). The flows' figures are of one run per packet, which
 //! pays `run_overhead` (the timer and dispatch of one run) beside the
 //! program.
 //! Runs in a network namespace of its own. Needs root. `cargo xtask bench`
@@ -14,7 +15,7 @@
 //! monitor's events on (`proxy-agent monitor`), drained between runs.
 
 use std::{
-    net::Ipv4Addr,
+    net::{Ipv4Addr, SocketAddr},
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering::Relaxed},
@@ -25,6 +26,7 @@ use std::{
 use proxy_agent::{
     backend::ebpf::{BpfObject, MapSizes, TcAttach, settings::BpfLogLevel},
     model::{EndpointAddr, Protocol, ServiceName, ServicePortName},
+    packet_craft,
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
 use proxy_common::Config;
@@ -60,6 +62,15 @@ fn syn6_miss() -> Vec<u8> {
     p.extend_from_slice(&TCP_REST);
     p
 }
+
+/// An SCTP packet from the client to the node's `dst_port`: an INIT (a new
+/// association) or a DATA chunk of one, its CRC32c set.
+fn sctp(src_port: u16, dst_port: u16, chunk: &[u8]) -> Vec<u8> {
+    let at = |ip: [u8; 4], port| SocketAddr::new(Ipv4Addr::from(ip).into(), port);
+    packet_craft::sctp(at(CLIENT, src_port), at(NODE, dst_port), 1, chunk)
+}
+const INIT: [u8; 20] = [1, 0, 0, 20, 0, 0, 0, 1, 0, 0, 0xff, 0xff, 0, 10, 0, 10, 0, 0, 0, 1];
+const DATA: [u8; 20] = [0, 3, 0, 20, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, b'p', b'i', b'n', b'g'];
 
 fn mean(runs: &[Duration]) -> f64 {
     runs.iter().map(|d| d.as_nanos() as f64).sum::<f64>() / runs.len() as f64
@@ -156,6 +167,11 @@ fn main() -> anyhow::Result<()> {
         Frontend::new(NODE.into(), 30082, Protocol::Tcp),
         frontend("dsr".into(), backends.clone(), true, (false, true)),
     );
+    // An SCTP NodePort to them (SNAT, the port translated: the CRC updated).
+    plan.frontends.insert(
+        Frontend::new(NODE.into(), 30868, Protocol::Sctp),
+        frontend("diameter".into(), backends.clone(), true, (false, false)),
+    );
     plan.frontends.insert(
         Frontend::new(NODE.into(), 30080, Protocol::Tcp),
         frontend("web".into(), backends, true, (false, false)),
@@ -201,17 +217,20 @@ fn main() -> anyhow::Result<()> {
     // The kinds compared with each other take turns, packet by packet:
     // each meets the conntrack map as full as the others do.
     let (mut new, mut maglev, mut dsr_new) = (Vec::new(), Vec::new(), Vec::new());
+    let mut sctp_new = Vec::new();
     for port in 0..rounds {
         new.push(dp.run_tc(&syn(10_000 + port, NODE, 30080), 1)?.duration);
         maglev.push(dp.run_tc(&syn(10_000 + port, NODE, 30081), 1)?.duration);
         dsr_new.push(dp.run_tc(&syn(10_000 + port, NODE, 30082), 1)?.duration);
+        sctp_new.push(dp.run_tc(&sctp(10_000 + port, 30868, &INIT), 1)?.duration);
         // Outside the kernel's measure: the ring never fills.
         events += watch.by_ref().count();
     }
-    let (mut tracked, mut dsr_tracked) = (Vec::new(), Vec::new());
+    let (mut tracked, mut dsr_tracked, mut sctp_tracked) = (Vec::new(), Vec::new(), Vec::new());
     for port in 0..rounds {
         tracked.push(dp.run_tc(&syn(10_000 + port, NODE, 30080), 1)?.duration);
         dsr_tracked.push(dp.run_tc(&syn(10_000 + port, NODE, 30082), 1)?.duration);
+        sctp_tracked.push(dp.run_tc(&sctp(10_000 + port, 30868, &DATA), 1)?.duration);
     }
     // A new flow to the last ClusterIP installed (the first with one).
     let vip = cluster_ip(services.saturating_sub(1).max(1));
@@ -248,6 +267,14 @@ fn main() -> anyhow::Result<()> {
         println!("cluster_ip_new {:.0}  (new ClusterIP flow; mean of {rounds})", mean(&cluster));
     }
     println!("tracked {:.0}  (packet of a tracked flow; mean of {rounds})", mean(&tracked));
+    println!(
+        "sctp_node_port_new {:.0}  (new SCTP NodePort association, an INIT: tail call, SNAT, port and CRC rewritten; mean of {rounds})",
+        mean(&sctp_new)
+    );
+    println!(
+        "sctp_tracked {:.0}  (DATA of a tracked association; mean of {rounds})",
+        mean(&sctp_tracked)
+    );
     println!(
         "run_overhead {run_overhead:.0}  (the miss run once, mean of {rounds}, less its 1M figure)"
     );

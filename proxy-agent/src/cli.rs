@@ -82,7 +82,7 @@ pub enum Command {
 pub struct ExplainArgs {
     #[command(flatten)]
     pub inspect: InspectArgs,
-    /// tcp or udp
+    /// tcp, udp or sctp
     #[arg(long, value_name = "PROTO", value_parser = protocol)]
     pub proto: model::Protocol,
     /// The client: IP, or IP:PORT ([IPv6]:PORT) (without a port, an ephemeral
@@ -102,7 +102,8 @@ fn protocol(s: &str) -> Result<model::Protocol, String> {
     match s.to_ascii_lowercase().as_str() {
         "tcp" => Ok(model::Protocol::Tcp),
         "udp" => Ok(model::Protocol::Udp),
-        _ => Err(format!("{s}: tcp or udp")),
+        "sctp" => Ok(model::Protocol::Sctp),
+        _ => Err(format!("{s}: tcp, udp or sctp")),
     }
 }
 

@@ -359,9 +359,11 @@ fn fragmented_datagrams_through_a_node_port(setup: Setup) {
 fn no_endpoints_are_refused_not_timed_out(setup: Setup) {
     let c = cluster(setup, &over(node_ports("empty", "10.96.0.30", 30080, 30053), &[]));
     let attempts = c.lab.client_outside(&c.ext).tcp(&node_port(30080), 3).unwrap();
+    // Refused before TCP's first SYN retransmission (1 s) would have come:
+    // an answer, not a timeout (the VM's emulated CPU took 297 ms once).
     for attempt in &attempts {
         assert!(
-            matches!(attempt, Attempt::Err { kind, ms } if kind == "ConnectionRefused" && *ms < 100.0),
+            matches!(attempt, Attempt::Err { kind, ms } if kind == "ConnectionRefused" && *ms < 900.0),
             "{attempts:?}"
         );
     }

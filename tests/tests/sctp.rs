@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use proxy_lab::{Attempt, EXT_IP, Lab, Mode, Pod, Request, Tally, node_port};
+use proxy_lab::{Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Request, Tally, node_port};
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
 /// Service `web`: http 80/TCP → 8080 (NodePort 30080) and diameter
@@ -63,6 +63,17 @@ fn the_iptables_mode_writes_the_sctp_rules_and_serves_the_tcp_port() {
         assert!(lb.contains(frontend), "{frontend} missing:\n{lb}");
     }
     assert!(lb.contains(&format!("{}:3869", pods[1].ip)), "{lb}");
+    // explain walks them.
+    let x = explain(&lab, EXT_IP, &node_port(30868));
+    assert_eq!(x["outcome"], "translated", "{x}");
+    assert!(x["snat"].as_str().is_some_and(|s| s.starts_with("MASQUERADE")), "{x}");
+}
+
+/// `explain --proto sctp` as JSON.
+fn explain(lab: &Lab, from: &str, to: &str) -> serde_json::Value {
+    let args = ["explain", "--proto", "sctp", "--from", from, "--to", to, "-o", "json"];
+    let json = lab.inspect_on(0, &args).unwrap();
+    serde_json::from_str(&json).expect(&json)
 }
 
 /// The eBPF mode loads its SCTP programs once, for the first SCTP
@@ -98,6 +109,19 @@ fn the_ebpf_mode_loads_its_sctp_programs_for_the_first_sctp_frontend() {
         assert!(lb.contains(frontend), "{frontend} missing:\n{lb}");
     }
     assert!(lb.contains(&format!("{}:3869", pods[1].ip)), "{lb}");
+
+    // explain runs the SCTP program on an INIT (no SCTP socket needed): a
+    // NodePort association SNATed to a pod's target port, a pod's ClusterIP
+    // one translated on its interface.
+    let backends: Vec<String> = pods.iter().map(|p| format!("{}:3869", p.ip)).collect();
+    for (from, to, snat) in
+        [(EXT_IP, node_port(30868), Some(NODE_IP)), (&client.ip, "10.96.0.10:3868".into(), None)]
+    {
+        let x = explain(&lab, from, &to);
+        assert_eq!(x["outcome"], "translated", "{x}");
+        assert!(backends.iter().any(|b| x["picked"] == b.as_str()), "{x}");
+        assert_eq!(x["snat"].as_str(), snat, "{x}");
+    }
 }
 
 /// Whether this kernel has SCTP sockets: the development machine's has

@@ -142,7 +142,7 @@ fn choose(asked: ProxyMode) -> ProxyMode {
     if asked != ProxyMode::Auto {
         return asked;
     }
-    let features = probe::run();
+    let features = probe::run(probe::Reach::Mode);
     match probe::decide(&features) {
         probe::Decision::Ebpf => ProxyMode::Ebpf,
         probe::Decision::Iptables { missing } => {

@@ -65,6 +65,7 @@ pub const MAGLEV: &str = "Maglev (--bpf-lb-algorithm maglev)";
 pub const DSR: &str = "DSR (--bpf-lb-mode dsr|hybrid)";
 pub const NETNS_COOKIE: &str = "network namespace cookie (SO_NETNS_COOKIE, 5.14+)";
 pub const SCTP_SOCKETS: &str = "SCTP sockets (pods here speaking SCTP)";
+pub const SCTP_PROGRAMS: &str = "SCTP programs (SCTP services, eBPF mode)";
 pub const SCTP_MATCH: &str = "iptables sctp match (SCTP services, iptables mode)";
 
 /// Picks the mode: eBPF when every required feature is there.
@@ -75,8 +76,17 @@ pub fn decide(features: &[Feature]) -> Decision {
     }
 }
 
+/// How far a probe goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reach {
+    /// What choosing the mode needs (`--proxy-mode auto`, at every start).
+    Mode,
+    /// Everything, for `probe`: also the programs loaded only on demand.
+    All,
+}
+
 /// Runs the checks on this kernel (needs root to load programs).
-pub fn run() -> Vec<Feature> {
+pub fn run(reach: Reach) -> Vec<Feature> {
     let kernel = KernelVersion::current().ok();
     let at_least = |major, minor| kernel.is_some_and(|v| v >= KernelVersion::new(major, minor, 0));
     let version = kernel.map_or_else(|| "unknown kernel".to_string(), |v| format!("kernel {v}"));
@@ -84,6 +94,10 @@ pub fn run() -> Vec<Feature> {
     let cgroup2 = sys::cgroup2_root();
     let mut programs = BpfObject::load(TcAttach::for_this_kernel());
     let iterators = programs.as_mut().ok().map(BpfObject::load_socket_iterators);
+    let sctp_programs = match reach {
+        Reach::All => programs.as_mut().ok().map(BpfObject::load_sctp_programs),
+        Reach::Mode => None,
+    };
     let destroy = super::ebpf::sock_diag::probe();
     let set_retval = crate::backend::ebpf::has_set_retval();
     let ipv6 = ipv6();
@@ -199,6 +213,17 @@ pub fn run() -> Vec<Feature> {
             detail: match sctp_sockets {
                 Ok(how) => how,
                 Err(why) => format!("{why} (CONFIG_IP_SCTP): no pod here can open an SCTP socket"),
+            },
+        },
+        Feature {
+            name: SCTP_PROGRAMS,
+            required: false,
+            found: matches!(sctp_programs, Some(Ok(()))),
+            detail: match &sctp_programs {
+                Some(Ok(())) => "verified: the eBPF mode translates SCTP per packet (its programs loaded for the first SCTP frontend)".into(),
+                Some(Err(e)) => format!("{}: the eBPF mode leaves SCTP packets untouched", e.to_string().lines().next().unwrap_or_default()),
+                None if programs.is_err() => "programs do not load".into(),
+                None => "not probed".into(),
             },
         },
         Feature {

@@ -6,7 +6,7 @@ use anyhow::Context as _;
 use crate::{backend::probe, cli::ProbeArgs};
 
 pub fn run(args: &ProbeArgs) -> anyhow::Result<()> {
-    let features = probe::run();
+    let features = probe::run(probe::Reach::All);
     print!("{}", probe::report(&features));
     let details = probe::details(&features);
     if args.verbose && !details.is_empty() {

@@ -14,7 +14,7 @@ pub(super) const PACKET_BENCH: &str = "target/release/examples/packet_bench";
 /// The figures `packet_bench` prints, and `tracked_net`: a tracked packet
 /// less `run_overhead` (what one run costs beside the program, which the
 /// figures of one run per packet pay and the misses, over 1M repeats, not).
-const PER_PACKET: [&str; 11] = [
+const PER_PACKET: [&str; 13] = [
     "miss_ns",
     "socket_lb_reply_ns",
     "ipv6_miss_ns",
@@ -24,6 +24,8 @@ const PER_PACKET: [&str; 11] = [
     "cluster_ip_new_ns",
     "tracked_ns",
     "tracked_dsr_ns",
+    "sctp_node_port_new_ns",
+    "sctp_tracked_ns",
     "run_overhead_ns",
     "tracked_net_ns",
 ];
@@ -32,12 +34,15 @@ const PER_PACKET: [&str; 11] = [
 /// apart, so the machine's load changes them less than it does figures of
 /// different runs): a new NodePort flow picked from a Maglev table over a
 /// random pick, a new DSR flow over a new SNAT flow, and a tracked DSR
-/// packet over a tracked SNAT packet; each as `(name, numerator,
-/// denominator)`.
-const PER_PACKET_RATIOS: [(&str, &str, &str); 3] = [
+/// packet over a tracked SNAT packet, and SCTP's new association and
+/// tracked packet (a tail call and the CRC's update more) over TCP's; each
+/// as `(name, numerator, denominator)`.
+const PER_PACKET_RATIOS: [(&str, &str, &str); 5] = [
     ("maglev_vs_random", "node_port_new_maglev_ns", "node_port_new_ns"),
     ("dsr_vs_snat_new", "node_port_new_dsr_ns", "node_port_new_ns"),
     ("dsr_vs_snat_tracked", "tracked_dsr_ns", "tracked_ns"),
+    ("sctp_vs_tcp_new", "sctp_node_port_new_ns", "node_port_new_ns"),
+    ("sctp_vs_tcp_tracked", "sctp_tracked_ns", "tracked_ns"),
 ];
 
 pub(super) fn build_packet_bench() -> anyhow::Result<()> {

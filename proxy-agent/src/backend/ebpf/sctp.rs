@@ -12,7 +12,7 @@ use std::{
 
 use proxy_common::{TC_SCTP_INGRESS, TC_SCTP_INGRESS6, TC_SCTP_PROGRAMS};
 
-use super::{BpfObject, load};
+use super::{BpfObject, EbpfError, load};
 use crate::{
     model::Protocol,
     plan::{Frontend, Plan},
@@ -48,10 +48,7 @@ impl BpfObject {
             return;
         }
         let started = Instant::now();
-        let heaviest = [TC_SCTP_INGRESS, TC_SCTP_INGRESS6].map(|i| TC_SCTP_PROGRAMS[i as usize]);
-        let loaded = load::verify(&mut self.ebpf, &TC_SCTP_PROGRAMS, &heaviest)
-            .and_then(|()| self.maps.fill_tc_sctp(&mut self.ebpf));
-        self.sctp = match loaded {
+        self.sctp = match self.load_sctp_programs() {
             Ok(()) => {
                 let ms = started.elapsed().as_millis() as u64;
                 tracing::info!(ms, "an SCTP frontend: the SCTP programs are loaded");
@@ -64,6 +61,13 @@ impl BpfObject {
                 SctpPrograms::Refused
             }
         };
+    }
+
+    /// Loads (verifies) the SCTP programs and puts them in `TC_SCTP`.
+    pub fn load_sctp_programs(&mut self) -> Result<(), EbpfError> {
+        let heaviest = [TC_SCTP_INGRESS, TC_SCTP_INGRESS6].map(|i| TC_SCTP_PROGRAMS[i as usize]);
+        load::verify(&mut self.ebpf, &TC_SCTP_PROGRAMS, &heaviest)?;
+        self.maps.fill_tc_sctp(&mut self.ebpf)
     }
 
     /// Where the SCTP programs stand.
