@@ -53,6 +53,7 @@ pub mod ring;
 pub mod settings;
 pub mod sock_diag;
 pub mod sock_end;
+pub mod state_sizes;
 mod test_run;
 mod unserved;
 
