@@ -93,7 +93,6 @@ impl IptablesDatapath {
     }
 }
 
-/// The families served: IPv4, and IPv6 when the node has an IPv6 address.
 /// Raises the kernel's conntrack table to `max` flows as kube-proxy does
 /// (see [`conntrack_limit::kernel_writes`]). A failure is logged: the rules
 /// serve regardless (outside the node's initial network namespace the
@@ -132,6 +131,7 @@ fn raise_conntrack_max(max: u32) {
     }
 }
 
+/// The families served: IPv4, and IPv6 when the node has an IPv6 address.
 fn families(node: &Node) -> Vec<IpFamily> {
     let v6 = node.ips.iter().any(|ip| IpFamily::of(*ip) == IpFamily::V6);
     if v6 { IpFamily::ALL.to_vec() } else { vec![IpFamily::V4] }
