@@ -2,7 +2,8 @@
 //! entries live in the pinned maps; a new agent's programs use those very
 //! maps when their layout (`proxy_common::layout`) and shape match, and get
 //! converted copies when this build reads the pinned layout but another
-//! shape (an upgrade or rollback that changed a value). Only what it cannot
+//! shape (an upgrade or rollback that changed a value, or another size:
+//! `state_sizes`). Only what it cannot
 //! read starts empty, logged and counted.
 //!
 //! Those entries name frontends and backends by id, so the ids the previous
