@@ -83,6 +83,8 @@ pub struct EbpfDatapath {
     refused: BTreeMap<ServiceName, Refusal>,
     /// The frontends its programs do not serve yet (SCTP's).
     unserved: Unserved,
+    /// Whether the log said IPv6 flows fill the token-size maps (once).
+    ipv6_outgrown_told: bool,
 }
 
 /// What loading the programs takes, kept to load them again into larger
@@ -283,7 +285,22 @@ impl EbpfDatapath {
             serving: None,
             refused: BTreeMap::new(),
             unserved: Unserved::default(),
+            ipv6_outgrown_told: false,
         })
+    }
+
+    /// Says once when IPv6 flows fill the IPv6 flow maps made at the token
+    /// size: the oldest lose their translation as new ones come.
+    fn tell_ipv6_outgrown(&mut self) {
+        let (state, held) = (self.loading.state, self.object.ipv6_flows_held());
+        if !self.ipv6_outgrown_told && state.ipv6_outgrown(held) {
+            self.ipv6_outgrown_told = true;
+            tracing::warn!(
+                held,
+                entries = state.flows6,
+                "IPv6 flows fill the IPv6 flow maps, made small as this node has no IPv6 address or IPv6 --cluster-cidr: give --cluster-cidr its IPv6 CIDR (or --node-ip an IPv6 address) and restart the agent"
+            );
+        }
     }
 
     /// Brings the maps to `plan`; when it outgrew them, into larger maps
@@ -551,6 +568,7 @@ impl Datapath for EbpfDatapath {
                 if deleted > 0 {
                     tracing::debug!(deleted, left, "expired flows collected");
                 }
+                self.tell_ipv6_outgrown();
             }
             Err(e) => tracing::warn!(error = %e, "conntrack collection failed"),
         }

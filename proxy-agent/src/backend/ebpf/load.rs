@@ -189,6 +189,7 @@ impl BpfObject {
             flow_counts: FlowCounts::default(),
             flow_counts6: FlowCounts::default(),
             flow_growth: Growth::new(),
+            held6: 0,
         })
     }
 

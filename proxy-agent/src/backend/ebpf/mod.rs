@@ -164,6 +164,8 @@ pub struct BpfObject {
     flow_counts6: FlowCounts<CtKey6>,
     /// Packets and bytes flows counted since [`BpfObject::take_flow_growth`].
     flow_growth: Growth,
+    /// The IPv6 flow entries the last conntrack collection left.
+    held6: usize,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).

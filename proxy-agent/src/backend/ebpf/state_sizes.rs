@@ -42,6 +42,13 @@ impl StateSizes {
         self.flows6 < self.flows
     }
 
+    /// Whether `held` IPv6 flow entries fill the token-size maps: this node
+    /// has IPv6 traffic the agent did not expect (a node without an IPv6
+    /// address or `--cluster-cidr` whose pods have IPv6 all the same).
+    pub fn ipv6_outgrown(self, held: usize) -> bool {
+        self.ipv6_token() && held >= self.flows6 as usize * 3 / 4
+    }
+
     /// The entries of the state map `name`: a flow translated per packet
     /// takes two `CONNTRACK` entries (one per direction), a socket the
     /// socket LB connected one `SOCK_REV_NAT` entry; unconnected UDP
@@ -87,6 +94,15 @@ mod tests {
         assert_eq!(sizes.entries(map_names::SOCK_FLOWS), 32_768, "both families'");
         assert!(sizes.ipv6_token());
         assert!(!StateSizes::new(ConntrackLimit::default(), 2, true).ipv6_token());
+    }
+
+    #[test]
+    fn ipv6_flows_that_fill_the_token_size_are_told() {
+        let sizes = StateSizes::new(ConntrackLimit::default(), 2, false);
+        assert!(!sizes.ipv6_outgrown(2), "a few flows fit");
+        assert!(sizes.ipv6_outgrown(768));
+        let full = StateSizes::new(ConntrackLimit::default(), 2, true);
+        assert!(!full.ipv6_outgrown(100_000), "sized in full: never");
     }
 
     #[test]
