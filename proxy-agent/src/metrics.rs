@@ -44,9 +44,6 @@ pub trait DatapathCounters: Send {
 pub const DEFAULT_SERVICE_METRICS_LIMIT: usize = 2000;
 
 /// What Prometheus is told it scrapes.
-/// `proxy_services_refused`'s reason for the services the eBPF datapath
-/// leaves out for their SCTP ports.
-const SCTP_UNSUPPORTED: &str = "sctp_unsupported";
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// A histogram of durations, in seconds.
@@ -205,9 +202,6 @@ pub struct Metrics {
     /// Services the maps cannot hold as planned, by reason (kept at 0 once
     /// seen, so a recovery shows).
     services_refused: Mutex<BTreeMap<&'static str, u64>>,
-    /// eBPF mode: services with SCTP ports, which its programs do not
-    /// translate yet (their other ports are served).
-    pub sctp_unserved_services: AtomicU64,
     /// Served from their last good version after a bad update.
     pub kept_objects: AtomicU64,
     /// iptables mode: each family's rules (IPv4, IPv6).
@@ -261,7 +255,6 @@ impl Metrics {
             carried: Mutex::default(),
             map_update_failures: AtomicU64::new(0),
             services_refused: Mutex::default(),
-            sctp_unserved_services: AtomicU64::new(0),
             kept_objects: AtomicU64::new(0),
             rules: Default::default(),
             ipv6_served: AtomicBool::new(false),
@@ -615,13 +608,10 @@ impl Metrics {
             "BPF map writes the kernel refused (the sync is retried).",
             self.map_update_failures.load(Relaxed),
         )?;
-        let mut refused = self.services_refused.lock().map(|m| m.clone()).unwrap_or_default();
-        if self.mode == "ebpf" {
-            refused.insert(SCTP_UNSUPPORTED, self.sctp_unserved_services.load(Relaxed));
-        }
+        let refused = self.services_refused.lock().map(|m| m.clone()).unwrap_or_default();
         out.gauges(
             "proxy_services_refused",
-            "Services the BPF maps cannot hold as planned (--bpf-lb-map-max), by reason: not served, or served as before their last change; sctp_unsupported: services whose SCTP ports the eBPF datapath does not serve yet.",
+            "Services the BPF maps cannot hold as planned (--bpf-lb-map-max), by reason: not served, or served as before their last change.",
             refused.into_iter().map(|(reason, n)| (label("reason", reason), n)),
         )?;
         out.gauge(

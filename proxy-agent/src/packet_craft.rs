@@ -52,28 +52,22 @@ pub fn packet(number: u8, from: SocketAddr, to: SocketAddr, rest: &[u8]) -> Vec<
 /// An SCTP INIT from `from` to `to` (verification tag 0, as an INIT has),
 /// its CRC32c checksum set.
 pub fn sctp_init(from: SocketAddr, to: SocketAddr) -> Vec<u8> {
-    // Verification tag 0, checksum (set below); INIT chunk of 20 bytes:
-    // initiate tag 1, a_rwnd 65535, 10 outbound and inbound streams, TSN 1.
-    let rest = [
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 20, 0, 0, 0, 1, 0, 0, 0xff, 0xff, 0, 10, 0, 10, 0, 0, 0, 1,
-    ];
-    let mut l4 = with_ports(from.port(), to.port(), &rest);
-    // RFC 9260 appendix A: the CRC32c's bytes go out least significant first.
-    let sum = crc32c(&l4);
-    l4[8..12].copy_from_slice(&sum.to_le_bytes());
-    frame(SCTP, from.ip(), to.ip(), &l4)
+    // INIT chunk of 20 bytes: initiate tag 1, a_rwnd 65535, 10 outbound
+    // and inbound streams, TSN 1.
+    let init = [1, 0, 0, 20, 0, 0, 0, 1, 0, 0, 0xff, 0xff, 0, 10, 0, 10, 0, 0, 0, 1];
+    sctp(from, to, 0, &init)
 }
 
-/// CRC32c (Castagnoli, reflected), bit by bit: a crafted packet's worth.
-fn crc32c(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for byte in bytes {
-        crc ^= u32::from(*byte);
-        for _ in 0..8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82f6_3b78 } else { crc >> 1 };
-        }
-    }
-    !crc
+/// An SCTP packet from `from` to `to`: verification tag `tag`, then
+/// `chunks`, its CRC32c checksum set.
+pub fn sctp(from: SocketAddr, to: SocketAddr, tag: u32, chunks: &[u8]) -> Vec<u8> {
+    let mut rest = tag.to_be_bytes().to_vec();
+    // The checksum, set below.
+    rest.extend_from_slice(&[0; 4]);
+    rest.extend_from_slice(chunks);
+    let mut p = frame(SCTP, from.ip(), to.ip(), &with_ports(from.port(), to.port(), &rest));
+    set_l4_checksum(&mut p);
+    p
 }
 
 fn v6(ip: IpAddr) -> Ipv6Addr {
@@ -126,11 +120,18 @@ fn ip_of(ip: &[u8], ethertype: u16, which: usize) -> IpAddr {
     }
 }
 
-/// A frame's protocol number and what follows its IP header.
+/// A frame's protocol number and what follows its IP header, as far as
+/// the header's length field counts (a frame may be padded past it).
 fn l4(p: &[u8]) -> Option<(u8, &[u8])> {
     let (ip, ethertype) = ip_header(p)?;
-    let number = if ethertype == ETH_IPV6 { ip[6] } else { ip[9] };
-    Some((number, p.get(ETH_LEN + ip.len()..)?))
+    let (number, counted) = if ethertype == ETH_IPV6 {
+        (ip[6], IP6_LEN + usize::from(u16::from_be_bytes([ip[4], ip[5]])))
+    } else {
+        (ip[9], usize::from(u16::from_be_bytes([ip[2], ip[3]])))
+    };
+    let start = ETH_LEN + ip.len();
+    let end = (ETH_LEN + counted).clamp(start, p.len());
+    Some((number, p.get(start..end)?))
 }
 
 /// The tuple of a frame (IPv4, or IPv6 without extension headers):
@@ -186,8 +187,19 @@ fn checksum_at(number: u8) -> usize {
     match number {
         TCP => 16,
         UDP => 6,
+        SCTP => proxy_common::sctp::CHECKSUM,
         _ => 2,
     }
+}
+
+/// SCTP's CRC32c over a message, its own field counted as zero.
+fn sctp_checksum(l4: &[u8]) -> Option<[u8; 4]> {
+    let at = proxy_common::sctp::CHECKSUM;
+    let mut zeroed = l4.get(..proxy_common::sctp::HEADER_LEN)?.to_vec();
+    zeroed[at..at + 4].fill(0);
+    zeroed.extend_from_slice(&l4[proxy_common::sctp::HEADER_LEN..]);
+    // RFC 9260 appendix A: its bytes go out least significant first.
+    Some(proxy_common::sctp::crc32c(&zeroed).to_le_bytes())
 }
 
 /// The folded sum over a frame's L4 message, with the pseudo-header but
@@ -207,12 +219,18 @@ fn l4_folded(p: &[u8]) -> Option<u16> {
     Some(fold(pseudo + sum16(l4)))
 }
 
-/// Computes and writes a frame's TCP, UDP, ICMP or ICMPv6 checksum (a UDP
-/// sum of 0 written as 0xffff: 0 means none, forbidden over IPv6).
+/// Computes and writes a frame's TCP, UDP, SCTP, ICMP or ICMPv6 checksum
+/// (a UDP sum of 0 written as 0xffff: 0 means none, forbidden over IPv6).
 pub fn set_l4_checksum(p: &mut [u8]) {
     let Some((ip, _)) = ip_header(p) else { return };
-    let Some((number, _)) = l4(p) else { return };
+    let Some((number, l4)) = l4(p) else { return };
     let at = ETH_LEN + ip.len() + checksum_at(number);
+    if number == SCTP {
+        if let Some(sum) = sctp_checksum(l4) {
+            p[at..at + 4].copy_from_slice(&sum);
+        }
+        return;
+    }
     if p.len() < at + 2 {
         return;
     }
@@ -224,7 +242,13 @@ pub fn set_l4_checksum(p: &mut [u8]) {
 
 /// Whether a frame's L4 checksum is right.
 pub fn l4_checksum_ok(p: &[u8]) -> bool {
-    l4_folded(p) == Some(0)
+    match l4(p) {
+        Some((SCTP, l4)) => {
+            let at = checksum_at(SCTP);
+            sctp_checksum(l4).is_some_and(|sum| l4[at..at + 4] == sum)
+        }
+        _ => l4_folded(p) == Some(0),
+    }
 }
 
 /// Recomputes an IPv4 frame's header checksum (after a field changed).
@@ -250,11 +274,6 @@ mod tests {
     }
 
     #[test]
-    fn crc32c_matches_the_standard_check_value() {
-        assert_eq!(crc32c(b"123456789"), 0xe306_9283);
-    }
-
-    #[test]
     fn an_sctp_init_carries_its_ports_and_a_checksum_over_the_message() {
         let p = sctp_init(addr("10.0.0.1:4000"), addr("10.96.0.1:80"));
         assert_eq!(p[ETH_LEN + 9], SCTP);
@@ -263,7 +282,16 @@ mod tests {
         assert_eq!(l4[12], 1, "an INIT chunk");
         let mut zeroed = l4.to_vec();
         zeroed[8..12].fill(0);
-        assert_eq!(u32::from_le_bytes(l4[8..12].try_into().unwrap()), crc32c(&zeroed));
+        let sum = proxy_common::sctp::crc32c(&zeroed);
+        assert_eq!(u32::from_le_bytes(l4[8..12].try_into().unwrap()), sum);
+        assert!(l4_checksum_ok(&p));
+        let mut broken = p.clone();
+        broken[ETH_LEN + IP_LEN + 20] ^= 1;
+        assert!(!l4_checksum_ok(&broken), "a changed byte is seen");
+        // Ethernet padding past the IP length is no part of it.
+        broken = p.clone();
+        broken.extend_from_slice(&[0xaa; 6]);
+        assert!(l4_checksum_ok(&broken));
     }
 
     #[test]

@@ -1292,3 +1292,100 @@ fn ipv4_headers_with_options_are_translated_with_valid_checksums() {
         assert!(l4_checksum_ok(&plain), "TCP checksum of {:02x?}", out.packet);
     }
 }
+
+// SCTP: ports where TCP and UDP have them, and a CRC32c over the whole
+// packet that a port rewrite must update (`proxy_common::sctp`).
+
+/// INIT (its fixed part: initiate tag 1, a_rwnd, streams, TSN).
+const INIT: [u8; 20] = [1, 0, 0, 20, 0, 0, 0, 1, 0, 0, 0xff, 0xff, 0, 10, 0, 10, 0, 0, 0, 1];
+/// INIT ACK (its fixed part, initiate tag 2; no cookie: no stack reads it).
+const INIT_ACK: [u8; 20] = [2, 0, 0, 20, 0, 0, 0, 2, 0, 0, 0xff, 0xff, 0, 10, 0, 10, 0, 0, 0, 1];
+/// DATA: TSN 1, stream 0, "hello" (padded to four bytes).
+const DATA: [u8; 24] =
+    [0, 3, 0, 21, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, b'h', b'e', b'l', b'l', b'o', 0, 0, 0];
+/// COOKIE ACK: four bytes, a frame Ethernet pads to its minimum.
+const COOKIE_ACK: [u8; 4] = [11, 0, 0, 4];
+
+/// An SCTP packet (verification tag `tag`, then `chunk`), its CRC set.
+fn sctp<const N: usize>(src: ([u8; N], u16), dst: ([u8; N], u16), tag: u32, chunk: &[u8]) -> Vec<u8>
+where
+    IpAddr: From<[u8; N]>,
+{
+    let addr = |(ip, port): ([u8; N], u16)| SocketAddr::new(IpAddr::from(ip), port);
+    let mut p = packet_craft::sctp(addr(src), addr(dst), tag, chunk);
+    p[..12].copy_from_slice(&MACS);
+    p
+}
+
+#[test]
+fn sctp_node_port_associations_are_translated_both_ways_with_valid_crcs() {
+    let mut dp = datapath(vec![(
+        frontend(NODE, 30868, Protocol::Sctp),
+        frontend_plan(&[(POD, 3869)], true, &[]),
+    )]);
+    let init = sctp((CLIENT, 40000), (NODE, 30868), 0, &INIT);
+    let out = run(&mut dp, &init);
+    assert_eq!(out.verdict, STACK, "no route in an empty netns: the stack gets it");
+    let ((src, sport), dst) = tuple(&out.packet);
+    assert_eq!(src, NODE, "external traffic with policy Cluster is SNATed");
+    assert!((61000..=65000).contains(&sport), "SNAT port {sport} in range");
+    assert_eq!(dst, (POD, 3869), "to the target port");
+    assert_checksums(&out.packet);
+    assert_eq!(out.packet[34 + 12..], init[34 + 12..], "chunks untouched");
+
+    // The pod's INIT ACK leaves as the NodePort's.
+    let back = run(&mut dp, &sctp((POD, 3869), (NODE, sport), 1, &INIT_ACK));
+    assert_eq!(tuple(&back.packet), ((NODE, 30868), (CLIENT, 40000)));
+    assert_checksums(&back.packet);
+    // DATA follows the association; a COOKIE ACK in a padded frame has
+    // its CRC over the SCTP packet the IP header counts, not the padding.
+    let data = run(&mut dp, &sctp((CLIENT, 40000), (NODE, 30868), 1, &DATA));
+    assert_eq!(tuple(&data.packet), ((NODE, sport), (POD, 3869)));
+    assert_checksums(&data.packet);
+    let mut cookie_ack = sctp((POD, 3869), (NODE, sport), 1, &COOKIE_ACK);
+    cookie_ack.resize(60, 0);
+    let back = run(&mut dp, &cookie_ack);
+    assert_eq!(tuple(&back.packet), ((NODE, 30868), (CLIENT, 40000)));
+    assert_eq!(back.packet.len(), 60);
+    assert_checksums(&back.packet);
+    assert_eq!(dp.collect_conntrack().unwrap(), (0, 2), "one live association, both directions");
+}
+
+/// No socket hook sees SCTP: the programs of pod interfaces the socket LB
+/// covers, which leave a pod's TCP to a ClusterIP alone, translate its
+/// SCTP, keeping the pod's address, and its replies back.
+#[test]
+fn sctp_to_a_cluster_ip_is_translated_on_pod_interfaces() {
+    let vip = [10, 96, 0, 10];
+    let mut dp = datapath(vec![
+        (frontend(vip, 3868, Protocol::Sctp), frontend_plan(&[(POD, 3869)], false, &[])),
+        (frontend(vip, 80, Protocol::Tcp), frontend_plan(&[(POD, 8080)], false, &[])),
+    ]);
+    let pod_replies = |dp: &mut BpfObject, p: &[u8]| dp.run_tc_pod_replies(p, 1).unwrap();
+    let client = ([10, 244, 1, 5], 50000);
+    let syn = tcp(client, (vip, 80), SYN);
+    assert_eq!(pod_replies(&mut dp, &syn).verdict, NEXT, "TCP is the socket LB's");
+    let out = pod_replies(&mut dp, &sctp(client, (vip, 3868), 0, &INIT));
+    assert_eq!(out.verdict, STACK);
+    assert_eq!(tuple(&out.packet), (client, (POD, 3869)), "a pod keeps its address");
+    assert_checksums(&out.packet);
+    let back = pod_replies(&mut dp, &sctp((POD, 3869), client, 1, &INIT_ACK));
+    assert_eq!(tuple(&back.packet), ((vip, 3868), client));
+    assert_checksums(&back.packet);
+}
+
+#[test]
+fn ipv6_sctp_node_port_associations_are_translated_both_ways_with_valid_crcs() {
+    let mut dp = datapath(vec![(
+        frontend(NODE6, 30868, Protocol::Sctp),
+        frontend_plan(&[(POD6, 3869)], true, &[]),
+    )]);
+    let out = run(&mut dp, &sctp((CLIENT6, 40000), (NODE6, 30868), 0, &INIT));
+    assert_eq!(out.verdict, STACK);
+    let ((src, sport), dst) = tuple6(&out.packet);
+    assert_eq!((src, dst), (NODE6, (POD6, 3869)));
+    assert!(l4_checksum_ok(&out.packet), "CRC of {:02x?}", out.packet);
+    let back = run(&mut dp, &sctp((POD6, 3869), (NODE6, sport), 1, &INIT_ACK));
+    assert_eq!(tuple6(&back.packet), ((NODE6, 30868), (CLIENT6, 40000)));
+    assert!(l4_checksum_ok(&back.packet), "CRC of {:02x?}", back.packet);
+}

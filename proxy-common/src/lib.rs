@@ -16,6 +16,7 @@ pub mod maglev;
 pub mod map_names;
 pub mod monitor;
 pub mod prefilter;
+pub mod sctp;
 pub mod stats;
 
 mod affinity;
@@ -53,6 +54,20 @@ pub const TC6_INGRESS: u32 = 0;
 pub const TC6_POD_REPLIES: u32 = 1;
 pub const TC6_EGRESS: u32 = 2;
 
+/// The SCTP per-packet programs, by their slot in the `TC_SCTP` program
+/// array: the TCP and UDP programs of their family and direction hand SCTP
+/// packets on by a tail call (an empty slot: they pass untouched), and the
+/// agent loads them once a frontend is SCTP's. In the same programs, SCTP
+/// would cost every node a third walk of the verifier through each (a
+/// protocol it knows is a copy of every path after it), past its limit of
+/// a million instructions for `tc_ingress`.
+pub const TC_SCTP_PROGRAMS: [&str; 4] =
+    ["tc_ingress_sctp", "tc_egress_sctp", "tc_ingress6_sctp", "tc_egress6_sctp"];
+pub const TC_SCTP_INGRESS: u32 = 0;
+pub const TC_SCTP_EGRESS: u32 = 1;
+pub const TC_SCTP_INGRESS6: u32 = 2;
+pub const TC_SCTP_EGRESS6: u32 = 3;
+
 /// Capacities, shared so the agent can refuse a plan that would not fit.
 pub const MAX_SERVICE_ENTRIES: u32 = 65_536;
 pub const MAX_BACKENDS: u32 = 65_536;
@@ -75,6 +90,13 @@ pub const MAX_MAGLEV_CHUNKS: u32 = 65_536;
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 pub const IPPROTO_SCTP: u8 = 132;
+
+/// The transport protocols the per-packet path translates: those whose
+/// ports lie first in their header (TCP, UDP, SCTP).
+#[inline(always)]
+pub const fn has_ports(proto: u8) -> bool {
+    matches!(proto, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)
+}
 
 /// `ServiceKey::scope`: the frontend every client of an address gets, the
 /// only one at most addresses.

@@ -252,8 +252,12 @@ impl Family for Ipv6Hdr {
 
     #[inline(always)]
     fn flow_hash(t: &CtKey6) -> u32 {
-        let a = &t.saddr;
-        let words = [0, 4, 8, 12].map(|i| u32::from_be_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]));
+        // Destructured, not indexed through a closure: LLVM left such a
+        // closure a call of its own, with a bounds check's panic.
+        let [a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p] = t.saddr;
+        let word = u32::from_be_bytes;
+        let words =
+            [word([a, b, c, d]), word([e, f, g, h]), word([i, j, k, l]), word([m, n, o, p])];
         maglev::flow_hash(&words, t.sport, t.dport, t.proto)
     }
 

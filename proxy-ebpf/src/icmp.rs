@@ -19,7 +19,7 @@ use network_types::{
     ip::{Ipv4Hdr, Ipv6Hdr},
 };
 use proxy_common::{
-    CtKey, CtKey6, CtTuple, IPPROTO_TCP, IPPROTO_UDP,
+    CtKey, CtKey6, CtTuple, has_ports,
     icmp::{
         DEST_UNREACH, DEST_UNREACH6, ErrorTuple, PACKET_TOO_BIG, TIME_EXCEEDED, TIME_EXCEEDED6,
         flow_key, translate,
@@ -56,7 +56,7 @@ impl<T: CtTuple> Default for IcmpError<T> {
 
 /// Reads a destination-unreachable or time-exceeded error and the IP
 /// header and ports it quotes; other messages, or errors quoting anything
-/// but the first bytes of a TCP or UDP packet, are `None`.
+/// but the first bytes of a TCP, UDP or SCTP packet, are `None`.
 #[inline(always)]
 pub fn parse(ctx: &TcContext, msg: &IcmpMessage) -> Option<IcmpError> {
     let kind: u8 = ctx.load(msg.icmp_off + offset_of!(Icmpv4Hdr, type_)).ok()?;
@@ -68,7 +68,7 @@ pub fn parse(ctx: &TcContext, msg: &IcmpMessage) -> Option<IcmpError> {
     let ihl = packet::ipv4_len(&ip)?;
     let proto = ip.proto;
     // A later fragment quotes no ports.
-    if (proto != IPPROTO_TCP && proto != IPPROTO_UDP) || ip.frag_offset() != 0 {
+    if !has_ports(proto) || ip.frag_offset() != 0 {
         return None;
     }
     let l4_off = ip_off + ihl;
@@ -88,7 +88,7 @@ pub fn parse(ctx: &TcContext, msg: &IcmpMessage) -> Option<IcmpError> {
 
 /// The ICMPv6 twin of [`parse`], from the IPv6 header on: destination
 /// unreachable, packet too big or time exceeded, right after the fixed
-/// header, quoting a TCP or UDP header right after the quoted fixed header
+/// header, quoting a TCP, UDP or SCTP header right after the quoted fixed header
 /// (a quoted extension header, a fragment's among them, is not read). Read
 /// into `err` in place (the IPv6 path's structs are not moved about).
 #[inline(always)]
@@ -105,7 +105,7 @@ pub fn parse6(ctx: &TcContext, err: &mut IcmpError<CtKey6>) -> Option<()> {
     let ip_off = icmp_off + Icmpv6Hdr::LEN;
     let first: [u8; 8] = ctx.load(ip_off).ok()?;
     let proto = first[offset_of!(Ipv6Hdr, next_hdr)];
-    if first[0] >> 4 != 6 || (proto != IPPROTO_TCP && proto != IPPROTO_UDP) {
+    if first[0] >> 4 != 6 || !has_ports(proto) {
         return None;
     }
     let l4_off = ip_off + Ipv6Hdr::LEN;

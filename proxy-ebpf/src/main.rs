@@ -114,6 +114,30 @@ pub fn tc_egress6(ctx: TcContext) -> i32 {
     tc_lb::try_egress6(&ctx)
 }
 
+/// The four above for SCTP packets (no socket hook sees SCTP: ingress
+/// translates new associations on every interface), entered by tail call
+/// (`TC_SCTP`).
+#[classifier]
+#[inline(always)]
+pub fn tc_ingress_sctp(ctx: TcContext) -> i32 {
+    tc_lb::try_ingress_sctp(&ctx)
+}
+
+#[classifier]
+pub fn tc_egress_sctp(ctx: TcContext) -> i32 {
+    tc_lb::try_egress_sctp(&ctx)
+}
+
+#[classifier]
+pub fn tc_ingress6_sctp(ctx: TcContext) -> i32 {
+    tc_lb::try_ingress6_sctp(&ctx)
+}
+
+#[classifier]
+pub fn tc_egress6_sctp(ctx: TcContext) -> i32 {
+    tc_lb::try_egress6_sctp(&ctx)
+}
+
 /// Socket iterators ending the TCP and UDP sockets connected to backends
 /// that left (`SOCK_ENDS`); run by the agent, never attached to a hook.
 ///

@@ -16,7 +16,8 @@ use proxy_common::{
 };
 use proxy_common::{
     AffinityKey6, Backend6, CtEntry6, CtKey6, MAX_AFFINITY6, MAX_CONNTRACK6, MAX_SOCK_REV_NAT6,
-    RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6, SourceRangeKey6, TC6_PROGRAMS,
+    RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6, SourceRangeKey6, TC_SCTP_PROGRAMS,
+    TC6_PROGRAMS,
 };
 use proxy_common::{
     MAX_MAGLEV_CHUNKS,
@@ -136,6 +137,11 @@ pub static AFFINITY6: LruHashMap<AffinityKey6, AffinityValue, { MAX_AFFINITY6 as
 /// a tail call; the agent fills it.
 #[btf_map]
 pub static TC6: ProgramArray<{ TC6_PROGRAMS.len() }> = ProgramArray::new();
+
+/// The SCTP per-packet programs (`proxy_common::TC_SCTP_PROGRAMS`),
+/// entered by a tail call; the agent fills it once a frontend needs them.
+#[btf_map]
+pub static TC_SCTP: ProgramArray<{ TC_SCTP_PROGRAMS.len() }> = ProgramArray::new();
 
 /// The IPv6 per-packet path's packet and tuples (`packet::Flow`), one per
 /// CPU: off the stack. No BTF: scratch space, never read from outside.

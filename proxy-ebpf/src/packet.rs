@@ -1,12 +1,16 @@
-//! IPv4 and IPv6 TCP/UDP packet access for tc programs: parsing, rewriting
-//! addresses and ports with incremental checksum updates, and plain
-//! checksums for the packets we build (RST, ICMP). ICMP messages are only
-//! located here; the errors among them are read by `icmp`.
+//! IPv4 and IPv6 TCP/UDP/SCTP packet access for tc programs: parsing,
+//! rewriting addresses and ports with incremental checksum updates (SCTP's
+//! CRC32c by `proxy_common::sctp`), and plain checksums for the packets we
+//! build (RST, ICMP). ICMP messages are only located here; the errors among
+//! them are read by `icmp`.
 
 use core::mem::offset_of;
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, bpf_adj_room_mode::BPF_ADJ_ROOM_NET},
+    bindings::{
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM,
+        bpf_adj_room_mode::BPF_ADJ_ROOM_NET,
+    },
     helpers::generated::{bpf_csum_diff, bpf_csum_update},
     programs::TcContext,
 };
@@ -17,9 +21,10 @@ use network_types::{
     udp::UdpHdr,
 };
 use proxy_common::{
-    CtKey, CtKey6, CtTuple, FragKey, FragRewrite, IPPROTO_TCP, IPPROTO_UDP,
+    CtKey, CtKey6, CtTuple, FragKey, FragRewrite, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
     ct::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     dsr::{self, DsrHeader6, DsrOption, HDR6_LEN, IPPROTO_DSTOPTS, OPT_LEN},
+    has_ports, sctp,
 };
 
 pub const IPPROTO_ICMP: u8 = 1;
@@ -117,20 +122,27 @@ impl IpHeader for Ipv6Hdr {
     }
 }
 
-/// Where the ports are, the same in TCP and UDP headers: one read and one
-/// rewrite serve both.
+/// What a per-packet program translates, as a constant parameter of its
+/// path (`SCTP`): its family's TCP and UDP (handing SCTP on), or SCTP
+/// alone. The verifier then walks each program for its own protocols only.
+pub const TCP_AND_UDP: bool = false;
+pub const SCTP_ALONE: bool = true;
+
+/// Where the ports are, the same in TCP, UDP and SCTP headers: one read
+/// and one rewrite serve all three.
 pub const SPORT: usize = offset_of!(UdpHdr, src);
 pub const DPORT: usize = offset_of!(UdpHdr, dst);
 const _: () = assert!(offset_of!(TcpHdr, source) == SPORT && offset_of!(TcpHdr, dest) == DPORT);
 
-/// The fields of one TCP or UDP packet the datapath works with (`T`: its
-/// family's tuple).
+/// The fields of one TCP, UDP or SCTP packet the datapath works with (`T`:
+/// its family's tuple).
 #[derive(Clone, Copy)]
 pub struct Packet<T = CtKey> {
     pub tuple: T,
     /// Offset of the L4 header.
     pub l4_off: usize,
-    /// TCP flags (0 for UDP).
+    /// TCP flags (0 for UDP; SCTP's first chunk as TCP flags, see
+    /// `sctp::ct_flags`).
     pub tcp_flags: u8,
     /// The IPv4 header length is 20 (no options); in IPv6, no extension
     /// header (the DSR one is the only one parsed).
@@ -162,7 +174,7 @@ pub struct IcmpMessage {
 
 /// What a tc program sees.
 pub enum Parsed {
-    /// An IPv4 TCP or UDP packet, or the first fragment of a datagram.
+    /// An IPv4 TCP, UDP or SCTP packet, or the first fragment of a datagram.
     Packet(Packet),
     /// A later fragment: IP header only.
     Fragment(FragKey),
@@ -220,20 +232,25 @@ pub fn header<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
     }
 }
 
-/// Reads the ports (and TCP flags) of the TCP or UDP header at `off`.
+/// Reads the ports (and TCP flags, or what SCTP's first chunk stands for)
+/// of the TCP, UDP or SCTP header at `off`.
 #[inline(always)]
 pub fn load_ports(ctx: &TcContext, off: usize, proto: u8) -> Option<(u16, u16, u8)> {
     // One read per header.
     if proto == IPPROTO_TCP {
         let tcp: TcpHdr = header(ctx, off)?;
         Some((u16::from_be_bytes(tcp.source), u16::from_be_bytes(tcp.dest), tcp_flags(&tcp)))
+    } else if proto == IPPROTO_SCTP {
+        let h: [u8; sctp::FIRST_CHUNK_TYPE + 1] = header(ctx, off)?;
+        let (sport, dport) = (u16::from_be_bytes([h[0], h[1]]), u16::from_be_bytes([h[2], h[3]]));
+        Some((sport, dport, sctp::ct_flags(h[sctp::FIRST_CHUNK_TYPE])))
     } else {
         let udp: UdpHdr = header(ctx, off)?;
         Some((udp.src_port(), udp.dst_port(), 0))
     }
 }
 
-/// Parses an Ethernet + IPv4 + TCP/UDP packet or fragment. Anything else
+/// Parses an Ethernet + IPv4 + TCP/UDP/SCTP packet or fragment. Anything else
 /// (other protocols, IPv6: [`parse6`], ARP) is `None` and passes untouched.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Option<Parsed> {
@@ -252,7 +269,7 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
     if proto == IPPROTO_ICMP && !more_fragments && fragment_offset == 0 {
         return Some(Parsed::Icmp(IcmpMessage { saddr, daddr, icmp_off: IP_OFF + ihl }));
     }
-    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+    if !has_ports(proto) {
         return None;
     }
     let frag_key = FragKey { saddr, daddr, id: ip.id(), proto, _pad: 0 };
@@ -438,7 +455,7 @@ pub fn is_ipv6(ctx: &TcContext) -> bool {
     header::<u16>(ctx, offset_of!(EthHdr, ether_type)) == Some(EtherType::Ipv6 as u16)
 }
 
-/// Parses an Ethernet + IPv6 packet ([`is_ipv6`]): TCP or UDP right after
+/// Parses an Ethernet + IPv6 packet ([`is_ipv6`]): TCP, UDP or SCTP right after
 /// the fixed header, or after a DSR destination-options header
 /// ([`dsr_service6`]; `plain_ip_header` false). Other extension headers
 /// (fragments included), ICMPv6 (neighbour discovery) and anything else
@@ -456,7 +473,7 @@ pub fn parse6(ctx: &TcContext, pkt: &mut Packet<CtKey6>) -> bool {
         }
         (proto, l4_off) = (dsr.next_hdr, l4_off + HDR6_LEN as usize);
     }
-    if version != 6 || (proto != IPPROTO_TCP && proto != IPPROTO_UDP) {
+    if version != 6 || !has_ports(proto) {
         return false;
     }
     let Some((sport, dport, tcp_flags)) = load_ports(ctx, l4_off, proto) else { return false };
@@ -567,7 +584,7 @@ fn addrs_diff<H: IpHeader>(old: &[H::Addr; 2], new: &[H::Addr; 2]) -> Result<u32
 /// store) and the checksums covering them, each by one difference computed
 /// here: the header's own (IPv4), and `l4`, the checksum at that offset
 /// with its `l4_csum_replace` flags (`BPF_F_PSEUDO_HDR` where it covers them
-/// through a pseudo-header), if one covers them.
+/// through a pseudo-header), if one covers them (else [`unbalanced`]).
 #[inline(always)]
 pub fn set_addrs<H: IpHeader>(
     ctx: &TcContext,
@@ -580,12 +597,13 @@ pub fn set_addrs<H: IpHeader>(
     if old == new {
         return Ok(());
     }
-    let diff = addrs_diff::<H>(old, new)? as u64;
+    let diff = addrs_diff::<H>(old, new)?;
     if let Some(csum) = H::CSUM {
-        ctx.l3_csum_replace(ip_off + csum, 0, diff, 0)?;
+        ctx.l3_csum_replace(ip_off + csum, 0, diff as u64, 0)?;
     }
-    if let Some((csum, flags)) = l4 {
-        ctx.l4_csum_replace(csum, 0, diff, flags)?;
+    match l4 {
+        Some((csum, flags)) => ctx.l4_csum_replace(csum, 0, diff as u64, flags)?,
+        None => unbalanced::<H>(ctx, diff),
     }
     // Both addresses, side by side as in the header.
     ctx.store(ip_off + H::SADDR, new, 0)
@@ -600,10 +618,11 @@ pub fn set_addrs<H: IpHeader>(
 /// skb's sum right); the L4 checksum by `l4_csum_replace` alone, which
 /// knows how the skb's is kept (partial, complete, none): one call for the
 /// addresses (through the pseudo-header), one for the ports (an offloaded
-/// checksum covers only the pseudo-header). Other packets (IPv4 options,
-/// headers beyond the linear data) take [`rewrite_by_helpers`].
+/// checksum covers only the pseudo-header). SCTP's ports go with their
+/// CRC ([`set_sctp_ports`]). Other packets (IPv4 options, headers beyond
+/// the linear data) take [`rewrite_by_helpers`].
 #[inline(always)]
-pub fn rewrite<H: IpHeader>(
+pub fn rewrite<H: IpHeader, const SCTP: bool>(
     ctx: &TcContext,
     pkt: &Packet<H::Tuple>,
     to: &H::Tuple,
@@ -616,7 +635,7 @@ pub fn rewrite<H: IpHeader>(
         if hop && !decrement_ttl::<H>(ctx)? {
             return Ok(false);
         }
-        rewrite_by_helpers::<H>(ctx, pkt, to)?;
+        rewrite_by_helpers::<H, SCTP>(ctx, pkt, to)?;
         return Ok(true);
     }
     let from = &pkt.tuple;
@@ -637,7 +656,8 @@ pub fn rewrite<H: IpHeader>(
         if addrs_changed {
             H::store_addrs(ip + H::SADDR, to);
         }
-        if old_ports != new_ports {
+        // SCTP's go with their checksum, below.
+        if old_ports != new_ports && !SCTP {
             *((data + l4_off + SPORT) as *mut [u8; 4]) = new_ports;
         }
         if hop {
@@ -653,6 +673,11 @@ pub fn rewrite<H: IpHeader>(
             *at = csum_replaced(*at, addrs + hops);
         }
     }
+    if SCTP {
+        unbalanced::<H>(ctx, addrs);
+        set_sctp_ports::<H>(ctx, l4_off, new_ports)?;
+        return Ok(true);
+    }
     let (csum, flags) = (pkt.l4_csum_off(), pkt.l4_flags());
     if addrs_changed {
         ctx.l4_csum_replace(csum, 0, addrs as u64, BPF_F_PSEUDO_HDR as u64 | flags)?;
@@ -663,19 +688,64 @@ pub fn rewrite<H: IpHeader>(
     Ok(true)
 }
 
+/// Keeps the receive checksum of a packet whose header changed by `diff`
+/// with no checksum to balance it (an IPv6 header under SCTP, whose CRC
+/// counts no address) right where it covers the header
+/// (`CHECKSUM_COMPLETE`); IPv4's header checksum balances its own change.
+#[inline(always)]
+fn unbalanced<H: IpHeader>(ctx: &TcContext, diff: u32) {
+    if H::CSUM.is_none() && diff != 0 {
+        // SAFETY: the program's own skb.
+        unsafe { bpf_csum_update(ctx.skb.skb, diff) };
+    }
+}
+
+/// Writes `ports` into the SCTP header at `l4_off` with the checksum they
+/// make (`sctp::checksum_after_ports`), over the packet's length as its IP
+/// header counts it (a frame may carry padding past it). One store of the
+/// common header, which keeps a receive checksum covering it right. A
+/// packet of a GSO batch, or one whose CRC the sender left to the device
+/// (`CHECKSUM_PARTIAL`), has its CRC computed on its way out whatever the
+/// field holds.
+#[inline(always)]
+fn set_sctp_ports<H: IpHeader>(ctx: &TcContext, l4_off: usize, ports: [u8; 4]) -> Result<(), i64> {
+    // By the helper: `l4_off` is a packet's (IPv6: a map value the verifier
+    // knows no bounds of), no constant.
+    let mut common: [u8; sctp::HEADER_LEN] = ctx.load(l4_off)?;
+    let old = [common[0], common[1], common[2], common[3]];
+    if old == ports {
+        return Ok(());
+    }
+    let len: [u8; 2] = header(ctx, IP_OFF + H::LEN_FIELD).ok_or(-1i64)?;
+    // The length field counts from the IP header (IPv4) or past its fixed
+    // part (IPv6): the SCTP packet is what lies past `l4_off`.
+    let counted_from = IP_OFF + H::PLAIN_LEN - H::LEN_BEYOND_L4;
+    let len = u16::from_be_bytes(len).wrapping_sub((l4_off - counted_from) as u16);
+    let at = sctp::CHECKSUM;
+    let checksum = [common[at], common[at + 1], common[at + 2], common[at + 3]];
+    let checksum = sctp::checksum_after_ports(checksum, old, ports, len);
+    common[..4].copy_from_slice(&ports);
+    common[at..at + 4].copy_from_slice(&checksum);
+    ctx.store(l4_off, &common, BPF_F_RECOMPUTE_CSUM as u64)
+}
+
 /// [`rewrite`] through helper calls, for headers it cannot write in place:
 /// the addresses in one store, the ports in another, each checksum updated
 /// by one difference computed here.
 #[inline(always)]
-fn rewrite_by_helpers<H: IpHeader>(
+fn rewrite_by_helpers<H: IpHeader, const SCTP: bool>(
     ctx: &TcContext,
     pkt: &Packet<H::Tuple>,
     to: &H::Tuple,
 ) -> Result<(), i64> {
     let from = &pkt.tuple;
-    let l4 = (pkt.l4_csum_off(), BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags());
-    set_addrs::<H>(ctx, IP_OFF, H::addrs(from), H::addrs(to), Some(l4))?;
+    // SCTP's checksum counts no address.
+    let l4 = (!SCTP).then(|| (pkt.l4_csum_off(), BPF_F_PSEUDO_HDR as u64 | pkt.l4_flags()));
+    set_addrs::<H>(ctx, IP_OFF, H::addrs(from), H::addrs(to), l4)?;
     let (old, new) = (ports(from.sport(), from.dport()), ports(to.sport(), to.dport()));
+    if SCTP {
+        return set_sctp_ports::<H>(ctx, pkt.l4_off, new);
+    }
     if old != new {
         let diff = csum_diff(old, new) as u64;
         ctx.l4_csum_replace(pkt.l4_csum_off(), 0, diff, pkt.l4_flags())?;

@@ -18,8 +18,9 @@ use network_types::{
     udp::UdpHdr,
 };
 use proxy_common::{
-    Config, CtTuple, IPPROTO_TCP, IPPROTO_UDP,
+    Config, CtTuple, IPPROTO_SCTP,
     dsr::IPPROTO_DSTOPTS,
+    has_ports,
     prefilter::{self, Address, Kind},
 };
 
@@ -51,7 +52,8 @@ pub enum Filter {
 /// Where the program runs: ingress inspects what a frontend, a SNAT port or
 /// a flow's reply could be; egress only replies of host-network backends;
 /// a pod-facing ingress where the socket LB translates every pod's
-/// connections only what comes from a backend (a reply).
+/// connections only what comes from a backend (a reply), and SCTP to a
+/// frontend (the socket LB never sees SCTP).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Hook {
     Ingress,
@@ -130,7 +132,7 @@ pub fn check(ctx: &TcContext, cfg: &Config, hook: Hook) -> Filter {
     }
 }
 
-/// A plain IPv4 TCP or UDP packet's endpoints, or the verdict on another.
+/// A plain IPv4 TCP, UDP or SCTP packet's endpoints, or the verdict on another.
 #[inline(always)]
 fn endpoints4(ctx: &TcContext) -> Result<Endpoints<[u8; 4]>, Filter> {
     let [vihl] = read(ctx, IP_OFF);
@@ -141,7 +143,7 @@ fn endpoints4(ctx: &TcContext) -> Result<Endpoints<[u8; 4]>, Filter> {
     if vihl != PLAIN_IPV4 || later_fragment {
         return Err(Filter::Inspect);
     }
-    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+    if !has_ports(proto) {
         // ICMP errors may quote a flow; anything else is never ours.
         return Err(if proto == IPPROTO_ICMP { Filter::Inspect } else { Filter::Pass });
     }
@@ -153,7 +155,7 @@ fn endpoints4(ctx: &TcContext) -> Result<Endpoints<[u8; 4]>, Filter> {
     })
 }
 
-/// An IPv6 packet with TCP or UDP right after its fixed header: its
+/// An IPv6 packet with TCP, UDP or SCTP right after its fixed header: its
 /// endpoints; ICMPv6 (errors may quote a flow) and destination options (a
 /// DSR header) are inspected; anything else (other extension headers,
 /// fragments) passes, as the full path passes it.
@@ -163,7 +165,7 @@ fn endpoints6(ctx: &TcContext) -> Result<Endpoints<[u8; 16]>, Filter> {
         return Err(Filter::Inspect);
     }
     let [next] = read(ctx, IP_OFF + offset_of!(Ipv6Hdr, next_hdr));
-    if next != IPPROTO_TCP && next != IPPROTO_UDP {
+    if !has_ports(next) {
         let maybe_ours = next == IPPROTO_ICMPV6 || next == IPPROTO_DSTOPTS;
         return Err(if maybe_ours { Filter::Inspect } else { Filter::Pass });
     }
@@ -175,7 +177,7 @@ fn endpoints6(ctx: &TcContext) -> Result<Endpoints<[u8; 16]>, Filter> {
     })
 }
 
-/// The verdict on a TCP or UDP packet between `e`'s endpoints.
+/// The verdict on a TCP, UDP or SCTP packet between `e`'s endpoints.
 #[inline(always)]
 fn ports<A: Address + PartialEq>(
     ctx: &TcContext,
@@ -195,7 +197,13 @@ fn ports<A: Address + PartialEq>(
         e.daddr == snat_addr && (cfg.snat_port_min..=cfg.snat_port_max).contains(&dport);
     let ours = match hook {
         Hook::Egress => known(Kind::HostBackend, e.saddr, sport, e.proto),
-        Hook::PodReplies => snat_reply || replied(e.saddr, sport, e.proto),
+        // No socket hook sees SCTP: a pod's associations to a frontend
+        // are translated here.
+        Hook::PodReplies => {
+            snat_reply
+                || replied(e.saddr, sport, e.proto)
+                || (e.proto == IPPROTO_SCTP && known(Kind::Frontend, e.daddr, dport, e.proto))
+        }
         Hook::Ingress => {
             snat_reply
                 || known(Kind::Frontend, e.daddr, dport, e.proto)

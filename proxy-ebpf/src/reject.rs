@@ -24,7 +24,7 @@ use proxy_common::{
 use crate::{
     family::Family,
     maps::count,
-    packet::{self, IP_OFF, IPPROTO_ICMP, IPPROTO_ICMPV6, IpHeader, Packet},
+    packet::{self, IP_OFF, IPPROTO_ICMP, IPPROTO_ICMPV6, IpHeader, Packet, TCP_AND_UDP},
     tc_act::SHOT,
 };
 
@@ -111,7 +111,9 @@ fn swap_macs(ctx: &TcContext) -> Result<(), i64> {
 
 /// Turns the segment into its RST in place. Swapping addresses and ports
 /// leaves every checksum valid; the other fields change through the csum
-/// helpers, which keep offloaded (partial) checksums right too.
+/// helpers, which keep offloaded (partial) checksums right too. Inlined
+/// as [`icmp_unreachable`] is.
+#[inline(always)]
 fn tcp_reset<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>) -> Result<(), i64> {
     if pkt.tcp_flags & TCP_RST != 0 {
         return Err(0);
@@ -154,12 +156,15 @@ fn tcp_reset<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>) -> Result<(), i
         ctx.store(l4 + field, &new, 0)?;
     }
     let reversed = pkt.tuple.reversed();
-    packet::rewrite::<F>(ctx, pkt, &reversed, false)?;
+    packet::rewrite::<F, TCP_AND_UDP>(ctx, pkt, &reversed, false)?;
     swap_macs(ctx)
 }
 
 /// Prepends an IP and ICMP header to the datagram and trims it to what the
 /// ICMP error quotes. Every checksum is computed here from the bytes.
+/// Inlined: a call of its own (LLVM's choice once the SCTP program used
+/// it too) added its frame to `tc_ingress`'s, past 512 bytes.
+#[inline(always)]
 fn icmp_unreachable(ctx: &TcContext) -> Result<(), i64> {
     let quote: Quote = ctx.load(IP_OFF)?;
     ctx.adjust_room(NEW_HEADERS, BPF_ADJ_ROOM_MAC, 0)?;

@@ -19,7 +19,8 @@ use aya_ebpf::{
 };
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
-    Config, Counter, CtKey, CtTuple, CtValue, DropReason, FragKey, ServiceFlags, ServiceValue,
+    Config, Counter, CtKey, CtKey6, CtTuple, CtValue, DropReason, FragKey, IPPROTO_SCTP,
+    ServiceFlags, ServiceValue, TC_SCTP_EGRESS, TC_SCTP_EGRESS6, TC_SCTP_INGRESS, TC_SCTP_INGRESS6,
     TC6_EGRESS, TC6_INGRESS, TC6_POD_REPLIES, dsr, explain::Decided, log_level,
 };
 
@@ -29,9 +30,9 @@ use crate::{
     icmp::{self, IcmpError},
     lb::{self, Pick, Verdict, Via},
     log::{self, Outcome, Printable},
-    maps::{CONFIG, FLOW6, FRAGMENTS, TC6, count},
+    maps::{CONFIG, FLOW6, FRAGMENTS, TC_SCTP, TC6, count},
     monitor::{self, EventAddr, What},
-    packet::{self, Flow, Packet, Parsed},
+    packet::{self, Flow, Packet, Parsed, SCTP_ALONE, TCP_AND_UDP},
     prefilter::{self, Filter, Hook},
     reject,
     report::{self, Denied, Site},
@@ -50,6 +51,8 @@ pub enum Scope {
     /// Only the packets of tracked flows (replies of per-packet flows to a
     /// pod backend): pod-facing interfaces where the socket LB translates
     /// every pod's connections, so a pod never sends to a frontend.
+    /// (SCTP, which no socket hook sees, is the SCTP program's, which
+    /// translates everything.)
     TrackedOnly,
 }
 
@@ -64,6 +67,9 @@ pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
         return NEXT;
     }
     let pkt = match packet::parse(ctx) {
+        Some(Parsed::Packet(pkt)) if pkt.tuple.proto == IPPROTO_SCTP => {
+            return to_sctp(ctx, TC_SCTP_INGRESS);
+        }
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Fragment(key)) => return later_fragment(ctx, &key),
         Some(Parsed::Icmp(msg)) => {
@@ -78,7 +84,31 @@ pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
         }
     };
     let mut flow = Flow { to: pkt.tuple, pkt, now: unsafe { bpf_ktime_get_ns() } };
-    translate::<Ipv4Hdr>(ctx, cfg, &mut flow, scope)
+    translate::<Ipv4Hdr, TCP_AND_UDP>(ctx, cfg, &mut flow, scope)
+}
+
+/// The SCTP program's ingress (`tc_ingress_sctp`): a packet the TCP/UDP
+/// program handed on (its pre-filter passed it), of a tracked association
+/// or a new one to a frontend, on any interface (pods' included: no socket
+/// hook sees SCTP).
+#[inline(always)]
+pub fn try_ingress_sctp(ctx: &TcContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    let Some(Parsed::Packet(pkt)) = packet::parse(ctx) else { return NEXT };
+    if pkt.tuple.proto != IPPROTO_SCTP {
+        return NEXT;
+    }
+    let mut flow = Flow { to: pkt.tuple, pkt, now: unsafe { bpf_ktime_get_ns() } };
+    translate::<Ipv4Hdr, SCTP_ALONE>(ctx, cfg, &mut flow, Scope::Everything)
+}
+
+/// An SCTP packet goes on in the SCTP program at `slot` of `TC_SCTP`;
+/// where the agent loaded none (no SCTP frontend yet), it passes untouched.
+#[inline(always)]
+fn to_sctp(ctx: &TcContext, slot: u32) -> i32 {
+    // SAFETY: returns only if the slot is empty.
+    unsafe { TC_SCTP.tail_call(ctx, slot) };
+    NEXT
 }
 
 /// An IPv6 packet goes on in the IPv6 program at `slot` of `TC6` (a tail
@@ -97,26 +127,53 @@ fn to_ipv6(ctx: &TcContext, slot: u32) -> i32 {
 #[inline(always)]
 pub fn try_ingress6(ctx: &TcContext, scope: Scope) -> i32 {
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
-    // Off the stack (see `FLOW6`).
-    let Some(flow) = FLOW6.get_ptr_mut(0) else { return NEXT };
-    // SAFETY: this CPU's slot; a tc program is not preempted by another
-    // program using it.
-    let flow = unsafe { &mut *flow };
+    let Some(flow) = flow6() else { return NEXT };
     if !packet::parse6(ctx, &mut flow.pkt) {
         return icmp_error6(ctx, true);
     }
+    if flow.pkt.tuple.proto == IPPROTO_SCTP {
+        return to_sctp(ctx, TC_SCTP_INGRESS6);
+    }
     flow.to = flow.pkt.tuple;
     flow.now = unsafe { bpf_ktime_get_ns() };
-    translate::<Ipv6Hdr>(ctx, cfg, flow, scope)
+    translate::<Ipv6Hdr, TCP_AND_UDP>(ctx, cfg, flow, scope)
 }
 
-/// A TCP or UDP packet: of a tracked flow, or a new flow to a frontend.
+/// The IPv6 SCTP program's ingress (`tc_ingress6_sctp`), as
+/// [`try_ingress_sctp`].
+#[inline(always)]
+pub fn try_ingress6_sctp(ctx: &TcContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    let Some(flow) = flow6() else { return NEXT };
+    if !packet::parse6(ctx, &mut flow.pkt) || flow.pkt.tuple.proto != IPPROTO_SCTP {
+        return NEXT;
+    }
+    flow.to = flow.pkt.tuple;
+    flow.now = unsafe { bpf_ktime_get_ns() };
+    translate::<Ipv6Hdr, SCTP_ALONE>(ctx, cfg, flow, Scope::Everything)
+}
+
+/// This CPU's IPv6 packet and tuples, off the stack (see `FLOW6`).
+#[inline(always)]
+fn flow6() -> Option<&'static mut Flow<CtKey6>> {
+    let flow = FLOW6.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot; a tc program is not preempted by another
+    // program using it.
+    Some(unsafe { &mut *flow })
+}
+
+/// A TCP, UDP or SCTP packet: of a tracked flow, or a new flow to a frontend.
 /// Each step is a BPF call of its own in the IPv6 path (`Family::step`),
 /// one after the other from here, so their frames never add up (the
 /// compiler's copies of 16-byte addresses would not fit one frame); they
 /// fill or read `flow.to` in place.
 #[inline(always)]
-fn translate<F: Family>(ctx: &TcContext, cfg: &Config, f: &mut Flow<F::Tuple>, scope: Scope) -> i32
+fn translate<F: Family, const SCTP: bool>(
+    ctx: &TcContext,
+    cfg: &Config,
+    f: &mut Flow<F::Tuple>,
+    scope: Scope,
+) -> i32
 where
     F::Tuple: Printable,
     F::Addr: EventAddr,
@@ -129,7 +186,9 @@ where
                 conntrack::lookup::<F>(&f.pkt, ctx.len(), cfg, f.now, || Run::of(ctx))
             {
                 f.to = entry.rewritten(f.pkt.tuple.proto());
-                F::pend_dsr(dsr::action(entry.flags(), f.pkt.tcp_flags), &f.pkt.tuple);
+                if !SCTP {
+                    F::pend_dsr(dsr::action(entry.flags(), f.pkt.tcp_flags), &f.pkt.tuple);
+                }
                 tracked = Some(entry.rev_nat_id());
             }
         },
@@ -140,19 +199,19 @@ where
         if !F::Entry::COUNTS && Run::of(ctx) == Run::Real {
             stat::<F>(rev_nat_id, Event::packet(ctx.len()));
         }
-        return forward_counted::<F>(ctx, f, rev_nat_id);
+        return forward_counted::<F, SCTP>(ctx, f, rev_nat_id);
     }
     if scope == Scope::TrackedOnly {
         return NEXT;
     }
     let decision = F::step(
         #[inline(always)]
-        || decide::<F>(ctx, cfg, f),
+        || decide::<F, SCTP>(ctx, cfg, f),
     );
     let (rev_nat_id, snat, dsr, via, flags) = match decision {
         Decision::Pass => {
             // Sent here by direct server return: its backend is a pod here.
-            if !f.pkt.plain_ip_header && F::step(|| dsr_service::<F>(ctx, f)) {
+            if !SCTP && !f.pkt.plain_ip_header && F::step(|| dsr_service::<F>(ctx, f)) {
                 return dsr_arrival::<F>(ctx, cfg, f);
             }
             record_unknown::<F>(cfg, &f.pkt);
@@ -179,13 +238,15 @@ where
         }
     };
     const _: () = assert!(dsr::INSERT == 1);
-    F::pend_dsr(dsr as u8, &f.pkt.tuple);
+    if !SCTP {
+        F::pend_dsr(dsr as u8, &f.pkt.tuple);
+    }
     if Run::of(ctx) == Run::Explain {
         // Decided (see `decide`): the packet goes on as translated, but no
         // flow is created (so no SNAT port is chosen).
         return F::step(
             #[inline(always)]
-            || forward::<F>(ctx, &f.pkt, &f.to),
+            || forward::<F, SCTP>(ctx, &f.pkt, &f.to),
         );
     }
     let created = F::step(
@@ -210,16 +271,20 @@ where
             log::snat(&f.pkt.tuple, &f.to);
         }
     }
-    forward_counted::<F>(ctx, f, rev_nat_id)
+    forward_counted::<F, SCTP>(ctx, f, rev_nat_id)
 }
 
 /// [`forward`] in a step of its own, a packet it cannot send on counted
 /// as the frontend's drop.
 #[inline(always)]
-fn forward_counted<F: Family>(ctx: &TcContext, f: &Flow<F::Tuple>, rev_nat_id: u32) -> i32 {
+fn forward_counted<F: Family, const SCTP: bool>(
+    ctx: &TcContext,
+    f: &Flow<F::Tuple>,
+    rev_nat_id: u32,
+) -> i32 {
     let verdict = F::step(
         #[inline(always)]
-        || forward::<F>(ctx, &f.pkt, &f.to),
+        || forward::<F, SCTP>(ctx, &f.pkt, &f.to),
     );
     if verdict == SHOT {
         stat::<F>(rev_nat_id, Event::dropped(DropReason::RewriteFailed));
@@ -293,7 +358,11 @@ enum Decision {
 /// would add to this step's. An explain run's packet notes the decision
 /// (`explain`).
 #[inline(always)]
-fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -> Decision {
+fn decide<F: Family, const SCTP: bool>(
+    ctx: &TcContext,
+    cfg: &Config,
+    flow: &mut Flow<F::Tuple>,
+) -> Decision {
     let pkt = &flow.pkt;
     let t = &pkt.tuple;
     // Localhost NodePorts are the node's own sockets' (the socket LB's): a
@@ -325,7 +394,7 @@ fn decide<F: Family>(ctx: &TcContext, cfg: &Config, flow: &mut Flow<F::Tuple>) -
             Decision::Refuse(scoped.rev_nat_id)
         }
         Verdict::Backend { backend, backend_id, rev_nat_id, via } => {
-            let (snat, dsr) = dispatch::<F>(&svc, cfg, pkt, &backend);
+            let (snat, dsr) = dispatch::<F, SCTP>(&svc, cfg, pkt, &backend);
             run.translated(ctx, backend_id, (snat, dsr), via, scoped.flags);
             let (address, port, _) = F::backend(&backend);
             let saddr = if snat { F::snat_addr(cfg) } else { t.saddr() };
@@ -387,9 +456,10 @@ fn from_pods<F: Family>(cfg: &Config, saddr: F::Addr) -> bool {
 /// rather than one of three: `dsr` is only ever stored, never tested, up
 /// to where the option goes in, so that the verifier walks the paths with
 /// and without it as one (a value it must tell apart doubles every path
-/// after it, past what 6.1 accepts).
+/// after it, past what 6.1 accepts). SCTP never goes direct (the model
+/// gives its frontends SNAT): the SCTP programs carry no DSR path at all.
 #[inline(always)]
-fn dispatch<F: Family>(
+fn dispatch<F: Family, const SCTP: bool>(
     svc: &ServiceValue,
     cfg: &Config,
     pkt: &Packet<F::Tuple>,
@@ -409,7 +479,8 @@ fn dispatch<F: Family>(
         if svc.flags.is_local_only() {
             return (false, false);
         }
-        let dsr = svc.flags.is_dsr()
+        let dsr = !SCTP
+            && svc.flags.is_dsr()
             && pkt.plain_ip_header
             && pkt.first_fragment.is_none()
             && !from_pods::<F>(cfg, saddr);
@@ -487,6 +558,9 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
         return NEXT;
     }
     let pkt = match packet::parse(ctx) {
+        Some(Parsed::Packet(pkt)) if pkt.tuple.proto == IPPROTO_SCTP => {
+            return to_sctp(ctx, TC_SCTP_EGRESS);
+        }
         Some(Parsed::Packet(pkt)) => pkt,
         Some(Parsed::Icmp(msg)) => {
             return icmp_error::<Ipv4Hdr>(ctx, icmp::parse(ctx, &msg).as_ref(), false);
@@ -494,7 +568,20 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
         Some(Parsed::Fragment(_)) => return NEXT,
         None => return to_ipv6(ctx, TC6_EGRESS),
     };
-    reverse::<Ipv4Hdr>(ctx, cfg, &pkt)
+    reverse::<Ipv4Hdr, TCP_AND_UDP>(ctx, cfg, &pkt)
+}
+
+/// The SCTP program's egress (`tc_egress_sctp`): replies of host-network
+/// backends, as [`try_egress`]'s.
+#[inline(always)]
+pub fn try_egress_sctp(ctx: &TcContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    match packet::parse(ctx) {
+        Some(Parsed::Packet(pkt)) if pkt.tuple.proto == IPPROTO_SCTP => {
+            reverse::<Ipv4Hdr, SCTP_ALONE>(ctx, cfg, &pkt)
+        }
+        _ => NEXT,
+    }
 }
 
 /// The IPv6 program's egress (`tc_egress6`). The reverse translation is a
@@ -503,22 +590,43 @@ pub fn try_egress(ctx: &TcContext) -> i32 {
 #[inline(always)]
 pub fn try_egress6(ctx: &TcContext) -> i32 {
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
-    let Some(flow) = FLOW6.get_ptr_mut(0) else { return NEXT };
-    // SAFETY: as in `try_ingress6`.
-    let pkt = unsafe { &mut (*flow).pkt };
+    let Some(flow) = flow6() else { return NEXT };
+    let pkt = &mut flow.pkt;
     if !packet::parse6(ctx, pkt) {
         return icmp_error6(ctx, false);
     }
+    if pkt.tuple.proto == IPPROTO_SCTP {
+        return to_sctp(ctx, TC_SCTP_EGRESS6);
+    }
     Ipv6Hdr::step(
         #[inline(always)]
-        || reverse::<Ipv6Hdr>(ctx, cfg, pkt),
+        || reverse::<Ipv6Hdr, TCP_AND_UDP>(ctx, cfg, pkt),
+    )
+}
+
+/// The IPv6 SCTP program's egress (`tc_egress6_sctp`).
+#[inline(always)]
+pub fn try_egress6_sctp(ctx: &TcContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    let Some(flow) = flow6() else { return NEXT };
+    let pkt = &mut flow.pkt;
+    if !packet::parse6(ctx, pkt) || pkt.tuple.proto != IPPROTO_SCTP {
+        return NEXT;
+    }
+    Ipv6Hdr::step(
+        #[inline(always)]
+        || reverse::<Ipv6Hdr, SCTP_ALONE>(ctx, cfg, pkt),
     )
 }
 
 /// A packet the stack sends: rewritten if it is of a tracked flow, and left
 /// to the stack, which routed it already.
 #[inline(always)]
-fn reverse<F: Family>(ctx: &TcContext, cfg: &Config, pkt: &Packet<F::Tuple>) -> i32
+fn reverse<F: Family, const SCTP: bool>(
+    ctx: &TcContext,
+    cfg: &Config,
+    pkt: &Packet<F::Tuple>,
+) -> i32
 where
     F::Tuple: Printable,
 {
@@ -529,7 +637,7 @@ where
     };
     count(Counter::CtHit);
     let rev_nat_id = entry.rev_nat_id();
-    match packet::rewrite::<F>(ctx, pkt, &entry.rewritten(pkt.tuple.proto()), false) {
+    match packet::rewrite::<F, SCTP>(ctx, pkt, &entry.rewritten(pkt.tuple.proto()), false) {
         Ok(_) => {
             // As on ingress: the entry counted it, unless lean.
             if !F::Entry::COUNTS {
@@ -627,11 +735,15 @@ fn later_fragment(ctx: &TcContext, key: &FragKey) -> i32 {
 /// option. The route comes first (it depends on `to` alone): a packet sent
 /// on from here has its TTL decremented in the same rewrite as its tuple.
 #[inline(always)]
-fn forward<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>, to: &F::Tuple) -> i32 {
+fn forward<F: Family, const SCTP: bool>(
+    ctx: &TcContext,
+    pkt: &Packet<F::Tuple>,
+    to: &F::Tuple,
+) -> i32 {
     // SAFETY: bpf_fib_lookup is plain data; zero is a valid start.
     let mut fib: FibLookup = unsafe { core::mem::zeroed() };
     let routed = route::<F>(ctx, to, &mut fib);
-    match packet::rewrite::<F>(ctx, pkt, to, routed.is_some()) {
+    match packet::rewrite::<F, SCTP>(ctx, pkt, to, routed.is_some()) {
         Ok(true) => {}
         // The TTL ran out.
         Ok(false) => return SHOT,
@@ -640,7 +752,7 @@ fn forward<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>, to: &F::Tuple) ->
             return SHOT;
         }
     }
-    if apply_pending_dsr::<F>(ctx, pkt).is_err() {
+    if !SCTP && apply_pending_dsr::<F>(ctx, pkt).is_err() {
         count(Counter::Dropped);
         return SHOT;
     }

@@ -206,11 +206,9 @@ pub fn run() -> Vec<Feature> {
             required: false,
             found: sctp_match.is_ok(),
             detail: match sctp_match {
-                Ok(how) => format!(
-                    "{how}: SCTP service ports get rules (the eBPF mode leaves them out, for now)"
-                ),
+                Ok(how) => format!("{how}: SCTP service ports get rules in iptables mode"),
                 Err(why) => format!(
-                    "{why} (CONFIG_NETFILTER_XT_MATCH_SCTP): SCTP service ports are left out in both modes"
+                    "{why} (CONFIG_NETFILTER_XT_MATCH_SCTP): the iptables mode leaves SCTP service ports out (the eBPF mode serves them per packet)"
                 ),
             },
         },

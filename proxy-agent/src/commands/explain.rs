@@ -22,7 +22,7 @@ use crate::{
             route_interface, route_interface6, text, tuple,
         },
     },
-    model::IpFamily,
+    model::{IpFamily, Protocol},
     sys,
 };
 use anyhow::{Context as _, bail};
@@ -30,6 +30,7 @@ use aya::programs::{
     links::{FdLink, PinnedLink},
     loaded_programs,
 };
+use proxy_common::TC_SCTP_PROGRAMS;
 
 pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     let ((from_ip, port), to) = (args.from, args.to);
@@ -102,7 +103,8 @@ fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Resu
     let ifindex = ifindex(&interface)?;
     let root = &args.inspect.pins.bpffs_root;
     let (program, note) = attached(root, &interface);
-    let mut explainer = Explainer::load(root).with_context(|| {
+    let sctp = args.proto == Protocol::Sctp;
+    let mut explainer = Explainer::load(root, sctp).with_context(|| {
         format!(
             "loading the per-packet programs with the maps pinned under {} (is the eBPF mode running here?)",
             root.display()
@@ -114,8 +116,12 @@ fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Resu
         proto: args.proto,
         from,
         to,
-        program: format!("{program} on {interface}"),
-        replies_only: program == TC_POD_REPLIES,
+        // SCTP goes on in its own program, which translates everything.
+        program: match sctp {
+            false => format!("{program} on {interface}"),
+            true => format!("{program} on {interface}, then {}", TC_SCTP_PROGRAMS[0]),
+        },
+        replies_only: program == TC_POD_REPLIES && !sctp,
     };
     let mut x = explain(&query, &run, &entries);
     x.notes.extend(note);

@@ -141,8 +141,6 @@ fn sample_names_are_unchanged() {
         "proxy_conntrack_entries",
         "proxy_map_entries",
         "proxy_map_update_failures_total",
-        // Its sctp_unsupported sample, always there.
-        "proxy_services_refused",
         "proxy_state_map_carried",
     ];
     let iptables = [
@@ -189,19 +187,6 @@ fn programming_buckets_are_kube_proxys() {
     assert_eq!(*bounds.last().unwrap(), 300.0);
     let sync: Vec<f64> = exponential_buckets(0.001, 2.0, 15).collect();
     assert_eq!(sync, (0..15).map(|i| 0.001 * f64::from(1u32 << i)).collect::<Vec<_>>());
-}
-
-#[test]
-fn services_left_out_for_sctp_are_a_refusal_reason_of_the_ebpf_mode_only() {
-    let m = metrics("ebpf");
-    m.set_services_refused(["address_held"]);
-    m.sctp_unserved_services.store(2, Relaxed);
-    let scrape = text(&m);
-    assert!(scrape.contains("proxy_services_refused{reason=\"sctp_unsupported\"} 2\n"), "{scrape}");
-    assert!(scrape.contains("proxy_services_refused{reason=\"address_held\"} 1\n"));
-    m.set_services_refused([]);
-    assert!(text(&m).contains("proxy_services_refused{reason=\"sctp_unsupported\"} 2\n"));
-    assert!(!text(&metrics("iptables")).contains("sctp_unsupported"));
 }
 
 #[test]

@@ -100,11 +100,14 @@ impl Annotated for LbMode {
 
 impl LbMode {
     /// The forwarding of a service port of `protocol` under this mode:
-    /// hybrid sends TCP direct and everything else through SNAT.
+    /// hybrid sends TCP direct and everything else through SNAT. SCTP goes
+    /// through SNAT in every mode: the DSR option takes room from every
+    /// packet, which TCP's MSS clamp makes for it and nothing makes for
+    /// SCTP's (its full-size packets would no longer fit the path).
     pub fn for_protocol(self, protocol: super::vocabulary::Protocol) -> ForwardingMode {
         use super::vocabulary::Protocol;
         match (self, protocol) {
-            (LbMode::Snat, _) | (LbMode::Hybrid, Protocol::Udp | Protocol::Sctp) => {
+            (LbMode::Snat, _) | (_, Protocol::Sctp) | (LbMode::Hybrid, Protocol::Udp) => {
                 ForwardingMode::Snat
             }
             (LbMode::Dsr, _) | (LbMode::Hybrid, Protocol::Tcp) => ForwardingMode::Dsr,
@@ -171,6 +174,7 @@ mod tests {
         assert_eq!(LbMode::Hybrid.for_protocol(Protocol::Tcp), ForwardingMode::Dsr);
         assert_eq!(LbMode::Hybrid.for_protocol(Protocol::Udp), ForwardingMode::Snat);
         assert_eq!(LbMode::Hybrid.for_protocol(Protocol::Sctp), ForwardingMode::Snat);
+        assert_eq!(LbMode::Dsr.for_protocol(Protocol::Sctp), ForwardingMode::Snat);
         assert_eq!(LbMode::Dsr.for_protocol(Protocol::Udp), ForwardingMode::Dsr);
         assert_eq!(LbMode::Snat.for_protocol(Protocol::Tcp), ForwardingMode::Snat);
         assert_eq!(LbMode::parse("Hybrid"), Some(LbMode::Hybrid));

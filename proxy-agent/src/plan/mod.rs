@@ -202,13 +202,20 @@ impl Node {
         self.localhost_nodeports && self.serves_nodeports_on(Ipv4Addr::LOCALHOST.into())
     }
 
-    /// The addresses NodePorts of `family` are served on: the node's within
-    /// `--nodeport-addresses`, and 127.0.0.1 for localhost NodePorts (the
-    /// datapath's: any 127.0.0.0/8 address is that one).
-    fn nodeport_ips(&self, family: IpFamily) -> impl Iterator<Item = IpAddr> + '_ {
+    /// The addresses NodePorts of `family` and `protocol` are served on:
+    /// the node's within `--nodeport-addresses`, and 127.0.0.1 for
+    /// localhost NodePorts (the datapath's: any 127.0.0.0/8 address is that
+    /// one), which only the socket LB serves: never SCTP's, which no socket
+    /// hook sees (the iptables mode serves them, from its own rules).
+    fn nodeport_ips(
+        &self,
+        family: IpFamily,
+        protocol: Protocol,
+    ) -> impl Iterator<Item = IpAddr> + '_ {
         let of_family = move |ip: &IpAddr| IpFamily::of(*ip) == family;
         let node = self.ips.iter().copied().filter(move |ip| self.serves_nodeports_on(*ip));
-        let localhost = self.serves_localhost_nodeports().then_some(Ipv4Addr::LOCALHOST.into());
+        let localhost = (self.serves_localhost_nodeports() && protocol != Protocol::Sctp)
+            .then_some(Ipv4Addr::LOCALHOST.into());
         node.chain(localhost).filter(of_family)
     }
 }
@@ -442,7 +449,8 @@ fn frontends(port: &ServicePort, node: &Node) -> Vec<(Frontend, Claim)> {
     if let Some(node_port) = port.node_port {
         let node_port_claim = claim(FrontendKind::NodePort, vec![]);
         out.extend(
-            node.nodeport_ips(family).map(|ip| (at(ip, node_port), node_port_claim.clone())),
+            node.nodeport_ips(family, port.protocol)
+                .map(|ip| (at(ip, node_port), node_port_claim.clone())),
         );
     }
     let balanced = claim(FrontendKind::LoadBalancer, port.source_ranges().to_vec());

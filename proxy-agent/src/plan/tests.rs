@@ -226,6 +226,12 @@ fn localhost_node_ports_are_served_at_127_0_0_1_as_kube_proxy_decides() {
     let n = Node { localhost_nodeports: true, ..node() };
     let (plan, _) = super::plan(&model::Model::from_ports([v6]), &n);
     assert!(plan.frontends.keys().all(|f| !f.ip.is_loopback()), "{:?}", plan.frontends.keys());
+    // Nor for SCTP, which only the socket LB could serve there.
+    let mut sctp = p.clone();
+    sctp.protocol = Protocol::Sctp;
+    let (plan, _) = super::plan(&model::Model::from_ports([sctp]), &n);
+    assert!(plan.frontends.keys().any(|f| f.port == 30080), "on the node's addresses");
+    assert!(plan.frontends.keys().all(|f| !f.ip.is_loopback()), "{:?}", plan.frontends.keys());
 }
 
 #[test]

@@ -86,12 +86,11 @@ const SCENARIOS: &[Scenario] = &[
         function: "no_endpoints_are_refused_not_timed_out",
         modes: &MODES,
     },
-    // The eBPF mode does not serve SCTP yet.
     Scenario {
         id: "sctp-echo",
         binary: "sctp",
         function: "sctp_echo_follows_the_endpoints",
-        modes: &["iptables"],
+        modes: &MODES,
     },
     Scenario {
         id: "restart",

@@ -22,7 +22,6 @@ use super::{
     settings::{PodInterfacePrograms, Settings, TcAttachChoice},
     sock_end::SocketDestroy,
     state_sizes::StateSizes,
-    unserved::Unserved,
 };
 use crate::{
     backend::{Datapath, Synced, iptables},
@@ -81,8 +80,6 @@ pub struct EbpfDatapath {
     serving: Option<Vec<IpAddr>>,
     /// The services that did not fit, as last logged.
     refused: BTreeMap<ServiceName, Refusal>,
-    /// The frontends its programs do not serve yet (SCTP's).
-    unserved: Unserved,
     /// Whether the log said IPv6 flows fill the token-size maps (once).
     ipv6_outgrown_told: bool,
 }
@@ -284,7 +281,6 @@ impl EbpfDatapath {
             growable: true,
             serving: None,
             refused: BTreeMap::new(),
-            unserved: Unserved::default(),
             ipv6_outgrown_told: false,
         })
     }
@@ -507,21 +503,9 @@ impl Datapath for EbpfDatapath {
         dirty: Option<&BTreeSet<Frontend>>,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
-        let served = self.unserved.leave_out(plan, dirty);
-        let report = self.sync_maps(&served.plan, served.dirty(), metrics).inspect_err(|_| {
+        let report = self.sync_maps(plan, dirty, metrics).inspect_err(|_| {
             metrics.map_update_failures.fetch_add(1, Relaxed);
         })?;
-        if let Some(services) = self.unserved.changed(plan) {
-            let names = services.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
-            match services.len() {
-                0 => tracing::info!("no SCTP service port is left unserved"),
-                n => tracing::warn!(
-                    services = n,
-                    "SCTP service ports are not served in eBPF mode yet (the iptables mode serves them), their other ports are: {names}"
-                ),
-            }
-        }
-        metrics.sctp_unserved_services.store(self.unserved.services() as u64, Relaxed);
         let state = self.object.reconciler();
         let backends = state.backend_count();
         metrics.set_map_entries(&state.map_entries());

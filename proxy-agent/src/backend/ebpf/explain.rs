@@ -13,7 +13,8 @@ use aya::{
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
 };
 use proxy_common::{
-    Layouts, TC6_INGRESS, TC6_POD_REPLIES, TC6_PROGRAMS, explain::MAGIC, map_names,
+    Layouts, TC_SCTP_INGRESS, TC_SCTP_INGRESS6, TC_SCTP_PROGRAMS, TC6_INGRESS, TC6_POD_REPLIES,
+    TC6_PROGRAMS, explain::MAGIC, map_names,
 };
 
 use super::{EbpfError, TC_INGRESS, TC_POD_REPLIES, io_err, load::OBJECT, program, sock_end};
@@ -44,18 +45,19 @@ pub struct ExplainRun {
 /// The per-packet programs, with the live maps.
 pub struct Explainer {
     ebpf: Ebpf,
-    /// This build's own `TC6`, kept open: the kernel empties a program
-    /// array when its last descriptor closes.
-    _tc6: ProgramArray<MapData>,
+    /// This build's own `TC6` and `TC_SCTP`, kept open: the kernel empties
+    /// a program array when its last descriptor closes.
+    _arrays: Vec<ProgramArray<MapData>>,
 }
 
 impl Explainer {
     /// Loads the per-packet programs with every map pinned under `root`
-    /// but `TC6` (the running IPv6 programs, which an older agent's build
-    /// could not tell an explain run from a real packet): this build's IPv6
-    /// programs fill its own, so an IPv6 packet takes the real path too
-    /// (the pre-filter, then the tail call).
-    pub fn load(root: &Path) -> Result<Self, EbpfError> {
+    /// but `TC6` and `TC_SCTP` (the running IPv6 and SCTP programs, which
+    /// an older agent's build could not tell an explain run from a real
+    /// packet): this build's IPv6 programs fill its own, and with `sctp` its
+    /// SCTP ones (a verifier run only SCTP's explain runs need), so a
+    /// packet takes the real path (the pre-filter, then the tail calls).
+    pub fn load(root: &Path, sctp: bool) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
         let dir = root.join("maps");
         // The programs of this build read the pinned maps as their own: a
@@ -73,7 +75,7 @@ impl Explainer {
             .map_err(io_err("reading", &dir))?
             .filter_map(Result::ok)
             .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
-            .filter(|(name, _)| name != map_names::TC6)
+            .filter(|(name, _)| name != map_names::TC6 && name != map_names::TC_SCTP)
             .collect();
         let mut loader = aya::EbpfLoader::new();
         for (name, path) in &pins {
@@ -81,14 +83,14 @@ impl Explainer {
         }
         let kernel_btf = aya::Btf::from_sys_fs().ok();
         let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
-        let ingress6 = [TC6_INGRESS, TC6_POD_REPLIES].map(|slot| TC6_PROGRAMS[slot as usize]);
-        for name in [TC_INGRESS, TC_POD_REPLIES].into_iter().chain(ingress6) {
-            program::<SchedClassifier>(&mut ebpf, name)?
-                .load()
-                .map_err(|source| EbpfError::Program { name, source })?;
+        let mut arrays = vec![fill(&mut ebpf, map_names::TC6, &TC6_PROGRAMS, INGRESS6)?];
+        for name in [TC_INGRESS, TC_POD_REPLIES] {
+            load(&mut ebpf, name)?;
         }
-        let _tc6 = fill_tc6(&mut ebpf)?;
-        Ok(Explainer { ebpf, _tc6 })
+        if sctp {
+            arrays.push(fill(&mut ebpf, map_names::TC_SCTP, &TC_SCTP_PROGRAMS, SCTP_INGRESS)?);
+        }
+        Ok(Explainer { ebpf, _arrays: arrays })
     }
 
     /// Runs `program` (`tc_ingress` or `tc_pod_replies`) on `packet` as if
@@ -104,15 +106,30 @@ impl Explainer {
     }
 }
 
-/// The object's own `TC6` (not the pinned one), its ingress slots holding
-/// the object's IPv6 ingress programs (the egress one is never run here).
-fn fill_tc6(ebpf: &mut Ebpf) -> Result<ProgramArray<MapData>, EbpfError> {
-    let name = map_names::TC6;
+/// The ingress slots of the program arrays (the egress programs never run
+/// here).
+const INGRESS6: &[u32] = &[TC6_INGRESS, TC6_POD_REPLIES];
+const SCTP_INGRESS: &[u32] = &[TC_SCTP_INGRESS, TC_SCTP_INGRESS6];
+
+fn load(ebpf: &mut Ebpf, name: &'static str) -> Result<(), EbpfError> {
+    let prog = program::<SchedClassifier>(ebpf, name)?;
+    prog.load().map_err(|source| EbpfError::Program { name, source })
+}
+
+/// The object's own program array `name` (not the pinned one), its `slots`
+/// holding the object's `programs` there, loaded.
+fn fill(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    programs: &[&'static str],
+    slots: &[u32],
+) -> Result<ProgramArray<MapData>, EbpfError> {
     let map = ebpf.take_map(name).ok_or(EbpfError::Missing { what: "map", name })?;
     let mut array =
         ProgramArray::try_from(map).map_err(|source| EbpfError::Map { name, source })?;
-    for slot in [TC6_INGRESS, TC6_POD_REPLIES] {
-        let program_name = TC6_PROGRAMS[slot as usize];
+    for &slot in slots {
+        let program_name = programs[slot as usize];
+        load(ebpf, program_name)?;
         let prog = program::<SchedClassifier>(ebpf, program_name)?;
         let fd = prog.fd().map_err(|source| EbpfError::Program { name: program_name, source })?;
         array.set(slot, fd, 0).map_err(|source| EbpfError::Map { name, source })?;

@@ -20,7 +20,9 @@ use super::{
     maps::Maps,
     programs::{INGRESS, PROGRAMS, TC_PROGRAMS},
     reconciler::{Reconciler, SyncError, SyncReport},
-    records, sock_end,
+    records,
+    sctp::SctpPrograms,
+    sock_end,
     sock_end::SocketEnding,
     state_sizes::StateSizes,
 };
@@ -52,6 +54,16 @@ pub(super) static OBJECT: &[u8] =
 pub(super) fn verify_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
     let tc = TC_PROGRAMS.map(|(name, _, _)| name);
     let names: Vec<&'static str> = tc.into_iter().chain(TC6_PROGRAMS).chain(PROGRAMS).collect();
+    verify(ebpf, &names, &[INGRESS.0, TC6_PROGRAMS[0]])
+}
+
+/// Loads the programs `names` as [`verify_programs`] does, the `heaviest`
+/// first.
+pub(super) fn verify(
+    ebpf: &mut Ebpf,
+    names: &[&'static str],
+    heaviest: &[&'static str],
+) -> Result<(), EbpfError> {
     let mut programs: Vec<_> = ebpf
         .programs_mut()
         .filter_map(|(name, program)| Some((*names.iter().find(|n| **n == name)?, program)))
@@ -59,7 +71,6 @@ pub(super) fn verify_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
     if let Some(name) = names.iter().find(|n| !programs.iter().any(|(p, _)| p == *n)) {
         return Err(EbpfError::Missing { what: "program", name });
     }
-    let heaviest = [INGRESS.0, TC6_PROGRAMS[0]];
     programs.sort_by_key(|(name, _)| !heaviest.contains(name));
     let queue = std::sync::Mutex::new(programs.into_iter());
     let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).next();
@@ -190,6 +201,7 @@ impl BpfObject {
             flow_counts6: FlowCounts::default(),
             flow_growth: Growth::new(),
             held6: 0,
+            sctp: SctpPrograms::default(),
         })
     }
 
@@ -217,6 +229,8 @@ impl BpfObject {
         self.purge_owed();
         verified?;
         self.maps.fill_tc6(&mut self.ebpf)?;
+        // Before the programs serve (the caller attaches them next).
+        self.serve_sctp(plan, None);
         Ok(synced)
     }
 

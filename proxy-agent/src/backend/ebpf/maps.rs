@@ -13,7 +13,7 @@ use aya::{
 };
 use proxy_common::{
     Backend, Backend6, FrontendInfo, RevNat, RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey,
-    ServiceKey6, ServiceValue, SourceRangeKey, SourceRangeKey6, TC6_PROGRAMS,
+    ServiceKey6, ServiceValue, SourceRangeKey, SourceRangeKey6, TC_SCTP_PROGRAMS, TC6_PROGRAMS,
     maglev::{MaglevChunk, MaglevKey},
     map_names,
 };
@@ -42,6 +42,7 @@ pub(super) struct Maps {
     pub(super) affinity6: Map,
     pub(super) source_ranges6: Map,
     pub(super) tc6: Map,
+    pub(super) tc_sctp: Map,
     pub(super) frontend_info: Map,
     pub(super) frontend_stats: Map,
     pub(super) sock_rev_nat: Map,
@@ -77,6 +78,7 @@ impl Maps {
             affinity6: take(map_names::AFFINITY6)?,
             source_ranges6: take(map_names::SOURCE_RANGES6)?,
             tc6: take(map_names::TC6)?,
+            tc_sctp: take(map_names::TC_SCTP)?,
             frontend_info: take(map_names::FRONTEND_INFO)?,
             frontend_stats: take(map_names::FRONTEND_STATS)?,
             sock_rev_nat: take(map_names::SOCK_REV_NAT)?,
@@ -114,7 +116,7 @@ impl Maps {
         }
     }
 
-    pub(super) fn by_name(&self) -> [(&'static str, &Map); 28] {
+    pub(super) fn by_name(&self) -> [(&'static str, &Map); 29] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::MAGLEV, &self.maglev),
@@ -140,9 +142,10 @@ impl Maps {
             (map_names::CONNTRACK6, &self.conntrack6),
             (map_names::AFFINITY6, &self.affinity6),
             (map_names::SOURCE_RANGES6, &self.source_ranges6),
-            // Pinned so the IPv6 programs stay in it while no agent runs
+            // Pinned so the IPv6 and SCTP programs stay in them while no agent runs
             // (the kernel empties a program array its last holder closes).
             (map_names::TC6, &self.tc6),
+            (map_names::TC_SCTP, &self.tc_sctp),
             (map_names::EVENTS, &self.monitor[0]),
             (map_names::MONITOR, &self.monitor[1]),
             (map_names::MONITOR_LOST, &self.monitor[2]),
@@ -152,17 +155,32 @@ impl Maps {
     /// Puts the IPv6 per-packet programs in `TC6`, where the IPv4 ones
     /// enter them by tail call.
     pub(super) fn fill_tc6(&mut self, ebpf: &mut Ebpf) -> Result<(), EbpfError> {
-        let name = map_names::TC6;
-        let mut array = ProgramArray::try_from(&mut self.tc6)
-            .map_err(|source| EbpfError::Map { name, source })?;
-        for (slot, program_name) in (0..).zip(TC6_PROGRAMS) {
-            let prog = program::<SchedClassifier>(ebpf, program_name)?;
-            let fd =
-                prog.fd().map_err(|source| EbpfError::Program { name: program_name, source })?;
-            array.set(slot, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
-        }
-        Ok(())
+        fill(ebpf, &mut self.tc6, map_names::TC6, &TC6_PROGRAMS)
     }
+
+    /// Puts the (loaded) SCTP programs in `TC_SCTP`, where the TCP and UDP
+    /// ones enter them by tail call.
+    pub(super) fn fill_tc_sctp(&mut self, ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+        fill(ebpf, &mut self.tc_sctp, map_names::TC_SCTP, &TC_SCTP_PROGRAMS)
+    }
+}
+
+/// Puts the loaded `programs` in the program array `map` (`name`), each
+/// at its index.
+pub(super) fn fill(
+    ebpf: &mut Ebpf,
+    map: &mut Map,
+    name: &'static str,
+    programs: &[&'static str],
+) -> Result<(), EbpfError> {
+    let mut array =
+        ProgramArray::try_from(map).map_err(|source| EbpfError::Map { name, source })?;
+    for (slot, program_name) in (0..).zip(programs) {
+        let prog = program::<SchedClassifier>(ebpf, program_name)?;
+        let fd = prog.fd().map_err(|source| EbpfError::Program { name: program_name, source })?;
+        array.set(slot, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
+    }
+    Ok(())
 }
 
 impl MapWriter for Maps {

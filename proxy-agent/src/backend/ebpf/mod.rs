@@ -50,12 +50,12 @@ pub mod reconciler;
 pub mod records;
 pub mod replies;
 pub mod ring;
+mod sctp;
 pub mod settings;
 pub mod sock_diag;
 pub mod sock_end;
 pub mod state_sizes;
 mod test_run;
-mod unserved;
 
 pub use attach::{TcAttach, remove_tc_filters};
 pub use counters::CounterReader;
@@ -63,6 +63,7 @@ pub use load::has_set_retval;
 pub use pins::{cleanup, pinned, remove_pins, set_pinned_log_level};
 pub use programs::{PROGRAMS, TC_EGRESS, TC_INGRESS, TC_POD_REPLIES, TcRole};
 pub use reconciler::{AffinityPurge, Reconciler, SyncError, SyncReport};
+pub use sctp::SctpPrograms;
 pub use settings::Settings;
 pub use test_run::PacketRun;
 
@@ -166,6 +167,7 @@ pub struct BpfObject {
     flow_growth: Growth,
     /// The IPv6 flow entries the last conntrack collection left.
     held6: usize,
+    sctp: SctpPrograms,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).
@@ -194,6 +196,7 @@ impl BpfObject {
         plan: &Plan,
         dirty: Option<&BTreeSet<Frontend>>,
     ) -> Result<SyncReport, SyncError> {
+        self.serve_sctp(plan, dirty);
         let result = self.reconciler.sync(plan, dirty, &mut self.maps);
         self.purge_owed();
         result
@@ -202,6 +205,7 @@ impl BpfObject {
     /// From `served` to `target` in syncs that each fit (see
     /// [`Reconciler::sync_in_steps`]).
     pub fn sync_in_steps(&mut self, served: &Plan, target: &Plan) -> Result<SyncReport, SyncError> {
+        self.serve_sctp(target, None);
         let result = self.reconciler.sync_in_steps(served, target, &mut self.maps);
         self.purge_owed();
         result
