@@ -24,7 +24,10 @@ use std::{
 };
 
 use proxy_agent::{
-    backend::ebpf::{BpfObject, MapSizes, TcAttach, settings::BpfLogLevel},
+    backend::{
+        conntrack_limit::ConntrackLimit,
+        ebpf::{BpfObject, MapSizes, TcAttach, settings::BpfLogLevel, state_sizes::StateSizes},
+    },
     model::{EndpointAddr, Protocol, ServiceName, ServicePortName},
     packet_craft,
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
@@ -104,6 +107,8 @@ fn main() -> anyhow::Result<()> {
     let mut dp = BpfObject::load_with(
         TcAttach::Tcx,
         MapSizes { services: entries, backends: entries, rev_nat: entries },
+        // The flow maps the agent makes by default here.
+        StateSizes::new(ConntrackLimit::default(), proxy_agent::sys::cpu_count(), true),
         None,
     )?;
     dp.configure(&Config {

@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::{
     backend::{
-        ProxyMode, TrafficRules,
+        ProxyMode, TrafficRules, conntrack_limit,
         ebpf::{
             settings::{BpfLogLevel, PodInterfacePrograms, TcAttachChoice},
             sock_end::SocketDestroy,
@@ -421,6 +421,15 @@ pub struct RunArgs {
     /// Idle timeout of a UDP flow translated per packet
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
     pub conntrack_udp_timeout: Duration,
+    /// Flows tracked per CPU (kube-proxy's): the iptables mode raises the
+    /// kernel's `nf_conntrack_max` to this × CPUs, at least
+    /// `--conntrack-min` (0 leaves it alone); the eBPF mode sizes its flow
+    /// maps so (0: at `--conntrack-min`)
+    #[arg(long, value_name = "N", default_value_t = conntrack_limit::DEFAULT_MAX_PER_CORE)]
+    pub conntrack_max_per_core: u32,
+    /// The fewest flows tracked, whatever the CPUs
+    #[arg(long, value_name = "N", default_value_t = conntrack_limit::DEFAULT_MIN)]
+    pub conntrack_min: u32,
     /// eBPF mode: the programs' decision records (service hit, backend and
     /// why, refusals, drops) in this log, under the target `bpf`
     #[arg(long, value_enum, default_value = "off", value_name = "LEVEL")]

@@ -79,6 +79,8 @@ struct Iptables {
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Conntrack {
+    max_per_core: Option<u32>,
+    min: Option<u32>,
     tcp_established_timeout: Option<String>,
     tcp_close_wait_timeout: Option<String>,
     udp_timeout: Option<String>,
@@ -103,6 +105,8 @@ const HONOURED: &[&str] = &[
     "iptables.minSyncPeriod",
     "iptables.localhostNodePorts",
     "conntrack",
+    "conntrack.maxPerCore",
+    "conntrack.min",
     "conntrack.tcpEstablishedTimeout",
     "conntrack.tcpCloseWaitTimeout",
     "conntrack.udpTimeout",
@@ -132,8 +136,6 @@ const NOT_APPLICABLE: &[&str] = &[
     "winkernel",
     "detectLocal",
     "oomScoreAdj",
-    "conntrack.maxPerCore",
-    "conntrack.min",
     "conntrack.tcpBeLiberal",
     "conntrack.udpStreamTimeout",
     "configSyncPeriod",
@@ -158,6 +160,8 @@ pub struct Settings {
     pub conntrack_tcp_timeout_established: Option<Duration>,
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
     pub conntrack_udp_timeout: Option<Duration>,
+    pub conntrack_max_per_core: Option<u32>,
+    pub conntrack_min: Option<u32>,
     pub unreadable_source_grace: Option<Duration>,
     pub bpf_log_level: Option<BpfLogLevel>,
     pub bpf_lb_algorithm: Option<LbAlgorithm>,
@@ -263,6 +267,8 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
         }
     }
     if let Some(ct) = file.conntrack {
+        s.conntrack_max_per_core = ct.max_per_core;
+        s.conntrack_min = ct.min;
         if let Some(d) = ct.tcp_established_timeout {
             s.conntrack_tcp_timeout_established =
                 duration(&d).map_err(bad("conntrack.tcpEstablishedTimeout"))?;
@@ -355,6 +361,8 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
         settings.conntrack_tcp_timeout_close_wait
     );
     set!("conntrack_udp_timeout", args.conntrack_udp_timeout, settings.conntrack_udp_timeout);
+    set!("conntrack_max_per_core", args.conntrack_max_per_core, settings.conntrack_max_per_core);
+    set!("conntrack_min", args.conntrack_min, settings.conntrack_min);
     set!("unreadable_source_grace", args.unreadable_source_grace, settings.unreadable_source_grace);
     set!("bpf_log_level", args.bpf_log_level, settings.bpf_log_level);
     set!("bpf_lb_algorithm", args.bpf_lb_algorithm, settings.bpf_lb_algorithm);
@@ -461,6 +469,24 @@ bpfLbDsrDispatch: opt
         assert_eq!(args.bpf_lb_algorithm, LbAlgorithm::Maglev);
         assert_eq!(args.bpf_lb_maglev_table_size, 65521);
         assert_eq!(args.bpf_lb_mode, LbMode::Hybrid);
+    }
+
+    #[test]
+    fn conntrack_sizes_are_read_and_null_keeps_the_defaults() {
+        let (settings, _) = parse(std::path::Path::new("c"), KUBEADM).unwrap();
+        assert_eq!((settings.conntrack_max_per_core, settings.conntrack_min), (None, None));
+        let text = format!(
+            "apiVersion: {API_VERSION}\nkind: {KIND}\nconntrack: {{maxPerCore: 0, min: 250000}}\n"
+        );
+        let (settings, warnings) = parse(std::path::Path::new("c"), &text).unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let (mut args, matches) = run_args(&["--conntrack-min", "1000", "--manifests", "/m"]);
+        assert_eq!(args.conntrack_max_per_core, 32_768, "kube-proxy's default");
+        let explicit =
+            |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        apply(settings, &mut args, explicit);
+        assert_eq!(args.conntrack_max_per_core, 0, "0: leave the kernel's alone");
+        assert_eq!(args.conntrack_min, 1000, "the flag wins");
     }
 
     #[test]

@@ -243,6 +243,39 @@ pub fn set_sysctl(key: &str, value: &str) -> io::Result<()> {
     std::fs::write(path, value)
 }
 
+/// The CPUs this process may run on (its affinity mask), as Go's
+/// `runtime.NumCPU`, which kube-proxy multiplies `--conntrack-max-per-core`
+/// by.
+pub fn cpu_count() -> u32 {
+    // SAFETY: a zeroed cpu_set_t is a valid out-parameter of its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `set` is a valid cpu_set_t of `size` bytes.
+    if unsafe { libc::sched_getaffinity(0, size, &mut set) } == 0 {
+        // SAFETY: `set` was filled by the kernel.
+        (unsafe { libc::CPU_COUNT(&set) } as u32).max(1)
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+    }
+}
+
+/// The kernel's conntrack table: its maximum (`net.netfilter.nf_conntrack_max`
+/// of the agent's network namespace) and its buckets (`nf_conntrack`'s
+/// `hashsize` parameter, the node's).
+pub const NF_CONNTRACK_MAX: &str = "/proc/sys/net/netfilter/nf_conntrack_max";
+pub const NF_CONNTRACK_HASHSIZE: &str = "/sys/module/nf_conntrack/parameters/hashsize";
+
+/// A number a kernel file holds.
+pub fn read_number(path: &str) -> io::Result<u32> {
+    let text = std::fs::read_to_string(path)?;
+    text.trim().parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+/// Writes a number to a kernel file.
+pub fn write_number(path: &str, value: u32) -> io::Result<()> {
+    std::fs::write(path, value.to_string())
+}
+
 /// Hands the heap's free pages back to the kernel. Parsing the kernel's BTF
 /// makes and frees hundreds of thousands of small allocations, which the
 /// allocator would otherwise keep resident.

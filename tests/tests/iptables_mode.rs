@@ -349,3 +349,24 @@ fn healthz_fails_while_syncs_fail_and_recovers_after() {
     let counts = reach(&lab, &client, 20);
     assert_eq!(counts.served().keys().collect::<Vec<_>>(), [&pods[0].name], "{counts:?}");
 }
+
+/// `--conntrack-max-per-core` and `--conntrack-min` raise the kernel's
+/// conntrack maximum as kube-proxy's do; the lab's agents run in network
+/// namespaces of their own, where the kernel refuses (its maximum and hash
+/// size are the node's): the agent says so and serves, the host's value
+/// is untouched (the lab never changes it).
+#[test]
+fn a_conntrack_maximum_the_kernel_refuses_is_reported_and_the_rules_serve() {
+    const MAX: &str = "/proc/sys/net/netfilter/nf_conntrack_max";
+    let host = std::fs::read_to_string(MAX).unwrap();
+    let (mut lab, _pods, client) = lab(Mode::Iptables);
+    let wanted = host.trim().parse::<u64>().unwrap() + 1024;
+    let min = wanted.to_string();
+    lab.start_agent(&["--conntrack-max-per-core", "1", "--conntrack-min", &min]).unwrap();
+    assert_eq!(reach(&lab, &client, 10).served().values().sum::<usize>(), 10);
+    let log = lab.agent_log();
+    let line = log.lines().find(|l| l.contains("could not raise the kernel's conntrack maximum"));
+    let line = line.unwrap_or_else(|| panic!("no warning:\n{log}"));
+    assert!(line.contains(&format!("wanted={wanted}")), "{line}");
+    assert_eq!(std::fs::read_to_string(MAX).unwrap(), host, "the host's maximum");
+}

@@ -416,6 +416,12 @@ fn lb_and_ct_list_show_both_families(setup: Setup) {
         );
         assert_eq!(row["backend"], "[fd00:244:1::4]:5353", "{flows}");
     }
+    if setup.mode == Mode::Ebpf {
+        // A node with IPv6: its flow maps as large as IPv4's.
+        for (v4, v6) in [("CONNTRACK", "CONNTRACK6"), ("SOCK_REV_NAT", "SOCK_REV_NAT6")] {
+            assert_eq!(c.lab.map_capacity(v6).unwrap(), c.lab.map_capacity(v4).unwrap(), "{v6}");
+        }
+    }
 }
 
 /// `proxy-agent explain` of an IPv6 packet, JSON.

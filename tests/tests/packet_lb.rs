@@ -453,6 +453,53 @@ fn clsact_filters_serve_node_ports_where_tcx_is_missing() {
     assert_eq!(filters(), 0);
 }
 
+/// eBPF only: the flow maps take the size `--conntrack-max-per-core` and
+/// `--conntrack-min` give (the iptables mode hands them to the kernel's
+/// conntrack table), the IPv6 ones a token size on a node without IPv6;
+/// more flows than the maps hold evict the oldest and traffic goes on.
+#[test]
+fn ebpf_flow_maps_take_the_conntrack_size_and_ipv6_ones_a_token_size() {
+    let mut lab = Lab::new().unwrap();
+    let pod = lab.add_pod("web-a", "10.244.1.2").unwrap();
+    lab.serve(&pod, &[8080], &[]).unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
+    lab.write_manifest(&web(&["a"])).unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    // One per core is below the minimum on any machine: 8192 flows.
+    let sizes = ["--conntrack-max-per-core", "1", "--conntrack-min", "8192"];
+    lab.start_agent(&[&sizes[..], &["--cluster-cidr", CLUSTER_CIDR]].concat()).unwrap();
+    let expected = [
+        ("CONNTRACK", 8192),
+        ("SOCK_REV_NAT", 8192),
+        ("AFFINITY", 2048),
+        ("SOCK_FLOWS", 2048),
+        ("CONNTRACK6", 1024),
+        ("SOCK_REV_NAT6", 1024),
+        ("AFFINITY6", 1024),
+    ];
+    for (map, entries) in expected {
+        assert_eq!(lab.map_capacity(map).unwrap(), entries, "{map}");
+    }
+    let log = lab.agent_log();
+    assert!(log.contains("flows=8192") && log.contains("ipv6_flows=1024"), "{log}");
+
+    // Three rounds of 1500 concurrent ClusterIP flows translated per packet
+    // (from outside the socket-LB cgroup; no SNAT port involved): two
+    // CONNTRACK entries each, 9000 in all, kept 120 s after they close:
+    // the last rounds take the room of the first.
+    let per_packet = Request::tcp_concurrent("10.96.0.10:80", 1500);
+    for round in 0..3 {
+        let attempts = lab.client_outside(&client).run(per_packet.clone()).unwrap();
+        let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
+        assert!(failed.is_empty(), "round {round}: {} failed, e.g. {:?}", failed.len(), failed[0]);
+    }
+    let held = lab.dump_map("CONNTRACK").unwrap().matches("\"expires_ns\"").count();
+    assert!((6000..=8192).contains(&held), "{held} entries");
+    answered(&lab.client(&client).tcp("10.96.0.10:80", 20).unwrap());
+    answered(&lab.client_outside(&ext).tcp(&node_port(30080), 20).unwrap());
+}
+
 /// eBPF only: the iptables mode writes no decision records (its rules'
 /// packet counters tell what matched).
 #[test]

@@ -55,6 +55,26 @@ mod ebpf_only {
         assert!(last[0].contains("handle 0x7078") && last != first, "a new program: {last:?}");
     }
 
+    /// Other `--conntrack-max-per-core`/`--conntrack-min` (or a node that
+    /// gained IPv6): the pinned flow maps are of another size, their
+    /// entries are copied into maps of the new one.
+    #[test]
+    fn flows_survive_a_restart_that_resizes_the_flow_maps() {
+        let mut c = Cluster::start(Setup::EBPF, &[]);
+        let flows = c.open_flows();
+        let before = c.lab.map_capacity("CONNTRACK").unwrap();
+        c.args.extend(["--conntrack-max-per-core", "0", "--conntrack-min", "200000"]);
+        c.crash_and_restart();
+        flows.check(&c.lab, &c.lab.agent_log());
+        assert_eq!(c.lab.map_capacity("CONNTRACK").unwrap(), 200_000, "from {before}");
+        assert_eq!(c.lab.map_capacity("AFFINITY").unwrap(), 50_000);
+        let metrics = c.lab.metrics().unwrap();
+        for map in ["CONNTRACK", "AFFINITY", "SOCK_REV_NAT", "SOCK_FLOWS"] {
+            let line = format!(r#"proxy_state_map_carried{{map="{map}",outcome="converted"}} 1"#);
+            assert!(metrics.contains(&line), "{line} in\n{metrics}");
+        }
+    }
+
     #[test]
     fn flows_survive_an_upgrade_to_a_build_with_another_conntrack_layout_and_back() {
         let lean = target_bin("proxy-agent-ct-lean");

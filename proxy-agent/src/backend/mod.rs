@@ -3,6 +3,7 @@
 //! between its loop and its proxiers). [`start`] chooses the mode and builds
 //! its datapath; nothing else names a mode.
 
+pub mod conntrack_limit;
 pub mod ebpf;
 pub mod iptables;
 pub mod probe;

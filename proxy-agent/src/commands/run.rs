@@ -11,7 +11,7 @@ use clap::parser::ValueSource;
 
 use crate::{
     agent::{self, LoopSettings, Source, Start},
-    backend::{self, ebpf::settings::FlowTimeouts},
+    backend::{self, conntrack_limit::ConntrackLimit, ebpf::settings::FlowTimeouts},
     cli::RunArgs,
     config,
     health::{NodeEligibility, ProxyHealth, ServiceChecks},
@@ -144,6 +144,8 @@ async fn start(args: &RunArgs) -> anyhow::Result<Start> {
 fn backend_settings(args: &RunArgs) -> backend::Settings {
     let traffic = args.node.traffic();
     let bpffs_root = args.pins.bpffs_root.clone();
+    let conntrack =
+        ConntrackLimit { max_per_core: args.conntrack_max_per_core, min: args.conntrack_min };
     backend::Settings {
         mode: args.proxy_mode,
         ebpf: backend::ebpf::Settings {
@@ -164,6 +166,7 @@ fn backend_settings(args: &RunArgs) -> backend::Settings {
                 tcp_time_wait: args.conntrack_tcp_timeout_time_wait,
                 udp: args.conntrack_udp_timeout,
             },
+            conntrack,
             log_level: args.bpf_log_level,
             maglev_table_size: args.bpf_lb_maglev_table_size,
         },
@@ -171,6 +174,7 @@ fn backend_settings(args: &RunArgs) -> backend::Settings {
             xtables: args.iptables_backend,
             traffic,
             bpffs_root,
+            conntrack,
         },
     }
 }

@@ -2,7 +2,8 @@
 //! entries live in the pinned maps; a new agent's programs use those very
 //! maps when their layout (`proxy_common::layout`) and shape match, and get
 //! converted copies when this build reads the pinned layout but another
-//! shape (an upgrade or rollback that changed a value). Only what it cannot
+//! shape (an upgrade or rollback that changed a value, or another size:
+//! `state_sizes`). Only what it cannot
 //! read starts empty, logged and counted.
 //!
 //! Those entries name frontends and backends by id, so the ids the previous
@@ -20,13 +21,10 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, Backend6, CtEntry, CtEntryV1, CtEntryV2, CtKey, FragKey,
-    FragRewrite, Layouts, MAX_AFFINITY, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_SOCK_FLOWS,
-    MAX_SOCK_REV_NAT, MAX_SOCK_REV_NAT6, ServiceKey, ServiceKey6, ServiceValue, SockFlow,
-    SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
+    FragRewrite, Layouts, ServiceKey, ServiceKey6, ServiceValue, SockFlow, SockFlowKey, SockRevNat,
+    SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
 };
-use proxy_common::{
-    AffinityKey6, CtEntry6, CtEntry6V1, CtEntry6V2, CtKey6, MAX_AFFINITY6, MAX_CONNTRACK6,
-};
+use proxy_common::{AffinityKey6, CtEntry6, CtEntry6V1, CtEntry6V2, CtKey6};
 
 use super::entries::{BackendEntry, SlotKey};
 use crate::plan::Frontend;
@@ -49,15 +47,24 @@ pub struct StateMap {
     version: fn(&Layouts) -> u32,
     /// The layouts this build converts from (its own included).
     reads: &'static [u32],
+    /// Its shape but for the size, which the agent's settings give
+    /// (`state_sizes`).
     shape: Shape,
 }
 
-const fn lru<K, V>(max_entries: u32) -> Shape {
+impl StateMap {
+    /// Its shape at `max_entries`.
+    pub fn shape(&self, max_entries: u32) -> Shape {
+        Shape { max_entries, ..self.shape }
+    }
+}
+
+const fn lru<K, V>() -> Shape {
     Shape {
         lru: true,
         key_size: size_of::<K>() as u32,
         value_size: size_of::<V>() as u32,
-        max_entries,
+        max_entries: 0,
     }
 }
 
@@ -67,49 +74,49 @@ pub const STATE_MAPS: [StateMap; 8] = [
         name: map_names::CONNTRACK,
         version: |l| l.conntrack,
         reads: &[1, 2],
-        shape: lru::<CtKey, CtEntry>(MAX_CONNTRACK),
+        shape: lru::<CtKey, CtEntry>(),
     },
     StateMap {
         name: map_names::AFFINITY,
         version: |l| l.affinity,
         reads: &[1],
-        shape: lru::<AffinityKey, AffinityValue>(MAX_AFFINITY),
+        shape: lru::<AffinityKey, AffinityValue>(),
     },
     StateMap {
         name: map_names::SOCK_REV_NAT,
         version: |l| l.sock_rev_nat,
         reads: &[1],
-        shape: lru::<SockRevNatKey, SockRevNat>(MAX_SOCK_REV_NAT),
+        shape: lru::<SockRevNatKey, SockRevNat>(),
     },
     StateMap {
         name: map_names::FRAGMENTS,
         version: |l| l.fragments,
         reads: &[1],
-        shape: lru::<FragKey, FragRewrite>(MAX_FRAGMENTS),
+        shape: lru::<FragKey, FragRewrite>(),
     },
     StateMap {
         name: map_names::SOCK_FLOWS,
         version: |l| l.sock_flows,
         reads: &[1],
-        shape: lru::<SockFlowKey, SockFlow>(MAX_SOCK_FLOWS),
+        shape: lru::<SockFlowKey, SockFlow>(),
     },
     StateMap {
         name: map_names::SOCK_REV_NAT6,
         version: |l| l.sock_rev_nat6,
         reads: &[1],
-        shape: lru::<SockRevNatKey6, SockRevNat6>(MAX_SOCK_REV_NAT6),
+        shape: lru::<SockRevNatKey6, SockRevNat6>(),
     },
     StateMap {
         name: map_names::CONNTRACK6,
         version: |l| l.conntrack6,
         reads: &[1, 2],
-        shape: lru::<CtKey6, CtEntry6>(MAX_CONNTRACK6),
+        shape: lru::<CtKey6, CtEntry6>(),
     },
     StateMap {
         name: map_names::AFFINITY6,
         version: |l| l.affinity6,
         reads: &[1],
-        shape: lru::<AffinityKey6, AffinityValue>(MAX_AFFINITY6),
+        shape: lru::<AffinityKey6, AffinityValue>(),
     },
 ];
 
@@ -138,13 +145,14 @@ impl Carry {
     }
 }
 
-/// The decision for one map, from its pinned layout version and shape.
-pub fn decide(map: &StateMap, pinned: Option<(&Layouts, Shape)>) -> Carry {
+/// The decision for one map made as `ours`, from its pinned layout
+/// version and shape.
+pub fn decide(map: &StateMap, ours: Shape, pinned: Option<(&Layouts, Shape)>) -> Carry {
     let Some((layouts, shape)) = pinned else { return Carry::Nothing };
     let version = (map.version)(layouts);
-    let ours = (map.version)(&Layouts::CURRENT);
-    let same_kind = shape.lru == map.shape.lru && shape.key_size == map.shape.key_size;
-    if version == ours && shape == map.shape {
+    let current = (map.version)(&Layouts::CURRENT);
+    let same_kind = shape.lru == ours.lru && shape.key_size == ours.key_size;
+    if version == current && shape == ours {
         Carry::Reuse
     } else if same_kind
         && map.reads.contains(&version)
@@ -192,8 +200,8 @@ impl Pinned {
         self.maps.join(name)
     }
 
-    /// What becomes of `map`.
-    pub fn carry(&self, map: &StateMap) -> Carry {
+    /// What becomes of `map`, made with `max_entries`.
+    pub fn carry(&self, map: &StateMap, max_entries: u32) -> Carry {
         let pinned = self.layouts.as_ref().and_then(|layouts| {
             let data = MapData::from_pin(self.path(map.name)).ok()?;
             let info = data.info().ok()?;
@@ -206,7 +214,7 @@ impl Pinned {
             };
             Some((layouts, shape))
         });
-        decide(map, pinned)
+        decide(map, map.shape(max_entries), pinned)
     }
 
     /// The ids the previous agent gave frontends and backends, if its
@@ -370,23 +378,31 @@ mod tests {
         &STATE_MAPS[0]
     }
 
+    /// The size the maps are made with in these tests.
+    const SIZE: u32 = 131_072;
+
+    /// [`decide`] for a map made at [`SIZE`].
+    fn decide_at(map: &StateMap, pinned: Option<(&Layouts, Shape)>) -> Carry {
+        decide(map, map.shape(SIZE), pinned)
+    }
+
     fn with_conntrack(version: u32) -> Layouts {
         Layouts { conntrack: version, ..Layouts::CURRENT }
     }
 
     fn shape_of(value: usize) -> Shape {
-        Shape { value_size: value as u32, ..conntrack().shape }
+        Shape { value_size: value as u32, ..conntrack().shape(SIZE) }
     }
 
     #[test]
     fn the_same_layout_and_shape_is_reused() {
-        let ours = conntrack().shape;
-        assert_eq!(decide(conntrack(), Some((&Layouts::CURRENT, ours))), Carry::Reuse);
-        assert_eq!(decide(conntrack(), None), Carry::Nothing);
+        let ours = conntrack().shape(SIZE);
+        assert_eq!(decide_at(conntrack(), Some((&Layouts::CURRENT, ours))), Carry::Reuse);
+        assert_eq!(decide_at(conntrack(), None), Carry::Nothing);
         let other_size = Shape { max_entries: 1024, ..ours };
         let from = Layouts::CURRENT.conntrack;
         assert_eq!(
-            decide(conntrack(), Some((&Layouts::CURRENT, other_size))),
+            decide_at(conntrack(), Some((&Layouts::CURRENT, other_size))),
             Carry::Convert { from }
         );
     }
@@ -394,7 +410,7 @@ mod tests {
     #[test]
     fn conntrack_layouts_convert_across_upgrades_and_rollbacks() {
         for (version, size) in [(1, size_of::<CtEntryV1>()), (2, size_of::<CtEntryV2>())] {
-            let carry = decide(conntrack(), Some((&with_conntrack(version), shape_of(size))));
+            let carry = decide_at(conntrack(), Some((&with_conntrack(version), shape_of(size))));
             let expect = if version == Layouts::CURRENT.conntrack {
                 Carry::Reuse
             } else {
@@ -407,13 +423,13 @@ mod tests {
     #[test]
     fn a_map_added_later_is_carried_only_from_agents_that_had_it() {
         let flows = STATE_MAPS.iter().find(|m| m.name == map_names::SOCK_FLOWS).unwrap();
-        let ours = flows.shape;
-        assert_eq!(decide(flows, Some((&Layouts::CURRENT, ours))), Carry::Reuse);
+        let ours = flows.shape(SIZE);
+        assert_eq!(decide_at(flows, Some((&Layouts::CURRENT, ours))), Carry::Reuse);
         // Earlier agents left its word at 0 (reserved): whatever sits at
         // that name is not theirs to trust.
         let before = Layouts { sock_flows: 0, ..Layouts::CURRENT };
-        assert_eq!(decide(flows, Some((&before, ours))), Carry::Reset { version: 0 });
-        assert_eq!(decide(flows, Some((&Layouts::FIRST, ours))), Carry::Reset { version: 0 });
+        assert_eq!(decide_at(flows, Some((&before, ours))), Carry::Reset { version: 0 });
+        assert_eq!(decide_at(flows, Some((&Layouts::FIRST, ours))), Carry::Reset { version: 0 });
     }
 
     #[test]
@@ -422,23 +438,23 @@ mod tests {
         let other = if Layouts::CURRENT.conntrack6 == 1 { 2 } else { 1 };
         let size = if other == 1 { size_of::<CtEntry6V1>() } else { size_of::<CtEntry6V2>() };
         let pinned = Layouts { conntrack6: other, ..Layouts::CURRENT };
-        let shape = Shape { value_size: size as u32, ..map.shape };
-        assert_eq!(decide(map, Some((&pinned, shape))), Carry::Convert { from: other });
+        let shape = Shape { value_size: size as u32, ..map.shape(SIZE) };
+        assert_eq!(decide_at(map, Some((&pinned, shape))), Carry::Convert { from: other });
         let before = Layouts { conntrack6: 0, ..Layouts::CURRENT };
-        assert_eq!(decide(map, Some((&before, map.shape))), Carry::Reset { version: 0 });
+        assert_eq!(decide_at(map, Some((&before, map.shape(SIZE)))), Carry::Reset { version: 0 });
     }
 
     #[test]
     fn unreadable_layouts_start_afresh() {
-        let future = decide(conntrack(), Some((&with_conntrack(9), shape_of(64))));
+        let future = decide_at(conntrack(), Some((&with_conntrack(9), shape_of(64))));
         assert_eq!(future, Carry::Reset { version: 9 });
         // A layout we know, but not the size it should have: not trusted.
-        let v1 = decide(conntrack(), Some((&with_conntrack(1), shape_of(40))));
+        let v1 = decide_at(conntrack(), Some((&with_conntrack(1), shape_of(40))));
         assert_eq!(v1, Carry::Reset { version: 1 });
-        let hash = Shape { lru: false, ..conntrack().shape };
+        let hash = Shape { lru: false, ..conntrack().shape(SIZE) };
         let current = Layouts::CURRENT.conntrack;
         assert_eq!(
-            decide(conntrack(), Some((&Layouts::CURRENT, hash))),
+            decide_at(conntrack(), Some((&Layouts::CURRENT, hash))),
             Carry::Reset { version: current }
         );
     }

@@ -21,6 +21,7 @@ use super::{
     reconciler::{SyncError, SyncReport},
     settings::{PodInterfacePrograms, Settings, TcAttachChoice},
     sock_end::SocketDestroy,
+    state_sizes::StateSizes,
 };
 use crate::{
     backend::{Datapath, Synced, iptables},
@@ -79,6 +80,8 @@ pub struct EbpfDatapath {
     serving: Option<Vec<IpAddr>>,
     /// The services that did not fit, as last logged.
     refused: BTreeMap<ServiceName, Refusal>,
+    /// Whether the log said IPv6 flows fill the token-size maps (once).
+    ipv6_outgrown_told: bool,
 }
 
 /// What loading the programs takes, kept to load them again into larger
@@ -86,6 +89,9 @@ pub struct EbpfDatapath {
 struct Loading {
     tc_mode: TcAttach,
     root: PathBuf,
+    /// The state maps' sizes: the same at every load, so a load into larger
+    /// service maps reuses the pinned state maps.
+    state: StateSizes,
     config: Config,
     socket_destroy: SocketDestroy,
     terminate_tcp: bool,
@@ -110,7 +116,7 @@ impl Loading {
             backends: map_size(capacity.backends),
             rev_nat: map_size(capacity.rev_nat),
         };
-        let mut object = BpfObject::prepare(self.tc_mode, sizes, Some(&self.root))
+        let mut object = BpfObject::prepare(self.tc_mode, sizes, self.state, Some(&self.root))
             .context("loading the BPF object")?;
         object.configure(&self.config).context("writing the datapath settings")?;
         Ok(object)
@@ -160,6 +166,34 @@ fn is_cgroup2_root(cgroup: &Path) -> bool {
     root.and_then(|root| canonical(&root)).is_some_and(|root| Some(root) == canonical(cgroup))
 }
 
+/// Whether this node has IPv6, as far as the agent knows at start: an IPv6
+/// node address (`--node-ip`, the Node object's InternalIPs, or the
+/// interfaces' addresses) or an IPv6 `--cluster-cidr`. Without, the IPv6
+/// state maps take a token size; a node that gains an address through its
+/// Node object restarts the agent (as for any address change), which then
+/// sizes them in full and carries their entries over.
+fn has_ipv6(node: &Node, settings: &Settings) -> bool {
+    node.ips.iter().any(IpAddr::is_ipv6) || settings.traffic.cluster_cidr(IpFamily::V6).is_some()
+}
+
+fn log_state_sizes(settings: &Settings, cpus: u32, state: StateSizes) {
+    let limit = settings.conntrack;
+    let ipv6 = if state.ipv6_token() {
+        "token size: this node has no IPv6 address or IPv6 --cluster-cidr (a restart with one sizes them in full)"
+    } else {
+        "as IPv4's"
+    };
+    tracing::info!(
+        flows = state.flows,
+        per_core = limit.max_per_core,
+        cpus,
+        min = limit.min,
+        ipv6_flows = state.flows6,
+        ipv6,
+        "state maps sized as the kernel's conntrack table (--conntrack-max-per-core × CPUs, at least --conntrack-min)"
+    );
+}
+
 fn map_size(entries: usize) -> u32 {
     u32::try_from(entries).unwrap_or(u32::MAX)
 }
@@ -191,9 +225,14 @@ impl EbpfDatapath {
             source_ranges: proxy_common::MAX_SOURCE_RANGES as usize,
         };
         let node_netns_cookie = node_netns_cookie(settings, node)?;
+        let cpus = sys::cpu_count();
+        let ipv6 = has_ipv6(node, settings);
+        let state = StateSizes::new(settings.conntrack, cpus, ipv6);
+        log_state_sizes(settings, cpus, state);
         let loading = Loading {
             tc_mode,
             root,
+            state,
             config: config(settings, &node.ips, node_netns_cookie),
             socket_destroy: settings.socket_destroy,
             terminate_tcp: settings.terminate_tcp_on_endpoint_removal,
@@ -242,7 +281,22 @@ impl EbpfDatapath {
             growable: true,
             serving: None,
             refused: BTreeMap::new(),
+            ipv6_outgrown_told: false,
         })
+    }
+
+    /// Says once when IPv6 flows fill the IPv6 flow maps made at the token
+    /// size: the oldest lose their translation as new ones come.
+    fn tell_ipv6_outgrown(&mut self) {
+        let (state, held) = (self.loading.state, self.object.ipv6_flows_held());
+        if !self.ipv6_outgrown_told && state.ipv6_outgrown(held) {
+            self.ipv6_outgrown_told = true;
+            tracing::warn!(
+                held,
+                entries = state.flows6,
+                "IPv6 flows fill the IPv6 flow maps, made small as this node has no IPv6 address or IPv6 --cluster-cidr: give --cluster-cidr its IPv6 CIDR (or --node-ip an IPv6 address) and restart the agent"
+            );
+        }
     }
 
     /// Brings the maps to `plan`; when it outgrew them, into larger maps
@@ -498,6 +552,7 @@ impl Datapath for EbpfDatapath {
                 if deleted > 0 {
                     tracing::debug!(deleted, left, "expired flows collected");
                 }
+                self.tell_ipv6_outgrown();
             }
             Err(e) => tracing::warn!(error = %e, "conntrack collection failed"),
         }

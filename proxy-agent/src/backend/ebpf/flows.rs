@@ -56,7 +56,13 @@ impl BpfObject {
             counts,
         )?;
         self.maps.replies.done(generation);
+        self.held6 = left6;
         Ok((deleted + deleted6, left + left6))
+    }
+
+    /// The IPv6 flow entries the last collection left.
+    pub fn ipv6_flows_held(&self) -> usize {
+        self.held6
     }
 
     /// The packets and bytes flows counted per reverse-NAT id since the

@@ -24,6 +24,7 @@ use super::{
     sctp::SctpPrograms,
     sock_end,
     sock_end::SocketEnding,
+    state_sizes::StateSizes,
 };
 use crate::plan::Plan;
 
@@ -101,10 +102,11 @@ fn load_program(name: &'static str, program: &mut aya::programs::Program) -> Res
 }
 
 impl BpfObject {
-    /// Loads and verifies the programs with the default map sizes, carrying
-    /// nothing over.
+    /// Loads and verifies the programs with the default service map sizes
+    /// and the smallest state maps, carrying nothing over: to verify or
+    /// test the programs.
     pub fn load(tc_mode: TcAttach) -> Result<Self, EbpfError> {
-        Self::load_with(tc_mode, MapSizes::default(), None)
+        Self::load_with(tc_mode, MapSizes::default(), StateSizes::SMALLEST, None)
     }
 
     /// Loads and verifies the programs; nothing is attached yet. With the
@@ -113,19 +115,22 @@ impl BpfObject {
     pub fn load_with(
         tc_mode: TcAttach,
         sizes: MapSizes,
+        state: StateSizes,
         root: Option<&Path>,
     ) -> Result<Self, EbpfError> {
-        let mut backend = Self::prepare(tc_mode, sizes, root)?;
+        let mut backend = Self::prepare(tc_mode, sizes, state, root)?;
         backend.verify()?;
         Ok(backend)
     }
 
     /// [`Self::load_with`] but for the programs: the maps are made (and the
     /// state maps carried over), the programs are not verified yet
-    /// ([`Self::verify`], [`Self::verify_while_syncing`]).
+    /// ([`Self::verify`], [`Self::verify_while_syncing`]). The state maps
+    /// take `state`'s sizes.
     pub fn prepare(
         tc_mode: TcAttach,
         sizes: MapSizes,
+        state: StateSizes,
         root: Option<&Path>,
     ) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
@@ -143,6 +148,9 @@ impl BpfObject {
             .map_max_entries(map_names::REV_NAT6, sizes.rev_nat)
             .map_max_entries(map_names::FRONTEND_INFO, sizes.rev_nat)
             .map_max_entries(map_names::FRONTEND_STATS, sizes.rev_nat);
+        for map in &STATE_MAPS {
+            loader.map_max_entries(map.name, state.entries(map.name));
+        }
         let pinned = root.map(Pinned::open).transpose().unwrap_or_else(|e| {
             tracing::warn!(error = %e, "could not read the previous agent's map layouts; starting afresh");
             None
@@ -151,7 +159,7 @@ impl BpfObject {
         let mut conversions = Vec::new();
         for map in &STATE_MAPS {
             let Some(pinned) = &pinned else { break };
-            let carry = pinned.carry(map);
+            let carry = pinned.carry(map, state.entries(map.name));
             if let Some(conversion) = carry_over(pinned, map, carry, &mut loader) {
                 conversions.push(conversion);
             }
@@ -192,6 +200,7 @@ impl BpfObject {
             flow_counts: FlowCounts::default(),
             flow_counts6: FlowCounts::default(),
             flow_growth: Growth::new(),
+            held6: 0,
             sctp: SctpPrograms::default(),
         })
     }

@@ -54,6 +54,7 @@ mod sctp;
 pub mod settings;
 pub mod sock_diag;
 pub mod sock_end;
+pub mod state_sizes;
 mod test_run;
 
 pub use attach::{TcAttach, remove_tc_filters};
@@ -164,6 +165,8 @@ pub struct BpfObject {
     flow_counts6: FlowCounts<CtKey6>,
     /// Packets and bytes flows counted since [`BpfObject::take_flow_growth`].
     flow_growth: Growth,
+    /// The IPv6 flow entries the last conntrack collection left.
+    held6: usize,
     sctp: SctpPrograms,
 }
 

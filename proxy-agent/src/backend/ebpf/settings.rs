@@ -7,7 +7,7 @@ use std::{path::PathBuf, time::Duration};
 use clap::ValueEnum;
 
 use super::sock_end::SocketDestroy;
-use crate::backend::TrafficRules;
+use crate::backend::{TrafficRules, conntrack_limit::ConntrackLimit};
 
 /// The eBPF mode's settings.
 #[derive(Clone, Debug)]
@@ -32,6 +32,8 @@ pub struct Settings {
     pub snat_port_range: (u16, u16),
     pub traffic: TrafficRules,
     pub timeouts: FlowTimeouts,
+    /// What the state maps are sized for (`state_sizes`).
+    pub conntrack: ConntrackLimit,
     pub log_level: BpfLogLevel,
     /// Entries of each Maglev table.
     pub maglev_table_size: u32,

@@ -19,7 +19,9 @@ use super::{
     render,
 };
 use crate::{
-    backend::{Datapath, Synced, TrafficRules, ebpf},
+    backend::{
+        Datapath, Synced, TrafficRules, conntrack_limit, conntrack_limit::ConntrackLimit, ebpf,
+    },
     metrics::Metrics,
     model::{IpFamily, Model},
     plan::{Frontend, Node, Plan},
@@ -39,6 +41,8 @@ pub struct Settings {
     pub traffic: TrafficRules,
     /// Where the eBPF mode pins, to remove its datapath.
     pub bpffs_root: PathBuf,
+    /// What the kernel's conntrack table is raised to.
+    pub conntrack: ConntrackLimit,
 }
 
 pub struct IptablesDatapath {
@@ -51,6 +55,9 @@ pub struct IptablesDatapath {
     previous: bool,
     /// Whether the log said that Maglev and DSR are the eBPF mode's (once).
     ebpf_only_told: bool,
+    /// The kernel's conntrack maximum to raise once the rules serve (they
+    /// load `nf_conntrack`, whose settings appear with it).
+    conntrack_max: Option<u32>,
 }
 
 impl IptablesDatapath {
@@ -74,7 +81,8 @@ impl IptablesDatapath {
         let previous = backends.first_mut().is_some_and(|b| b.rules_present())
             || ebpf::pinned(&settings.bpffs_root);
         let pins = settings.bpffs_root.clone();
-        IptablesDatapath { backends, pins, previous, ebpf_only_told: false }
+        let conntrack_max = settings.conntrack.max(sys::cpu_count());
+        IptablesDatapath { backends, pins, previous, ebpf_only_told: false, conntrack_max }
     }
 }
 
@@ -82,6 +90,44 @@ impl IptablesDatapath {
     /// The per-service counters of the rules, each family's.
     fn rule_counters(&self) -> RuleCounters {
         RuleCounters::new(self.backends.iter().map(|b| *b.runner()).collect())
+    }
+}
+
+/// Raises the kernel's conntrack table to `max` flows as kube-proxy does
+/// (see [`conntrack_limit::kernel_writes`]). A failure is logged: the rules
+/// serve regardless (outside the node's initial network namespace the
+/// kernel refuses both writes).
+fn raise_conntrack_max(max: u32) {
+    let current = match sys::read_number(sys::NF_CONNTRACK_MAX) {
+        Ok(current) => current,
+        Err(e) => {
+            tracing::warn!(error = %e, path = sys::NF_CONNTRACK_MAX, "could not read the kernel's conntrack maximum: left as it is");
+            return;
+        }
+    };
+    let hashsize = sys::read_number(sys::NF_CONNTRACK_HASHSIZE).ok();
+    let writes = conntrack_limit::kernel_writes(max, current, hashsize);
+    if let Some(max) = writes.max {
+        match sys::write_number(sys::NF_CONNTRACK_MAX, max) {
+            Ok(()) => tracing::info!(
+                nf_conntrack_max = max,
+                was = current,
+                "raised the kernel's conntrack maximum"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, nf_conntrack_max = current, wanted = max, "could not raise the kernel's conntrack maximum (--conntrack-max-per-core 0 leaves it alone)")
+            }
+        }
+    }
+    if let Some(buckets) = writes.hashsize {
+        match sys::write_number(sys::NF_CONNTRACK_HASHSIZE, buckets) {
+            Ok(()) => {
+                tracing::info!(hashsize = buckets, was = ?hashsize, "raised the kernel's conntrack hash size")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, hashsize = ?hashsize, wanted = buckets, "could not raise the kernel's conntrack hash size")
+            }
+        }
     }
 }
 
@@ -170,8 +216,12 @@ impl Datapath for IptablesDatapath {
         due
     }
 
-    /// Rules serve as soon as they are applied.
+    /// Rules serve as soon as they are applied; the kernel's conntrack
+    /// table is raised then.
     fn take_over(&mut self, _node_ips: &[IpAddr], _metrics: &Metrics) -> anyhow::Result<()> {
+        if let Some(max) = self.conntrack_max.take() {
+            raise_conntrack_max(max);
+        }
         Ok(())
     }
 
