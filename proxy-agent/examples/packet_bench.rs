@@ -107,8 +107,13 @@ fn main() -> anyhow::Result<()> {
     let mut dp = BpfObject::load_with(
         TcAttach::Tcx,
         MapSizes { services: entries, backends: entries, rev_nat: entries },
-        // The flow maps the agent makes by default here.
-        StateSizes::new(ConntrackLimit::default(), proxy_agent::sys::cpu_count(), true),
+        // Room for the runs' 100,000 flows (two entries each) and more: an
+        // LRU evicting them would time new flows, not tracked packets.
+        StateSizes::new(
+            ConntrackLimit { min: 262_144, ..ConntrackLimit::default() },
+            proxy_agent::sys::cpu_count(),
+            true,
+        ),
         None,
     )?;
     dp.configure(&Config {
