@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use proxy_lab::{Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Request, Tally, node_port};
+use proxy_lab::{Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Request, Tally, node_port, sample};
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
 /// Service `web`: http 80/TCP → 8080 (NodePort 30080) and diameter
@@ -169,6 +169,12 @@ fn sctp_echo_follows_the_endpoints(mode: Mode) {
     assert_eq!(nodeport.served().len(), 2, "both endpoints: {nodeport:?}");
     let flows = lab.inspect_on(0, &["ct", "list"]).unwrap();
     assert!(flows.contains(" sctp ") && flows.contains("lab/web:diameter"), "{flows}");
+    // The service port's metrics count its associations (both translated
+    // per packet: no socket hook sees SCTP).
+    let diameter = "namespace=\"lab\",service=\"web\",port=\"diameter\",path=\"packet\"";
+    let conns = "proxy_service_connections_total";
+    let metrics = lab.metrics_reaching(conns, diameter, 40).unwrap();
+    assert!(sample(&metrics, conns, diameter) >= 40, "{metrics}");
 
     // web-1 leaves: new associations reach web-0 alone.
     lab.write_manifest(&web_manifest(&pods[..1])).unwrap();

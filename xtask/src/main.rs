@@ -108,6 +108,10 @@ enum Task {
         /// 5.10, 6.1 or all
         #[arg(long, default_value = "all", value_parser = ["5.10", "6.1", "all"])]
         kernel: String,
+        /// Only this scenario (repeatable; e.g. sctp-echo): a quick check of
+        /// one behaviour, not the matrix
+        #[arg(long = "scenario", value_name = "ID")]
+        scenarios: Vec<String>,
     },
 }
 
@@ -175,11 +179,11 @@ fn main() -> anyhow::Result<()> {
             let warm_up = std::time::Duration::from_secs(warm_up);
             soak::run(soak::Options { minutes, mode: mode.lab(), rate, warm_up })
         }
-        Task::Vmtest { kernel } => {
+        Task::Vmtest { kernel, scenarios } => {
             setup::run()?;
             setup::vm_packages()?;
             require_root()?;
-            vmtest::run(&vmtest::kernels(&kernel))
+            vmtest::run(&vmtest::kernels(&kernel), &scenarios)
         }
     }
 }

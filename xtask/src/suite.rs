@@ -53,7 +53,7 @@ pub fn run(options: Options) -> anyhow::Result<()> {
         false => {
             let names: Vec<&str> = options.kernels.iter().map(|k| k.name).collect();
             let phase = format!("VM matrix {}", names.join(", "));
-            phases.time(&phase, || Ok(vmtest::run_built(&options.kernels, &tests)))?
+            phases.time(&phase, || Ok(vmtest::run_built(&options.kernels, &tests, &[])))?
         }
     };
     for (name, output) in &summary.failed {

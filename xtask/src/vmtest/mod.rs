@@ -141,17 +141,22 @@ const MODULES: &[&str] = &[
 /// How long one kernel's run may take under TCG.
 const RUN_TIMEOUT: Duration = Duration::from_secs(60 * 60);
 
-/// Builds the agent, the lab's binaries and tests, then runs the matrix.
-pub fn run(kernels: &[Kernel]) -> anyhow::Result<()> {
+/// Builds the agent, the lab's binaries and tests, then runs the matrix
+/// (of the scenarios `only` names; none: all of them).
+pub fn run(kernels: &[Kernel], only: &[String]) -> anyhow::Result<()> {
+    if let Some(id) = only.iter().find(|id| !SCENARIOS.iter().any(|s| s.id == id.as_str())) {
+        let ids: Vec<&str> = SCENARIOS.iter().map(|s| s.id).collect();
+        bail!("no scenario {id}: {}", ids.join(", "));
+    }
     artifacts::bins()?;
     let tests = artifacts::tests(&["proxy-lab"])?;
-    run_built(kernels, &tests)
+    run_built(kernels, &tests, only)
 }
 
 /// Runs the matrix with what is built: the agent and `labpod` in
 /// `target/debug` (the guest gets its own links to them, so a build on the
 /// host meanwhile changes nothing in the guest) and the lab's `tests`.
-pub fn run_built(kernels: &[Kernel], tests: &[TestBinary]) -> anyhow::Result<()> {
+pub fn run_built(kernels: &[Kernel], tests: &[TestBinary], only: &[String]) -> anyhow::Result<()> {
     let root = std::env::current_dir()?;
     let work = root.join("target/vmtest");
     let cache = image::cache_dir();
@@ -161,13 +166,14 @@ pub fn run_built(kernels: &[Kernel], tests: &[TestBinary]) -> anyhow::Result<()>
         let dir = work.join(kernel.name);
         std::fs::create_dir_all(&dir)?;
         let initrd = image::initramfs(&image, &dir)?;
-        prepare_guest(&dir, &root, tests)?;
+        prepare_guest(&dir, &root, tests, only)?;
         let accel = qemu::accelerator(&image, &initrd, &cache)?;
         eprintln!("vmtest: booting {} ({}) under {accel}", kernel.name, image.release);
         let started = Instant::now();
         let console = qemu::boot(&image, &initrd, &dir, accel)?;
         let mut run = results::parse(kernel.name, &console);
         run.expected_auto = kernel.auto.to_string();
+        run.only = only.to_vec();
         run.seconds = started.elapsed().as_secs();
         eprintln!("vmtest: {} done in {} s", kernel.name, run.seconds);
         runs.push(run);
@@ -184,11 +190,17 @@ pub fn run_built(kernels: &[Kernel], tests: &[TestBinary]) -> anyhow::Result<()>
 
 /// Writes what the guest reads from `dir`: its script, the plan, the
 /// modules to load, and `bin/` with the agent and the lab's pod binary.
-fn prepare_guest(dir: &Path, root: &Path, tests: &[TestBinary]) -> anyhow::Result<()> {
+fn prepare_guest(
+    dir: &Path,
+    root: &Path,
+    tests: &[TestBinary],
+    only: &[String],
+) -> anyhow::Result<()> {
     std::fs::write(dir.join("guest.sh"), include_str!("guest.sh"))?;
     std::fs::write(dir.join("modules"), MODULES.join("\n") + "\n")?;
     let mut plan = String::new();
-    for scenario in SCENARIOS {
+    for scenario in SCENARIOS.iter().filter(|s| only.is_empty() || only.iter().any(|id| id == s.id))
+    {
         let binary = tests
             .iter()
             .find(|t| t.package == "proxy-lab" && t.name == scenario.binary)
