@@ -63,7 +63,6 @@ pub use load::has_set_retval;
 pub use pins::{cleanup, pinned, remove_pins, set_pinned_log_level};
 pub use programs::{PROGRAMS, TC_EGRESS, TC_INGRESS, TC_POD_REPLIES, TcRole};
 pub use reconciler::{AffinityPurge, Reconciler, SyncError, SyncReport};
-pub use sctp::SctpPrograms;
 pub use settings::Settings;
 pub use test_run::PacketRun;
 
@@ -167,7 +166,7 @@ pub struct BpfObject {
     flow_growth: Growth,
     /// The IPv6 flow entries the last conntrack collection left.
     held6: usize,
-    sctp: SctpPrograms,
+    sctp: sctp::SctpPrograms,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).

@@ -20,7 +20,7 @@ use crate::{
 
 /// Where the SCTP programs stand.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum SctpPrograms {
+pub(super) enum SctpPrograms {
     /// No SCTP frontend yet: not loaded.
     #[default]
     NotNeeded,
@@ -68,11 +68,6 @@ impl BpfObject {
         let heaviest = [TC_SCTP_INGRESS, TC_SCTP_INGRESS6].map(|i| TC_SCTP_PROGRAMS[i as usize]);
         load::verify(&mut self.ebpf, &TC_SCTP_PROGRAMS, &heaviest)?;
         self.maps.fill_tc_sctp(&mut self.ebpf)
-    }
-
-    /// Where the SCTP programs stand.
-    pub fn sctp_programs(&self) -> SctpPrograms {
-        self.sctp
     }
 }
 
