@@ -230,27 +230,38 @@ pub enum RenderCommand {
     /// The iptables-restore input kube-proxy's iptables mode would write on
     /// a full sync (filter and nat tables; services in name order)
     Iptables(RenderIptablesArgs),
+    /// The nft input kube-proxy's nftables mode would write into empty
+    /// tables (`ip kube-proxy`, `ip6 kube-proxy`; services in name order)
+    Nftables(RenderArgs),
 }
 
+/// What every `render` takes: the objects and the node they are rendered
+/// for.
 #[derive(Args, Clone, Debug)]
-pub struct RenderIptablesArgs {
+pub struct RenderArgs {
     /// A YAML file or directory of Services and EndpointSlices
     #[arg(long, value_name = "PATH")]
     pub manifests: PathBuf,
     #[command(flatten)]
     pub node: NodeArgs,
-    /// Leave out the nfacct counter matches kube-proxy adds where the kernel
-    /// has nfnetlink_acct (the counters must exist before such rules apply)
-    #[arg(long)]
-    pub no_nfacct: bool,
     /// This node's zone (`topology.kubernetes.io/zone`), for EndpointSlice
     /// hints
     #[arg(long, value_name = "ZONE")]
     pub zone: Option<String>,
-    /// Only this family's rules (`IPv4`: iptables-restore input, `IPv6`:
-    /// ip6tables-restore input) [default: both, each after a comment line]
+    /// Only this family's rules (`IPv4`, `IPv6`) [default: both, each after
+    /// a comment line]
     #[arg(long, value_name = "FAMILY", value_parser = parse_ip_family)]
     pub ip_family: Option<model::IpFamily>,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct RenderIptablesArgs {
+    #[command(flatten)]
+    pub render: RenderArgs,
+    /// Leave out the nfacct counter matches kube-proxy adds where the kernel
+    /// has nfnetlink_acct (the counters must exist before such rules apply)
+    #[arg(long)]
+    pub no_nfacct: bool,
 }
 
 fn parse_ip_family(text: &str) -> Result<model::IpFamily, String> {
@@ -613,7 +624,7 @@ mod tests {
             )
             .unwrap();
             let Command::Render(RenderCommand::Iptables(args)) = cli.command else { panic!() };
-            args.node
+            args.render.node
         };
         let dual = node(&["10.244.0.0/16", "fd00:10:244::/56"]);
         assert!(dual.check().is_ok());

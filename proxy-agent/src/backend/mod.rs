@@ -3,8 +3,10 @@
 //! between its loop and its proxiers). [`start`] chooses the mode and builds
 //! its datapath; nothing else names a mode.
 
+pub mod categorize;
 pub mod ebpf;
 pub mod iptables;
+pub mod nftables;
 pub mod probe;
 
 use std::{collections::BTreeSet, net::IpAddr, time::Duration};
