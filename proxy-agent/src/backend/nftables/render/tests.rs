@@ -284,3 +284,184 @@ fn kube_proxys_overall_test_element_for_element() {
     }
     assert_eq!(ours.rules.keys().collect::<Vec<_>>(), theirs.rules.keys().collect::<Vec<_>>());
 }
+
+#[test]
+fn internal_local_policy_uses_the_local_chain_and_drops_without_local_endpoints() {
+    let svc = || service("ns", "web").cluster_ip("172.30.0.10").internal_policy("Local");
+    let here = render(
+        &model(&[(
+            svc().port(port("p80", 80)),
+            vec![ep("10.0.1.1").node("test-node"), ep("10.0.2.1")],
+        )]),
+        &options(),
+    )
+    .to_string();
+    let local = ServiceChainsFor::web();
+    assert!(
+        here.contains(&format!("service-ips {{ 172.30.0.10 . tcp . 80 : goto {} }}", local.local)),
+        "{here}"
+    );
+    assert!(!here.contains("10.0.2.1:80"), "the other node's endpoint is not used\n{here}");
+    let elsewhere = render(
+        &model(&[(svc().port(port("p80", 80)), vec![ep("10.0.2.1").node("other")])]),
+        &options(),
+    );
+    assert!(elsewhere.chains.is_empty(), "no chain without a local endpoint");
+    let elsewhere = elsewhere.to_string();
+    assert!(
+        elsewhere.contains(
+            "no-endpoint-services { 172.30.0.10 . tcp . 80 comment \"ns/web:p80\" : drop }"
+        ),
+        "{elsewhere}"
+    );
+}
+
+/// The chain names of `ns/web:p80` (TCP).
+struct ServiceChainsFor;
+
+impl ServiceChainsFor {
+    fn web() -> super::names::ServiceChains {
+        let name = crate::model::ServicePortName {
+            service: crate::model::ServiceName { namespace: "ns".into(), name: "web".into() },
+            port: "p80".into(),
+        };
+        super::names::ServiceChains::new(&name, crate::model::Protocol::Tcp)
+    }
+}
+
+#[test]
+fn terminating_endpoints_serve_when_none_is_ready() {
+    let svc = service("ns", "web").cluster_ip("172.30.0.10").port(port("p80", 80));
+    let endpoints = vec![
+        ep("10.0.1.1").ready(false).serving(true).terminating(true),
+        ep("10.0.1.2").ready(false).serving(false).terminating(true),
+    ];
+    let text = render(&model(&[(svc, endpoints)]), &options()).to_string();
+    assert!(text.contains("dnat to 10.0.1.1:80"), "{text}");
+    assert!(!text.contains("10.0.1.2:80"), "{text}");
+    assert!(text.contains("numgen random mod 1 vmap"), "{text}");
+}
+
+#[test]
+fn masquerade_all_and_every_local_address_for_nodeports() {
+    let svc = service("ns", "web").cluster_ip("172.30.0.10").node_port_type();
+    let svc = svc.port(port("p80", 80).node_port(30080));
+    let opts = Options { masquerade_all: true, nodeport_addresses: vec![], ..options() };
+    let text = render(&model(&[(svc, vec![ep("10.0.1.1")])]), &opts).to_string();
+    let chains = ServiceChainsFor::web();
+    let masquerade = format!(
+        "add rule ip kube-proxy {} ip daddr 172.30.0.10 jump mark-for-masquerade",
+        chains.cluster
+    );
+    assert!(text.contains(&masquerade), "{text}");
+    assert!(text.contains("services fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports"));
+    assert!(!text.contains("nodeport-ips"), "no set of NodePort addresses\n{text}");
+}
+
+#[test]
+fn the_ipv6_family_as_kube_proxy_writes_it() {
+    let svc = service("ns", "web").cluster_ip("fd00:96::10").cluster_ips(&["fd00:96::10"]);
+    let svc =
+        svc.node_port_type().port(port("p80", 80).node_port(30080)).client_ip_affinity(Some(60));
+    let slice = svc.slice().address_type("IPv6").port("p80", 8080, Tcp).endpoint(ep("fd00:10::2"));
+    let m = crate::source::model_of(&[svc.build()], &[slice.build()]);
+    let opts = Options {
+        family: IpFamily::V6,
+        node_ips: vec!["fd00:100::11".parse().unwrap()],
+        nodeport_addresses: vec![],
+        cluster_cidr: Some(Cidr::parse("fd00:10::/64").unwrap()),
+        ..options()
+    };
+    let text = render(&m, &opts).to_string();
+    for line in [
+        "add table ip6 kube-proxy",
+        "add set ip6 kube-proxy cluster-ips { type ipv6_addr ;",
+        "ip6 daddr fd00:96::10 ip6 saddr != fd00:10::/64 jump mark-for-masquerade",
+        "ip6 saddr fd00:10::2 jump mark-for-masquerade",
+        "__fd00.10..2/8080 { type ipv6_addr ; flags dynamic,timeout ; timeout 60s ; }",
+        "update @affinity-",
+        "{ ip6 saddr }",
+        "meta l4proto tcp dnat to [fd00:10::2]:8080",
+        "ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
+        "add element ip6 kube-proxy service-ips { fd00:96::10 . tcp . 80 : goto service-",
+    ] {
+        assert!(text.contains(line), "missing {line}\n{text}");
+    }
+    assert!(render(&m, &options()).chains.is_empty(), "the IPv4 table has no IPv6 service");
+}
+
+#[test]
+fn a_partial_sync_writes_only_what_changed() {
+    let svc = |name: &str, ip: &str| service("ns", name).cluster_ip(ip).port(port("p80", 80));
+    let before = render(
+        &model(&[
+            (svc("a", "172.30.0.1"), vec![ep("10.0.1.1")]),
+            (svc("b", "172.30.0.2"), vec![ep("10.0.2.1")]),
+        ]),
+        &options(),
+    );
+    let after = render(
+        &model(&[
+            (svc("a", "172.30.0.1"), vec![ep("10.0.1.1")]),
+            (svc("b", "172.30.0.2"), vec![ep("10.0.2.2")]),
+        ]),
+        &options(),
+    );
+    assert_eq!(before.partial(&before.applied()).text, "", "nothing changed, nothing written");
+    let tx = after.partial(&before.applied());
+    // b's service chain (its pick) and its new endpoint's chain.
+    assert_eq!(tx.chains_written, 2, "{}", tx.text);
+    assert!(!tx.text.contains("ns/a/"), "a is untouched\n{}", tx.text);
+    assert!(tx.text.contains("add chain ip kube-proxy endpoint-"), "{}", tx.text);
+    assert!(tx.text.contains("dnat to 10.0.2.2:80"), "{}", tx.text);
+    assert_eq!(tx.stale_chains.len(), 1);
+    assert!(tx.stale_chains[0].ends_with("__10.0.2.1/80"));
+    assert!(tx.text.contains(&format!("flush chain ip kube-proxy {}", tx.stale_chains[0])));
+    assert_eq!(tx.elements_written, 0, "the maps still send b to its chain");
+
+    // b loses its endpoints: its service-ips element becomes a reject.
+    let empty = render(
+        &model(&[(svc("a", "172.30.0.1"), vec![ep("10.0.1.1")]), (svc("b", "172.30.0.2"), vec![])]),
+        &options(),
+    );
+    let tx = empty.partial(&after.applied());
+    assert!(
+        tx.text.contains("delete element ip kube-proxy service-ips { 172.30.0.2 . tcp . 80 }"),
+        "{}",
+        tx.text
+    );
+    assert!(
+        tx.text.contains("add element ip kube-proxy no-endpoint-services { 172.30.0.2 . tcp . 80 comment \"ns/b:p80\" : goto reject-chain }"),
+        "{}",
+        tx.text
+    );
+    assert_eq!(tx.stale_chains.len(), 2, "b's service and endpoint chains");
+}
+
+#[test]
+fn a_full_sync_rewrites_everything_and_removes_what_it_does_not_write() {
+    let svc = service("ns", "web").cluster_ip("172.30.0.10").port(port("p80", 80));
+    let rs =
+        render(&model(&[(svc.client_ip_affinity(Some(30)), vec![ep("10.0.1.1")])]), &options());
+    let existing = Existing {
+        chains: ["services", "service-OLD00000-ns/old/tcp/p80"].map(String::from).into(),
+        sets: ["cluster-ips", "affinity-OLD00000-ns/old/tcp/p80__10.0.0.9/80"]
+            .map(String::from)
+            .into(),
+    };
+    let tx = rs.full(&existing, true);
+    for line in [
+        "add chain ip kube-proxy nat-prerouting\ndelete chain ip kube-proxy nat-prerouting\n",
+        "flush map ip kube-proxy service-ips\n",
+        "flush chain ip kube-proxy services\n",
+        "flush chain ip kube-proxy service-OLD00000-ns/old/tcp/p80\n",
+        "delete set ip kube-proxy affinity-OLD00000-ns/old/tcp/p80__10.0.0.9/80\n",
+    ] {
+        assert!(tx.text.contains(line), "missing {line}\n{}", tx.text);
+    }
+    assert_eq!(tx.stale_chains, ["service-OLD00000-ns/old/tcp/p80"]);
+    // The affinity set of a served endpoint is added, never flushed: its
+    // clients keep their endpoint.
+    assert!(!tx.text.contains("flush set ip kube-proxy affinity-"), "{}", tx.text);
+    assert!(!rs.full(&existing, false).text.contains("delete chain"));
+}
