@@ -4,6 +4,7 @@
 //! its datapath; nothing else names a mode.
 
 pub mod categorize;
+pub mod conntrack_flows;
 pub mod ebpf;
 pub mod iptables;
 pub mod nftables;

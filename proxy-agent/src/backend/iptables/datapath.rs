@@ -196,19 +196,7 @@ fn report_sync(family: IpFamily, report: &super::SyncReport, metrics: &Metrics) 
         "rules synced"
     );
     metrics.rules(family).set_written(&report.rules_written);
-    if report.flows_flushed > 0 {
-        tracing::info!(sets = report.flows_flushed, "stale UDP conntrack entries deleted");
-    }
-    if report.untranslated_deleted > 0 {
-        tracing::info!(
-            flows = report.untranslated_deleted,
-            "conntrack entries made while the rules were missing deleted"
-        );
-    }
-    for e in &report.flow_errors {
-        metrics.conntrack_cleanup_failures.fetch_add(1, Relaxed);
-        tracing::warn!("could not delete stale conntrack entries (will retry): {e}");
-    }
+    report.flows.report(metrics);
 }
 
 /// Whether one family's rules need a full resync: its canary is gone (then
