@@ -91,7 +91,15 @@ fn restore_context(input: &str, stderr: &str) -> String {
             rest.trim_start_matches([':', ' ']).chars().take_while(char::is_ascii_digit).collect();
         digits.parse().ok()
     });
-    let Some(line) = line.filter(|l| *l > 0) else { return String::new() };
+    line.map_or_else(String::new, |line| lines_around(input, line))
+}
+
+/// The lines of `input` around `line` (1-based), that one marked, on lines
+/// of their own; nothing for line 0.
+pub(crate) fn lines_around(input: &str, line: usize) -> String {
+    if line == 0 {
+        return String::new();
+    }
     let first = line.saturating_sub(CONTEXT_LINES).max(1);
     let shown: Vec<String> = input
         .lines()

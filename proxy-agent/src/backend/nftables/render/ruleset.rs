@@ -219,6 +219,11 @@ impl Ruleset {
         self.family
     }
 
+    /// Whether it has this per-service chain.
+    pub fn has_chain(&self, name: &str) -> bool {
+        self.chains.contains_key(name)
+    }
+
     /// `ip` or `ip6`: the table's family, and the words of its matches.
     fn ip(&self) -> &'static str {
         match self.family {
