@@ -112,6 +112,7 @@ fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node(setup: Set
     let new_flows = match setup.mode {
         Mode::Ebpf => c.lab.counter_on(0, Counter::CtNew).unwrap(),
         Mode::Iptables => c.lab.rule_packets_on(0, "nat", "-A KUBE-NODEPORTS").unwrap(),
+        Mode::Nftables => c.lab.flows_on(0, &["-p", "tcp", "--orig-port-dst", "30080", "--dst-nat"]).unwrap(),
     };
     assert!(new_flows >= 90, "{new_flows}");
 }
@@ -623,6 +624,9 @@ fn the_stacks_refusal_for_a_host_network_backend_names_the_node_port(setup: Setu
         Mode::Iptables => {
             lab.rule_packets_on(0, "nat", &format!("--to-destination {NODE_IP}:9053")).unwrap()
         }
+        Mode::Nftables => lab
+            .flows_on(0, &["-p", "udp", "--orig-port-dst", "30098", "--dst-nat", NODE_IP])
+            .unwrap(),
     };
     let before = translated();
     let udp = lab.client_outside(&ext).run(Request::udp(&node_port(30098), 1).connected()).unwrap();

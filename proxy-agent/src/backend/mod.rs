@@ -29,6 +29,8 @@ pub enum ProxyMode {
     Ebpf,
     /// kube-proxy's iptables rules, applied with iptables-restore
     Iptables,
+    /// kube-proxy's nftables ruleset, applied with nft
+    Nftables,
 }
 
 /// What the backend is told to do: the mode, and each mode's settings.
@@ -37,6 +39,7 @@ pub struct Settings {
     pub mode: ProxyMode,
     pub ebpf: ebpf::Settings,
     pub iptables: iptables::datapath::Settings,
+    pub nftables: nftables::datapath::Settings,
 }
 
 /// The node's traffic rules, as both modes apply them (kube-proxy's
@@ -129,12 +132,23 @@ pub trait Datapath: Send {
     fn remove_other_mode(&self) -> anyhow::Result<()>;
 }
 
+/// The families a rule-based mode writes rules for, as kube-proxy runs a
+/// proxier per family: IPv4 always (its rules serve ClusterIPs even before
+/// the node has an address), IPv6 when the node has an IPv6 address.
+pub fn rule_families(node: &Node) -> Vec<IpFamily> {
+    let v6 = node.ips.iter().any(|ip| IpFamily::of(*ip) == IpFamily::V6);
+    if v6 { IpFamily::ALL.to_vec() } else { vec![IpFamily::V4] }
+}
+
 /// The datapath of the mode asked for, or for `auto` of the mode the kernel
 /// can run, loaded (eBPF) or prepared (iptables).
 pub fn start(settings: &Settings, node: &Node) -> anyhow::Result<Box<dyn Datapath>> {
     Ok(match choose(settings.mode) {
         ProxyMode::Iptables => {
             Box::new(iptables::datapath::IptablesDatapath::new(&settings.iptables, node))
+        }
+        ProxyMode::Nftables => {
+            Box::new(nftables::datapath::NftablesDatapath::new(&settings.nftables, node))
         }
         _ => Box::new(ebpf::datapath::EbpfDatapath::new(&settings.ebpf, node)?),
     })

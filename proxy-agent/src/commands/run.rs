@@ -169,9 +169,10 @@ fn backend_settings(args: &RunArgs) -> backend::Settings {
         },
         iptables: backend::iptables::datapath::Settings {
             xtables: args.iptables_backend,
-            traffic,
-            bpffs_root,
+            traffic: traffic.clone(),
+            bpffs_root: bpffs_root.clone(),
         },
+        nftables: backend::nftables::datapath::Settings { traffic, bpffs_root },
     }
 }
 

@@ -19,7 +19,7 @@ use super::{
     render,
 };
 use crate::{
-    backend::{Datapath, Synced, TrafficRules, ebpf},
+    backend::{Datapath, Synced, TrafficRules, ebpf, nftables, rule_families},
     metrics::Metrics,
     model::{IpFamily, Model},
     plan::{Frontend, Node, Plan},
@@ -63,7 +63,7 @@ impl IptablesDatapath {
             }
         }
         let xtables = settings.xtables.resolve(&mut System::default());
-        let families = families(node);
+        let families = rule_families(node);
         tracing::info!(backend = ?xtables, ?families, "iptables implementation");
         let mut backends: Vec<_> = families
             .into_iter()
@@ -85,11 +85,6 @@ impl IptablesDatapath {
     }
 }
 
-/// The families served: IPv4, and IPv6 when the node has an IPv6 address.
-fn families(node: &Node) -> Vec<IpFamily> {
-    let v6 = node.ips.iter().any(|ip| IpFamily::of(*ip) == IpFamily::V6);
-    if v6 { IpFamily::ALL.to_vec() } else { vec![IpFamily::V4] }
-}
 
 impl Datapath for IptablesDatapath {
     fn mode(&self) -> &'static str {
@@ -175,12 +170,16 @@ impl Datapath for IptablesDatapath {
         Ok(())
     }
 
-    /// eBPF programs translate in front of the rules: they go once the
-    /// rules are in.
+    /// eBPF programs translate in front of the rules, and the nftables
+    /// mode's table beside them: they go once the rules are in.
     fn remove_other_mode(&self) -> anyhow::Result<()> {
         let (pins, filters) = ebpf::cleanup(&self.pins)?;
         if pins + filters > 0 {
             tracing::info!(pins, filters, "removed the eBPF mode's programs");
+        }
+        let tables = nftables::cleanup(&mut System::default())?;
+        if tables > 0 {
+            tracing::info!(tables, "removed the nftables mode's tables");
         }
         Ok(())
     }
