@@ -137,8 +137,10 @@ impl Lab {
     /// want of a local endpoint, affinity hits).
     pub fn count_on(&self, node: usize, counter: proxy_common::Counter) -> anyhow::Result<u64> {
         use proxy_common::Counter::*;
-        if self.mode == Mode::Ebpf {
-            return self.counter_on(node, counter);
+        match self.mode {
+            Mode::Ebpf => return self.counter_on(node, counter),
+            Mode::Nftables => bail!("the nftables mode counts nothing ({counter:?})"),
+            Mode::Iptables => {}
         }
         let (table, rules) = match counter {
             NoBackend | Rejected => ("filter", "has no endpoints\""),

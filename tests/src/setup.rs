@@ -17,6 +17,13 @@ impl Mode {
         }
     }
 
+    /// Whether its datapath counts what it does (the eBPF mode's counters,
+    /// the iptables rules' packet counts): kube-proxy's nftables rules
+    /// count nothing.
+    pub fn counts(self) -> bool {
+        self != Mode::Nftables
+    }
+
     /// A mode of netfilter rules (iptables, nftables): NAT in conntrack,
     /// the same answers on the wire.
     pub fn rules(self) -> bool {

@@ -69,7 +69,10 @@ fn per_service_counters_match_the_traffic_sent(setup: Setup) {
         // (docs/nftables.md), and none made up.
         let metrics = lab.metrics().unwrap();
         assert!(!metrics.contains("proxy_service_connections_total{"), "{metrics}");
-        assert!(metrics.contains("kubeproxy_sync_proxy_rules_nftables_sync_failures_total"), "{metrics}");
+        assert!(
+            metrics.contains("kubeproxy_sync_proxy_rules_nftables_sync_failures_total"),
+            "{metrics}"
+        );
         return;
     }
     let packet_conns = format!("{web},path=\"packet\"");

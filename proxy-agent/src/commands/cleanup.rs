@@ -14,7 +14,8 @@ pub fn run(args: &PinArgs) -> anyhow::Result<()> {
     let root = &args.bpffs_root;
     let (pins, filters) = ebpf::cleanup(root)?;
     let chains = iptables::cleanup_every_backend().context("removing the iptables rules")?;
-    let tables = nftables::cleanup(&mut System::default()).context("removing the nftables tables")?;
+    let tables =
+        nftables::cleanup(&mut System::default()).context("removing the nftables tables")?;
     tracing::info!(pins, filters, chains, tables, root = %root.display(), "removed pinned links and maps, clsact filters, iptables chains and nftables tables");
     Ok(())
 }

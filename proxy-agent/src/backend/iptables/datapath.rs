@@ -85,7 +85,6 @@ impl IptablesDatapath {
     }
 }
 
-
 impl Datapath for IptablesDatapath {
     fn mode(&self) -> &'static str {
         "iptables"

@@ -6,11 +6,16 @@
 //! the node has an address of: IPv4 always (its table serves ClusterIPs even
 //! before the node has an address), IPv6 when a node address is IPv6.
 
-use std::{collections::BTreeSet, net::IpAddr, path::PathBuf, sync::atomic::Ordering::Relaxed, time::Duration};
+use std::{
+    collections::BTreeSet, net::IpAddr, path::PathBuf, sync::atomic::Ordering::Relaxed,
+    time::Duration,
+};
 
 use super::{NftablesBackend, NftablesError, SyncReport, render};
 use crate::{
-    backend::{Datapath, Synced, TrafficRules, ebpf, iptables, iptables::exec::System, rule_families},
+    backend::{
+        Datapath, Synced, TrafficRules, ebpf, iptables, iptables::exec::System, rule_families,
+    },
     metrics::Metrics,
     model::{IpFamily, Model},
     plan::{Frontend, Node, Plan},
@@ -51,7 +56,12 @@ impl NftablesDatapath {
             .collect();
         let previous = backends.first_mut().is_some_and(|b| b.table_present())
             || ebpf::pinned(&settings.bpffs_root);
-        NftablesDatapath { backends, pins: settings.bpffs_root.clone(), previous, ebpf_only_told: false }
+        NftablesDatapath {
+            backends,
+            pins: settings.bpffs_root.clone(),
+            previous,
+            ebpf_only_told: false,
+        }
     }
 }
 
