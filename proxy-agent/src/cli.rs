@@ -180,7 +180,8 @@ pub struct InspectArgs {
     #[command(flatten)]
     pub pins: PinArgs,
     /// The datapath to read: `auto` reads the eBPF mode's pins when they
-    /// exist under --bpffs-root, else the iptables rules
+    /// exist under --bpffs-root, else the nftables mode's table when there
+    /// is one, else the iptables rules
     #[arg(long, value_enum, default_value_t = InspectMode::Auto)]
     pub mode: InspectMode,
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table)]
@@ -192,6 +193,7 @@ pub enum InspectMode {
     Auto,
     Ebpf,
     Iptables,
+    Nftables,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

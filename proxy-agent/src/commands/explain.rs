@@ -39,6 +39,10 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     let from = SocketAddr::new(from_ip, port.unwrap_or_else(ephemeral_port));
     let x = match super::lb::mode(&args.inspect) {
         InspectMode::Iptables => rules(args, from, to)?,
+        InspectMode::Nftables => bail!(
+            "explain: the nftables mode's ruleset is not walked yet; `nft list table {} kube-proxy` shows it, `lb list` reads it",
+            if to.is_ipv4() { "ip" } else { "ip6" }
+        ),
         _ if is_localhost(to) => localhost(args, from, to)?,
         _ => program(args, from, to)?,
     };

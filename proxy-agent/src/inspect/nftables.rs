@@ -1,0 +1,335 @@
+//! The service table from the nftables mode's tables as `nft list table
+//! ip|ip6 kube-proxy` prints them: kube-proxy's chain names carry the
+//! service names, so the table is read back from what the kernel holds.
+//!
+//! Frontends are the elements of the verdict maps `service-ips` and
+//! `service-nodeports` (each sends a frontend to its chain) and of
+//! `no-endpoint-services` and `no-endpoint-nodeports` (no endpoints, no
+//! local endpoints; their comment names the service). A frontend's chain is
+//! followed `external-` → `service-`/`local-` → `endpoint-`, whose `dnat`
+//! names the backend. The maps do not say whether an address is an
+//! externalIP or a load-balancer IP: one with source ranges (in
+//! `firewall-ips`) is a load-balancer IP, the others are `External`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{LbBackend, LbEntry, flag};
+
+/// The maps' elements (key → verdict, with the element's comment) and the
+/// chains' rules of one or more listed tables.
+#[derive(Debug, Default)]
+struct Listing {
+    maps: BTreeMap<String, Vec<Element>>,
+    /// The addresses of `cluster-ips`.
+    cluster_ips: BTreeSet<String>,
+    chains: BTreeMap<String, Vec<String>>,
+}
+
+#[derive(Debug)]
+struct Element {
+    key: String,
+    comment: Option<String>,
+    verdict: String,
+}
+
+/// One element as nft lists it: `KEY [comment "C"] : VERDICT`.
+fn element(text: &str) -> Option<Element> {
+    let (key, verdict) = text.rsplit_once(" : ")?;
+    let (key, comment) = match key.split_once(" comment \"") {
+        Some((key, comment)) => (key, Some(comment.trim_end_matches('"').to_string())),
+        None => (key, None),
+    };
+    Some(Element { key: key.trim().into(), comment, verdict: verdict.trim().into() })
+}
+
+/// Reads `nft list table` output (any number of tables).
+fn listing(text: &str) -> Listing {
+    let mut out = Listing::default();
+    // The block a line is in: ("map" | "set" | "chain", name).
+    let mut block: Option<(String, String)> = None;
+    // The text of an `elements = { … }` being read, across lines.
+    let mut elements: Option<String> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(open) = elements.as_mut() {
+            open.push(' ');
+            open.push_str(line);
+        } else if let Some(rest) = line.strip_prefix("elements = {") {
+            elements = Some(rest.to_string());
+        } else if line == "}" {
+            block = None;
+            continue;
+        } else if let Some(name) = line.strip_suffix(" {") {
+            let mut words = name.split_whitespace();
+            if let (Some(kind), Some(name)) = (words.next(), words.next()) {
+                block = Some((kind.to_string(), name.to_string()));
+            }
+            continue;
+        } else if let Some(("chain", chain)) = block.as_ref().map(|(k, n)| (k.as_str(), n)) {
+            if !line.starts_with("type ") && !line.starts_with("comment ") {
+                out.chains.entry(chain.clone()).or_default().push(line.to_string());
+            }
+            continue;
+        }
+        let Some(open) = elements.as_ref().filter(|e| e.ends_with('}')) else { continue };
+        let items = open.trim_end_matches('}').split(',').map(str::trim);
+        match block.as_ref().map(|(k, n)| (k.as_str(), n.as_str())) {
+            Some(("map", name)) => {
+                let map = out.maps.entry(name.to_string()).or_default();
+                map.extend(items.filter_map(element));
+            }
+            Some(("set", "cluster-ips")) => {
+                out.cluster_ips.extend(items.filter(|i| !i.is_empty()).map(String::from));
+            }
+            _ => {}
+        }
+        elements = None;
+    }
+    out
+}
+
+/// `ns/name:port` from a per-service chain's name
+/// (`service-HASH-ns/name/proto/port`; `ns/name` for an unnamed port).
+fn service_of(chain: &str) -> String {
+    let base = chain.split_once('-').map_or(chain, |(_, rest)| rest);
+    let identity = base.split_once('-').map_or(base, |(_, rest)| rest);
+    let parts: Vec<&str> = identity.split('/').collect();
+    match parts.as_slice() {
+        [ns, name, _proto, ""] => format!("{ns}/{name}"),
+        [ns, name, _proto, port, ..] => format!("{ns}/{name}:{port}"),
+        _ => "?".into(),
+    }
+}
+
+/// `address:port/proto` from a map key `address . proto . port`, an IPv6
+/// address in brackets; `*:port/proto` from `proto . port`.
+fn frontend(key: &str) -> Option<String> {
+    let parts: Vec<&str> = key.split(" . ").collect();
+    match parts.as_slice() {
+        [ip, proto, port] if ip.contains(':') => Some(format!("[{ip}]:{port}/{proto}")),
+        [ip, proto, port] => Some(format!("{ip}:{port}/{proto}")),
+        [proto, port] => Some(format!("*:{port}/{proto}")),
+        _ => None,
+    }
+}
+
+/// A frontend's chain walked down to its backends.
+struct Walk<'a> {
+    chains: &'a BTreeMap<String, Vec<String>>,
+    flags: Vec<&'static str>,
+    backends: Vec<LbBackend>,
+}
+
+impl Walk<'_> {
+    fn add(&mut self, f: &'static str) {
+        if !self.flags.contains(&f) {
+            self.flags.push(f);
+        }
+    }
+
+    fn rules(&self, chain: &str) -> &[String] {
+        self.chains.get(chain).map_or(&[], Vec::as_slice)
+    }
+
+    fn follow(&mut self, chain: &str) {
+        if chain.starts_with("external-") {
+            // Its last rule, taken by every source, when it has one: the
+            // policy's chain (node-local and pod sources go to `service-`
+            // before it).
+            let last = self.rules(chain).iter().filter_map(|r| r.strip_prefix("goto ")).last();
+            if let Some(next) = last.map(str::to_string) {
+                self.follow(&next);
+            }
+        } else if chain.starts_with("service-") || chain.starts_with("local-") {
+            let local = chain.starts_with("local-");
+            if local {
+                self.add(flag::LOCAL_POLICY);
+            }
+            let rules = self.rules(chain).to_vec();
+            if rules.iter().any(|r| r.contains("@affinity-")) {
+                self.add(flag::AFFINITY);
+            }
+            let picks = rules.iter().find(|r| r.starts_with("numgen "));
+            let targets = picks.into_iter().flat_map(|r| r.split("goto ").skip(1));
+            for target in targets {
+                let endpoint = target.split([' ', ',', '}']).next().unwrap_or_default();
+                let dnat =
+                    self.rules(endpoint).iter().find_map(|r| r.split_once(" dnat to ")).map(|d| d.1);
+                if let Some(address) = dnat.map(|a| a.trim().to_string()) {
+                    let local = local.then_some(true);
+                    self.backends.push(LbBackend { address, local, maglev_share: None });
+                }
+            }
+        }
+    }
+}
+
+/// The table these tables (`nft list table` output) program.
+pub fn entries(text: &str) -> Vec<LbEntry> {
+    let listing = listing(text);
+    let map = |name: &str| listing.maps.get(name).map_or(&[][..], Vec::as_slice);
+    let firewalled: BTreeSet<&str> = map("firewall-ips").iter().map(|e| e.key.as_str()).collect();
+    let kind = |key: &str, ip: &str, nodeport: bool| match () {
+        _ if nodeport => "NodePort",
+        _ if listing.cluster_ips.contains(ip) => "ClusterIP",
+        _ if firewalled.contains(key) => "LoadBalancer",
+        _ => "External",
+    };
+    let mut out = Vec::new();
+    for (name, nodeport) in [("service-ips", false), ("service-nodeports", true)] {
+        for e in map(name) {
+            let (Some(frontend), Some(chain)) = (frontend(&e.key), e.verdict.strip_prefix("goto "))
+            else {
+                continue;
+            };
+            let ip = e.key.split(" . ").next().unwrap_or_default();
+            let mut walk = Walk { chains: &listing.chains, flags: Vec::new(), backends: Vec::new() };
+            if firewalled.contains(e.key.as_str()) {
+                walk.add(flag::SOURCE_RANGES);
+            }
+            walk.follow(chain);
+            out.push(LbEntry {
+                frontend,
+                kind: kind(&e.key, ip, nodeport).into(),
+                service: service_of(chain),
+                flags: walk.flags,
+                backends: walk.backends,
+            });
+        }
+    }
+    // Frontends without (local) endpoints.
+    for (name, nodeport) in [("no-endpoint-services", false), ("no-endpoint-nodeports", true)] {
+        for e in map(name) {
+            let Some(frontend) = frontend(&e.key) else { continue };
+            let ip = e.key.split(" . ").next().unwrap_or_default();
+            let flags = match e.verdict.as_str() {
+                "drop" => vec![flag::LOCAL_POLICY, flag::DROP_WHEN_EMPTY],
+                _ => vec![],
+            };
+            out.push(LbEntry {
+                frontend,
+                kind: kind(&e.key, ip, nodeport).into(),
+                service: e.comment.clone().unwrap_or_else(|| "?".into()),
+                flags,
+                backends: vec![],
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        backend::nftables::render::{Options, render},
+        model::{Cidr, IpFamily},
+    };
+
+    use test_objects::{Protocol::Tcp, ep, port, service};
+
+    /// What `nft list table ip kube-proxy` prints of a rendered ruleset
+    /// (its layout; the kernel's own listing is read in the lab).
+    const LISTED: &str = r#"table ip kube-proxy {
+	comment "rules for kube-proxy"
+	set cluster-ips {
+		type ipv4_addr
+		comment "Active ClusterIPs"
+		elements = { 10.96.0.10, 10.96.0.11 }
+	}
+
+	map service-ips {
+		type ipv4_addr . inet_proto . inet_service : verdict
+		elements = { 10.96.0.10 . tcp . 80 : goto service-AAAAAAAA-demo/web/tcp/http,
+			     172.18.0.50 . tcp . 80 : goto external-AAAAAAAA-demo/web/tcp/http,
+			     10.200.0.5 . tcp . 80 : goto external-AAAAAAAA-demo/web/tcp/http }
+	}
+
+	map service-nodeports {
+		type inet_proto . inet_service : verdict
+		elements = { tcp . 30080 : goto external-AAAAAAAA-demo/web/tcp/http }
+	}
+
+	map firewall-ips {
+		type ipv4_addr . inet_proto . inet_service : verdict
+		elements = { 172.18.0.50 . tcp . 80 : goto firewall-AAAAAAAA-demo/web/tcp/http }
+	}
+
+	map no-endpoint-services {
+		type ipv4_addr . inet_proto . inet_service : verdict
+		elements = { 10.96.0.11 . udp . 53 comment "demo/empty:dns" : goto reject-chain }
+	}
+
+	chain service-AAAAAAAA-demo/web/tcp/http {
+		ip daddr 10.96.0.10 ip saddr != 10.244.0.0/16 jump mark-for-masquerade
+		ip saddr @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
+		numgen random mod 2 vmap { 0 : goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080, 1 : goto endpoint-CCCCCCCC-demo/web/tcp/http__10.244.2.3/8080 }
+	}
+
+	chain local-AAAAAAAA-demo/web/tcp/http {
+		ip saddr @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
+		numgen random mod 1 vmap { 0 : goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 }
+	}
+
+	chain external-AAAAAAAA-demo/web/tcp/http {
+		ip saddr 10.244.0.0/16 goto service-AAAAAAAA-demo/web/tcp/http comment "short-circuit pod traffic"
+		fib saddr type local jump mark-for-masquerade comment "masquerade local traffic"
+		fib saddr type local goto service-AAAAAAAA-demo/web/tcp/http comment "short-circuit local traffic"
+		goto local-AAAAAAAA-demo/web/tcp/http
+	}
+
+	chain endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 {
+		ip saddr 10.244.1.2 jump mark-for-masquerade
+		meta l4proto tcp dnat to 10.244.1.2:8080
+	}
+
+	chain endpoint-CCCCCCCC-demo/web/tcp/http__10.244.2.3/8080 {
+		ip saddr 10.244.2.3 jump mark-for-masquerade
+		meta l4proto tcp dnat to 10.244.2.3:8080
+	}
+}
+"#;
+
+    #[test]
+    fn the_table_is_read_back_from_the_listing() {
+        let mut entries = entries(LISTED);
+        entries.sort();
+        let row = |e: &LbEntry| {
+            let backends: Vec<&str> = e.backends.iter().map(|b| b.address.as_str()).collect();
+            format!("{} {} {} {} {}", e.frontend, e.kind, e.service, e.flags.join(","), backends.join(","))
+        };
+        let rows: Vec<String> = entries.iter().map(row).collect();
+        assert_eq!(
+            rows,
+            [
+                "*:30080/tcp NodePort demo/web:http local-policy,affinity 10.244.1.2:8080",
+                "10.200.0.5:80/tcp External demo/web:http local-policy,affinity 10.244.1.2:8080",
+                "10.96.0.10:80/tcp ClusterIP demo/web:http affinity 10.244.1.2:8080,10.244.2.3:8080",
+                "10.96.0.11:53/udp ClusterIP demo/empty:dns  ",
+                "172.18.0.50:80/tcp LoadBalancer demo/web:http source-ranges,local-policy,affinity 10.244.1.2:8080",
+            ]
+        );
+    }
+
+    #[test]
+    fn an_unnamed_port_and_an_ipv6_frontend() {
+        assert_eq!(service_of("service-ULMVA6XW-ns1/svc1/tcp/"), "ns1/svc1");
+        assert_eq!(service_of("external-ULMVA6XW-ns1/svc1/tcp/p80"), "ns1/svc1:p80");
+        assert_eq!(frontend("fd00:96::10 . tcp . 80").unwrap(), "[fd00:96::10]:80/tcp");
+        // The rendered ruleset's words are the ones read back.
+        let svc = service("ns", "web").cluster_ip("10.96.0.10").port(port("http", 80));
+        let slice = svc.slice().port("http", 8080, Tcp).endpoint(ep("10.244.1.2")).build();
+        let model = crate::source::model_of(&[svc.build()], &[slice]);
+        let opts = Options {
+            family: IpFamily::V4,
+            node_name: "node-a".into(),
+            zone: None,
+            node_ips: vec![],
+            nodeport_addresses: vec![],
+            cluster_cidr: Some(Cidr::parse("10.244.0.0/16").unwrap()),
+            masquerade_all: false,
+        };
+        let rendered = render(&model, &opts).to_string();
+        assert!(rendered.contains("numgen random mod 1 vmap { 0 : goto endpoint-"));
+        assert!(rendered.contains("meta l4proto tcp dnat to 10.244.1.2:8080"));
+    }
+}
