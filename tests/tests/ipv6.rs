@@ -444,6 +444,12 @@ fn explain_ipv6_agrees_with_real_packets(setup: Setup) {
     let np = node_ports(dual("np", "10.96.0.11", "fd00:96::11"), 30080, 30053);
     let docs = over(np, "np", &["a", "b"], &["a", "b"]) + "---\n" + &empty_service();
     let c = dual_lab(setup, &docs);
+    if setup.mode == Mode::Nftables {
+        let args = ["explain", "--proto", "tcp", "--from", EXT_IP6, "--to", &at(NODE_IP6, 30080)];
+        let err = c.lab.inspect_on(0, &args).unwrap_err().to_string();
+        assert!(err.contains("`nft list table ip6 kube-proxy` shows it"), "{err}");
+        return;
+    }
     let ebpf = setup.mode == Mode::Ebpf;
     let flows = || ebpf.then(|| c.lab.inspect_on(0, &["ct", "list", "-o", "json"]).unwrap());
     let before = flows();

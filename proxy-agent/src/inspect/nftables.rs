@@ -42,7 +42,23 @@ fn element(text: &str) -> Option<Element> {
     Some(Element { key: key.trim().into(), comment, verdict: verdict.trim().into() })
 }
 
-/// Reads `nft list table` output (any number of tables).
+/// Reads `nft list table` output, a listing per table (the families'
+/// tables name their chains alike).
+fn listings(text: &str) -> Vec<Listing> {
+    let mut tables: Vec<String> = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("table ") || tables.is_empty() {
+            tables.push(String::new());
+        }
+        if let Some(table) = tables.last_mut() {
+            table.push_str(line);
+            table.push('\n');
+        }
+    }
+    tables.iter().map(|t| listing(t)).collect()
+}
+
+/// Reads one table of `nft list table` output.
 fn listing(text: &str) -> Listing {
     let mut out = Listing::default();
     // The block a line is in: ("map" | "set" | "chain", name).
@@ -152,8 +168,11 @@ impl Walk<'_> {
             let targets = picks.into_iter().flat_map(|r| r.split("goto ").skip(1));
             for target in targets {
                 let endpoint = target.split([' ', ',', '}']).next().unwrap_or_default();
-                let dnat =
-                    self.rules(endpoint).iter().find_map(|r| r.split_once(" dnat to ")).map(|d| d.1);
+                let dnat = self
+                    .rules(endpoint)
+                    .iter()
+                    .find_map(|r| r.split_once(" dnat to "))
+                    .map(|d| d.1);
                 if let Some(address) = dnat.map(|a| a.trim().to_string()) {
                     let local = local.then_some(true);
                     self.backends.push(LbBackend { address, local, maglev_share: None });
@@ -165,7 +184,11 @@ impl Walk<'_> {
 
 /// The table these tables (`nft list table` output) program.
 pub fn entries(text: &str) -> Vec<LbEntry> {
-    let listing = listing(text);
+    listings(text).iter().flat_map(table_entries).collect()
+}
+
+/// The entries of one table.
+fn table_entries(listing: &Listing) -> Vec<LbEntry> {
     let map = |name: &str| listing.maps.get(name).map_or(&[][..], Vec::as_slice);
     let firewalled: BTreeSet<&str> = map("firewall-ips").iter().map(|e| e.key.as_str()).collect();
     let kind = |key: &str, ip: &str, nodeport: bool| match () {
@@ -182,7 +205,8 @@ pub fn entries(text: &str) -> Vec<LbEntry> {
                 continue;
             };
             let ip = e.key.split(" . ").next().unwrap_or_default();
-            let mut walk = Walk { chains: &listing.chains, flags: Vec::new(), backends: Vec::new() };
+            let mut walk =
+                Walk { chains: &listing.chains, flags: Vec::new(), backends: Vec::new() };
             if firewalled.contains(e.key.as_str()) {
                 walk.add(flag::SOURCE_RANGES);
             }
@@ -295,7 +319,14 @@ mod tests {
         entries.sort();
         let row = |e: &LbEntry| {
             let backends: Vec<&str> = e.backends.iter().map(|b| b.address.as_str()).collect();
-            format!("{} {} {} {} {}", e.frontend, e.kind, e.service, e.flags.join(","), backends.join(","))
+            format!(
+                "{} {} {} {} {}",
+                e.frontend,
+                e.kind,
+                e.service,
+                e.flags.join(","),
+                backends.join(",")
+            )
         };
         let rows: Vec<String> = entries.iter().map(row).collect();
         assert_eq!(
@@ -308,6 +339,22 @@ mod tests {
                 "172.18.0.50:80/tcp LoadBalancer demo/web:http source-ranges,local-policy,affinity 10.244.1.2:8080",
             ]
         );
+    }
+
+    #[test]
+    fn each_familys_table_is_read_apart() {
+        let v6 = LISTED
+            .replace("table ip ", "table ip6 ")
+            .replace("10.96.0.10 . tcp", "fd00:96::10 . tcp")
+            .replace("10.96.0.10, ", "fd00:96::10, ")
+            .replace("dnat to 10.244.1.2:8080", "dnat to [fd00:244::2]:8080");
+        let both = entries(&format!("{LISTED}{v6}"));
+        let of = |frontend: &str| -> Vec<String> {
+            let entry = both.iter().find(|e| e.frontend == frontend).unwrap();
+            entry.backends.iter().map(|b| b.address.clone()).collect()
+        };
+        assert_eq!(of("10.96.0.10:80/tcp"), ["10.244.1.2:8080", "10.244.2.3:8080"]);
+        assert_eq!(of("[fd00:96::10]:80/tcp"), ["[fd00:244::2]:8080", "10.244.2.3:8080"]);
     }
 
     #[test]
