@@ -219,6 +219,33 @@ impl Ruleset {
         self.family
     }
 
+    /// A ruleset with one made-up service that uses every expression the
+    /// mode writes (verdict maps, numgen, fib, an affinity set updated from
+    /// the packet, dnat, masquerade), for `probe` to have nft check.
+    pub fn probe() -> Ruleset {
+        let mut rs = Ruleset::new(IpFamily::V4, Some(vec![]));
+        let (svc, ext, ep) = ("service-probe/x", "external-probe/x", "endpoint-probe/x");
+        rs.affinity.insert("affinity-probe/x".into(), 10800);
+        let rules = |rules: &[&str]| rules.iter().map(|r| r.to_string()).collect::<Vec<_>>();
+        rs.chains.insert(
+            ep.into(),
+            rules(&[
+                "ip saddr 10.0.0.1 jump mark-for-masquerade",
+                "update @affinity-probe/x { ip saddr }",
+                "meta l4proto tcp dnat to 10.0.0.1:80",
+            ]),
+        );
+        let pick = format!("numgen random mod 1 vmap {{ 0 : goto {ep} }}");
+        let sticky = format!("ip saddr @affinity-probe/x goto {ep}");
+        rs.chains.insert(svc.into(), vec![sticky, pick]);
+        let local =
+            format!("fib saddr type local goto {svc} comment \"short-circuit local traffic\"");
+        rs.chains.insert(ext.into(), vec![local]);
+        let element = Element { value: Some(format!("goto {ext}")), comment: None };
+        rs.elements.insert((Container::ServiceIps, "10.0.0.2 . tcp . 80".into()), element);
+        rs
+    }
+
     /// Whether it has this per-service chain.
     pub fn has_chain(&self, name: &str) -> bool {
         self.chains.contains_key(name)
