@@ -1,5 +1,5 @@
-//! SCTP services: the iptables mode writes kube-proxy's rules for their
-//! SCTP ports and serves them (an echo where the kernel has SCTP sockets:
+//! SCTP services: the iptables and nftables modes write kube-proxy's rules
+//! for their SCTP ports and serve them (an echo where the kernel has SCTP sockets:
 //! the VM matrix's); the eBPF mode leaves those ports out (for now), naming
 //! the services once and counting them, and serves the others.
 
@@ -58,6 +58,26 @@ fn the_iptables_mode_writes_the_sctp_rules_and_serves_the_tcp_port() {
     }
     assert!(!lab.agent_log().contains("SCTP service ports are not served"), "{}", lab.agent_log());
     // `lb list` reads them back.
+    let lb = lab.inspect_on(0, &["lb", "list"]).unwrap();
+    for frontend in ["10.96.0.10:3868/sctp", "*:30868/sctp", "10.96.0.10:80/tcp"] {
+        assert!(lb.contains(frontend), "{frontend} missing:\n{lb}");
+    }
+    assert!(lb.contains(&format!("{}:3869", pods[1].ip)), "{lb}");
+}
+
+/// The nftables mode's table holds the SCTP port's elements and chains,
+/// and `lb list` reads them back; the TCP port is served.
+#[test]
+fn the_nftables_mode_writes_the_sctp_ruleset_and_serves_the_tcp_port() {
+    let (lab, pods) = serving(Mode::Nftables);
+    let table = lab.exec_on(0, "nft", &["list", "table", "ip", "kube-proxy"]).unwrap();
+    for text in [
+        "10.96.0.10 . sctp . 3868 : goto service-",
+        "sctp . 30868 : goto external-",
+        &format!("meta l4proto sctp dnat to {}:3869", pods[0].ip),
+    ] {
+        assert!(table.contains(text), "missing {text}\n{table}");
+    }
     let lb = lab.inspect_on(0, &["lb", "list"]).unwrap();
     for frontend in ["10.96.0.10:3868/sctp", "*:30868/sctp", "10.96.0.10:80/tcp"] {
         assert!(lb.contains(frontend), "{frontend} missing:\n{lb}");
@@ -145,10 +165,14 @@ fn sctp_echo_follows_the_endpoints(mode: Mode) {
     }
 }
 
-/// The iptables mode only: the eBPF mode does not serve SCTP yet.
+/// The rule-based modes only: the eBPF mode does not serve SCTP yet.
 mod sctp_echo_follows_the_endpoints {
     #[test]
     fn iptables() {
         super::sctp_echo_follows_the_endpoints(proxy_lab::Mode::Iptables)
+    }
+    #[test]
+    fn nftables() {
+        super::sctp_echo_follows_the_endpoints(proxy_lab::Mode::Nftables)
     }
 }
