@@ -164,12 +164,18 @@ impl Walk<'_> {
             if rules.iter().any(|r| r.contains("@affinity-")) {
                 self.add(flag::AFFINITY);
             }
-            let picks = rules.iter().find(|r| r.starts_with("numgen "));
-            let targets = picks.into_iter().flat_map(|r| r.split("goto ").skip(1));
-            for target in targets {
+            // The endpoints the pick (and the affinity checks) go to.
+            let mut endpoints: Vec<&str> = Vec::new();
+            let targets = rules.iter().filter_map(|r| r.rsplit_once("goto endpoint-"));
+            for (_, target) in targets {
                 let endpoint = target.split([' ', ',', '}']).next().unwrap_or_default();
+                if !endpoints.contains(&endpoint) {
+                    endpoints.push(endpoint);
+                }
+            }
+            for endpoint in endpoints {
                 let dnat = self
-                    .rules(endpoint)
+                    .rules(&format!("endpoint-{endpoint}"))
                     .iter()
                     .find_map(|r| r.split_once(" dnat to "))
                     .map(|d| d.1);
@@ -286,12 +292,13 @@ mod tests {
 	chain service-AAAAAAAA-demo/web/tcp/http {
 		ip daddr 10.96.0.10 ip saddr != 10.244.0.0/16 jump mark-for-masquerade
 		ip saddr @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
-		numgen random mod 2 vmap { 0 : goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080, 1 : goto endpoint-CCCCCCCC-demo/web/tcp/http__10.244.2.3/8080 }
+		numgen random mod 2 0 goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
+		goto endpoint-CCCCCCCC-demo/web/tcp/http__10.244.2.3/8080
 	}
 
 	chain local-AAAAAAAA-demo/web/tcp/http {
 		ip saddr @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
-		numgen random mod 1 vmap { 0 : goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 }
+		goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
 	}
 
 	chain external-AAAAAAAA-demo/web/tcp/http {
@@ -376,7 +383,7 @@ mod tests {
             masquerade_all: false,
         };
         let rendered = render(&model, &opts).to_string();
-        assert!(rendered.contains("numgen random mod 1 vmap { 0 : goto endpoint-"));
+        assert!(rendered.contains("http goto endpoint-"), "{rendered}");
         assert!(rendered.contains("meta l4proto tcp dnat to 10.244.1.2:8080"));
     }
 }
