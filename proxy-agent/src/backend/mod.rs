@@ -22,7 +22,8 @@ use crate::{
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProxyMode {
-    /// eBPF when the kernel can run it (see `probe`), else iptables
+    /// eBPF when the kernel can run it (see `probe`), else nftables where
+    /// nft takes its ruleset, else iptables
     Auto,
     /// BPF programs: socket load balancing on cgroup hooks, per-packet
     /// translation in tc
@@ -160,13 +161,24 @@ fn choose(asked: ProxyMode) -> ProxyMode {
         return asked;
     }
     let features = probe::run();
+    let detail = |missing: &str| {
+        let found = features.iter().find(|f| f.name == missing);
+        found.map(|f| f.detail.clone()).unwrap_or_default()
+    };
     match probe::decide(&features) {
         probe::Decision::Ebpf => ProxyMode::Ebpf,
-        probe::Decision::Iptables { missing } => {
-            let detail = features.iter().find(|f| f.name == missing).map(|f| f.detail.as_str());
+        probe::Decision::Nftables { missing } => {
             tracing::warn!(
-                "eBPF mode unavailable, this kernel lacks: {missing} ({}); running in iptables mode",
-                detail.unwrap_or_default()
+                "eBPF mode unavailable, this kernel lacks: {missing} ({}); running in nftables mode",
+                detail(missing)
+            );
+            ProxyMode::Nftables
+        }
+        probe::Decision::Iptables { missing } => {
+            tracing::warn!(
+                "eBPF mode unavailable, this kernel lacks: {missing} ({}); nftables mode unavailable: {}; running in iptables mode",
+                detail(missing),
+                detail(probe::NFTABLES)
             );
             ProxyMode::Iptables
         }

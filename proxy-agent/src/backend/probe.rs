@@ -46,7 +46,12 @@ impl Feature {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {
     Ebpf,
-    /// The first missing feature the eBPF mode needs.
+    /// nft takes the nftables mode's ruleset; `missing` is the first
+    /// missing feature the eBPF mode needs.
+    Nftables {
+        missing: &'static str,
+    },
+    /// Neither: the first missing feature the eBPF mode needs.
     Iptables {
         missing: &'static str,
     },
@@ -68,9 +73,12 @@ pub const SCTP_SOCKETS: &str = "SCTP sockets (pods here speaking SCTP)";
 pub const SCTP_MATCH: &str = "iptables sctp match (SCTP services, iptables mode)";
 pub const NFTABLES: &str = "nft 1.0.1+ takes the nftables mode's ruleset";
 
-/// Picks the mode: eBPF when every required feature is there.
+/// Picks the mode: eBPF when every required feature is there, else
+/// nftables where nft takes its ruleset, else iptables.
 pub fn decide(features: &[Feature]) -> Decision {
+    let nftables = features.iter().any(|f| f.name == NFTABLES && f.found);
     match features.iter().find(|f| f.required && !f.found) {
+        Some(missing) if nftables => Decision::Nftables { missing: missing.name },
         Some(missing) => Decision::Iptables { missing: missing.name },
         None => Decision::Ebpf,
     }
@@ -335,8 +343,11 @@ pub fn report(features: &[Feature]) -> String {
     }
     let _ = match decide(features) {
         Decision::Ebpf => writeln!(out, "--proxy-mode auto would run: ebpf\n\n{ATTACHMENTS}"),
+        Decision::Nftables { missing } => {
+            writeln!(out, "--proxy-mode auto would run: nftables (missing: {missing})")
+        }
         Decision::Iptables { missing } => {
-            writeln!(out, "--proxy-mode auto would run: iptables (missing: {missing})")
+            writeln!(out, "--proxy-mode auto would run: iptables (missing: {missing}; and nft)")
         }
     };
     out
@@ -426,5 +437,17 @@ mod tests {
     #[test]
     fn no_cgroup2_means_iptables() {
         assert_eq!(decide(&kernel(&[CGROUP2])), Decision::Iptables { missing: CGROUP2 });
+    }
+
+    #[test]
+    fn without_ebpf_nftables_comes_before_iptables() {
+        let mut features = kernel(&[BTF]);
+        features.push(Feature { name: NFTABLES, required: false, found: true, detail: "".into() });
+        assert_eq!(decide(&features), Decision::Nftables { missing: BTF });
+        assert!(report(&features).contains("auto would run: nftables (missing: BTF"));
+        features.last_mut().unwrap().found = false;
+        assert_eq!(decide(&features), Decision::Iptables { missing: BTF });
+        // With eBPF there, nft does not matter.
+        assert_eq!(decide(&kernel(&[])), Decision::Ebpf);
     }
 }
