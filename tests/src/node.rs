@@ -124,8 +124,8 @@ impl Lab {
             if line.starts_with("set ") {
                 affinity = line.starts_with("set affinity-");
             }
-            let listed = line.split(|c: char| c == ' ' || c == ',' || c == '{' || c == '}');
-            if affinity && line.starts_with("elements") && listed.clone().any(|w| w == client) {
+            let mut listed = line.split([' ', ',', '{', '}']);
+            if affinity && line.starts_with("elements") && listed.any(|w| w == client) {
                 holding += 1;
             }
         }

@@ -151,7 +151,7 @@ impl Walk<'_> {
             // Its last rule, taken by every source, when it has one: the
             // policy's chain (node-local and pod sources go to `service-`
             // before it).
-            let last = self.rules(chain).iter().filter_map(|r| r.strip_prefix("goto ")).last();
+            let last = self.rules(chain).iter().rev().find_map(|r| r.strip_prefix("goto "));
             if let Some(next) = last.map(str::to_string) {
                 self.follow(&next);
             }
