@@ -59,9 +59,7 @@ fn switching_between_iptables_ebpf_and_nftables_removes_the_others_state() {
     assert_eq!(reach(&lab, &client, 20).served().len(), 2);
     lab.kill_agent();
     lab.start_agent(&["--proxy-mode", "nftables"]).unwrap();
-    wait_for("the eBPF pins removed", Duration::from_secs(10), || {
-        !lab.pins.join("links").exists()
-    });
+    wait_for("the eBPF pins removed", Duration::from_secs(10), || !lab.pins.join("links").exists());
     assert_eq!(reach(&lab, &client, 20).served().len(), 2);
 
     // nftables → iptables: once the rules are in, the tables go.

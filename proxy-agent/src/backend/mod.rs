@@ -9,6 +9,7 @@ pub mod ebpf;
 pub mod iptables;
 pub mod nftables;
 pub mod probe;
+pub mod rule_modes;
 
 use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 

@@ -66,13 +66,9 @@ pub fn is_service_chain(chain: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ServiceName;
 
     fn spn(ns: &str, name: &str, port: &str) -> ServicePortName {
-        ServicePortName {
-            service: ServiceName { namespace: ns.into(), name: name.into() },
-            port: port.into(),
-        }
+        ServicePortName::of(ns, name, port)
     }
 
     #[test]

@@ -19,7 +19,10 @@ use super::{
     render,
 };
 use crate::{
-    backend::{Datapath, Synced, TrafficRules, ebpf, nftables, rule_families},
+    backend::{
+        Datapath, Synced, TrafficRules, ebpf, nftables, rule_families,
+        rule_modes::{RuleOptions, synced, timed_sync},
+    },
     metrics::Metrics,
     model::{IpFamily, Model},
     plan::{Frontend, Node, Plan},
@@ -124,28 +127,14 @@ impl Datapath for IptablesDatapath {
         metrics.fold_service_stats(|| Box::new(self.rule_counters()));
         for backend in &mut self.backends {
             let family = backend.family();
-            let start = std::time::Instant::now();
-            let report = backend.sync(model).inspect_err(|err| {
-                if let IptablesError::Restore { full, .. } = err {
-                    let rules = metrics.rules(family);
-                    rules.restore_failures.fetch_add(1, Relaxed);
-                    if !full {
-                        rules.partial_restore_failures.fetch_add(1, Relaxed);
-                    }
-                }
-            })?;
-            metrics.rules(family).synced(start.elapsed(), report.full);
+            let refused = |err: &IptablesError| match err {
+                IptablesError::Restore { full, .. } => Some(*full),
+                _ => None,
+            };
+            let report = timed_sync(family, metrics, || backend.sync(model), |r| r.full, refused)?;
             report_sync(family, &report, metrics);
         }
-        if !self.ebpf_only_told && plan.frontends.values().any(|f| f.maglev || f.dsr) {
-            self.ebpf_only_told = true;
-            tracing::warn!(
-                "Maglev and DSR (--bpf-lb-algorithm, --bpf-lb-mode, their annotations) are eBPF-mode features: the iptables rules pick backends at random and masquerade, as kube-proxy's"
-            );
-        }
-        let backends: BTreeSet<_> =
-            plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
-        Ok(Synced { backends: backends.len() })
+        Ok(synced(plan, &mut self.ebpf_only_told, "the iptables rules"))
     }
 
     /// Checks the canary chains of each family: a full resync is due when
@@ -231,13 +220,7 @@ pub fn render_options(
     family: IpFamily,
 ) -> render::Options {
     render::Options {
-        family,
-        node_name: node.name.clone(),
-        zone: node.zone.clone(),
-        node_ips: node.ips.iter().copied().filter(|ip| IpFamily::of(*ip) == family).collect(),
-        nodeport_addresses: traffic.nodeport_addresses.clone(),
-        cluster_cidr: traffic.cluster_cidr(family),
-        masquerade_all: traffic.masquerade_all,
+        rules: RuleOptions::new(node, traffic, family),
         localhost_nodeports: node.serves_localhost_nodeports(),
         nfacct,
         random_fully: true,

@@ -533,7 +533,9 @@ mod tests {
     }
 
     fn options() -> Options {
-        Options { cluster_cidr: None, nfacct: false, ..render::tests::options() }
+        let mut options = Options { nfacct: false, ..render::tests::options() };
+        options.cluster_cidr = None;
+        options
     }
 
     /// Service `web` (dns 53/UDP → 5353) over `endpoints`, and `other`.
@@ -589,11 +591,9 @@ mod tests {
     #[test]
     fn the_ipv6_backend_writes_the_ipv6_ports_and_cleans_ipv6_conntrack_entries() {
         use test_objects::{Protocol::*, ep, port, service};
-        let v6 = Options {
-            family: IpFamily::V6,
-            node_ips: vec!["fd00::11".parse().unwrap()],
-            ..options()
-        };
+        let mut v6 = options();
+        v6.family = IpFamily::V6;
+        v6.node_ips = vec!["fd00::11".parse().unwrap()];
         let mut backend = IptablesBackend::new(Fake::default(), v6);
         let dns = service("default", "dns").cluster_ip("10.96.0.10");
         let dns = dns.cluster_ips(&["10.96.0.10", "fd00:96::10"]);

@@ -14,7 +14,10 @@ use std::{
 use super::{NftablesBackend, NftablesError, SyncReport, render};
 use crate::{
     backend::{
-        Datapath, Synced, TrafficRules, ebpf, iptables, iptables::exec::System, rule_families,
+        Datapath, Synced, TrafficRules, ebpf, iptables,
+        iptables::exec::System,
+        rule_families,
+        rule_modes::{RuleOptions, synced, timed_sync},
     },
     metrics::Metrics,
     model::{IpFamily, Model},
@@ -108,28 +111,14 @@ impl Datapath for NftablesDatapath {
     ) -> anyhow::Result<Synced> {
         for backend in &mut self.backends {
             let family = backend.family();
-            let start = std::time::Instant::now();
-            let report = backend.sync(model).inspect_err(|err| {
-                if let NftablesError::Apply { full, .. } = err {
-                    let rules = metrics.rules(family);
-                    rules.restore_failures.fetch_add(1, Relaxed);
-                    if !full {
-                        rules.partial_restore_failures.fetch_add(1, Relaxed);
-                    }
-                }
-            })?;
-            metrics.rules(family).synced(start.elapsed(), report.full);
+            let refused = |err: &NftablesError| match err {
+                NftablesError::Apply { full, .. } => Some(*full),
+                _ => None,
+            };
+            let report = timed_sync(family, metrics, || backend.sync(model), |r| r.full, refused)?;
             report_sync(family, &report, metrics);
         }
-        if !self.ebpf_only_told && plan.frontends.values().any(|f| f.maglev || f.dsr) {
-            self.ebpf_only_told = true;
-            tracing::warn!(
-                "Maglev and DSR (--bpf-lb-algorithm, --bpf-lb-mode, their annotations) are eBPF-mode features: the nftables ruleset picks backends at random and masquerades, as kube-proxy's"
-            );
-        }
-        let backends: BTreeSet<_> =
-            plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
-        Ok(Synced { backends: backends.len() })
+        Ok(synced(plan, &mut self.ebpf_only_told, "the nftables ruleset's rules"))
     }
 
     /// Checks each family's table: a full resync is due when one was
@@ -196,13 +185,5 @@ fn report_sync(family: IpFamily, report: &SyncReport, metrics: &Metrics) {
 
 /// What the nftables ruleset of `family` depends on besides the services.
 pub fn render_options(node: &Node, traffic: &TrafficRules, family: IpFamily) -> render::Options {
-    render::Options {
-        family,
-        node_name: node.name.clone(),
-        zone: node.zone.clone(),
-        node_ips: node.ips.iter().copied().filter(|ip| IpFamily::of(*ip) == family).collect(),
-        nodeport_addresses: traffic.nodeport_addresses.clone(),
-        cluster_cidr: traffic.cluster_cidr(family),
-        masquerade_all: traffic.masquerade_all,
-    }
+    RuleOptions::new(node, traffic, family)
 }

@@ -23,7 +23,7 @@ use crate::model::Model;
 
 /// The ruleset for `model`'s ports of `opts.family`.
 pub fn render(model: &Model, opts: &Options) -> Ruleset {
-    let mut ruleset = Ruleset::new(opts.family, opts.nodeport_ips());
+    let mut ruleset = Ruleset::new(opts.family, options::nodeport_ips(opts));
     for port in model.ports_of(opts.family) {
         service::write(&mut ruleset, port, opts);
     }

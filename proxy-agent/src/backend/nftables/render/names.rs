@@ -95,13 +95,9 @@ pub fn is_affinity_set(set: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ServiceName;
 
     fn spn(ns: &str, name: &str, port: &str) -> ServicePortName {
-        ServicePortName {
-            service: ServiceName { namespace: ns.into(), name: name.into() },
-            port: port.into(),
-        }
+        ServicePortName::of(ns, name, port)
     }
 
     #[test]

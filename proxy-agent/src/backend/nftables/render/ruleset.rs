@@ -391,6 +391,28 @@ impl Ruleset {
         }
     }
 
+    /// Everything: the fixed part (see `write_fixed`), the affinity sets,
+    /// the per-service chains (emptied first when `flush`) and their rules,
+    /// and the elements.
+    fn write_whole(&self, w: &mut Writer, flush: bool, recreate: bool) {
+        self.write_fixed(w, flush, recreate);
+        for (name, timeout) in &self.affinity {
+            w.line("add", "set", name, &self.affinity_declaration(*timeout));
+        }
+        for name in self.chains.keys() {
+            w.line("add", "chain", name, "");
+            if flush {
+                w.line("flush", "chain", name, "");
+            }
+        }
+        for (name, rules) in &self.chains {
+            rules.iter().for_each(|rule| w.rule(name, rule));
+        }
+        for (key, element) in &self.elements {
+            w.element("add", key.0.name(), &key.1, Some(element));
+        }
+    }
+
     fn affinity_declaration(&self, timeout: u32) -> String {
         format!("{{ type {} ; flags dynamic,timeout ; timeout {timeout}s ; }}", self.addr_type())
     }
@@ -407,20 +429,7 @@ impl Ruleset {
     pub fn full(&self, existing: &Existing, recreate: bool) -> Transaction {
         let mut text = String::new();
         let mut w = self.writer(&mut text);
-        self.write_fixed(&mut w, true, recreate);
-        for (name, timeout) in &self.affinity {
-            w.line("add", "set", name, &self.affinity_declaration(*timeout));
-        }
-        for name in self.chains.keys() {
-            w.line("add", "chain", name, "");
-            w.line("flush", "chain", name, "");
-        }
-        for (name, rules) in &self.chains {
-            rules.iter().for_each(|rule| w.rule(name, rule));
-        }
-        for (key, element) in &self.elements {
-            w.element("add", key.0.name(), &key.1, Some(element));
-        }
+        self.write_whole(&mut w, true, recreate);
         let stale_chains: Vec<String> = existing
             .chains
             .iter()
@@ -506,20 +515,7 @@ impl fmt::Display for Ruleset {
     /// The ruleset as `nft -f` input for an empty table.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut text = String::new();
-        let mut w = self.writer(&mut text);
-        self.write_fixed(&mut w, false, false);
-        for (name, timeout) in &self.affinity {
-            w.line("add", "set", name, &self.affinity_declaration(*timeout));
-        }
-        for name in self.chains.keys() {
-            w.line("add", "chain", name, "");
-        }
-        for (name, rules) in &self.chains {
-            rules.iter().for_each(|rule| w.rule(name, rule));
-        }
-        for (key, element) in &self.elements {
-            w.element("add", key.0.name(), &key.1, Some(element));
-        }
+        self.write_whole(&mut self.writer(&mut text), false, false);
         f.write_str(&text)
     }
 }

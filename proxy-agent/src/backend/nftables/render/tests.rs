@@ -356,10 +356,7 @@ struct ServiceChainsFor;
 
 impl ServiceChainsFor {
     fn web() -> super::names::ServiceChains {
-        let name = crate::model::ServicePortName {
-            service: crate::model::ServiceName { namespace: "ns".into(), name: "web".into() },
-            port: "p80".into(),
-        };
+        let name = crate::model::ServicePortName::of("ns", "web", "p80");
         super::names::ServiceChains::new(&name, crate::model::Protocol::Tcp)
     }
 }
