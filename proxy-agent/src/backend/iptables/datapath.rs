@@ -15,7 +15,7 @@ use std::{
 use super::{
     CANARY, IptablesBackend, IptablesError,
     counters::RuleCounters,
-    exec::{System, Xtables},
+    exec::{Runner as _, System, Xtables},
     render,
 };
 use crate::{
@@ -67,11 +67,19 @@ impl IptablesDatapath {
         }
         let xtables = settings.xtables.resolve(&mut System::default());
         let families = rule_families(node);
+        // As kube-proxy: `--random-fully` only where iptables has it, else
+        // every restore would be refused.
+        let version = System::new(xtables).run("iptables", &["--version"], None);
+        let random_fully = version.as_deref().is_ok_and(super::random_fully);
+        if !random_fully {
+            tracing::warn!(version = ?version.as_deref().map(str::trim), "MASQUERADE without --random-fully (iptables 1.6.2+ has it)");
+        }
         tracing::info!(backend = ?xtables, ?families, "iptables implementation");
         let mut backends: Vec<_> = families
             .into_iter()
             .map(|family| {
-                IptablesBackend::new(System::new(xtables).for_family(family), options(family))
+                let options = render::Options { random_fully, ..options(family) };
+                IptablesBackend::new(System::new(xtables).for_family(family), options)
             })
             .collect();
         let previous = backends.first_mut().is_some_and(|b| b.rules_present())
@@ -223,6 +231,8 @@ pub fn render_options(
         rules: RuleOptions::new(node, traffic, family),
         localhost_nodeports: node.serves_localhost_nodeports(),
         nfacct,
+        // kube-proxy's for any iptables of these years: the running mode
+        // asks its iptables (`random_fully`).
         random_fully: true,
         conntrack_tcp_liberal: std::fs::read_to_string(
             "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",

@@ -83,6 +83,16 @@ fn rule_args<'a>(table: &'a str, op: &'a str, chain: &'a str, args: &[&'a str]) 
     words
 }
 
+/// Whether `iptables --version` (`iptables v1.8.9 (nf_tables)`) names a
+/// version with `MASQUERADE --random-fully` (1.6.2+), as kube-proxy checks.
+pub fn random_fully(version: &str) -> bool {
+    let Some(v) = version.split_whitespace().find_map(|w| w.strip_prefix('v')) else {
+        return false;
+    };
+    let numbers: Vec<u32> = v.split('.').map_while(|n| n.parse().ok()).collect();
+    numbers.as_slice() >= [1, 6, 2].as_slice()
+}
+
 /// The lines of `input` around the one iptables-restore names in `stderr`
 /// (`… line 7 failed`, `Error occurred at line: 7`).
 fn restore_context(input: &str, stderr: &str) -> String {
@@ -586,6 +596,19 @@ mod tests {
             backend.runner.log
         );
         assert!(!backend.runner.chains["nat"].iter().any(|c| c == "KUBE-SEP-BFA6ODZ6ZPLOWUHI"));
+    }
+
+    #[test]
+    fn random_fully_where_iptables_has_it() {
+        assert!(random_fully("iptables v1.8.9 (nf_tables)"));
+        assert!(random_fully("iptables v1.6.2"));
+        assert!(!random_fully("iptables v1.6.1"));
+        assert!(!random_fully("iptables v1.4.21"));
+        assert!(!random_fully("garbage"));
+        let old = Options { random_fully: false, ..options() };
+        let rules = render(&Model::default(), &old).to_string();
+        assert!(rules.contains("-j MASQUERADE\n"), "{rules}");
+        assert!(!rules.contains("--random-fully"), "{rules}");
     }
 
     #[test]
