@@ -17,11 +17,15 @@ pub mod datapath;
 pub mod render;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap, HashSet},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
-use self::render::{Applied, Existing, Options, TABLE, is_affinity_set, is_service_chain, render};
+use self::render::{
+    Applied, ElementKey, Existing, Options, Ruleset, TABLE, Transaction, is_affinity_set,
+    is_service_chain, render_parts, render_port,
+};
 use crate::{
     backend::{
         conntrack_flows::{ConntrackFlows, FlowReport},
@@ -31,8 +35,19 @@ use crate::{
             lines_around,
         },
     },
-    model::{IpFamily, Model},
+    model::{IpFamily, Model, ServicePort, ServicePortName},
 };
+
+/// A port's part of the ruleset, and the port it was rendered from.
+type Part = (ServicePort, Ruleset);
+
+/// The ports a sync renders again: their parts as applied and as they are
+/// now, and each port's new part (`None`: removed).
+struct Change {
+    old: Ruleset,
+    new: Ruleset,
+    ports: Vec<(Arc<ServicePortName>, Option<Part>)>,
+}
 
 const NFT: &str = "nft";
 /// A flushed chain is deleted this long after, at the next sync.
@@ -107,6 +122,10 @@ pub struct NftablesBackend<R: Runner> {
     options: Options,
     /// What the kernel's table holds; `None`: the next sync is full.
     applied: Option<Applied>,
+    /// Each port's part of what was applied, and the port it was rendered
+    /// from: a sync renders only the ports that differ. `None` while two
+    /// ports claim one element.
+    parts: Option<HashMap<Arc<ServicePortName>, Part>>,
     last_full: Option<Instant>,
     /// A full sync of this agent made the base chains anew (the first
     /// does: another version may have left them with other priorities).
@@ -128,6 +147,7 @@ impl<R: Runner> NftablesBackend<R> {
             flows: ConntrackFlows::new(options.family),
             options,
             applied: None,
+            parts: None,
             last_full: None,
             base_chains_made: false,
             stale: BTreeMap::new(),
@@ -145,9 +165,11 @@ impl<R: Runner> NftablesBackend<R> {
         nft_family(self.options.family)
     }
 
-    /// This node's zone changed: the next sync renders for the new one.
+    /// This node's zone changed: the next sync renders every port for the
+    /// new one.
     pub fn set_zone(&mut self, zone: Option<String>) {
         self.options.zone = zone;
+        self.parts = None;
     }
 
     /// Whether the next sync will be a full one.
@@ -160,33 +182,18 @@ impl<R: Runner> NftablesBackend<R> {
     pub fn sync(&mut self, model: &Model) -> Result<SyncReport, NftablesError> {
         let mut report = SyncReport::default();
         self.delete_stale_chains(&mut report);
-        let ruleset = render(model, &self.options);
         let full = self.full_sync_due();
         if self.last_full.is_none() {
             // First sync: a previous agent's table may be serving.
             self.table_was_missing = !self.table_present();
         }
         let tx = match self.applied.take() {
-            Some(applied) if !full => ruleset.partial(&applied),
-            _ => ruleset.full(&self.existing()?, !self.base_chains_made),
+            Some(applied) if !full => match self.changed_ports(model, &applied) {
+                Some(change) => self.sync_change(change, applied)?,
+                None => self.sync_whole(model, Some(applied))?,
+            },
+            _ => self.sync_whole(model, None)?,
         };
-        if !tx.text.is_empty() {
-            self.runner.run(NFT, &["-f", "-"], Some(&tx.text)).map_err(|source| {
-                let context = match &source {
-                    ExecError::Failed { stderr, .. } => transaction_context(&tx.text, stderr),
-                    _ => String::new(),
-                };
-                NftablesError::Apply { full, source, context }
-            })?;
-        }
-        if full {
-            self.base_chains_made = true;
-            self.last_full = Some(Instant::now());
-        }
-        self.stale.retain(|chain, _| !ruleset.has_chain(chain));
-        let now = Instant::now();
-        self.stale.extend(tx.stale_chains.iter().map(|c| (c.clone(), now)));
-        self.applied = Some(ruleset.applied());
         report.full = full;
         report.chains_written = tx.chains_written;
         report.elements_written = tx.elements_written;
@@ -197,6 +204,117 @@ impl<R: Runner> NftablesBackend<R> {
             self.table_was_missing = false;
         }
         Ok(report)
+    }
+
+    /// Renders every port and writes the whole ruleset (no `applied`: a
+    /// full sync) or what differs from `applied`; keeps each port's part
+    /// for the next syncs (none while two ports claim one element: then
+    /// every sync renders whole).
+    fn sync_whole(
+        &mut self,
+        model: &Model,
+        applied: Option<Applied>,
+    ) -> Result<Transaction, NftablesError> {
+        self.parts = None;
+        let (ruleset, parts, conflicts) = render_parts(model, &self.options);
+        let full = applied.is_none();
+        let tx = match &applied {
+            Some(applied) => ruleset.partial(applied),
+            None => ruleset.full(&self.existing()?, !self.base_chains_made),
+        };
+        self.apply(&tx, full)?;
+        if full {
+            self.base_chains_made = true;
+            self.last_full = Some(Instant::now());
+        }
+        self.stale.retain(|chain, _| !ruleset.has_chain(chain));
+        self.note_stale(&tx);
+        self.applied = Some(ruleset.applied());
+        let parts = parts.into_iter().map(|(port, part)| (port.name.clone(), (port.clone(), part)));
+        self.parts = (!conflicts).then(|| parts.collect());
+        Ok(tx)
+    }
+
+    /// The ports that differ from the parts kept (added, changed, removed),
+    /// their old and new parts rendered; `None` without parts kept, or when
+    /// a new element's key is another port's (two ports claim it: the
+    /// caller renders whole).
+    fn changed_ports(&self, model: &Model, applied: &Applied) -> Option<Change> {
+        let parts = self.parts.as_ref()?;
+        let family = self.options.family;
+        let mut change = Change {
+            old: Ruleset::new(family, None),
+            new: Ruleset::new(family, None),
+            ports: Vec::new(),
+        };
+        let mut seen: HashSet<&ServicePortName> = HashSet::new();
+        let mut conflict = false;
+        for port in model.ports_of(family) {
+            seen.insert(&port.name);
+            let kept = parts.get(&port.name);
+            if kept.is_some_and(|(was, _)| was == port) {
+                continue;
+            }
+            if let Some((_, part)) = kept {
+                change.old.absorb(part);
+            }
+            let part = render_port(port, &self.options);
+            conflict |= change.new.absorb(&part);
+            change.ports.push((port.name.clone(), Some((port.clone(), part))));
+        }
+        for (name, (_, part)) in parts.iter().filter(|(name, _)| !seen.contains(&***name)) {
+            change.old.absorb(part);
+            change.ports.push((name.clone(), None));
+        }
+        let old_keys: HashSet<&ElementKey> = change.old.element_keys().collect();
+        let taken = |key: &ElementKey| applied.has_element(key) && !old_keys.contains(key);
+        conflict |= change.new.element_keys().any(taken);
+        drop(old_keys);
+        (!conflict).then_some(change)
+    }
+
+    /// Writes what differs in the ports of `change`: a change costs what it
+    /// changes, plus a comparison per port.
+    fn sync_change(
+        &mut self,
+        change: Change,
+        mut applied: Applied,
+    ) -> Result<Transaction, NftablesError> {
+        let tx = change.new.partial(&change.old.applied());
+        self.apply(&tx, false)?;
+        applied.replace(&change.old, &change.new);
+        self.applied = Some(applied);
+        if let Some(parts) = self.parts.as_mut() {
+            for (name, part) in change.ports {
+                match part {
+                    Some(part) => parts.insert(name, part),
+                    None => parts.remove(&name),
+                };
+            }
+        }
+        self.stale.retain(|chain, _| !change.new.has_chain(chain));
+        self.note_stale(&tx);
+        Ok(tx)
+    }
+
+    /// Runs `tx` (nothing when it is empty); a refusal names its line.
+    fn apply(&mut self, tx: &Transaction, full: bool) -> Result<(), NftablesError> {
+        if tx.text.is_empty() {
+            return Ok(());
+        }
+        self.runner.run(NFT, &["-f", "-"], Some(&tx.text)).map(drop).map_err(|source| {
+            let context = match &source {
+                ExecError::Failed { stderr, .. } => transaction_context(&tx.text, stderr),
+                _ => String::new(),
+            };
+            NftablesError::Apply { full, source, context }
+        })
+    }
+
+    /// The chains `tx` flushed, to delete a while later.
+    fn note_stale(&mut self, tx: &Transaction) {
+        let now = Instant::now();
+        self.stale.extend(tx.stale_chains.iter().map(|c| (c.clone(), now)));
     }
 
     /// Deletes the chains flushed long enough ago, in a transaction of

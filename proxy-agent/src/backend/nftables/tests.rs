@@ -2,7 +2,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::*;
-use crate::model::Cidr;
+use crate::model::{Cidr, Model};
 
 use test_objects::{EndpointBuilder, Protocol::Tcp, ep, port, service};
 
@@ -177,4 +177,48 @@ fn cleanup_deletes_both_families_tables_where_they_are() {
     assert_eq!(cleanup(&mut fake.clone()).unwrap(), 0);
     let commands: Vec<String> = fake.0.borrow().commands.iter().map(|(c, _)| c.clone()).collect();
     assert_eq!(commands, ["nft delete table ip kube-proxy", "nft delete table ip6 kube-proxy"]);
+}
+
+/// Services `ns/<name>` at `ip`:80, each with its endpoints.
+fn services(list: &[(&str, &str, Vec<EndpointBuilder>)]) -> Model {
+    let mut objects = Vec::new();
+    let mut slices = Vec::new();
+    for (name, ip, endpoints) in list {
+        let svc = service("ns", name).cluster_ip(ip).port(port("http", 80));
+        slices.push(svc.slice().port("http", 8080, Tcp).endpoints(endpoints.clone()).build());
+        objects.push(svc.build());
+    }
+    crate::source::model_of(&objects, &slices)
+}
+
+#[test]
+fn a_partial_sync_renders_and_writes_only_the_ports_that_changed() {
+    let fake = Fake::default();
+    let mut backend = NftablesBackend::new(fake.clone(), options());
+    let a = || ("a", "10.96.0.1", vec![ep("10.244.1.1")]);
+    backend.sync(&services(&[a(), ("b", "10.96.0.2", vec![ep("10.244.2.1")])])).unwrap();
+    fake.transactions();
+
+    // b's endpoint changes: only b's chains, nothing of a's.
+    let report =
+        backend.sync(&services(&[a(), ("b", "10.96.0.2", vec![ep("10.244.2.2")])])).unwrap();
+    assert!(!report.full);
+    let tx = fake.transactions().concat();
+    assert!(tx.contains("dnat to 10.244.2.2:8080") && !tx.contains("ns/a/"), "{tx}");
+    assert!(tx.contains("flush chain ip kube-proxy endpoint-") && tx.contains("__10.244.2.1/8080"));
+
+    // b goes: its element and chains; a untouched.
+    backend.sync(&services(&[a()])).unwrap();
+    let tx = fake.transactions().concat();
+    assert!(tx.contains("delete element ip kube-proxy service-ips { 10.96.0.2 . tcp . 80 }"));
+    assert!(tx.contains("delete element ip kube-proxy cluster-ips { 10.96.0.2 }"), "{tx}");
+    assert!(!tx.contains("ns/a/") && !tx.contains("add "), "{tx}");
+
+    // c claims a's address: rendered whole, a (first by name) keeps it,
+    // and the maps hold what a whole render says.
+    let c = ("c", "10.96.0.1", vec![ep("10.244.3.1")]);
+    backend.sync(&services(&[a(), c.clone()])).unwrap();
+    assert!(backend.parts.is_none(), "conflicting ports: rendered whole from now on");
+    let whole = render_parts(&services(&[a(), c]), &backend.options).0;
+    assert_eq!(whole.partial(backend.applied.as_ref().unwrap()).text, "");
 }

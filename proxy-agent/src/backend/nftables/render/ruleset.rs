@@ -4,7 +4,7 @@
 //! from what was applied (a partial sync).
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, btree_map::Entry},
     fmt::{self, Write as _},
     hash::{DefaultHasher, Hash, Hasher as _},
     net::IpAddr,
@@ -119,6 +119,31 @@ pub struct Applied {
     elements: HashMap<ElementKey, u64>,
 }
 
+impl Applied {
+    /// Whether an element at `key` was applied.
+    pub fn has_element(&self, key: &ElementKey) -> bool {
+        self.elements.contains_key(key)
+    }
+
+    /// `old`'s chains, affinity sets and elements replaced by `new`'s: what
+    /// a partial sync of some ports (`new.partial(&old.applied())`) leaves.
+    pub fn replace(&mut self, old: &Ruleset, new: &Ruleset) {
+        for chain in old.chains.keys() {
+            self.chains.remove(chain);
+        }
+        for set in old.affinity.keys() {
+            self.affinity.remove(set);
+        }
+        for key in old.elements.keys() {
+            self.elements.remove(key);
+        }
+        let applied = new.applied();
+        self.chains.extend(applied.chains);
+        self.affinity.extend(applied.affinity);
+        self.elements.extend(applied.elements);
+    }
+}
+
 /// What the kernel's table holds, listed before a full sync: the chains
 /// and sets a full sync does not write are removed.
 #[derive(Clone, Debug, Default)]
@@ -205,7 +230,7 @@ const TOP_CHAINS: [&str; 8] = [
 ];
 
 impl Ruleset {
-    pub(super) fn new(family: IpFamily, nodeport_ips: Option<Vec<IpAddr>>) -> Self {
+    pub fn new(family: IpFamily, nodeport_ips: Option<Vec<IpAddr>>) -> Self {
         Ruleset {
             family,
             nodeport_ips,
@@ -244,6 +269,29 @@ impl Ruleset {
         let element = Element { value: Some(format!("goto {ext}")), comment: None };
         rs.elements.insert((Container::ServiceIps, "10.0.0.2 . tcp . 80".into()), element);
         rs
+    }
+
+    /// Adds `part`'s chains, affinity sets and elements (a port's, from
+    /// [`super::render_port`]). Returns whether an element's key was taken
+    /// already (two ports claim one address and port): the first keeps it.
+    pub fn absorb(&mut self, part: &Ruleset) -> bool {
+        self.chains.extend(part.chains.iter().map(|(c, r)| (c.clone(), r.clone())));
+        self.affinity.extend(part.affinity.iter().map(|(s, t)| (s.clone(), *t)));
+        let mut conflict = false;
+        for (key, element) in &part.elements {
+            match self.elements.entry(key.clone()) {
+                Entry::Occupied(_) => conflict = true,
+                Entry::Vacant(v) => {
+                    v.insert(element.clone());
+                }
+            }
+        }
+        conflict
+    }
+
+    /// The keys of its elements.
+    pub fn element_keys(&self) -> impl Iterator<Item = &ElementKey> {
+        self.elements.keys()
     }
 
     /// Whether it has this per-service chain.
