@@ -358,9 +358,14 @@ impl<R: Runner> NftablesBackend<R> {
     }
 
     /// Whether the table is there with its dispatch rule (`services`
-    /// looking up `service-ips`); when nft cannot tell, taken as yes.
+    /// looking up `service-ips`); when nft cannot tell, taken as yes (but
+    /// not without nft: nothing of ours can be there).
     pub fn table_present(&mut self) -> bool {
-        !self.table_gone_now().unwrap_or(false)
+        match self.table_gone_now() {
+            Ok(gone) => !gone,
+            Err(ExecError::Missing { .. }) => false,
+            Err(_) => true,
+        }
     }
 
     fn table_gone_now(&mut self) -> Result<bool, ExecError> {
