@@ -115,15 +115,12 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
         "--to",
         "192.168.100.11:30080",
     ];
-    // The nftables mode's ruleset is not walked yet (docs/nftables.md).
-    if mode != Mode::Nftables {
-        println!(
-            "\n== proxy-agent {} (what the datapath would do with that packet)",
-            explain.join(" ")
-        );
-        for line in lab.inspect_on(0, &explain)?.lines() {
-            println!("   {line}");
-        }
+    println!(
+        "\n== proxy-agent {} (what the datapath would do with that packet)",
+        explain.join(" ")
+    );
+    for line in lab.inspect_on(0, &explain)?.lines() {
+        println!("   {line}");
     }
     match mode {
         Mode::Ebpf => show_maps(&lab)?,

@@ -39,7 +39,7 @@ pub fn lb_entries(args: &InspectArgs) -> anyhow::Result<Vec<LbEntry>> {
 
 /// `nft list table` of the nftables mode's tables, both families' (none
 /// where there is none).
-fn nft_tables() -> anyhow::Result<String> {
+pub fn nft_tables() -> anyhow::Result<String> {
     let mut text = String::new();
     for family in ["ip", "ip6"] {
         match System::default().run("nft", &["list", "table", family, TABLE], None) {

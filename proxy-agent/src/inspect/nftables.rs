@@ -11,17 +11,29 @@
 //! externalIP or a load-balancer IP: one with source ranges (in
 //! `firewall-ips`) is a load-balancer IP, the others are `External`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
-use super::{LbBackend, LbEntry, flag};
+use super::{
+    LbBackend, LbEntry, flag,
+    rule_walk::{Packet, Walk, Walked},
+};
+use crate::model::Cidr;
 
 /// The maps' elements (key → verdict, with the element's comment) and the
 /// chains' rules of one or more listed tables.
 #[derive(Debug, Default)]
 struct Listing {
+    /// `ip` or `ip6`.
+    family: String,
     maps: BTreeMap<String, Vec<Element>>,
     /// The addresses of `cluster-ips`.
     cluster_ips: BTreeSet<String>,
+    /// The addresses of `nodeport-ips` (none: NodePorts on every local
+    /// address).
+    nodeport_ips: BTreeSet<String>,
     chains: BTreeMap<String, Vec<String>>,
 }
 
@@ -77,6 +89,9 @@ fn listing(text: &str) -> Listing {
         } else if let Some(name) = line.strip_suffix(" {") {
             let mut words = name.split_whitespace();
             if let (Some(kind), Some(name)) = (words.next(), words.next()) {
+                if kind == "table" {
+                    out.family = name.to_string();
+                }
                 block = Some((kind.to_string(), name.to_string()));
             }
             continue;
@@ -95,6 +110,9 @@ fn listing(text: &str) -> Listing {
             }
             Some(("set", "cluster-ips")) => {
                 out.cluster_ips.extend(items.filter(|i| !i.is_empty()).map(String::from));
+            }
+            Some(("set", "nodeport-ips")) => {
+                out.nodeport_ips.extend(items.filter(|i| !i.is_empty()).map(String::from));
             }
             _ => {}
         }
@@ -128,14 +146,184 @@ fn frontend(key: &str) -> Option<String> {
     }
 }
 
+/// Whether `ip` is `text`, an address or a CIDR.
+fn within(ip: IpAddr, text: &str) -> bool {
+    match text.contains('/') {
+        true => Cidr::parse(text).is_ok_and(|c| c.contains(ip)),
+        false => text.parse::<IpAddr>().is_ok_and(|a| a == ip),
+    }
+}
+
+/// The first packet of a connection walked through one family's table as
+/// netfilter does: `firewall-check` (before DNAT), `services` (the verdict
+/// maps, then the service's chains down to an endpoint's `dnat`), and
+/// without a DNAT the checks of the filter chains (`no-endpoint-services`,
+/// `no-endpoint-nodeports`, `cluster-ips`). Matches are read as the
+/// renderer writes them; other rules (marks) are taken as matching.
+pub(super) fn walk(text: &str, p: &Packet) -> Walk {
+    let family = if p.to.is_ipv4() { "ip" } else { "ip6" };
+    let passed = Walk { walked: Walked::Passed, frontend: None, affinity: false };
+    let Some(listing) = listings(text).into_iter().find(|l| l.family == family) else {
+        return passed;
+    };
+    let (to, from) = (p.to.ip(), p.from.ip());
+    let find = |map: &str, key: &str| {
+        listing
+            .maps
+            .get(map)
+            .and_then(|m| m.iter().find(|e| e.key == key))
+            .map(|e| e.verdict.clone())
+    };
+    let key = format!("{to} . {} . {}", p.proto, p.to.port());
+    let port_key = format!("{} . {}", p.proto, p.to.port());
+    let node_port = !to.is_loopback()
+        && match listing.nodeport_ips.is_empty() {
+            true => p.local.contains(&to),
+            false => listing.nodeport_ips.contains(&to.to_string()),
+        };
+    let mut w = Walker { chains: &listing.chains, p, masquerade: false, affinity: false };
+    // Before DNAT: loadBalancerSourceRanges.
+    if let Some(chain) =
+        find("firewall-ips", &key).and_then(|v| v.strip_prefix("goto ").map(String::from))
+    {
+        // `ip saddr != { a, b } drop` (one element: `ip saddr != a drop`).
+        let admitted = w.rules(&chain).iter().all(|rule| {
+            let Some(rest) = rule.strip_prefix(&format!("{family} saddr != ")) else { return true };
+            let set = match rest.strip_prefix("{ ") {
+                Some(set) => set.split(" }").next().unwrap_or_default(),
+                None => rest.split_whitespace().next().unwrap_or_default(),
+            };
+            set.split(',').map(str::trim).any(|s| within(from, s))
+        });
+        if !admitted {
+            let frontend = frontend(&key);
+            return Walk {
+                walked: Walked::Dropped(format!("not accepted by {chain}")),
+                frontend,
+                affinity: false,
+            };
+        }
+    }
+    let dispatched = match find("service-ips", &key) {
+        Some(verdict) => Some((frontend(&key), verdict)),
+        None if node_port => find("service-nodeports", &port_key).map(|v| (frontend(&port_key), v)),
+        None => None,
+    };
+    if let Some((frontend, verdict)) = dispatched
+        && let Some(chain) = verdict.strip_prefix("goto ")
+        && let Some(walked) = w.follow(chain)
+    {
+        return Walk { walked, frontend, affinity: w.affinity };
+    }
+    // No DNAT: the filter chains' checks, after it.
+    let refusal = find("no-endpoint-services", &key).map(|v| (key.as_str(), v)).or_else(|| {
+        node_port
+            .then(|| find("no-endpoint-nodeports", &port_key))
+            .flatten()
+            .map(|v| (port_key.as_str(), v))
+    });
+    let walked = match &refusal {
+        Some((_, verdict)) if verdict == "drop" => Walked::Dropped("has no local endpoints".into()),
+        Some(_) => Walked::Refused("has no endpoints".into()),
+        None if listing.cluster_ips.contains(&to.to_string()) => {
+            return Walk {
+                walked: Walked::Refused("another port of a ClusterIP".into()),
+                frontend: None,
+                affinity: false,
+            };
+        }
+        None => return passed,
+    };
+    Walk { walked, frontend: refusal.and_then(|(k, _)| frontend(k)), affinity: false }
+}
+
+/// A packet's way through the service chains.
+struct Walker<'a> {
+    chains: &'a BTreeMap<String, Vec<String>>,
+    p: &'a Packet<'a>,
+    masquerade: bool,
+    affinity: bool,
+}
+
+impl Walker<'_> {
+    fn rules(&self, chain: &str) -> &[String] {
+        self.chains.get(chain).map_or(&[], Vec::as_slice)
+    }
+
+    /// Follows `chain`: `None` when the packet falls off its end (no DNAT).
+    fn follow(&mut self, chain: &str) -> Option<Walked> {
+        let mut candidates: Vec<String> = Vec::new();
+        for rule in self.rules(chain).to_vec() {
+            let rule = rule.split(" comment \"").next().unwrap_or_default();
+            if rule.contains("@affinity-") {
+                self.affinity = true;
+                continue;
+            }
+            if let Some(matches) = rule.strip_suffix("jump mark-for-masquerade") {
+                if self.holds(matches) {
+                    self.masquerade = true;
+                }
+            } else if let Some((matches, target)) = rule.rsplit_once("goto ") {
+                if target.starts_with("endpoint-") {
+                    candidates.extend(self.dnat(target));
+                    if !matches.starts_with("numgen ") {
+                        break;
+                    }
+                } else if self.holds(matches) {
+                    return self.follow(target);
+                }
+            }
+        }
+        let n = candidates.len();
+        (n > 0).then(|| Walked::Translated {
+            candidates: candidates.into_iter().map(|c| (c, 1.0 / n as f64)).collect(),
+            masquerade: self.masquerade,
+        })
+    }
+
+    /// The address an endpoint chain DNATs to (a hairpin is masqueraded).
+    fn dnat(&mut self, chain: &str) -> Option<String> {
+        let rules = self.rules(chain);
+        let hairpin = rules.iter().find_map(|r| r.strip_suffix(" jump mark-for-masquerade"));
+        let address =
+            rules.iter().find_map(|r| r.split_once(" dnat to ")).map(|d| d.1.trim().to_string());
+        if hairpin.is_some_and(|m| self.holds(m)) {
+            self.masquerade = true;
+        }
+        address
+    }
+
+    /// Whether every match of `matches` takes the packet.
+    fn holds(&self, matches: &str) -> bool {
+        let (from, to) = (self.p.from.ip(), self.p.to.ip());
+        let words: Vec<&str> = matches.split_whitespace().collect();
+        let mut i = 0;
+        while i < words.len() {
+            let (ok, used) = match &words[i..] {
+                ["fib", "saddr", "type", "local", ..] => (self.p.local.contains(&from), 4),
+                [_, "saddr", "!=", value, ..] => (!within(from, value), 4),
+                [_, "saddr", value, ..] => (within(from, value), 3),
+                [_, "daddr", "!=", value, ..] => (!within(to, value), 4),
+                [_, "daddr", value, ..] => (within(to, value), 3),
+                _ => (true, 1),
+            };
+            if !ok {
+                return false;
+            }
+            i += used;
+        }
+        true
+    }
+}
+
 /// A frontend's chain walked down to its backends.
-struct Walk<'a> {
+struct BackendWalk<'a> {
     chains: &'a BTreeMap<String, Vec<String>>,
     flags: Vec<&'static str>,
     backends: Vec<LbBackend>,
 }
 
-impl Walk<'_> {
+impl BackendWalk<'_> {
     fn add(&mut self, f: &'static str) {
         if !self.flags.contains(&f) {
             self.flags.push(f);
@@ -193,6 +381,12 @@ pub fn entries(text: &str) -> Vec<LbEntry> {
     listings(text).iter().flat_map(table_entries).collect()
 }
 
+/// The entries of one family's table (`ip`, `ip6`): a NodePort is
+/// `*:port/proto` in both.
+pub fn entries_of(text: &str, family: &str) -> Vec<LbEntry> {
+    listings(text).iter().filter(|l| l.family == family).flat_map(table_entries).collect()
+}
+
 /// The entries of one table.
 fn table_entries(listing: &Listing) -> Vec<LbEntry> {
     let map = |name: &str| listing.maps.get(name).map_or(&[][..], Vec::as_slice);
@@ -212,7 +406,7 @@ fn table_entries(listing: &Listing) -> Vec<LbEntry> {
             };
             let ip = e.key.split(" . ").next().unwrap_or_default();
             let mut walk =
-                Walk { chains: &listing.chains, flags: Vec::new(), backends: Vec::new() };
+                BackendWalk { chains: &listing.chains, flags: Vec::new(), backends: Vec::new() };
             if firewalled.contains(e.key.as_str()) {
                 walk.add(flag::SOURCE_RANGES);
             }
@@ -308,6 +502,10 @@ mod tests {
 		goto local-AAAAAAAA-demo/web/tcp/http
 	}
 
+	chain firewall-AAAAAAAA-demo/web/tcp/http {
+		ip saddr != { 192.168.0.0/16, 172.18.0.50 } drop
+	}
+
 	chain endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 {
 		ip saddr 10.244.1.2 jump mark-for-masquerade
 		meta l4proto tcp dnat to 10.244.1.2:8080
@@ -346,6 +544,71 @@ mod tests {
                 "172.18.0.50:80/tcp LoadBalancer demo/web:http source-ranges,local-policy,affinity 10.244.1.2:8080",
             ]
         );
+    }
+
+    /// `explain`'s walk of [`LISTED`] for a TCP packet `from` → `to` on a
+    /// node at 192.168.100.11: the outcome, the candidates, masquerade.
+    fn walked(from: &str, to: &str) -> (String, Vec<String>, bool) {
+        let local = ["192.168.100.11".parse().unwrap()];
+        let p = Packet {
+            proto: "tcp",
+            from: from.parse().unwrap(),
+            to: to.parse().unwrap(),
+            local: &local,
+        };
+        match walk(LISTED, &p).walked {
+            Walked::Translated { candidates, masquerade } => {
+                ("translated".into(), candidates.into_iter().map(|c| c.0).collect(), masquerade)
+            }
+            Walked::Refused(why) => (format!("refused: {why}"), vec![], false),
+            Walked::Dropped(why) => (format!("dropped: {why}"), vec![], false),
+            Walked::Passed => ("passed".into(), vec![], false),
+        }
+    }
+
+    #[test]
+    fn explain_walks_the_table_as_netfilter_does() {
+        let both = vec!["10.244.1.2:8080".to_string(), "10.244.2.3:8080".into()];
+        let here = vec!["10.244.1.2:8080".to_string()];
+        // ClusterIP from a pod: both endpoints, the pod's address kept.
+        assert_eq!(
+            walked("10.244.5.5:4000", "10.96.0.10:80"),
+            ("translated".into(), both.clone(), false)
+        );
+        // ... from outside the cluster CIDR: masqueraded.
+        assert!(walked("192.168.1.9:4000", "10.96.0.10:80").2);
+        // NodePort, policy Local: from outside this node's endpoint, the
+        // client kept; from a pod, short-circuited to every endpoint.
+        assert_eq!(
+            walked("192.168.1.9:4000", "192.168.100.11:30080"),
+            ("translated".into(), here.clone(), false)
+        );
+        assert_eq!(walked("10.244.5.5:4000", "192.168.100.11:30080").1, both);
+        // Source ranges: outside dropped, inside translated.
+        assert_eq!(
+            walked("10.9.9.9:4000", "172.18.0.50:80").0,
+            "dropped: not accepted by firewall-AAAAAAAA-demo/web/tcp/http"
+        );
+        assert_eq!(walked("192.168.1.9:4000", "172.18.0.50:80").1, here);
+        // No endpoints, another port of a ClusterIP, nothing.
+        // TCP to the UDP port's ClusterIP: another port of it, rejected.
+        assert_eq!(
+            walked("10.244.5.5:4000", "10.96.0.11:53").0,
+            "refused: another port of a ClusterIP"
+        );
+        assert_eq!(
+            walked("10.244.5.5:4000", "10.96.0.10:81").0,
+            "refused: another port of a ClusterIP"
+        );
+        assert_eq!(walked("10.244.5.5:4000", "10.99.0.1:80").0, "passed");
+        let local = ["192.168.100.11".parse().unwrap()];
+        let udp = Packet {
+            proto: "udp",
+            from: "10.244.5.5:4000".parse().unwrap(),
+            to: "10.96.0.11:53".parse().unwrap(),
+            local: &local,
+        };
+        assert!(matches!(walk(LISTED, &udp).walked, Walked::Refused(_)));
     }
 
     #[test]
