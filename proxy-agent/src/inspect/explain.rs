@@ -337,6 +337,8 @@ pub fn explain_nftables(query: &Query, listed: &str, local: &[IpAddr]) -> Explan
 /// How a rule-based mode's explanation names what its rules do.
 struct RuleWords {
     dnat: &'static str,
+    /// The rules that pick a backend at random.
+    pick: &'static str,
     reject: &'static str,
     drop: &'static str,
     masquerade: &'static str,
@@ -345,6 +347,7 @@ struct RuleWords {
 
 const IPTABLES_WORDS: RuleWords = RuleWords {
     dnat: "DNAT (nat PREROUTING), then routed by the node's stack",
+    pick: "statistic",
     reject: "filter REJECT",
     drop: "filter DROP",
     masquerade: "MASQUERADE to the address of the interface it leaves by",
@@ -353,6 +356,7 @@ const IPTABLES_WORDS: RuleWords = RuleWords {
 
 const NFTABLES_WORDS: RuleWords = RuleWords {
     dnat: "dnat (chain nat-prerouting), then routed by the node's stack",
+    pick: "numgen",
     reject: "reject-chain",
     drop: "drop",
     masquerade: "MASQUERADE to the address of the interface it leaves by (chain masquerading)",
@@ -381,7 +385,8 @@ fn explain_walk(query: &Query, walk: Walk, entries: &[LbEntry], words: &RuleWord
                 .map(|(address, chance)| format!("{address} {:.0}%", chance * 100.0))
                 .collect();
             x.notes.push(format!(
-                "the backend is chosen per new connection by the statistic rules: {}",
+                "the backend is chosen per new connection by the {} rules: {}",
+                words.pick,
                 chances.join(", ")
             ));
             if walk.affinity {
