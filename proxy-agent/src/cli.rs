@@ -181,7 +181,8 @@ pub struct InspectArgs {
     #[command(flatten)]
     pub pins: PinArgs,
     /// The datapath to read: `auto` reads the eBPF mode's pins when they
-    /// exist under --bpffs-root, else the iptables rules
+    /// exist under --bpffs-root, else the nftables mode's table when there
+    /// is one, else the iptables rules
     #[arg(long, value_enum, default_value_t = InspectMode::Auto)]
     pub mode: InspectMode,
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Table)]
@@ -193,6 +194,7 @@ pub enum InspectMode {
     Auto,
     Ebpf,
     Iptables,
+    Nftables,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -231,27 +233,38 @@ pub enum RenderCommand {
     /// The iptables-restore input kube-proxy's iptables mode would write on
     /// a full sync (filter and nat tables; services in name order)
     Iptables(RenderIptablesArgs),
+    /// The nft input kube-proxy's nftables mode would write into empty
+    /// tables (`ip kube-proxy`, `ip6 kube-proxy`; services in name order)
+    Nftables(RenderArgs),
 }
 
+/// What every `render` takes: the objects and the node they are rendered
+/// for.
 #[derive(Args, Clone, Debug)]
-pub struct RenderIptablesArgs {
+pub struct RenderArgs {
     /// A YAML file or directory of Services and EndpointSlices
     #[arg(long, value_name = "PATH")]
     pub manifests: PathBuf,
     #[command(flatten)]
     pub node: NodeArgs,
-    /// Leave out the nfacct counter matches kube-proxy adds where the kernel
-    /// has nfnetlink_acct (the counters must exist before such rules apply)
-    #[arg(long)]
-    pub no_nfacct: bool,
     /// This node's zone (`topology.kubernetes.io/zone`), for EndpointSlice
     /// hints
     #[arg(long, value_name = "ZONE")]
     pub zone: Option<String>,
-    /// Only this family's rules (`IPv4`: iptables-restore input, `IPv6`:
-    /// ip6tables-restore input) [default: both, each after a comment line]
+    /// Only this family's rules (`IPv4`, `IPv6`) [default: both, each after
+    /// a comment line]
     #[arg(long, value_name = "FAMILY", value_parser = parse_ip_family)]
     pub ip_family: Option<model::IpFamily>,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct RenderIptablesArgs {
+    #[command(flatten)]
+    pub render: RenderArgs,
+    /// Leave out the nfacct counter matches kube-proxy adds where the kernel
+    /// has nfnetlink_acct (the counters must exist before such rules apply)
+    #[arg(long)]
+    pub no_nfacct: bool,
 }
 
 fn parse_ip_family(text: &str) -> Result<model::IpFamily, String> {
@@ -623,7 +636,7 @@ mod tests {
             )
             .unwrap();
             let Command::Render(RenderCommand::Iptables(args)) = cli.command else { panic!() };
-            args.node
+            args.render.node
         };
         let dual = node(&["10.244.0.0/16", "fd00:10:244::/56"]);
         assert!(dual.check().is_ok());

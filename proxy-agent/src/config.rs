@@ -231,6 +231,7 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
         "" | "auto" => None,
         "ebpf" => Some(ProxyMode::Ebpf),
         "iptables" => Some(ProxyMode::Iptables),
+        "nftables" => Some(ProxyMode::Nftables),
         other => {
             warnings.push(format!("mode {other:?} is not supported: auto instead"));
             None

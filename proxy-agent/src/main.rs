@@ -35,6 +35,7 @@ fn main() -> std::process::ExitCode {
         Command::Cleanup(args) => commands::cleanup::run(&args),
         Command::PrepareNode(args) => commands::prepare_node::run(&args),
         Command::Render(RenderCommand::Iptables(args)) => commands::render::iptables(&args),
+        Command::Render(RenderCommand::Nftables(args)) => commands::render::nftables(&args),
         Command::Probe(args) => commands::probe::run(&args),
         Command::Lb(LbCommand::List(args)) => commands::lb::list(&args),
         Command::Ct(CtCommand::List(args)) => commands::lb::ct_list(&args),

@@ -399,7 +399,7 @@ impl Metrics {
             return Ok(());
         }
         let rules = self.rules(family);
-        let iptables = self.mode == "iptables";
+        let iptables = matches!(self.mode, "iptables" | "nftables");
         out.histogram(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "[ALPHA] SyncProxyRules latency in seconds",
@@ -435,7 +435,7 @@ impl Metrics {
                 ),
             ],
         )?;
-        if self.mode != "iptables" {
+        if !iptables {
             return Ok(());
         }
         out.histogram(
@@ -448,6 +448,18 @@ impl Metrics {
             "[ALPHA] SyncProxyRules latency in seconds for partial resyncs",
             &rules.partial_sync_duration,
         )?;
+        if self.mode == "nftables" {
+            out.counter(
+                "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+                "[ALPHA] Cumulative proxy nftables sync failures",
+                rules.restore_failures.load(Relaxed),
+            )?;
+            return out.counter(
+                "kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
+                "[ALPHA] Cumulative proxy nftables cleanup failures",
+                rules.cleanup_failures.load(Relaxed),
+            );
+        }
         out.counter(
             "kubeproxy_sync_proxy_rules_iptables_restore_failures",
             "[ALPHA] Cumulative proxy iptables restore failures",
@@ -575,18 +587,25 @@ impl Metrics {
         )
     }
 
-    /// Ours, of iptables mode.
-    fn encode_iptables(&self, out: &mut Families) -> fmt::Result {
+    /// Ours, of the rule-based modes (iptables, nftables).
+    fn encode_rules(&self, out: &mut Families) -> fmt::Result {
         out.counter(
             "proxy_conntrack_cleanup_failures",
             "Stale conntrack entry sets that could not be deleted (retried).",
             self.conntrack_cleanup_failures.load(Relaxed),
         )?;
-        out.counter(
-            "proxy_iptables_canary_resyncs",
-            "Full resyncs after KUBE-PROXY-CANARY vanished (rules flushed by another program).",
-            self.canary_resyncs.load(Relaxed),
-        )
+        match self.mode {
+            "nftables" => out.counter(
+                "proxy_nftables_table_resyncs",
+                "Full resyncs after table kube-proxy was deleted or flushed by another program.",
+                self.canary_resyncs.load(Relaxed),
+            ),
+            _ => out.counter(
+                "proxy_iptables_canary_resyncs",
+                "Full resyncs after KUBE-PROXY-CANARY vanished (rules flushed by another program).",
+                self.canary_resyncs.load(Relaxed),
+            ),
+        }
     }
 
     /// Ours, of eBPF mode.
@@ -678,7 +697,7 @@ impl Collector for Collected {
         self.0.encode_ours(&mut out)?;
         self.0.encode_service_stats(&mut out)?;
         match self.0.mode {
-            "iptables" => self.0.encode_iptables(&mut out),
+            "iptables" | "nftables" => self.0.encode_rules(&mut out),
             _ => self.0.encode_ebpf(&mut out),
         }
     }
@@ -702,6 +721,8 @@ pub struct FamilyRules {
     /// partial syncs.
     pub restore_failures: AtomicU64,
     pub partial_restore_failures: AtomicU64,
+    /// nftables: stale chains that could not be deleted.
+    pub cleanup_failures: AtomicU64,
     /// Rules written per table by the last sync.
     last: Mutex<Vec<(&'static str, usize)>>,
     /// This family's share of each sync (rendering and restoring its rules),
@@ -716,6 +737,7 @@ impl Default for FamilyRules {
         FamilyRules {
             restore_failures: AtomicU64::new(0),
             partial_restore_failures: AtomicU64::new(0),
+            cleanup_failures: AtomicU64::new(0),
             last: Mutex::default(),
             sync_duration: Histogram::sync_latency(),
             full_sync_duration: Histogram::sync_latency(),

@@ -88,9 +88,9 @@ pub fn kernel_at_least(major: u32, minor: u32) -> bool {
     (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (major, minor)
 }
 
-/// Generates `mod <scenario> { fn ebpf(); fn iptables(); fn api(); }`, each
-/// test calling `<scenario>(Setup)`: one definition, both modes, and the
-/// API server as the source.
+/// Generates `mod <scenario> { fn ebpf(); fn iptables(); fn nftables(); fn
+/// api(); }`, each test calling `<scenario>(Setup)`: one definition, every
+/// mode, and the API server as the source.
 #[macro_export]
 macro_rules! both_modes {
     ($($scenario:ident),* $(,)?) => {$(
@@ -102,6 +102,10 @@ macro_rules! both_modes {
             #[test]
             fn iptables() {
                 super::$scenario($crate::Setup::IPTABLES)
+            }
+            #[test]
+            fn nftables() {
+                super::$scenario($crate::Setup::NFTABLES)
             }
             #[test]
             fn api() {

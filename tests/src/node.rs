@@ -100,13 +100,47 @@ impl Lab {
         Ok(packets)
     }
 
+    /// Conntrack entries in a node's namespace that `conntrack -L <args>`
+    /// lists (of both families in a dual-stack lab): the nftables mode's
+    /// rules count nothing, the flows they translated are in conntrack.
+    pub fn flows_on(&self, node: usize, args: &[&str]) -> anyhow::Result<u64> {
+        let families: &[&str] = if self.ipv6 { &["ipv4", "ipv6"] } else { &["ipv4"] };
+        let mut flows = 0;
+        for family in families {
+            let mut words = vec!["-L", "-f", family];
+            words.extend(args);
+            flows += self.exec_on(node, "conntrack", &words)?.lines().count() as u64;
+        }
+        Ok(flows)
+    }
+
+    /// How many of the nftables mode's affinity sets hold `client` (an
+    /// IPv4 address) in a node's namespace.
+    pub fn affinity_sets_holding(&self, node: usize, client: &str) -> anyhow::Result<u64> {
+        let sets = self.exec_on(node, "nft", &["list", "sets", "ip"])?;
+        let mut holding = 0;
+        let mut affinity = false;
+        for line in sets.lines().map(str::trim) {
+            if line.starts_with("set ") {
+                affinity = line.starts_with("set affinity-");
+            }
+            let mut listed = line.split([' ', ',', '{', '}']);
+            if affinity && line.starts_with("elements") && listed.any(|w| w == client) {
+                holding += 1;
+            }
+        }
+        Ok(holding)
+    }
+
     /// What a node's datapath counted: the eBPF counter, or in iptables mode
     /// the packets of the rules that do the same thing (refusals, drops for
     /// want of a local endpoint, affinity hits).
     pub fn count_on(&self, node: usize, counter: proxy_common::Counter) -> anyhow::Result<u64> {
         use proxy_common::Counter::*;
-        if self.mode == Mode::Ebpf {
-            return self.counter_on(node, counter);
+        match self.mode {
+            Mode::Ebpf => return self.counter_on(node, counter),
+            Mode::Nftables => bail!("the nftables mode counts nothing ({counter:?})"),
+            Mode::Iptables => {}
         }
         let (table, rules) = match counter {
             NoBackend | Rejected => ("filter", "has no endpoints\""),

@@ -5,6 +5,7 @@
 pub enum Mode {
     Ebpf,
     Iptables,
+    Nftables,
 }
 
 impl Mode {
@@ -12,7 +13,21 @@ impl Mode {
         match self {
             Mode::Ebpf => "ebpf",
             Mode::Iptables => "iptables",
+            Mode::Nftables => "nftables",
         }
+    }
+
+    /// Whether its datapath counts what it does (the eBPF mode's counters,
+    /// the iptables rules' packet counts): kube-proxy's nftables rules
+    /// count nothing.
+    pub fn counts(self) -> bool {
+        self != Mode::Nftables
+    }
+
+    /// A mode of netfilter rules (iptables, nftables): NAT in conntrack,
+    /// the same answers on the wire.
+    pub fn rules(self) -> bool {
+        self != Mode::Ebpf
     }
 }
 
@@ -35,5 +50,6 @@ pub struct Setup {
 impl Setup {
     pub const EBPF: Setup = Setup { mode: Mode::Ebpf, source: Source::Manifests };
     pub const IPTABLES: Setup = Setup { mode: Mode::Iptables, source: Source::Manifests };
+    pub const NFTABLES: Setup = Setup { mode: Mode::Nftables, source: Source::Manifests };
     pub const API: Setup = Setup { mode: Mode::Ebpf, source: Source::ApiServer };
 }

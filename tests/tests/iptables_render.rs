@@ -1,6 +1,6 @@
 //! `proxy-agent render iptables` produces input that iptables-restore and
-//! ip6tables-restore (nft and legacy backends) accept and apply, inside a lab
-//! node namespace.
+//! ip6tables-restore (nft and legacy backends) accept and apply, and
+//! `render nftables` input that nft applies, inside a lab node namespace.
 
 use std::{
     io::Write,
@@ -77,10 +77,15 @@ fn restore(netns: &str, program: &str, args: &[&str], input: &str) -> std::proce
 
 /// `render iptables` of [`MANIFEST`] for a dual-stack `lab-node`.
 fn render(lab: &Lab, extra: &[&str]) -> String {
+    render_for(lab, "iptables", extra)
+}
+
+/// `render <what>` of [`MANIFEST`] for a dual-stack `lab-node`.
+fn render_for(lab: &Lab, what: &str, extra: &[&str]) -> String {
     let manifest = lab.write_manifest(MANIFEST).unwrap().to_string_lossy().into_owned();
     let node_ips = format!("{NODE_IP},{NODE_IP6}");
     let mut args =
-        vec!["render", "iptables", "--manifests", &manifest, "--hostname-override", "lab-node"];
+        vec!["render", what, "--manifests", &manifest, "--hostname-override", "lab-node"];
     args.extend(["--node-ip", &node_ips]);
     args.extend(["--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56"]);
     args.extend(extra);
@@ -172,5 +177,49 @@ fn an_ipv6_only_service_s_rules_are_applied_by_ip6tables_restore() {
             saved.contains("-j DNAT --to-destination [fd00:244:1::2]:3868"),
             "{save}:\n{saved}"
         );
+    }
+}
+
+#[test]
+fn the_rendered_nftables_ruleset_is_applied_by_nft_and_read_back() {
+    let lab = Lab::new().unwrap();
+    let both = render_for(&lab, "nftables", &[]);
+    assert!(both.contains("# IPv4: table ip kube-proxy input\nadd table ip kube-proxy"), "{both}");
+    assert!(
+        both.contains("# IPv6: table ip6 kube-proxy input\nadd table ip6 kube-proxy"),
+        "{both}"
+    );
+    for family in ["IPv4", "IPv6"] {
+        let ruleset = render_for(&lab, "nftables", &["--ip-family", family]);
+        let applied = restore(&lab.node, "nft", &["-f", "-"], &ruleset);
+        assert!(applied.status.success(), "nft: {}", String::from_utf8_lossy(&applied.stderr));
+    }
+    let listed = |family: &str| {
+        sh("ip", &["netns", "exec", &lab.node, "nft", "list", "table", family, "kube-proxy"])
+            .unwrap()
+    };
+    let v4 = listed("ip");
+    for text in [
+        // Local policy, source ranges, affinity and SCTP, as nft lists them.
+        "10.200.0.10 . tcp . 80 : goto firewall-",
+        // The node is in the ranges: its load-balancer IP is admitted too.
+        "ip saddr != { 10.200.0.10, 192.168.100.0/24 } drop",
+        "10.96.0.20 . tcp . 80 comment \"lab/empty\" : goto reject-chain",
+        "meta l4proto sctp dnat to 10.244.1.2:3869",
+        "update @affinity-",
+    ] {
+        assert!(v4.contains(text), "missing {text}:\n{v4}");
+    }
+    let v6 = listed("ip6");
+    assert!(v6.contains("meta l4proto tcp dnat to [fd00:244:1::2]:8080"), "{v6}");
+    assert!(!v6.contains("10.96.0.10"), "the IPv4 services are not in the IPv6 table");
+    // `lb list` reads both tables back.
+    let lb = sh(
+        "ip",
+        &["netns", "exec", &lab.node, &target_bin("proxy-agent").to_string_lossy(), "lb", "list"],
+    )
+    .unwrap();
+    for frontend in ["10.96.0.10:3868/sctp", "[fd00:96::10]:80/tcp", "*:30082/tcp"] {
+        assert!(lb.contains(frontend), "{frontend} missing:\n{lb}");
     }
 }

@@ -1,7 +1,7 @@
-//! SCTP services: the iptables mode writes kube-proxy's rules for their
-//! SCTP ports, the eBPF mode translates them per packet in its SCTP
-//! programs (loaded for the first SCTP frontend), and both serve them (an
-//! echo where the kernel has SCTP sockets: the VM matrix's).
+//! SCTP services: the iptables and nftables modes write kube-proxy's rules
+//! for their SCTP ports, the eBPF mode translates them per packet in its
+//! SCTP programs (loaded for the first SCTP frontend), and every mode serves
+//! them (an echo where the kernel has SCTP sockets: the VM matrix's).
 
 use std::time::{Duration, Instant};
 
@@ -74,6 +74,26 @@ fn explain(lab: &Lab, from: &str, to: &str) -> serde_json::Value {
     let args = ["explain", "--proto", "sctp", "--from", from, "--to", to, "-o", "json"];
     let json = lab.inspect_on(0, &args).unwrap();
     serde_json::from_str(&json).expect(&json)
+}
+
+/// The nftables mode's table holds the SCTP port's elements and chains,
+/// and `lb list` reads them back; the TCP port is served.
+#[test]
+fn the_nftables_mode_writes_the_sctp_ruleset_and_serves_the_tcp_port() {
+    let (lab, pods) = serving(Mode::Nftables);
+    let table = lab.exec_on(0, "nft", &["list", "table", "ip", "kube-proxy"]).unwrap();
+    for text in [
+        "10.96.0.10 . sctp . 3868 : goto service-",
+        "sctp . 30868 : goto external-",
+        &format!("meta l4proto sctp dnat to {}:3869", pods[0].ip),
+    ] {
+        assert!(table.contains(text), "missing {text}\n{table}");
+    }
+    let lb = lab.inspect_on(0, &["lb", "list"]).unwrap();
+    for frontend in ["10.96.0.10:3868/sctp", "*:30868/sctp", "10.96.0.10:80/tcp"] {
+        assert!(lb.contains(frontend), "{frontend} missing:\n{lb}");
+    }
+    assert!(lb.contains(&format!("{}:3869", pods[1].ip)), "{lb}");
 }
 
 /// The eBPF mode loads its SCTP programs once, for the first SCTP
@@ -234,5 +254,9 @@ mod sctp_echo_follows_the_endpoints {
     #[test]
     fn iptables() {
         super::sctp_echo_follows_the_endpoints(proxy_lab::Mode::Iptables)
+    }
+    #[test]
+    fn nftables() {
+        super::sctp_echo_follows_the_endpoints(proxy_lab::Mode::Nftables)
     }
 }

@@ -25,7 +25,7 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
         Mode::Ebpf => {
             println!("   pod client 10.244.1.100 (in the test cgroup: socket LB applies)")
         }
-        Mode::Iptables => {
+        Mode::Iptables | Mode::Nftables => {
             println!("   pod client 10.244.1.100 (its packets meet the node's rules)")
         }
     }
@@ -125,6 +125,7 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     match mode {
         Mode::Ebpf => show_maps(&lab)?,
         Mode::Iptables => show_rules(&lab)?,
+        Mode::Nftables => show_table(&lab)?,
     }
     println!("\n== the agent's metrics (curl 127.0.0.1:10249/metrics in the node namespace)");
     for line in lab.metrics()?.lines().filter(|l| !l.starts_with('#')) {
@@ -156,6 +157,15 @@ fn show_maps(lab: &Lab) -> anyhow::Result<()> {
 }
 
 /// The service rules in the nat table, and the kernel's conntrack entries.
+/// The nftables mode's IPv4 table, as `nft` lists it.
+fn show_table(lab: &Lab) -> anyhow::Result<()> {
+    println!("\n== nft list table ip kube-proxy (in the node namespace)");
+    for line in lab.exec_on(0, "nft", &["list", "table", "ip", "kube-proxy"])?.lines() {
+        println!("   {line}");
+    }
+    Ok(())
+}
+
 fn show_rules(lab: &Lab) -> anyhow::Result<()> {
     println!("\n== iptables-save -t nat (the KUBE- rules; in the node namespace)");
     for line in lab.exec_on(0, "iptables-save", &["-t", "nat"])?.lines() {

@@ -119,6 +119,7 @@ enum Task {
 enum DemoMode {
     Ebpf,
     Iptables,
+    Nftables,
 }
 
 impl DemoMode {
@@ -126,6 +127,7 @@ impl DemoMode {
         match self {
             DemoMode::Ebpf => proxy_lab::Mode::Ebpf,
             DemoMode::Iptables => proxy_lab::Mode::Iptables,
+            DemoMode::Nftables => proxy_lab::Mode::Nftables,
         }
     }
 }

@@ -12,6 +12,8 @@ const PACKAGES: &[&str] = &[
     "zlib1g-dev",
     "iproute2",
     "iptables",
+    // The nftables mode applies its ruleset with `nft -f`.
+    "nftables",
     "conntrack",
     "bpftool",
     "util-linux",

@@ -1,7 +1,7 @@
 //! How many flows a node tracks, as kube-proxy sizes the kernel's conntrack
 //! table: `--conntrack-max-per-core` times the CPUs, at least
 //! `--conntrack-min` (its flags and `conntrack.maxPerCore`/`min`). The
-//! iptables mode raises `nf_conntrack_max` to it as kube-proxy does; the
+//! iptables and nftables modes raise `nf_conntrack_max` to it as kube-proxy does; the
 //! eBPF mode sizes its flow maps by it (`ebpf::state_sizes`). Pure: the
 //! CPU count and the kernel's values are handed in.
 

@@ -3,10 +3,14 @@
 //! between its loop and its proxiers). [`start`] chooses the mode and builds
 //! its datapath; nothing else names a mode.
 
+pub mod categorize;
+pub mod conntrack_flows;
 pub mod conntrack_limit;
 pub mod ebpf;
 pub mod iptables;
+pub mod nftables;
 pub mod probe;
+pub mod rule_modes;
 
 use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 
@@ -20,13 +24,16 @@ use crate::{
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProxyMode {
-    /// eBPF when the kernel can run it (see `probe`), else iptables
+    /// eBPF when the kernel can run it (see `probe`), else nftables where
+    /// nft takes its ruleset, else iptables
     Auto,
     /// BPF programs: socket load balancing on cgroup hooks, per-packet
     /// translation in tc
     Ebpf,
     /// kube-proxy's iptables rules, applied with iptables-restore
     Iptables,
+    /// kube-proxy's nftables ruleset, applied with nft
+    Nftables,
 }
 
 /// What the backend is told to do: the mode, and each mode's settings.
@@ -35,6 +42,7 @@ pub struct Settings {
     pub mode: ProxyMode,
     pub ebpf: ebpf::Settings,
     pub iptables: iptables::datapath::Settings,
+    pub nftables: nftables::datapath::Settings,
 }
 
 /// The node's traffic rules, as both modes apply them (kube-proxy's
@@ -127,12 +135,23 @@ pub trait Datapath: Send {
     fn remove_other_mode(&self) -> anyhow::Result<()>;
 }
 
+/// The families a rule-based mode writes rules for, as kube-proxy runs a
+/// proxier per family: IPv4 always (its rules serve ClusterIPs even before
+/// the node has an address), IPv6 when the node has an IPv6 address.
+pub fn rule_families(node: &Node) -> Vec<IpFamily> {
+    let v6 = node.ips.iter().any(|ip| IpFamily::of(*ip) == IpFamily::V6);
+    if v6 { IpFamily::ALL.to_vec() } else { vec![IpFamily::V4] }
+}
+
 /// The datapath of the mode asked for, or for `auto` of the mode the kernel
 /// can run, loaded (eBPF) or prepared (iptables).
 pub fn start(settings: &Settings, node: &Node) -> anyhow::Result<Box<dyn Datapath>> {
     Ok(match choose(settings.mode) {
         ProxyMode::Iptables => {
             Box::new(iptables::datapath::IptablesDatapath::new(&settings.iptables, node))
+        }
+        ProxyMode::Nftables => {
+            Box::new(nftables::datapath::NftablesDatapath::new(&settings.nftables, node))
         }
         _ => Box::new(ebpf::datapath::EbpfDatapath::new(&settings.ebpf, node)?),
     })
@@ -144,13 +163,24 @@ fn choose(asked: ProxyMode) -> ProxyMode {
         return asked;
     }
     let features = probe::run(probe::Reach::Mode);
+    let detail = |missing: &str| {
+        let found = features.iter().find(|f| f.name == missing);
+        found.map(|f| f.detail.clone()).unwrap_or_default()
+    };
     match probe::decide(&features) {
         probe::Decision::Ebpf => ProxyMode::Ebpf,
-        probe::Decision::Iptables { missing } => {
-            let detail = features.iter().find(|f| f.name == missing).map(|f| f.detail.as_str());
+        probe::Decision::Nftables { missing } => {
             tracing::warn!(
-                "eBPF mode unavailable, this kernel lacks: {missing} ({}); running in iptables mode",
-                detail.unwrap_or_default()
+                "eBPF mode unavailable, this kernel lacks: {missing} ({}); running in nftables mode",
+                detail(missing)
+            );
+            ProxyMode::Nftables
+        }
+        probe::Decision::Iptables { missing } => {
+            tracing::warn!(
+                "eBPF mode unavailable, this kernel lacks: {missing} ({}); nftables mode unavailable: {}; running in iptables mode",
+                detail(missing),
+                detail(probe::NFTABLES)
             );
             ProxyMode::Iptables
         }

@@ -46,7 +46,12 @@ impl Feature {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {
     Ebpf,
-    /// The first missing feature the eBPF mode needs.
+    /// nft takes the nftables mode's ruleset; `missing` is the first
+    /// missing feature the eBPF mode needs.
+    Nftables {
+        missing: &'static str,
+    },
+    /// Neither: the first missing feature the eBPF mode needs.
     Iptables {
         missing: &'static str,
     },
@@ -67,10 +72,14 @@ pub const NETNS_COOKIE: &str = "network namespace cookie (SO_NETNS_COOKIE, 5.14+
 pub const SCTP_SOCKETS: &str = "SCTP sockets (pods here speaking SCTP)";
 pub const SCTP_PROGRAMS: &str = "SCTP programs (SCTP services, eBPF mode)";
 pub const SCTP_MATCH: &str = "iptables sctp match (SCTP services, iptables mode)";
+pub const NFTABLES: &str = "nft 1.0.1+ takes the nftables mode's ruleset";
 
-/// Picks the mode: eBPF when every required feature is there.
+/// Picks the mode: eBPF when every required feature is there, else
+/// nftables where nft takes its ruleset, else iptables.
 pub fn decide(features: &[Feature]) -> Decision {
+    let nftables = features.iter().any(|f| f.name == NFTABLES && f.found);
     match features.iter().find(|f| f.required && !f.found) {
+        Some(missing) if nftables => Decision::Nftables { missing: missing.name },
         Some(missing) => Decision::Iptables { missing: missing.name },
         None => Decision::Ebpf,
     }
@@ -106,6 +115,7 @@ pub fn run(reach: Reach) -> Vec<Feature> {
     // The list is ip_tables' (iptables-legacy): with nft alone it is not
     // there, and a loaded xt_sctp is in /sys/module.
     let sctp_match = kernel_part(registered("/proc/net/ip_tables_matches", "sctp"), "xt_sctp");
+    let nftables = nftables();
     vec![
         Feature {
             name: BTF,
@@ -237,7 +247,50 @@ pub fn run(reach: Reach) -> Vec<Feature> {
                 ),
             },
         },
+        Feature {
+            name: NFTABLES,
+            required: false,
+            found: nftables.is_ok(),
+            detail: match nftables {
+                Ok(version) => format!("{version}: --proxy-mode nftables can run"),
+                Err(why) => format!("{why}: --proxy-mode nftables cannot run"),
+            },
+        },
     ]
+}
+
+/// kube-proxy's floor for nft: older ones parse every table, and may choke
+/// on another program's.
+const NFT_MIN: (u32, u32, u32) = (1, 0, 1);
+
+/// `nft --version` (`nftables v1.0.6 (Lester Gooch #5)`) as numbers.
+fn nft_version(text: &str) -> Option<(u32, u32, u32)> {
+    let version = text.split_whitespace().find_map(|w| w.strip_prefix('v'))?;
+    let mut numbers = version.split('.').map(|n| n.parse().ok());
+    Some((numbers.next()??, numbers.next()??, numbers.next().flatten().unwrap_or(0)))
+}
+
+/// Whether the nftables mode can run: nft is there, recent enough, and it
+/// and the kernel take a ruleset with every expression the mode writes:
+/// committed for real (the kernel makes each expression, and refuses one
+/// it lacks), in a table of its own deleted in the same transaction, so
+/// nothing is ever seen of it.
+fn nftables() -> Result<String, String> {
+    let mut nft = System::default();
+    let version = nft.run("nft", &["--version"], None).map_err(|e| e.to_string())?;
+    let version = version.trim().to_string();
+    match nft_version(&version) {
+        Some(v) if v >= NFT_MIN => {}
+        _ => return Err(format!("{version}: kube-proxy's ruleset needs nft 1.0.1 or later")),
+    }
+    let table = format!("ip {}", super::nftables::render::TABLE);
+    let probe_table = format!("ip {}-probe", super::nftables::render::TABLE);
+    let ruleset = super::nftables::render::Ruleset::probe().to_string();
+    let ruleset = ruleset.replace(&format!(" {table} "), &format!(" {probe_table} "))
+        + &format!("delete table {probe_table}\n");
+    nft.run("nft", &["-f", "-"], Some(&ruleset))
+        .map_err(|e| format!("{version} refuses the ruleset: {e}"))?;
+    Ok(format!("{version}, ruleset committed and removed in one transaction"))
 }
 
 /// Whether the kernel's `list` under /proc names `name` (its first word on
@@ -313,8 +366,11 @@ pub fn report(features: &[Feature]) -> String {
     }
     let _ = match decide(features) {
         Decision::Ebpf => writeln!(out, "--proxy-mode auto would run: ebpf\n\n{ATTACHMENTS}"),
+        Decision::Nftables { missing } => {
+            writeln!(out, "--proxy-mode auto would run: nftables (missing: {missing})")
+        }
         Decision::Iptables { missing } => {
-            writeln!(out, "--proxy-mode auto would run: iptables (missing: {missing})")
+            writeln!(out, "--proxy-mode auto would run: iptables (missing: {missing}; and nft)")
         }
     };
     out
@@ -393,7 +449,28 @@ mod tests {
     }
 
     #[test]
+    fn nft_versions_are_read_and_compared() {
+        assert_eq!(nft_version("nftables v1.0.6 (Lester Gooch #5)"), Some((1, 0, 6)));
+        assert_eq!(nft_version("nftables v0.9.8 (E.D.S.)"), Some((0, 9, 8)));
+        assert!(nft_version("nftables v0.9.8 (E.D.S.)").unwrap() < NFT_MIN);
+        assert_eq!(nft_version("nftables v1.1 (x)"), Some((1, 1, 0)));
+        assert_eq!(nft_version("something else"), None);
+    }
+
+    #[test]
     fn no_cgroup2_means_iptables() {
         assert_eq!(decide(&kernel(&[CGROUP2])), Decision::Iptables { missing: CGROUP2 });
+    }
+
+    #[test]
+    fn without_ebpf_nftables_comes_before_iptables() {
+        let mut features = kernel(&[BTF]);
+        features.push(Feature { name: NFTABLES, required: false, found: true, detail: "".into() });
+        assert_eq!(decide(&features), Decision::Nftables { missing: BTF });
+        assert!(report(&features).contains("auto would run: nftables (missing: BTF"));
+        features.last_mut().unwrap().found = false;
+        assert_eq!(decide(&features), Decision::Iptables { missing: BTF });
+        // With eBPF there, nft does not matter.
+        assert_eq!(decide(&kernel(&[])), Decision::Ebpf);
     }
 }

@@ -18,8 +18,8 @@ use crate::{
     inspect::{
         self,
         explain::{
-            Explanation, Query, craft, explain, explain_localhost, explain_rules, is_localhost,
-            route_interface, route_interface6, text, tuple,
+            Explanation, Query, craft, explain, explain_localhost, explain_nftables, explain_rules,
+            is_localhost, route_interface, route_interface6, text, tuple,
         },
     },
     model::{IpFamily, Protocol},
@@ -40,6 +40,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     let from = SocketAddr::new(from_ip, port.unwrap_or_else(ephemeral_port));
     let x = match super::lb::mode(&args.inspect) {
         InspectMode::Iptables => rules(args, from, to)?,
+        InspectMode::Nftables => table(args, from, to)?,
         _ if is_localhost(to) => localhost(args, from, to)?,
         _ => program(args, from, to)?,
     };
@@ -61,12 +62,7 @@ fn rules(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result
     // The family's own tool: `iptables-save` is renamed for IPv6.
     let save = tools.for_family(family).run("iptables-save", &[], None);
     let save = save.context("reading the rules")?;
-    let local: Vec<IpAddr> = sys::interfaces()
-        .context("listing the node's addresses")?
-        .into_values()
-        .flatten()
-        .filter(|ip| ip.is_ipv4() == to.is_ipv4())
-        .collect();
+    let local = node_addresses(to)?;
     let query = Query {
         proto: args.proto,
         from,
@@ -75,6 +71,32 @@ fn rules(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result
         replies_only: false,
     };
     Ok(explain_rules(&query, &save, &local))
+}
+
+/// The nftables mode: its tables as `nft list table` prints them, walked.
+fn table(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result<Explanation> {
+    let listed = super::lb::nft_tables()?;
+    let family = if to.is_ipv4() { "ip" } else { "ip6" };
+    let query = Query {
+        proto: args.proto,
+        from,
+        to,
+        program: format!(
+            "nft table {family} kube-proxy (firewall-check, services, the endpoint checks)"
+        ),
+        replies_only: false,
+    };
+    Ok(explain_nftables(&query, &listed, &node_addresses(to)?))
+}
+
+/// The node's addresses of `to`'s family (where NodePorts answer).
+fn node_addresses(to: SocketAddr) -> anyhow::Result<Vec<IpAddr>> {
+    Ok(sys::interfaces()
+        .context("listing the node's addresses")?
+        .into_values()
+        .flatten()
+        .filter(|ip| ip.is_ipv4() == to.is_ipv4())
+        .collect())
 }
 
 /// The eBPF mode's localhost NodePorts: the socket programs' lookup, made

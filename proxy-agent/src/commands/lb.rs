@@ -5,7 +5,10 @@
 use anyhow::Context as _;
 
 use crate::{
-    backend::iptables::exec::{Runner as _, System, Xtables},
+    backend::{
+        iptables::exec::{ExecError, Runner as _, System, Xtables},
+        nftables::render::TABLE,
+    },
     cli::{BpfLogLevelArgs, CtListArgs, InspectArgs, InspectMode, LbListArgs, Output},
     inspect::{self, LbEntry, ct::CtRow},
     model::IpFamily,
@@ -16,6 +19,7 @@ use crate::{
 pub fn mode(args: &InspectArgs) -> InspectMode {
     match args.mode {
         InspectMode::Auto if args.pins.bpffs_root.join("maps").exists() => InspectMode::Ebpf,
+        InspectMode::Auto if nft_tables().is_ok_and(|t| !t.is_empty()) => InspectMode::Nftables,
         InspectMode::Auto => InspectMode::Iptables,
         mode => mode,
     }
@@ -28,8 +32,23 @@ pub fn lb_entries(args: &InspectArgs) -> anyhow::Result<Vec<LbEntry>> {
         InspectMode::Iptables => {
             saved_rules(&[])?.iter().flat_map(|save| inspect::iptables::entries(save)).collect()
         }
+        InspectMode::Nftables => inspect::nftables::entries(&nft_tables()?),
         _ => inspect::maps::read_pinned(&args.pins.bpffs_root)?,
     })
+}
+
+/// `nft list table` of the nftables mode's tables, both families' (none
+/// where there is none).
+pub fn nft_tables() -> anyhow::Result<String> {
+    let mut text = String::new();
+    for family in ["ip", "ip6"] {
+        match System::default().run("nft", &["list", "table", family, TABLE], None) {
+            Ok(listed) => text += &listed,
+            Err(ExecError::Failed { stderr, .. }) if stderr.contains("No such file") => {}
+            Err(e) => return Err(e).context("reading the nftables tables"),
+        }
+    }
+    Ok(text)
 }
 
 /// `iptables-save <args>` of each family: IPv4's, and IPv6's where the
@@ -55,7 +74,7 @@ pub fn list(args: &LbListArgs) -> anyhow::Result<()> {
 pub fn ct_list(args: &CtListArgs) -> anyhow::Result<()> {
     let inspect = &args.inspect;
     let mut rows: Vec<CtRow> = match mode(inspect) {
-        InspectMode::Iptables => {
+        InspectMode::Iptables | InspectMode::Nftables => {
             let lb = lb_entries(inspect)?;
             // Both families' entries (`-L` alone lists IPv4's).
             let mut text = String::new();

@@ -1,6 +1,9 @@
 //! `proxy-agent monitor`: prints the datapath's decisions as they happen
 //! until SIGINT/SIGTERM, `--count` lines or `--duration`: the eBPF mode's
-//! events, or what the iptables mode can tell (`monitor::iptables`).
+//! events, or what the rule-based modes can tell (`monitor::iptables`):
+//! new flows and their translation from conntrack in both, refusals and
+//! drops from the iptables rules' counters (kube-proxy's nftables rules
+//! count nothing).
 
 use std::{
     process::Stdio,
@@ -39,7 +42,8 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     runtime.block_on(async {
         match super::lb::mode(&args.inspect) {
-            InspectMode::Iptables => iptables(args).await,
+            InspectMode::Iptables => iptables(args, true).await,
+            InspectMode::Nftables => iptables(args, false).await,
             _ => ebpf(args).await,
         }
     })
@@ -111,14 +115,16 @@ async fn ebpf(args: &MonitorArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The iptables mode: new service flows from `conntrack -E` (filtered by
-/// the service table, read again every second), refusals and drops from
-/// the REJECT/DROP rules' counters, polled every second.
-async fn iptables(args: &MonitorArgs) -> anyhow::Result<()> {
+/// The rule-based modes: new service flows from `conntrack -E` (filtered
+/// by the service table, read again every second); with
+/// `refusals_counted` (iptables) refusals and drops from the REJECT/DROP
+/// rules' counters, polled every second.
+async fn iptables(args: &MonitorArgs, refusals_counted: bool) -> anyhow::Result<()> {
     let (_conntrack, mut events) = conntrack_events()?;
     let mut printer = Printer::new(args);
     let mut lb = super::lb::lb_entries(&args.inspect)?;
     let mut counters = Counters::default();
+    let refusals = || if refusals_counted { refusals() } else { Ok(Vec::new()) };
     counters.update(&refusals()?, SystemTime::now());
     let mut refresh = tokio::time::interval(REFRESH);
     refresh.set_missed_tick_behavior(MissedTickBehavior::Delay);

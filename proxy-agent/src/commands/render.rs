@@ -1,9 +1,10 @@
-//! `proxy-agent render iptables`: kube-proxy's rules for manifests, printed.
+//! `proxy-agent render iptables|nftables`: kube-proxy's rules for
+//! manifests, printed.
 
 use crate::{
-    backend::iptables::{datapath::render_options, render},
-    cli::RenderIptablesArgs,
-    model::IpFamily,
+    backend::{iptables, nftables},
+    cli::{RenderArgs, RenderIptablesArgs},
+    model::{IpFamily, Model},
     node,
     plan::Node,
     source::{Store, manifests::Manifests},
@@ -11,6 +12,36 @@ use crate::{
 
 /// `render iptables`: kube-proxy's restore input for the manifests, on stdout.
 pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
+    let (model, node, families) = load(&args.render)?;
+    let traffic = args.render.node.traffic();
+    for family in &families {
+        let options = iptables::datapath::render_options(&node, &traffic, !args.no_nfacct, *family);
+        if families.len() > 1 {
+            println!("{}", family_header(*family, "iptables-restore", "ip6tables-restore"));
+        }
+        print!("{}", iptables::render::render(&model, &options));
+    }
+    Ok(())
+}
+
+/// `render nftables`: kube-proxy's nftables ruleset for the manifests, as
+/// `nft -f` input, on stdout.
+pub fn nftables(args: &RenderArgs) -> anyhow::Result<()> {
+    let (model, node, families) = load(args)?;
+    let traffic = args.node.traffic();
+    for family in &families {
+        let options = nftables::datapath::render_options(&node, &traffic, *family);
+        if families.len() > 1 {
+            println!("{}", family_header(*family, "table ip kube-proxy", "table ip6 kube-proxy"));
+        }
+        print!("{}", nftables::render::render(&model, &options));
+    }
+    Ok(())
+}
+
+/// The model of the manifests, the node they are rendered for, and the
+/// families asked for.
+fn load(args: &RenderArgs) -> anyhow::Result<(Model, Node, Vec<IpFamily>)> {
     args.node.check().map_err(anyhow::Error::msg)?;
     let mut manifests = Manifests::new(&args.manifests);
     // New bytes are taken on the second read that finds them.
@@ -44,8 +75,8 @@ pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
         nodeport_addresses: args.node.nodeport_addresses.clone(),
         localhost_nodeports: args.node.localhost_nodeports,
         zone: args.zone.clone(),
-        // The iptables rules pick at random and masquerade whatever the
-        // algorithm and mode.
+        // The rules pick at random and masquerade whatever the algorithm
+        // and mode.
         lb_algorithm: Default::default(),
         lb_mode: Default::default(),
     };
@@ -53,23 +84,15 @@ pub fn iptables(args: &RenderIptablesArgs) -> anyhow::Result<()> {
         Some(family) => vec![family],
         None => IpFamily::ALL.to_vec(),
     };
-    let traffic = args.node.traffic();
-    for family in &families {
-        let options = render_options(&node, &traffic, !args.no_nfacct, *family);
-        if families.len() > 1 {
-            println!("{}", family_header(*family));
-        }
-        print!("{}", render::render(&model, &options));
-    }
-    Ok(())
+    Ok((model, node, families))
 }
 
 /// Where one family's part starts when both are printed (a comment to
-/// `iptables-restore`).
-fn family_header(family: IpFamily) -> String {
-    let program = match family {
-        IpFamily::V4 => "iptables-restore",
-        IpFamily::V6 => "ip6tables-restore",
+/// both `iptables-restore` and `nft`).
+fn family_header(family: IpFamily, v4: &str, v6: &str) -> String {
+    let target = match family {
+        IpFamily::V4 => v4,
+        IpFamily::V6 => v6,
     };
-    format!("# {family}: {program} input")
+    format!("# {family}: {target} input")
 }

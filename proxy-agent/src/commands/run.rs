@@ -172,10 +172,11 @@ fn backend_settings(args: &RunArgs) -> backend::Settings {
         },
         iptables: backend::iptables::datapath::Settings {
             xtables: args.iptables_backend,
-            traffic,
-            bpffs_root,
+            traffic: traffic.clone(),
+            bpffs_root: bpffs_root.clone(),
             conntrack,
         },
+        nftables: backend::nftables::datapath::Settings { traffic, bpffs_root, conntrack },
     }
 }
 

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use super::{
     LbBackend, LbEntry, flag,
-    rule_walk::{Packet, Walked, walk},
+    rule_walk::{Packet, Walk, Walked, walk},
 };
 use crate::{backend::ebpf::explain::ExplainRun, model::Protocol, packet_craft};
 
@@ -320,11 +320,52 @@ pub fn explain_localhost(query: &Query, entries: &[LbEntry]) -> Explanation {
 pub fn explain_rules(query: &Query, save: &str, local: &[IpAddr]) -> Explanation {
     let tables = super::iptables::tables(save);
     let rules = |name: &str| tables.get(name).map_or(&[][..], Vec::as_slice);
-    let proto = proto_name(query.proto);
-    let p = Packet { proto, from: query.from, to: query.to, local };
+    let p = Packet { proto: proto_name(query.proto), from: query.from, to: query.to, local };
     let walk = walk(rules("nat"), rules("filter"), &p);
-    let entries = super::iptables::entries(save);
-    let entry = walk.frontend.as_deref().and_then(|f| entry_of(&entries, f, None));
+    explain_walk(query, walk, &super::iptables::entries(save), &IPTABLES_WORDS)
+}
+
+/// `explain` in the nftables mode: `listed` (`nft list table` of our
+/// tables) walked (`nftables::walk`) for `query`'s packet.
+pub fn explain_nftables(query: &Query, listed: &str, local: &[IpAddr]) -> Explanation {
+    let p = Packet { proto: proto_name(query.proto), from: query.from, to: query.to, local };
+    let walk = super::nftables::walk(listed, &p);
+    let family = if query.to.is_ipv4() { "ip" } else { "ip6" };
+    explain_walk(query, walk, &super::nftables::entries_of(listed, family), &NFTABLES_WORDS)
+}
+
+/// How a rule-based mode's explanation names what its rules do.
+struct RuleWords {
+    dnat: &'static str,
+    /// The rules that pick a backend at random.
+    pick: &'static str,
+    reject: &'static str,
+    drop: &'static str,
+    masquerade: &'static str,
+    affinity: &'static str,
+}
+
+const IPTABLES_WORDS: RuleWords = RuleWords {
+    dnat: "DNAT (nat PREROUTING), then routed by the node's stack",
+    pick: "statistic",
+    reject: "filter REJECT",
+    drop: "filter DROP",
+    masquerade: "MASQUERADE to the address of the interface it leaves by",
+    affinity: "sessionAffinity: a client with a live entry in /proc/net/xt_recent/KUBE-SEP-* goes to its remembered backend",
+};
+
+const NFTABLES_WORDS: RuleWords = RuleWords {
+    dnat: "dnat (chain nat-prerouting), then routed by the node's stack",
+    pick: "numgen",
+    reject: "reject-chain",
+    drop: "drop",
+    masquerade: "MASQUERADE to the address of the interface it leaves by (chain masquerading)",
+    affinity: "sessionAffinity: a client in an endpoint's set affinity-* (nft list set) goes to that backend",
+};
+
+/// The explanation of a rule walk's result.
+fn explain_walk(query: &Query, walk: Walk, entries: &[LbEntry], words: &RuleWords) -> Explanation {
+    let entry = walk.frontend.as_deref().and_then(|f| entry_of(entries, f, None));
     let mut x = start(query, entry);
     let reason = |comment: &str| {
         if comment.contains("no local endpoints") {
@@ -338,20 +379,21 @@ pub fn explain_rules(query: &Query, save: &str, local: &[IpAddr]) -> Explanation
     match walk.walked {
         Walked::Translated { candidates, masquerade } => {
             x.outcome = "translated";
-            x.action = "DNAT (nat PREROUTING), then routed by the node's stack".into();
+            x.action = words.dnat.into();
             let chances: Vec<String> = candidates
                 .iter()
                 .map(|(address, chance)| format!("{address} {:.0}%", chance * 100.0))
                 .collect();
             x.notes.push(format!(
-                "the backend is chosen per new connection by the statistic rules: {}",
+                "the backend is chosen per new connection by the {} rules: {}",
+                words.pick,
                 chances.join(", ")
             ));
             if walk.affinity {
-                x.notes.push("sessionAffinity: a client with a live entry in /proc/net/xt_recent/KUBE-SEP-* goes to its remembered backend".into());
+                x.notes.push(words.affinity.into());
             }
             if masquerade {
-                x.snat = Some("MASQUERADE to the address of the interface it leaves by".into());
+                x.snat = Some(words.masquerade.into());
             }
             if x.backends.is_empty() {
                 x.backends = candidates
@@ -363,14 +405,14 @@ pub fn explain_rules(query: &Query, save: &str, local: &[IpAddr]) -> Explanation
         Walked::Refused(comment) => {
             x.outcome = "refused";
             x.reason = Some(reason(&comment).into());
-            // kube-proxy's REJECT has no --reject-with: TCP too gets the
-            // ICMP error.
-            x.action = format!("answered with {} (filter REJECT)", port_unreachable(query));
+            // kube-proxy's REJECT has no --reject-with (nor its nftables
+            // reject): TCP too gets the ICMP error.
+            x.action = format!("answered with {} ({})", port_unreachable(query), words.reject);
         }
         Walked::Dropped(comment) => {
             x.outcome = "dropped";
             x.reason = Some(reason(&comment).into());
-            x.action = "discarded, nothing answers (filter DROP)".into();
+            x.action = format!("discarded, nothing answers ({})", words.drop);
         }
         Walked::Passed => x.reason = Some(PASSED.into()),
     }

@@ -1,13 +1,15 @@
 //! What the datapath holds, in words: the service table `proxy-agent lb
-//! list` prints, read back from the kernel in either mode, from the pinned
-//! maps ([`maps`]) or from `iptables-save` ([`iptables`]), so one command
-//! answers "what does this node do for my service" whatever the mode, and
+//! list` prints, read back from the kernel in any mode, from the pinned
+//! maps ([`maps`]), from `iptables-save` ([`iptables`]) or from `nft list
+//! table` ([`nftables`]), so one command answers "what does this node do
+//! for my service" whatever the mode, and
 //! while the agent is stopped. Building and printing the table is pure.
 
 pub mod ct;
 pub mod explain;
 pub mod iptables;
 pub mod maps;
+pub mod nftables;
 pub mod rule_walk;
 
 use std::fmt::Write as _;

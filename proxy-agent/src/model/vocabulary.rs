@@ -41,6 +41,17 @@ pub struct ServicePortName {
     pub port: Arc<str>,
 }
 
+#[cfg(test)]
+impl ServicePortName {
+    /// `ns/name:port`, for tests.
+    pub fn of(ns: &str, name: &str, port: &str) -> Self {
+        ServicePortName {
+            service: ServiceName { namespace: ns.into(), name: name.into() },
+            port: port.into(),
+        }
+    }
+}
+
 impl fmt::Display for ServicePortName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.port.is_empty() {

@@ -17,7 +17,9 @@ fn base32_16(bytes: &[u8]) -> String {
     (0..16).map(|i| ALPHABET[((bits >> (75 - 5 * i)) & 0x1f) as usize] as char).collect()
 }
 
-fn hash(text: &str) -> String {
+/// The first 16 characters of base32(sha256(`text`)): kube-proxy's hash of
+/// a chain's identity (its nftables mode takes the first 8).
+pub(crate) fn hash(text: &str) -> String {
     base32_16(&Sha256::digest(text.as_bytes()))
 }
 
@@ -64,13 +66,9 @@ pub fn is_service_chain(chain: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ServiceName;
 
     fn spn(ns: &str, name: &str, port: &str) -> ServicePortName {
-        ServicePortName {
-            service: ServiceName { namespace: ns.into(), name: name.into() },
-            port: port.into(),
-        }
+        ServicePortName::of(ns, name, port)
     }
 
     #[test]

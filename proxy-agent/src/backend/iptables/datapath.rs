@@ -15,12 +15,14 @@ use std::{
 use super::{
     CANARY, IptablesBackend, IptablesError,
     counters::RuleCounters,
-    exec::{System, Xtables},
+    exec::{Runner as _, System, Xtables},
     render,
 };
 use crate::{
     backend::{
-        Datapath, Synced, TrafficRules, conntrack_limit, conntrack_limit::ConntrackLimit, ebpf,
+        Datapath, Synced, TrafficRules, conntrack_limit::ConntrackLimit, ebpf, nftables,
+        rule_families,
+        rule_modes::{RuleOptions, raise_conntrack_max, synced, timed_sync},
     },
     metrics::Metrics,
     model::{IpFamily, Model},
@@ -70,12 +72,20 @@ impl IptablesDatapath {
             }
         }
         let xtables = settings.xtables.resolve(&mut System::default());
-        let families = families(node);
+        let families = rule_families(node);
+        // As kube-proxy: `--random-fully` only where iptables has it, else
+        // every restore would be refused.
+        let version = System::new(xtables).run("iptables", &["--version"], None);
+        let random_fully = version.as_deref().is_ok_and(super::random_fully);
+        if !random_fully {
+            tracing::warn!(version = ?version.as_deref().map(str::trim), "MASQUERADE without --random-fully (iptables 1.6.2+ has it)");
+        }
         tracing::info!(backend = ?xtables, ?families, "iptables implementation");
         let mut backends: Vec<_> = families
             .into_iter()
             .map(|family| {
-                IptablesBackend::new(System::new(xtables).for_family(family), options(family))
+                let options = render::Options { random_fully, ..options(family) };
+                IptablesBackend::new(System::new(xtables).for_family(family), options)
             })
             .collect();
         let previous = backends.first_mut().is_some_and(|b| b.rules_present())
@@ -91,50 +101,6 @@ impl IptablesDatapath {
     fn rule_counters(&self) -> RuleCounters {
         RuleCounters::new(self.backends.iter().map(|b| *b.runner()).collect())
     }
-}
-
-/// Raises the kernel's conntrack table to `max` flows as kube-proxy does
-/// (see [`conntrack_limit::kernel_writes`]). A failure is logged: the rules
-/// serve regardless (outside the node's initial network namespace the
-/// kernel refuses both writes).
-fn raise_conntrack_max(max: u32) {
-    let current = match sys::read_number(sys::NF_CONNTRACK_MAX) {
-        Ok(current) => current,
-        Err(e) => {
-            tracing::warn!(error = %e, path = sys::NF_CONNTRACK_MAX, "could not read the kernel's conntrack maximum: left as it is");
-            return;
-        }
-    };
-    let hashsize = sys::read_number(sys::NF_CONNTRACK_HASHSIZE).ok();
-    let writes = conntrack_limit::kernel_writes(max, current, hashsize);
-    if let Some(max) = writes.max {
-        match sys::write_number(sys::NF_CONNTRACK_MAX, max) {
-            Ok(()) => tracing::info!(
-                nf_conntrack_max = max,
-                was = current,
-                "raised the kernel's conntrack maximum"
-            ),
-            Err(e) => {
-                tracing::warn!(error = %e, nf_conntrack_max = current, wanted = max, "could not raise the kernel's conntrack maximum (--conntrack-max-per-core 0 leaves it alone)")
-            }
-        }
-    }
-    if let Some(buckets) = writes.hashsize {
-        match sys::write_number(sys::NF_CONNTRACK_HASHSIZE, buckets) {
-            Ok(()) => {
-                tracing::info!(hashsize = buckets, was = ?hashsize, "raised the kernel's conntrack hash size")
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, hashsize = ?hashsize, wanted = buckets, "could not raise the kernel's conntrack hash size")
-            }
-        }
-    }
-}
-
-/// The families served: IPv4, and IPv6 when the node has an IPv6 address.
-fn families(node: &Node) -> Vec<IpFamily> {
-    let v6 = node.ips.iter().any(|ip| IpFamily::of(*ip) == IpFamily::V6);
-    if v6 { IpFamily::ALL.to_vec() } else { vec![IpFamily::V4] }
 }
 
 impl Datapath for IptablesDatapath {
@@ -176,28 +142,14 @@ impl Datapath for IptablesDatapath {
         metrics.fold_service_stats(|| Box::new(self.rule_counters()));
         for backend in &mut self.backends {
             let family = backend.family();
-            let start = std::time::Instant::now();
-            let report = backend.sync(model).inspect_err(|err| {
-                if let IptablesError::Restore { full, .. } = err {
-                    let rules = metrics.rules(family);
-                    rules.restore_failures.fetch_add(1, Relaxed);
-                    if !full {
-                        rules.partial_restore_failures.fetch_add(1, Relaxed);
-                    }
-                }
-            })?;
-            metrics.rules(family).synced(start.elapsed(), report.full);
+            let refused = |err: &IptablesError| match err {
+                IptablesError::Restore { full, .. } => Some(*full),
+                _ => None,
+            };
+            let report = timed_sync(family, metrics, || backend.sync(model), |r| r.full, refused)?;
             report_sync(family, &report, metrics);
         }
-        if !self.ebpf_only_told && plan.frontends.values().any(|f| f.maglev || f.dsr) {
-            self.ebpf_only_told = true;
-            tracing::warn!(
-                "Maglev and DSR (--bpf-lb-algorithm, --bpf-lb-mode, their annotations) are eBPF-mode features: the iptables rules pick backends at random and masquerade, as kube-proxy's"
-            );
-        }
-        let backends: BTreeSet<_> =
-            plan.frontends.values().flat_map(|f| &f.backends).map(|b| b.addr).collect();
-        Ok(Synced { backends: backends.len() })
+        Ok(synced(plan, &mut self.ebpf_only_told, "the iptables rules"))
     }
 
     /// Checks the canary chains of each family: a full resync is due when
@@ -225,12 +177,16 @@ impl Datapath for IptablesDatapath {
         Ok(())
     }
 
-    /// eBPF programs translate in front of the rules: they go once the
-    /// rules are in.
+    /// eBPF programs translate in front of the rules, and the nftables
+    /// mode's table beside them: they go once the rules are in.
     fn remove_other_mode(&self) -> anyhow::Result<()> {
         let (pins, filters) = ebpf::cleanup(&self.pins)?;
         if pins + filters > 0 {
             tracing::info!(pins, filters, "removed the eBPF mode's programs");
+        }
+        let tables = nftables::cleanup(&mut System::default())?;
+        if tables > 0 {
+            tracing::info!(tables, "removed the nftables mode's tables");
         }
         Ok(())
     }
@@ -246,19 +202,7 @@ fn report_sync(family: IpFamily, report: &super::SyncReport, metrics: &Metrics) 
         "rules synced"
     );
     metrics.rules(family).set_written(&report.rules_written);
-    if report.flows_flushed > 0 {
-        tracing::info!(sets = report.flows_flushed, "stale UDP conntrack entries deleted");
-    }
-    if report.untranslated_deleted > 0 {
-        tracing::info!(
-            flows = report.untranslated_deleted,
-            "conntrack entries made while the rules were missing deleted"
-        );
-    }
-    for e in &report.flow_errors {
-        metrics.conntrack_cleanup_failures.fetch_add(1, Relaxed);
-        tracing::warn!("could not delete stale conntrack entries (will retry): {e}");
-    }
+    report.flows.report(metrics);
 }
 
 /// Whether one family's rules need a full resync: its canary is gone (then
@@ -295,15 +239,11 @@ pub fn render_options(
     family: IpFamily,
 ) -> render::Options {
     render::Options {
-        family,
-        node_name: node.name.clone(),
-        zone: node.zone.clone(),
-        node_ips: node.ips.iter().copied().filter(|ip| IpFamily::of(*ip) == family).collect(),
-        nodeport_addresses: traffic.nodeport_addresses.clone(),
-        cluster_cidr: traffic.cluster_cidr(family),
-        masquerade_all: traffic.masquerade_all,
+        rules: RuleOptions::new(node, traffic, family),
         localhost_nodeports: node.serves_localhost_nodeports(),
         nfacct,
+        // kube-proxy's for any iptables of these years: the running mode
+        // asks its iptables (`random_fully`).
         random_fully: true,
         conntrack_tcp_liberal: std::fs::read_to_string(
             "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal",

@@ -25,16 +25,17 @@ use std::{
 
 use self::{
     chains::is_service_chain,
-    conntrack::{StaleFlows, UdpServices, frontends, stale_flows, udp_services, untranslated},
     exec::{ExecError, Runner},
     render::{ChainRef, Digests, KUBELET_FIREWALL, Options, Ruleset, Scope, jump_rules, render},
 };
-use crate::model::{IpFamily, Model, Protocol};
+use crate::{
+    backend::conntrack_flows::{ConntrackFlows, FlowReport},
+    model::{IpFamily, Model, Protocol},
+};
 
 const IPTABLES: &str = "iptables";
 const RESTORE: &str = "iptables-restore";
 const SAVE: &str = "iptables-save";
-const CONNTRACK: &str = "conntrack";
 /// Wait up to 5 s for the xtables lock, polling every 100 ms, as kube-proxy.
 const WAIT: [&str; 4] = ["-w", "5", "-W", "100000"];
 /// kube-proxy's canary: when it disappears, someone flushed the tables.
@@ -70,14 +71,8 @@ pub struct SyncReport {
     pub chains_deleted: usize,
     /// Rules written, per table.
     pub rules_written: Vec<(&'static str, usize)>,
-    /// UDP conntrack entry sets deleted (those that matched something).
-    pub flows_flushed: usize,
-    /// Entries to service addresses made while the rules were missing,
-    /// deleted.
-    pub untranslated_deleted: usize,
-    /// Deletions that failed (retried at the next sync); the rules are
-    /// applied regardless.
-    pub flow_errors: Vec<String>,
+    /// The conntrack entries deleted after the rules were applied.
+    pub flows: FlowReport,
 }
 
 /// `-w 5 -W 100000 -t TABLE OP CHAIN ARGS…`.
@@ -88,9 +83,14 @@ fn rule_args<'a>(table: &'a str, op: &'a str, chain: &'a str, args: &[&'a str]) 
     words
 }
 
-/// conntrack exits 1 with "0 flow entries …" when nothing matched.
-fn nothing_matched(e: &ExecError) -> bool {
-    matches!(e, ExecError::Failed { stderr, .. } if stderr.contains(" 0 flow entries"))
+/// Whether `iptables --version` (`iptables v1.8.9 (nf_tables)`) names a
+/// version with `MASQUERADE --random-fully` (1.6.2+), as kube-proxy checks.
+pub fn random_fully(version: &str) -> bool {
+    let Some(v) = version.split_whitespace().find_map(|w| w.strip_prefix('v')) else {
+        return false;
+    };
+    let numbers: Vec<u32> = v.split('.').map_while(|n| n.parse().ok()).collect();
+    numbers.as_slice() >= [1, 6, 2].as_slice()
 }
 
 /// The lines of `input` around the one iptables-restore names in `stderr`
@@ -101,7 +101,15 @@ fn restore_context(input: &str, stderr: &str) -> String {
             rest.trim_start_matches([':', ' ']).chars().take_while(char::is_ascii_digit).collect();
         digits.parse().ok()
     });
-    let Some(line) = line.filter(|l| *l > 0) else { return String::new() };
+    line.map_or_else(String::new, |line| lines_around(input, line))
+}
+
+/// The lines of `input` around `line` (1-based), that one marked, on lines
+/// of their own; nothing for line 0.
+pub(crate) fn lines_around(input: &str, line: usize) -> String {
+    if line == 0 {
+        return String::new();
+    }
     let first = line.saturating_sub(CONTEXT_LINES).max(1);
     let shown: Vec<String> = input
         .lines()
@@ -119,35 +127,21 @@ pub struct IptablesBackend<R: Runner> {
     /// Digests of the chains the kernel holds; `None`: the next sync is full.
     applied: Option<Digests>,
     last_full: Option<Instant>,
-    /// The UDP services the rules serve, for stale conntrack entries.
-    udp: UdpServices,
-    /// Stale entries whose deletion failed, tried again at the next sync.
-    pending_flows: BTreeSet<StaleFlows>,
+    /// The conntrack entries owed a deletion.
+    flows: ConntrackFlows,
     /// The rules were missing (someone flushed them, or nobody wrote them
     /// yet): flows to services made meanwhile were not translated.
     rules_were_missing: bool,
 }
 
 impl<R: Runner> IptablesBackend<R> {
-    /// Runs `conntrack` on this family's table (the tool lists and
-    /// deletes IPv4 entries unless told `-f ipv6`).
-    fn conntrack(&mut self, args: &[&str]) -> Result<String, ExecError> {
-        let mut words = match self.options.family {
-            IpFamily::V4 => vec![],
-            IpFamily::V6 => vec!["-f", "ipv6"],
-        };
-        words.extend(args);
-        self.runner.run(CONNTRACK, &words, None)
-    }
-
     pub fn new(runner: R, options: Options) -> Self {
         IptablesBackend {
             runner,
+            flows: ConntrackFlows::new(options.family),
             options,
             applied: None,
             last_full: None,
-            udp: UdpServices::new(),
-            pending_flows: BTreeSet::new(),
             rules_were_missing: false,
         }
     }
@@ -199,13 +193,10 @@ impl<R: Runner> IptablesBackend<R> {
             }
             result => result?,
         };
-        let udp = udp_services(model, self.options.family, &self.options.node_ips);
-        let mut stale = stale_flows(&self.udp, &udp);
-        stale.append(&mut self.pending_flows);
-        self.udp = udp;
-        self.flush(stale, &mut report);
+        let node_ips = &self.options.node_ips;
+        self.flows.after_sync(&mut self.runner, model, node_ips, &mut report.flows);
         if self.rules_were_missing {
-            self.delete_untranslated(model, &mut report);
+            self.flows.delete_untranslated(&mut self.runner, model, node_ips, &mut report.flows);
             self.rules_were_missing = false;
         }
         Ok(report)
@@ -311,42 +302,6 @@ impl<R: Runner> IptablesBackend<R> {
                 .map_err(|source| IptablesError::Ensure { what: what(), source })?;
         }
         Ok(())
-    }
-
-    /// Deletes stale UDP conntrack entries; failures are reported and kept
-    /// for the next sync, never fatal.
-    fn flush(&mut self, stale: BTreeSet<StaleFlows>, report: &mut SyncReport) {
-        for flows in stale {
-            let args = flows.args();
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            match self.conntrack(&args) {
-                Ok(_) => report.flows_flushed += 1,
-                Err(e) if nothing_matched(&e) => {}
-                Err(e) => {
-                    report.flow_errors.push(format!("{flows}: {e}"));
-                    self.pending_flows.insert(flows);
-                }
-            }
-        }
-    }
-
-    /// Deletes the unanswered entries to service addresses that were not
-    /// translated.
-    fn delete_untranslated(&mut self, model: &Model, report: &mut SyncReport) {
-        let listing = match self.conntrack(&["-L"]) {
-            Ok(listing) => listing,
-            Err(e) => return report.flow_errors.push(format!("listing conntrack: {e}")),
-        };
-        let frontends = frontends(model, self.options.family, &self.options.node_ips);
-        for entry in untranslated(&listing, &frontends) {
-            let args = entry.delete_args();
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            match self.conntrack(&args) {
-                Ok(_) => report.untranslated_deleted += 1,
-                Err(e) if nothing_matched(&e) => {} // gone meanwhile
-                Err(e) => report.flow_errors.push(format!("{entry:?}: {e}")),
-            }
-        }
     }
 
     /// Whether a previous agent's rules are in place (its canary chain);
@@ -588,7 +543,9 @@ mod tests {
     }
 
     fn options() -> Options {
-        Options { cluster_cidr: None, nfacct: false, ..render::tests::options() }
+        let mut options = Options { nfacct: false, ..render::tests::options() };
+        options.cluster_cidr = None;
+        options
     }
 
     /// Service `web` (dns 53/UDP → 5353) over `endpoints`, and `other`.
@@ -642,13 +599,24 @@ mod tests {
     }
 
     #[test]
+    fn random_fully_where_iptables_has_it() {
+        assert!(random_fully("iptables v1.8.9 (nf_tables)"));
+        assert!(random_fully("iptables v1.6.2"));
+        assert!(!random_fully("iptables v1.6.1"));
+        assert!(!random_fully("iptables v1.4.21"));
+        assert!(!random_fully("garbage"));
+        let old = Options { random_fully: false, ..options() };
+        let rules = render(&Model::default(), &old).to_string();
+        assert!(rules.contains("-j MASQUERADE\n"), "{rules}");
+        assert!(!rules.contains("--random-fully"), "{rules}");
+    }
+
+    #[test]
     fn the_ipv6_backend_writes_the_ipv6_ports_and_cleans_ipv6_conntrack_entries() {
         use test_objects::{Protocol::*, ep, port, service};
-        let v6 = Options {
-            family: IpFamily::V6,
-            node_ips: vec!["fd00::11".parse().unwrap()],
-            ..options()
-        };
+        let mut v6 = options();
+        v6.family = IpFamily::V6;
+        v6.node_ips = vec!["fd00::11".parse().unwrap()];
         let mut backend = IptablesBackend::new(Fake::default(), v6);
         let dns = service("default", "dns").cluster_ip("10.96.0.10");
         let dns = dns.cluster_ips(&["10.96.0.10", "fd00:96::10"]);

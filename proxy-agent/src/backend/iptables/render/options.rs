@@ -1,26 +1,14 @@
 //! What the rules depend on besides the services.
 
-use std::net::IpAddr;
+use std::ops::{Deref, DerefMut};
 
-use crate::model::{Cidr, IpFamily};
+use crate::{backend::rule_modes::RuleOptions, model::IpFamily};
 
-/// What the rules depend on besides the services.
+/// What the rules depend on besides the services: the node's facts both
+/// rule-based modes take (`rules`, which it derefs to), and iptables' own.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// The family rendered: its service ports, addresses and CIDRs only.
-    pub family: IpFamily,
-    /// This node's name: endpoints with this `nodeName` are local.
-    pub node_name: String,
-    /// Its zone, for EndpointSlice hints.
-    pub zone: Option<String>,
-    /// This node's addresses of `family` (for loadBalancerSourceRanges that
-    /// admit the node, and `--nodeport-addresses`).
-    pub node_ips: Vec<IpAddr>,
-    /// `--nodeport-addresses`; empty means every local address.
-    pub nodeport_addresses: Vec<Cidr>,
-    /// `--cluster-cidr` of `family`: the local-traffic detector.
-    pub cluster_cidr: Option<Cidr>,
-    pub masquerade_all: bool,
+    pub rules: RuleOptions,
     /// NodePorts answer on 127.0.0.0/8 (kube-proxy's default for IPv4), as
     /// `plan::Node::serves_localhost_nodeports` decides.
     pub localhost_nodeports: bool,
@@ -36,14 +24,21 @@ pub struct Options {
     pub sctp: bool,
 }
 
-impl Options {
-    /// `--nodeport-addresses` of this family: none given means every
-    /// address, and so does a /0 of the family.
-    pub(super) fn nodeports_everywhere(&self) -> bool {
-        self.nodeport_addresses.is_empty()
-            || self.nodeport_addresses.iter().any(|c| c.len == 0 && c.family() == self.family)
-    }
+impl Deref for Options {
+    type Target = RuleOptions;
 
+    fn deref(&self) -> &RuleOptions {
+        &self.rules
+    }
+}
+
+impl DerefMut for Options {
+    fn deref_mut(&mut self) -> &mut RuleOptions {
+        &mut self.rules
+    }
+}
+
+impl Options {
     /// Localhost NodePorts are on: IPv4 only.
     pub fn localhost_nodeports(&self) -> bool {
         self.family == IpFamily::V4 && self.localhost_nodeports

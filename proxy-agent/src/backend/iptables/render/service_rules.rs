@@ -2,19 +2,16 @@
 
 use super::{options::Options, ruleset::Table};
 use crate::{
-    backend::iptables::chains::{ServiceChains, endpoint_chain},
+    backend::{
+        categorize::Categorized,
+        iptables::chains::{ServiceChains, endpoint_chain},
+    },
     model::{Endpoint, ServicePort},
 };
 
 /// A comment as kube-proxy writes it: quoted when it has spaces.
 fn comment(text: &str) -> String {
     if text.contains(' ') { format!("\"{text}\"") } else { text.to_string() }
-}
-
-/// kube-proxy orders endpoints by their `ip:port` text.
-fn sorted(mut endpoints: Vec<&Endpoint>) -> Vec<&Endpoint> {
-    endpoints.sort_by_key(|e| e.addr.to_string());
-    endpoints
 }
 
 /// kube-proxy's statistic probability for the i-th of the last `left` rules.
@@ -30,8 +27,7 @@ pub(super) struct ServiceRules<'a> {
     name: String,
     proto: &'static str,
     chains: ServiceChains,
-    cluster: Vec<&'a Endpoint>,
-    local: Vec<&'a Endpoint>,
+    endpoints: Categorized<'a>,
 }
 
 impl<'a> ServiceRules<'a> {
@@ -43,41 +39,32 @@ impl<'a> ServiceRules<'a> {
             name: port.name.to_string(),
             proto: port.protocol.lower(),
             chains: ServiceChains::new(&port.name, port.protocol),
-            cluster: sorted(port.cluster_endpoints(&opts.node_name, opts.zone.as_deref())),
-            local: sorted(port.usable_endpoints(Some(&opts.node_name))),
+            endpoints: Categorized::new(port, &opts.node_name, opts.zone.as_deref()),
         }
     }
 
     fn has_endpoints(&self) -> bool {
-        !self.cluster.is_empty()
+        self.endpoints.has_endpoints()
     }
 
     fn has_internal(&self) -> bool {
-        if self.port.internal_local { !self.local.is_empty() } else { self.has_endpoints() }
+        self.endpoints.has_internal()
     }
 
     fn has_external(&self) -> bool {
-        if self.port.external_local { !self.local.is_empty() } else { self.has_endpoints() }
-    }
-
-    fn externally_accessible(&self) -> bool {
-        self.port.node_port.is_some()
-            || !self.port.external_ips().is_empty()
-            || !self.port.load_balancer_ips().is_empty()
+        self.endpoints.has_external()
     }
 
     fn uses_svc(&self) -> bool {
-        self.has_endpoints() && (!self.port.internal_local || self.externally_accessible())
+        self.endpoints.uses_cluster_chain()
     }
 
     fn uses_svl(&self) -> bool {
-        !self.local.is_empty()
-            && (self.port.internal_local
-                || (self.port.external_local && self.externally_accessible()))
+        self.endpoints.uses_local_chain()
     }
 
     fn uses_ext(&self) -> bool {
-        self.has_endpoints() && self.externally_accessible()
+        self.endpoints.uses_external_chain()
     }
 
     fn uses_fw(&self) -> bool {
@@ -90,20 +77,6 @@ impl<'a> ServiceRules<'a> {
         if self.port.internal_local { &self.chains.svl } else { &self.chains.svc }
     }
 
-    /// The endpoints that get a KUBE-SEP chain: those SVC or SVL use.
-    fn sep_endpoints(&self) -> Vec<&'a Endpoint> {
-        let mut endpoints: Vec<&Endpoint> =
-            if self.uses_svc() { self.cluster.clone() } else { Vec::new() };
-        if self.uses_svl() {
-            for e in &self.local {
-                if !endpoints.iter().any(|x| x.addr == e.addr) {
-                    endpoints.push(e);
-                }
-            }
-        }
-        sorted(endpoints)
-    }
-
     /// `-m tcp -p tcp -d IP --dport PORT`.
     fn dest<'b>(&'b self, ip: &'b str, port: &'b str) -> [&'b str; 8] {
         ["-m", self.proto, "-p", self.proto, "-d", ip, "--dport", port]
@@ -114,7 +87,7 @@ impl<'a> ServiceRules<'a> {
         if !self.has_endpoints() {
             return;
         }
-        let seps = self.sep_endpoints();
+        let seps = self.endpoints.reachable();
         if self.uses_ext() {
             nat.chain(&self.chains.ext);
         }
@@ -345,10 +318,10 @@ impl<'a> ServiceRules<'a> {
             nat.rule(&c.fw, &["-m", "comment", "--comment", &dropped]);
         }
         if self.uses_svc() {
-            self.write_balancer(nat, &c.svc, &self.cluster);
+            self.write_balancer(nat, &c.svc, &self.endpoints.cluster);
         }
         if self.uses_svl() {
-            self.write_balancer(nat, &c.svl, &self.local);
+            self.write_balancer(nat, &c.svl, &self.endpoints.local);
         }
         for e in seps {
             self.write_endpoint(nat, e);

@@ -2,7 +2,7 @@ use std::net::Ipv4Addr;
 
 use super::{service_rules::probability, *};
 use crate::{
-    backend::iptables::chains::endpoint_chain,
+    backend::{iptables::chains::endpoint_chain, rule_modes::RuleOptions},
     model::{Cidr, Protocol},
 };
 
@@ -29,13 +29,15 @@ fn web() -> ServiceBuilder {
 /// 10.244.0.0/16; the iptables backend's tests use them too.
 pub(crate) fn options() -> Options {
     Options {
-        family: IpFamily::V4,
-        node_name: "node-a".into(),
-        zone: None,
-        node_ips: vec![Ipv4Addr::new(192, 168, 100, 11).into()],
-        nodeport_addresses: vec![],
-        cluster_cidr: Some(Cidr::parse("10.244.0.0/16").unwrap()),
-        masquerade_all: false,
+        rules: RuleOptions {
+            family: IpFamily::V4,
+            node_name: "node-a".into(),
+            zone: None,
+            node_ips: vec![Ipv4Addr::new(192, 168, 100, 11).into()],
+            nodeport_addresses: vec![],
+            cluster_cidr: Some(Cidr::parse("10.244.0.0/16").unwrap()),
+            masquerade_all: false,
+        },
         localhost_nodeports: true,
         nfacct: true,
         random_fully: true,
@@ -75,12 +77,14 @@ fn slice(service: &ServiceBuilder, endpoints: Vec<EndpointBuilder>) -> test_obje
 /// Options for the IPv6 family of node `node-a` at fd00:100::11, cluster
 /// CIDR fd00:10:244::/56.
 fn options_v6() -> Options {
-    Options {
+    let opts = options();
+    let rules = RuleOptions {
         family: IpFamily::V6,
         node_ips: vec!["fd00:100::11".parse().unwrap()],
         cluster_cidr: Some(Cidr::parse("fd00:10:244::/56").unwrap()),
-        ..options()
-    }
+        ..opts.rules.clone()
+    };
+    Options { rules, ..opts }
 }
 
 #[test]
@@ -119,10 +123,8 @@ fn the_ipv6_family_as_kube_proxy_writes_it() {
         assert!(!rules.contains(absent), "{absent} in\n{rules}");
     }
     // --nodeport-addresses of the other family only: no NodePort address.
-    let v4_only = Options {
-        nodeport_addresses: vec![Cidr::parse("192.168.100.0/24").unwrap()],
-        ..options_v6()
-    };
+    let mut v4_only = options_v6();
+    v4_only.nodeport_addresses = vec![Cidr::parse("192.168.100.0/24").unwrap()];
     assert!(!render(&m, &v4_only).to_string().contains("-j KUBE-NODEPORTS"));
 }
 

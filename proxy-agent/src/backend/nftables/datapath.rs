@@ -1,0 +1,201 @@
+//! The nftables mode as the agent's loop drives it: kube-proxy's nftables
+//! ruleset ([`NftablesBackend`]) per family, and the other modes'
+//! leftovers.
+//!
+//! As kube-proxy runs a proxier per family, there is a backend per family
+//! the node has an address of: IPv4 always (its table serves ClusterIPs even
+//! before the node has an address), IPv6 when a node address is IPv6.
+
+use std::{
+    collections::BTreeSet, net::IpAddr, path::PathBuf, sync::atomic::Ordering::Relaxed,
+    time::Duration,
+};
+
+use super::{NftablesBackend, NftablesError, SyncReport, render};
+use crate::{
+    backend::{
+        Datapath, Synced, TrafficRules,
+        conntrack_limit::ConntrackLimit,
+        ebpf, iptables,
+        iptables::exec::System,
+        rule_families,
+        rule_modes::{RuleOptions, raise_conntrack_max, synced, timed_sync},
+    },
+    metrics::Metrics,
+    model::{IpFamily, Model},
+    plan::{Frontend, Node, Plan},
+};
+
+/// The tables are checked every this many looks (200 ms apart).
+const TABLE_CHECK_EVERY: u32 = 10;
+
+/// The nftables mode's settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub traffic: TrafficRules,
+    /// Where the eBPF mode pins, to remove its datapath.
+    pub bpffs_root: PathBuf,
+    /// What the kernel's conntrack table is raised to.
+    pub conntrack: ConntrackLimit,
+}
+
+pub struct NftablesDatapath {
+    /// One per family served, IPv4 first.
+    backends: Vec<NftablesBackend<System>>,
+    /// The eBPF mode's pins, removed once the ruleset serves.
+    pins: PathBuf,
+    /// A previous agent's table (or eBPF datapath) was serving at start.
+    previous: bool,
+    /// Whether the log said that Maglev and DSR are the eBPF mode's (once).
+    ebpf_only_told: bool,
+    /// The kernel's conntrack maximum to raise once the ruleset serves
+    /// (its NAT loads `nf_conntrack`, whose settings appear with it).
+    conntrack_max: Option<u32>,
+}
+
+impl NftablesDatapath {
+    pub fn new(settings: &Settings, node: &Node) -> Self {
+        let families = rule_families(node);
+        tracing::info!(?families, "nftables tables");
+        let mut backends: Vec<_> = families
+            .into_iter()
+            .map(|family| {
+                let options = render_options(node, &settings.traffic, family);
+                NftablesBackend::new(System::default(), options)
+            })
+            .collect();
+        let previous = backends.first_mut().is_some_and(|b| b.table_present())
+            || ebpf::pinned(&settings.bpffs_root);
+        NftablesDatapath {
+            backends,
+            pins: settings.bpffs_root.clone(),
+            previous,
+            ebpf_only_told: false,
+            conntrack_max: settings.conntrack.max(crate::sys::cpu_count()),
+        }
+    }
+}
+
+impl Datapath for NftablesDatapath {
+    fn mode(&self) -> &'static str {
+        "nftables"
+    }
+
+    fn replaces_previous(&self) -> bool {
+        self.previous
+    }
+
+    fn live_at_once(&self) -> bool {
+        true
+    }
+
+    /// kube-proxy's default: a transaction is cheap, but not free.
+    fn min_sync_period(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+
+    fn set_zone(&mut self, zone: Option<String>) {
+        self.backends.iter_mut().for_each(|b| b.set_zone(zone.clone()));
+    }
+
+    /// On a node with an IPv6 address (its table is written then).
+    fn serves_ipv6(&self) -> bool {
+        self.backends.iter().any(|b| b.family() == IpFamily::V6)
+    }
+
+    /// kube-proxy's nftables mode serves no NodePort on 127.0.0.0/8: its
+    /// rules exclude loopback destinations.
+    fn serves_localhost_nodeports(&self) -> bool {
+        false
+    }
+
+    /// Renders the ruleset from `model`; the plan only counts backends.
+    fn sync(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        _dirty: Option<&BTreeSet<Frontend>>,
+        metrics: &Metrics,
+    ) -> anyhow::Result<Synced> {
+        for backend in &mut self.backends {
+            let family = backend.family();
+            let refused = |err: &NftablesError| match err {
+                NftablesError::Apply { full, .. } => Some(*full),
+                _ => None,
+            };
+            let report = timed_sync(family, metrics, || backend.sync(model), |r| r.full, refused)?;
+            report_sync(family, &report, metrics);
+        }
+        Ok(synced(plan, &mut self.ebpf_only_told, "the nftables ruleset's rules"))
+    }
+
+    /// Checks each family's table: a full resync is due when one was
+    /// deleted or flushed, or when a backend asks for one.
+    fn look_after(&mut self, polls: u32, metrics: &Metrics) -> bool {
+        if !polls.is_multiple_of(TABLE_CHECK_EVERY) {
+            return false;
+        }
+        let mut due = false;
+        for backend in &mut self.backends {
+            let family = backend.family();
+            due |= match backend.table_gone() {
+                Ok(true) => {
+                    tracing::warn!(%family, "table kube-proxy was deleted or flushed by another program; full resync");
+                    metrics.canary_resyncs.fetch_add(1, Relaxed);
+                    true
+                }
+                Ok(false) => backend.full_sync_due(),
+                Err(e) => {
+                    tracing::warn!(%family, "could not check table kube-proxy: {e}");
+                    false
+                }
+            };
+        }
+        due
+    }
+
+    /// The ruleset serves as soon as it is applied; the kernel's conntrack
+    /// table is raised then, as in the iptables mode.
+    fn take_over(&mut self, _node_ips: &[IpAddr], _metrics: &Metrics) -> anyhow::Result<()> {
+        if let Some(max) = self.conntrack_max.take() {
+            raise_conntrack_max(max);
+        }
+        Ok(())
+    }
+
+    /// The eBPF mode's programs (which translate in front of the ruleset)
+    /// and the iptables mode's rules go once the ruleset is in.
+    fn remove_other_mode(&self) -> anyhow::Result<()> {
+        let (pins, filters) = ebpf::cleanup(&self.pins)?;
+        if pins + filters > 0 {
+            tracing::info!(pins, filters, "removed the eBPF mode's programs");
+        }
+        let chains = iptables::cleanup_every_backend()?;
+        if chains > 0 {
+            tracing::info!(chains, "removed the iptables mode's rules");
+        }
+        Ok(())
+    }
+}
+
+/// Logs and counts what one family's sync did.
+fn report_sync(family: IpFamily, report: &SyncReport, metrics: &Metrics) {
+    tracing::info!(
+        %family,
+        full = report.full,
+        chains_written = report.chains_written,
+        chains_deleted = report.chains_deleted,
+        elements_written = report.elements_written,
+        "nftables synced"
+    );
+    if let Some(e) = &report.cleanup_error {
+        metrics.rules(family).cleanup_failures.fetch_add(1, Relaxed);
+        tracing::warn!(%family, "could not delete stale chains (a full sync will): {e}");
+    }
+    report.flows.report(metrics);
+}
+
+/// What the nftables ruleset of `family` depends on besides the services.
+pub fn render_options(node: &Node, traffic: &TrafficRules, family: IpFamily) -> render::Options {
+    RuleOptions::new(node, traffic, family)
+}

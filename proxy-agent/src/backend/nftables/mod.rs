@@ -1,0 +1,410 @@
+//! The nftables mode: the ruleset kube-proxy's nftables mode writes, from
+//! the same model as the other modes, applied as kube-proxy's knftables
+//! applies it: `nft -f -` of a text transaction, one per sync and family,
+//! which the kernel applies whole or not at all. `render` is pure (model →
+//! ruleset, and the transactions that write it), `datapath` drives it.
+//!
+//! A full sync (the first, after any failure, when the table was deleted
+//! or flushed by someone, and hourly) rewrites every chain and element and
+//! removes the per-service chains and affinity sets the kernel holds that
+//! the ruleset no longer has; a partial sync writes only the chains,
+//! elements and affinity sets that differ from what the last sync applied.
+//! A chain no longer used is flushed at once and deleted at a later sync
+//! (as kube-proxy does: before Linux 6.2 the kernel notices a moment late
+//! that no map element jumps to it).
+
+pub mod datapath;
+pub mod render;
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use self::render::{
+    Applied, ElementKey, Existing, Options, Ruleset, TABLE, Transaction, is_affinity_set,
+    is_service_chain, render_parts, render_port,
+};
+use crate::{
+    backend::{
+        conntrack_flows::{ConntrackFlows, FlowReport},
+        iptables::{
+            FULL_SYNC_PERIOD,
+            exec::{ExecError, Runner},
+            lines_around,
+        },
+    },
+    model::{IpFamily, Model, ServicePort, ServicePortName},
+};
+
+/// A port's part of the ruleset, and the port it was rendered from.
+type Part = (ServicePort, Ruleset);
+
+/// The ports a sync renders again: their parts as applied and as they are
+/// now, and each port's new part (`None`: removed).
+struct Change {
+    old: Ruleset,
+    new: Ruleset,
+    ports: Vec<(Arc<ServicePortName>, Option<Part>)>,
+}
+
+const NFT: &str = "nft";
+/// A flushed chain is deleted this long after, at the next sync.
+const STALE_CHAIN_DELAY: Duration = Duration::from_secs(1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum NftablesError {
+    #[error("nft refused the ruleset ({} sync): {source}{context}", if *.full { "full" } else { "partial" })]
+    Apply { full: bool, source: ExecError, context: String },
+    #[error("listing table {family} {TABLE}: {source}")]
+    List { family: &'static str, source: ExecError },
+    #[error("removing the nftables mode's tables: {}", .0.join("; "))]
+    Cleanup(Vec<String>),
+}
+
+/// What a sync did.
+#[derive(Debug, Default)]
+pub struct SyncReport {
+    pub full: bool,
+    /// Per-service chains written.
+    pub chains_written: usize,
+    /// Per-service chains deleted (flushed by an earlier sync).
+    pub chains_deleted: usize,
+    /// Set and map elements added or deleted.
+    pub elements_written: usize,
+    /// Stale chains whose deletion failed (a later full sync finds them).
+    pub cleanup_error: Option<String>,
+    /// The conntrack entries deleted after the ruleset was applied.
+    pub flows: FlowReport,
+}
+
+/// `ip` or `ip6`: the table's family as nft names it.
+fn nft_family(family: IpFamily) -> &'static str {
+    match family {
+        IpFamily::V4 => "ip",
+        IpFamily::V6 => "ip6",
+    }
+}
+
+/// The line nft names in `stderr` (`/dev/stdin:7:1-30: Error: …`), with
+/// the lines around it.
+fn transaction_context(input: &str, stderr: &str) -> String {
+    let line = stderr.split("/dev/stdin:").nth(1).and_then(|rest| {
+        rest.chars().take_while(char::is_ascii_digit).collect::<String>().parse().ok()
+    });
+    line.map_or_else(String::new, |line| lines_around(input, line))
+}
+
+/// nft's word for a table, chain or set that is not there.
+fn is_absent(e: &ExecError) -> bool {
+    matches!(e, ExecError::Failed { stderr, .. } if stderr.contains("No such file or directory"))
+}
+
+/// The names of the chains and of the sets (and maps) of our table in
+/// `nft list chains|sets` output, which lists every table of a family.
+fn listed(text: &str, what: &str) -> Vec<String> {
+    let mut ours = false;
+    let mut names = Vec::new();
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["table", _, table, "{"] => ours = *table == TABLE,
+            [kind, name, "{"] if ours && *kind == what => names.push(name.to_string()),
+            _ => {}
+        }
+    }
+    names
+}
+
+pub struct NftablesBackend<R: Runner> {
+    runner: R,
+    options: Options,
+    /// What the kernel's table holds; `None`: the next sync is full.
+    applied: Option<Applied>,
+    /// Each port's part of what was applied, and the port it was rendered
+    /// from: a sync renders only the ports that differ. `None` while two
+    /// ports claim one element.
+    parts: Option<HashMap<Arc<ServicePortName>, Part>>,
+    last_full: Option<Instant>,
+    /// A full sync of this agent made the base chains anew (the first
+    /// does: another version may have left them with other priorities).
+    base_chains_made: bool,
+    /// Chains flushed as no longer used, and since when.
+    stale: BTreeMap<String, Instant>,
+    stale_delay: Duration,
+    /// The conntrack entries owed a deletion.
+    flows: ConntrackFlows,
+    /// The table was missing (deleted or flushed by someone, or nobody
+    /// wrote it yet): flows to services made meanwhile were not translated.
+    table_was_missing: bool,
+}
+
+impl<R: Runner> NftablesBackend<R> {
+    pub fn new(runner: R, options: Options) -> Self {
+        NftablesBackend {
+            runner,
+            flows: ConntrackFlows::new(options.family),
+            options,
+            applied: None,
+            parts: None,
+            last_full: None,
+            base_chains_made: false,
+            stale: BTreeMap::new(),
+            stale_delay: STALE_CHAIN_DELAY,
+            table_was_missing: false,
+        }
+    }
+
+    /// The family whose table it writes.
+    pub fn family(&self) -> IpFamily {
+        self.options.family
+    }
+
+    fn nft_family(&self) -> &'static str {
+        nft_family(self.options.family)
+    }
+
+    /// This node's zone changed: the next sync renders every port for the
+    /// new one.
+    pub fn set_zone(&mut self, zone: Option<String>) {
+        self.options.zone = zone;
+        self.parts = None;
+    }
+
+    /// Whether the next sync will be a full one.
+    pub fn full_sync_due(&self) -> bool {
+        self.applied.is_none() || self.last_full.is_none_or(|t| t.elapsed() >= FULL_SYNC_PERIOD)
+    }
+
+    /// Makes the kernel's table that of `model`, in one transaction. After
+    /// a failure the next sync is a full one.
+    pub fn sync(&mut self, model: &Model) -> Result<SyncReport, NftablesError> {
+        let mut report = SyncReport::default();
+        self.delete_stale_chains(&mut report);
+        let full = self.full_sync_due();
+        if self.last_full.is_none() {
+            // First sync: a previous agent's table may be serving.
+            self.table_was_missing = !self.table_present();
+        }
+        let tx = match self.applied.take() {
+            Some(applied) if !full => match self.changed_ports(model, &applied) {
+                Some(change) => self.sync_change(change, applied)?,
+                None => self.sync_whole(model, Some(applied))?,
+            },
+            _ => self.sync_whole(model, None)?,
+        };
+        report.full = full;
+        report.chains_written = tx.chains_written;
+        report.elements_written = tx.elements_written;
+        let node_ips = &self.options.node_ips;
+        self.flows.after_sync(&mut self.runner, model, node_ips, &mut report.flows);
+        if self.table_was_missing {
+            self.flows.delete_untranslated(&mut self.runner, model, node_ips, &mut report.flows);
+            self.table_was_missing = false;
+        }
+        Ok(report)
+    }
+
+    /// Renders every port and writes the whole ruleset (no `applied`: a
+    /// full sync) or what differs from `applied`; keeps each port's part
+    /// for the next syncs (none while two ports claim one element: then
+    /// every sync renders whole).
+    fn sync_whole(
+        &mut self,
+        model: &Model,
+        applied: Option<Applied>,
+    ) -> Result<Transaction, NftablesError> {
+        self.parts = None;
+        let (ruleset, parts, conflicts) = render_parts(model, &self.options);
+        let full = applied.is_none();
+        let tx = match &applied {
+            Some(applied) => ruleset.partial(applied),
+            None => ruleset.full(&self.existing()?, !self.base_chains_made),
+        };
+        self.apply(&tx, full)?;
+        if full {
+            self.base_chains_made = true;
+            self.last_full = Some(Instant::now());
+        }
+        self.stale.retain(|chain, _| !ruleset.has_chain(chain));
+        self.note_stale(&tx);
+        self.applied = Some(ruleset.applied());
+        let parts = parts.into_iter().map(|(port, part)| (port.name.clone(), (port.clone(), part)));
+        self.parts = (!conflicts).then(|| parts.collect());
+        Ok(tx)
+    }
+
+    /// The ports that differ from the parts kept (added, changed, removed),
+    /// their old and new parts rendered; `None` without parts kept, or when
+    /// a new element's key is another port's (two ports claim it: the
+    /// caller renders whole).
+    fn changed_ports(&self, model: &Model, applied: &Applied) -> Option<Change> {
+        let parts = self.parts.as_ref()?;
+        let family = self.options.family;
+        let mut change = Change {
+            old: Ruleset::new(family, None),
+            new: Ruleset::new(family, None),
+            ports: Vec::new(),
+        };
+        let mut seen: HashSet<&ServicePortName> = HashSet::new();
+        let mut conflict = false;
+        for port in model.ports_of(family) {
+            seen.insert(&port.name);
+            let kept = parts.get(&port.name);
+            if kept.is_some_and(|(was, _)| was == port) {
+                continue;
+            }
+            if let Some((_, part)) = kept {
+                change.old.absorb(part);
+            }
+            let part = render_port(port, &self.options);
+            conflict |= change.new.absorb(&part);
+            change.ports.push((port.name.clone(), Some((port.clone(), part))));
+        }
+        for (name, (_, part)) in parts.iter().filter(|(name, _)| !seen.contains(&***name)) {
+            change.old.absorb(part);
+            change.ports.push((name.clone(), None));
+        }
+        let old_keys: HashSet<&ElementKey> = change.old.element_keys().collect();
+        let taken = |key: &ElementKey| applied.has_element(key) && !old_keys.contains(key);
+        conflict |= change.new.element_keys().any(taken);
+        drop(old_keys);
+        (!conflict).then_some(change)
+    }
+
+    /// Writes what differs in the ports of `change`: a change costs what it
+    /// changes, plus a comparison per port.
+    fn sync_change(
+        &mut self,
+        change: Change,
+        mut applied: Applied,
+    ) -> Result<Transaction, NftablesError> {
+        let tx = change.new.partial(&change.old.applied());
+        self.apply(&tx, false)?;
+        applied.replace(&change.old, &change.new);
+        self.applied = Some(applied);
+        if let Some(parts) = self.parts.as_mut() {
+            for (name, part) in change.ports {
+                match part {
+                    Some(part) => parts.insert(name, part),
+                    None => parts.remove(&name),
+                };
+            }
+        }
+        self.stale.retain(|chain, _| !change.new.has_chain(chain));
+        self.note_stale(&tx);
+        Ok(tx)
+    }
+
+    /// Runs `tx` (nothing when it is empty); a refusal names its line.
+    fn apply(&mut self, tx: &Transaction, full: bool) -> Result<(), NftablesError> {
+        if tx.text.is_empty() {
+            return Ok(());
+        }
+        self.runner.run(NFT, &["-f", "-"], Some(&tx.text)).map(drop).map_err(|source| {
+            let context = match &source {
+                ExecError::Failed { stderr, .. } => transaction_context(&tx.text, stderr),
+                _ => String::new(),
+            };
+            NftablesError::Apply { full, source, context }
+        })
+    }
+
+    /// The chains `tx` flushed, to delete a while later.
+    fn note_stale(&mut self, tx: &Transaction) {
+        let now = Instant::now();
+        self.stale.extend(tx.stale_chains.iter().map(|c| (c.clone(), now)));
+    }
+
+    /// Deletes the chains flushed long enough ago, in a transaction of
+    /// their own; those it cannot delete are left to a full sync.
+    fn delete_stale_chains(&mut self, report: &mut SyncReport) {
+        let due: Vec<String> = self
+            .stale
+            .iter()
+            .filter(|(_, since)| since.elapsed() >= self.stale_delay)
+            .map(|(chain, _)| chain.clone())
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let family = self.nft_family();
+        let text: String =
+            due.iter().map(|c| format!("delete chain {family} {TABLE} {c}\n")).collect();
+        due.iter().for_each(|c| {
+            self.stale.remove(c);
+        });
+        match self.runner.run(NFT, &["-f", "-"], Some(&text)) {
+            Ok(_) => report.chains_deleted = due.len(),
+            Err(e) => report.cleanup_error = Some(e.to_string()),
+        }
+    }
+
+    /// The per-service chains and the sets of the kernel's table (none
+    /// when it is not there).
+    fn existing(&mut self) -> Result<Existing, NftablesError> {
+        let family = self.nft_family();
+        let mut list = |what: &str, kind: &str| -> Result<Vec<String>, NftablesError> {
+            match self.runner.run(NFT, &["-t", "list", what, family], None) {
+                Ok(text) => Ok(listed(&text, kind)),
+                Err(e) if is_absent(&e) => Ok(Vec::new()),
+                Err(source) => Err(NftablesError::List { family, source }),
+            }
+        };
+        let chains = list("chains", "chain")?.into_iter().filter(|c| is_service_chain(c));
+        let sets = list("sets", "set")?.into_iter().filter(|s| is_affinity_set(s));
+        Ok(Existing { chains: chains.collect(), sets: sets.collect() })
+    }
+
+    /// Whether the table is there with its dispatch rule (`services`
+    /// looking up `service-ips`); when nft cannot tell, taken as yes (but
+    /// not without nft: nothing of ours can be there).
+    pub fn table_present(&mut self) -> bool {
+        match self.table_gone_now() {
+            Ok(gone) => !gone,
+            Err(ExecError::Missing { .. }) => false,
+            Err(_) => true,
+        }
+    }
+
+    fn table_gone_now(&mut self) -> Result<bool, ExecError> {
+        let family = self.nft_family();
+        match self.runner.run(NFT, &["-t", "list", "chain", family, TABLE, "services"], None) {
+            Ok(text) => Ok(!text.contains("@service-ips")),
+            Err(e) if is_absent(&e) => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether someone deleted the table or flushed its rules since the
+    /// last sync: then the next sync is a full one.
+    pub fn table_gone(&mut self) -> Result<bool, ExecError> {
+        let gone = self.table_gone_now()?;
+        if gone {
+            self.applied = None;
+            self.table_was_missing = true;
+        }
+        Ok(gone)
+    }
+}
+
+/// Removes the nftables mode's tables (`ip kube-proxy`, `ip6 kube-proxy`):
+/// nothing to do where they are not, or where nft is not installed.
+/// Returns the number of tables deleted.
+pub fn cleanup(runner: &mut impl Runner) -> Result<usize, NftablesError> {
+    let mut deleted = 0;
+    let mut errors = Vec::new();
+    for family in IpFamily::ALL.map(nft_family) {
+        match runner.run(NFT, &["delete", "table", family, TABLE], None) {
+            Ok(_) => deleted += 1,
+            Err(e) if is_absent(&e) => {}
+            Err(ExecError::Missing { .. }) => return Ok(0),
+            Err(e) => errors.push(format!("{family} {TABLE}: {e}")),
+        }
+    }
+    if errors.is_empty() { Ok(deleted) } else { Err(NftablesError::Cleanup(errors)) }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,569 @@
+//! The ruleset as the table's fixed part, the per-service chains, the
+//! affinity sets and the elements of the sets and maps; and the `nft -f`
+//! transactions that write it: whole (a full sync), or only what differs
+//! from what was applied (a partial sync).
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, btree_map::Entry},
+    fmt::{self, Write as _},
+    hash::{DefaultHasher, Hash, Hasher as _},
+    net::IpAddr,
+};
+
+use super::names::{is_affinity_set, is_service_chain};
+use crate::model::IpFamily;
+
+/// The table, in both families.
+pub const TABLE: &str = "kube-proxy";
+/// kube-proxy's masquerade mark (bit 14).
+const MARK: &str = "0x4000";
+
+/// A set or map of the table's fixed part that per-service elements go in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Container {
+    ClusterIps,
+    ServiceIps,
+    ServiceNodePorts,
+    FirewallIps,
+    NoEndpointServices,
+    NoEndpointNodePorts,
+}
+
+impl Container {
+    pub const ALL: [Container; 6] = [
+        Container::ClusterIps,
+        Container::ServiceIps,
+        Container::ServiceNodePorts,
+        Container::FirewallIps,
+        Container::NoEndpointServices,
+        Container::NoEndpointNodePorts,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Container::ClusterIps => "cluster-ips",
+            Container::ServiceIps => "service-ips",
+            Container::ServiceNodePorts => "service-nodeports",
+            Container::FirewallIps => "firewall-ips",
+            Container::NoEndpointServices => "no-endpoint-services",
+            Container::NoEndpointNodePorts => "no-endpoint-nodeports",
+        }
+    }
+
+    /// `set` or `map`.
+    fn kind(self) -> &'static str {
+        if self == Container::ClusterIps { "set" } else { "map" }
+    }
+
+    /// Its type and comment, as kube-proxy declares it.
+    fn declaration(self, addr: &str) -> String {
+        let (key, comment) = match self {
+            Container::ClusterIps => (addr.to_string(), "Active ClusterIPs"),
+            Container::ServiceIps => {
+                (addr.to_string(), "ClusterIP, ExternalIP and LoadBalancer IP traffic")
+            }
+            Container::ServiceNodePorts => (String::new(), "NodePort traffic"),
+            Container::FirewallIps => {
+                (addr.to_string(), "destinations that are subject to LoadBalancerSourceRanges")
+            }
+            Container::NoEndpointServices => {
+                (addr.to_string(), "vmap to drop or reject packets to services with no endpoints")
+            }
+            Container::NoEndpointNodePorts => (
+                String::new(),
+                "vmap to drop or reject packets to service nodeports with no endpoints",
+            ),
+        };
+        let ty = match (self, key.is_empty()) {
+            (Container::ClusterIps, _) => key,
+            (_, true) => "inet_proto . inet_service : verdict".to_string(),
+            (_, false) => format!("{key} . inet_proto . inet_service : verdict"),
+        };
+        format!("{{ type {ty} ; comment \"{comment}\" ; }}")
+    }
+}
+
+/// One element: its value in a map, and the comment kube-proxy gives it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Element {
+    pub value: Option<String>,
+    pub comment: Option<String>,
+}
+
+/// An element's container and key (`172.30.0.41 . tcp . 80`).
+pub type ElementKey = (Container, String);
+
+/// kube-proxy's nftables ruleset for one family. `Display` gives it as
+/// `nft -f` input that creates it in an empty table (the form of
+/// kube-proxy's tests); [`Ruleset::full`] and [`Ruleset::partial`] give
+/// the transactions a sync applies.
+#[derive(Clone, Debug)]
+pub struct Ruleset {
+    family: IpFamily,
+    /// Where NodePorts are served (`nodeport-ips`); `None`: every local
+    /// address but loopback.
+    nodeport_ips: Option<Vec<IpAddr>>,
+    /// The per-service-port and per-endpoint chains and their rules.
+    pub(super) chains: BTreeMap<String, Vec<String>>,
+    /// The endpoints' affinity sets and their timeouts (seconds).
+    pub(super) affinity: BTreeMap<String, u32>,
+    pub(super) elements: BTreeMap<ElementKey, Element>,
+}
+
+/// What a sync applied, to tell what the next one changes: a digest of each
+/// chain's rules and of each element, and the affinity sets.
+#[derive(Clone, Debug, Default)]
+pub struct Applied {
+    chains: HashMap<String, u64>,
+    affinity: BTreeMap<String, u32>,
+    elements: HashMap<ElementKey, u64>,
+}
+
+impl Applied {
+    /// Whether an element at `key` was applied.
+    pub fn has_element(&self, key: &ElementKey) -> bool {
+        self.elements.contains_key(key)
+    }
+
+    /// `old`'s chains, affinity sets and elements replaced by `new`'s: what
+    /// a partial sync of some ports (`new.partial(&old.applied())`) leaves.
+    pub fn replace(&mut self, old: &Ruleset, new: &Ruleset) {
+        for chain in old.chains.keys() {
+            self.chains.remove(chain);
+        }
+        for set in old.affinity.keys() {
+            self.affinity.remove(set);
+        }
+        for key in old.elements.keys() {
+            self.elements.remove(key);
+        }
+        let applied = new.applied();
+        self.chains.extend(applied.chains);
+        self.affinity.extend(applied.affinity);
+        self.elements.extend(applied.elements);
+    }
+}
+
+/// What the kernel's table holds, listed before a full sync: the chains
+/// and sets a full sync does not write are removed.
+#[derive(Clone, Debug, Default)]
+pub struct Existing {
+    pub chains: BTreeSet<String>,
+    pub sets: BTreeSet<String>,
+}
+
+/// A transaction for `nft -f`, and what it leaves to do.
+#[derive(Debug, Default)]
+pub struct Transaction {
+    pub text: String,
+    /// Per-service chains written (declared and filled).
+    pub chains_written: usize,
+    /// Per-service chains flushed because no longer used: they are deleted
+    /// a while later (before Linux 6.2 the kernel notices only after a
+    /// moment that no map element jumps to them any more).
+    pub stale_chains: Vec<String>,
+    /// Elements added and deleted.
+    pub elements_written: usize,
+}
+
+fn digest(value: &impl Hash) -> u64 {
+    let mut h = DefaultHasher::new();
+    value.hash(&mut h);
+    h.finish()
+}
+
+/// The statements of a transaction, written for one family's table.
+struct Writer<'a> {
+    out: &'a mut String,
+    family: &'static str,
+}
+
+impl Writer<'_> {
+    fn line(&mut self, verb: &str, what: &str, name: &str, rest: &str) {
+        let (family, sep) = (self.family, if rest.is_empty() { "" } else { " " });
+        let _ = writeln!(self.out, "{verb} {what} {family} {TABLE} {name}{sep}{rest}");
+    }
+
+    fn rule(&mut self, chain: &str, rule: &str) {
+        self.line("add", "rule", chain, rule);
+    }
+
+    fn element(&mut self, verb: &str, set: &str, key: &str, element: Option<&Element>) {
+        let mut text = format!("{{ {key}");
+        if let Some(element) = element {
+            if let Some(comment) = &element.comment {
+                let _ = write!(text, " comment \"{comment}\"");
+            }
+            if let Some(value) = &element.value {
+                let _ = write!(text, " : {value}");
+            }
+        }
+        text.push_str(" }");
+        self.line(verb, "element", set, &text);
+    }
+}
+
+/// The base chains: (name, type, hook, priority). The filter chains that
+/// see destinations before DNAT run just before it; the others at the
+/// filter priority, after it.
+const BASE_CHAINS: [(&str, &str, &str, i32); 8] = [
+    ("filter-prerouting-pre-dnat", "filter", "prerouting", -110),
+    ("filter-output-pre-dnat", "filter", "output", -110),
+    ("filter-forward", "filter", "forward", 0),
+    ("filter-input", "filter", "input", 0),
+    ("filter-output", "filter", "output", 0),
+    ("nat-output", "nat", "output", -100),
+    ("nat-postrouting", "nat", "postrouting", 100),
+    ("nat-prerouting", "nat", "prerouting", -100),
+];
+
+/// The regular chains of the fixed part.
+const TOP_CHAINS: [&str; 8] = [
+    "cluster-ips-check",
+    "firewall-check",
+    "mark-for-masquerade",
+    "masquerading",
+    "nodeport-endpoints-check",
+    "reject-chain",
+    "services",
+    "service-endpoints-check",
+];
+
+impl Ruleset {
+    pub fn new(family: IpFamily, nodeport_ips: Option<Vec<IpAddr>>) -> Self {
+        Ruleset {
+            family,
+            nodeport_ips,
+            chains: BTreeMap::new(),
+            affinity: BTreeMap::new(),
+            elements: BTreeMap::new(),
+        }
+    }
+
+    pub fn family(&self) -> IpFamily {
+        self.family
+    }
+
+    /// A ruleset with one made-up service that uses every expression the
+    /// mode writes (verdict maps, numgen, fib, an affinity set updated from
+    /// the packet, dnat, masquerade), for `probe` to have nft check.
+    pub fn probe() -> Ruleset {
+        let mut rs = Ruleset::new(IpFamily::V4, Some(vec![]));
+        let (svc, ext, ep) = ("service-probe/x", "external-probe/x", "endpoint-probe/x");
+        rs.affinity.insert("affinity-probe/x".into(), 10800);
+        let rules = |rules: &[&str]| rules.iter().map(|r| r.to_string()).collect::<Vec<_>>();
+        rs.chains.insert(
+            ep.into(),
+            rules(&[
+                "ip saddr 10.0.0.1 jump mark-for-masquerade",
+                "update @affinity-probe/x { ip saddr }",
+                "meta l4proto tcp dnat to 10.0.0.1:80",
+            ]),
+        );
+        let pick = format!("numgen random mod 1 vmap {{ 0 : goto {ep} }}");
+        let sticky = format!("ip saddr @affinity-probe/x goto {ep}");
+        rs.chains.insert(svc.into(), vec![sticky, pick]);
+        let local =
+            format!("fib saddr type local goto {svc} comment \"short-circuit local traffic\"");
+        rs.chains.insert(ext.into(), vec![local]);
+        let element = Element { value: Some(format!("goto {ext}")), comment: None };
+        rs.elements.insert((Container::ServiceIps, "10.0.0.2 . tcp . 80".into()), element);
+        rs
+    }
+
+    /// Adds `part`'s chains, affinity sets and elements (a port's, from
+    /// [`super::render_port`]). Returns whether an element's key was taken
+    /// already (two ports claim one address and port): the first keeps it.
+    pub fn absorb(&mut self, part: &Ruleset) -> bool {
+        self.chains.extend(part.chains.iter().map(|(c, r)| (c.clone(), r.clone())));
+        self.affinity.extend(part.affinity.iter().map(|(s, t)| (s.clone(), *t)));
+        let mut conflict = false;
+        for (key, element) in &part.elements {
+            match self.elements.entry(key.clone()) {
+                Entry::Occupied(_) => conflict = true,
+                Entry::Vacant(v) => {
+                    v.insert(element.clone());
+                }
+            }
+        }
+        conflict
+    }
+
+    /// The keys of its elements.
+    pub fn element_keys(&self) -> impl Iterator<Item = &ElementKey> {
+        self.elements.keys()
+    }
+
+    /// Whether it has this per-service chain.
+    pub fn has_chain(&self, name: &str) -> bool {
+        self.chains.contains_key(name)
+    }
+
+    /// `ip` or `ip6`: the table's family, and the words of its matches.
+    fn ip(&self) -> &'static str {
+        match self.family {
+            IpFamily::V4 => "ip",
+            IpFamily::V6 => "ip6",
+        }
+    }
+
+    fn addr_type(&self) -> &'static str {
+        match self.family {
+            IpFamily::V4 => "ipv4_addr",
+            IpFamily::V6 => "ipv6_addr",
+        }
+    }
+
+    /// The rules of the fixed part's chains, in order.
+    fn top_rules(&self) -> Vec<(&'static str, String)> {
+        let ip = self.ip();
+        let not_localhost = match self.family {
+            IpFamily::V4 => "ip daddr != 127.0.0.0/8",
+            IpFamily::V6 => "ip6 daddr != ::1",
+        };
+        let new = |target: &str| format!("ct state new jump {target}");
+        let tuple = format!("{ip} daddr . meta l4proto . th dport vmap");
+        let (nodeport_check, nodeports) = match self.nodeport_ips {
+            Some(_) => (
+                format!(
+                    "{ip} daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports"
+                ),
+                format!("{ip} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports"),
+            ),
+            None => (
+                format!("{not_localhost} meta l4proto . th dport vmap @no-endpoint-nodeports"),
+                format!(
+                    "fib daddr type local {not_localhost} meta l4proto . th dport vmap @service-nodeports"
+                ),
+            ),
+        };
+        vec![
+            (
+                "cluster-ips-check",
+                format!(
+                    "{ip} daddr @cluster-ips reject comment \"Reject traffic to invalid ports of ClusterIPs\""
+                ),
+            ),
+            ("filter-prerouting-pre-dnat", new("firewall-check")),
+            ("filter-output-pre-dnat", new("firewall-check")),
+            ("filter-forward", new("service-endpoints-check")),
+            ("filter-forward", new("cluster-ips-check")),
+            ("filter-input", new("nodeport-endpoints-check")),
+            ("filter-input", new("service-endpoints-check")),
+            ("filter-output", new("service-endpoints-check")),
+            ("filter-output", new("cluster-ips-check")),
+            ("firewall-check", format!("{tuple} @firewall-ips")),
+            ("mark-for-masquerade", format!("mark set mark or {MARK}")),
+            ("masquerading", format!("mark and {MARK} == 0 return")),
+            ("masquerading", format!("mark set mark xor {MARK}")),
+            ("masquerading", "masquerade fully-random".to_string()),
+            ("nat-output", "jump services".to_string()),
+            ("nat-postrouting", "jump masquerading".to_string()),
+            ("nat-prerouting", "jump services".to_string()),
+            ("nodeport-endpoints-check", nodeport_check),
+            ("reject-chain", "reject".to_string()),
+            ("services", format!("{tuple} @service-ips")),
+            ("services", nodeports),
+            ("service-endpoints-check", format!("{tuple} @no-endpoint-services")),
+        ]
+    }
+
+    /// The fixed part: the table, its sets and maps (emptied when `flush`),
+    /// its chains (emptied when `flush`; base chains deleted first when
+    /// `recreate`, so one left with other settings is made anew) and their
+    /// rules, and the `nodeport-ips` elements.
+    fn write_fixed(&self, w: &mut Writer, flush: bool, recreate: bool) {
+        let _ = writeln!(
+            w.out,
+            "add table {} {TABLE} {{ comment \"rules for kube-proxy\" ; }}",
+            w.family
+        );
+        let addr = self.addr_type();
+        let cluster_ips = Container::ClusterIps;
+        w.line("add", "set", cluster_ips.name(), &cluster_ips.declaration(addr));
+        let nodeport_ips =
+            format!("{{ type {addr} ; comment \"IPs that accept NodePort traffic\" ; }}");
+        match (&self.nodeport_ips, flush) {
+            (Some(_), _) => w.line("add", "set", "nodeport-ips", &nodeport_ips),
+            // Into an empty table: not made at all.
+            (None, false) => {}
+            // Added first: deleting a set that is not there fails.
+            (None, true) => {
+                w.line("add", "set", "nodeport-ips", &nodeport_ips);
+                w.line("delete", "set", "nodeport-ips", "");
+            }
+        }
+        if flush && self.nodeport_ips.is_some() {
+            w.line("flush", "set", "nodeport-ips", "");
+        }
+        for container in Container::ALL.into_iter().filter(|c| *c != Container::ClusterIps) {
+            w.line("add", "map", container.name(), &container.declaration(addr));
+        }
+        if flush {
+            for container in Container::ALL {
+                w.line("flush", container.kind(), container.name(), "");
+            }
+        }
+        for (name, ty, hook, priority) in BASE_CHAINS {
+            if recreate {
+                w.line("add", "chain", name, "");
+                w.line("delete", "chain", name, "");
+            }
+            w.line(
+                "add",
+                "chain",
+                name,
+                &format!("{{ type {ty} hook {hook} priority {priority} ; }}"),
+            );
+            if flush {
+                w.line("flush", "chain", name, "");
+            }
+        }
+        for name in TOP_CHAINS {
+            let spec = match name {
+                "reject-chain" => {
+                    "{ comment \"helper for @no-endpoint-services / @no-endpoint-nodeports\" ; }"
+                }
+                _ => "",
+            };
+            w.line("add", "chain", name, spec);
+            if flush {
+                w.line("flush", "chain", name, "");
+            }
+        }
+        for (chain, rule) in self.top_rules() {
+            w.rule(chain, &rule);
+        }
+        for ip in self.nodeport_ips.iter().flatten() {
+            w.element("add", "nodeport-ips", &ip.to_string(), None);
+        }
+    }
+
+    /// Everything: the fixed part (see `write_fixed`), the affinity sets,
+    /// the per-service chains (emptied first when `flush`) and their rules,
+    /// and the elements.
+    fn write_whole(&self, w: &mut Writer, flush: bool, recreate: bool) {
+        self.write_fixed(w, flush, recreate);
+        for (name, timeout) in &self.affinity {
+            w.line("add", "set", name, &self.affinity_declaration(*timeout));
+        }
+        for name in self.chains.keys() {
+            w.line("add", "chain", name, "");
+            if flush {
+                w.line("flush", "chain", name, "");
+            }
+        }
+        for (name, rules) in &self.chains {
+            rules.iter().for_each(|rule| w.rule(name, rule));
+        }
+        for (key, element) in &self.elements {
+            w.element("add", key.0.name(), &key.1, Some(element));
+        }
+    }
+
+    fn affinity_declaration(&self, timeout: u32) -> String {
+        format!("{{ type {} ; flags dynamic,timeout ; timeout {timeout}s ; }}", self.addr_type())
+    }
+
+    fn writer<'a>(&self, out: &'a mut String) -> Writer<'a> {
+        Writer { out, family: self.ip() }
+    }
+
+    /// A full sync: everything written, the per-service chains of
+    /// `existing` no longer used flushed (to be deleted later), its
+    /// affinity sets no longer used deleted. `recreate`: the base chains
+    /// are made anew (the first sync: another version may have left them
+    /// with other priorities). Affinity sets kept keep their clients.
+    pub fn full(&self, existing: &Existing, recreate: bool) -> Transaction {
+        let mut text = String::new();
+        let mut w = self.writer(&mut text);
+        self.write_whole(&mut w, true, recreate);
+        let stale_chains: Vec<String> = existing
+            .chains
+            .iter()
+            .filter(|c| is_service_chain(c) && !self.chains.contains_key(*c))
+            .cloned()
+            .collect();
+        for chain in &stale_chains {
+            w.line("flush", "chain", chain, "");
+        }
+        for set in
+            existing.sets.iter().filter(|s| is_affinity_set(s) && !self.affinity.contains_key(*s))
+        {
+            w.line("delete", "set", set, "");
+        }
+        Transaction {
+            text,
+            chains_written: self.chains.len(),
+            stale_chains,
+            elements_written: self.elements.len(),
+        }
+    }
+
+    /// A partial sync: only the chains, affinity sets and elements that
+    /// differ from `applied`; none when nothing does (empty text).
+    pub fn partial(&self, applied: &Applied) -> Transaction {
+        let mut text = String::new();
+        let mut w = self.writer(&mut text);
+        let mut tx = Transaction::default();
+        for (name, timeout) in &self.affinity {
+            if applied.affinity.get(name) != Some(timeout) {
+                w.line("add", "set", name, &self.affinity_declaration(*timeout));
+            }
+        }
+        let changed: Vec<(&String, &Vec<String>)> = self
+            .chains
+            .iter()
+            .filter(|(name, rules)| applied.chains.get(*name) != Some(&digest(rules)))
+            .collect();
+        for (name, _) in &changed {
+            w.line("add", "chain", name, "");
+            w.line("flush", "chain", name, "");
+        }
+        for (name, rules) in &changed {
+            rules.iter().for_each(|rule| w.rule(name, rule));
+        }
+        tx.chains_written = changed.len();
+        for key in applied.elements.keys().filter(|k| !self.elements.contains_key(*k)) {
+            w.element("delete", key.0.name(), &key.1, None);
+            tx.elements_written += 1;
+        }
+        for (key, element) in &self.elements {
+            match applied.elements.get(key) {
+                Some(d) if *d == digest(element) => continue,
+                Some(_) => w.element("delete", key.0.name(), &key.1, None),
+                None => {}
+            }
+            w.element("add", key.0.name(), &key.1, Some(element));
+            tx.elements_written += 1;
+        }
+        for chain in applied.chains.keys().filter(|c| !self.chains.contains_key(*c)) {
+            w.line("flush", "chain", chain, "");
+            tx.stale_chains.push(chain.clone());
+        }
+        for set in applied.affinity.keys().filter(|s| !self.affinity.contains_key(*s)) {
+            w.line("delete", "set", set, "");
+        }
+        tx.text = text;
+        tx
+    }
+
+    /// What applying this ruleset leaves in the kernel, for the next
+    /// partial sync.
+    pub fn applied(&self) -> Applied {
+        Applied {
+            chains: self.chains.iter().map(|(name, rules)| (name.clone(), digest(rules))).collect(),
+            affinity: self.affinity.clone(),
+            elements: self.elements.iter().map(|(k, e)| (k.clone(), digest(e))).collect(),
+        }
+    }
+}
+
+impl fmt::Display for Ruleset {
+    /// The ruleset as `nft -f` input for an empty table.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut text = String::new();
+        self.write_whole(&mut self.writer(&mut text), false, false);
+        f.write_str(&text)
+    }
+}

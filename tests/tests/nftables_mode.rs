@@ -1,0 +1,98 @@
+//! The nftables mode's own behaviour in the lab: switching to and from the
+//! other modes (the new datapath serves, then the old one's state goes), a
+//! table deleted by someone written again, and `cleanup`.
+
+use std::time::{Duration, Instant};
+
+use proxy_lab::{Lab, Mode, Pod, Tally, target_bin};
+use test_objects::{Protocol::*, ep, manifest, port, service};
+
+/// `web` at 10.96.0.10:80 over two pods; a lab of `mode` and a client.
+fn lab(mode: Mode) -> (Lab, Pod) {
+    let mut lab = Lab::with_mode(mode).unwrap();
+    let pods = lab.add_web_pods(2, &[8080], &[]).unwrap();
+    let client = lab.add_pod("client", "10.244.1.100").unwrap();
+    let web = service("lab", "web").cluster_ip("10.96.0.10").port(port("http", 80).target(8080));
+    let slice = web.slice().port("http", 8080, Tcp).endpoints(pods.iter().map(|p| ep(&p.ip)));
+    lab.write_manifest(&manifest(&[&web, &slice])).unwrap();
+    (lab, client)
+}
+
+/// The pods `count` connections from outside the test cgroup reached.
+fn reach(lab: &Lab, client: &Pod, count: usize) -> Tally {
+    Tally::of(&lab.client_outside(client).timeout_ms(1000).tcp("10.96.0.10:80", count).unwrap())
+}
+
+/// Our IPv4 table, as nft lists it (an error when there is none).
+fn table(lab: &Lab) -> anyhow::Result<String> {
+    lab.exec_on(0, "nft", &["list", "table", "ip", "kube-proxy"])
+}
+
+fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what} within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn switching_between_iptables_ebpf_and_nftables_removes_the_others_state() {
+    let (mut lab, client) = lab(Mode::Iptables);
+    lab.start_agent(&[]).unwrap();
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+
+    // iptables → nftables: once the table is in, the iptables rules go.
+    lab.kill_agent();
+    lab.start_agent(&["--proxy-mode", "nftables"]).unwrap();
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+    assert!(table(&lab).unwrap().contains("10.96.0.10 . tcp . 80 : goto service-"));
+    wait_for("the iptables rules removed", Duration::from_secs(10), || {
+        !lab.iptables_save_on(0).unwrap().contains("KUBE-SERVICES")
+    });
+    assert!(lab.agent_log().contains("removed the iptables mode's rules"), "{}", lab.agent_log());
+
+    // nftables → eBPF (whose programs translate in front of the table),
+    // then eBPF → nftables: the pins go.
+    lab.kill_agent();
+    lab.start_agent(&["--proxy-mode", "ebpf"]).unwrap();
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+    lab.kill_agent();
+    lab.start_agent(&["--proxy-mode", "nftables"]).unwrap();
+    wait_for("the eBPF pins removed", Duration::from_secs(10), || !lab.pins.join("links").exists());
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+
+    // nftables → iptables: once the rules are in, the tables go.
+    lab.kill_agent();
+    lab.start_agent(&["--proxy-mode", "iptables"]).unwrap();
+    wait_for("the nftables table removed", Duration::from_secs(10), || table(&lab).is_err());
+    assert!(lab.agent_log().contains("removed the nftables mode's tables"), "{}", lab.agent_log());
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+}
+
+#[test]
+fn a_table_deleted_by_someone_is_written_again_and_cleanup_removes_it() {
+    let (mut lab, client) = lab(Mode::Nftables);
+    lab.start_agent(&[]).unwrap();
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+    lab.exec_on(0, "nft", &["delete", "table", "ip", "kube-proxy"]).unwrap();
+    wait_for("the table written again", Duration::from_secs(10), || {
+        table(&lab).is_ok_and(|t| t.contains("10.96.0.10 . tcp . 80 : goto service-"))
+    });
+    assert!(lab.agent_log().contains("deleted or flushed by another program"));
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+    // Flushed (rules gone, chains and maps left): written again too.
+    lab.exec_on(0, "nft", &["flush", "table", "ip", "kube-proxy"]).unwrap();
+    wait_for("the rules written again", Duration::from_secs(10), || {
+        table(&lab).is_ok_and(|t| t.contains("vmap @service-ips"))
+    });
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+
+    lab.stop_agent_on(0);
+    let agent = target_bin("proxy-agent").to_string_lossy().into_owned();
+    let pins = lab.pins.to_string_lossy().into_owned();
+    lab.exec_on(0, &agent, &["cleanup", "--bpffs-root", &pins]).unwrap();
+    assert!(table(&lab).is_err(), "the table left: {:?}", table(&lab));
+    let v6 = lab.exec_on(0, "nft", &["list", "table", "ip6", "kube-proxy"]);
+    assert!(v6.is_err(), "{v6:?}");
+}
