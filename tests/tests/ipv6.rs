@@ -349,7 +349,7 @@ fn udp_moves_off_a_removed_endpoint(setup: Setup, connected: bool, agent: &[&str
     assert_eq!(after.iter().collect::<BTreeSet<_>>().len(), 1, "and sticks again: {after:?}");
     if setup.mode == Mode::Iptables {
         let log = c.lab.agent_log();
-        assert!(log.contains("stale UDP conntrack entries deleted"), "{log}");
+        assert!(log.contains("stale UDP/SCTP conntrack entries deleted"), "{log}");
     }
 }
 

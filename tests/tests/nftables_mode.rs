@@ -52,11 +52,14 @@ fn switching_between_iptables_ebpf_and_nftables_removes_the_others_state() {
     });
     assert!(lab.agent_log().contains("removed the iptables mode's rules"), "{}", lab.agent_log());
 
-    // nftables → eBPF (whose programs translate in front of the table),
-    // then eBPF → nftables: the pins go.
+    // nftables → eBPF (whose programs translate in front of the table):
+    // once they serve, the tables go; then eBPF → nftables: the pins go.
     lab.kill_agent();
     lab.start_agent(&["--proxy-mode", "ebpf"]).unwrap();
     assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+    wait_for("the nftables table removed", Duration::from_secs(10), || table(&lab).is_err());
+    let log = lab.agent_log();
+    assert_eq!(log.matches("removed the nftables mode's tables").count(), 1, "{log}");
     lab.kill_agent();
     lab.start_agent(&["--proxy-mode", "nftables"]).unwrap();
     wait_for("the eBPF pins removed", Duration::from_secs(10), || !lab.pins.join("links").exists());
@@ -66,7 +69,9 @@ fn switching_between_iptables_ebpf_and_nftables_removes_the_others_state() {
     lab.kill_agent();
     lab.start_agent(&["--proxy-mode", "iptables"]).unwrap();
     wait_for("the nftables table removed", Duration::from_secs(10), || table(&lab).is_err());
-    assert!(lab.agent_log().contains("removed the nftables mode's tables"), "{}", lab.agent_log());
+    // The log is appended to across restarts: the eBPF agent's line, then this one's.
+    let log = lab.agent_log();
+    assert_eq!(log.matches("removed the nftables mode's tables").count(), 2, "{log}");
     assert_eq!(reach(&lab, &client, 20).served().len(), 2);
 }
 

@@ -365,7 +365,7 @@ fn udp_node_port_flows_stick_and_move_off_a_removed_endpoint(setup: Setup) {
     );
     if setup.mode == Mode::Iptables {
         let log = c.lab.agent_log();
-        assert!(log.contains("stale UDP conntrack entries deleted"), "{log}");
+        assert!(log.contains("stale UDP/SCTP conntrack entries deleted"), "{log}");
     }
 }
 

@@ -6,7 +6,7 @@
 use std::{collections::BTreeSet, net::IpAddr};
 
 use super::iptables::{
-    conntrack::{StaleFlows, UdpServices, frontends, stale_flows, udp_services, untranslated},
+    conntrack::{CleanedPorts, StaleFlows, cleaned_ports, frontends, stale_flows, untranslated},
     exec::{ExecError, Runner},
 };
 use crate::{
@@ -39,7 +39,8 @@ fn conntrack(
 /// What the deletions after a sync did.
 #[derive(Debug, Default)]
 pub struct FlowReport {
-    /// UDP conntrack entry sets deleted (those that matched something).
+    /// UDP and SCTP conntrack entry sets deleted (those that matched
+    /// something).
     pub flushed: usize,
     /// Entries to service addresses made while the rules were missing,
     /// deleted.
@@ -53,7 +54,7 @@ impl FlowReport {
     /// Logs what was deleted and counts what failed.
     pub fn report(&self, metrics: &Metrics) {
         if self.flushed > 0 {
-            tracing::info!(sets = self.flushed, "stale UDP conntrack entries deleted");
+            tracing::info!(sets = self.flushed, "stale UDP/SCTP conntrack entries deleted");
         }
         if self.untranslated_deleted > 0 {
             tracing::info!(
@@ -68,23 +69,23 @@ impl FlowReport {
     }
 }
 
-/// One family's UDP services as the last sync applied them, and the
-/// deletions still owed.
+/// One family's UDP and SCTP service ports as the last sync applied them,
+/// and the deletions still owed.
 #[derive(Debug)]
 pub struct ConntrackFlows {
     family: IpFamily,
-    udp: UdpServices,
+    cleaned: CleanedPorts,
     /// Stale entries whose deletion failed, tried again at the next sync.
     pending: BTreeSet<StaleFlows>,
 }
 
 impl ConntrackFlows {
     pub fn new(family: IpFamily) -> Self {
-        ConntrackFlows { family, udp: UdpServices::new(), pending: BTreeSet::new() }
+        ConntrackFlows { family, cleaned: CleanedPorts::new(), pending: BTreeSet::new() }
     }
 
-    /// After a sync applied `model`: deletes the UDP entries to endpoints
-    /// that left and to services that got endpoints. Failures are reported
+    /// After a sync applied `model`: deletes the UDP and SCTP entries to
+    /// endpoints that left and to services that got endpoints. Failures are reported
     /// and kept for the next sync, never fatal.
     pub fn after_sync(
         &mut self,
@@ -93,10 +94,10 @@ impl ConntrackFlows {
         node_ips: &[IpAddr],
         report: &mut FlowReport,
     ) {
-        let udp = udp_services(model, self.family, node_ips);
-        let mut stale = stale_flows(&self.udp, &udp);
+        let cleaned = cleaned_ports(model, self.family, node_ips);
+        let mut stale = stale_flows(&self.cleaned, &cleaned);
         stale.append(&mut self.pending);
-        self.udp = udp;
+        self.cleaned = cleaned;
         for flows in stale {
             let args = flows.args();
             let args: Vec<&str> = args.iter().map(String::as_str).collect();

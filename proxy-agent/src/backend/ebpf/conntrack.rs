@@ -6,7 +6,7 @@
 
 use std::{collections::BTreeSet, net::IpAddr};
 
-use proxy_common::{CT_FLAG_REPLY, CtTuple, CtValue};
+use proxy_common::{CT_FLAG_REPLY, CtTuple, CtValue, IPPROTO_SCTP, IPPROTO_UDP};
 
 use super::departures::Departures;
 
@@ -55,15 +55,24 @@ where
     departures.ends_flow_to(entry.rev_nat_id(), key.proto(), addr.into(), port)
 }
 
-/// Entries of flows of departed (frontend, backend) pairs, and their pairs:
-/// kube-proxy deletes the UDP conntrack entries of an endpoint that left a
-/// service so its clients re-resolve it.
+/// Whether the flows of `proto` go with their endpoint: UDP's, as
+/// kube-proxy deletes their conntrack entries so that clients pick again,
+/// and SCTP's, as kube-proxy did until 1.28 (a peer keeping its port would
+/// otherwise send its next INIT to the endpoint that left); a TCP
+/// connection's flow ends with the connection.
+pub fn flushed(proto: u8) -> bool {
+    matches!(proto, IPPROTO_UDP | IPPROTO_SCTP)
+}
+
+/// Entries of the [`flushed`] protocols' flows of departed (frontend,
+/// backend) pairs, and their pairs.
 pub fn flows_to<K, V>(entries: &[(K, V)], departures: &Departures) -> Vec<K>
 where
     K: CtTuple<Addr: Into<IpAddr>> + Ord,
     V: CtValue<Key = K>,
 {
-    with_pairs(entries.iter().filter(|(k, e)| names_departed(k, e, departures)))
+    let departed = |(k, e): &&(K, V)| flushed(k.proto()) && names_departed(k, e, departures);
+    with_pairs(entries.iter().filter(departed))
 }
 
 #[cfg(test)]

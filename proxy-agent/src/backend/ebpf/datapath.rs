@@ -24,7 +24,7 @@ use super::{
     state_sizes::StateSizes,
 };
 use crate::{
-    backend::{Datapath, Synced, iptables},
+    backend::{Datapath, Synced, iptables, nftables},
     metrics::Metrics,
     model::{IpFamily, Model, ServiceName, v4, v6},
     node,
@@ -515,10 +515,10 @@ impl Datapath for EbpfDatapath {
             writes = report.writes,
             "datapath synced"
         );
-        match self.object.flush_udp_flows(&report.departures) {
+        match self.object.flush_departed_flows(&report.departures) {
             Ok(0) => {}
-            Ok(flushed) => tracing::info!(flushed, "UDP flows to removed endpoints deleted"),
-            Err(e) => tracing::warn!(error = %e, "could not flush UDP flows"),
+            Ok(flushed) => tracing::info!(flushed, "UDP/SCTP flows to removed endpoints deleted"),
+            Err(e) => tracing::warn!(error = %e, "could not flush UDP/SCTP flows"),
         }
         metrics.add_flow_growth(self.object.take_flow_growth());
         // Connected sockets would keep sending to the pod that left.
@@ -587,6 +587,10 @@ impl Datapath for EbpfDatapath {
         let chains = iptables::cleanup_every_backend()?;
         if chains > 0 {
             tracing::info!(chains, "removed the iptables mode's rules");
+        }
+        let tables = nftables::cleanup(&mut iptables::exec::System::default())?;
+        if tables > 0 {
+            tracing::info!(tables, "removed the nftables mode's tables");
         }
         Ok(())
     }

@@ -90,9 +90,9 @@ impl Departures {
         }
     }
 
-    /// Whether any departure is of a `proto` backend.
-    pub fn has_proto(&self, proto: u8) -> bool {
-        self.by_address.iter().any(|k| k.proto == proto)
+    /// Whether any departure is of a backend whose protocol is `which`.
+    pub fn has_proto(&self, which: impl Fn(u8) -> bool) -> bool {
+        self.by_address.iter().any(|k| which(k.proto))
     }
 
     /// The departures of `protocols`, as the socket iterators read them.
@@ -156,6 +156,7 @@ mod tests {
         let udp = departures.socket_keys(&[IPPROTO_UDP]);
         assert_eq!(udp, vec![key(7, &backend(1, IPPROTO_UDP))]);
         assert_eq!(departures.socket_keys(&[IPPROTO_UDP, IPPROTO_TCP]).len(), 2);
-        assert!(departures.has_proto(IPPROTO_TCP) && !Departures::default().has_proto(IPPROTO_UDP));
+        assert!(departures.has_proto(|p| p == IPPROTO_TCP));
+        assert!(!Departures::default().has_proto(|p| p == IPPROTO_UDP));
     }
 }

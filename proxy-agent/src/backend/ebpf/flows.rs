@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use aya::maps::{HashMap, Map, MapError};
 use proxy_common::{
     AffinityValue, CtEntry, CtEntry6, CtKey, CtKey6, CtTuple, CtValue, FrontendInfo, FrontendStats,
-    IPPROTO_UDP, SockFlow, SockFlowKey, map_names,
+    SockFlow, SockFlowKey, map_names,
 };
 
 use super::{
@@ -80,11 +80,12 @@ impl BpfObject {
             .collect()
     }
 
-    /// Deletes the UDP flows of backends that left their frontends, per
-    /// packet and per socket, as kube-proxy clears their conntrack entries:
-    /// the next datagram picks a live backend.
-    pub fn flush_udp_flows(&mut self, departures: &Departures) -> Result<usize, EbpfError> {
-        if !departures.has_proto(IPPROTO_UDP) {
+    /// Deletes the UDP and SCTP flows of backends that left their
+    /// frontends, per packet and per socket (unconnected UDP), as the
+    /// rule-based modes delete their conntrack entries: the next datagram or
+    /// association picks a live backend.
+    pub fn flush_departed_flows(&mut self, departures: &Departures) -> Result<usize, EbpfError> {
+        if !departures.has_proto(conntrack::flushed) {
             return Ok(0);
         }
         let sockets = self.flush_socket_flows(departures)?;

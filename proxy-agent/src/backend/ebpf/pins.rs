@@ -106,12 +106,15 @@ impl BpfObject {
         }
         let released = self.reconciler.release_reserved();
         let departures = Departures::gone(released.backends);
-        match self.flush_udp_flows(&departures) {
+        match self.flush_departed_flows(&departures) {
             Ok(0) => {}
-            Ok(flushed) => {
-                tracing::info!(flushed, "UDP flows to endpoints removed while no agent ran deleted")
+            Ok(flushed) => tracing::info!(
+                flushed,
+                "UDP/SCTP flows to endpoints removed while no agent ran deleted"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not flush UDP/SCTP flows to removed endpoints")
             }
-            Err(e) => tracing::warn!(error = %e, "could not flush UDP flows to removed endpoints"),
         }
         match self.end_sockets(&departures) {
             Ok(0) => {}

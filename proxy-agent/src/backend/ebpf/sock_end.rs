@@ -258,7 +258,7 @@ impl BpfObject {
                     }
                 };
                 let mut ended = 0;
-                for proto in protocols.iter().filter(|p| departures.has_proto(**p)) {
+                for proto in protocols.iter().filter(|p| departures.has_proto(|d| d == **p)) {
                     let must_end = |peer: &Peer| {
                         frontend(peer).is_some_and(|rev_nat_id| {
                             departures.ends_flow_to(rev_nat_id, *proto, peer.address, peer.port)

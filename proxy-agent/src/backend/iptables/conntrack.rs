@@ -2,8 +2,11 @@
 //! code; the agent deletes them with the `conntrack` tool.
 //!
 //! A UDP "connection" lives in conntrack for as long as datagrams keep
-//! coming, DNATed to the endpoint picked for its first one. As kube-proxy
-//! does, UDP entries are deleted when:
+//! coming, DNATed to the endpoint picked for its first one; an SCTP
+//! association's entry outlives the association, and the next INIT from
+//! the peer's port (Diameter and SIGTRAN peers keep theirs) takes over its
+//! NAT. So UDP entries (as kube-proxy does) and SCTP entries (as kube-proxy
+//! did until 1.28, its `IsClearConntrackNeeded`) are deleted when:
 //! - their endpoint no longer serves the service (ready or serving, as
 //!   kube-proxy counts them: a terminating endpoint still serving keeps its
 //!   flows): the next datagram picks again, so a DNS client does not keep
@@ -16,10 +19,9 @@
 //! them): unanswered TCP, UDP and SCTP entries to a service address made
 //! meanwhile were not translated, and a client retrying (a SYN or an INIT
 //! resent from the same port) would keep matching them until they expire.
-//! SCTP entries are otherwise left alone, as kube-proxy leaves them (its
-//! cleanup is UDP's only): an association is a connection, as TCP's, and its
-//! entry ends with it. Answered ones are left
-//! alone: something real answered them.
+//! Answered ones are left alone: something real answered them. TCP entries
+//! are otherwise left alone, as kube-proxy leaves them: a connection's entry
+//! ends with it.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -29,9 +31,17 @@ use std::{
 
 use crate::model::{IpFamily, Model, Protocol, ServicePort, ServicePortName};
 
-/// The frontends of one UDP service port and the endpoints it sends to.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct UdpService {
+/// Whether the entries of `protocol`'s service ports are deleted when
+/// their endpoint leaves (see the module's documentation).
+fn cleaned(protocol: Protocol) -> bool {
+    matches!(protocol, Protocol::Udp | Protocol::Sctp)
+}
+
+/// The frontends of one UDP or SCTP service port and the endpoints it
+/// sends to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CleanedPort {
+    pub protocol: Protocol,
     /// Cluster IP, external IPs and load-balancer IPs, with the port.
     pub frontends: Vec<(IpAddr, u16)>,
     pub node_port: Option<u16>,
@@ -40,16 +50,17 @@ pub struct UdpService {
     pub endpoints: BTreeSet<IpAddr>,
 }
 
-pub type UdpServices = BTreeMap<ServicePortName, UdpService>;
+pub type CleanedPorts = BTreeMap<ServicePortName, CleanedPort>;
 
-/// The UDP service ports of `model`'s `family` on a node with `node_ips`
-/// (of that family).
-pub fn udp_services(model: &Model, family: IpFamily, node_ips: &[IpAddr]) -> UdpServices {
+/// The UDP and SCTP service ports of `model`'s `family` on a node with
+/// `node_ips` (of that family).
+pub fn cleaned_ports(model: &Model, family: IpFamily, node_ips: &[IpAddr]) -> CleanedPorts {
     model
         .ports_of(family)
-        .filter(|p| p.protocol == Protocol::Udp)
+        .filter(|p| cleaned(p.protocol))
         .map(|p| {
-            let service = UdpService {
+            let service = CleanedPort {
+                protocol: p.protocol,
                 frontends: service_frontends(p).collect(),
                 node_port: p.node_port,
                 node_ips: node_ips.to_vec(),
@@ -162,9 +173,16 @@ pub fn untranslated(listing: &str, frontends: &BTreeSet<(Protocol, IpAddr, u16)>
         .collect()
 }
 
-/// A set of UDP conntrack entries to delete.
+/// A set of UDP or SCTP conntrack entries to delete.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum StaleFlows {
+pub struct StaleFlows {
+    pub protocol: Protocol,
+    pub to: StaleTo,
+}
+
+/// Where the entries of [`StaleFlows`] were sent and translated to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StaleTo {
     /// Sent to `ip:port`, DNATed to `endpoint`.
     ToEndpoint { ip: IpAddr, port: u16, endpoint: IpAddr },
     /// Sent to NodePort `port` on any local address, DNATed to `endpoint`.
@@ -177,19 +195,19 @@ pub enum StaleFlows {
 impl StaleFlows {
     /// `conntrack` arguments deleting these entries.
     pub fn args(&self) -> Vec<String> {
-        let mut args: Vec<String> = ["-D", "-p", "udp"].map(String::from).to_vec();
+        let mut args: Vec<String> = ["-D", "-p", self.protocol.lower()].map(String::from).to_vec();
         let dst = |ip: &IpAddr| ["--orig-dst".to_string(), ip.to_string()];
         let port = |port: &u16| ["--orig-port-dst".to_string(), port.to_string()];
-        match self {
-            StaleFlows::ToEndpoint { ip, port: p, endpoint } => {
+        match &self.to {
+            StaleTo::ToEndpoint { ip, port: p, endpoint } => {
                 args.extend(dst(ip).into_iter().chain(port(p)));
                 args.extend(["--dst-nat".to_string(), endpoint.to_string()]);
             }
-            StaleFlows::NodePortToEndpoint { port: p, endpoint } => {
+            StaleTo::NodePortToEndpoint { port: p, endpoint } => {
                 args.extend(port(p));
                 args.extend(["--dst-nat".to_string(), endpoint.to_string()]);
             }
-            StaleFlows::Untranslated { ip, port: p } => {
+            StaleTo::Untranslated { ip, port: p } => {
                 args.extend(dst(ip).into_iter().chain(port(p)));
                 args.extend(["--reply-src".to_string(), ip.to_string()]);
             }
@@ -200,30 +218,32 @@ impl StaleFlows {
 
 impl fmt::Display for StaleFlows {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            StaleFlows::ToEndpoint { ip, port, endpoint } => {
-                write!(f, "UDP {ip}:{port} -> {endpoint}")
+        let protocol = self.protocol.lower();
+        match self.to {
+            StaleTo::ToEndpoint { ip, port, endpoint } => {
+                write!(f, "{protocol} {ip}:{port} -> {endpoint}")
             }
-            StaleFlows::NodePortToEndpoint { port, endpoint } => {
-                write!(f, "UDP NodePort {port} -> {endpoint}")
+            StaleTo::NodePortToEndpoint { port, endpoint } => {
+                write!(f, "{protocol} NodePort {port} -> {endpoint}")
             }
-            StaleFlows::Untranslated { ip, port } => write!(f, "UDP {ip}:{port} untranslated"),
+            StaleTo::Untranslated { ip, port } => write!(f, "{protocol} {ip}:{port} untranslated"),
         }
     }
 }
 
 /// The entries made stale by going from `old` to `new`.
-pub fn stale_flows(old: &UdpServices, new: &UdpServices) -> BTreeSet<StaleFlows> {
+pub fn stale_flows(old: &CleanedPorts, new: &CleanedPorts) -> BTreeSet<StaleFlows> {
     let mut stale = BTreeSet::new();
     for (name, was) in old {
         let now = new.get(name);
         let kept = |endpoint: &IpAddr| now.is_some_and(|n| n.endpoints.contains(endpoint));
+        let mut insert = |to| stale.insert(StaleFlows { protocol: was.protocol, to });
         for &endpoint in was.endpoints.iter().filter(|e| !kept(e)) {
             for &(ip, port) in &was.frontends {
-                stale.insert(StaleFlows::ToEndpoint { ip, port, endpoint });
+                insert(StaleTo::ToEndpoint { ip, port, endpoint });
             }
             if let Some(port) = was.node_port {
-                stale.insert(StaleFlows::NodePortToEndpoint { port, endpoint });
+                insert(StaleTo::NodePortToEndpoint { port, endpoint });
             }
         }
     }
@@ -235,7 +255,8 @@ pub fn stale_flows(old: &UdpServices, new: &UdpServices) -> BTreeSet<StaleFlows>
                 .into_iter()
                 .flat_map(|np| now.node_ips.iter().map(move |ip| (*ip, np)));
             for (ip, port) in now.frontends.iter().copied().chain(node_ports) {
-                stale.insert(StaleFlows::Untranslated { ip, port });
+                let to = StaleTo::Untranslated { ip, port };
+                stale.insert(StaleFlows { protocol: now.protocol, to });
             }
         }
     }
@@ -258,8 +279,9 @@ mod tests {
     const VIP: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10));
     const NODE: IpAddr = IpAddr::V4(Ipv4Addr::new(192, 168, 100, 11));
 
-    fn dns(endpoints: &[[u8; 4]]) -> UdpService {
-        UdpService {
+    fn dns(endpoints: &[[u8; 4]]) -> CleanedPort {
+        CleanedPort {
+            protocol: Protocol::Udp,
             frontends: vec![(VIP, 53)],
             node_port: Some(30053),
             node_ips: vec![NODE],
@@ -269,15 +291,15 @@ mod tests {
 
     #[test]
     fn a_removed_endpoint_loses_its_flows_on_every_frontend() {
-        let old = UdpServices::from([(name("dns"), dns(&[[10, 244, 1, 2], [10, 244, 1, 3]]))]);
-        let new = UdpServices::from([(name("dns"), dns(&[[10, 244, 1, 3]]))]);
+        let old = CleanedPorts::from([(name("dns"), dns(&[[10, 244, 1, 2], [10, 244, 1, 3]]))]);
+        let new = CleanedPorts::from([(name("dns"), dns(&[[10, 244, 1, 3]]))]);
         let gone = IpAddr::from([10, 244, 1, 2]);
         let stale: Vec<_> = stale_flows(&old, &new).into_iter().collect();
         assert_eq!(
             stale,
             [
-                StaleFlows::ToEndpoint { ip: VIP, port: 53, endpoint: gone },
-                StaleFlows::NodePortToEndpoint { port: 30053, endpoint: gone },
+                udp(StaleTo::ToEndpoint { ip: VIP, port: 53, endpoint: gone }),
+                udp(StaleTo::NodePortToEndpoint { port: 30053, endpoint: gone }),
             ]
         );
         assert_eq!(
@@ -291,22 +313,51 @@ mod tests {
         );
     }
 
+    fn udp(to: StaleTo) -> StaleFlows {
+        StaleFlows { protocol: Protocol::Udp, to }
+    }
+
+    /// An SCTP peer keeps its port: the entry of its closed association to
+    /// a gone endpoint would take its next INIT there.
+    #[test]
+    fn a_removed_sctp_endpoint_loses_its_associations_entries() {
+        use test_objects::{Protocol::Sctp, ep, port, service};
+        let diameter = service("default", "diameter").node_port_type().cluster_ip("10.96.0.10");
+        let diameter = diameter.port(port("diameter", 3868).protocol(Sctp).node_port(30868));
+        let ports = |eps: &[&str]| {
+            let slice = diameter.slice().port("diameter", 3869, Sctp);
+            let slice = slice.endpoints(eps.iter().map(|e| ep(e))).build();
+            let model = crate::source::model_of(&[diameter.clone().build()], &[slice]);
+            cleaned_ports(&model, IpFamily::V4, &[NODE])
+        };
+        let stale = stale_flows(&ports(&["10.244.1.2", "10.244.1.3"]), &ports(&["10.244.1.3"]));
+        let args: Vec<_> = stale.iter().map(|s| s.args().join(" ")).collect();
+        assert_eq!(
+            args,
+            [
+                "-D -p sctp --orig-dst 10.96.0.10 --orig-port-dst 3868 --dst-nat 10.244.1.2",
+                "-D -p sctp --orig-port-dst 30868 --dst-nat 10.244.1.2",
+            ]
+        );
+        assert_eq!(stale.first().unwrap().to_string(), "sctp 10.96.0.10:3868 -> 10.244.1.2");
+    }
+
     #[test]
     fn a_deleted_service_loses_its_flows() {
-        let old = UdpServices::from([(name("dns"), dns(&[[10, 244, 1, 2]]))]);
-        assert_eq!(stale_flows(&old, &UdpServices::new()).len(), 2);
+        let old = CleanedPorts::from([(name("dns"), dns(&[[10, 244, 1, 2]]))]);
+        assert_eq!(stale_flows(&old, &CleanedPorts::new()).len(), 2);
     }
 
     #[test]
     fn first_endpoints_clear_untranslated_flows_only() {
-        let old = UdpServices::from([(name("dns"), dns(&[]))]);
-        let new = UdpServices::from([(name("dns"), dns(&[[10, 244, 1, 2]]))]);
+        let old = CleanedPorts::from([(name("dns"), dns(&[]))]);
+        let new = CleanedPorts::from([(name("dns"), dns(&[[10, 244, 1, 2]]))]);
         let stale: Vec<_> = stale_flows(&old, &new).into_iter().collect();
         assert_eq!(
             stale,
             [
-                StaleFlows::Untranslated { ip: VIP, port: 53 },
-                StaleFlows::Untranslated { ip: NODE, port: 30053 },
+                udp(StaleTo::Untranslated { ip: VIP, port: 53 }),
+                udp(StaleTo::Untranslated { ip: NODE, port: 30053 }),
             ]
         );
         assert_eq!(
@@ -314,7 +365,7 @@ mod tests {
             "-D -p udp --orig-dst 192.168.100.11 --orig-port-dst 30053 --reply-src 192.168.100.11"
         );
         // At startup every service is new: only untranslated flows go.
-        assert_eq!(stale_flows(&UdpServices::new(), &new), stale.into_iter().collect());
+        assert_eq!(stale_flows(&CleanedPorts::new(), &new), stale.into_iter().collect());
         assert!(stale_flows(&new, &new).is_empty());
     }
 
@@ -353,15 +404,16 @@ icmp     1 29 src=10.244.1.100 dst=10.96.0.10 type=8 code=0 id=7 src=10.96.0.10 
         ]);
         let m = crate::source::model_of(&[dns.build()], &[slice.build()]);
         let other = IpAddr::from([172, 16, 0, 1]);
-        let udp = udp_services(&m, IpFamily::V4, &[NODE, other]);
-        assert_eq!(udp.len(), 1);
+        let cleaned = cleaned_ports(&m, IpFamily::V4, &[NODE, other]);
+        assert_eq!(cleaned.len(), 1, "the TCP port's entries are left alone");
         // A terminating endpoint still serving keeps its flows, as kube-proxy.
-        let endpoints: Vec<_> = udp.values().next().unwrap().endpoints.iter().copied().collect();
+        let endpoints: Vec<_> =
+            cleaned.values().next().unwrap().endpoints.iter().copied().collect();
         assert_eq!(endpoints, [IpAddr::from([10, 244, 1, 2]), IpAddr::from([10, 244, 1, 3])]);
         let all = frontends(&m, IpFamily::V4, &[NODE, other]);
         assert!(all.contains(&(Protocol::Udp, other, 30053)));
         assert!(all.contains(&(Protocol::Tcp, VIP, 53)));
-        let new = stale_flows(&UdpServices::new(), &udp);
-        assert!(new.contains(&StaleFlows::Untranslated { ip: other, port: 30053 }), "{new:?}");
+        let new = stale_flows(&CleanedPorts::new(), &cleaned);
+        assert!(new.contains(&udp(StaleTo::Untranslated { ip: other, port: 30053 })), "{new:?}");
     }
 }

@@ -20,8 +20,9 @@ use super::{
 };
 use crate::{
     backend::{
-        Datapath, Synced, TrafficRules, conntrack_limit::ConntrackLimit, ebpf, nftables,
-        rule_families,
+        Datapath, Synced, TrafficRules,
+        conntrack_limit::ConntrackLimit,
+        ebpf, nftables, rule_families,
         rule_modes::{RuleOptions, raise_conntrack_max, synced, timed_sync},
     },
     metrics::Metrics,
