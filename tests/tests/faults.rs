@@ -434,6 +434,7 @@ fn service_maps_grow_under_load_and_are_sized_at_start() {
     b.lab.write_manifest(&services(0)).unwrap();
     b.lab.start_agent(&[]).unwrap();
     assert_eq!(b.lab.map_capacity("SERVICES").unwrap(), 65_536);
+    assert_eq!(b.lab.agent_log().matches("BPF programs verified").count(), 1);
     let load = b.load();
 
     let big = services(0) + &crowd(70, 1000) + &padded("late", 1, &["10.244.1.4".into()]);
@@ -473,6 +474,8 @@ fn service_maps_grow_under_load_and_are_sized_at_start() {
     let grown = log.find("the service maps grew").expect(&log);
     assert!(sized < grown && grown < log.find("datapath ready; serving").unwrap(), "{log}");
     assert!(!log.contains("outgrew"), "no failed attempt at the default size: {log}");
+    // One verifier run, into the maps sized for the source.
+    assert_eq!(log.matches("BPF programs verified").count(), 1, "{log}");
     assert_eq!(b.lab.map_capacity("SERVICES").unwrap(), 131_072);
     wait_for_pod(&b, 1, "web-2");
 }

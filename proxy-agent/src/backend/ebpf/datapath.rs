@@ -61,6 +61,9 @@ fn gc_interval(entries: usize) -> Duration {
 /// The eBPF datapath and what looking after it needs.
 pub struct EbpfDatapath {
     object: BpfObject,
+    /// Whether `object`'s programs are verified: not before the first sync,
+    /// which knows what size of maps the source needs (one verifier run).
+    verified: bool,
     loading: Loading,
     cgroup: PathBuf,
     /// Name prefixes of pod-facing interfaces.
@@ -98,18 +101,10 @@ struct Loading {
 }
 
 impl Loading {
-    /// Loads the programs into service maps of `capacity`, carrying the
-    /// state maps pinned under the root over (a previous agent's, or this
-    /// one's when they grow), and configures them; nothing is attached.
-    fn load(&self, capacity: Capacity) -> anyhow::Result<BpfObject> {
-        let mut object = self.prepare(capacity)?;
-        object.verify().context("loading the BPF programs")?;
-        self.finish(&mut object);
-        Ok(object)
-    }
-
-    /// [`Self::load`] but for the programs: verified by the caller, then
-    /// [`Self::finish`]ed.
+    /// Makes the service maps at `capacity`, carrying the state maps pinned
+    /// under the root over (a previous agent's, or this one's when they
+    /// grow), and configures them; the programs are verified by the caller
+    /// (while the maps fill), then [`Self::finish`]ed; nothing is attached.
     fn prepare(&self, capacity: Capacity) -> anyhow::Result<BpfObject> {
         let sizes = MapSizes {
             services: map_size(capacity.services),
@@ -199,10 +194,11 @@ fn map_size(entries: usize) -> u32 {
 }
 
 impl EbpfDatapath {
-    /// Loads the programs (carrying a previous agent's state over) into
-    /// maps of the default size (at most `--bpf-lb-map-max`: the first
-    /// sync grows them to what the source holds), configures them and
-    /// reserves the SNAT ports; nothing is attached yet.
+    /// Makes the maps (carrying a previous agent's state over) at the
+    /// default size (at most `--bpf-lb-map-max`: the first sync makes them
+    /// again at what the source holds, if larger), configures them and
+    /// reserves the SNAT ports; the programs are verified at the first
+    /// sync, into the maps it fills; nothing is attached yet.
     pub fn new(settings: &Settings, node: &Node) -> anyhow::Result<Self> {
         let cgroup = match &settings.cgroup {
             Some(path) => path.clone(),
@@ -237,7 +233,7 @@ impl EbpfDatapath {
             socket_destroy: settings.socket_destroy,
             terminate_tcp: settings.terminate_tcp_on_endpoint_removal,
         };
-        let object = loading.load(capacity)?;
+        let object = loading.prepare(capacity)?;
         let (min, max) = settings.snat_port_range;
         if let Some((low, high)) = sys::ephemeral_ports()
             && min <= high
@@ -265,11 +261,12 @@ impl EbpfDatapath {
                 "replies of per-packet flows only, at ingress (the socket LB translates every pod's connections)"
             }
         };
-        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, node_interfaces = "new flows to frontends and their replies, both directions", pod_interfaces, "BPF programs loaded");
+        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, node_interfaces = "new flows to frontends and their replies, both directions", pod_interfaces, "BPF object prepared (its programs verified at the first sync, into maps of the size it needs)");
         let pod_interfaces = settings.pod_interfaces.clone();
         let next_gc = Instant::now();
         Ok(EbpfDatapath {
             object,
+            verified: false,
             loading,
             cgroup,
             pod_interfaces,
@@ -301,22 +298,23 @@ impl EbpfDatapath {
 
     /// Brings the maps to `plan`; when it outgrew them, into larger maps
     /// (see [`Self::grow`]); while it does not fit even so, to the part of
-    /// it that does (see [`fit`]).
+    /// it that does (see [`fit`]). The first sync verifies the programs
+    /// while it fills their maps.
     fn sync_maps(
         &mut self,
         plan: &Plan,
         dirty: Option<&BTreeSet<Frontend>>,
         metrics: &Metrics,
-    ) -> Result<SyncReport, SyncError> {
+    ) -> anyhow::Result<SyncReport> {
         // Before serving (the first sync), the plan's size is checked first:
         // maps too small for what the source holds are sized for it before
         // anything is written, not after a failed attempt to fill them.
         let outgrown = self.serving.is_none()
             && fit::grown(self.capacity, fit::needed(plan), self.bound).is_some();
-        if self.refused.is_empty() && !outgrown {
+        if self.verified && self.refused.is_empty() && !outgrown {
             match self.object.sync(plan, dirty) {
                 Err(SyncError::Capacity { .. }) => {}
-                result => return result,
+                result => return Ok(result?),
             }
         }
         // What the maps serve, named as the plan names it.
@@ -337,7 +335,36 @@ impl EbpfDatapath {
                 }
             }
         }
-        self.sync_fitted(plan, &served, metrics)
+        if !self.verified {
+            return self.verify_and_fill(plan, &served, metrics);
+        }
+        Ok(self.sync_fitted(plan, &served, metrics)?)
+    }
+
+    /// Verifies the object's programs while its maps fill with `plan` (or
+    /// with the part of it that fits, `served` being what they hold), and
+    /// sets them up; they serve once attached.
+    fn verify_and_fill(
+        &mut self,
+        plan: &Plan,
+        served: &Plan,
+        metrics: &Metrics,
+    ) -> anyhow::Result<SyncReport> {
+        let started = Instant::now();
+        let synced = self.object.verify_while_syncing(plan).context("loading the BPF programs")?;
+        let ms = started.elapsed().as_millis();
+        tracing::info!(capacity = ?self.capacity, ms, "BPF programs verified while their maps filled");
+        self.loading.finish(&mut self.object);
+        self.verified = true;
+        let report = match synced {
+            Err(SyncError::Capacity { .. }) => self.sync_fitted(plan, served, metrics),
+            Ok(report) => {
+                self.report_refused(BTreeMap::new(), plan, metrics);
+                Ok(report)
+            }
+            Err(e) => Err(e),
+        };
+        report.context("filling them")
     }
 
     /// Syncs the part of `plan` the maps hold, given what they serve now.
@@ -381,23 +408,13 @@ impl EbpfDatapath {
         }
         let object = self.loading.prepare(larger)?;
         let old = std::mem::replace(&mut self.object, object);
+        let was_verified = std::mem::replace(&mut self.verified, false);
         self.capacity = larger;
         let mut fill = || -> anyhow::Result<SyncReport> {
             // Nothing runs the new programs yet: they are verified while the
             // maps fill, whole where they fit (the usual case, and the cheap
             // one).
-            let synced =
-                self.object.verify_while_syncing(plan).context("loading the BPF programs")?;
-            self.loading.finish(&mut self.object);
-            let report = match synced {
-                Err(SyncError::Capacity { .. }) => self.sync_fitted(plan, served, metrics),
-                Ok(report) => {
-                    self.report_refused(BTreeMap::new(), plan, metrics);
-                    Ok(report)
-                }
-                Err(e) => Err(e),
-            }
-            .context("filling them")?;
+            let report = self.verify_and_fill(plan, served, metrics)?;
             if let Some(node_ips) = self.serving.clone() {
                 // The programs attached now serve until the new ones are.
                 self.activate(&node_ips, metrics).context("attaching to them")?;
@@ -411,6 +428,7 @@ impl EbpfDatapath {
             }
             Err(e) => {
                 self.object = old;
+                self.verified = was_verified;
                 self.capacity = before;
                 Err(e)
             }
