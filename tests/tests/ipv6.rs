@@ -188,6 +188,12 @@ fn ipv6_node_port_cluster_policy_reaches_the_backend_from_the_nodes_ipv6_address
             assert_eq!(tally(&attempts).len(), 2, "both endpoints: {:?}", tally(&attempts));
         }
     }
+    if setup.mode == Mode::Ebpf {
+        // The IPv6 per-packet programs, loaded for the first IPv6 frontend
+        // (an IPv4-only node never verifies them: `sctp.rs`), once.
+        let log = c.lab.agent_log();
+        assert_eq!(log.matches("the IPv6 programs are loaded").count(), 1, "{log}");
+    }
     // Each TCP attempt a new flow of the service port (issue 13), in both
     // modes; the UDP client's datagrams share one socket, so one flow.
     if !setup.mode.counts() {

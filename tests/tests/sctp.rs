@@ -97,8 +97,9 @@ fn the_nftables_mode_writes_the_sctp_ruleset_and_serves_the_tcp_port() {
 }
 
 /// The eBPF mode loads its SCTP programs once, for the first SCTP
-/// frontend (a node without one never pays their verifier run), and
-/// writes the SCTP frontends with the others.
+/// frontend (a node without one never pays their verifier run, nor an
+/// IPv4-only one the IPv6 programs'), and writes the SCTP frontends with
+/// the others.
 #[test]
 fn the_ebpf_mode_loads_its_sctp_programs_for_the_first_sctp_frontend() {
     const LOADED: &str = "the SCTP programs are loaded";
@@ -112,6 +113,8 @@ fn the_ebpf_mode_loads_its_sctp_programs_for_the_first_sctp_frontend() {
     let attempts = lab.client_outside(&client).timeout_ms(500).tcp("10.96.0.10:80", 10).unwrap();
     assert_eq!(Tally::of(&attempts).served().len(), 2, "{}", lab.agent_log());
     assert!(!lab.agent_log().contains(LOADED), "{}", lab.agent_log());
+    // Nor the IPv6 ones on a node with IPv4 frontends only.
+    assert!(!lab.agent_log().contains("IPv6 programs"), "{}", lab.agent_log());
 
     lab.write_manifest(&web_manifest(&pods)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);

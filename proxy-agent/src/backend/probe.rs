@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use aya::util::KernelVersion;
 
 use super::{
-    ebpf::{BpfObject, TcAttach},
+    ebpf::{BpfObject, TcAttach, on_demand::Group},
     iptables::exec::{Runner as _, System},
 };
 use crate::{model::IpFamily, sys};
@@ -104,7 +104,7 @@ pub fn run(reach: Reach) -> Vec<Feature> {
     let mut programs = BpfObject::load(TcAttach::for_this_kernel());
     let iterators = programs.as_mut().ok().map(BpfObject::load_socket_iterators);
     let sctp_programs = match reach {
-        Reach::All => programs.as_mut().ok().map(BpfObject::load_sctp_programs),
+        Reach::All => programs.as_mut().ok().map(|p| p.load_group(Group::Sctp)),
         Reach::Mode => None,
     };
     let destroy = super::ebpf::sock_diag::probe();

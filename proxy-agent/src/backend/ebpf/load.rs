@@ -7,9 +7,9 @@ use std::{collections::BTreeMap, path::Path};
 use aya::{
     Ebpf,
     maps::Array,
-    programs::{CgroupSockAddr, SchedClassifier},
+    programs::{CgroupSockAddr, Program, SchedClassifier},
 };
-use proxy_common::{Config, Layouts, TC6_PROGRAMS, map_names};
+use proxy_common::{Config, Layouts, map_names};
 
 use super::{
     BpfObject, EbpfError, MapSizes,
@@ -18,11 +18,10 @@ use super::{
     carry::{Carry, Conversion, Pinned, STATE_MAPS},
     flow_counts::{FlowCounts, Growth},
     maps::Maps,
+    on_demand::{Group, Stage, Stages},
     programs::{INGRESS, PROGRAMS, TC_PROGRAMS},
     reconciler::{Reconciler, SyncError, SyncReport},
-    records,
-    sctp::SctpPrograms,
-    sock_end,
+    records, sock_end,
     sock_end::SocketEnding,
     state_sizes::StateSizes,
 };
@@ -45,32 +44,55 @@ pub fn has_set_retval() -> bool {
 pub(super) static OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
-/// Loads every program of the object, on up to [`VERIFIER_THREADS`]
-/// threads, each taking the next program in turn: each is verified on its
-/// own, and all of them take seconds of CPU on the way to serving at every
-/// start. The per-packet entry points come first: `tc_ingress` and
-/// `tc_ingress6` are most of that time (1.3 s and 0.6 s of 2.3 s here), so
-/// each starts on a thread of its own.
-pub(super) fn verify_programs(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+/// The programs every load verifies: the IPv4 per-packet ones and the
+/// socket programs (the IPv6 and SCTP per-packet ones are loaded on demand:
+/// [`super::on_demand`]). `tc_ingress` is the heaviest to verify (1.3 s of
+/// the 2.3 s all the programs took here), so it starts first, on a thread
+/// of its own.
+fn base_programs() -> (Vec<&'static str>, [&'static str; 1]) {
     let tc = TC_PROGRAMS.map(|(name, _, _)| name);
-    let names: Vec<&'static str> = tc.into_iter().chain(TC6_PROGRAMS).chain(PROGRAMS).collect();
-    verify(ebpf, &names, &[INGRESS.0, TC6_PROGRAMS[0]])
+    (tc.into_iter().chain(PROGRAMS).collect(), [INGRESS.0])
 }
 
-/// Loads the programs `names` as [`verify_programs`] does, the `heaviest`
-/// first.
+/// Loads the programs `names` on up to [`VERIFIER_THREADS`] threads, each
+/// taking the next program in turn, the `heaviest` first: each is verified
+/// on its own, and all of them take seconds of CPU at every start.
 pub(super) fn verify(
     ebpf: &mut Ebpf,
     names: &[&'static str],
     heaviest: &[&'static str],
 ) -> Result<(), EbpfError> {
-    let mut programs: Vec<_> = ebpf
-        .programs_mut()
-        .filter_map(|(name, program)| Some((*names.iter().find(|n| **n == name)?, program)))
-        .collect();
-    if let Some(name) = names.iter().find(|n| !programs.iter().any(|(p, _)| p == *n)) {
-        return Err(EbpfError::Missing { what: "program", name });
+    let [programs] = pick(ebpf, [names])?;
+    verify_set(programs, heaviest)
+}
+
+/// `ebpf`'s programs named in each of `sets` (disjoint), to verify apart.
+fn pick<'a, const N: usize>(
+    ebpf: &'a mut Ebpf,
+    sets: [&[&'static str]; N],
+) -> Result<[Vec<(&'static str, &'a mut Program)>; N], EbpfError> {
+    let mut picked = [(); N].map(|()| Vec::new());
+    for (name, program) in ebpf.programs_mut() {
+        for (set, names) in picked.iter_mut().zip(sets) {
+            if let Some(name) = names.iter().find(|n| **n == name) {
+                set.push((*name, &mut *program));
+                break;
+            }
+        }
     }
+    for (set, names) in picked.iter().zip(sets) {
+        if let Some(name) = names.iter().find(|n| !set.iter().any(|(p, _)| p == *n)) {
+            return Err(EbpfError::Missing { what: "program", name });
+        }
+    }
+    Ok(picked)
+}
+
+/// [`verify`] of programs picked.
+fn verify_set(
+    mut programs: Vec<(&'static str, &mut Program)>,
+    heaviest: &[&'static str],
+) -> Result<(), EbpfError> {
     programs.sort_by_key(|(name, _)| !heaviest.contains(name));
     let queue = std::sync::Mutex::new(programs.into_iter());
     let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).next();
@@ -92,7 +114,7 @@ pub(super) fn verify(
 /// At most this many programs are verified at once.
 const VERIFIER_THREADS: usize = 4;
 
-fn load_program(name: &'static str, program: &mut aya::programs::Program) -> Result<(), EbpfError> {
+fn load_program(name: &'static str, program: &mut Program) -> Result<(), EbpfError> {
     let err = |source| EbpfError::Program { name, source };
     if PROGRAMS.contains(&name) {
         <&mut CgroupSockAddr>::try_from(program).map_err(err)?.load().map_err(err)
@@ -201,36 +223,53 @@ impl BpfObject {
             flow_counts6: FlowCounts::default(),
             flow_growth: Growth::new(),
             held6: 0,
-            sctp: SctpPrograms::default(),
+            on_demand: Stages::default(),
         })
     }
 
-    /// Loads the programs (the verifier runs) and points `TC6` at the
-    /// IPv6 ones.
+    /// Loads the programs (the verifier runs), the IPv6 ones included, and
+    /// points `TC6` at them: what a test or an inspection loads.
     pub fn verify(&mut self) -> Result<(), EbpfError> {
-        verify_programs(&mut self.ebpf)?;
-        self.maps.fill_tc6(&mut self.ebpf)
+        let (names, heaviest) = base_programs();
+        verify(&mut self.ebpf, &names, &heaviest)?;
+        self.load_group(Group::Ipv6)?;
+        self.on_demand.set(Group::Ipv6, Stage::Serving);
+        Ok(())
     }
 
-    /// [`Self::verify`] on another thread while this one brings the maps
-    /// to `plan` ([`Self::sync`]): at a first sync of many services the
-    /// verifier's second or two then no longer come before the writes.
+    /// The agent's load: the programs verified on other threads while
+    /// this one brings the maps to `plan` ([`Self::sync`]), so that at a
+    /// first sync of many services the verifier's seconds no longer come
+    /// before the writes; the IPv6 ones beside them when `plan` has an IPv6
+    /// frontend (see [`super::on_demand`]), the SCTP ones after.
     pub fn verify_while_syncing(
         &mut self,
         plan: &Plan,
     ) -> Result<Result<SyncReport, SyncError>, EbpfError> {
+        let ipv6 = self.on_demand.of(Group::Ipv6) == Stage::NotNeeded
+            && Group::Ipv6.wanted(&plan.frontends, None);
+        let (names, heaviest) = base_programs();
+        let names6 = if ipv6 { Group::Ipv6.programs() } else { &[] };
+        let started = std::time::Instant::now();
         let (ebpf, state, maps) = (&mut self.ebpf, &mut self.reconciler, &mut self.maps);
-        let (verified, synced) = std::thread::scope(|scope| {
-            let verifying = scope.spawn(|| verify_programs(ebpf));
+        let [base, tc6] = pick(ebpf, [&names[..], names6])?;
+        let (verified, verified6, synced) = std::thread::scope(|scope| {
+            let verifying = scope.spawn(|| verify_set(base, &heaviest));
+            let verifying6 = scope.spawn(|| verify_set(tc6, &Group::Ipv6.heaviest()));
             let synced = state.sync(plan, None, maps);
-            let verified = verifying.join().unwrap_or_else(|_| Err(EbpfError::VerifierThread));
-            (verified, synced)
+            let join = |thread: std::thread::ScopedJoinHandle<'_, Result<(), EbpfError>>| {
+                thread.join().unwrap_or(Err(EbpfError::VerifierThread))
+            };
+            (join(verifying), join(verifying6), synced)
         });
         self.purge_owed();
         verified?;
-        self.maps.fill_tc6(&mut self.ebpf)?;
+        if ipv6 {
+            let loaded = verified6.and_then(|()| self.fill_group(Group::Ipv6));
+            self.record_load(Group::Ipv6, loaded, started);
+        }
         // Before the programs serve (the caller attaches them next).
-        self.serve_sctp(plan, None);
+        self.serve_on_demand(plan, None);
         Ok(synced)
     }
 

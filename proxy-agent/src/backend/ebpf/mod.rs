@@ -43,6 +43,7 @@ pub mod frontend_stats;
 mod installed;
 mod load;
 mod maps;
+pub mod on_demand;
 mod pins;
 pub mod prefilter;
 mod programs;
@@ -50,7 +51,6 @@ pub mod reconciler;
 pub mod records;
 pub mod replies;
 pub mod ring;
-mod sctp;
 pub mod settings;
 pub mod sock_diag;
 pub mod sock_end;
@@ -166,7 +166,8 @@ pub struct BpfObject {
     flow_growth: Growth,
     /// The IPv6 flow entries the last conntrack collection left.
     held6: usize,
-    sctp: sctp::SctpPrograms,
+    /// The programs loaded on demand, and where each group stands.
+    on_demand: on_demand::Stages,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).
@@ -195,7 +196,7 @@ impl BpfObject {
         plan: &Plan,
         dirty: Option<&BTreeSet<Frontend>>,
     ) -> Result<SyncReport, SyncError> {
-        self.serve_sctp(plan, dirty);
+        self.serve_on_demand(plan, dirty);
         let result = self.reconciler.sync(plan, dirty, &mut self.maps);
         self.purge_owed();
         result
@@ -204,7 +205,7 @@ impl BpfObject {
     /// From `served` to `target` in syncs that each fit (see
     /// [`Reconciler::sync_in_steps`]).
     pub fn sync_in_steps(&mut self, served: &Plan, target: &Plan) -> Result<SyncReport, SyncError> {
-        self.serve_sctp(target, None);
+        self.serve_on_demand(target, None);
         let result = self.reconciler.sync_in_steps(served, target, &mut self.maps);
         self.purge_owed();
         result
