@@ -15,6 +15,7 @@ use proxy_lab::{
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
 const API_IPTABLES: Setup = Setup { mode: Mode::Iptables, source: Source::ApiServer };
+const API_NFTABLES: Setup = Setup { mode: Mode::Nftables, source: Source::ApiServer };
 
 /// Service `web` (`port` → 8080) with endpoints on the given pods (`node`
 /// names the node of each), its slice stamped with `trigger_time` if given.
@@ -288,6 +289,11 @@ fn health_check_node_ports_iptables() {
     health_check_node_ports(API_IPTABLES);
 }
 
+#[test]
+fn health_check_node_ports_nftables() {
+    health_check_node_ports(API_NFTABLES);
+}
+
 fn topology_hints_keep_traffic_in_the_zone(setup: Setup) {
     let mut lab = Lab::with(setup).unwrap();
     lab.add_node().unwrap();
@@ -329,4 +335,9 @@ fn topology_hints_keep_traffic_in_the_zone_ebpf() {
 #[test]
 fn topology_hints_keep_traffic_in_the_zone_iptables() {
     topology_hints_keep_traffic_in_the_zone(API_IPTABLES);
+}
+
+#[test]
+fn topology_hints_keep_traffic_in_the_zone_nftables() {
+    topology_hints_keep_traffic_in_the_zone(API_NFTABLES);
 }
