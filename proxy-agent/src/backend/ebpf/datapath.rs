@@ -336,7 +336,13 @@ impl EbpfDatapath {
             }
         }
         if !self.verified {
-            return self.verify_and_fill(plan, &served, metrics);
+            return self.verify_and_fill(plan, &served, metrics).inspect_err(|_| {
+                // Some programs may be loaded: a retry starts afresh (a
+                // failed growth restores its own object instead).
+                if let Ok(fresh) = self.loading.prepare(self.capacity) {
+                    self.object = fresh;
+                }
+            });
         }
         Ok(self.sync_fitted(plan, &served, metrics)?)
     }
@@ -351,16 +357,7 @@ impl EbpfDatapath {
         metrics: &Metrics,
     ) -> anyhow::Result<SyncReport> {
         let started = Instant::now();
-        let synced = match self.object.verify_while_syncing(plan) {
-            Ok(synced) => synced,
-            Err(e) => {
-                // Some programs may be loaded: a retry starts afresh.
-                if let Ok(fresh) = self.loading.prepare(self.capacity) {
-                    self.object = fresh;
-                }
-                return Err(anyhow::Error::new(e).context("loading the BPF programs"));
-            }
-        };
+        let synced = self.object.verify_while_syncing(plan).context("loading the BPF programs")?;
         let ms = started.elapsed().as_millis();
         tracing::info!(capacity = ?self.capacity, ms, "BPF programs verified while their maps filled");
         self.loading.finish(&mut self.object);

@@ -255,12 +255,12 @@ impl BpfObject {
         let [base, tc6] = pick(ebpf, [&names[..], names6])?;
         let (verified, verified6, synced) = std::thread::scope(|scope| {
             let verifying = scope.spawn(|| verify_set(base, &heaviest));
-            let verifying6 = scope.spawn(|| verify_set(tc6, &Group::Ipv6.heaviest()));
+            let verifying6 = ipv6.then(|| scope.spawn(|| verify_set(tc6, &Group::Ipv6.heaviest())));
             let synced = state.sync(plan, None, maps);
             let join = |thread: std::thread::ScopedJoinHandle<'_, Result<(), EbpfError>>| {
                 thread.join().unwrap_or(Err(EbpfError::VerifierThread))
             };
-            (join(verifying), join(verifying6), synced)
+            (join(verifying), verifying6.map_or(Ok(()), join), synced)
         });
         self.purge_owed();
         verified?;
