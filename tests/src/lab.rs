@@ -14,8 +14,8 @@ use crate::{
     FAR_PREFIX, FAR_ROUTER, Mode, Node, PREFIX, Pod, SERVICE_RANGE, SERVICE_RANGE6, Setup, Source,
     apiserver,
     host::{
-        cgroup2_root, ip, mount_bpffs, remove_cgroup, remove_scratch, sh, stop, sweep_stale,
-        sysctl, veth_to_eth0, wait_link_up,
+        IpBatch, cgroup2_root, delete_netns, ip, mount_bpffs, remove_cgroup, remove_scratch, sh,
+        stop, sweep_stale, sysctl, veth_to_eth0, wait_link_up,
     },
     node_ip, v6,
 };
@@ -93,8 +93,10 @@ impl Lab {
         mount_bpffs(&lab.dir.join(BPFFS_DIR))?;
         let fabric = lab.fabric.clone();
         lab.add_netns(&fabric)?;
-        ip(&["-n", &fabric, "link", "add", "br0", "type", "bridge"])?;
-        ip(&["-n", &fabric, "link", "set", "br0", "up"])?;
+        IpBatch::new(&fabric)
+            .add(&["link", "add", "br0", "type", "bridge"])
+            .add(&["link", "set", "br0", "up"])
+            .run()?;
         lab.add_node()?;
         lab.node = lab.nodes[0].netns.clone();
         lab.cgroup = lab.nodes[0].cgroup.clone();
@@ -137,28 +139,33 @@ impl Lab {
         let node_ip6 = v6(&self.nodes[index].ip);
         let netns = self.nodes[index].netns.clone();
         sysctl(&netns, "net.ipv6.conf.all.forwarding", "1")?;
-        let addr = format!("{node_ip6}/64");
-        ip(&["-n", &netns, "-6", "addr", "add", &addr, "dev", "eth0", "nodad"])?;
+        let mut batch = IpBatch::new(&netns);
+        batch.add(&["addr", "add", &format!("{node_ip6}/64"), "dev", "eth0", "nodad"]);
         for range in [SERVICE_RANGE6, EXTERNAL_SERVICE_RANGE6] {
-            ip(&["-n", &netns, "-6", "route", "add", range, "dev", "svc0"])?;
+            batch.add(&["route", "add", range, "dev", "svc0"]);
         }
         let pod_range = |index: usize| format!("fd00:244:{}::/64", 1 + index);
         for (other, node) in self.nodes.iter().enumerate().filter(|(i, _)| *i != index) {
             let Some(other_ip6) = &node.ip6 else { continue };
-            ip(&["-n", &netns, "-6", "route", "add", &pod_range(other), "via", other_ip6])?;
+            batch.add(&["route", "add", &pod_range(other), "via", other_ip6]);
             let mine = pod_range(index);
             ip(&["-n", &node.netns, "-6", "route", "add", &mine, "via", &node_ip6])?;
         }
+        batch.run()?;
         self.nodes[index].ip6 = Some(node_ip6);
         Ok(())
     }
 
     /// Joins `netns` to the fabric bridge through its `eth0` with `addr`/24.
     fn uplink(&mut self, netns: &str, port: &str, addr: &str) -> anyhow::Result<()> {
-        veth_to_eth0(&self.fabric, port, &[], netns)?;
-        ip(&["-n", &self.fabric, "link", "set", port, "master", "br0", "up"])?;
-        ip(&["-n", netns, "addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
-        ip(&["-n", netns, "link", "set", "eth0", "up"])?;
+        IpBatch::new(&self.fabric)
+            .add(&veth_to_eth0(port, &[], netns))
+            .add(&["link", "set", port, "master", "br0", "up"])
+            .run()?;
+        IpBatch::new(netns)
+            .add(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
+            .add(&["link", "set", "eth0", "up"])
+            .run()?;
         wait_link_up(netns, "eth0")
     }
 
@@ -177,18 +184,20 @@ impl Lab {
         // endpoints must reach the filter rules that refuse them, not die
         // for want of a route. A bridge without ports drops what it gets
         // (this kernel has no dummy driver).
-        ip(&["-n", &netns, "link", "add", "svc0", "type", "bridge"])?;
+        let mut batch = IpBatch::new(&netns);
+        batch.add(&["link", "add", "svc0", "type", "bridge"]);
         // No ARP: nothing answers there, and a failed resolution would
         // send clients ICMP errors no real node sends.
-        ip(&["-n", &netns, "link", "set", "svc0", "arp", "off", "up"])?;
+        batch.add(&["link", "set", "svc0", "arp", "off", "up"]);
         for range in [SERVICE_RANGE, EXTERNAL_SERVICE_RANGE] {
-            ip(&["-n", &netns, "route", "add", range, "dev", "svc0"])?;
+            batch.add(&["route", "add", range, "dev", "svc0"]);
         }
         let pod_cidr = format!("10.244.{}.0/24", 1 + index);
         for other in &self.nodes {
-            ip(&["-n", &netns, "route", "add", &other.pod_cidr, "via", &other.ip])?;
+            batch.add(&["route", "add", &other.pod_cidr, "via", &other.ip]);
             ip(&["-n", &other.netns, "route", "add", &pod_cidr, "via", &node_ip])?;
         }
+        batch.run()?;
         let cgroup = cgroup2_root().join(&node_id);
         std::fs::create_dir_all(&cgroup).context("creating the test cgroup")?;
         self.nodes.push(Node {
@@ -244,12 +253,14 @@ impl Lab {
         self.add_netns(&netns)?;
         self.externals += 1;
         self.uplink(&netns, &format!("x{}", self.externals), addr)?;
-        ip(&["-n", &netns, "route", "add", EXTERNAL_SERVICE_RANGE, "via", &self.nodes[0].ip])?;
+        let mut batch = IpBatch::new(&netns);
+        batch.add(&["route", "add", EXTERNAL_SERVICE_RANGE, "via", &self.nodes[0].ip]);
         if let Some(node_ip6) = self.nodes[0].ip6.clone().filter(|_| self.ipv6) {
             let addr6 = format!("{}/64", v6(addr));
-            ip(&["-n", &netns, "-6", "addr", "add", &addr6, "dev", "eth0", "nodad"])?;
-            ip(&["-n", &netns, "-6", "route", "add", EXTERNAL_SERVICE_RANGE6, "via", &node_ip6])?;
+            batch.add(&["addr", "add", &addr6, "dev", "eth0", "nodad"]);
+            batch.add(&["route", "add", EXTERNAL_SERVICE_RANGE6, "via", &node_ip6]);
         }
+        batch.run()?;
         Ok(Pod { name: name.to_string(), netns, ip: addr.to_string() })
     }
 
@@ -271,20 +282,27 @@ impl Lab {
         self.uplink(&router, "r0", FAR_ROUTER)?;
         let netns = format!("{}-{name}", self.id);
         self.add_netns(&netns)?;
-        veth_to_eth0(&router, "far0", &["mtu", &link_mtu.to_string()], &netns)?;
         let (gateway, addr) = (format!("{FAR_PREFIX}.1"), format!("{FAR_PREFIX}.2"));
-        ip(&["-n", &router, "addr", "add", &format!("{gateway}/24"), "dev", "far0"])?;
-        ip(&["-n", &router, "link", "set", "far0", "up"])?;
-        ip(&["-n", &netns, "addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
-        ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+        let mtu = link_mtu.to_string();
+        let mut router_side = IpBatch::new(&router);
+        router_side
+            .add(&veth_to_eth0("far0", &["mtu", &mtu], &netns))
+            .add(&["addr", "add", &format!("{gateway}/24"), "dev", "far0"])
+            .add(&["link", "set", "far0", "up"]);
+        for range in [SERVICE_RANGE, EXTERNAL_SERVICE_RANGE] {
+            router_side.add(&["route", "add", range, "via", &self.nodes[0].ip]);
+        }
+        router_side.run()?;
+        let mut client_side = IpBatch::new(&netns);
+        client_side
+            .add(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
+            .add(&["link", "set", "eth0", "up"]);
+        for range in [&format!("{FABRIC_PREFIX}.0/24"), SERVICE_RANGE, EXTERNAL_SERVICE_RANGE] {
+            client_side.add(&["route", "add", range, "via", &gateway]);
+        }
+        client_side.run()?;
         wait_link_up(&netns, "eth0")?;
         wait_link_up(&router, "far0")?;
-        for range in [&format!("{FABRIC_PREFIX}.0/24"), SERVICE_RANGE, EXTERNAL_SERVICE_RANGE] {
-            ip(&["-n", &netns, "route", "add", range, "via", &gateway])?;
-        }
-        for range in [SERVICE_RANGE, EXTERNAL_SERVICE_RANGE] {
-            ip(&["-n", &router, "route", "add", range, "via", &self.nodes[0].ip])?;
-        }
         let far = format!("{FAR_PREFIX}.0/24");
         for node in &self.nodes {
             ip(&["-n", &node.netns, "route", "add", &far, "via", FAR_ROUTER])?;
@@ -349,7 +367,7 @@ impl Lab {
             let _ = std::fs::remove_dir_all(&node.pins);
         }
         for netns in self.netns.drain(..) {
-            let _ = ip(&["netns", "del", &netns]);
+            delete_netns(&netns);
         }
         for node in &self.nodes {
             remove_cgroup(&node.cgroup);

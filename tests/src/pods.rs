@@ -12,7 +12,7 @@ use anyhow::{Context, bail};
 
 use crate::{
     GATEWAY, GATEWAY6, Lab, Mode,
-    host::{ip, sh, veth_to_eth0, wait_link_up},
+    host::{IpBatch, ip, sh, veth_to_eth0, wait_link_up},
     target_bin, v6,
 };
 
@@ -38,35 +38,29 @@ impl Lab {
         host.veths += 1;
         let host_if = format!("veth{}", host.veths);
         let node_ns = host.netns.clone();
-        veth_to_eth0(&node_ns, &host_if, &[], &netns)?;
+        let (mut node_side, mut pod_side) = (IpBatch::new(&node_ns), IpBatch::new(&netns));
+        node_side.add(&veth_to_eth0(&host_if, &[], &netns));
         // Link scope, as CNIs leave the gateway off the host's global
         // addresses: the node masquerades with its own address, not this.
-        ip(&[
-            "-n",
-            &node_ns,
-            "addr",
-            "add",
-            &format!("{GATEWAY}/32"),
-            "dev",
-            &host_if,
-            "scope",
-            "link",
-        ])?;
-        ip(&["-n", &node_ns, "link", "set", &host_if, "up"])?;
-        ip(&["-n", &node_ns, "route", "add", &format!("{pod_ip}/32"), "dev", &host_if])?;
-        ip(&["-n", &netns, "addr", "add", &format!("{pod_ip}/32"), "dev", "eth0"])?;
-        ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
-        ip(&["-n", &netns, "route", "add", GATEWAY, "dev", "eth0", "scope", "link"])?;
-        ip(&["-n", &netns, "route", "add", "default", "via", GATEWAY, "dev", "eth0"])?;
+        let gateway = format!("{GATEWAY}/32");
+        node_side.add(&["addr", "add", &gateway, "dev", &host_if, "scope", "link"]);
+        node_side.add(&["link", "set", &host_if, "up"]);
+        node_side.add(&["route", "add", &format!("{pod_ip}/32"), "dev", &host_if]);
+        pod_side.add(&["addr", "add", &format!("{pod_ip}/32"), "dev", "eth0"]);
+        pod_side.add(&["link", "set", "eth0", "up"]);
+        pod_side.add(&["route", "add", GATEWAY, "dev", "eth0", "scope", "link"]);
+        pod_side.add(&["route", "add", "default", "via", GATEWAY, "dev", "eth0"]);
         if self.ipv6 {
             let pod_ip6 = v6(pod_ip);
             let gateway = format!("{GATEWAY6}/64");
-            ip(&["-n", &node_ns, "-6", "addr", "add", &gateway, "dev", &host_if, "nodad"])?;
+            node_side.add(&["addr", "add", &gateway, "dev", &host_if, "nodad"]);
             let host = format!("{pod_ip6}/128");
-            ip(&["-n", &node_ns, "-6", "route", "add", &host, "dev", &host_if])?;
-            ip(&["-n", &netns, "-6", "addr", "add", &host, "dev", "eth0", "nodad"])?;
-            ip(&["-n", &netns, "-6", "route", "add", "default", "via", GATEWAY6, "dev", "eth0"])?;
+            node_side.add(&["route", "add", &host, "dev", &host_if]);
+            pod_side.add(&["addr", "add", &host, "dev", "eth0", "nodad"]);
+            pod_side.add(&["route", "add", "default", "via", GATEWAY6, "dev", "eth0"]);
         }
+        node_side.run()?;
+        pod_side.run()?;
         wait_link_up(&netns, "eth0")?;
         wait_link_up(&node_ns, &host_if)?;
         self.wait_tc_attached(node, &host_if)?;

@@ -365,20 +365,28 @@ pub fn cleanup_every_backend() -> Result<usize, IptablesError> {
 }
 
 /// Removes the iptables mode's rules: the jumps from the built-in chains
-/// (not kubelet's), then our chains, table by table. Nothing to do
-/// (`Ok(0)`) where iptables is not installed. Returns the number of chains
-/// deleted; every failure is reported, after trying the rest.
+/// (not kubelet's), then our chains. One `iptables-save` of every table
+/// says what is there, so a clean node costs one command (an agent of
+/// another mode runs this for both iptables implementations and both
+/// families at every start). Nothing to do (`Ok(0)`) where iptables is not
+/// installed. Returns the number of chains deleted; every failure is
+/// reported, after trying the rest.
 pub fn cleanup(runner: &mut impl Runner) -> Result<usize, IptablesError> {
+    let saved = match runner.run(SAVE, &[], None) {
+        Ok(saved) => saved,
+        Err(ExecError::Missing { .. }) => return Ok(0),
+        Err(e) => return Err(IptablesError::Cleanup(vec![format!("listing the tables: {e}")])),
+    };
     let mut errors = Vec::new();
     for (table, chain, args) in jump_rules() {
-        if args.last() == Some(&KUBELET_FIREWALL) {
+        let target = args.last().copied().unwrap_or_default();
+        if target == KUBELET_FIREWALL || !saved_jump(&saved, table, chain, target) {
             continue;
         }
         // A jump inserted twice (two agents racing) is deleted twice.
         for _ in 0..8 {
             match runner.run(IPTABLES, &rule_args(table, "-D", chain, &args), None) {
                 Ok(_) => {}
-                Err(ExecError::Missing { .. }) => return Ok(0),
                 Err(e) if e.is_absent() => break, // none left
                 Err(e) => {
                     errors.push(e.to_string());
@@ -387,22 +395,17 @@ pub fn cleanup(runner: &mut impl Runner) -> Result<usize, IptablesError> {
             }
         }
     }
+    // Every table's chains in one restore; flushed first, as they may jump
+    // to each other.
+    let mut input = String::new();
     let mut deleted = 0;
     for table in OUR_TABLES {
-        let saved = match runner.run(SAVE, &["-t", table], None) {
-            Ok(saved) => saved,
-            Err(ExecError::Missing { .. }) => return Ok(0),
-            Err(e) => {
-                errors.push(format!("listing {table}: {e}"));
-                continue;
-            }
-        };
-        let ours: Vec<&str> = saved_chains(&saved).filter(|c| is_ours(c)).collect();
+        let ours: Vec<&str> =
+            saved_chains(saved_table(&saved, table)).filter(|c| is_ours(c)).collect();
         if ours.is_empty() {
             continue;
         }
-        // Flush them all first: they may jump to each other.
-        let mut input = format!("*{table}\n");
+        input.push_str(&format!("*{table}\n"));
         for chain in &ours {
             input.push_str(&format!(":{chain} - [0:0]\n"));
         }
@@ -410,13 +413,39 @@ pub fn cleanup(runner: &mut impl Runner) -> Result<usize, IptablesError> {
             input.push_str(&format!("-X {chain}\n"));
         }
         input.push_str("COMMIT\n");
-        match runner.run(RESTORE, &[WAIT[0], WAIT[1], WAIT[2], WAIT[3], "--noflush"], Some(&input))
-        {
-            Ok(_) => deleted += ours.len(),
-            Err(e) => errors.push(format!("{table}: {e}")),
+        deleted += ours.len();
+    }
+    if deleted > 0 {
+        let restore = [WAIT[0], WAIT[1], WAIT[2], WAIT[3], "--noflush"];
+        if let Err(e) = runner.run(RESTORE, &restore, Some(&input)) {
+            errors.push(format!("deleting our chains: {e}"));
+            deleted = 0;
         }
     }
     if errors.is_empty() { Ok(deleted) } else { Err(IptablesError::Cleanup(errors)) }
+}
+
+/// One table's part of an `iptables-save` of every table (`*table` to its
+/// `COMMIT`); empty where the table is not there.
+fn saved_table<'a>(saved: &'a str, table: &str) -> &'a str {
+    let header = format!("*{table}\n");
+    let Some(start) = saved.find(&header).filter(|&i| i == 0 || saved.as_bytes()[i - 1] == b'\n')
+    else {
+        return "";
+    };
+    let body = &saved[start + header.len()..];
+    &body[..body.find("\nCOMMIT").map_or(body.len(), |end| end + 1)]
+}
+
+/// Whether `table` of an `iptables-save` holds a rule in `chain` jumping to
+/// `target`.
+fn saved_jump(saved: &str, table: &str, chain: &str, target: &str) -> bool {
+    saved_table(saved, table).lines().any(|line| {
+        let mut words = line.split(' ');
+        words.next() == Some("-A")
+            && words.next() == Some(chain)
+            && words.collect::<Vec<_>>().windows(2).any(|w| w == ["-j", target])
+    })
 }
 
 #[cfg(test)]
@@ -439,6 +468,24 @@ mod tests {
         lock_held: bool,
         /// A kernel without the sctp match: restores with SCTP rules fail.
         no_sctp_match: bool,
+    }
+
+    impl Fake {
+        /// `iptables-save` of every table: its chains and the rules added
+        /// with `-I`.
+        fn saved_tables(&self) -> String {
+            let mut out = String::new();
+            for table in CANARY_TABLES {
+                let chains = self.chains.get(table).into_iter().flatten();
+                let prefix = format!("{table} ");
+                let rules = self.rules.iter().filter_map(|r| r.strip_prefix(&prefix));
+                out += &format!("*{table}\n");
+                out = chains.fold(out, |out, c| out + ":" + c + " - [0:0]\n");
+                out = rules.fold(out, |out, r| out + "-A " + r + "\n");
+                out += "COMMIT\n";
+            }
+            out
+        }
     }
 
     impl Runner for Fake {
@@ -491,6 +538,7 @@ mod tests {
                     }
                     Ok(String::new())
                 }
+                SAVE if args.is_empty() => Ok(self.saved_tables()),
                 SAVE => Ok(self
                     .chains
                     .get(table(args))
@@ -746,8 +794,21 @@ mod tests {
     }
 
     #[test]
-    fn cleanup_of_a_clean_node_is_a_no_op() {
-        assert_eq!(cleanup(&mut Fake::default()).unwrap(), 0);
+    fn cleanup_of_a_clean_node_is_one_look() {
+        let mut fake = Fake::default();
+        assert_eq!(cleanup(&mut fake).unwrap(), 0);
+        assert_eq!(fake.log, ["iptables-save "]);
+    }
+
+    #[test]
+    fn saved_jumps_are_found_in_their_table_and_chain() {
+        let saved = "*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS\nCOMMIT\n*nat\n:OUTPUT ACCEPT [0:0]\n-A OUTPUT -j KUBE-SERVICES\nCOMMIT\n";
+        assert!(saved_jump(saved, "filter", "INPUT", "KUBE-NODEPORTS"));
+        assert!(saved_jump(saved, "nat", "OUTPUT", "KUBE-SERVICES"));
+        assert!(!saved_jump(saved, "filter", "OUTPUT", "KUBE-SERVICES"));
+        assert!(!saved_jump(saved, "nat", "INPUT", "KUBE-NODEPORTS"));
+        assert!(!saved_jump(saved, "mangle", "OUTPUT", "KUBE-SERVICES"));
+        assert_eq!(saved_table(saved, "nat"), ":OUTPUT ACCEPT [0:0]\n-A OUTPUT -j KUBE-SERVICES\n");
     }
 
     #[test]

@@ -389,17 +389,25 @@ impl<R: Runner> NftablesBackend<R> {
     }
 }
 
-/// Removes the nftables mode's tables (`ip kube-proxy`, `ip6 kube-proxy`):
-/// nothing to do where they are not, or where nft is not installed.
-/// Returns the number of tables deleted.
+/// Removes the nftables mode's tables (`ip kube-proxy`, `ip6 kube-proxy`)
+/// where `nft list tables` shows them: nothing more to do on a clean node
+/// (an agent of another mode runs this at every start), nor where nft is
+/// not installed. Returns the number of tables deleted.
 pub fn cleanup(runner: &mut impl Runner) -> Result<usize, NftablesError> {
+    let tables = match runner.run(NFT, &["list", "tables"], None) {
+        Ok(tables) => tables,
+        Err(ExecError::Missing { .. }) => return Ok(0),
+        Err(e) => return Err(NftablesError::Cleanup(vec![format!("listing the tables: {e}")])),
+    };
     let mut deleted = 0;
     let mut errors = Vec::new();
     for family in IpFamily::ALL.map(nft_family) {
+        if !tables.lines().any(|l| l.split_whitespace().eq(["table", family, TABLE])) {
+            continue;
+        }
         match runner.run(NFT, &["delete", "table", family, TABLE], None) {
             Ok(_) => deleted += 1,
             Err(e) if is_absent(&e) => {}
-            Err(ExecError::Missing { .. }) => return Ok(0),
             Err(e) => errors.push(format!("{family} {TABLE}: {e}")),
         }
     }

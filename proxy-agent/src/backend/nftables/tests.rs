@@ -47,6 +47,13 @@ impl Runner for Fake {
                 Ok(format!("table ip filter {{\n\tchain INPUT {{\n\t}}\n}}\ntable ip kube-proxy {{\n{chains}}}\n"))
             }
             ("nft", ["-t", "list", "sets", _]) => Ok(String::new()),
+            ("nft", ["list", "tables"]) => {
+                Ok(format!("table ip filter\n{}", if k.table { "table ip kube-proxy\n" } else { "" }))
+            }
+            ("nft", ["delete", "table", "ip", "kube-proxy"]) if k.table => {
+                k.table = false;
+                Ok(String::new())
+            }
             ("nft", ["-f", "-"]) if k.refuse => {
                 Err(failed("/dev/stdin:3:1-20: Error: Could not process rule: Operation not supported"))
             }
@@ -170,13 +177,13 @@ fn a_table_deleted_by_someone_is_written_again_whole() {
 }
 
 #[test]
-fn cleanup_deletes_both_families_tables_where_they_are() {
+fn cleanup_deletes_the_tables_nft_lists_and_only_looks_on_a_clean_node() {
     let fake = Fake::default();
     fake.0.borrow_mut().table = true;
-    // The fake deletes nothing and says so: nothing was there.
+    assert_eq!(cleanup(&mut fake.clone()).unwrap(), 1);
     assert_eq!(cleanup(&mut fake.clone()).unwrap(), 0);
     let commands: Vec<String> = fake.0.borrow().commands.iter().map(|(c, _)| c.clone()).collect();
-    assert_eq!(commands, ["nft delete table ip kube-proxy", "nft delete table ip6 kube-proxy"]);
+    assert_eq!(commands, ["nft list tables", "nft delete table ip kube-proxy", "nft list tables"]);
 }
 
 /// Services `ns/<name>` at `ip`:80, each with its endpoints.
