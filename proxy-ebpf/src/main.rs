@@ -114,6 +114,13 @@ pub fn tc_egress6(ctx: TcContext) -> i32 {
     tc_lb::try_egress6(&ctx)
 }
 
+/// A new IPv4 TCP or UDP flow's first packet, decided in `tc_ingress`
+/// (`NEW_FLOW`), entered by tail call (`TC_NEW`).
+#[classifier]
+pub fn tc_new_flow(ctx: TcContext) -> i32 {
+    tc_lb::try_new_flow(&ctx)
+}
+
 /// The four above for SCTP packets (no socket hook sees SCTP: ingress
 /// translates new associations on every interface), entered by tail call
 /// (`TC_SCTP`).

@@ -16,8 +16,8 @@ use proxy_common::{
 };
 use proxy_common::{
     AffinityKey6, Backend6, CtEntry6, CtKey6, MAX_AFFINITY6, MAX_CONNTRACK6, MAX_SOCK_REV_NAT6,
-    RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6, SourceRangeKey6, TC_SCTP_PROGRAMS,
-    TC6_PROGRAMS,
+    RevNat6, ServiceKey6, SockRevNat6, SockRevNatKey6, SourceRangeKey6, TC_NEW_PROGRAMS,
+    TC_SCTP_PROGRAMS, TC6_PROGRAMS,
 };
 use proxy_common::{
     MAX_MAGLEV_CHUNKS,
@@ -142,6 +142,18 @@ pub static TC6: ProgramArray<{ TC6_PROGRAMS.len() }> = ProgramArray::new();
 /// entered by a tail call; the agent fills it once a frontend needs them.
 #[btf_map]
 pub static TC_SCTP: ProgramArray<{ TC_SCTP_PROGRAMS.len() }> = ProgramArray::new();
+
+/// The new-flow program (`proxy_common::TC_NEW_PROGRAMS`), entered by a
+/// tail call from `tc_ingress`; the agent fills it before attaching.
+#[btf_map]
+pub static TC_NEW: ProgramArray<{ TC_NEW_PROGRAMS.len() }> = ProgramArray::new();
+
+/// A new IPv4 flow's packet and decision (`tc_lb::NewFlow`), handed from
+/// `tc_ingress` to `tc_new_flow`, one per CPU. No BTF: scratch space,
+/// never read from outside.
+#[map]
+pub static NEW_FLOW: aya_ebpf::maps::PerCpuArray<crate::tc_lb::NewFlow> =
+    aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
 
 /// The IPv6 per-packet path's packet and tuples (`packet::Flow`), one per
 /// CPU: off the stack. No BTF: scratch space, never read from outside.

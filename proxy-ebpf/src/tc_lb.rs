@@ -20,8 +20,8 @@ use aya_ebpf::{
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
     Config, Counter, CtKey, CtKey6, CtTuple, CtValue, DropReason, FragKey, IPPROTO_SCTP,
-    ServiceFlags, ServiceValue, TC_SCTP_EGRESS, TC_SCTP_EGRESS6, TC_SCTP_INGRESS, TC_SCTP_INGRESS6,
-    TC6_EGRESS, TC6_INGRESS, TC6_POD_REPLIES, dsr, explain::Decided, log_level,
+    ServiceFlags, ServiceValue, TC_NEW_FLOW, TC_SCTP_EGRESS, TC_SCTP_EGRESS6, TC_SCTP_INGRESS,
+    TC_SCTP_INGRESS6, TC6_EGRESS, TC6_INGRESS, TC6_POD_REPLIES, dsr, explain::Decided, log_level,
 };
 
 use crate::{
@@ -30,7 +30,7 @@ use crate::{
     icmp::{self, IcmpError},
     lb::{self, Pick, Verdict, Via},
     log::{self, Outcome, Printable},
-    maps::{CONFIG, FLOW6, FRAGMENTS, TC_SCTP, TC6, count},
+    maps::{CONFIG, FLOW6, FRAGMENTS, NEW_FLOW, TC_NEW, TC_SCTP, TC6, count},
     monitor::{self, EventAddr, What},
     packet::{self, Flow, Packet, Parsed, SCTP_ALONE, TCP_AND_UDP},
     prefilter::{self, Filter, Hook},
@@ -84,7 +84,47 @@ pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
         }
     };
     let mut flow = Flow { to: pkt.tuple, pkt, now: unsafe { bpf_ktime_get_ns() } };
-    translate::<Ipv4Hdr, TCP_AND_UDP>(ctx, cfg, &mut flow, scope)
+    match translate::<Ipv4Hdr, TCP_AND_UDP>(ctx, cfg, &mut flow, scope) {
+        Step::Done(verdict) => verdict,
+        Step::NewFlow(decided) => to_new_flow(ctx, &flow, decided),
+    }
+}
+
+/// A new flow's packet and its decision, handed from `tc_ingress` to
+/// `tc_new_flow` (`NEW_FLOW`).
+#[derive(Clone, Copy)]
+pub struct NewFlow {
+    flow: Flow<CtKey>,
+    decided: Translation,
+}
+
+/// A new IPv4 TCP or UDP flow goes on in `tc_new_flow` (see
+/// `proxy_common::TC_NEW_PROGRAMS`), its packet and decision in this CPU's
+/// `NEW_FLOW`.
+#[inline(always)]
+fn to_new_flow(ctx: &TcContext, flow: &Flow<CtKey>, decided: Translation) -> i32 {
+    let Some(slot) = NEW_FLOW.get_ptr_mut(0) else { return SHOT };
+    // SAFETY: this CPU's slot; nothing else runs on it before the program
+    // the tail call enters reads it.
+    let slot = unsafe { &mut *slot };
+    flow.copy_to(&mut slot.flow);
+    slot.decided = decided;
+    // SAFETY: returns only if the slot is empty.
+    unsafe { TC_NEW.tail_call(ctx, TC_NEW_FLOW) };
+    // The agent fills the slot before attaching `tc_ingress`: never here.
+    count(Counter::Dropped);
+    SHOT
+}
+
+/// `tc_new_flow`: the flow [`to_new_flow`] handed on is made and its
+/// packet sent.
+#[inline(always)]
+pub fn try_new_flow(ctx: &TcContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return SHOT };
+    let Some(slot) = NEW_FLOW.get_ptr_mut(0) else { return SHOT };
+    // SAFETY: this CPU's slot, written by `tc_ingress` just before.
+    let new = unsafe { &mut *slot };
+    complete::<Ipv4Hdr, TCP_AND_UDP>(ctx, cfg, &mut new.flow, new.decided)
 }
 
 /// The SCTP program's ingress (`tc_ingress_sctp`): a packet the TCP/UDP
@@ -99,7 +139,7 @@ pub fn try_ingress_sctp(ctx: &TcContext) -> i32 {
         return NEXT;
     }
     let mut flow = Flow { to: pkt.tuple, pkt, now: unsafe { bpf_ktime_get_ns() } };
-    translate::<Ipv4Hdr, SCTP_ALONE>(ctx, cfg, &mut flow, Scope::Everything)
+    translated::<Ipv4Hdr, SCTP_ALONE>(ctx, cfg, &mut flow, Scope::Everything)
 }
 
 /// An SCTP packet goes on in the SCTP program at `slot` of `TC_SCTP`;
@@ -136,7 +176,7 @@ pub fn try_ingress6(ctx: &TcContext, scope: Scope) -> i32 {
     }
     flow.to = flow.pkt.tuple;
     flow.now = unsafe { bpf_ktime_get_ns() };
-    translate::<Ipv6Hdr, TCP_AND_UDP>(ctx, cfg, flow, scope)
+    translated::<Ipv6Hdr, TCP_AND_UDP>(ctx, cfg, flow, scope)
 }
 
 /// The IPv6 SCTP program's ingress (`tc_ingress6_sctp`), as
@@ -150,7 +190,7 @@ pub fn try_ingress6_sctp(ctx: &TcContext) -> i32 {
     }
     flow.to = flow.pkt.tuple;
     flow.now = unsafe { bpf_ktime_get_ns() };
-    translate::<Ipv6Hdr, SCTP_ALONE>(ctx, cfg, flow, Scope::Everything)
+    translated::<Ipv6Hdr, SCTP_ALONE>(ctx, cfg, flow, Scope::Everything)
 }
 
 /// This CPU's IPv6 packet and tuples, off the stack (see `FLOW6`).
@@ -162,18 +202,58 @@ fn flow6() -> Option<&'static mut Flow<CtKey6>> {
     Some(unsafe { &mut *flow })
 }
 
-/// A TCP, UDP or SCTP packet: of a tracked flow, or a new flow to a frontend.
-/// Each step is a BPF call of its own in the IPv6 path (`Family::step`),
-/// one after the other from here, so their frames never add up (the
-/// compiler's copies of 16-byte addresses would not fit one frame); they
-/// fill or read `flow.to` in place.
+/// What [`translate`] leaves to its caller.
+enum Step {
+    /// The packet's verdict.
+    Done(i32),
+    /// A new flow, decided: made and sent by [`complete`] (in `tc_new_flow`
+    /// for IPv4's TCP and UDP).
+    NewFlow(Translation),
+}
+
+/// A new flow's decision (see [`decide`]); its translated tuple is in
+/// `Flow::to`.
+#[derive(Clone, Copy)]
+struct Translation {
+    rev_nat_id: u32,
+    snat: bool,
+    dsr: bool,
+    via: Via,
+    flags: ServiceFlags,
+}
+
+/// [`translate`] with the new flow made and sent here: the IPv6 and SCTP
+/// paths.
+#[inline(always)]
+fn translated<F: Family, const SCTP: bool>(
+    ctx: &TcContext,
+    cfg: &Config,
+    f: &mut Flow<F::Tuple>,
+    scope: Scope,
+) -> i32
+where
+    F::Tuple: Printable,
+    F::Addr: EventAddr,
+{
+    match translate::<F, SCTP>(ctx, cfg, f, scope) {
+        Step::Done(verdict) => verdict,
+        Step::NewFlow(decided) => complete::<F, SCTP>(ctx, cfg, f, decided),
+    }
+}
+
+/// A TCP, UDP or SCTP packet: of a tracked flow (sent on), or a new flow to
+/// a frontend (decided; dropped or refused here). Each step is a BPF call
+/// of its own in the IPv6 path (`Family::step`), one after the other from
+/// here, so their frames never add up (the compiler's copies of 16-byte
+/// addresses would not fit one frame); they fill or read `flow.to` in
+/// place.
 #[inline(always)]
 fn translate<F: Family, const SCTP: bool>(
     ctx: &TcContext,
     cfg: &Config,
     f: &mut Flow<F::Tuple>,
     scope: Scope,
-) -> i32
+) -> Step
 where
     F::Tuple: Printable,
     F::Addr: EventAddr,
@@ -199,23 +279,24 @@ where
         if !F::Entry::COUNTS && Run::of(ctx) == Run::Real {
             stat::<F>(rev_nat_id, Event::packet(ctx.len()));
         }
-        return forward_counted::<F, SCTP>(ctx, f, rev_nat_id);
+        return Step::Done(forward_counted::<F, SCTP>(ctx, f, rev_nat_id));
     }
     if scope == Scope::TrackedOnly {
-        return NEXT;
+        return Step::Done(NEXT);
     }
     let decision = F::step(
         #[inline(always)]
         || decide::<F, SCTP>(ctx, cfg, f),
     );
-    let (rev_nat_id, snat, dsr, via, flags) = match decision {
+    Step::Done(match decision {
         Decision::Pass => {
             // Sent here by direct server return: its backend is a pod here.
             if !SCTP && !f.pkt.plain_ip_header && F::step(|| dsr_service::<F>(ctx, f)) {
-                return dsr_arrival::<F>(ctx, cfg, f);
+                dsr_arrival::<F>(ctx, cfg, f)
+            } else {
+                record_unknown::<F>(cfg, &f.pkt);
+                NEXT
             }
-            record_unknown::<F>(cfg, &f.pkt);
-            return NEXT;
         }
         // An explain run's drop or refusal is noted in its `cb` only: no
         // counter, record or event tells of a packet that never was.
@@ -224,19 +305,34 @@ where
                 let site = Ingress::<F> { ctx, tuple: &f.pkt.tuple };
                 report::denied(&site, cfg, rev_nat_id, Denied::Dropped(outcome));
             }
-            return SHOT;
+            SHOT
         }
         Decision::Refuse(rev_nat_id) => {
             if Run::of(ctx) == Run::Real {
                 let site = Ingress::<F> { ctx, tuple: &f.pkt.tuple };
                 report::denied(&site, cfg, rev_nat_id, Denied::Refused);
             }
-            return reject::refuse::<F>(ctx, &f.pkt);
+            reject::refuse::<F>(ctx, &f.pkt)
         }
-        Decision::Translate { rev_nat_id, snat, dsr, via, flags } => {
-            (rev_nat_id, snat, dsr, via, flags)
-        }
-    };
+        Decision::Translate(decided) => return Step::NewFlow(decided),
+    })
+}
+
+/// A new flow [`translate`] decided: its conntrack entries made (SNAT's
+/// port found), counted and recorded, and its packet sent on. An explain
+/// run's packet only goes on as translated.
+#[inline(always)]
+fn complete<F: Family, const SCTP: bool>(
+    ctx: &TcContext,
+    cfg: &Config,
+    f: &mut Flow<F::Tuple>,
+    decided: Translation,
+) -> i32
+where
+    F::Tuple: Printable,
+    F::Addr: EventAddr,
+{
+    let Translation { rev_nat_id, snat, dsr, via, flags } = decided;
     const _: () = assert!(dsr::INSERT == 1);
     if !SCTP {
         F::pend_dsr(dsr as u8, &f.pkt.tuple);
@@ -349,7 +445,7 @@ enum Decision {
     Refuse(u32),
     /// A new flow, translated to the tuple [`decide`] wrote (its SNAT port
     /// yet to be found).
-    Translate { rev_nat_id: u32, snat: bool, dsr: bool, via: Via, flags: ServiceFlags },
+    Translate(Translation),
 }
 
 /// Whether a packet of no flow starts one: its frontend, a backend, SNAT
@@ -400,7 +496,7 @@ fn decide<F: Family, const SCTP: bool>(
             let saddr = if snat { F::snat_addr(cfg) } else { t.saddr() };
             let to = F::Tuple::new(saddr, *address, t.sport(), port, t.proto());
             flow.to = to;
-            Decision::Translate { rev_nat_id, snat, dsr, via, flags: scoped.flags }
+            Decision::Translate(Translation { rev_nat_id, snat, dsr, via, flags: scoped.flags })
         }
     }
 }

@@ -420,12 +420,12 @@ fn internal_local_policy_and_client_ip_affinity_per_packet(setup: Setup) {
     assert_eq!(tally(&from1).keys().collect::<Vec<_>>(), ["web-b", "web-c"]);
 
     // ClientIP affinity: each external client sticks to one backend, and
-    // the clients are told apart (over a few clients, not all on one pod).
+    // the clients are told apart (ten clients, not all on one pod: by
+    // chance they would be one run in 3^9).
     let mut picks = std::collections::BTreeSet::new();
-    for (i, addr) in
-        [&external_ip(3), &external_ip(4), &external_ip(5), &external_ip(6)].iter().enumerate()
-    {
-        let client = c.lab.add_external(&format!("sticky{i}"), addr).unwrap();
+    for i in 0..8 {
+        let client = c.lab.add_external(&format!("sticky{i}"), &external_ip(3 + i)).unwrap();
+        let addr = &client.ip;
         let sticky = c.lab.client_outside(&client).tcp(&node_port(30085), 20).unwrap();
         answered(&sticky);
         assert_eq!(tally(&sticky).len(), 1, "{addr}: {:?}", tally(&sticky));
@@ -435,9 +435,9 @@ fn internal_local_policy_and_client_ip_affinity_per_packet(setup: Setup) {
         let sticky = c.lab.client_outside(client).tcp(&node_port(30085), 20).unwrap();
         picks.extend(tally(&sticky).into_keys());
     }
-    assert!(picks.len() > 1, "six clients, all on {picks:?}: is the client in the key?");
+    assert!(picks.len() > 1, "ten clients, all on {picks:?}: is the client in the key?");
     if setup.mode.counts() {
-        assert!(c.lab.count_on(0, Counter::AffinityHit).unwrap() >= 6 * 19);
+        assert!(c.lab.count_on(0, Counter::AffinityHit).unwrap() >= 10 * 19);
     }
 }
 

@@ -188,8 +188,13 @@ impl Cluster {
 
     /// `kill -9` on node 0's agent, 2 s without one, a new one; returns
     /// once it serves.
+    /// Kills node 0's agent; new NodePort flows are served while none runs
+    /// (the pinned programs, and the program arrays they tail-call into);
+    /// then a new agent takes over.
     fn crash_and_restart(&mut self) {
         self.lab.kill_agent_on(0);
+        let meanwhile = self.lab.client_outside(&self.ext).tcp(&node_port(30080), 3).unwrap();
+        assert!(meanwhile.iter().all(|a| a.pod().is_some()), "no agent: {meanwhile:?}");
         std::thread::sleep(Duration::from_secs(2));
         self.lab.start_agent_on(0, &self.args).unwrap();
     }

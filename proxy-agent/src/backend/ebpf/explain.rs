@@ -13,8 +13,8 @@ use aya::{
     programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
 };
 use proxy_common::{
-    Layouts, TC_SCTP_INGRESS, TC_SCTP_INGRESS6, TC_SCTP_PROGRAMS, TC6_INGRESS, TC6_POD_REPLIES,
-    TC6_PROGRAMS, explain::MAGIC, map_names,
+    Layouts, TC_NEW_FLOW, TC_NEW_PROGRAMS, TC_SCTP_INGRESS, TC_SCTP_INGRESS6, TC_SCTP_PROGRAMS,
+    TC6_INGRESS, TC6_POD_REPLIES, TC6_PROGRAMS, explain::MAGIC, map_names,
 };
 
 use super::{EbpfError, TC_INGRESS, TC_POD_REPLIES, io_err, load::OBJECT, program, sock_end};
@@ -45,18 +45,19 @@ pub struct ExplainRun {
 /// The per-packet programs, with the live maps.
 pub struct Explainer {
     ebpf: Ebpf,
-    /// This build's own `TC6` and `TC_SCTP`, kept open: the kernel empties
-    /// a program array when its last descriptor closes.
+    /// This build's own `TC_NEW`, `TC6` and `TC_SCTP`, kept open: the
+    /// kernel empties a program array when its last descriptor closes.
     _arrays: Vec<ProgramArray<MapData>>,
 }
 
 impl Explainer {
     /// Loads the per-packet programs with every map pinned under `root`
-    /// but `TC6` and `TC_SCTP` (the running IPv6 and SCTP programs, which
-    /// an older agent's build could not tell an explain run from a real
-    /// packet): this build's IPv6 programs fill its own, and with `sctp` its
-    /// SCTP ones (a verifier run only SCTP's explain runs need), so a
-    /// packet takes the real path (the pre-filter, then the tail calls).
+    /// but the program arrays (the running new-flow, IPv6 and SCTP
+    /// programs, which an older agent's build could not tell an explain run
+    /// from a real packet): this build's new-flow and IPv6 programs fill its
+    /// own, and with `sctp` its SCTP ones (a verifier run only SCTP's
+    /// explain runs need), so a packet takes the real path (the pre-filter,
+    /// then the tail calls).
     pub fn load(root: &Path, sctp: bool) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
         let dir = root.join("maps");
@@ -75,7 +76,7 @@ impl Explainer {
             .map_err(io_err("reading", &dir))?
             .filter_map(Result::ok)
             .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
-            .filter(|(name, _)| name != map_names::TC6 && name != map_names::TC_SCTP)
+            .filter(|(name, _)| !PROGRAM_ARRAYS.contains(&name.as_str()))
             .collect();
         let mut loader = aya::EbpfLoader::new();
         for (name, path) in &pins {
@@ -83,7 +84,10 @@ impl Explainer {
         }
         let kernel_btf = aya::Btf::from_sys_fs().ok();
         let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
-        let mut arrays = vec![fill(&mut ebpf, map_names::TC6, &TC6_PROGRAMS, INGRESS6)?];
+        let mut arrays = vec![
+            fill(&mut ebpf, map_names::TC_NEW, &TC_NEW_PROGRAMS, &[TC_NEW_FLOW])?,
+            fill(&mut ebpf, map_names::TC6, &TC6_PROGRAMS, INGRESS6)?,
+        ];
         for name in [TC_INGRESS, TC_POD_REPLIES] {
             load(&mut ebpf, name)?;
         }
@@ -105,6 +109,9 @@ impl Explainer {
         test_run(prog, packet, ifindex).map_err(|source| EbpfError::Program { name, source })
     }
 }
+
+/// The pinned program arrays, which hold the running agent's programs.
+const PROGRAM_ARRAYS: [&str; 3] = [map_names::TC_NEW, map_names::TC6, map_names::TC_SCTP];
 
 /// The ingress slots of the program arrays (the egress programs never run
 /// here).

@@ -9,7 +9,7 @@ use aya::{
     maps::Array,
     programs::{CgroupSockAddr, Program, SchedClassifier},
 };
-use proxy_common::{Config, Layouts, map_names};
+use proxy_common::{Config, Layouts, TC_NEW_PROGRAMS, map_names};
 
 use super::{
     BpfObject, EbpfError, MapSizes,
@@ -44,14 +44,16 @@ pub fn has_set_retval() -> bool {
 pub(super) static OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
-/// The programs every load verifies: the IPv4 per-packet ones and the
-/// socket programs (the IPv6 and SCTP per-packet ones are loaded on demand:
-/// [`super::on_demand`]). `tc_ingress` is the heaviest to verify (1.3 s of
-/// the 2.3 s all the programs took here), so it starts first, on a thread
-/// of its own.
-fn base_programs() -> (Vec<&'static str>, [&'static str; 1]) {
+/// The programs every load verifies: the IPv4 per-packet ones (the
+/// new-flow one included) and the socket programs (the IPv6 and SCTP
+/// per-packet ones are loaded on demand: [`super::on_demand`]).
+/// `tc_ingress` and `tc_new_flow` are the heaviest to verify (about 0.2 s
+/// each here; 1.2 s as one program, `proxy_common::TC_NEW_PROGRAMS`), so
+/// they start first, each on a thread of its own.
+fn base_programs() -> (Vec<&'static str>, [&'static str; 2]) {
     let tc = TC_PROGRAMS.map(|(name, _, _)| name);
-    (tc.into_iter().chain(PROGRAMS).collect(), [INGRESS.0])
+    let names = tc.into_iter().chain(TC_NEW_PROGRAMS).chain(PROGRAMS).collect();
+    (names, [INGRESS.0, TC_NEW_PROGRAMS[0]])
 }
 
 /// Loads the programs `names` on up to [`VERIFIER_THREADS`] threads, each
@@ -232,6 +234,7 @@ impl BpfObject {
     pub fn verify(&mut self) -> Result<(), EbpfError> {
         let (names, heaviest) = base_programs();
         verify(&mut self.ebpf, &names, &heaviest)?;
+        self.maps.fill_tc_new(&mut self.ebpf)?;
         self.load_group(Group::Ipv6)?;
         self.on_demand.set(Group::Ipv6, Stage::Serving);
         Ok(())
@@ -264,6 +267,7 @@ impl BpfObject {
         });
         self.purge_owed();
         verified?;
+        self.maps.fill_tc_new(&mut self.ebpf)?;
         if ipv6 {
             let loaded = verified6.and_then(|()| self.fill_group(Group::Ipv6));
             self.record_load(Group::Ipv6, loaded, started);

@@ -13,7 +13,8 @@ use aya::{
 };
 use proxy_common::{
     Backend, Backend6, FrontendInfo, RevNat, RevNat6, SOURCE_RANGE_PREFIX_BITS, ServiceKey,
-    ServiceKey6, ServiceValue, SourceRangeKey, SourceRangeKey6, TC_SCTP_PROGRAMS, TC6_PROGRAMS,
+    ServiceKey6, ServiceValue, SourceRangeKey, SourceRangeKey6, TC_NEW_PROGRAMS, TC_SCTP_PROGRAMS,
+    TC6_PROGRAMS,
     maglev::{MaglevChunk, MaglevKey},
     map_names,
 };
@@ -43,6 +44,7 @@ pub(super) struct Maps {
     pub(super) source_ranges6: Map,
     pub(super) tc6: Map,
     pub(super) tc_sctp: Map,
+    pub(super) tc_new: Map,
     pub(super) frontend_info: Map,
     pub(super) frontend_stats: Map,
     pub(super) sock_rev_nat: Map,
@@ -79,6 +81,7 @@ impl Maps {
             source_ranges6: take(map_names::SOURCE_RANGES6)?,
             tc6: take(map_names::TC6)?,
             tc_sctp: take(map_names::TC_SCTP)?,
+            tc_new: take(map_names::TC_NEW)?,
             frontend_info: take(map_names::FRONTEND_INFO)?,
             frontend_stats: take(map_names::FRONTEND_STATS)?,
             sock_rev_nat: take(map_names::SOCK_REV_NAT)?,
@@ -116,7 +119,7 @@ impl Maps {
         }
     }
 
-    pub(super) fn by_name(&self) -> [(&'static str, &Map); 29] {
+    pub(super) fn by_name(&self) -> [(&'static str, &Map); 30] {
         [
             (map_names::SERVICES, &self.services),
             (map_names::MAGLEV, &self.maglev),
@@ -142,14 +145,22 @@ impl Maps {
             (map_names::CONNTRACK6, &self.conntrack6),
             (map_names::AFFINITY6, &self.affinity6),
             (map_names::SOURCE_RANGES6, &self.source_ranges6),
-            // Pinned so the IPv6 and SCTP programs stay in them while no agent runs
-            // (the kernel empties a program array its last holder closes).
+            // Pinned so the new-flow, IPv6 and SCTP programs stay in them
+            // while no agent runs (the kernel empties a program array its
+            // last holder closes).
+            (map_names::TC_NEW, &self.tc_new),
             (map_names::TC6, &self.tc6),
             (map_names::TC_SCTP, &self.tc_sctp),
             (map_names::EVENTS, &self.monitor[0]),
             (map_names::MONITOR, &self.monitor[1]),
             (map_names::MONITOR_LOST, &self.monitor[2]),
         ]
+    }
+
+    /// Puts the new-flow program in `TC_NEW`, where `tc_ingress` enters it
+    /// by tail call: before `tc_ingress` is attached.
+    pub(super) fn fill_tc_new(&mut self, ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+        fill(ebpf, &mut self.tc_new, map_names::TC_NEW, &TC_NEW_PROGRAMS)
     }
 
     /// Puts the IPv6 per-packet programs in `TC6`, where the IPv4 ones
