@@ -18,6 +18,7 @@ fn main() -> anyhow::Result<()> {
     // the workspace's target makes every later build a no-op.
     let shared = shared_dir(&out_dir, features);
     std::fs::create_dir_all(&shared).context("the shared BPF build directory")?;
+    share_cargo_target(&shared)?;
     // SAFETY: a build script is single-threaded; aya-build reads OUT_DIR.
     unsafe { std::env::set_var("OUT_DIR", &shared) };
     aya_build::build_ebpf(
@@ -27,6 +28,22 @@ fn main() -> anyhow::Result<()> {
     std::fs::copy(shared.join("proxy-ebpf"), out_dir.join("proxy-ebpf"))
         .context("copying the BPF object into OUT_DIR")?;
     Ok(())
+}
+
+/// Points `shared`'s `aya-build` (the cargo target aya-build compiles in)
+/// at one directory for every feature set, `<target>/bpf/aya-build`: the
+/// other conntrack layout's build then compiles the programs alone, not
+/// `core` again (about 25 s), and each set's object stays cached there
+/// (cargo keeps a unit per feature set). Each set keeps its own copy of
+/// the object in `shared`. A directory left by an older build is kept.
+fn share_cargo_target(shared: &Path) -> anyhow::Result<()> {
+    let link = shared.join("aya-build");
+    if link.symlink_metadata().is_ok() {
+        return Ok(());
+    }
+    let common = shared.parent().context("the BPF build directory's parent")?.join("aya-build");
+    std::fs::create_dir_all(&common).context("the common BPF cargo target")?;
+    std::os::unix::fs::symlink(&common, &link).context("linking the common BPF cargo target")
 }
 
 /// `<target>/bpf/<features>`: OUT_DIR is `<target>/<profile>/build/<unit>/out`.
