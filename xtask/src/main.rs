@@ -41,9 +41,8 @@ enum Task {
     /// matrix on 6.1 (`vmtest --kernel 6.1`) with the same build; the time
     /// of each phase at the end.
     Test {
-        /// Tests run at a time (the lab's tests mostly wait: 5 keeps two
-        /// cores busy)
-        #[arg(long, default_value_t = 5)]
+        /// Tests run at a time (the lab's tests mostly wait)
+        #[arg(long, default_value_t = 4)]
         jobs: usize,
         /// The VM matrix's kernel: 5.10, 6.1, all, or none
         #[arg(long, default_value = "6.1", value_parser = ["5.10", "6.1", "all", "none"])]
