@@ -20,12 +20,19 @@ use tokio::{
 /// Larger request heads are refused (431): only the request line matters.
 /// hyper's smallest buffer.
 const MAX_REQUEST: usize = 8192;
-/// A client that has not sent its request head by then is dropped
-/// (slowloris).
-const READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Any connection is closed after this (a client that never reads its
-/// response, a body that never ends).
-const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a connection may take.
+#[derive(Clone, Copy, Debug)]
+struct Timeouts {
+    /// A client that has not sent its request head by then is dropped
+    /// (slowloris).
+    read: Duration,
+    /// Any connection is closed after this (a client that never reads its
+    /// response, a body that never ends).
+    connection: Duration,
+}
+
+const TIMEOUTS: Timeouts =
+    Timeouts { read: Duration::from_secs(10), connection: Duration::from_secs(30) };
 /// Connections served at once over all the endpoints; past it, new ones
 /// wait in the kernel's accept queue until a slot frees (at the latest when
 /// a slow client's time is up), so file descriptors stay bounded.
@@ -64,7 +71,7 @@ impl Reply {
 }
 
 /// Serves one connection with `handler`, within the limits above.
-async fn serve_connection<IO, H, F>(io: IO, handler: Arc<H>)
+async fn serve_connection<IO, H, F>(io: IO, handler: Arc<H>, timeouts: Timeouts)
 where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     H: Fn(String, String) -> F + Send + Sync + 'static,
@@ -79,13 +86,13 @@ where
     });
     let connection = http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(READ_TIMEOUT)
+        .header_read_timeout(timeouts.read)
         .max_buf_size(MAX_REQUEST)
         .keep_alive(false)
         .title_case_headers(true)
         .serve_connection(TokioIo::new(io), service);
     // A client that sends garbage gets a 400 and is closed: nothing to log.
-    let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
+    let _ = tokio::time::timeout(timeouts.connection, connection).await;
 }
 
 /// Answers every connection on `listener` with `handler` until the task is
@@ -104,7 +111,7 @@ where
         };
         let handler = handler.clone();
         tokio::spawn(async move {
-            serve_connection(stream, handler).await;
+            serve_connection(stream, handler, TIMEOUTS).await;
             drop(slot);
         });
     }
@@ -154,11 +161,15 @@ mod tests {
     /// A connection served by a handler that echoes the method and path
     /// into a 503; the client's end.
     fn connect() -> DuplexStream {
+        connect_within(TIMEOUTS)
+    }
+
+    fn connect_within(timeouts: Timeouts) -> DuplexStream {
         let (client, server) = tokio::io::duplex(64 * 1024);
         let handler = Arc::new(|method: String, path: String| async move {
             Reply::new(503, "application/json", format!("{method} {path}"))
         });
-        tokio::spawn(serve_connection(server, handler));
+        tokio::spawn(serve_connection(server, handler, timeouts));
         client
     }
 
@@ -193,13 +204,17 @@ mod tests {
         assert!(response(&mut client).await.starts_with("HTTP/1.1 431 "));
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn slow_clients_are_dropped() {
-        let mut client = connect();
+        let timeouts =
+            Timeouts { read: Duration::from_millis(200), connection: Duration::from_secs(30) };
+        let mut client = connect_within(timeouts);
         client.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
         let start = tokio::time::Instant::now();
         let text = response(&mut client).await;
         assert!(!text.contains("GET /"), "{text}");
-        assert!(start.elapsed() >= READ_TIMEOUT, "dropped once its time is up");
+        let took = start.elapsed();
+        assert!(took >= timeouts.read, "dropped once its time is up ({took:?})");
+        assert!(took < timeouts.connection, "by the read timeout ({took:?})");
     }
 }
