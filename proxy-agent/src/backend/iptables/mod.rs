@@ -5,8 +5,9 @@
 //!
 //! A sync writes one `iptables-restore --noflush` run. A full sync (the
 //! first, after any failure, when the canary chain vanished, and hourly)
-//! rewrites every chain, ensures the jumps from the built-in chains and
-//! deletes the per-service chains the kernel holds that the rules no longer
+//! looks at every table once (`iptables-save`), adds the jumps from the
+//! built-in chains and the chains they need where missing (`jumps`, one
+//! restore), rewrites every chain and deletes the per-service chains the kernel holds that the rules no longer
 //! use (left by anyone); a partial sync rewrites the top-level chains and
 //! only the per-service chains whose rules changed, and deletes those it
 //! wrote before that are no longer used.
@@ -16,17 +17,15 @@ pub mod conntrack;
 pub mod counters;
 pub mod datapath;
 pub mod exec;
+mod jumps;
 pub mod render;
 
-use std::{
-    collections::BTreeSet,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use self::{
-    chains::is_service_chain,
     exec::{ExecError, Runner},
-    render::{ChainRef, Digests, KUBELET_FIREWALL, Options, Ruleset, Scope, jump_rules, render},
+    jumps::{saved_chains, saved_table},
+    render::{ChainRef, Digests, Options, Ruleset, Scope, render},
 };
 use crate::{
     backend::conntrack_flows::{ConntrackFlows, FlowReport},
@@ -42,8 +41,6 @@ const WAIT: [&str; 4] = ["-w", "5", "-W", "100000"];
 pub const CANARY: &str = "KUBE-PROXY-CANARY";
 /// Where the canary lives; mangle first: it is the cheap table to list.
 const CANARY_TABLES: [&str; 3] = ["mangle", "nat", "filter"];
-/// The tables holding chains of ours (cleanup looks in each).
-const OUR_TABLES: [&str; 3] = ["filter", "nat", "mangle"];
 /// A full sync at least this often, as kube-proxy does.
 pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
 /// Lines shown around the one iptables-restore refused.
@@ -53,12 +50,12 @@ const CONTEXT_LINES: usize = 3;
 pub enum IptablesError {
     #[error("iptables-restore refused the rules ({} sync): {source}{context}", if *.full { "full" } else { "partial" })]
     Restore { full: bool, source: ExecError, context: String },
-    #[error("listing the {table} table: {source}")]
-    List { table: &'static str, source: ExecError },
+    #[error("listing the tables: {source}")]
+    List { source: ExecError },
     #[error("ensuring {what}: {source}")]
     Ensure { what: String, source: ExecError },
-    #[error("removing the iptables mode's rules: {}", .0.join("; "))]
-    Cleanup(Vec<String>),
+    #[error("removing the iptables mode's rules: {0}")]
+    Cleanup(String),
 }
 
 /// What a sync did.
@@ -206,10 +203,6 @@ impl<R: Runner> IptablesBackend<R> {
     fn write_rules(&mut self, model: &Model) -> Result<SyncReport, IptablesError> {
         let ruleset = render(model, &self.options);
         let full = self.full_sync_due();
-        if self.last_full.is_none() {
-            // First sync: rules a previous agent left are serving.
-            self.rules_were_missing = self.canary_missing("mangle").unwrap_or(false);
-        }
         let applied = self.applied.take();
         let report = match (&applied, full) {
             (Some(applied), false) => {
@@ -224,15 +217,28 @@ impl<R: Runner> IptablesBackend<R> {
         Ok(report)
     }
 
+    /// A full sync: one look at every table says whether a previous
+    /// agent's rules are serving (at the first), which chains and jumps
+    /// around the rules are missing, and which per-service chains exist.
     fn apply_full(&mut self, ruleset: &Ruleset) -> Result<SyncReport, IptablesError> {
-        self.ensure_chains_and_jumps()?;
+        let saved =
+            self.runner.run(SAVE, &[], None).map_err(|source| IptablesError::List { source })?;
+        if self.last_full.is_none() {
+            self.rules_were_missing =
+                !saved_chains(saved_table(&saved, "mangle")).any(|c| c == CANARY);
+        }
+        if let Some(input) = jumps::missing(&saved) {
+            let restore = [WAIT[0], WAIT[1], WAIT[2], WAIT[3], "--noflush"];
+            self.runner.run(RESTORE, &restore, Some(&input)).map_err(|source| {
+                IptablesError::Ensure {
+                    what: "the chains and jumps around the rules".into(),
+                    source,
+                }
+            })?;
+        }
         // Per-service chains only live in nat.
-        let saved = self
-            .runner
-            .run(SAVE, &["-t", "nat"], None)
-            .map_err(|source| IptablesError::List { table: "nat", source })?;
         let existing: Vec<ChainRef> =
-            saved_chains(&saved).map(|c| ("nat", c.to_string())).collect();
+            saved_chains(saved_table(&saved, "nat")).map(|c| ("nat", c.to_string())).collect();
         self.apply(ruleset, Scope::Full, &existing)
     }
 
@@ -274,36 +280,6 @@ impl<R: Runner> IptablesBackend<R> {
         })
     }
 
-    /// The canary chains, the chains the built-in chains jump to, and the
-    /// jumps (inserted first when missing), as kube-proxy ensures them.
-    fn ensure_chains_and_jumps(&mut self) -> Result<(), IptablesError> {
-        let mut chains: BTreeSet<(&str, &str)> =
-            CANARY_TABLES.iter().map(|table| (*table, CANARY)).collect();
-        let jumps = jump_rules();
-        chains.extend(jumps.iter().map(|(table, _, args)| (*table, *args.last().unwrap_or(&""))));
-        for (table, chain) in chains {
-            match self.runner.run(IPTABLES, &rule_args(table, "-N", chain, &[]), None) {
-                Err(e) if e.is_exit_1() => {} // exists already
-                Err(source) => {
-                    return Err(IptablesError::Ensure { what: format!("{table} {chain}"), source });
-                }
-                Ok(_) => {}
-            }
-        }
-        for (table, chain, args) in &jumps {
-            let what = || format!("{table} {chain} {}", args.join(" "));
-            match self.runner.run(IPTABLES, &rule_args(table, "-C", chain, args), None) {
-                Ok(_) => continue,
-                Err(e) if e.is_exit_1() => {} // missing
-                Err(source) => return Err(IptablesError::Ensure { what: what(), source }),
-            }
-            self.runner
-                .run(IPTABLES, &rule_args(table, "-I", chain, args), None)
-                .map_err(|source| IptablesError::Ensure { what: what(), source })?;
-        }
-        Ok(())
-    }
-
     /// Whether a previous agent's rules are in place (its canary chain);
     /// when iptables cannot tell, taken as yes (waiting is the safe side).
     pub fn rules_present(&mut self) -> bool {
@@ -336,21 +312,6 @@ impl<R: Runner> IptablesBackend<R> {
     }
 }
 
-/// The chain names an `iptables-save` output declares.
-fn saved_chains(saved: &str) -> impl Iterator<Item = &str> {
-    saved.lines().filter_map(|l| l.strip_prefix(':')?.split(' ').next())
-}
-
-/// The chains the iptables mode creates and removes: not the built-in ones,
-/// and not kubelet's `KUBE-FIREWALL`, which it only ensures.
-fn is_ours(chain: &str) -> bool {
-    chain == CANARY
-        || is_service_chain(chain)
-        || chain == "KUBE-MARK-MASQ"
-        || (chain != KUBELET_FIREWALL
-            && jump_rules().iter().any(|(_, _, args)| args.last() == Some(&chain)))
-}
-
 /// [`cleanup`] in both iptables implementations (an agent may have used
 /// either) and both families; those whose tools are missing have nothing to
 /// remove.
@@ -366,86 +327,23 @@ pub fn cleanup_every_backend() -> Result<usize, IptablesError> {
 
 /// Removes the iptables mode's rules: the jumps from the built-in chains
 /// (not kubelet's), then our chains. One `iptables-save` of every table
-/// says what is there, so a clean node costs one command (an agent of
-/// another mode runs this for both iptables implementations and both
-/// families at every start). Nothing to do (`Ok(0)`) where iptables is not
-/// installed. Returns the number of chains deleted; every failure is
-/// reported, after trying the rest.
+/// says what is there and one restore removes it, so a clean node costs
+/// one command (an agent of another mode runs this for both iptables
+/// implementations and both families at every start). Nothing to do
+/// (`Ok(0)`) where iptables is not installed. Returns the number of chains
+/// deleted.
 pub fn cleanup(runner: &mut impl Runner) -> Result<usize, IptablesError> {
     let saved = match runner.run(SAVE, &[], None) {
         Ok(saved) => saved,
         Err(ExecError::Missing { .. }) => return Ok(0),
-        Err(e) => return Err(IptablesError::Cleanup(vec![format!("listing the tables: {e}")])),
+        Err(e) => return Err(IptablesError::Cleanup(format!("listing the tables: {e}"))),
     };
-    let mut errors = Vec::new();
-    for (table, chain, args) in jump_rules() {
-        let target = args.last().copied().unwrap_or_default();
-        if target == KUBELET_FIREWALL || !saved_jump(&saved, table, chain, target) {
-            continue;
-        }
-        // A jump inserted twice (two agents racing) is deleted twice.
-        for _ in 0..8 {
-            match runner.run(IPTABLES, &rule_args(table, "-D", chain, &args), None) {
-                Ok(_) => {}
-                Err(e) if e.is_absent() => break, // none left
-                Err(e) => {
-                    errors.push(e.to_string());
-                    break;
-                }
-            }
-        }
+    let Some((input, chains)) = jumps::removal(&saved) else { return Ok(0) };
+    let restore = [WAIT[0], WAIT[1], WAIT[2], WAIT[3], "--noflush"];
+    match runner.run(RESTORE, &restore, Some(&input)) {
+        Ok(_) => Ok(chains),
+        Err(e) => Err(IptablesError::Cleanup(format!("deleting our jumps and chains: {e}"))),
     }
-    // Every table's chains in one restore; flushed first, as they may jump
-    // to each other.
-    let mut input = String::new();
-    let mut deleted = 0;
-    for table in OUR_TABLES {
-        let ours: Vec<&str> =
-            saved_chains(saved_table(&saved, table)).filter(|c| is_ours(c)).collect();
-        if ours.is_empty() {
-            continue;
-        }
-        input.push_str(&format!("*{table}\n"));
-        for chain in &ours {
-            input.push_str(&format!(":{chain} - [0:0]\n"));
-        }
-        for chain in &ours {
-            input.push_str(&format!("-X {chain}\n"));
-        }
-        input.push_str("COMMIT\n");
-        deleted += ours.len();
-    }
-    if deleted > 0 {
-        let restore = [WAIT[0], WAIT[1], WAIT[2], WAIT[3], "--noflush"];
-        if let Err(e) = runner.run(RESTORE, &restore, Some(&input)) {
-            errors.push(format!("deleting our chains: {e}"));
-            deleted = 0;
-        }
-    }
-    if errors.is_empty() { Ok(deleted) } else { Err(IptablesError::Cleanup(errors)) }
-}
-
-/// One table's part of an `iptables-save` of every table (`*table` to its
-/// `COMMIT`); empty where the table is not there.
-fn saved_table<'a>(saved: &'a str, table: &str) -> &'a str {
-    let header = format!("*{table}\n");
-    let Some(start) = saved.find(&header).filter(|&i| i == 0 || saved.as_bytes()[i - 1] == b'\n')
-    else {
-        return "";
-    };
-    let body = &saved[start + header.len()..];
-    &body[..body.find("\nCOMMIT").map_or(body.len(), |end| end + 1)]
-}
-
-/// Whether `table` of an `iptables-save` holds a rule in `chain` jumping to
-/// `target`.
-fn saved_jump(saved: &str, table: &str, chain: &str, target: &str) -> bool {
-    saved_table(saved, table).lines().any(|line| {
-        let mut words = line.split(' ');
-        words.next() == Some("-A")
-            && words.next() == Some(chain)
-            && words.collect::<Vec<_>>().windows(2).any(|w| w == ["-j", target])
-    })
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use super::*;
+use super::{render::KUBELET_FIREWALL, *};
 
 /// A fake kernel: keeps the chains a restore declares, fails the
 /// commands a test scripts to fail, records every command.
@@ -8,7 +8,9 @@ use super::*;
 struct Fake {
     chains: BTreeMap<&'static str, BTreeSet<String>>,
     log: Vec<String>,
-    /// Rules added with `iptables -I`, as "table chain args".
+    /// What each restore was given.
+    restored: Vec<String>,
+    /// Rules added with `-I`, as "table chain args" (comments unquoted).
     rules: BTreeSet<String>,
     /// Restores that must fail, counted down.
     failing_restores: usize,
@@ -20,7 +22,7 @@ struct Fake {
 
 impl Fake {
     /// `iptables-save` of every table: its chains and the rules added
-    /// with `-I`.
+    /// with `-I` (comments unquoted, as the rules are kept).
     fn saved_tables(&self) -> String {
         let mut out = String::new();
         for table in CANARY_TABLES {
@@ -50,7 +52,7 @@ impl Runner for Fake {
             code: Some(1),
             stderr: stderr.into(),
         };
-        if self.lock_held && program == IPTABLES {
+        if self.lock_held && (program == IPTABLES || program == RESTORE) {
             return Err(ExecError::Failed {
                 command: program.to_string(),
                 status: "exit status: 4".into(),
@@ -64,6 +66,7 @@ impl Runner for Fake {
         };
         match program {
             RESTORE => {
+                self.restored.push(stdin.unwrap_or_default().to_string());
                 if self.failing_restores > 0 {
                     self.failing_restores -= 1;
                     return Err(failed("iptables-restore: line 3 failed"));
@@ -82,6 +85,13 @@ impl Runner for Fake {
                         self.chains.entry(current).or_default().insert(name);
                     } else if let Some(c) = line.strip_prefix("-X ") {
                         self.chains.entry(current).or_default().remove(c);
+                    } else if let Some(rule) = line.strip_prefix("-I ") {
+                        self.rules.insert(format!("{current} {}", rule.replace('"', "")));
+                    } else if let Some(rule) = line.strip_prefix("-D ") {
+                        let rule = format!("{current} {}", rule.replace('"', ""));
+                        if !self.rules.remove(&rule) {
+                            return Err(failed("iptables-restore: line 2 failed"));
+                        }
                     }
                 }
                 Ok(String::new())
@@ -155,8 +165,9 @@ fn web(endpoints: &[&str]) -> Model {
     )
 }
 
-fn restores(fake: &Fake) -> Vec<&String> {
-    fake.log.iter().filter(|l| l.starts_with(RESTORE)).collect()
+/// The restores of rules (not of the chains and jumps around them).
+fn rule_restores(fake: &Fake) -> Vec<&String> {
+    fake.log.iter().filter(|l| l.starts_with(RESTORE) && l.ends_with("--counters")).collect()
 }
 
 #[test]
@@ -164,9 +175,24 @@ fn the_first_sync_is_full_and_the_next_rewrites_only_what_changed() {
     let mut backend = IptablesBackend::new(Fake::default(), options());
     let report = backend.sync(&web(&["10.244.1.2", "10.244.1.3"])).unwrap();
     assert!(report.full);
-    let log = backend.runner.log.join("\n");
-    assert!(log.contains("iptables -w 5 -W 100000 -t mangle -N KUBE-PROXY-CANARY"), "{log}");
-    assert!(log.contains("iptables -w 5 -W 100000 -t nat -I PREROUTING -m comment --comment kubernetes service portals -j KUBE-SERVICES"), "{log}");
+    // One look at every table, the missing chains and jumps in one
+    // restore, the rules in another.
+    let log = &backend.runner.log;
+    assert_eq!(log[0], "iptables-save ", "{log:?}");
+    assert_eq!(log.iter().filter(|l| l.starts_with(RESTORE)).count(), 2, "{log:?}");
+    assert!(
+        !log.iter().any(|l| l.starts_with("iptables -")),
+        "no command per chain or rule: {log:?}"
+    );
+    let ensured = &backend.runner.restored[0];
+    assert!(ensured.starts_with("*mangle\n:KUBE-PROXY-CANARY - [0:0]\n"), "{ensured}");
+    assert!(
+        ensured.contains(
+            "\n-I PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n"
+        ),
+        "{ensured}"
+    );
+    assert_eq!(backend.runner.rules.len(), 14, "the jumps");
     // Six top-level filter and four nat chains; web's SVC and two SEPs,
     // other's SVC and SEP.
     assert_eq!(report.chains_written, 6 + 4 + 3 + 2);
@@ -253,7 +279,7 @@ fn a_failed_restore_makes_the_next_sync_full() {
     // The full sync found the old endpoint's chain in the kernel and
     // deleted it.
     assert_eq!(report.chains_deleted, 1);
-    assert_eq!(restores(&backend.runner).len(), 3);
+    assert_eq!(rule_restores(&backend.runner).len(), 3);
 }
 
 /// Service `web` of [`web`] with an SCTP port beside its UDP one.
@@ -270,7 +296,7 @@ fn web_with_sctp() -> Model {
 fn sctp_rules_go_in_where_the_kernel_takes_them() {
     let mut backend = IptablesBackend::new(Fake::default(), options());
     backend.sync(&web_with_sctp()).unwrap();
-    assert_eq!(restores(&backend.runner).len(), 1);
+    assert_eq!(rule_restores(&backend.runner).len(), 1);
     assert!(backend.options.sctp);
 }
 
@@ -286,10 +312,10 @@ fn sctp_rules_refused_leave_sctp_ports_out_and_serve_the_rest() {
         b.runner.chains["nat"].iter().filter(|c| c.starts_with("KUBE-SVC-")).count()
     };
     assert_eq!(svcs(&backend), 1);
-    assert_eq!(restores(&backend.runner).len(), 2, "refused once, then without SCTP");
+    assert_eq!(rule_restores(&backend.runner).len(), 2, "refused once, then without SCTP");
     // Not tried again at every sync.
     backend.sync(&web_with_sctp()).unwrap();
-    assert_eq!(restores(&backend.runner).len(), 3);
+    assert_eq!(rule_restores(&backend.runner).len(), 3);
     // A failure that is not SCTP's is an error, and SCTP is not blamed.
     let mut backend = IptablesBackend::new(Fake::default(), options());
     backend.runner.failing_restores = 2;
@@ -346,17 +372,6 @@ fn cleanup_of_a_clean_node_is_one_look() {
 }
 
 #[test]
-fn saved_jumps_are_found_in_their_table_and_chain() {
-    let saved = "*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS\nCOMMIT\n*nat\n:OUTPUT ACCEPT [0:0]\n-A OUTPUT -j KUBE-SERVICES\nCOMMIT\n";
-    assert!(saved_jump(saved, "filter", "INPUT", "KUBE-NODEPORTS"));
-    assert!(saved_jump(saved, "nat", "OUTPUT", "KUBE-SERVICES"));
-    assert!(!saved_jump(saved, "filter", "OUTPUT", "KUBE-SERVICES"));
-    assert!(!saved_jump(saved, "nat", "INPUT", "KUBE-NODEPORTS"));
-    assert!(!saved_jump(saved, "mangle", "OUTPUT", "KUBE-SERVICES"));
-    assert_eq!(saved_table(saved, "nat"), ":OUTPUT ACCEPT [0:0]\n-A OUTPUT -j KUBE-SERVICES\n");
-}
-
-#[test]
 fn a_held_lock_never_doubles_a_jump() {
     let mut backend = IptablesBackend::new(Fake::default(), options());
     backend.runner.lock_held = true;
@@ -374,10 +389,4 @@ fn restore_errors_show_the_refused_line() {
     assert_eq!(context, "\n      1: *nat\n      2: :A - [0:0]\n>     3: -A A -j B\n      4: -A A -j C\n      5: COMMIT\n      6: ".trim_end_matches("\n      6: "));
     assert!(restore_context(input, "Error occurred at line: 2").contains(">     2: :A"));
     assert_eq!(restore_context(input, "unrelated"), "");
-}
-
-#[test]
-fn saved_chains_are_read_from_declarations() {
-    let saved = "# Generated by iptables-save\n*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SVC-X - [0:0]\n-A KUBE-SVC-X -j KUBE-SEP-Y\nCOMMIT\n";
-    assert_eq!(saved_chains(saved).collect::<Vec<_>>(), ["PREROUTING", "KUBE-SVC-X"]);
 }
