@@ -31,6 +31,22 @@ pub fn release_bins() -> anyhow::Result<()> {
     cargo(&["build", "--release", "-p", "proxy-agent", "-p", "proxy-lab", "--bins"])
 }
 
+/// The BPF objects of both conntrack layouts, built on a thread of their
+/// own as the agent's build script builds them (`proxy-ebpf-build`): cargo
+/// runs that build script behind most libraries, with the BPF build then
+/// alone on the critical path; started first, it overlaps with them, and
+/// the build script finds it done.
+pub fn bpf_objects_in_background() -> std::thread::JoinHandle<std::io::Result<()>> {
+    std::thread::spawn(|| {
+        let (crate_dir, target) = (Path::new("proxy-ebpf"), Path::new("target"));
+        std::fs::create_dir_all(target)?;
+        for features in [&[][..], &["ct-lean"]] {
+            proxy_ebpf_build::build(crate_dir, target, std::env::consts::ARCH, features)?;
+        }
+        Ok(())
+    })
+}
+
 /// The agent with the other conntrack layout (`ct-lean`), as
 /// `target/debug/proxy-agent-ct-lean`: the upgrade tests move flows
 /// between it and the default build. Leaves the default agent in place.

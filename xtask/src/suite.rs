@@ -29,8 +29,11 @@ pub fn run(options: Options) -> anyhow::Result<()> {
     require_root()?;
     phases.time("format", || cargo(&["fmt", "--all", "--check"]))?;
     let tests = phases.time("build", || {
+        let bpf = artifacts::bpf_objects_in_background();
         artifacts::bins()?;
-        artifacts::tests(&[])
+        let tests = artifacts::tests(&[])?;
+        bpf.join().map_err(|_| anyhow::anyhow!("the BPF build panicked"))??;
+        Ok(tests)
     })?;
     phases.time("other conntrack layout", artifacts::other_layout)?;
     phases.time("lint", || {
