@@ -203,24 +203,6 @@ fn rerun_optimized() -> anyhow::Result<bool> {
     Ok(true)
 }
 
-/// Lints the BPF crate for its own target, as the build compiles it.
-pub(crate) fn clippy_bpf() -> anyhow::Result<()> {
-    let status = Command::new("rustup")
-        .args(["run", "nightly", "cargo", "clippy", "-p", "proxy-ebpf"])
-        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
-        .args(["--target-dir", "target/bpf-clippy", "--", "-D", "warnings"])
-        // The outer cargo's toolchain must not leak into nightly's.
-        .env_remove("RUSTC")
-        .env_remove("CARGO")
-        .env_remove("RUSTUP_TOOLCHAIN")
-        .status()
-        .context("running clippy on proxy-ebpf")?;
-    if !status.success() {
-        bail!("clippy on proxy-ebpf failed ({status})");
-    }
-    Ok(())
-}
-
 pub(crate) fn cargo(args: &[&str]) -> anyhow::Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = Command::new(&cargo)

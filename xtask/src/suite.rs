@@ -1,13 +1,17 @@
 //! `cargo xtask test`: format, build once (the agent, the lab's binaries
 //! and every test executable, which the VM matrix runs too), the other
-//! layout's agent, the lints, every test in parallel, then the kernel
-//! matrix; the time of each phase at the end.
+//! layout's agent, every test in parallel with the lints beside them, then
+//! the kernel matrix; the time of each phase at the end.
 
-use std::time::{Duration, Instant};
+use std::{
+    process::Command,
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context, bail};
 
-use crate::{artifacts, cargo, clippy_bpf, require_root, runner, setup, vmtest};
+use crate::{artifacts, cargo, require_root, runner, setup, vmtest};
 
 pub struct Options {
     /// Tests run at a time.
@@ -36,18 +40,19 @@ pub fn run(options: Options) -> anyhow::Result<()> {
         Ok(tests)
     })?;
     phases.time("other conntrack layout", artifacts::other_layout)?;
-    phases.time("lint", || {
-        let clippy = ["clippy", "--workspace", "--exclude", "proxy-ebpf", "--all-targets"];
-        cargo(&[&clippy[..], &["--", "-D", "warnings"]].concat())?;
-        clippy_bpf()
-    })?;
-    let summary = phases.time("tests", || {
+    phases.time("doc tests", || {
         // The examples in the libraries' docs (not test executables).
         let libraries = ["proxy-agent", "proxy-common", "proxy-lab", "test-objects"];
         let packages = libraries.iter().flat_map(|p| ["-p", p]);
-        cargo(&[&["test", "--doc"][..], &packages.collect::<Vec<_>>()].concat())?;
-        runner::run(&tests, options.jobs)
+        cargo(&[&["test", "--doc"][..], &packages.collect::<Vec<_>>()].concat())
     })?;
+    let lint = lint_beside();
+    let summary =
+        phases.time("tests (the lints beside them)", || runner::run(&tests, options.jobs))?;
+    let (lint, linted) = phases.time("lints (what was left)", || {
+        lint.join().map_err(|_| anyhow::anyhow!("the lints' thread panicked"))
+    })?;
+    phases.add("(lints, from their start)", linted);
     // After the tests, not beside them: on two cores an emulated CPU
     // sharing the host with the lab verifies the programs minutes late, and
     // both sides' waits and latency checks fail.
@@ -59,6 +64,9 @@ pub fn run(options: Options) -> anyhow::Result<()> {
             phases.time(&phase, || Ok(vmtest::run_built(&options.kernels, &tests, &[])))?
         }
     };
+    if let Err(e) = &lint {
+        eprintln!("\n---- lints ----\n{e:#}");
+    }
     for (name, output) in &summary.failed {
         eprintln!("\n---- {name} ----\n{output}");
     }
@@ -79,7 +87,57 @@ pub fn run(options: Options) -> anyhow::Result<()> {
         let names: Vec<&str> = summary.failed.iter().map(|(n, _)| n.as_str()).collect();
         bail!("{} tests failed: {}", names.len(), names.join(", "));
     }
+    lint.context("the lints")?;
     vm_result.context("the VM matrix")
+}
+
+/// The lints (clippy on the workspace, and on the BPF crate for its own
+/// target) on a thread of their own at the lowest CPU priority, beside the
+/// tests: those mostly wait, and the lints take the CPU they leave (about
+/// half a core) instead of two cores of their own before them. Their
+/// output is kept, and shown if they fail. Returns how long they took.
+fn lint_beside() -> JoinHandle<(anyhow::Result<()>, Duration)> {
+    std::thread::spawn(|| {
+        let started = Instant::now();
+        // Linux: a thread's own nice value, which what it starts inherits.
+        // SAFETY: no preconditions; failing leaves the priority as it was.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut workspace = Command::new(cargo);
+        workspace.args(["clippy", "--workspace", "--exclude", "proxy-ebpf", "--all-targets"]);
+        workspace.args(["--", "-D", "warnings"]);
+        let result = quietly(workspace).and_then(|()| quietly(clippy_bpf()));
+        (result, started.elapsed())
+    })
+}
+
+/// Clippy on the BPF crate for its own target, as the build compiles it.
+fn clippy_bpf() -> Command {
+    let mut clippy = Command::new("rustup");
+    clippy
+        .args(["run", "nightly", "cargo", "clippy", "-p", "proxy-ebpf"])
+        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+        .args(["--target-dir", "target/bpf-clippy", "--", "-D", "warnings"])
+        // The outer cargo's toolchain must not leak into nightly's.
+        .env_remove("RUSTC")
+        .env_remove("CARGO")
+        .env_remove("RUSTUP_TOOLCHAIN");
+    clippy
+}
+
+/// Runs `command` with its output kept: an error with that output if it
+/// fails.
+fn quietly(mut command: Command) -> anyhow::Result<()> {
+    let out = command.output().with_context(|| format!("running {command:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{command:?} failed ({}):\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
 }
 
 /// Wall time per phase, in order.
