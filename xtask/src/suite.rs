@@ -34,7 +34,9 @@ pub fn run(options: Options) -> anyhow::Result<()> {
     phases.time("format", || cargo(&["fmt", "--all", "--check"]))?;
     let tests = phases.time("build", || {
         let bpf = artifacts::bpf_objects_in_background();
-        artifacts::bins()?;
+        // One cargo run: the test build makes the agent's and the lab's
+        // binaries too (the integration tests run them), and cargo then
+        // overlaps the agent's library with its test build.
         let tests = artifacts::tests(&[])?;
         bpf.join().map_err(|_| anyhow::anyhow!("the BPF build panicked"))??;
         Ok(tests)
