@@ -49,17 +49,22 @@ pub fn bpf_objects_in_background() -> std::thread::JoinHandle<std::io::Result<()
 
 /// The agent with the other conntrack layout (`ct-lean`), as
 /// `target/debug/proxy-agent-ct-lean`: the upgrade tests move flows
-/// between it and the default build. Leaves the default agent in place.
+/// between it and the default build. Leaves the default agent in place:
+/// kept aside while cargo links the other one where it was (building it
+/// again would compile the agent once more, as the test build unified
+/// other features).
 pub fn other_layout() -> anyhow::Result<()> {
-    cargo(&["build", "-p", "proxy-agent", "--features", "ct-lean"])?;
     let dir = Path::new("target/debug");
-    // A new file, not the hard link cargo made: the next build replaces
+    let (agent, kept) = (dir.join("proxy-agent"), dir.join("proxy-agent-default"));
+    let _ = std::fs::remove_file(&kept);
+    std::fs::hard_link(&agent, &kept).context("keeping the default agent")?;
+    cargo(&["build", "-p", "proxy-agent", "--features", "ct-lean"])?;
+    // A new file, not the hard link cargo made: a later build replaces
     // `proxy-agent` and must not change this one.
     let lean = dir.join("proxy-agent-ct-lean");
     let _ = std::fs::remove_file(&lean);
-    std::fs::copy(dir.join("proxy-agent"), &lean).context("keeping the ct-lean build")?;
-    // Cargo links the default build back (nothing is compiled again).
-    cargo(&["build", "-p", "proxy-agent"])
+    std::fs::copy(&agent, &lean).context("keeping the ct-lean build")?;
+    std::fs::rename(&kept, &agent).context("putting the default agent back")
 }
 
 /// Builds the test executables of `packages` (all of the workspace's but
