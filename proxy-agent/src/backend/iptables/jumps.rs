@@ -37,15 +37,14 @@ pub(super) fn saved_chains(saved: &str) -> impl Iterator<Item = &str> {
 fn saved_jumps<'a>(
     saved: &'a str,
     table: &str,
-    chain: &str,
-    target: &str,
+    chain: &'a str,
+    target: &'a str,
 ) -> impl Iterator<Item = &'a str> {
-    let (chain, target) = (chain.to_string(), target.to_string());
     saved_table(saved, table).lines().filter(move |line| {
         let mut words = line.split(' ');
         words.next() == Some("-A")
-            && words.next() == Some(chain.as_str())
-            && words.collect::<Vec<_>>().windows(2).any(|w| w == ["-j", target.as_str()])
+            && words.next() == Some(chain)
+            && words.collect::<Vec<_>>().windows(2).any(|w| w == ["-j", target])
     })
 }
 
