@@ -97,9 +97,8 @@ pub fn run(options: Options) -> anyhow::Result<()> {
 /// and disk time nothing else wants (`SCHED_IDLE`, the idle I/O class):
 /// the tests mostly wait, and the lints take what they leave (about half
 /// a core) instead of two cores of their own before them, without
-/// delaying the tests' agents (a nice value alone still took a share: an
-/// endpoint removal's 1 s bound was missed by 68 ms once). Their output is
-/// kept, and shown if they fail. Returns how long they took.
+/// taking a share from the tests' agents (a nice value would). Their output
+/// is kept, and shown if they fail. Returns how long they took.
 fn lint_beside() -> JoinHandle<(anyhow::Result<()>, Duration)> {
     std::thread::spawn(|| {
         let started = Instant::now();
