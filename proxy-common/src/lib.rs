@@ -16,6 +16,7 @@ pub mod maglev;
 pub mod map_names;
 pub mod monitor;
 pub mod prefilter;
+pub mod record;
 pub mod sctp;
 pub mod stats;
 

@@ -1,5 +1,6 @@
-//! `Config::log_level`: the programs write their decision records (aya-log)
-//! at this level and the ones above it; the numbers are aya-log's levels.
+//! `Config::log_level`: the programs write their decision records
+//! ([`crate::record`]) at this level and the ones above it; the numbers are
+//! the `log` crate's levels (as aya-log's were).
 
 /// No records: each log point costs a compare.
 pub const OFF: u8 = 0;

@@ -27,6 +27,7 @@ pub const TC6: &str = "TC6";
 pub const TC_SCTP: &str = "TC_SCTP";
 pub const TC_NEW: &str = "TC_NEW";
 pub const EVENTS: &str = "EVENTS";
+pub const RECORDS: &str = "RECORDS";
 pub const MONITOR: &str = "MONITOR";
 pub const MONITOR_LOST: &str = "MONITOR_LOST";
 pub const FRONTEND_STATS: &str = "FRONTEND_STATS";

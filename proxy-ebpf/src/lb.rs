@@ -131,19 +131,8 @@ pub enum Verdict<B> {
     Backend { backend: B, backend_id: u32, rev_nat_id: u32, via: Via },
 }
 
-/// How a backend was chosen (for the decision records).
-#[derive(Clone, Copy)]
-pub enum Via {
-    /// The client's remembered backend (sessionAffinity).
-    Affinity,
-    /// By the frontend's algorithm: at random among its backends, or from
-    /// its Maglev table by the flow's hash where it has one (its
-    /// `uses_maglev` flag says which; one value for both, so that the
-    /// verifier's paths through the two join right after the pick).
-    Algorithm,
-    /// The backend of the socket's fresh UDP flow.
-    Flow,
-}
+/// How a backend was chosen (for the decision records and `explain`).
+pub use proxy_common::record::Via;
 
 #[inline(always)]
 pub fn lookup_frontend<K: ServiceMapKey>(key: &K) -> Option<ServiceValue> {

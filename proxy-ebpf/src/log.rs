@@ -1,142 +1,158 @@
-//! Decision records (aya-log), read by the agent into its own log. A
-//! record is written only when the level the agent keeps in `CONFIG` lets
-//! it: while logging is off, a log point costs one compare and no ring
-//! buffer write. The agent rewrites the level at run time, without a reload.
-//! The per-packet records are written by functions of their own (BPF
-//! calls), so the packet path keeps its registers and stack as without them.
+//! Decision records ([`proxy_common::record`]) into `RECORDS`, written
+//! only when the level the agent keeps in `CONFIG` asks for them: while
+//! records are off, a record site costs one compare. A record is a
+//! fixed-size struct the agent puts into words, so a site costs the
+//! verifier a few dozen instructions (text formatted here, with aya-log,
+//! cost about 17,000 at each). The agent rewrites the level at run time,
+//! without a reload. The per-packet records are written by functions of
+//! their own (BPF calls), so the packet path keeps its registers and stack
+//! as without them.
 
-/// `record!(cfg, ctx, "program", LEVEL, "format", args...)`, LEVEL one of
-/// `proxy_common::log_level`'s INFO, DEBUG, TRACE.
-macro_rules! record {
-    ($cfg:expr, $ctx:expr, $program:expr, INFO, $($fmt:tt)+) => {
-        if $cfg.log_level >= proxy_common::log_level::INFO {
-            aya_log_ebpf::info!($ctx, target: $program, $($fmt)+)
-        }
-    };
-    ($cfg:expr, $ctx:expr, $program:expr, DEBUG, $($fmt:tt)+) => {
-        if $cfg.log_level >= proxy_common::log_level::DEBUG {
-            aya_log_ebpf::debug!($ctx, target: $program, $($fmt)+)
-        }
-    };
-    ($cfg:expr, $ctx:expr, $program:expr, TRACE, $($fmt:tt)+) => {
-        if $cfg.log_level >= proxy_common::log_level::TRACE {
-            aya_log_ebpf::trace!($ctx, target: $program, $($fmt)+)
-        }
-    };
-}
-pub(crate) use record;
+use aya_ebpf::{btf_maps::RingBuf, macros::btf_map};
+use proxy_common::{
+    CtTuple, FragKey, ServiceFlags, log_level,
+    monitor::EventTuple,
+    record::{Among, Kind, Outcome, Program, RECORDS_BYTES, Record, Via},
+};
 
-use aya_log_ebpf::macro_support::{Argument, IpFormatter};
-use proxy_common::{CtTuple, FragKey, ServiceFlags, log_level};
+use crate::monitor::EventAddr;
 
-use crate::lb::Via;
+#[btf_map]
+pub static RECORDS: RingBuf<Record, { RECORDS_BYTES as usize }> = RingBuf::new();
 
-/// What became of a packet, for [`packet`].
-#[derive(Clone, Copy)]
-#[repr(u8)]
-pub enum Outcome {
-    SourceOutsideRanges,
-    NoLocalEndpoint,
-    NoEndpoint,
-    NoSnatPort,
-    ConntrackFull,
-    ReplyWithoutFlow,
-    NoService,
-    NoFlow,
+/// A tuple of either family, whose records the agent can print.
+pub trait Printable: CtTuple<Addr: EventAddr> {}
+impl<T: CtTuple<Addr: EventAddr>> Printable for T {}
+
+/// The fields of a record besides its tuple.
+struct Fields<A> {
+    program: Program,
+    level: u8,
+    kind: Kind,
+    detail: u8,
+    among: u8,
+    to: (A, u16),
+    id: u32,
 }
 
-impl Outcome {
+impl<A: EventAddr> Fields<A> {
     #[inline(always)]
-    fn text(self) -> &'static str {
-        match self {
-            Outcome::SourceOutsideRanges => "source outside loadBalancerSourceRanges, dropped",
-            Outcome::NoLocalEndpoint => "no local endpoint (policy Local), dropped",
-            Outcome::NoEndpoint => "no endpoint, refused",
-            Outcome::NoSnatPort => "no SNAT port free (or conntrack map full), dropped",
-            Outcome::ConntrackFull => "conntrack map full, dropped",
-            Outcome::ReplyWithoutFlow => "reply to a SNAT port without a conntrack entry, passed",
-            Outcome::NoService => "no flow, no service",
-            Outcome::NoFlow => "no flow",
-        }
+    fn new(program: Program, level: u8, kind: Kind) -> Self {
+        Fields { program, level, kind, detail: 0, among: 0, to: (A::default(), 0), id: 0 }
+    }
+}
+
+/// Writes a record of `t` into the ring buffer (none when it is full:
+/// records are for reading along, not for counting).
+#[inline(always)]
+fn write<T: Printable>(t: &T, f: Fields<T::Addr>) {
+    let Some(mut entry) = RECORDS.reserve(0) else { return };
+    let r = entry.as_mut_ptr();
+    // SAFETY: `r` points at the reserved record; every field is written.
+    unsafe {
+        put(&mut (*r).tuple, t);
+        f.to.0.put(&mut (*r).to);
+        (*r).to_port = f.to.1;
+        (*r).program = f.program as u8;
+        (*r).level = f.level;
+        (*r).kind = f.kind as u8;
+        (*r).detail = f.detail;
+        (*r).among = f.among;
+        (*r).family = T::Addr::FAMILY;
+        (*r).id = f.id;
+    }
+    // With a wake-up: the agent's reader waits on the ring's fd.
+    entry.submit(0);
+}
+
+#[inline(always)]
+fn put<T: Printable>(out: &mut EventTuple, t: &T) {
+    t.saddr().put(&mut out.saddr);
+    t.daddr().put(&mut out.daddr);
+    out.sport = t.sport();
+    out.dport = t.dport();
+    out.proto = t.proto();
+    // Byte by byte, as `monitor` does: a `memset` would be a BPF call.
+    for byte in &mut out._pad {
+        // SAFETY: a byte of the reserved record.
+        unsafe { core::ptr::write_volatile(byte, 0) };
     }
 }
 
 /// The program a per-packet record names.
 #[inline(always)]
-fn tc_program(ingress: bool) -> &'static str {
-    if ingress { "tc_ingress" } else { "tc_egress" }
+fn tc_program(ingress: bool) -> Program {
+    if ingress { Program::TcIngress } else { Program::TcEgress }
 }
-
-// aya-log 0.2 does not read the context its macros take: the records need
-// no `TcContext` passed along.
-
-/// A tuple of either family whose addresses the records print.
-pub trait Printable: CtTuple<Addr: Argument + IpFormatter> {}
-impl<T: CtTuple<Addr: Argument + IpFormatter>> Printable for T {}
 
 /// A packet's tuple and what became of it, at `level` (the caller checked
 /// it against the configured one).
 #[inline(never)]
 pub fn packet<T: Printable>(level: u8, ingress: bool, t: &T, outcome: Outcome) {
-    let (program, what) = (tc_program(ingress), outcome.text());
-    let (saddr, sport, daddr, dport, proto) =
-        (t.saddr(), t.sport(), t.daddr(), t.dport(), t.proto());
-    match level {
-        log_level::INFO => {
-            aya_log_ebpf::info!((), target: program, "{:i}:{} -> {:i}:{} proto {}: {}", saddr, sport, daddr, dport, proto, what)
-        }
-        log_level::DEBUG => {
-            aya_log_ebpf::debug!((), target: program, "{:i}:{} -> {:i}:{} proto {}: {}", saddr, sport, daddr, dport, proto, what)
-        }
-        _ => {
-            aya_log_ebpf::trace!((), target: program, "{:i}:{} -> {:i}:{} proto {}: {}", saddr, sport, daddr, dport, proto, what)
-        }
-    }
+    let mut f = Fields::new(tc_program(ingress), level, Kind::Outcome);
+    f.detail = outcome as u8;
+    write(t, f);
 }
 
-/// A new flow's backend and why (debug). One record a function: each
-/// record's frame is added to the packet path's by the verifier, which
-/// allows 512 bytes in all (older kernels count it more strictly).
+/// A new flow's backend (`to`'s destination) and why (debug).
 #[inline(never)]
 pub fn new_flow<T: Printable>(t: &T, to: &T, via: Via, flags: ServiceFlags) {
-    let (how, among) = why(via, flags);
-    let (saddr, sport, daddr, dport, proto) =
-        (t.saddr(), t.sport(), t.daddr(), t.dport(), t.proto());
-    let (backend, port) = (to.daddr(), to.dport());
-    aya_log_ebpf::debug!((), target: "tc_ingress", "{:i}:{} -> {:i}:{} proto {}: backend {:i}:{} by {} among {}", saddr, sport, daddr, dport, proto, backend, port, how, among);
+    let mut f = Fields::new(Program::TcIngress, log_level::DEBUG, Kind::Backend);
+    f.to = (to.daddr(), to.dport());
+    (f.detail, f.among) = (via as u8, among(flags) as u8);
+    write(t, f);
 }
 
-/// A new flow's SNAT (debug).
+/// A new flow's SNAT (`to`'s source; debug).
 #[inline(never)]
 pub fn snat<T: Printable>(t: &T, to: &T) {
-    let (saddr, sport, daddr, dport, proto) =
-        (t.saddr(), t.sport(), t.daddr(), t.dport(), t.proto());
-    let (node, port) = (to.saddr(), to.sport());
-    aya_log_ebpf::debug!((), target: "tc_ingress", "{:i}:{} -> {:i}:{} proto {}: SNAT to {:i}:{}", saddr, sport, daddr, dport, proto, node, port);
+    let mut f = Fields::new(Program::TcIngress, log_level::DEBUG, Kind::Snat);
+    f.to = (to.saddr(), to.sport());
+    write(t, f);
 }
 
 /// A later fragment whose first did not come through here (debug).
 #[inline(never)]
 pub fn orphan_fragment(key: &FragKey) {
-    aya_log_ebpf::debug!((), target: "tc_ingress", "{:i} -> {:i} proto {} id {}: a fragment whose first did not come through here, passed", key.saddr, key.daddr, key.proto, key.id);
+    let t = proxy_common::CtKey::new(key.saddr, key.daddr, 0, 0, key.proto);
+    let mut f = Fields::new(Program::TcIngress, log_level::DEBUG, Kind::OrphanFragment);
+    f.id = u32::from(key.id);
+    write(&t, f);
 }
 
-/// Why a backend was chosen, in words: how, and among which endpoints.
+/// A socket program's record about a call to `service`: `kind` one of
+/// the kinds without a backend.
 #[inline(always)]
-pub fn why(via: Via, flags: ServiceFlags) -> (&'static str, &'static str) {
-    let how = match via {
-        Via::Affinity => "session affinity",
-        // One string whatever the algorithm (`lb list` says which): each
-        // more the record can hold multiplies what older verifiers (6.1)
-        // walk through its formatting.
-        Via::Algorithm => "its algorithm (random or Maglev)",
-        Via::Flow => "the socket's UDP flow",
-    };
-    let among = match (flags.is_local_only(), flags.serves_terminating()) {
-        (false, false) => "all endpoints",
-        (true, false) => "local endpoints only",
-        (false, true) => "terminating endpoints (none ready)",
-        (true, true) => "local terminating endpoints (none ready)",
-    };
-    (how, among)
+pub fn socket<A: EventAddr>(program: Program, level: u8, kind: Kind, service: (A, u16), proto: u8) {
+    let t = A::Tuple::new(A::default(), service.0, 0, service.1, proto);
+    write(&t, Fields::new(program, level, kind));
+}
+
+/// A socket program's backend for a call to `service`, and why (debug).
+#[inline(always)]
+pub fn socket_backend<A: EventAddr>(
+    program: Program,
+    (service, proto): ((A, u16), u8),
+    to: (A, u16),
+    via: Via,
+    flags: ServiceFlags,
+) {
+    let t = A::Tuple::new(A::default(), service.0, 0, service.1, proto);
+    let mut f = Fields::new(program, log_level::DEBUG, Kind::Backend);
+    (f.to, f.detail, f.among) = (to, via as u8, among(flags) as u8);
+    write(&t, f);
+}
+
+/// A reply from `peer` whose service is gone: the peer's own address is
+/// shown (debug).
+#[inline(always)]
+pub fn service_gone<A: EventAddr>(program: Program, peer: (A, u16), service: (A, u16)) {
+    let t = A::Tuple::new(peer.0, service.0, peer.1, service.1, 0);
+    write(&t, Fields::new(program, log_level::DEBUG, Kind::ServiceGone));
+}
+
+/// Among which endpoints a frontend with `flags` chooses.
+#[inline(always)]
+fn among(flags: ServiceFlags) -> Among {
+    Among::of(flags.is_local_only(), flags.serves_terminating())
 }

@@ -15,9 +15,8 @@ use aya_ebpf::{
 use proxy_common::{
     CtKey, CtKey6, CtTuple,
     monitor::{EVENTS_BYTES, EventTuple, MonitorEvent, hook, reason, verdict},
+    record::Outcome,
 };
-
-use crate::log::Outcome;
 
 #[btf_map]
 pub static EVENTS: RingBuf<MonitorEvent, { EVENTS_BYTES as usize }> = RingBuf::new();

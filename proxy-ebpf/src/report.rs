@@ -6,9 +6,9 @@
 //! made, and its verdict, known there, folds the choice away (no branch
 //! more for the verifier to walk).
 
-use proxy_common::{Config, Counter, DropReason};
+use proxy_common::{Config, Counter, DropReason, record::Outcome};
 
-use crate::{log::Outcome, maps::count, monitor::What, stats::Event};
+use crate::{maps::count, monitor::What, stats::Event};
 
 /// What a new flow got instead of a backend.
 #[derive(Clone, Copy)]

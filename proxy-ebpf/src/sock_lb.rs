@@ -14,16 +14,17 @@ use aya_ebpf::{
     },
     programs::SockAddrContext,
 };
-use aya_log_ebpf::macro_support::{Argument, IpFormatter};
 use proxy_common::{
     AFFINITY_CLIENT_NETNS, Config, Counter, IPPROTO_TCP, IPPROTO_UDP, ServiceKey, ServiceKey6,
     ServiceValue, SockFlow, SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6,
-    log_level, monitor::hook as monitor_hook,
+    log_level,
+    monitor::hook as monitor_hook,
+    record::{Kind, Outcome, Program},
 };
 
 use crate::{
     lb::{self, ServiceMapKey, Verdict, Via},
-    log::{self, Outcome, record},
+    log,
     maps::{CONFIG, SOCK_FLOWS, SOCK_REV_NAT, SOCK_REV_NAT6, count},
     monitor::{self, EventAddr, What},
     report::{self, Denied, Site},
@@ -65,7 +66,7 @@ fn sock_addr(ctx: &SockAddrContext) -> &bpf_sock_addr {
 type Addr<A> = (A, u16);
 
 /// An address of a family the socket LB serves, and its maps.
-pub trait SockAddress: Copy + PartialEq + IpFormatter + Argument + EventAddr {
+pub trait SockAddress: Copy + PartialEq + EventAddr {
     type Key: ServiceMapKey;
     fn key(self, port: u16, proto: u8) -> Self::Key;
     /// The frontend address of a localhost NodePort, if this is one of
@@ -279,16 +280,16 @@ impl Hook {
 
     /// The program's name, for the decision records.
     #[inline(always)]
-    fn program<F: SockFamily>(self, translate: bool) -> &'static str {
+    fn program<F: SockFamily>(self, translate: bool) -> Program {
         match (self, translate, F::IPV6_HOOKS) {
-            (Hook::Socket, true, false) => "connect4",
-            (Hook::Datagram, true, false) => "sendmsg4",
-            (Hook::Socket, false, false) => "getpeername4",
-            (Hook::Datagram, false, false) => "recvmsg4",
-            (Hook::Socket, true, true) => "connect6",
-            (Hook::Datagram, true, true) => "sendmsg6",
-            (Hook::Socket, false, true) => "getpeername6",
-            (Hook::Datagram, false, true) => "recvmsg6",
+            (Hook::Socket, true, false) => Program::Connect4,
+            (Hook::Datagram, true, false) => Program::Sendmsg4,
+            (Hook::Socket, false, false) => Program::Getpeername4,
+            (Hook::Datagram, false, false) => Program::Recvmsg4,
+            (Hook::Socket, true, true) => Program::Connect6,
+            (Hook::Datagram, true, true) => Program::Sendmsg6,
+            (Hook::Socket, false, true) => Program::Getpeername6,
+            (Hook::Datagram, false, true) => Program::Recvmsg6,
         }
     }
 }
@@ -332,22 +333,17 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
         None => (address.key(port, proto), false),
     };
     let Some(svc) = lb::lookup_frontend(&key) else {
-        record!(cfg, ctx, program, TRACE, "{:i}:{} proto {}: no service", address, port, proto);
+        if cfg.log_level >= log_level::TRACE {
+            log::socket(program, log_level::TRACE, Kind::NoService, (address, port), proto);
+        }
         return ALLOW;
     };
     // One record for both cases: each argument costs stack, of which the
     // `*6` hooks have none to spare on 6.1 (its verifier's 512 bytes).
     if !in_scope(ctx, cfg, localhost) {
-        record!(
-            cfg,
-            ctx,
-            program,
-            TRACE,
-            "{:i}:{} proto {}: not the node's socket (a pod's loopback is its own; its services are the per-packet path's)",
-            address,
-            port,
-            proto
-        );
+        if cfg.log_level >= log_level::TRACE {
+            log::socket(program, log_level::TRACE, Kind::NotInScope, (address, port), proto);
+        }
         return ALLOW;
     }
     let (key, svc) = lb::in_cluster_scope(&key, &svc);
@@ -373,7 +369,7 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     };
     match verdict {
         Verdict::NoBackend => {
-            let call = Call::<F> { ctx, hook, program, service: (address, port), proto };
+            let call = Call::<F> { hook, program, service: (address, port), proto };
             report::denied(&call, cfg, svc.rev_nat_id, Denied::Refused);
             // Fail the call at once with ECONNREFUSED instead of EPERM.
             // SAFETY: reading a global the loader initialised.
@@ -392,21 +388,7 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
             }
             let to = F::Address::backend_addr(&backend);
             if cfg.log_level >= log_level::DEBUG {
-                let (how, among) = log::why(via, svc.flags);
-                record!(
-                    cfg,
-                    ctx,
-                    program,
-                    DEBUG,
-                    "{:i}:{} proto {}: backend {:i}:{} by {} among {}",
-                    address,
-                    port,
-                    proto,
-                    to.0,
-                    to.1,
-                    how,
-                    among
-                );
+                log::socket_backend(program, ((address, port), proto), to, via, svc.flags);
             }
             // A datagram of a known flow is no new decision.
             if !matches!(via, Via::Flow) {
@@ -422,15 +404,14 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
 
 /// A call to a service, as `report` tells of its refusal (the socket hooks
 /// drop nothing).
-struct Call<'a, F: SockFamily> {
-    ctx: &'a SockAddrContext,
+struct Call<F: SockFamily> {
     hook: Hook,
-    program: &'static str,
+    program: Program,
     service: Addr<F::Address>,
     proto: u8,
 }
 
-impl<F: SockFamily> Site for Call<'_, F> {
+impl<F: SockFamily> Site for Call<F> {
     const REFUSED: Event = Event::SOCKET_REFUSED;
 
     #[inline(always)]
@@ -440,17 +421,10 @@ impl<F: SockFamily> Site for Call<'_, F> {
 
     #[inline(always)]
     fn record(&self, cfg: &Config, _refused: Outcome) {
-        let ((address, port), proto) = (self.service, self.proto);
-        record!(
-            cfg,
-            self.ctx,
-            self.program,
-            INFO,
-            "{:i}:{} proto {}: no endpoint, refused (ECONNREFUSED)",
-            address,
-            port,
-            proto
-        );
+        if cfg.log_level >= log_level::INFO {
+            let level = log_level::INFO;
+            log::socket(self.program, level, Kind::Refused, self.service, self.proto);
+        }
     }
 
     #[inline(always)]
@@ -508,18 +482,8 @@ pub fn try_reverse<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
     // scope of the address (the internal one has its own id).
     let frontend = service.0.localhost().unwrap_or(service.0).key(service.1, sa.protocol as u8);
     let Some(svc) = lb::lookup_frontend(&frontend) else {
-        if let Some(cfg) = CONFIG.get(0) {
-            record!(
-                cfg,
-                ctx,
-                hook.program::<F>(false),
-                DEBUG,
-                "{:i}:{}: its service {:i}:{} is gone, the peer's own address shown",
-                peer.0,
-                peer.1,
-                service.0,
-                service.1
-            );
+        if CONFIG.get(0).is_some_and(|cfg| cfg.log_level >= log_level::DEBUG) {
+            log::service_gone(hook.program::<F>(false), peer, service);
         }
         return ALLOW;
     };

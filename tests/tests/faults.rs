@@ -390,9 +390,7 @@ fn full_maps_refuse_only_the_services_that_do_not_fit() {
 }
 
 /// `n` services of lab/crowd-`i` at 10.96.2.`i`:80, each over the same
-/// `endpoints` addresses no pod answers on: a frontend and `endpoints`
-/// slots each in SERVICES, `endpoints` entries in BACKENDS.
-/// The `AYA_LOGS` ring buffers (decision records) process `pid` holds open:
+/// The `RECORDS` ring buffers (decision records) process `pid` holds open:
 /// its fds' map ids (`/proc/PID/fdinfo`), named as bpftool lists them.
 fn ring_buffers_held(pid: u32) -> usize {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fdinfo")).unwrap();
@@ -406,11 +404,13 @@ fn ring_buffers_held(pid: u32) -> usize {
     let shown = proxy_lab::sh("bpftool", &["-j", "map", "show"]).unwrap();
     let maps: Vec<serde_json::Value> = serde_json::from_str(&shown).unwrap();
     let ours = |m: &&serde_json::Value| {
-        m["name"] == "AYA_LOGS" && m["id"].as_u64().is_some_and(|id| held.contains(&id))
+        m["name"] == "RECORDS" && m["id"].as_u64().is_some_and(|id| held.contains(&id))
     };
     maps.iter().filter(ours).count()
 }
 
+/// `endpoints` addresses no pod answers on: a frontend and `endpoints`
+/// slots each in SERVICES, `endpoints` entries in BACKENDS.
 fn crowd(n: u8, endpoints: usize) -> String {
     let addresses: Vec<String> =
         (0..endpoints).map(|i| format!("10.245.{}.{}", i / 250, 1 + i % 250)).collect();

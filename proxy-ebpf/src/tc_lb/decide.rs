@@ -2,13 +2,12 @@
 //! (SNAT, direct server return or neither).
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{Config, CtTuple, ServiceValue, explain::Decided};
+use proxy_common::{Config, CtTuple, ServiceValue, explain::Decided, record::Outcome};
 
 use super::Translation;
 use crate::{
     family::Family,
     lb::{self, Pick, Verdict},
-    log::Outcome,
     packet::{Flow, Packet},
     run::Run,
 };

@@ -5,7 +5,7 @@ use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
     Config, Counter, CtTuple, CtValue, DropReason, IPPROTO_SCTP, TC_SCTP_EGRESS, TC_SCTP_EGRESS6,
-    TC6_EGRESS, log_level,
+    TC6_EGRESS, log_level, record::Outcome,
 };
 
 use super::{
@@ -17,7 +17,7 @@ use crate::{
     conntrack,
     family::Family,
     icmp,
-    log::{Outcome, Printable},
+    log::Printable,
     maps::{CONFIG, count},
     packet::{self, Packet, Parsed, SCTP_ALONE, TCP_AND_UDP},
     prefilter::Hook,

@@ -27,6 +27,7 @@ use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
     Config, Counter, CtKey6, CtTuple, CtValue, DropReason, IPPROTO_SCTP, ServiceFlags,
     TC_SCTP_INGRESS, TC_SCTP_INGRESS6, TC6_INGRESS, TC6_POD_REPLIES, dsr, log_level,
+    record::Outcome,
 };
 
 use crate::{
@@ -34,7 +35,7 @@ use crate::{
     family::Family,
     icmp,
     lb::Via,
-    log::{self, Outcome, Printable},
+    log::{self, Printable},
     maps::{CONFIG, FLOW6, TC_SCTP, TC6, count},
     monitor::{self, EventAddr, What},
     packet::{self, Flow, Packet, Parsed, SCTP_ALONE, TCP_AND_UDP},

@@ -6,13 +6,13 @@
 
 use aya_ebpf::programs::TcContext;
 use network_types::ip::Ipv4Hdr;
-use proxy_common::{Config, Counter, CtKey, TC_NEW_FLOW, dsr, log_level};
+use proxy_common::{Config, Counter, CtKey, TC_NEW_FLOW, dsr, log_level, record::Outcome};
 
 use super::{Ingress, Translation, forward::forward, forward_counted, stat};
 use crate::{
     conntrack,
     family::Family,
-    log::{self, Outcome, Printable},
+    log::{self, Printable},
     maps::{CONFIG, NEW_FLOW, TC_NEW, count},
     monitor::{self, EventAddr, What},
     packet::{Flow, TCP_AND_UDP},

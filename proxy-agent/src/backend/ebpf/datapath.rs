@@ -121,7 +121,7 @@ impl Loading {
     /// records and the way sockets are ended.
     fn finish(&self, object: &mut BpfObject) {
         // Read whatever the level: it can change while the programs run.
-        match object.take_records_with(super::records::ToTracing) {
+        match object.take_records() {
             Ok(records) => object.keep_records_reader(super::records::drain(records)),
             Err(e) => tracing::warn!(error = %e, "the programs' decision records cannot be read"),
         }

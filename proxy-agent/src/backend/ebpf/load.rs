@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, path::Path};
 
 use aya::{
     Ebpf,
-    maps::Array,
+    maps::{Array, MapData, RingBuf},
     programs::{CgroupSockAddr, Program, SchedClassifier},
 };
 use proxy_common::{Config, Layouts, TC_NEW_PROGRAMS, map_names};
@@ -300,12 +300,11 @@ impl BpfObject {
             .map_err(err)
     }
 
-    /// The reader of the programs' decision records, into `logger` (once).
-    pub fn take_records_with<L: log::Log>(
-        &mut self,
-        logger: L,
-    ) -> Result<aya_log::EbpfLogger<L>, aya_log::Error> {
-        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, logger)
+    /// The ring buffer of the programs' decision records (once).
+    pub fn take_records(&mut self) -> Result<RingBuf<MapData>, EbpfError> {
+        let name = map_names::RECORDS;
+        let map = self.ebpf.take_map(name).ok_or(EbpfError::Missing { what: "map", name })?;
+        RingBuf::try_from(map).map_err(|source| EbpfError::Map { name, source })
     }
 
     /// Keeps the task reading the records: it stops when these programs go.
