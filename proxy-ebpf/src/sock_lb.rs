@@ -338,8 +338,8 @@ pub fn try_translate<F: SockFamily>(ctx: &SockAddrContext, hook: Hook) -> i32 {
         }
         return ALLOW;
     };
-    // One record for both cases: each argument costs stack, of which the
-    // `*6` hooks have none to spare on 6.1 (its verifier's 512 bytes).
+    // One kind of record for both cases (a pod's localhost NodePort, a pod's
+    // socket under --socket-lb-host-netns-only): the words say both.
     if !in_scope(ctx, cfg, localhost) {
         if cfg.log_level >= log_level::TRACE {
             log::socket(program, log_level::TRACE, Kind::NotInScope, (address, port), proto);

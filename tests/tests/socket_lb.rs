@@ -34,6 +34,12 @@ both_modes!(
 const VIP: &str = "10.96.0.10";
 
 /// A lab with `n` web pods (TCP 8080, UDP 5353) and a client pod.
+/// The rule-based modes' minimum sync period (kube-proxy's, 1 s): a change
+/// made within it of a sync waits for its end. A test of how soon a change
+/// takes effect makes the change a period after the last sync, so the time
+/// it measures is the agent's reaction, not the period's rest.
+const MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
+
 fn web_lab(setup: Setup, n: usize) -> (Lab, Vec<Pod>, Pod) {
     let mut lab = Lab::with(setup).expect("lab");
     let pods = lab.add_web_pods(n, &[8080], &[5353]).unwrap();
@@ -168,6 +174,7 @@ fn an_unconnected_udp_socket_leaves_a_removed_endpoint_within_a_second(setup: Se
     let used = before.keys().next().unwrap().clone();
 
     let kept: Vec<&Pod> = pods.iter().filter(|p| p.name != used).collect();
+    std::thread::sleep(MIN_SYNC_PERIOD);
     lab.write_manifest(&web_manifest(&kept, None)).unwrap();
     let removed_at = Instant::now();
     let settled = removed_at + Duration::from_secs(1);
@@ -193,6 +200,7 @@ fn endpoint_removal_and_addition_take_effect_within_a_second(setup: Setup) {
     all_ok(&tcp(&lab, &client, "10.96.0.10:80", 30));
 
     // Remove web-2: a second later, no new connection reaches it.
+    std::thread::sleep(MIN_SYNC_PERIOD);
     lab.write_manifest(&web_manifest(&[&pods[0], &pods[1]], None)).unwrap();
     std::thread::sleep(Duration::from_secs(1));
     let after = tcp(&lab, &client, "10.96.0.10:80", 60);
@@ -203,6 +211,7 @@ fn endpoint_removal_and_addition_take_effect_within_a_second(setup: Setup) {
     // Add a new pod: a second later, it receives connections.
     let extra = lab.add_pod("web-new", "10.244.1.50").unwrap();
     lab.serve(&extra, &[8080], &[5353]).unwrap();
+    std::thread::sleep(MIN_SYNC_PERIOD);
     lab.write_manifest(&web_manifest(&[&pods[0], &pods[1], &extra], None)).unwrap();
     std::thread::sleep(Duration::from_secs(1));
     let counts = tally(&tcp(&lab, &client, "10.96.0.10:80", 60));
@@ -704,9 +713,8 @@ fn connected_udp_socket_after_its_pod_leaves(
     let follow = connected_udp(&lab, &client, vip);
     let Attempt::Ok { name: gone, .. } = follow.next().1 else { panic!("first datagram") };
     // A second of the socket's datagrams first: they stay with its pod,
-    // and the change comes past the rule-based modes' minimum sync period
-    // (1 s, kube-proxy's), which holds a change made just after a sync: the
-    // second measured is the agent's, not the period's.
+    // and the change comes past the minimum sync period
+    // ([`MIN_SYNC_PERIOD`]).
     let before = follow.take(20, Instant::now());
     assert!(before.iter().all(|(_, a)| a.pod() == Some(gone.as_str())), "{before:?}");
     let kept: Vec<&Pod> = pods.iter().filter(|p| p.name != gone).collect();
