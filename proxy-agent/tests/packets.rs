@@ -20,8 +20,10 @@ use proxy_agent::{
     plan::{BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan},
 };
 use proxy_common::{
-    Config,
+    Config, Counter,
     explain::{AFFINITY, Decided, SNAT, decode},
+    log_level,
+    record::{Kind, Outcome, Program, Record},
 };
 
 const NEXT: i32 = -1;
@@ -462,6 +464,41 @@ fn foreign_packets_pass_untouched() {
         assert_eq!(out.verdict, NEXT, "{p:02x?}");
         assert_eq!(out.packet, p);
     }
+}
+
+/// At `trace` a packet of no service is recorded: a record its tuple and
+/// outcome, read back from `RECORDS`; a flood nobody reads fills the ring
+/// buffer, and each record that found it full is counted, none is lost
+/// silently.
+#[test]
+fn decision_records_are_written_and_those_a_full_ring_refuses_counted() {
+    let mut dp = datapath(vec![]);
+    dp.configure(&Config { log_level: log_level::TRACE, ..test_config() }).unwrap();
+    let not_a_service = tcp((CLIENT, 40000), (NODE, 22), SYN);
+    assert_eq!(run(&mut dp, &not_a_service).verdict, NEXT);
+    let mut ring = dp.take_records().unwrap();
+    let item = ring.next().expect("a record");
+    // SAFETY: the programs write whole `Record`s.
+    let record = unsafe { item.as_ptr().cast::<Record>().read_unaligned() };
+    drop(item);
+    assert_eq!(record.kind, Kind::Outcome as u8);
+    assert_eq!(record.detail, Outcome::NoService as u8);
+    assert_eq!((record.program, record.level), (Program::TcIngress as u8, log_level::TRACE));
+    assert_eq!((&record.tuple.saddr[..4], record.tuple.sport), (&CLIENT[..], 40000));
+    assert_eq!((&record.tuple.daddr[..4], record.tuple.dport), (&NODE[..], 22));
+    assert!(ring.next().is_none());
+    assert_eq!(dp.counter(Counter::RecordLost).unwrap(), 0);
+
+    // 128 KiB of 80-byte entries (a record and the ring's header) hold 1,638.
+    let flood = 3000;
+    dp.run_tc(&not_a_service, flood).unwrap();
+    let mut written = 0;
+    while ring.next().is_some() {
+        written += 1;
+    }
+    let lost = dp.counter(Counter::RecordLost).unwrap();
+    assert!((1000..2000).contains(&written), "{written} written");
+    assert_eq!(written + lost, u64::from(flood));
 }
 
 #[test]

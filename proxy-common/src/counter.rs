@@ -27,9 +27,11 @@ pub enum Counter {
     Dropped,
     /// An ICMP error about a translated flow was translated back.
     IcmpRevNat,
+    /// A decision record found `RECORDS` full and was not written.
+    RecordLost,
 }
 
-pub const COUNTER_COUNT: u32 = 11;
+pub const COUNTER_COUNT: u32 = 12;
 
 impl Counter {
     pub const ALL: [Counter; COUNTER_COUNT as usize] = [
@@ -44,6 +46,7 @@ impl Counter {
         Counter::Rejected,
         Counter::Dropped,
         Counter::IcmpRevNat,
+        Counter::RecordLost,
     ];
 
     /// The Prometheus-style name the agent exports it under.
@@ -60,6 +63,7 @@ impl Counter {
             Counter::Rejected => "rejected",
             Counter::Dropped => "dropped",
             Counter::IcmpRevNat => "icmp_rev_nat",
+            Counter::RecordLost => "record_lost",
         }
     }
 }

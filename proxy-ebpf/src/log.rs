@@ -10,12 +10,12 @@
 
 use aya_ebpf::{btf_maps::RingBuf, macros::btf_map};
 use proxy_common::{
-    CtTuple, FragKey, ServiceFlags, log_level,
+    Counter, CtTuple, FragKey, ServiceFlags, log_level,
     monitor::EventTuple,
     record::{Among, Kind, Outcome, Program, RECORDS_BYTES, Record, Via},
 };
 
-use crate::monitor::EventAddr;
+use crate::{maps::count, monitor::EventAddr};
 
 #[btf_map]
 pub static RECORDS: RingBuf<Record, { RECORDS_BYTES as usize }> = RingBuf::new();
@@ -42,11 +42,14 @@ impl<A: EventAddr> Fields<A> {
     }
 }
 
-/// Writes a record of `t` into the ring buffer (none when it is full:
-/// records are for reading along, not for counting).
+/// Writes a record of `t` into the ring buffer; one that finds it full is
+/// counted instead.
 #[inline(always)]
 fn write<T: Printable>(t: &T, f: Fields<T::Addr>) {
-    let Some(mut entry) = RECORDS.reserve(0) else { return };
+    let Some(mut entry) = RECORDS.reserve(0) else {
+        count(Counter::RecordLost);
+        return;
+    };
     let r = entry.as_mut_ptr();
     // SAFETY: `r` points at the reserved record; every field is written.
     unsafe {

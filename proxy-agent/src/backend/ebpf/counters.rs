@@ -31,3 +31,14 @@ impl DatapathCounters for CounterReader {
             .collect()
     }
 }
+
+impl super::BpfObject {
+    /// This load's event counter `counter`, summed over the CPUs (tests
+    /// that run the programs on crafted packets).
+    pub fn counter(&self, counter: Counter) -> Result<u64, EbpfError> {
+        let name = map_names::COUNTERS;
+        let err = |source| EbpfError::Map { name, source };
+        let map = PerCpuArray::<_, u64>::try_from(&self.maps.counters).map_err(err)?;
+        Ok(map.get(&(counter as u32), 0).map_err(err)?.iter().sum())
+    }
+}
