@@ -11,11 +11,13 @@
 use aya_ebpf::{btf_maps::RingBuf, macros::btf_map};
 use proxy_common::{
     Counter, CtTuple, FragKey, ServiceFlags, log_level,
-    monitor::EventTuple,
     record::{Among, Kind, Outcome, Program, RECORDS_BYTES, Record, Via},
 };
 
-use crate::{maps::count, monitor::EventAddr};
+use crate::{
+    maps::count,
+    monitor::{EventAddr, put_tuple},
+};
 
 #[btf_map]
 pub static RECORDS: RingBuf<Record, { RECORDS_BYTES as usize }> = RingBuf::new();
@@ -53,7 +55,7 @@ fn write<T: Printable>(t: &T, f: Fields<T::Addr>) {
     let r = entry.as_mut_ptr();
     // SAFETY: `r` points at the reserved record; every field is written.
     unsafe {
-        put(&mut (*r).tuple, t);
+        put_tuple(&mut (*r).tuple, t);
         f.to.0.put(&mut (*r).to);
         (*r).to_port = f.to.1;
         (*r).program = f.program as u8;
@@ -66,20 +68,6 @@ fn write<T: Printable>(t: &T, f: Fields<T::Addr>) {
     }
     // With a wake-up: the agent's reader waits on the ring's fd.
     entry.submit(0);
-}
-
-#[inline(always)]
-fn put<T: Printable>(out: &mut EventTuple, t: &T) {
-    t.saddr().put(&mut out.saddr);
-    t.daddr().put(&mut out.daddr);
-    out.sport = t.sport();
-    out.dport = t.dport();
-    out.proto = t.proto();
-    // Byte by byte, as `monitor` does: a `memset` would be a BPF call.
-    for byte in &mut out._pad {
-        // SAFETY: a byte of the reserved record.
-        unsafe { core::ptr::write_volatile(byte, 0) };
-    }
 }
 
 /// The program a per-packet record names.

@@ -160,8 +160,8 @@ fn write<T: CtTuple<Addr: EventAddr>>(before: &T, after: &T, meta: &Meta) {
         (*e).ts_ns = bpf_ktime_get_ns();
         (*e).ifindex = meta.ifindex;
         (*e).rev_nat_id = meta.rev_nat_id;
-        put(&mut (*e).before, before);
-        put(&mut (*e).after, after);
+        put_tuple(&mut (*e).before, before);
+        put_tuple(&mut (*e).after, after);
         (*e).hook = meta.hook;
         (*e).family = T::Addr::FAMILY;
         (*e).verdict = meta.verdict;
@@ -171,8 +171,9 @@ fn write<T: CtTuple<Addr: EventAddr>>(before: &T, after: &T, meta: &Meta) {
     entry.submit(BPF_RB_NO_WAKEUP as u64);
 }
 
+/// Writes `t` into `out`, in a reserved event or record.
 #[inline(always)]
-fn put<T: CtTuple<Addr: EventAddr>>(out: &mut EventTuple, t: &T) {
+pub fn put_tuple<T: CtTuple<Addr: EventAddr>>(out: &mut EventTuple, t: &T) {
     t.saddr().put(&mut out.saddr);
     t.daddr().put(&mut out.daddr);
     out.sport = t.sport();
@@ -182,7 +183,7 @@ fn put<T: CtTuple<Addr: EventAddr>>(out: &mut EventTuple, t: &T) {
     // `memset`, a BPF subprogram of its own, whose frame made `connect6`'s
     // call chain 544 bytes on 6.1's verifier.
     for byte in &mut out._pad {
-        // SAFETY: a byte of the reserved event.
+        // SAFETY: a byte of the reserved event or record.
         unsafe { core::ptr::write_volatile(byte, 0) };
     }
 }
