@@ -148,13 +148,6 @@ pub static TC_SCTP: ProgramArray<{ TC_SCTP_PROGRAMS.len() }> = ProgramArray::new
 #[btf_map]
 pub static TC_NEW: ProgramArray<{ TC_NEW_PROGRAMS.len() }> = ProgramArray::new();
 
-/// A new IPv4 flow's packet and decision (`tc_lb::NewFlow`), handed from
-/// `tc_ingress` to `tc_new_flow`, one per CPU. No BTF: scratch space,
-/// never read from outside.
-#[map]
-pub static NEW_FLOW: aya_ebpf::maps::PerCpuArray<crate::tc_lb::NewFlow> =
-    aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
-
 /// The IPv6 per-packet path's packet and tuples (`packet::Flow`), one per
 /// CPU: off the stack. No BTF: scratch space, never read from outside.
 #[map]

@@ -20,7 +20,7 @@ mod icmp_errors;
 mod new_flow;
 
 pub use egress::{try_egress, try_egress_sctp, try_egress6, try_egress6_sctp};
-pub use new_flow::{NewFlow, try_new_flow};
+pub use new_flow::try_new_flow;
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};

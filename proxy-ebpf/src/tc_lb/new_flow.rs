@@ -4,7 +4,7 @@
 //! decision comes out of `tc_ingress`); the IPv6 and SCTP paths call
 //! [`complete`] inline.
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{macros::map, maps::PerCpuArray, programs::TcContext};
 use network_types::ip::Ipv4Hdr;
 use proxy_common::{Config, Counter, CtKey, TC_NEW_FLOW, dsr, log_level, record::Outcome};
 
@@ -13,7 +13,7 @@ use crate::{
     conntrack,
     family::Family,
     log::{self, Printable},
-    maps::{CONFIG, NEW_FLOW, TC_NEW, count},
+    maps::{CONFIG, TC_NEW, count},
     monitor::{self, EventAddr, What},
     packet::{Flow, TCP_AND_UDP},
     report::{self, Denied},
@@ -25,10 +25,16 @@ use crate::{
 /// A new flow's packet and its decision, handed from `tc_ingress` to
 /// `tc_new_flow` (`NEW_FLOW`).
 #[derive(Clone, Copy)]
-pub struct NewFlow {
+struct NewFlow {
     flow: Flow<CtKey>,
     decided: Translation,
 }
+
+/// A new IPv4 flow's packet and decision, handed from `tc_ingress` to
+/// `tc_new_flow`, one per CPU. No BTF: scratch space, never read from
+/// outside.
+#[map]
+static NEW_FLOW: PerCpuArray<NewFlow> = PerCpuArray::with_max_entries(1, 0);
 
 /// A new IPv4 TCP or UDP flow goes on in `tc_new_flow` (see
 /// `proxy_common::TC_NEW_PROGRAMS`), its packet and decision in this CPU's
