@@ -41,6 +41,15 @@ pub mod reason {
     pub const CONNTRACK_FULL: u8 = 5;
 }
 
+/// An address as events and records hold it: family 4 in the first 4
+/// bytes, else IPv6.
+pub fn address(family: u8, bytes: &[u8; 16]) -> core::net::IpAddr {
+    match family {
+        4 => core::net::Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]).into(),
+        _ => core::net::Ipv6Addr::from(*bytes).into(),
+    }
+}
+
 /// A tuple of either family: an IPv4 address fills the first 4 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -10,11 +10,11 @@ pub mod names;
 
 use std::{
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::SocketAddr,
     time::{Duration, SystemTime},
 };
 
-use proxy_common::monitor::{EventTuple, MonitorEvent, hook, reason, verdict};
+use proxy_common::monitor::{EventTuple, MonitorEvent, address, hook, reason, verdict};
 use serde::Serialize;
 
 use crate::inspect::protocol;
@@ -124,15 +124,8 @@ pub fn reason_text(r: u8) -> Option<&'static str> {
     }
 }
 
-fn addr(family: u8, bytes: &[u8; 16]) -> IpAddr {
-    match family {
-        4 => Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]).into(),
-        _ => Ipv6Addr::from(*bytes).into(),
-    }
-}
-
 fn destination(family: u8, t: &EventTuple) -> SocketAddr {
-    SocketAddr::new(addr(family, &t.daddr), t.dport)
+    SocketAddr::new(address(family, &t.daddr), t.dport)
 }
 
 /// `source -> destination`, or the destination alone for a socket hook.
@@ -140,7 +133,7 @@ fn tuple(family: u8, t: &EventTuple, socket: bool) -> String {
     let to = destination(family, t);
     match socket {
         true => format!("-> {to}"),
-        false => format!("{} -> {to}", SocketAddr::new(addr(family, &t.saddr), t.sport)),
+        false => format!("{} -> {to}", SocketAddr::new(address(family, &t.saddr), t.sport)),
     }
 }
 

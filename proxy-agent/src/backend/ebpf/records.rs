@@ -5,14 +5,14 @@
 //! INFO, under the target `bpf`, with the program that wrote it and the
 //! record's level.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-
 use aya::maps::{MapData, RingBuf};
 use proxy_common::{
-    log_level,
+    log_level, monitor,
     record::{Among, Kind, Outcome, Program, Record, Via},
 };
 use tokio::io::unix::AsyncFd;
+
+use super::ring::read_item;
 
 /// The task reading one load's records; it stops when this drops (with the
 /// programs it reads for: a load replaced when the maps grow).
@@ -59,7 +59,7 @@ pub fn drain(ring: RingBuf<MapData>) -> Reader {
 
 /// Logs one record as it came out of the ring buffer.
 fn log(bytes: &[u8]) {
-    let Some(record) = read(bytes) else {
+    let Some(record) = read_item::<Record>(bytes) else {
         tracing::warn!(bytes = bytes.len(), "a decision record of another size, skipped");
         return;
     };
@@ -70,13 +70,6 @@ fn log(bytes: &[u8]) {
         }
         None => tracing::warn!(?record, "a decision record this build cannot read, skipped"),
     }
-}
-
-/// A record from its bytes, if they are one.
-fn read(bytes: &[u8]) -> Option<Record> {
-    (bytes.len() == size_of::<Record>())
-        // SAFETY: as many bytes as a `Record`, which any bytes are.
-        .then(|| unsafe { bytes.as_ptr().cast::<Record>().read_unaligned() })
 }
 
 /// A record in words.
@@ -100,7 +93,11 @@ impl Line {
         };
         let t = &r.tuple;
         let family = r.family;
-        let (source, destination) = (ip(family, &t.saddr)?, ip(family, &t.daddr)?);
+        if !matches!(family, 4 | 6) {
+            return None;
+        }
+        let ip = |bytes| monitor::address(family, bytes);
+        let (source, destination) = (ip(&t.saddr), ip(&t.daddr));
         let (sport, dport, proto) = (t.sport, t.dport, t.proto);
         let kind = Kind::from_u8(r.kind)?;
         // A packet's tuple, or the service a socket program was called for.
@@ -108,7 +105,7 @@ impl Line {
             true => format!("{destination}:{dport} proto {proto}"),
             false => format!("{source}:{sport} -> {destination}:{dport} proto {proto}"),
         };
-        let to = || Some(format!("{}:{}", ip(family, &r.to)?, r.to_port));
+        let to = || format!("{}:{}", ip(&r.to), r.to_port);
         let text = match kind {
             Kind::Outcome => format!("{about}: {}", Outcome::from_u8(r.detail)?.words()),
             Kind::Backend => {
@@ -116,12 +113,12 @@ impl Line {
                 format!(
                     "{about}: {} {} by {} among {}",
                     kind.words(),
-                    to()?,
+                    to(),
                     via.words(),
                     among.words()
                 )
             }
-            Kind::Snat => format!("{about}: {} {}", kind.words(), to()?),
+            Kind::Snat => format!("{about}: {} {}", kind.words(), to()),
             Kind::OrphanFragment => {
                 format!("{source} -> {destination} proto {proto} id {}: {}", r.id, kind.words())
             }
@@ -136,17 +133,10 @@ impl Line {
     }
 }
 
-/// An address of `family` (4: the first 4 bytes).
-fn ip(family: u8, bytes: &[u8; 16]) -> Option<IpAddr> {
-    match family {
-        4 => Some(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]).into()),
-        6 => Some(Ipv6Addr::from(*bytes).into()),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv6Addr;
+
     use proxy_common::monitor::EventTuple;
 
     use super::*;
@@ -244,11 +234,11 @@ mod tests {
         assert_eq!(Line::of(&r), None);
         let r = record(Program::TcIngress, 9, Kind::Outcome);
         assert_eq!(Line::of(&r), None);
-        assert_eq!(read(&[0; 12]), None);
+        assert_eq!(read_item::<Record>(&[0; 12]), None);
         let r = record(Program::TcEgress, log_level::TRACE, Kind::Outcome);
         // SAFETY: a `Record`'s bytes, as the ring buffer holds them.
         let bytes =
             unsafe { std::slice::from_raw_parts((&raw const r).cast::<u8>(), size_of::<Record>()) };
-        assert_eq!(read(bytes), Some(r));
+        assert_eq!(read_item(bytes), Some(r));
     }
 }

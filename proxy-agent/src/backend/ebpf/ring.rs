@@ -92,14 +92,19 @@ impl Iterator for Watch {
     fn next(&mut self) -> Option<MonitorEvent> {
         loop {
             let item = self.ring.next()?;
-            // A short item (none is written) would be a foreign writer's.
-            if item.len() >= size_of::<MonitorEvent>() {
-                // SAFETY: as many bytes as an event; copied out, as the
-                // item borrows the ring.
-                return Some(unsafe { item.as_ptr().cast::<MonitorEvent>().read_unaligned() });
+            if let Some(event) = read_item(&item) {
+                return Some(event);
             }
         }
     }
+}
+
+/// A ring buffer item as the programs wrote it, copied out (the item
+/// borrows the ring); none if it is short (none is written: a foreign
+/// writer's).
+pub fn read_item<T: aya::Pod>(item: &[u8]) -> Option<T> {
+    // SAFETY: at least as many bytes as a `T`, which any bytes are (`Pod`).
+    (item.len() >= size_of::<T>()).then(|| unsafe { item.as_ptr().cast::<T>().read_unaligned() })
 }
 
 impl BpfObject {
