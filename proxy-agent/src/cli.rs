@@ -13,7 +13,7 @@ use crate::{
     backend::{
         ProxyMode, TrafficRules, conntrack_limit,
         ebpf::{
-            settings::{BpfLogLevel, PodInterfacePrograms, TcAttachChoice},
+            settings::{Acceleration, BpfLogLevel, PodInterfacePrograms, TcAttachChoice},
             sock_end::SocketDestroy,
         },
         iptables::exec::Xtables,
@@ -383,6 +383,12 @@ pub struct RunArgs {
     /// How the per-packet program is attached to interfaces
     #[arg(long, value_enum, default_value = "auto")]
     pub tc_attach: TcAttachChoice,
+    /// eBPF mode: forward packets of tracked NodePort, externalIP and
+    /// LoadBalancer flows at the driver hook (XDP) of the interfaces
+    /// holding node addresses, before the kernel builds an skb (Cilium's
+    /// `bpf-lb-acceleration`); what XDP leaves is tc's, as without
+    #[arg(long, value_enum, default_value = "disabled")]
+    pub bpf_lb_acceleration: Acceleration,
     /// The socket programs translate only for the node's own network
     /// namespace (the agent's); pods see the ClusterIP and the per-packet
     /// path serves them (service meshes, VMs in pods), as Cilium's

@@ -10,7 +10,10 @@ use serde::Deserialize;
 use crate::yaml::{Value, YamlError};
 
 use crate::{
-    backend::{ProxyMode, ebpf::settings::BpfLogLevel},
+    backend::{
+        ProxyMode,
+        ebpf::settings::{Acceleration, BpfLogLevel},
+    },
     cli::{RunArgs, parse_go_duration},
     model::{Cidr, LbAlgorithm, LbMode},
 };
@@ -58,6 +61,8 @@ struct File {
     bpf_lb_mode: Option<String>,
     /// Ours: `--bpf-lb-dsr-dispatch`.
     bpf_lb_dsr_dispatch: Option<String>,
+    /// Ours, as Cilium's `bpf-lb-acceleration`: `--bpf-lb-acceleration`.
+    bpf_lb_acceleration: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -117,6 +122,7 @@ const HONOURED: &[&str] = &[
     "bpfLbMaglevTableSize",
     "bpfLbMode",
     "bpfLbDsrDispatch",
+    "bpfLbAcceleration",
 ];
 
 /// kube-proxy's fields that do not apply to this proxy.
@@ -167,6 +173,7 @@ pub struct Settings {
     pub bpf_lb_algorithm: Option<LbAlgorithm>,
     pub bpf_lb_maglev_table_size: Option<u32>,
     pub bpf_lb_mode: Option<LbMode>,
+    pub bpf_lb_acceleration: Option<Acceleration>,
 }
 
 /// Appends kube-proxy's default port to an address given without one.
@@ -300,6 +307,13 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
     if let Some(mode) = file.bpf_lb_mode {
         s.bpf_lb_mode = Some(crate::cli::parse_annotated(&mode).map_err(bad("bpfLbMode"))?);
     }
+    if let Some(acceleration) = file.bpf_lb_acceleration {
+        s.bpf_lb_acceleration = Some(
+            clap::ValueEnum::from_str(&acceleration, true)
+                .map_err(|_| format!("{acceleration:?}: expected disabled, native or best-effort"))
+                .map_err(bad("bpfLbAcceleration"))?,
+        );
+    }
     if let Some(dispatch) = file.bpf_lb_dsr_dispatch.filter(|d| d != "opt") {
         return Err(bad("bpfLbDsrDispatch")(format!("{dispatch:?}: only opt is supported")));
     }
@@ -368,6 +382,7 @@ pub fn apply(settings: Settings, args: &mut RunArgs, explicit: impl Fn(&str) -> 
     set!("bpf_log_level", args.bpf_log_level, settings.bpf_log_level);
     set!("bpf_lb_algorithm", args.bpf_lb_algorithm, settings.bpf_lb_algorithm);
     set!("bpf_lb_mode", args.bpf_lb_mode, settings.bpf_lb_mode);
+    set!("bpf_lb_acceleration", args.bpf_lb_acceleration, settings.bpf_lb_acceleration);
     set!(
         "bpf_lb_maglev_table_size",
         args.bpf_lb_maglev_table_size,
@@ -418,6 +433,7 @@ bpfLbAlgorithm: maglev
 bpfLbMaglevTableSize: 65521
 bpfLbMode: hybrid
 bpfLbDsrDispatch: opt
+bpfLbAcceleration: best-effort
 "#;
 
     fn run_args(flags: &[&str]) -> (RunArgs, clap::ArgMatches) {
@@ -470,6 +486,7 @@ bpfLbDsrDispatch: opt
         assert_eq!(args.bpf_lb_algorithm, LbAlgorithm::Maglev);
         assert_eq!(args.bpf_lb_maglev_table_size, 65521);
         assert_eq!(args.bpf_lb_mode, LbMode::Hybrid);
+        assert_eq!(args.bpf_lb_acceleration, Acceleration::BestEffort);
     }
 
     #[test]

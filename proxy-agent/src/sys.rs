@@ -108,6 +108,16 @@ fn mount_bpffs(at: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// The index of the interface `name` in this network namespace.
+pub fn ifindex(name: &str) -> io::Result<u32> {
+    let name = std::ffi::CString::new(name).map_err(io::Error::other)?;
+    // SAFETY: a NUL-terminated string.
+    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
+        0 => Err(io::Error::last_os_error()),
+        index => Ok(index),
+    }
+}
+
 /// The node's network interfaces and their IPv4 and IPv6 addresses, in the
 /// agent's network namespace (netlink-backed `getifaddrs`, not /sys, which
 /// may belong to another namespace).

@@ -29,9 +29,12 @@ pub enum Counter {
     IcmpRevNat,
     /// A decision record found `RECORDS` full and was not written.
     RecordLost,
+    /// A tracked packet was sent on at the driver hook (XDP), before the
+    /// stack: counted in `CtHit` too.
+    XdpForwarded,
 }
 
-pub const COUNTER_COUNT: u32 = 12;
+pub const COUNTER_COUNT: u32 = 13;
 
 impl Counter {
     pub const ALL: [Counter; COUNTER_COUNT as usize] = [
@@ -47,6 +50,7 @@ impl Counter {
         Counter::Dropped,
         Counter::IcmpRevNat,
         Counter::RecordLost,
+        Counter::XdpForwarded,
     ];
 
     /// The Prometheus-style name the agent exports it under.
@@ -64,6 +68,7 @@ impl Counter {
             Counter::Dropped => "dropped",
             Counter::IcmpRevNat => "icmp_rev_nat",
             Counter::RecordLost => "record_lost",
+            Counter::XdpForwarded => "xdp_forwarded",
         }
     }
 }

@@ -91,6 +91,8 @@ pub const MAX_CONNTRACK6: u32 = 262_144;
 pub const MAX_AFFINITY6: u32 = 65_536;
 pub const MAX_SOURCE_RANGES: u32 = 16_384;
 pub const MAX_FRAGMENTS: u32 = 16_384;
+/// Node interfaces that can carry the XDP program (`XDP_EGRESS`).
+pub const MAX_XDP_INTERFACES: u32 = 64;
 pub const MAX_SOCK_FLOWS: u32 = 65_536;
 /// Departures handed to the socket iterator at once (more go in batches).
 pub const MAX_SOCK_ENDS: u32 = 4_096;

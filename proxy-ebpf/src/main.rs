@@ -8,6 +8,7 @@
 mod conntrack;
 mod explain;
 mod family;
+mod frame;
 mod icmp;
 mod lb;
 mod log;
@@ -23,10 +24,11 @@ mod sock_lb;
 mod stats;
 mod tc_act;
 mod tc_lb;
+mod xdp_lb;
 
 use aya_ebpf::{
-    macros::{cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use sock_lb::{Hook, V4};
 use tc_lb::Scope;
@@ -143,6 +145,13 @@ pub fn tc_ingress6_sctp(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_egress6_sctp(ctx: TcContext) -> i32 {
     tc_lb::try_egress6_sctp(&ctx)
+}
+
+/// The driver hook of node interfaces (`--bpf-lb-acceleration`): tracked
+/// external flows forwarded before the stack; everything else to tc.
+#[xdp]
+pub fn xdp_ingress(ctx: XdpContext) -> u32 {
+    xdp_lb::try_ingress(&ctx)
 }
 
 /// Socket iterators ending the TCP and UDP sockets connected to backends

@@ -11,8 +11,8 @@ use proxy_common::{
     AffinityKey, AffinityValue, Backend, COUNTER_COUNT, Config, Counter, CtEntry, CtKey, FragKey,
     FragRewrite, FrontendInfo, FrontendStats, Layouts, MAX_AFFINITY, MAX_BACKENDS, MAX_CONNTRACK,
     MAX_FRAGMENTS, MAX_REV_NAT, MAX_SERVICE_ENTRIES, MAX_SOCK_ENDS, MAX_SOCK_FLOWS,
-    MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES, RevNat, ServiceKey, ServiceValue, SockEndKey, SockFlow,
-    SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey, prefilter,
+    MAX_SOCK_REV_NAT, MAX_SOURCE_RANGES, MAX_XDP_INTERFACES, RevNat, ServiceKey, ServiceValue,
+    SockEndKey, SockFlow, SockFlowKey, SockRevNat, SockRevNatKey, SourceRangeKey, prefilter,
 };
 use proxy_common::{
     AffinityKey6, Backend6, CtEntry6, CtKey6, MAX_AFFINITY6, MAX_CONNTRACK6, MAX_SOCK_REV_NAT6,
@@ -220,6 +220,13 @@ pub static FRONTEND_STATS: PerCpuHashMap<
 /// entries are made from (off the stack).
 #[btf_map]
 pub static STATS_ZERO: Array<FrontendStats, 1> = Array::new();
+
+/// The node interfaces carrying `xdp_ingress`, by ifindex: where XDP may
+/// send a packet on (a driver takes XDP frames only where XDP is set up).
+/// Only the agent writes it.
+#[map]
+pub static XDP_EGRESS: aya_ebpf::maps::DevMapHash =
+    aya_ebpf::maps::DevMapHash::with_max_entries(MAX_XDP_INTERFACES, 0);
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { COUNTER_COUNT as usize }> = PerCpuArray::new();

@@ -11,7 +11,6 @@
 
 use core::mem::offset_of;
 
-use aya_ebpf::programs::TcContext;
 use network_types::{
     eth::EthHdr,
     ip::{Ipv4Hdr, Ipv6Hdr},
@@ -25,6 +24,7 @@ use proxy_common::{
 };
 
 use crate::{
+    frame::Frame,
     maps::{PREFILTER, PREFILTER_REPLIES},
     packet::{DPORT, IP_OFF, IPPROTO_ICMP, IPPROTO_ICMPV6, SPORT},
 };
@@ -64,7 +64,7 @@ pub enum Hook {
 /// Bytes at `off`, in the HEADERS the caller checked are in the linear data
 /// (byte arrays: no alignment to assume).
 #[inline(always)]
-fn read<const N: usize>(ctx: &TcContext, off: usize) -> [u8; N] {
+fn read<const N: usize>(ctx: &impl Frame, off: usize) -> [u8; N] {
     // SAFETY: within the checked bounds; `[u8; N]` has alignment 1.
     unsafe { *((ctx.data() + off) as *const [u8; N]) }
 }
@@ -114,7 +114,7 @@ struct Endpoints<A> {
 
 /// The filter's verdict on the packet in `ctx`.
 #[inline(always)]
-pub fn check(ctx: &TcContext, cfg: &Config, hook: Hook) -> Filter {
+pub fn check(ctx: &impl Frame, cfg: &Config, hook: Hook) -> Filter {
     if ctx.data() + HEADERS > ctx.data_end() {
         return Filter::Inspect;
     }
@@ -134,7 +134,7 @@ pub fn check(ctx: &TcContext, cfg: &Config, hook: Hook) -> Filter {
 
 /// A plain IPv4 TCP, UDP or SCTP packet's endpoints, or the verdict on another.
 #[inline(always)]
-fn endpoints4(ctx: &TcContext) -> Result<Endpoints<[u8; 4]>, Filter> {
+fn endpoints4(ctx: &impl Frame) -> Result<Endpoints<[u8; 4]>, Filter> {
     let [vihl] = read(ctx, IP_OFF);
     let [proto] = read(ctx, IP_OFF + offset_of!(Ipv4Hdr, proto));
     // The fragment offset's 13 bits (network order, after three flag bits).
@@ -160,7 +160,7 @@ fn endpoints4(ctx: &TcContext) -> Result<Endpoints<[u8; 4]>, Filter> {
 /// DSR header) are inspected; anything else (other extension headers,
 /// fragments) passes, as the full path passes it.
 #[inline(always)]
-fn endpoints6(ctx: &TcContext) -> Result<Endpoints<[u8; 16]>, Filter> {
+fn endpoints6(ctx: &impl Frame) -> Result<Endpoints<[u8; 16]>, Filter> {
     if ctx.data() + HEADERS6 > ctx.data_end() {
         return Err(Filter::Inspect);
     }
@@ -180,7 +180,7 @@ fn endpoints6(ctx: &TcContext) -> Result<Endpoints<[u8; 16]>, Filter> {
 /// The verdict on a TCP, UDP or SCTP packet between `e`'s endpoints.
 #[inline(always)]
 fn ports<A: Address + PartialEq>(
-    ctx: &TcContext,
+    ctx: &impl Frame,
     e: &Endpoints<A>,
     hook: Hook,
     snat_addr: A,

@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{Context, bail};
 
-use crate::{Lab, host::stop, scaled, target_bin};
+use crate::{Lab, Mode, host::stop, scaled, target_bin};
 use std::process::Child;
 
 /// What the agent logs once its datapath serves the manifests.
@@ -108,6 +108,11 @@ impl Lab {
         };
         let mode = ["--proxy-mode", self.mode.as_arg()];
         let mode: &[&str] = if extra.contains(&"--proxy-mode") { &[] } else { &mode };
+        let xdp: &[&str] = if self.xdp && self.mode == Mode::Ebpf && !mode.is_empty() {
+            &["--bpf-lb-acceleration", "native"]
+        } else {
+            &[]
+        };
         let host = &mut self.nodes[node];
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&host.log)?;
         let agent = host.agent_bin.clone().unwrap_or_else(|| target_bin("proxy-agent"));
@@ -137,6 +142,7 @@ impl Lab {
                 vec![]
             })
             .args(mode)
+            .args(xdp)
             .args(extra)
             .env("RUST_LOG", "info")
             .stdout(log.try_clone()?)

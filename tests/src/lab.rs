@@ -14,8 +14,8 @@ use crate::{
     FAR_PREFIX, FAR_ROUTER, Mode, Node, PREFIX, Pod, SERVICE_RANGE, SERVICE_RANGE6, Setup, Source,
     apiserver,
     host::{
-        IpBatch, cgroup2_root, delete_netns, ip, mount_bpffs, remove_cgroup, remove_scratch, sh,
-        stop, sweep_stale, sysctl, veth_to_eth0, wait_link_up,
+        IpBatch, cgroup2_root, delete_netns, ip, mount_bpffs, pin_xdp_pass, remove_cgroup,
+        remove_scratch, sh, stop, sweep_stale, sysctl, veth_to_eth0, wait_link_up,
     },
     node_ip, v6,
 };
@@ -44,6 +44,8 @@ pub struct Lab {
     pub(crate) children: Vec<Child>,
     /// Dual stack: new pods, nodes and external clients get IPv6 too.
     pub(crate) ipv6: bool,
+    /// Agents run XDP on the nodes' uplinks (`Setup::xdp`).
+    pub(crate) xdp: bool,
 }
 
 impl Lab {
@@ -54,20 +56,20 @@ impl Lab {
 
     /// A lab whose agents run in `mode` on the manifest.
     pub fn with_mode(mode: Mode) -> anyhow::Result<Self> {
-        Self::with(Setup { mode, source: Source::Manifests })
+        Self::with(Setup::of(mode, Source::Manifests))
     }
 
     /// A node (namespace, uplink to the fabric, test cgroup, pin directory),
     /// a scratch dir, and with `Source::ApiServer` the test API server.
     pub fn with(setup: Setup) -> anyhow::Result<Self> {
-        let mut lab = Self::bare(setup.mode)?;
+        let mut lab = Self::bare(setup)?;
         if setup.source == Source::ApiServer {
             lab.start_apiserver()?;
         }
         Ok(lab)
     }
 
-    fn bare(mode: Mode) -> anyhow::Result<Self> {
+    fn bare(Setup { mode, xdp, .. }: Setup) -> anyhow::Result<Self> {
         if unsafe { libc::geteuid() } != 0 {
             bail!("the lab needs root (network namespaces, cgroups, BPF)");
         }
@@ -88,6 +90,7 @@ impl Lab {
             netns: Vec::new(),
             children: Vec::new(),
             ipv6: false,
+            xdp,
         };
         std::fs::create_dir_all(&lab.dir)?;
         mount_bpffs(&lab.dir.join(BPFFS_DIR))?;
@@ -169,6 +172,25 @@ impl Lab {
         wait_link_up(netns, "eth0")
     }
 
+    /// Makes a node's uplink behave towards XDP as a NIC on a wire does:
+    /// frames reach the node with their checksums complete (a veth passes
+    /// a sender's offloaded checksum on unfinished, which XDP cannot
+    /// update: the fabric's port computes it, `tx off`), and frames the
+    /// node's XDP sends back out are taken (a veth flushes XDP frames to
+    /// its peer only where the peer runs an XDP program: the port runs one
+    /// that passes everything).
+    fn wire_for_xdp(&self, port: &str) -> anyhow::Result<()> {
+        let pass = self.dir.join(BPFFS_DIR).join("xdp_pass");
+        if !pass.exists() {
+            pin_xdp_pass(&pass)?;
+        }
+        let pass = pass.to_string_lossy();
+        let ethtool = ["netns", "exec", &self.fabric, "ethtool", "-K", port, "tx", "off"];
+        sh("ip", &ethtool)?;
+        ip(&["-n", &self.fabric, "link", "set", "dev", port, "xdpdrv", "pinned", &pass])?;
+        Ok(())
+    }
+
     /// Adds a node on the fabric, with routes between its pod CIDR and every
     /// other node's; returns its index.
     pub fn add_node(&mut self) -> anyhow::Result<usize> {
@@ -178,7 +200,11 @@ impl Lab {
         self.add_netns(&netns)?;
         sysctl(&netns, "net.ipv4.ip_forward", "1")?;
         let node_ip = node_ip(index);
-        self.uplink(&netns, &format!("n{index}"), &node_ip)?;
+        let port = format!("n{index}");
+        self.uplink(&netns, &port, &node_ip)?;
+        if self.xdp {
+            self.wire_for_xdp(&port)?;
+        }
         // Service addresses route to a device of their own, as kube-proxy's
         // IPVS mode and Cilium give them one: packets to a service without
         // endpoints must reach the filter rules that refuse them, not die

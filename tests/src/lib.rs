@@ -88,29 +88,46 @@ pub fn kernel_at_least(major: u32, minor: u32) -> bool {
     (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) >= (major, minor)
 }
 
-/// Generates `mod <scenario> { fn ebpf(); fn iptables(); fn nftables(); fn
-/// api(); }`, each test calling `<scenario>(Setup)`: one definition, every
-/// mode, and the API server as the source.
+/// Generates `mod <scenario> { fn <mode>(); … }` for the `[mode = SETUP,
+/// …]` given, each test calling `<scenario>(Setup::SETUP)`: one definition,
+/// every mode.
+#[macro_export]
+macro_rules! modes {
+    (@one $scenario:ident [$($mode:ident = $setup:ident),*]) => {
+        mod $scenario {
+            $(
+                #[test]
+                fn $mode() {
+                    super::$scenario($crate::Setup::$setup)
+                }
+            )*
+        }
+    };
+    ($modes:tt $($scenario:ident),* $(,)?) => {$(
+        $crate::modes!(@one $scenario $modes);
+    )*};
+}
+
+/// Every mode (`ebpf`, `iptables`, `nftables`), and the API server as the
+/// source (`api`).
 #[macro_export]
 macro_rules! both_modes {
-    ($($scenario:ident),* $(,)?) => {$(
-        mod $scenario {
-            #[test]
-            fn ebpf() {
-                super::$scenario($crate::Setup::EBPF)
-            }
-            #[test]
-            fn iptables() {
-                super::$scenario($crate::Setup::IPTABLES)
-            }
-            #[test]
-            fn nftables() {
-                super::$scenario($crate::Setup::NFTABLES)
-            }
-            #[test]
-            fn api() {
-                super::$scenario($crate::Setup::API)
-            }
-        }
-    )*};
+    ($($scenario:ident),* $(,)?) => {
+        $crate::modes!(
+            [ebpf = EBPF, iptables = IPTABLES, nftables = NFTABLES, api = API]
+            $($scenario),*
+        );
+    };
+}
+
+/// [`both_modes!`] and the eBPF mode with XDP on the nodes' uplinks
+/// (`xdp`): the external-traffic scenarios.
+#[macro_export]
+macro_rules! external_modes {
+    ($($scenario:ident),* $(,)?) => {
+        $crate::modes!(
+            [ebpf = EBPF, iptables = IPTABLES, nftables = NFTABLES, api = API, xdp = XDP]
+            $($scenario),*
+        );
+    };
 }

@@ -45,11 +45,20 @@ pub enum Source {
 pub struct Setup {
     pub mode: Mode,
     pub source: Source,
+    /// eBPF mode with `--bpf-lb-acceleration native`: the nodes' uplinks
+    /// run the XDP program too.
+    pub xdp: bool,
 }
 
 impl Setup {
-    pub const EBPF: Setup = Setup { mode: Mode::Ebpf, source: Source::Manifests };
-    pub const IPTABLES: Setup = Setup { mode: Mode::Iptables, source: Source::Manifests };
-    pub const NFTABLES: Setup = Setup { mode: Mode::Nftables, source: Source::Manifests };
-    pub const API: Setup = Setup { mode: Mode::Ebpf, source: Source::ApiServer };
+    pub const EBPF: Setup = Setup::of(Mode::Ebpf, Source::Manifests);
+    pub const IPTABLES: Setup = Setup::of(Mode::Iptables, Source::Manifests);
+    pub const NFTABLES: Setup = Setup::of(Mode::Nftables, Source::Manifests);
+    pub const API: Setup = Setup::of(Mode::Ebpf, Source::ApiServer);
+    pub const XDP: Setup = Setup { xdp: true, ..Setup::EBPF };
+
+    /// Agents in `mode` reading `source`, without XDP.
+    pub const fn of(mode: Mode, source: Source) -> Setup {
+        Setup { mode, source, xdp: false }
+    }
 }

@@ -14,8 +14,8 @@ use proxy_lab::{
 };
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
-const API_IPTABLES: Setup = Setup { mode: Mode::Iptables, source: Source::ApiServer };
-const API_NFTABLES: Setup = Setup { mode: Mode::Nftables, source: Source::ApiServer };
+const API_IPTABLES: Setup = Setup::of(Mode::Iptables, Source::ApiServer);
+const API_NFTABLES: Setup = Setup::of(Mode::Nftables, Source::ApiServer);
 
 /// Service `web` (`port` → 8080) with endpoints on the given pods (`node`
 /// names the node of each), its slice stamped with `trigger_time` if given.

@@ -48,11 +48,11 @@ mod apiserver_faults {
 
     #[test]
     fn ebpf() {
-        super::apiserver_faults(Setup { mode: Mode::Ebpf, source: Source::ApiServer })
+        super::apiserver_faults(Setup::of(Mode::Ebpf, Source::ApiServer))
     }
     #[test]
     fn iptables() {
-        super::apiserver_faults(Setup { mode: Mode::Iptables, source: Source::ApiServer })
+        super::apiserver_faults(Setup::of(Mode::Iptables, Source::ApiServer))
     }
 }
 

@@ -12,12 +12,12 @@ use std::{
 
 use proxy_common::Counter;
 use proxy_lab::{
-    Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Request, Setup, answered, answered_after, both_modes,
-    external_ip, node_ip, node_port, tally, two_node_endpoints,
+    Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Request, Setup, answered, answered_after,
+    external_ip, external_modes, node_ip, node_port, tally, two_node_endpoints,
 };
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
-both_modes!(
+external_modes!(
     node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node,
     node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints,
     local_policy_addresses_give_in_cluster_clients_every_endpoint,
@@ -117,6 +117,12 @@ fn node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node(setup: Set
         }
     };
     assert!(new_flows >= 90, "{new_flows}");
+    if setup.xdp {
+        // Each connection's packets after its first, both ways, to and
+        // from the other node's pods.
+        let forwarded = c.lab.counter_on(0, Counter::XdpForwarded).unwrap();
+        assert!(forwarded >= 90, "tracked packets forwarded at XDP: {forwarded}");
+    }
 }
 
 fn node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints(setup: Setup) {

@@ -17,15 +17,18 @@ use std::{
 };
 
 use proxy_lab::{
-    Attempt, EXT_IP, Lab, Mode, Pod, Request, Setup, Stack, both_modes, node_port, tally,
-    target_bin, two_node_endpoints, two_node_web_cluster,
+    Attempt, EXT_IP, Lab, Mode, Pod, Request, Setup, Stack, both_modes, external_modes, node_port,
+    tally, target_bin, two_node_endpoints, two_node_web_cluster,
 };
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
 both_modes!(
-    flows_survive_an_agent_crash_and_restart,
     flows_survive_a_restart_while_the_services_changed,
-    session_affinity_survives_a_restart,
+    session_affinity_survives_a_restart
+);
+// With XDP too: each agent takes the XDP link over in place.
+external_modes!(
+    flows_survive_an_agent_crash_and_restart,
     short_connections_never_fail_through_five_restarts,
 );
 
@@ -303,6 +306,20 @@ fn flows_survive_an_agent_crash_and_restart(setup: Setup) {
             assert!(metrics.contains(&line), "{line} in\n{metrics}");
         }
     }
+    if setup.xdp {
+        assert_xdp_serves_after_restarts(&c.lab);
+    }
+}
+
+/// The last agent's XDP program serves on node 0's uplink: one program
+/// there, held by its pin, and forwarding (the counters are the last
+/// agent's own: flows to node 1's pods went through it).
+fn assert_xdp_serves_after_restarts(lab: &Lab) {
+    let shown = lab.exec_on(0, "ip", &["-o", "link", "show", "eth0"]).unwrap();
+    assert!(shown.contains("prog/xdp id"), "{shown}");
+    assert!(lab.pins.join("links/xdp-eth0").exists(), "the XDP link is pinned");
+    let forwarded = lab.counter_on(0, proxy_common::Counter::XdpForwarded).unwrap();
+    assert!(forwarded > 0, "the new program forwards at XDP: {forwarded}");
 }
 
 fn flows_survive_a_restart_while_the_services_changed(setup: Setup) {
@@ -381,6 +398,9 @@ fn short_connections_never_fail_through_five_restarts(setup: Setup) {
         total += attempts.len();
     }
     assert!(total > 100, "{total} connections");
+    if setup.xdp {
+        assert_xdp_serves_after_restarts(&c.lab);
+    }
 }
 
 /// Switching between the rule-based modes under load, iptables →

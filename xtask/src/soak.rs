@@ -189,7 +189,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     // SAFETY: single-threaded here; the lab reads it when starting binaries.
     unsafe { std::env::set_var(BIN_DIR_ENV, "target/release") };
     std::fs::create_dir_all(OUT)?;
-    let mut lab = Lab::with(Setup { mode: opts.mode, source: Source::ApiServer })?;
+    let mut lab = Lab::with(Setup::of(opts.mode, Source::ApiServer))?;
     lab.add_web_pods(2, &[8080], &[])?;
     let client = lab.add_pod("client", "10.244.1.100")?;
     let ext = lab.add_external("ext", "192.168.100.101")?;

@@ -169,6 +169,7 @@ fn backend_settings(args: &RunArgs) -> backend::Settings {
             conntrack,
             log_level: args.bpf_log_level,
             maglev_table_size: args.bpf_lb_maglev_table_size,
+            acceleration: args.bpf_lb_acceleration,
         },
         iptables: backend::iptables::datapath::Settings {
             xtables: args.iptables_backend,

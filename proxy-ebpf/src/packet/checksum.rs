@@ -25,14 +25,14 @@ pub(super) fn fold_diff(mut sum: u32) -> u32 {
 
 /// The folded difference from `old` to `new`.
 #[inline(always)]
-pub(super) fn csum_diff<const N: usize>(old: [u8; N], new: [u8; N]) -> u32 {
+pub fn csum_diff<const N: usize>(old: [u8; N], new: [u8; N]) -> u32 {
     fold_diff(csum_diff_add(0, &old, &new))
 }
 
 /// The checksum `check` (as in memory) of a header whose covered words
 /// changed by the folded difference `diff` (RFC 1624, eqn. 3).
 #[inline(always)]
-pub(super) fn csum_replaced(check: u16, diff: u32) -> u16 {
+pub fn csum_replaced(check: u16, diff: u32) -> u16 {
     !(fold_diff(diff + !check as u32) as u16)
 }
 

@@ -9,7 +9,7 @@ mod checksum;
 mod dsr_option;
 mod rewrite;
 
-pub use checksum::{bytes, csum_add, csum_fold};
+pub use checksum::{bytes, csum_add, csum_diff, csum_fold, csum_replaced};
 pub use dsr_option::{
     DsrPending, clamp_mss, dsr_service, dsr_service6, insert_dsr_header6, insert_dsr_option,
 };
@@ -17,7 +17,8 @@ pub use rewrite::{decrement_ttl, rewrite, rewrite_fragment, set_addrs, set_macs}
 
 use core::mem::offset_of;
 
-use aya_ebpf::{bindings::BPF_F_MARK_MANGLED_0, programs::TcContext};
+use crate::frame::Frame;
+use aya_ebpf::bindings::BPF_F_MARK_MANGLED_0;
 use network_types::{
     eth::{EthHdr, EtherType},
     ip::{Ipv4Hdr, Ipv6Hdr},
@@ -243,7 +244,7 @@ pub fn ipv4_len(ip: &Ipv4Hdr) -> Option<usize> {
 /// data (direct packet access, no helper call: the common case), else
 /// copied out with `bpf_skb_load_bytes` (headers beyond the linear part).
 #[inline(always)]
-pub fn header<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
+pub fn header<T: Copy>(ctx: &impl Frame, off: usize) -> Option<T> {
     let start = ctx.data() + off;
     if start + core::mem::size_of::<T>() <= ctx.data_end() {
         // SAFETY: within the linear data, as just checked; read unaligned,
@@ -257,7 +258,7 @@ pub fn header<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
 /// Reads the ports (and TCP flags, or what SCTP's first chunk stands for)
 /// of the TCP, UDP or SCTP header at `off`.
 #[inline(always)]
-pub fn load_ports(ctx: &TcContext, off: usize, proto: u8) -> Option<(u16, u16, u8)> {
+pub fn load_ports(ctx: &impl Frame, off: usize, proto: u8) -> Option<(u16, u16, u8)> {
     // One read per header.
     if proto == IPPROTO_TCP {
         let tcp: TcpHdr = header(ctx, off)?;
@@ -275,7 +276,7 @@ pub fn load_ports(ctx: &TcContext, off: usize, proto: u8) -> Option<(u16, u16, u
 /// Parses an Ethernet + IPv4 + TCP/UDP/SCTP packet or fragment. Anything else
 /// (other protocols, IPv6: [`parse6`], ARP) is `None` and passes untouched.
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Option<Parsed> {
+pub fn parse(ctx: &impl Frame) -> Option<Parsed> {
     // One read per header, in place: this runs for every packet the
     // pre-filter could not pass.
     let ethertype: u16 = header(ctx, offset_of!(EthHdr, ether_type))?;
@@ -311,7 +312,7 @@ pub fn parse(ctx: &TcContext) -> Option<Parsed> {
 
 /// Whether the frame carries IPv6.
 #[inline(always)]
-pub fn is_ipv6(ctx: &TcContext) -> bool {
+pub fn is_ipv6(ctx: &impl Frame) -> bool {
     header::<u16>(ctx, offset_of!(EthHdr, ether_type)) == Some(EtherType::Ipv6 as u16)
 }
 
@@ -321,7 +322,7 @@ pub fn is_ipv6(ctx: &TcContext) -> bool {
 /// (fragments included), ICMPv6 (neighbour discovery) and anything else
 /// are `false` and pass untouched.
 #[inline(always)]
-pub fn parse6(ctx: &TcContext, pkt: &mut Packet<CtKey6>) -> bool {
+pub fn parse6(ctx: &impl Frame, pkt: &mut Packet<CtKey6>) -> bool {
     // The version's word and the next header, before the addresses.
     let Some(first) = header::<[u8; 8]>(ctx, IP_OFF) else { return false };
     let (version, mut proto) = (first[0] >> 4, first[offset_of!(Ipv6Hdr, next_hdr)]);

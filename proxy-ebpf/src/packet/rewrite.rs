@@ -6,11 +6,12 @@ use core::mem::offset_of;
 
 use aya_ebpf::{
     bindings::{BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
-    helpers::generated::{bpf_csum_diff, bpf_csum_update},
-    programs::TcContext,
+    helpers::generated::bpf_csum_diff,
 };
 use network_types::ip::Ipv4Hdr;
 use proxy_common::{CtTuple, FragKey, FragRewrite, sctp};
+
+use crate::frame::Frame;
 
 use super::{
     DPORT, IP_OFF, IpHeader, Packet, SPORT,
@@ -24,7 +25,7 @@ use super::{
 /// header, or an ICMP message or the header it quotes).
 #[inline(always)]
 fn set_addr<H: IpHeader<Addr = [u8; 4]>>(
-    ctx: &TcContext,
+    ctx: &impl Frame,
     l4: Option<&Packet>,
     ip_off: usize,
     field: usize,
@@ -78,7 +79,7 @@ fn addrs_diff<H: IpHeader>(old: &[H::Addr; 2], new: &[H::Addr; 2]) -> Result<u32
 /// through a pseudo-header), if one covers them (else [`unbalanced`]).
 #[inline(always)]
 pub fn set_addrs<H: IpHeader>(
-    ctx: &TcContext,
+    ctx: &impl Frame,
     ip_off: usize,
     old: &[H::Addr; 2],
     new: &[H::Addr; 2],
@@ -114,7 +115,7 @@ pub fn set_addrs<H: IpHeader>(
 /// the linear data) take [`rewrite_by_helpers`].
 #[inline(always)]
 pub fn rewrite<H: IpHeader, const SCTP: bool>(
-    ctx: &TcContext,
+    ctx: &impl Frame,
     pkt: &Packet<H::Tuple>,
     to: &H::Tuple,
     hop: bool,
@@ -184,10 +185,9 @@ pub fn rewrite<H: IpHeader, const SCTP: bool>(
 /// counts no address) right where it covers the header
 /// (`CHECKSUM_COMPLETE`); IPv4's header checksum balances its own change.
 #[inline(always)]
-fn unbalanced<H: IpHeader>(ctx: &TcContext, diff: u32) {
+fn unbalanced<H: IpHeader>(ctx: &impl Frame, diff: u32) {
     if H::CSUM.is_none() && diff != 0 {
-        // SAFETY: the program's own skb.
-        unsafe { bpf_csum_update(ctx.skb.skb, diff) };
+        ctx.csum_update(diff);
     }
 }
 
@@ -199,7 +199,7 @@ fn unbalanced<H: IpHeader>(ctx: &TcContext, diff: u32) {
 /// (`CHECKSUM_PARTIAL`), has its CRC computed on its way out whatever the
 /// field holds.
 #[inline(always)]
-fn set_sctp_ports<H: IpHeader>(ctx: &TcContext, l4_off: usize, ports: [u8; 4]) -> Result<(), i64> {
+fn set_sctp_ports<H: IpHeader>(ctx: &impl Frame, l4_off: usize, ports: [u8; 4]) -> Result<(), i64> {
     // By the helper: `l4_off` is a packet's (IPv6: a map value the verifier
     // knows no bounds of), no constant.
     let mut common: [u8; sctp::HEADER_LEN] = ctx.load(l4_off)?;
@@ -225,7 +225,7 @@ fn set_sctp_ports<H: IpHeader>(ctx: &TcContext, l4_off: usize, ports: [u8; 4]) -
 /// by one difference computed here.
 #[inline(always)]
 fn rewrite_by_helpers<H: IpHeader, const SCTP: bool>(
-    ctx: &TcContext,
+    ctx: &impl Frame,
     pkt: &Packet<H::Tuple>,
     to: &H::Tuple,
 ) -> Result<(), i64> {
@@ -247,14 +247,14 @@ fn rewrite_by_helpers<H: IpHeader, const SCTP: bool>(
 
 /// Rewrites the addresses of a later fragment (IP header only).
 #[inline(always)]
-pub fn rewrite_fragment(ctx: &TcContext, from: &FragKey, to: &FragRewrite) -> Result<(), i64> {
+pub fn rewrite_fragment(ctx: &impl Frame, from: &FragKey, to: &FragRewrite) -> Result<(), i64> {
     rewrite_addrs(ctx, [from.saddr, from.daddr], [to.saddr, to.daddr])
 }
 
 /// Rewrites source and destination of a packet whose L4 checksum does not
 /// cover them (a later fragment): the IP header only.
 #[inline(always)]
-fn rewrite_addrs(ctx: &TcContext, from: [[u8; 4]; 2], to: [[u8; 4]; 2]) -> Result<(), i64> {
+fn rewrite_addrs(ctx: &impl Frame, from: [[u8; 4]; 2], to: [[u8; 4]; 2]) -> Result<(), i64> {
     set_addr::<Ipv4Hdr>(ctx, None, IP_OFF, Ipv4Hdr::SADDR, from[0], to[0])?;
     set_addr::<Ipv4Hdr>(ctx, None, IP_OFF, Ipv4Hdr::DADDR, from[1], to[1])
 }
@@ -262,7 +262,7 @@ fn rewrite_addrs(ctx: &TcContext, from: [[u8; 4]; 2], to: [[u8; 4]; 2]) -> Resul
 /// Decrements the TTL (hop limit) of a packet we forward ourselves; false
 /// when it ran out.
 #[inline(always)]
-pub fn decrement_ttl<H: IpHeader>(ctx: &TcContext) -> Result<bool, i64> {
+pub fn decrement_ttl<H: IpHeader>(ctx: &impl Frame) -> Result<bool, i64> {
     let hops_at = IP_OFF + H::HOPS;
     let ttl: u8 = ctx.load(hops_at)?;
     if ttl <= 1 {
@@ -280,7 +280,7 @@ pub fn decrement_ttl<H: IpHeader>(ctx: &TcContext) -> Result<bool, i64> {
 
 /// Writes the Ethernet header's destination and source MAC addresses.
 #[inline(always)]
-pub fn set_macs(ctx: &TcContext, macs: &[[u8; 6]; 2]) -> Result<(), i64> {
+pub fn set_macs(ctx: &impl Frame, macs: &[[u8; 6]; 2]) -> Result<(), i64> {
     let data = ctx.data();
     if data + size_of::<[[u8; 6]; 2]>() > ctx.data_end() {
         return ctx.store(0, macs, 0);

@@ -105,7 +105,7 @@ pub(super) fn external_path(opts: &Options) -> anyhow::Result<Value> {
         opts.rounds <= EXTERNAL_MAX_ROUNDS,
         "the external path takes {EXTERNAL_MAX_ROUNDS} rounds at most"
     );
-    let mut lab = Lab::with(Setup { mode: Mode::Ebpf, source: Source::Manifests })?;
+    let mut lab = Lab::with(Setup::of(Mode::Ebpf, Source::Manifests))?;
     let node2 = lab.add_node()?;
     let web = lab.add_pod_on(node2, "web-0", EXTERNAL_POD)?;
     let ports: Vec<u16> = (0..=opts.rounds)

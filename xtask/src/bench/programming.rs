@@ -67,7 +67,7 @@ pub(super) fn programming_with(
     extra: &[&str],
 ) -> anyhow::Result<Value> {
     let source = if feed == Feed::ApiServer { Source::ApiServer } else { Source::Manifests };
-    let mut lab = Lab::with(Setup { mode, source })?;
+    let mut lab = Lab::with(Setup::of(mode, source))?;
     match feed {
         // The file, and the test API server fed the same.
         Feed::ApiServer | Feed::Yaml => drop(lab.write_manifest(&manifest(n, feed.endpoints()))?),
@@ -136,7 +136,7 @@ enum Programmed {
 /// times: from the change to the end of the sync that programmed it.
 pub(super) fn change_latency(mode: Mode, n: usize, full: bool) -> anyhow::Result<Value> {
     let changes = if mode == Mode::Iptables && !full { QUICK_IPTABLES_CHANGES } else { CHANGES };
-    let mut lab = Lab::with(Setup { mode, source: Source::ApiServer })?;
+    let mut lab = Lab::with(Setup::of(mode, Source::ApiServer))?;
     lab.write_manifest(&manifest(n, 10))?;
     lab.start_agent_within(0, &["--min-sync-period", "0s"], LIMIT)?;
     let api = lab.api().context("API server")?;

@@ -89,7 +89,7 @@ fn lab(setup: Setup) -> anyhow::Result<(Lab, Pod, Pod, Pod)> {
 /// and then starts the agent for the other runs, so a change in the
 /// machine's load meets every kind of run alike.
 pub(super) fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Value> {
-    let (mut lab, client, per_packet, ext) = lab(Setup { mode, source: Source::Manifests })?;
+    let (mut lab, client, per_packet, ext) = lab(Setup::of(mode, Source::Manifests))?;
     let s = opts.seconds;
     let direct = format!("{POD}:{DIRECT_PORT}");
     rate(&lab, &client, false, &direct, 1)?;

@@ -159,8 +159,15 @@ impl BpfObject {
 
     /// Attaches the per-packet programs to interfaces that appeared (or
     /// whose role changed), and detaches them from those that are gone or
-    /// no longer wanted.
-    pub fn set_tc_interfaces(&mut self, root: &Path, wanted: &BTreeMap<String, TcRole>) {
+    /// no longer wanted; XDP's likewise.
+    pub fn set_interfaces(&mut self, root: &Path, wanted: &Interfaces) {
+        self.set_tc_interfaces(root, &wanted.tc);
+        if let Err(e) = self.set_xdp_interfaces(root, &wanted.xdp, wanted.acceleration) {
+            tracing::error!(error = %e, "XDP could not be attached; tc serves these interfaces");
+        }
+    }
+
+    fn set_tc_interfaces(&mut self, root: &Path, wanted: &BTreeMap<String, TcRole>) {
         let stale: Vec<(String, TcRole)> = self
             .tc_interfaces
             .iter()
@@ -190,6 +197,15 @@ impl BpfObject {
             }
         }
     }
+}
+
+/// Where the per-packet programs run: tc's on node and pod interfaces by
+/// role, XDP's on the node interfaces `acceleration` takes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Interfaces {
+    pub tc: BTreeMap<String, TcRole>,
+    pub xdp: std::collections::BTreeSet<String>,
+    pub acceleration: super::settings::Acceleration,
 }
 
 /// A fresh attachment of a per-packet program: a TCX link (with its pin

@@ -16,10 +16,11 @@ use proxy_common::{Config, MAX_SERVICE_ENTRIES};
 
 use super::{
     BpfObject, CounterReader, MapSizes, TcAttach, TcRole,
+    attach::Interfaces,
     fit::{self, Capacity, Refusal},
     frontend_stats,
     reconciler::{SyncError, SyncReport},
-    settings::{PodInterfacePrograms, Settings, TcAttachChoice},
+    settings::{Acceleration, PodInterfacePrograms, Settings, TcAttachChoice},
     sock_end::SocketDestroy,
     state_sizes::StateSizes,
 };
@@ -70,6 +71,8 @@ pub struct EbpfDatapath {
     pod_interfaces: Vec<String>,
     /// What the per-packet programs do there.
     pod_role: TcRole,
+    /// Whether node interfaces run the XDP program.
+    acceleration: Acceleration,
     /// When expired conntrack entries are next collected.
     next_gc: Instant,
     /// A previous agent's maps were pinned here at start.
@@ -271,6 +274,7 @@ impl EbpfDatapath {
             cgroup,
             pod_interfaces,
             pod_role,
+            acceleration: settings.acceleration,
             next_gc,
             previous,
             capacity,
@@ -488,14 +492,18 @@ impl EbpfDatapath {
         self.refused = refused;
     }
 
-    fn wanted_interfaces(&self, node_ips: &[IpAddr]) -> std::io::Result<BTreeMap<String, TcRole>> {
+    fn wanted_interfaces(&self, node_ips: &[IpAddr]) -> std::io::Result<Interfaces> {
         let interfaces = sys::interfaces()?;
         let facing = node::tc_interfaces(&interfaces, node_ips, &self.pod_interfaces);
         let role = |facing| match facing {
             node::Facing::Node => TcRole::Full,
             node::Facing::Pod => self.pod_role,
         };
-        Ok(facing.into_iter().map(|(name, facing)| (name, role(facing))).collect())
+        Ok(Interfaces {
+            xdp: super::node_interfaces(&facing),
+            tc: facing.into_iter().map(|(name, facing)| (name, role(facing))).collect(),
+            acceleration: self.acceleration,
+        })
     }
 }
 
@@ -595,7 +603,7 @@ impl Datapath for EbpfDatapath {
 
     fn scan_interfaces(&mut self, node_ips: &[IpAddr]) {
         match self.wanted_interfaces(node_ips) {
-            Ok(wanted) => self.object.set_tc_interfaces(&self.loading.root, &wanted),
+            Ok(wanted) => self.object.set_interfaces(&self.loading.root, &wanted),
             Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
         }
     }

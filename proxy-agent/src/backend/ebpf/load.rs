@@ -226,6 +226,7 @@ impl BpfObject {
             flow_growth: Growth::new(),
             held6: 0,
             on_demand: Stages::default(),
+            xdp_interfaces: BTreeMap::new(),
         })
     }
 

@@ -20,8 +20,9 @@
 //! [`test_run`]s, the event [`ring`] and [`counters`].
 //!
 //! Pin layout (`--bpffs-root`, default `/sys/fs/bpf/proxy`):
-//! `maps/<MAP>` for every map, `links/<program>` for the cgroup attachments
-//! and `links/tc-<interface>` for the TCX ones, so the datapath keeps serving
+//! `maps/<MAP>` for every map, `links/<program>` for the cgroup attachments,
+//! `links/tc-<interface>` for the TCX ones and `links/xdp-<interface>` for
+//! the XDP ones ([`xdp`]), so the datapath keeps serving
 //! while the agent restarts and `bpftool` can inspect it (clsact filters
 //! live in the kernel on their own). A new agent carries the state maps over
 //! ([`carry`]), attaches its programs beside the old ones (or in place of the
@@ -56,6 +57,7 @@ pub mod sock_diag;
 pub mod sock_end;
 pub mod state_sizes;
 mod test_run;
+mod xdp;
 
 pub use attach::{TcAttach, remove_tc_filters};
 pub use counters::CounterReader;
@@ -65,6 +67,7 @@ pub use programs::{PROGRAMS, TC_EGRESS, TC_INGRESS, TC_POD_REPLIES, TcRole};
 pub use reconciler::{AffinityPurge, Reconciler, SyncError, SyncReport};
 pub use settings::Settings;
 pub use test_run::PacketRun;
+pub use xdp::{XDP_INGRESS, node_interfaces};
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -109,6 +112,12 @@ pub enum EbpfError {
     Layout { pinned: Layouts },
     #[error("the thread loading the programs stopped before it finished")]
     VerifierThread,
+    #[error(
+        "XDP on {interface} in driver mode (--bpf-lb-acceleration native; best-effort leaves such interfaces to tc): {source}"
+    )]
+    Xdp { interface: String, source: Box<EbpfError> },
+    #[error("map XDP_EGRESS: {0}")]
+    XdpMap(#[from] aya::maps::xdp::XdpMapError),
 }
 
 /// Pins an object at `path` in place of what is pinned there, in one step:
@@ -168,6 +177,8 @@ pub struct BpfObject {
     held6: usize,
     /// The programs loaded on demand, and where each group stands.
     on_demand: on_demand::Stages,
+    /// Interfaces running the XDP program, with their index.
+    xdp_interfaces: BTreeMap<String, u32>,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).

@@ -3,7 +3,7 @@
 //! removal of pins.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     fs::File,
     io,
     path::{Path, PathBuf},
@@ -16,22 +16,18 @@ use aya::{
 use proxy_common::{Config, map_names};
 
 use super::{
-    BpfObject, EbpfError,
-    departures::Departures,
-    io_err, pin_replacing, program,
-    programs::{PROGRAMS, TcRole},
-    reconciler::AffinityPurge,
-    remove_tc_filters,
+    BpfObject, EbpfError, attach::Interfaces, departures::Departures, io_err, pin_replacing,
+    program, programs::PROGRAMS, reconciler::AffinityPurge, remove_tc_filters,
 };
 
 impl BpfObject {
-    /// Attaches the socket programs to `cgroup` and the per-packet program to
-    /// `interfaces`, and pins maps and links under `root`, replacing what a
+    /// Attaches the socket programs to `cgroup` and the per-packet programs to
+    /// `interfaces` (tc's, then XDP's), and pins maps and links under `root`, replacing what a
     /// previous agent pinned there.
     pub fn activate(
         &mut self,
         cgroup: &Path,
-        interfaces: &BTreeMap<String, TcRole>,
+        interfaces: &Interfaces,
         root: &Path,
     ) -> Result<(), EbpfError> {
         let cgroup_dir = File::open(cgroup).map_err(io_err("opening cgroup", cgroup))?;
@@ -49,7 +45,7 @@ impl BpfObject {
         }
         self.mark_flows()?;
         let mut tc_links = Vec::new();
-        for (interface, &role) in interfaces {
+        for (interface, &role) in &interfaces.tc {
             // One interface that will not take the program (gone already, an
             // odd device) must not keep the others unserved: the periodic
             // scan tries it again.
@@ -76,6 +72,8 @@ impl BpfObject {
         for (interface, role, links) in tc_links {
             pinned.extend(self.keep_tc(root, &interface, role, links)?);
         }
+        // After tc's: a packet XDP passes on meets the new programs there.
+        pinned.extend(self.set_xdp_interfaces(root, &interfaces.xdp, interfaces.acceleration)?);
         remove_pins_except(root, &pinned)?;
         self.finish_takeover();
         Ok(())

@@ -37,6 +37,8 @@ pub struct Settings {
     pub log_level: BpfLogLevel,
     /// Entries of each Maglev table.
     pub maglev_table_size: u32,
+    /// Whether node interfaces run the XDP program.
+    pub acceleration: Acceleration,
 }
 
 /// Idle timeouts of the flows translated per packet.
@@ -60,6 +62,20 @@ pub enum PodInterfacePrograms {
     /// Only replies of per-packet flows to pods here (NodePort, externalIP,
     /// LB IP), at ingress: pods' own connections are the socket LB's
     Replies,
+}
+
+/// Whether external flows are forwarded at the driver hook (XDP) of node
+/// interfaces, before the stack: Cilium's `bpf-lb-acceleration`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Acceleration {
+    /// No XDP: tc does it all
+    #[default]
+    Disabled,
+    /// XDP in driver mode on every interface holding a node address; the
+    /// agent fails where a driver cannot
+    Native,
+    /// XDP in driver mode where the driver can; tc alone elsewhere (logged)
+    BestEffort,
 }
 
 /// How the per-packet program is attached to interfaces, as asked.

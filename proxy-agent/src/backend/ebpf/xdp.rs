@@ -1,0 +1,160 @@
+//! The driver hook (`--bpf-lb-acceleration`): `xdp_ingress` on the
+//! interfaces holding node addresses, by pinned XDP links a restart takes
+//! over in place (one XDP program per interface: the next agent's replaces
+//! this one's in the link, atomically), and `XDP_EGRESS`, the interfaces XDP
+//! may send packets on.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::DevMapHash,
+    programs::{
+        Xdp,
+        links::{FdLink, PinnedLink},
+        xdp::{XdpLink, XdpMode},
+    },
+};
+
+use super::{BpfObject, EbpfError, pin_replacing, program, settings::Acceleration};
+
+/// The XDP program, by its function name in proxy-ebpf.
+pub const XDP_INGRESS: &str = "xdp_ingress";
+/// The map of the interfaces XDP sends packets on.
+const XDP_EGRESS: &str = "XDP_EGRESS";
+
+/// An interface's XDP link pin under `root`.
+fn pin_path(root: &Path, interface: &str) -> PathBuf {
+    root.join("links").join(format!("xdp-{interface}"))
+}
+
+/// Where the program went on an interface.
+enum Outcome {
+    /// Attached and pinned at this path.
+    Pinned(PathBuf),
+    /// Attached by netlink (a kernel without XDP links, before 5.9): held
+    /// by the kernel, not pinned.
+    Held,
+}
+
+impl BpfObject {
+    /// Runs `xdp_ingress` on `wanted` (node interfaces) as `acceleration`
+    /// says, and on no other interface; returns the pins that hold it.
+    /// `native`: an interface whose driver cannot is an error;
+    /// `best-effort`: it is logged and left to tc.
+    pub(super) fn set_xdp_interfaces(
+        &mut self,
+        root: &Path,
+        wanted: &BTreeSet<String>,
+        acceleration: Acceleration,
+    ) -> Result<Vec<PathBuf>, EbpfError> {
+        let wanted = match acceleration {
+            Acceleration::Disabled => &BTreeSet::new(),
+            _ => wanted,
+        };
+        let stale: Vec<String> =
+            self.xdp_interfaces.keys().filter(|i| !wanted.contains(*i)).cloned().collect();
+        for interface in stale {
+            self.detach_xdp(root, &interface);
+        }
+        let mut pinned: Vec<PathBuf> =
+            self.xdp_interfaces.keys().map(|i| pin_path(root, i)).collect();
+        let new: Vec<&String> =
+            wanted.iter().filter(|i| !self.xdp_interfaces.contains_key(*i)).collect();
+        for interface in new {
+            match self.attach_xdp(root, interface) {
+                Ok((ifindex, outcome)) => {
+                    self.xdp_interfaces.insert(interface.clone(), ifindex);
+                    if let Outcome::Pinned(path) = outcome {
+                        pinned.push(path);
+                    }
+                    tracing::info!(%interface, "XDP program attached (driver mode): tracked external flows forwarded before the stack");
+                }
+                Err(e) if acceleration == Acceleration::Native => {
+                    return Err(EbpfError::Xdp {
+                        interface: interface.clone(),
+                        source: Box::new(e),
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(%interface, error = %e, "XDP cannot run on this interface in driver mode (--bpf-lb-acceleration best-effort): tc alone serves it")
+                }
+            }
+        }
+        Ok(pinned)
+    }
+
+    /// Interfaces running the XDP program.
+    pub fn xdp_interfaces(&self) -> impl Iterator<Item = &str> {
+        self.xdp_interfaces.keys().map(String::as_str)
+    }
+
+    /// Loads the program (once), names `interface` in `XDP_EGRESS`, then
+    /// attaches: in a previous agent's pinned link (its program replaced in
+    /// place), else in a new one.
+    fn attach_xdp(&mut self, root: &Path, interface: &str) -> Result<(u32, Outcome), EbpfError> {
+        let name = XDP_INGRESS;
+        let err = |source| EbpfError::Program { name, source };
+        let ifindex = crate::sys::ifindex(interface).map_err(|source| EbpfError::Io {
+            action: "finding",
+            path: interface.into(),
+            source,
+        })?;
+        // Before the program runs there: it sends only where this says.
+        self.egress_map()?.insert(ifindex, ifindex, None, 0)?;
+        let prog: &mut Xdp = program(&mut self.ebpf, name)?;
+        if prog.fd().is_err() {
+            prog.load().map_err(err)?;
+        }
+        let path = pin_path(root, interface);
+        let previous = PinnedLink::from_pin(&path)
+            .ok()
+            .and_then(|pinned| XdpLink::try_from(FdLink::from(pinned)).ok());
+        let id = match previous {
+            Some(link) => prog.attach_to_link(link).map_err(err)?,
+            None => prog.attach(interface, XdpMode::Driver).map_err(err)?,
+        };
+        let link = prog.take_link(id).map_err(err)?;
+        match FdLink::try_from(link) {
+            Ok(link) => {
+                let path = pin_replacing(&path, |p| link.pin(p).map(drop))?;
+                Ok((ifindex, Outcome::Pinned(path)))
+            }
+            Err(_) => Ok((ifindex, Outcome::Held)),
+        }
+    }
+
+    /// Takes the program off `interface` (its pin; a netlink attachment by
+    /// its link's owner, gone already) and out of `XDP_EGRESS`.
+    fn detach_xdp(&mut self, root: &Path, interface: &str) {
+        let Some(ifindex) = self.xdp_interfaces.remove(interface) else { return };
+        let path = pin_path(root, interface);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(%interface, error = %e, "could not unpin the XDP link"),
+        }
+        if let Ok(mut map) = self.egress_map() {
+            let _ = map.remove(ifindex);
+        }
+        tracing::info!(%interface, "XDP program detached");
+    }
+
+    fn egress_map(&mut self) -> Result<DevMapHash<&mut aya::maps::MapData>, EbpfError> {
+        let name = XDP_EGRESS;
+        let map = self.ebpf.map_mut(name).ok_or(EbpfError::Missing { what: "map", name })?;
+        DevMapHash::try_from(map).map_err(|source| EbpfError::Map { name, source })
+    }
+}
+
+/// The node interfaces of `facing` (what XDP accelerates).
+pub fn node_interfaces(facing: &BTreeMap<String, crate::node::Facing>) -> BTreeSet<String> {
+    facing
+        .iter()
+        .filter(|(_, f)| **f == crate::node::Facing::Node)
+        .map(|(name, _)| name.clone())
+        .collect()
+}
