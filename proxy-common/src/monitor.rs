@@ -20,6 +20,13 @@ pub mod hook {
     pub const SENDMSG4: u8 = 2;
     pub const CONNECT6: u8 = 3;
     pub const SENDMSG6: u8 = 4;
+    /// The driver hook (`xdp_ingress`).
+    pub const XDP: u8 = 5;
+
+    /// Whether the hook sees packets (else calls of a socket).
+    pub const fn sees_packets(hook: u8) -> bool {
+        hook == TC_INGRESS || hook == XDP
+    }
 }
 
 /// What became of the packet or call (`MonitorEvent::verdict`).

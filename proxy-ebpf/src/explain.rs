@@ -5,19 +5,18 @@
 //! marker is read only where a new flow is decided or state would be
 //! written.
 
-use aya_ebpf::programs::TcContext;
 use proxy_common::{
     ServiceFlags,
     explain::{AFFINITY, CB_BACKEND, CB_REV_NAT, CB_WORD, DSR, Decided, MAGLEV, SNAT, word},
 };
 
-use crate::{lb::Via, run::Run};
+use crate::{frame::Frame, lb::Via, run::Run};
 
 /// The notes an explain run's packet leaves; a real packet's are none.
 impl Run {
     /// Notes the frontend the packet addressed.
     #[inline(always)]
-    pub fn frontend(self, ctx: &TcContext, rev_nat_id: u32) {
+    pub fn frontend(self, ctx: &impl Frame, rev_nat_id: u32) {
         if self == Run::Explain {
             set(ctx, CB_REV_NAT, rev_nat_id);
         }
@@ -25,7 +24,7 @@ impl Run {
 
     /// Notes a drop or refusal.
     #[inline(always)]
-    pub fn refused(self, ctx: &TcContext, decided: Decided) {
+    pub fn refused(self, ctx: &impl Frame, decided: Decided) {
         if self == Run::Explain {
             set(ctx, CB_WORD, word(decided, 0));
         }
@@ -36,7 +35,7 @@ impl Run {
     #[inline(always)]
     pub fn translated(
         self,
-        ctx: &TcContext,
+        ctx: &impl Frame,
         backend_id: u32,
         (snat, dsr): (bool, bool),
         via: Via,
@@ -58,7 +57,9 @@ impl Run {
 }
 
 #[inline(always)]
-fn set(ctx: &TcContext, index: usize, value: u32) {
-    // SAFETY: tc programs may write their context's `cb`.
-    unsafe { (*ctx.skb.skb).cb[index] = value };
+fn set(ctx: &impl Frame, index: usize, value: u32) {
+    if let Some(cb) = ctx.cb() {
+        // SAFETY: tc programs may write their context's `cb`.
+        unsafe { (*cb)[index] = value };
+    }
 }

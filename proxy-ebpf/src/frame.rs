@@ -11,6 +11,8 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 
+use proxy_common::monitor::hook;
+
 use crate::packet::{csum_diff, csum_replaced};
 
 /// The flags of `l3_csum_replace`/`l4_csum_replace` that say how large the
@@ -19,6 +21,9 @@ const SIZE_MASK: u64 = 0xf;
 
 /// What the parsing and rewriting of `packet` need of a program's packet.
 pub trait Frame: EbpfContext {
+    /// The hook, as monitor events name it (`proxy_common::monitor::hook`).
+    const HOOK: u8;
+
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
     /// The frame's length in bytes.
@@ -36,9 +41,14 @@ pub trait Frame: EbpfContext {
     /// Keeps a receive checksum covering a header that changed by `diff`
     /// right (`bpf_csum_update`; XDP's frames carry none).
     fn csum_update(&self, diff: u32);
+    /// The skb's control buffer, where explain runs are marked and noted
+    /// (`run`, `explain`); XDP has none (its runs are real).
+    fn cb(&self) -> Option<*mut [u32; 5]>;
 }
 
 impl Frame for TcContext {
+    const HOOK: u8 = hook::TC_INGRESS;
+
     #[inline(always)]
     fn data(&self) -> usize {
         TcContext::data(self)
@@ -85,9 +95,17 @@ impl Frame for TcContext {
         // SAFETY: the program's own skb.
         unsafe { bpf_csum_update(self.skb.skb, diff) };
     }
+
+    #[inline(always)]
+    fn cb(&self) -> Option<*mut [u32; 5]> {
+        // SAFETY: the context's own field, which tc programs may write.
+        Some(unsafe { &raw mut (*self.skb.skb).cb })
+    }
 }
 
 impl Frame for XdpContext {
+    const HOOK: u8 = hook::XDP;
+
     #[inline(always)]
     fn data(&self) -> usize {
         XdpContext::data(self)
@@ -146,6 +164,11 @@ impl Frame for XdpContext {
 
     #[inline(always)]
     fn csum_update(&self, _diff: u32) {}
+
+    #[inline(always)]
+    fn cb(&self) -> Option<*mut [u32; 5]> {
+        None
+    }
 }
 
 /// Where `size_of::<T>()` bytes at `off` start, if the frame holds them.

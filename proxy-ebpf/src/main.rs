@@ -9,6 +9,7 @@ mod conntrack;
 mod explain;
 mod family;
 mod frame;
+mod handoff;
 mod icmp;
 mod lb;
 mod log;

@@ -10,13 +10,14 @@ use aya_ebpf::{
     btf_maps::{Array, PerCpuArray, RingBuf},
     helpers::bpf_ktime_get_ns,
     macros::btf_map,
-    programs::TcContext,
 };
 use proxy_common::{
     CtKey, CtKey6, CtTuple,
-    monitor::{EVENTS_BYTES, EventTuple, MonitorEvent, hook, reason, verdict},
+    monitor::{EVENTS_BYTES, EventTuple, MonitorEvent, reason, verdict},
     record::Outcome,
 };
+
+use crate::frame::Frame;
 
 #[btf_map]
 pub static EVENTS: RingBuf<MonitorEvent, { EVENTS_BYTES as usize }> = RingBuf::new();
@@ -78,14 +79,12 @@ fn on() -> bool {
     }
 }
 
-/// A per-packet decision on tc ingress about the packet `before` (`after`:
-/// its translation; else `before` again).
+/// A per-packet decision (tc ingress, XDP) about the packet `before`
+/// (`after`: its translation; else `before` again).
 #[inline(always)]
-pub fn tc<T: CtTuple<Addr: EventAddr>>(ctx: &TcContext, before: &T, after: &T, what: What) {
+pub fn packet<C: Frame, T: CtTuple<Addr: EventAddr>>(ctx: &C, before: &T, after: &T, what: What) {
     if on() {
-        // SAFETY: the kernel's valid `__sk_buff`.
-        let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-        write(before, after, &Meta::new(hook::TC_INGRESS, ifindex, what));
+        write(before, after, &Meta::new(C::HOOK, ctx.ifindex(), what));
     }
 }
 

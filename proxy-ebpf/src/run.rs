@@ -4,8 +4,9 @@
 //! below `lb` and `conntrack`, which only ask it; `explain` notes the
 //! decisions.
 
-use aya_ebpf::programs::TcContext;
 use proxy_common::explain::MAGIC;
+
+use crate::frame::Frame;
 
 /// Whether a packet is real or an explain run's.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -16,9 +17,10 @@ pub enum Run {
 
 impl Run {
     #[inline(always)]
-    pub fn of(ctx: &TcContext) -> Run {
+    pub fn of(ctx: &impl Frame) -> Run {
+        let Some(cb) = ctx.cb() else { return Run::Real };
         // SAFETY: the context's own fields.
-        let cb = unsafe { &(*ctx.skb.skb).cb };
+        let cb = unsafe { &*cb };
         if cb[0] == MAGIC[0] && cb[1] == MAGIC[1] { Run::Explain } else { Run::Real }
     }
 }

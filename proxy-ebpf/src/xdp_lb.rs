@@ -1,20 +1,24 @@
 //! Per-packet load balancing at the driver hook (XDP, `--bpf-lb-acceleration`)
-//! on node interfaces: a packet of a tracked flow whose translation leaves
-//! by a node interface that carries this program (`XDP_EGRESS`; the one it
-//! came in by included) is rewritten and sent on before the kernel builds
-//! an skb for it: a NodePort, externalIP or LoadBalancer flow to a backend
-//! on another node, and the replies coming back to its SNAT port. Every
-//! other packet passes untouched to the stack, where tc does what it does
-//! without XDP, from the same maps: a flow's first packet, packets to and
-//! from this node's pods and host, fragments, IPv4 options, ICMP, IPv6,
-//! SCTP, DSR's option insertions, and next hops the FIB has no neighbour
-//! for. Nothing is written before the packet is known to be XDP's: a
-//! packet passed on is counted once, by tc.
+//! of node interfaces, from tc's maps and with tc's decisions: a packet of
+//! a tracked flow is rewritten from its conntrack entry, a new flow to a
+//! frontend gets its backend, SNAT and conntrack entries here. One that
+//! leaves by a node interface carrying this program (`XDP_EGRESS`, the one
+//! it came in by included) and whose next hop the FIB knows is sent on at
+//! once (`XDP_TX`, a redirect), before the kernel builds an skb for it;
+//! the others go up translated, with a [`handoff`] telling tc ingress what
+//! is left (the route, the TTL, a redirect to a pod, the stack for a
+//! host-network backend), so nothing is decided or counted twice.
+//!
+//! Left to tc untouched (passed before anything is written): fragments,
+//! IPv4 options, ICMP, IPv6, SCTP, a tracked DSR flow's packets that carry
+//! or clamp its option; handed to tc once decided: a new flow that leaves
+//! by direct server return (tc inserts the option), a refusal (tc sends
+//! the RST or ICMP error). Where the driver keeps no metadata, only what
+//! XDP sends on itself is XDP's.
 
 use aya_ebpf::{
-    EbpfContext,
     bindings::{BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup as FibLookup, xdp_action},
-    helpers::{bpf_ktime_get_ns, generated::bpf_fib_lookup},
+    helpers::bpf_ktime_get_ns,
     programs::XdpContext,
 };
 use network_types::ip::Ipv4Hdr;
@@ -24,11 +28,14 @@ use crate::{
     conntrack,
     family::Family,
     frame::Frame,
+    handoff::{self, Handoff},
     maps::{CONFIG, XDP_EGRESS, count},
-    packet::{self, Packet, Parsed, TCP_AND_UDP},
+    packet::{self, Flow, Packet, Parsed, TCP_AND_UDP},
     prefilter::{self, Filter, Hook},
+    report::{self, Denied},
     run::Run,
-    stats::{self, Event},
+    stats::Event,
+    tc_lb::{Decision, Ingress, decide, make, route, stat},
 };
 
 const PASS: u32 = xdp_action::XDP_PASS;
@@ -41,85 +48,145 @@ pub fn try_ingress(ctx: &XdpContext) -> u32 {
     if prefilter::check(ctx, cfg, Hook::Ingress) == Filter::Pass {
         return PASS;
     }
-    match packet::parse(ctx) {
-        Some(Parsed::Packet(pkt)) if ours(&pkt) => tracked(ctx, cfg, &pkt),
-        _ => PASS,
+    let pkt = match packet::parse(ctx) {
+        Some(Parsed::Packet(pkt)) if ours(&pkt) => pkt,
+        _ => return PASS,
+    };
+    // Before any decision: the verifier forgets the frame's bounds with it.
+    let handoff = handoff::reserve(ctx);
+    let mut f = Flow { pkt, to: pkt.tuple, now: unsafe { bpf_ktime_get_ns() } };
+    match (tracked(ctx, cfg, &mut f, handoff), handoff) {
+        (Some(verdict), _) => verdict,
+        (None, Some(handoff)) => new_flow(ctx, cfg, &mut f, handoff),
+        (None, None) => PASS,
     }
 }
 
-/// Whether the packet is one XDP may send on: TCP or UDP, an IPv4 header
+/// Whether the packet is one XDP may translate: TCP or UDP, an IPv4 header
 /// without options, not a fragment.
 #[inline(always)]
 fn ours(pkt: &Packet) -> bool {
     pkt.plain_ip_header && pkt.first_fragment.is_none() && pkt.tuple.proto != IPPROTO_SCTP
 }
 
-/// A packet of a tracked flow that leaves by an XDP interface: rewritten
-/// and sent; anything else passes.
+/// A packet of a tracked flow: its verdict; `None` for a packet of no flow.
 #[inline(always)]
-fn tracked(ctx: &XdpContext, cfg: &Config, pkt: &Packet) -> u32 {
-    let (now, len) = (unsafe { bpf_ktime_get_ns() }, Frame::len(ctx));
-    // Asked first as an explain run asks (nothing written): what tc would
-    // do with the packet is known before it is counted anywhere.
-    let Some(entry) = conntrack::lookup::<Ipv4Hdr>(pkt, len, cfg, now, || Run::Explain) else {
-        return PASS;
+fn tracked(
+    ctx: &XdpContext,
+    cfg: &Config,
+    f: &mut Flow<CtKey>,
+    handoff: Option<*mut Handoff>,
+) -> Option<u32> {
+    let len = Frame::len(ctx);
+    // Asked first as an explain run asks (nothing written), so that a
+    // packet left to tc is counted once, by tc.
+    let entry = conntrack::lookup::<Ipv4Hdr>(&f.pkt, len, cfg, f.now, || Run::Explain)?;
+    if dsr::action(entry.flags(), f.pkt.tcp_flags) != 0 {
+        return Some(PASS);
+    }
+    f.to = entry.rewritten(f.pkt.tuple.proto);
+    let way = match (Way::xdp(ctx, &f.to), handoff) {
+        (Some(way), _) => way,
+        (None, Some(handoff)) => Way::Tc(handoff),
+        (None, None) => return Some(PASS),
     };
-    if dsr::action(entry.flags(), pkt.tcp_flags) != 0 {
-        return PASS;
-    }
-    let to = entry.rewritten(pkt.tuple.proto);
-    let Some(fib) = route(ctx, &to) else { return PASS };
-    let (ingress, egress) = (Frame::ifindex(ctx), fib.ifindex);
-    if egress != ingress && XDP_EGRESS.get(egress).is_none() {
-        return PASS;
-    }
-    if !hops_left(ctx) {
-        return PASS;
-    }
-    // The packet is XDP's: now counted and its flow refreshed, as tc would.
-    match conntrack::lookup::<Ipv4Hdr>(pkt, len, cfg, now, || Run::Real) {
-        Some(entry) if entry.rewritten(pkt.tuple.proto) == to => {
+    match conntrack::lookup::<Ipv4Hdr>(&f.pkt, len, cfg, f.now, || Run::Real) {
+        Some(entry) if entry.rewritten(f.pkt.tuple.proto) == f.to => {
             count(Counter::CtHit);
-            count(Counter::XdpForwarded);
             if !<Ipv4Hdr as Family>::Entry::COUNTS {
-                stats::count(entry.rev_nat_id(), Event::packet(len));
+                stat::<Ipv4Hdr>(entry.rev_nat_id(), Event::packet(len));
             }
         }
-        // Changed under us: tc decides.
-        _ => return PASS,
+        // Changed since: tc decides.
+        _ => return Some(PASS),
     }
-    let sent = packet::rewrite::<Ipv4Hdr, TCP_AND_UDP>(ctx, pkt, &to, true)
-        .and_then(|_| packet::set_macs(ctx, &[fib.dmac, fib.smac]));
-    if sent.is_err() {
+    Some(send_on(ctx, f, way))
+}
+
+/// A packet of no flow: its frontend's decision, the flow made and sent on
+/// here where XDP can, else handed to tc.
+#[inline(always)]
+fn new_flow(ctx: &XdpContext, cfg: &Config, f: &mut Flow<CtKey>, handoff: *mut Handoff) -> u32 {
+    match decide::<Ipv4Hdr, TCP_AND_UDP>(ctx, cfg, f) {
+        Decision::Pass => PASS,
+        Decision::Drop(outcome, rev_nat_id) => {
+            let site = Ingress::<Ipv4Hdr, _> { ctx, tuple: &f.pkt.tuple };
+            report::denied(&site, cfg, rev_nat_id, Denied::Dropped(outcome));
+            DROP
+        }
+        Decision::Refuse(rev_nat_id) => {
+            handoff::refused(handoff, rev_nat_id);
+            PASS
+        }
+        // The option goes in at tc.
+        Decision::Translate(decided) if decided.dsr => {
+            handoff::decided(handoff, decided, &f.to);
+            PASS
+        }
+        Decision::Translate(decided) => {
+            if !make::<Ipv4Hdr>(ctx, cfg, f, decided) {
+                return DROP;
+            }
+            let way = Way::xdp(ctx, &f.to).unwrap_or(Way::Tc(handoff));
+            send_on(ctx, f, way)
+        }
+    }
+}
+
+/// How a translated packet leaves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// From here, by this XDP interface (`XDP_TX`) or another (a redirect
+    /// through `XDP_EGRESS`), to the FIB's next hop.
+    Xdp { egress: u32, macs: [[u8; 6]; 2] },
+    /// Up, translated, tc sending it on (`handoff`).
+    Tc(*mut Handoff),
+}
+
+impl Way {
+    /// From here, if the FIB's next hop for `to` is known and behind an
+    /// XDP interface, and the TTL allows.
+    #[inline(always)]
+    fn xdp(ctx: &XdpContext, to: &CtKey) -> Option<Way> {
+        // SAFETY: bpf_fib_lookup is plain data; zero is a valid start.
+        let mut fib: FibLookup = unsafe { core::mem::zeroed() };
+        let rc = route::<Ipv4Hdr>(ctx, to, &mut fib);
+        let (ingress, egress) = (Frame::ifindex(ctx), fib.ifindex);
+        let xdp_out = egress == ingress || XDP_EGRESS.get(egress).is_some();
+        let ours = rc == Some(BPF_FIB_LKUP_RET_SUCCESS) && xdp_out && hops_left(ctx);
+        ours.then_some(Way::Xdp { egress, macs: [fib.dmac, fib.smac] })
+    }
+}
+
+/// Rewrites the packet to `f.to` and sends it `way`.
+#[inline(always)]
+fn send_on(ctx: &XdpContext, f: &Flow<CtKey>, way: Way) -> u32 {
+    let hop = matches!(way, Way::Xdp { .. });
+    if packet::rewrite::<Ipv4Hdr, TCP_AND_UDP>(ctx, &f.pkt, &f.to, hop).is_err() {
         count(Counter::Dropped);
         return DROP;
     }
-    if egress == ingress {
-        return TX;
+    match way {
+        Way::Xdp { egress, macs } => {
+            if packet::set_macs(ctx, &macs).is_err() {
+                count(Counter::Dropped);
+                return DROP;
+            }
+            count(Counter::XdpForwarded);
+            if egress == Frame::ifindex(ctx) {
+                return TX;
+            }
+            XDP_EGRESS.redirect(egress, 0).unwrap_or_else(|action| action)
+        }
+        Way::Tc(handoff) => {
+            handoff::translated(handoff);
+            PASS
+        }
     }
-    XDP_EGRESS.redirect(egress, 0).unwrap_or_else(|action| action)
 }
 
-/// The FIB's next hop for a packet translated to `to`, if it is known to
-/// the neighbour (the stack resolves the others).
-#[inline(always)]
-fn route(ctx: &XdpContext, to: &CtKey) -> Option<FibLookup> {
-    // SAFETY: bpf_fib_lookup is plain data; zero is a valid start.
-    let mut fib: FibLookup = unsafe { core::mem::zeroed() };
-    fib.family = <Ipv4Hdr as Family>::AF;
-    fib.l4_protocol = to.proto;
-    fib.sport = to.sport.to_be();
-    fib.dport = to.dport.to_be();
-    fib.ifindex = Frame::ifindex(ctx);
-    <Ipv4Hdr as Family>::fib_addrs(&mut fib, to);
-    let size = core::mem::size_of::<FibLookup>() as i32;
-    // SAFETY: the program's own context, and `fib` of the size given.
-    let rc = unsafe { bpf_fib_lookup(ctx.as_ptr(), &mut fib, size, 0) } as u32;
-    (rc == BPF_FIB_LKUP_RET_SUCCESS).then_some(fib)
-}
-
-/// Whether the TTL lets the packet be forwarded (the stack answers the
-/// others with its ICMP error).
+/// Whether the TTL lets the packet be forwarded from here (tc's send, or
+/// the stack, answers the others).
 #[inline(always)]
 fn hops_left(ctx: &XdpContext) -> bool {
     let ttl = ctx.load::<u8>(packet::IP_OFF + <Ipv4Hdr as packet::IpHeader>::HOPS);

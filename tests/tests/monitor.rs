@@ -11,11 +11,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_lab::{Attempt, EXT_IP, Lab, NODE_IP, Pod, Setup, both_modes, node_port};
+use proxy_lab::{Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Setup, external_modes, node_port};
 use serde_json::Value;
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
-both_modes!(monitor_shows_translations_refusals_and_drops_with_their_service);
+external_modes!(monitor_shows_translations_refusals_and_drops_with_their_service);
 
 /// A running monitor's lines (`-o json`), read by a thread of their own.
 struct Stream(mpsc::Receiver<Value>);
@@ -150,6 +150,11 @@ fn monitor_shows_translations_refusals_and_drops_with_their_service(setup: Setup
     let (line, (local, peer)) = node_port_line(&lab, &ext, &all);
     assert_eq!(line["after"], format!("{peer} -> {local}"), "{line}");
     assert!(line["before"].as_str().unwrap().starts_with(&format!("{EXT_IP}:")), "{line}");
+    // With XDP, the flow is made at the driver hook.
+    let per_packet_hook = if setup.xdp { "xdp_ingress" } else { "tc_ingress" };
+    if setup.mode == Mode::Ebpf {
+        assert_eq!(line["hook"], per_packet_hook, "{line}");
+    }
     // From a pod: the eBPF mode translates at connect (no source yet).
     let (local, _) = reached(&lab.client(&client).tcp("10.96.0.10:80", 1).unwrap());
     let pod_line = all.find(Duration::from_secs(10), |l| {
@@ -173,6 +178,9 @@ fn monitor_shows_translations_refusals_and_drops_with_their_service(setup: Setup
     let drop = all.find(Duration::from_secs(10), |l| is(l, "demo/far:http", "dropped"));
     let drop = drop.expect("a line of the drop");
     assert_eq!(drop["reason"], "no local endpoint, policy Local", "{drop}");
+    if setup.mode == Mode::Ebpf {
+        assert_eq!(drop["hook"], per_packet_hook, "{drop}");
+    }
     // The rules name a NodePort on every local address: `-> *:30081`.
     assert!(drop["before"].as_str().unwrap().ends_with(":30081"), "{drop}");
 }

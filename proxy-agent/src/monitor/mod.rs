@@ -100,6 +100,7 @@ pub fn hook_name(h: u8) -> &'static str {
         hook::SENDMSG4 => "sendmsg4",
         hook::CONNECT6 => "connect6",
         hook::SENDMSG6 => "sendmsg6",
+        hook::XDP => "xdp_ingress",
         _ => "?",
     }
 }
@@ -139,7 +140,7 @@ fn tuple(family: u8, t: &EventTuple, socket: bool) -> String {
 
 /// The line of `e`.
 pub fn line(e: &MonitorEvent, cx: &mut impl Context) -> Line {
-    let socket = e.hook != hook::TC_INGRESS;
+    let socket = !hook::sees_packets(e.hook);
     let proto = protocol(e.before.proto);
     let frontend = format!("{}/{proto}", destination(e.family, &e.before));
     let translated = e.verdict == verdict::TRANSLATED;

@@ -1,12 +1,12 @@
 //! Whether a packet of no flow starts one, and how the new flow leaves
 //! (SNAT, direct server return or neither).
 
-use aya_ebpf::programs::TcContext;
 use proxy_common::{Config, CtTuple, ServiceValue, explain::Decided, record::Outcome};
 
 use super::Translation;
 use crate::{
     family::Family,
+    frame::Frame,
     lb::{self, Pick, Verdict},
     packet::{Flow, Packet},
     run::Run,
@@ -15,7 +15,7 @@ use crate::{
 /// What a packet of no flow gets. (Its tag first, where BTF can describe
 /// it: a niche inside a field is not.)
 #[repr(u8)]
-pub(super) enum Decision {
+pub(crate) enum Decision {
     /// It is to no frontend: passed on.
     Pass,
     /// Dropped, for this reason, at this frontend (reverse-NAT id).
@@ -33,8 +33,8 @@ pub(super) enum Decision {
 /// would add to this step's. An explain run's packet notes the decision
 /// (`explain`).
 #[inline(always)]
-pub(super) fn decide<F: Family, const SCTP: bool>(
-    ctx: &TcContext,
+pub(crate) fn decide<F: Family, const SCTP: bool>(
+    ctx: &impl Frame,
     cfg: &Config,
     flow: &mut Flow<F::Tuple>,
 ) -> Decision {

@@ -62,7 +62,7 @@ where
         Learnt::New => {
             count(Counter::CtNew);
             stat::<F>(rev_nat_id, Event::flow::<F::Entry>(ctx.len()));
-            monitor::tc(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Translated(rev_nat_id));
+            monitor::packet(ctx, &f.pkt.tuple, &f.pkt.tuple, What::Translated(rev_nat_id));
         }
         Learnt::Known => {}
     }

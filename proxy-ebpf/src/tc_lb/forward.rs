@@ -14,6 +14,7 @@ use proxy_common::{Counter, CtKey, CtTuple, FragKey, dsr, log_level};
 
 use crate::{
     family::Family,
+    frame::Frame,
     log,
     maps::{CONFIG, FRAGMENTS, count},
     packet::{self, Packet},
@@ -88,7 +89,7 @@ fn apply_pending_dsr<F: Family>(ctx: &TcContext, pkt: &Packet<F::Tuple>) -> Resu
 /// Sends an already translated packet on: [`route`], the TTL decremented,
 /// [`redirect`] (the stack for local or unroutable addresses).
 #[inline(always)]
-pub(super) fn send<F: Family>(ctx: &TcContext, to: &F::Tuple) -> i32 {
+pub(crate) fn send<F: Family>(ctx: &TcContext, to: &F::Tuple) -> i32 {
     // SAFETY: as in `forward`.
     let mut fib: FibLookup = unsafe { core::mem::zeroed() };
     let Some(rc) = route::<F>(ctx, to, &mut fib) else { return STACK };
@@ -99,19 +100,25 @@ pub(super) fn send<F: Family>(ctx: &TcContext, to: &F::Tuple) -> i32 {
 }
 
 /// The FIB lookup of a packet translated to `to`, into `fib`: its result if
-/// this program sends the packet on, `None` for local delivery (a
-/// host-network backend) or no route, where the stack takes it.
+/// this program sends the packet on (`BPF_FIB_LKUP_RET_SUCCESS`, or
+/// `NO_NEIGH` where the next hop's address is yet to be resolved), `None`
+/// for local delivery (a host-network backend) or no route, where the
+/// stack takes it.
 #[inline(always)]
-fn route<F: Family>(ctx: &TcContext, to: &F::Tuple, fib: &mut FibLookup) -> Option<u32> {
+pub(crate) fn route<F: Family>(
+    ctx: &impl Frame,
+    to: &F::Tuple,
+    fib: &mut FibLookup,
+) -> Option<u32> {
     fib.family = F::AF;
     fib.l4_protocol = to.proto();
     fib.sport = to.sport().to_be();
     fib.dport = to.dport().to_be();
-    fib.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    fib.ifindex = ctx.ifindex();
     F::fib_addrs(fib, to);
-    let rc = unsafe {
-        bpf_fib_lookup(ctx.skb.skb.cast(), fib, core::mem::size_of::<FibLookup>() as i32, 0)
-    } as u32;
+    let size = core::mem::size_of::<FibLookup>() as i32;
+    // SAFETY: the program's own context, and `fib` of the size given.
+    let rc = unsafe { bpf_fib_lookup(ctx.as_ptr(), fib, size, 0) } as u32;
     (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH).then_some(rc)
 }
 

@@ -19,6 +19,11 @@ mod forward;
 mod icmp_errors;
 mod new_flow;
 
+pub(crate) use self::{
+    decide::{Decision, decide},
+    forward::route,
+    new_flow::make,
+};
 pub use egress::{try_egress, try_egress_sctp, try_egress6, try_egress6_sctp};
 pub use new_flow::try_new_flow;
 
@@ -33,6 +38,8 @@ use proxy_common::{
 use crate::{
     conntrack,
     family::Family,
+    frame::Frame,
+    handoff::{self, Handoff, Kind},
     icmp,
     lb::Via,
     log::{self, Printable},
@@ -48,9 +55,8 @@ use crate::{
 };
 
 use self::{
-    decide::{Decision, decide},
     dsr_arrival::{dsr_arrival, dsr_service},
-    forward::{forward, later_fragment},
+    forward::{forward, later_fragment, send},
     icmp_errors::{icmp_error, icmp_error6},
     new_flow::{complete, to_new_flow},
 };
@@ -73,6 +79,9 @@ pub enum Scope {
 #[inline(always)]
 pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
     let Some(cfg) = CONFIG.get(0) else { return NEXT };
+    if let Some(handed) = handoff::take(ctx) {
+        return handed_on(ctx, cfg, &handed);
+    }
     let hook = match scope {
         Scope::Everything => Hook::Ingress,
         Scope::TrackedOnly => Hook::PodReplies,
@@ -101,6 +110,26 @@ pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
     match translate::<Ipv4Hdr, TCP_AND_UDP>(ctx, cfg, &mut flow, scope) {
         Step::Done(verdict) => verdict,
         Step::NewFlow(decided) => to_new_flow(ctx, &flow, decided),
+    }
+}
+
+/// A packet the XDP program passed up with a handoff: what it left.
+#[inline(always)]
+fn handed_on(ctx: &TcContext, cfg: &Config, handed: &Handoff) -> i32 {
+    let Some(Parsed::Packet(pkt)) = packet::parse(ctx) else { return NEXT };
+    match handed.kind() {
+        // Translated, and its flow counted.
+        Kind::Translated => send::<Ipv4Hdr>(ctx, &pkt.tuple),
+        Kind::Decided => {
+            let flow = Flow { to: handed.to, pkt, now: unsafe { bpf_ktime_get_ns() } };
+            to_new_flow(ctx, &flow, handed.decided)
+        }
+        Kind::Refused => {
+            let site = Ingress::<Ipv4Hdr, _> { ctx, tuple: &pkt.tuple };
+            report::denied(&site, cfg, handed.decided.rev_nat_id, Denied::Refused);
+            reject::refuse::<Ipv4Hdr>(ctx, &pkt)
+        }
+        Kind::None => NEXT,
     }
 }
 
@@ -191,12 +220,12 @@ enum Step {
 /// A new flow's decision (see [`decide`]); its translated tuple is in
 /// `Flow::to`.
 #[derive(Clone, Copy)]
-struct Translation {
-    rev_nat_id: u32,
-    snat: bool,
-    dsr: bool,
-    via: Via,
-    flags: ServiceFlags,
+pub(crate) struct Translation {
+    pub rev_nat_id: u32,
+    pub snat: bool,
+    pub dsr: bool,
+    pub via: Via,
+    pub flags: ServiceFlags,
 }
 
 /// [`translate`] with the new flow made and sent here: the IPv6 and SCTP
@@ -279,14 +308,14 @@ where
         // counter, record or event tells of a packet that never was.
         Decision::Drop(outcome, rev_nat_id) => {
             if Run::of(ctx) == Run::Real {
-                let site = Ingress::<F> { ctx, tuple: &f.pkt.tuple };
+                let site = Ingress::<F, _> { ctx, tuple: &f.pkt.tuple };
                 report::denied(&site, cfg, rev_nat_id, Denied::Dropped(outcome));
             }
             SHOT
         }
         Decision::Refuse(rev_nat_id) => {
             if Run::of(ctx) == Run::Real {
-                let site = Ingress::<F> { ctx, tuple: &f.pkt.tuple };
+                let site = Ingress::<F, _> { ctx, tuple: &f.pkt.tuple };
                 report::denied(&site, cfg, rev_nat_id, Denied::Refused);
             }
             reject::refuse::<F>(ctx, &f.pkt)
@@ -315,20 +344,21 @@ fn forward_counted<F: Family, const SCTP: bool>(
 
 /// Counts a frontend's `event` (`stats`), in a step of its own.
 #[inline(always)]
-fn stat<F: Family>(rev_nat_id: u32, event: Event) {
+pub(crate) fn stat<F: Family>(rev_nat_id: u32, event: Event) {
     F::step(
         #[inline(always)]
         || stats::count(rev_nat_id, event),
     )
 }
 
-/// A packet of no flow on tc ingress, as `report` tells of its denial.
-struct Ingress<'a, F: Family> {
-    ctx: &'a TcContext,
-    tuple: &'a F::Tuple,
+/// A packet of no flow on ingress (tc's or XDP's), as `report` tells of
+/// its denial.
+pub(crate) struct Ingress<'a, F: Family, C: Frame> {
+    pub ctx: &'a C,
+    pub tuple: &'a F::Tuple,
 }
 
-impl<F: Family> Site for Ingress<'_, F>
+impl<F: Family, C: Frame> Site for Ingress<'_, F, C>
 where
     F::Tuple: Printable,
     F::Addr: EventAddr,
@@ -347,7 +377,7 @@ where
 
     #[inline(always)]
     fn event(&self, what: What) {
-        monitor::tc(self.ctx, self.tuple, self.tuple, what);
+        monitor::packet(self.ctx, self.tuple, self.tuple, what);
     }
 }
 

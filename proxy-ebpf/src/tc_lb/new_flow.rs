@@ -12,6 +12,7 @@ use super::{Ingress, Translation, forward::forward, forward_counted, stat};
 use crate::{
     conntrack,
     family::Family,
+    frame::Frame,
     log::{self, Printable},
     maps::{CONFIG, TC_NEW, count},
     monitor::{self, EventAddr, What},
@@ -65,9 +66,8 @@ pub fn try_new_flow(ctx: &TcContext) -> i32 {
     complete::<Ipv4Hdr, TCP_AND_UDP>(ctx, cfg, &mut new.flow, new.decided)
 }
 
-/// A new flow [`translate`] decided: its conntrack entries made (SNAT's
-/// port found), counted and recorded, and its packet sent on. An explain
-/// run's packet only goes on as translated.
+/// A new flow [`translate`] decided: made ([`make`]) and its packet sent
+/// on. An explain run's packet only goes on as translated.
 #[inline(always)]
 pub(super) fn complete<F: Family, const SCTP: bool>(
     ctx: &TcContext,
@@ -79,10 +79,9 @@ where
     F::Tuple: Printable,
     F::Addr: EventAddr,
 {
-    let Translation { rev_nat_id, snat, dsr, via, flags } = decided;
     const _: () = assert!(dsr::INSERT == 1);
     if !SCTP {
-        F::pend_dsr(dsr as u8, &f.pkt.tuple);
+        F::pend_dsr(decided.dsr as u8, &f.pkt.tuple);
     }
     if Run::of(ctx) == Run::Explain {
         // Decided (see `decide`): the packet goes on as translated, but no
@@ -92,6 +91,27 @@ where
             || forward::<F, SCTP>(ctx, &f.pkt, &f.to),
         );
     }
+    if !make::<F>(ctx, cfg, f, decided) {
+        return SHOT;
+    }
+    forward_counted::<F, SCTP>(ctx, f, decided.rev_nat_id)
+}
+
+/// A new flow's conntrack entries made (SNAT's port found and written into
+/// `f.to`), counted and recorded, on tc's ingress or XDP's; false, its
+/// denial reported, where there was no room or no port.
+#[inline(always)]
+pub(crate) fn make<F: Family>(
+    ctx: &impl Frame,
+    cfg: &Config,
+    f: &mut Flow<F::Tuple>,
+    decided: Translation,
+) -> bool
+where
+    F::Tuple: Printable,
+    F::Addr: EventAddr,
+{
+    let Translation { rev_nat_id, snat, dsr, via, flags } = decided;
     let created = F::step(
         #[inline(always)]
         || {
@@ -101,18 +121,18 @@ where
     );
     if !created {
         let outcome = if snat { Outcome::NoSnatPort } else { Outcome::ConntrackFull };
-        let site = Ingress::<F> { ctx, tuple: &f.pkt.tuple };
+        let site = Ingress::<F, _> { ctx, tuple: &f.pkt.tuple };
         report::denied(&site, cfg, rev_nat_id, Denied::Dropped(outcome));
-        return SHOT;
+        return false;
     }
     count(Counter::CtNew);
     stat::<F>(rev_nat_id, Event::flow::<F::Entry>(ctx.len()));
-    monitor::tc(ctx, &f.pkt.tuple, &f.to, What::Translated(rev_nat_id));
+    monitor::packet(ctx, &f.pkt.tuple, &f.to, What::Translated(rev_nat_id));
     if cfg.log_level >= log_level::DEBUG {
         log::new_flow(&f.pkt.tuple, &f.to, via, flags);
         if snat {
             log::snat(&f.pkt.tuple, &f.to);
         }
     }
-    forward_counted::<F, SCTP>(ctx, f, rev_nat_id)
+    true
 }

@@ -1,0 +1,126 @@
+//! What the XDP program tells tc of a packet it passes on, in the frame's
+//! metadata (`bpf_xdp_adjust_meta`, which the skb keeps as `data_meta`), as
+//! Cilium's XDP programs hand packets to their tc ones: what XDP did
+//! already, so that tc does none of it twice (no second backend choice, no
+//! second count).
+
+use aya_ebpf::{
+    helpers::generated::bpf_xdp_adjust_meta,
+    programs::{TcContext, XdpContext},
+};
+use proxy_common::CtKey;
+
+use crate::tc_lb::Translation;
+
+/// Marks metadata as ours: another program's is not read as a handoff.
+const MAGIC: u16 = 0x7870;
+
+/// What tc is to do with the packet.
+#[repr(u8)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Nothing was done: tc's path from the start.
+    None,
+    /// Translated, its flow tracked and counted: tc sends it on (the FIB
+    /// lookup, the TTL, the redirect or the stack).
+    Translated,
+    /// A new flow decided (`decided`, translated to `to`) that tc makes and
+    /// sends: one that leaves by direct server return, whose option XDP
+    /// does not insert.
+    Decided,
+    /// A new flow to a frontend without endpoints (`decided.rev_nat_id`):
+    /// tc refuses it (TCP RST, ICMP port unreachable), as without XDP.
+    Refused,
+}
+
+const _: () = assert!(Kind::Translated as u8 == 1 && Kind::Decided as u8 == 2);
+const _: () = assert!(Kind::Refused as u8 == 3);
+
+/// The metadata in front of a frame XDP passes on.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Handoff {
+    magic: u16,
+    /// A [`Kind`], kept as its byte: metadata is read as found.
+    kind: u8,
+    _pad: u8,
+    pub decided: Translation,
+    pub to: CtKey,
+}
+
+const SIZE: usize = size_of::<Handoff>();
+// The kernel's bound on metadata, in its unit.
+const _: () = assert!(SIZE <= 32 && SIZE.is_multiple_of(4));
+
+/// Room for a handoff in front of the frame, said to be "nothing done"
+/// until written; `None` where the driver keeps no metadata (the XDP
+/// program then sends on only what needs no handoff). Made before any
+/// decision: the packet pointers the verifier knows are lost with it.
+#[inline(always)]
+pub fn reserve(ctx: &XdpContext) -> Option<*mut Handoff> {
+    // SAFETY: the program's own context.
+    if unsafe { bpf_xdp_adjust_meta(ctx.ctx, -(SIZE as i32)) } != 0 {
+        return None;
+    }
+    let meta = ctx.metadata();
+    if meta + SIZE > ctx.data() {
+        return None;
+    }
+    let handoff = meta as *mut Handoff;
+    // SAFETY: the metadata just made, within the frame's bounds.
+    unsafe { ((*handoff).magic, (*handoff).kind) = (MAGIC, Kind::None as u8) };
+    Some(handoff)
+}
+
+/// Hands tc a new flow decided, translated to `to`, to make and send.
+#[inline(always)]
+pub fn decided(handoff: *mut Handoff, decided: Translation, to: &CtKey) {
+    // SAFETY: `reserve`'s metadata; nothing moved the frame since.
+    unsafe {
+        (*handoff).kind = Kind::Decided as u8;
+        (*handoff).decided = decided;
+        (*handoff).to = *to;
+    }
+}
+
+/// Hands tc a new flow to refuse for the frontend `rev_nat_id`.
+#[inline(always)]
+pub fn refused(handoff: *mut Handoff, rev_nat_id: u32) {
+    // SAFETY: as in `decided`.
+    unsafe {
+        (*handoff).kind = Kind::Refused as u8;
+        (*handoff).decided.rev_nat_id = rev_nat_id;
+    }
+}
+
+/// Hands tc a translated packet to send on.
+#[inline(always)]
+pub fn translated(handoff: *mut Handoff) {
+    // SAFETY: as in `decided`.
+    unsafe { (*handoff).kind = Kind::Translated as u8 };
+}
+
+/// The handoff in front of the packet, if the XDP program left one.
+#[inline(always)]
+pub fn take(ctx: &TcContext) -> Option<Handoff> {
+    // SAFETY: the context's own fields.
+    let (meta, data) = unsafe { ((*ctx.skb.skb).data_meta as usize, (*ctx.skb.skb).data as usize) };
+    if meta + SIZE > data {
+        return None;
+    }
+    // SAFETY: within the metadata, as just checked.
+    let handoff = unsafe { *(meta as *const Handoff) };
+    (handoff.magic == MAGIC && handoff.kind != Kind::None as u8).then_some(handoff)
+}
+
+impl Handoff {
+    #[inline(always)]
+    pub fn kind(&self) -> Kind {
+        match self.kind {
+            1 => Kind::Translated,
+            2 => Kind::Decided,
+            3 => Kind::Refused,
+            _ => Kind::None,
+        }
+    }
+}
