@@ -13,7 +13,7 @@ use aya_ebpf::{
 
 use proxy_common::monitor::hook;
 
-use crate::packet::{csum_diff, csum_replaced};
+use crate::checksum::{csum_diff, csum_replaced};
 
 /// The flags of `l3_csum_replace`/`l4_csum_replace` that say how large the
 /// replaced field is (0: `to` is a precomputed difference).

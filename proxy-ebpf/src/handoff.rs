@@ -10,7 +10,7 @@ use aya_ebpf::{
 };
 use proxy_common::CtKey;
 
-use crate::tc_lb::Translation;
+use crate::lb::Translation;
 
 /// Marks metadata as ours: another program's is not read as a handoff.
 const MAGIC: u16 = 0x7870;

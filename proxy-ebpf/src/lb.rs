@@ -5,7 +5,7 @@
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
     AffinityKey, AffinityKey6, AffinityValue, Backend, Backend6, Counter, SCOPE_INTERNAL,
-    ServiceKey, ServiceKey6, ServiceValue,
+    ServiceFlags, ServiceKey, ServiceKey6, ServiceValue,
     maglev::{self, CHUNK_SLOTS, MaglevKey},
 };
 
@@ -288,4 +288,16 @@ fn backend_in<K: ServiceMapKey>(key: &K, slot: u16) -> Option<(u32, K::Backend)>
         .or_else(|| lookup_frontend(&key.with_slot(1)))?
         .backend_id;
     Some((id, K::backend(id)?))
+}
+
+/// A new flow's decision on the per-packet path (`tc_lb::decide`, on tc's
+/// ingress or XDP's): its frontend, how it leaves and why its backend (the
+/// translated tuple is the caller's).
+#[derive(Clone, Copy)]
+pub struct Translation {
+    pub rev_nat_id: u32,
+    pub snat: bool,
+    pub dsr: bool,
+    pub via: Via,
+    pub flags: ServiceFlags,
 }

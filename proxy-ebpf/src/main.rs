@@ -5,6 +5,7 @@
 // The `bpf_sock_destroy` kfunc call (see `sock_end`).
 #![feature(asm_experimental_arch)]
 
+mod checksum;
 mod conntrack;
 mod explain;
 mod family;

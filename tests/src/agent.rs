@@ -108,7 +108,8 @@ impl Lab {
         };
         let mode = ["--proxy-mode", self.mode.as_arg()];
         let mode: &[&str] = if extra.contains(&"--proxy-mode") { &[] } else { &mode };
-        let xdp: &[&str] = if self.xdp && self.mode == Mode::Ebpf && !mode.is_empty() {
+        let asked = extra.contains(&"--bpf-lb-acceleration");
+        let xdp: &[&str] = if self.xdp && self.mode == Mode::Ebpf && !mode.is_empty() && !asked {
             &["--bpf-lb-acceleration", "native"]
         } else {
             &[]

@@ -17,8 +17,8 @@ use std::{
 };
 
 use proxy_lab::{
-    Attempt, EXT_IP, Lab, Mode, Pod, Request, Setup, Stack, both_modes, external_modes, node_port,
-    tally, target_bin, two_node_endpoints, two_node_web_cluster,
+    Attempt, EXT_IP, Lab, Mode, Pod, Request, Setup, Stack, answered, both_modes, external_modes,
+    node_port, tally, target_bin, two_node_endpoints, two_node_web_cluster,
 };
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service};
 
@@ -307,17 +307,21 @@ fn flows_survive_an_agent_crash_and_restart(setup: Setup) {
         }
     }
     if setup.xdp {
-        assert_xdp_serves_after_restarts(&c.lab);
+        assert_xdp_serves_after_restarts(&c.lab, &c.ext);
     }
 }
 
 /// The last agent's XDP program serves on node 0's uplink: one program
 /// there, held by its pin, and forwarding (the counters are the last
-/// agent's own: flows to node 1's pods went through it).
-fn assert_xdp_serves_after_restarts(lab: &Lab) {
+/// agent's own): 20 new NodePort connections, of which some go to node 1's
+/// pods (each one in three stays here).
+fn assert_xdp_serves_after_restarts(lab: &Lab, ext: &Pod) {
+    answered(&lab.client_outside(ext).tcp(&node_port(30080), 20).unwrap());
     let shown = lab.exec_on(0, "ip", &["-o", "link", "show", "eth0"]).unwrap();
     assert!(shown.contains("prog/xdp id"), "{shown}");
     assert!(lab.pins.join("links/xdp-eth0").exists(), "the XDP link is pinned");
+    let listed = lab.inspect_on(0, &["lb", "list"]).unwrap();
+    assert!(listed.ends_with("XDP (--bpf-lb-acceleration) on: eth0\n"), "{listed}");
     let forwarded = lab.counter_on(0, proxy_common::Counter::XdpForwarded).unwrap();
     assert!(forwarded > 0, "the new program forwards at XDP: {forwarded}");
 }
@@ -399,7 +403,7 @@ fn short_connections_never_fail_through_five_restarts(setup: Setup) {
     }
     assert!(total > 100, "{total} connections");
     if setup.xdp {
-        assert_xdp_serves_after_restarts(&c.lab);
+        assert_xdp_serves_after_restarts(&c.lab, &c.ext);
     }
 }
 

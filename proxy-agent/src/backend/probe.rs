@@ -73,6 +73,7 @@ pub const SCTP_SOCKETS: &str = "SCTP sockets (pods here speaking SCTP)";
 pub const SCTP_PROGRAMS: &str = "SCTP programs (SCTP services, eBPF mode)";
 pub const SCTP_MATCH: &str = "iptables sctp match (SCTP services, iptables mode)";
 pub const NFTABLES: &str = "nft 1.0.1+ takes the nftables mode's ruleset";
+pub const XDP: &str = "XDP program (--bpf-lb-acceleration; links 5.9+)";
 
 /// Picks the mode: eBPF when every required feature is there, else
 /// nftables where nft takes its ruleset, else iptables.
@@ -105,6 +106,10 @@ pub fn run(reach: Reach) -> Vec<Feature> {
     let iterators = programs.as_mut().ok().map(BpfObject::load_socket_iterators);
     let sctp_programs = match reach {
         Reach::All => programs.as_mut().ok().map(|p| p.load_group(Group::Sctp)),
+        Reach::Mode => None,
+    };
+    let xdp = match reach {
+        Reach::All => programs.as_mut().ok().map(BpfObject::load_xdp),
         Reach::Mode => None,
     };
     let destroy = super::ebpf::sock_diag::probe();
@@ -196,6 +201,18 @@ pub fn run(reach: Reach) -> Vec<Feature> {
             programs.is_ok(),
             "the network between nodes must carry IPv4 options and IPv6 destination options, and let replies leave with the service's address",
         ),
+        Feature {
+            name: XDP,
+            required: false,
+            found: matches!(xdp, Some(Ok(()))),
+            detail: match &xdp {
+                Some(Ok(())) if at_least(5, 9) => "verified; attached by pinned links, in driver mode where the interface's driver supports it".into(),
+                Some(Ok(())) => "verified; attached through netlink (no XDP links before 5.9), in driver mode where the interface's driver supports it".into(),
+                Some(Err(e)) => format!("{}: --bpf-lb-acceleration cannot be used", e.to_string().lines().next().unwrap_or_default()),
+                None if programs.is_err() => "programs do not load".into(),
+                None => "not probed".into(),
+            },
+        },
         Feature {
             name: NETNS_COOKIE,
             required: false,

@@ -68,7 +68,14 @@ pub fn list(args: &LbListArgs) -> anyhow::Result<()> {
         entries.retain(|e| inspect::is_of(&e.service, service));
     }
     entries.sort();
-    print(&entries, inspect.output, inspect::table)
+    print(&entries, inspect.output, inspect::table)?;
+    if inspect.output == Output::Table && mode(inspect) == InspectMode::Ebpf {
+        let xdp = crate::backend::ebpf::xdp_pinned(&inspect.pins.bpffs_root);
+        if !xdp.is_empty() {
+            println!("XDP (--bpf-lb-acceleration) on: {}", xdp.join(", "));
+        }
+    }
+    Ok(())
 }
 
 pub fn ct_list(args: &CtListArgs) -> anyhow::Result<()> {

@@ -17,11 +17,9 @@ use proxy_common::{
     dsr::{self, DsrHeader6, DsrOption, HDR6_LEN, IPPROTO_DSTOPTS, OPT_LEN},
 };
 
-use super::{
-    IP_OFF, IpHeader, Packet,
-    checksum::{csum_diff, csum_diff_add, csum_replaced, fold_diff},
-    header,
-};
+use crate::checksum::{csum_diff, csum_diff_add, csum_replaced, fold_diff};
+
+use super::{IP_OFF, IpHeader, Packet, header};
 
 /// What direct server return does to a packet being forwarded, left by
 /// `Family::pend_dsr` for `Family::take_pending_dsr` (`on`: a

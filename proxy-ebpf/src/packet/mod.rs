@@ -5,11 +5,10 @@
 //! them are read by `icmp`. Parsing is here; [`rewrite`], [`dsr_option`]
 //! and [`checksum`] do the rest.
 
-mod checksum;
 mod dsr_option;
 mod rewrite;
 
-pub use checksum::{bytes, csum_add, csum_diff, csum_fold, csum_replaced};
+pub use crate::checksum::{bytes, csum_add, csum_fold};
 pub use dsr_option::{
     DsrPending, clamp_mss, dsr_service, dsr_service6, insert_dsr_header6, insert_dsr_option,
 };

@@ -11,13 +11,12 @@ use aya_ebpf::{
 use network_types::ip::Ipv4Hdr;
 use proxy_common::{CtTuple, FragKey, FragRewrite, sctp};
 
-use crate::frame::Frame;
-
-use super::{
-    DPORT, IP_OFF, IpHeader, Packet, SPORT,
+use crate::{
     checksum::{csum_diff, csum_diff_add, csum_replaced, fold_diff},
-    header,
+    frame::Frame,
 };
+
+use super::{DPORT, IP_OFF, IpHeader, Packet, SPORT, header};
 
 /// Rewrites one address of the IP header at `ip_off` (`field`: `SADDR` or
 /// `DADDR`) and the header's checksum; `l4` is the packet whose L4 checksum

@@ -30,9 +30,8 @@ pub use new_flow::try_new_flow;
 use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
 use network_types::ip::{Ipv4Hdr, Ipv6Hdr};
 use proxy_common::{
-    Config, Counter, CtKey6, CtTuple, CtValue, DropReason, IPPROTO_SCTP, ServiceFlags,
-    TC_SCTP_INGRESS, TC_SCTP_INGRESS6, TC6_INGRESS, TC6_POD_REPLIES, dsr, log_level,
-    record::Outcome,
+    Config, Counter, CtKey6, CtTuple, CtValue, DropReason, IPPROTO_SCTP, TC_SCTP_INGRESS,
+    TC_SCTP_INGRESS6, TC6_INGRESS, TC6_POD_REPLIES, dsr, log_level, record::Outcome,
 };
 
 use crate::{
@@ -41,7 +40,7 @@ use crate::{
     frame::Frame,
     handoff::{self, Handoff, Kind},
     icmp,
-    lb::Via,
+    lb::Translation,
     log::{self, Printable},
     maps::{CONFIG, FLOW6, TC_SCTP, TC6, count},
     monitor::{self, EventAddr, What},
@@ -215,17 +214,6 @@ enum Step {
     /// A new flow, decided: made and sent by [`complete`] (in `tc_new_flow`
     /// for IPv4's TCP and UDP).
     NewFlow(Translation),
-}
-
-/// A new flow's decision (see [`decide`]); its translated tuple is in
-/// `Flow::to`.
-#[derive(Clone, Copy)]
-pub(crate) struct Translation {
-    pub rev_nat_id: u32,
-    pub snat: bool,
-    pub dsr: bool,
-    pub via: Via,
-    pub flags: ServiceFlags,
 }
 
 /// [`translate`] with the new flow made and sent here: the IPv6 and SCTP

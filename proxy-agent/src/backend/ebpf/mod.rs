@@ -67,7 +67,7 @@ pub use programs::{PROGRAMS, TC_EGRESS, TC_INGRESS, TC_POD_REPLIES, TcRole};
 pub use reconciler::{AffinityPurge, Reconciler, SyncError, SyncReport};
 pub use settings::Settings;
 pub use test_run::PacketRun;
-pub use xdp::{XDP_INGRESS, node_interfaces};
+pub use xdp::{XDP_INGRESS, node_interfaces, xdp_pinned};
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -113,7 +113,7 @@ pub enum EbpfError {
     #[error("the thread loading the programs stopped before it finished")]
     VerifierThread,
     #[error(
-        "XDP on {interface} in driver mode (--bpf-lb-acceleration native; best-effort leaves such interfaces to tc): {source}"
+        "XDP on {interface} in driver mode (--bpf-lb-acceleration native; best-effort leaves such interfaces to tc)"
     )]
     Xdp { interface: String, source: Box<EbpfError> },
     #[error("map XDP_EGRESS: {0}")]

@@ -31,6 +31,16 @@ impl BpfObject {
         root: &Path,
     ) -> Result<(), EbpfError> {
         let cgroup_dir = File::open(cgroup).map_err(io_err("opening cgroup", cgroup))?;
+        let (maps_dir, links_dir) = (root.join("maps"), root.join("links"));
+        for dir in [&maps_dir, &links_dir] {
+            crate::sys::private_dir(dir).map_err(io_err("creating", dir))?;
+        }
+        // XDP first: `native` refuses an interface whose driver cannot before
+        // anything else is attached, so a refused take-over leaves the
+        // previous datapath serving as it was (XDP then hands packets up
+        // to the tc programs there, the previous agent's until ours follow).
+        let mut pinned = BTreeSet::new();
+        pinned.extend(self.set_xdp_interfaces(root, &interfaces.xdp, interfaces.acceleration)?);
         let mut links = Vec::new();
         for name in PROGRAMS {
             let prog: &mut CgroupSockAddr = program(&mut self.ebpf, name)?;
@@ -57,11 +67,6 @@ impl BpfObject {
         // Each pin is replaced in one step and the previous agent's other
         // pins go last, so a crash at any point leaves every program
         // attached, by the old pins or the new ones.
-        let (maps_dir, links_dir) = (root.join("maps"), root.join("links"));
-        for dir in [&maps_dir, &links_dir] {
-            crate::sys::private_dir(dir).map_err(io_err("creating", dir))?;
-        }
-        let mut pinned = BTreeSet::new();
         for (name, map) in self.maps.by_name() {
             pinned.insert(pin_replacing(&maps_dir.join(name), |p| map.pin(p))?);
         }
@@ -72,8 +77,6 @@ impl BpfObject {
         for (interface, role, links) in tc_links {
             pinned.extend(self.keep_tc(root, &interface, role, links)?);
         }
-        // After tc's: a packet XDP passes on meets the new programs there.
-        pinned.extend(self.set_xdp_interfaces(root, &interfaces.xdp, interfaces.acceleration)?);
         remove_pins_except(root, &pinned)?;
         self.finish_takeover();
         Ok(())

@@ -43,7 +43,8 @@ enum Outcome {
 impl BpfObject {
     /// Runs `xdp_ingress` on `wanted` (node interfaces) as `acceleration`
     /// says, and on no other interface; returns the pins that hold it.
-    /// `native`: an interface whose driver cannot is an error;
+    /// `native`: an interface whose driver cannot is an error, and the
+    /// interfaces this call attached are detached again (all or none);
     /// `best-effort`: it is logged and left to tc.
     pub(super) fn set_xdp_interfaces(
         &mut self,
@@ -64,16 +65,21 @@ impl BpfObject {
             self.xdp_interfaces.keys().map(|i| pin_path(root, i)).collect();
         let new: Vec<&String> =
             wanted.iter().filter(|i| !self.xdp_interfaces.contains_key(*i)).collect();
+        let mut attached = Vec::new();
         for interface in new {
             match self.attach_xdp(root, interface) {
                 Ok((ifindex, outcome)) => {
                     self.xdp_interfaces.insert(interface.clone(), ifindex);
+                    attached.push(interface);
                     if let Outcome::Pinned(path) = outcome {
                         pinned.push(path);
                     }
-                    tracing::info!(%interface, "XDP program attached (driver mode): tracked external flows forwarded before the stack");
+                    tracing::info!(%interface, "XDP program attached (driver mode): external flows made and forwarded at the driver hook");
                 }
                 Err(e) if acceleration == Acceleration::Native => {
+                    for done in attached {
+                        self.detach_xdp(root, done);
+                    }
                     return Err(EbpfError::Xdp {
                         interface: interface.clone(),
                         source: Box::new(e),
@@ -85,6 +91,16 @@ impl BpfObject {
             }
         }
         Ok(pinned)
+    }
+
+    /// Loads (verifies) the XDP program, once.
+    pub fn load_xdp(&mut self) -> Result<(), EbpfError> {
+        let name = XDP_INGRESS;
+        let prog: &mut Xdp = program(&mut self.ebpf, name)?;
+        if prog.fd().is_err() {
+            prog.load().map_err(|source| EbpfError::Program { name, source })?;
+        }
+        Ok(())
     }
 
     /// Interfaces running the XDP program.
@@ -105,10 +121,8 @@ impl BpfObject {
         })?;
         // Before the program runs there: it sends only where this says.
         self.egress_map()?.insert(ifindex, ifindex, None, 0)?;
+        self.load_xdp()?;
         let prog: &mut Xdp = program(&mut self.ebpf, name)?;
-        if prog.fd().is_err() {
-            prog.load().map_err(err)?;
-        }
         let path = pin_path(root, interface);
         let previous = PinnedLink::from_pin(&path)
             .ok()
@@ -148,6 +162,18 @@ impl BpfObject {
         let map = self.ebpf.map_mut(name).ok_or(EbpfError::Missing { what: "map", name })?;
         DevMapHash::try_from(map).map_err(|source| EbpfError::Map { name, source })
     }
+}
+
+/// The interfaces whose XDP links are pinned under `root` (what `lb list`
+/// says runs XDP).
+pub fn xdp_pinned(root: &Path) -> Vec<String> {
+    let Ok(links) = std::fs::read_dir(root.join("links")) else { return Vec::new() };
+    let mut names: Vec<String> = links
+        .filter_map(|l| l.ok()?.file_name().to_str()?.strip_prefix("xdp-").map(str::to_string))
+        .filter(|name| !name.ends_with("~new"))
+        .collect();
+    names.sort();
+    names
 }
 
 /// The node interfaces of `facing` (what XDP accelerates).

@@ -1,11 +1,12 @@
 //! Ones'-complement checksums: the differences that update a checksum in
-//! place, and plain sums for the packets we build (RST, ICMP).
+//! place (`packet`'s rewrites, XDP's stand-ins for tc's csum helpers in
+//! `frame`), and plain sums for the packets we build (RST, ICMP).
 
 /// Adds to `sum` the ones'-complement difference that turns a sum over
 /// `old` into one over `new` (both as in memory, of one even length),
 /// unfolded.
 #[inline(always)]
-pub(super) fn csum_diff_add(mut sum: u32, old: &[u8], new: &[u8]) -> u32 {
+pub fn csum_diff_add(mut sum: u32, old: &[u8], new: &[u8]) -> u32 {
     let mut i = 0;
     while i + 1 < old.len() && i + 1 < new.len() {
         sum += !u16::from_ne_bytes([old[i], old[i + 1]]) as u32;
@@ -18,7 +19,7 @@ pub(super) fn csum_diff_add(mut sum: u32, old: &[u8], new: &[u8]) -> u32 {
 /// `sum` folded to 16 bits: what the csum helpers take as a precomputed
 /// difference (header field size 0).
 #[inline(always)]
-pub(super) fn fold_diff(mut sum: u32) -> u32 {
+pub fn fold_diff(mut sum: u32) -> u32 {
     sum = (sum & 0xffff) + (sum >> 16);
     (sum & 0xffff) + (sum >> 16)
 }
