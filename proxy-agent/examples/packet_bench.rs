@@ -75,6 +75,61 @@ fn sctp(src_port: u16, dst_port: u16, chunk: &[u8]) -> Vec<u8> {
 const INIT: [u8; 20] = [1, 0, 0, 20, 0, 0, 0, 1, 0, 0, 0xff, 0xff, 0, 10, 0, 10, 0, 0, 0, 1];
 const DATA: [u8; 20] = [0, 3, 0, 20, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, b'p', b'i', b'n', b'g'];
 
+/// The bench's uplink: a veth whose other end has the backends' and the
+/// client's next hops (static neighbours), so that a translated packet is
+/// routed and sent on (tc: redirect, XDP: `XDP_TX`), as on a node.
+const UPLINK: &str = "bench0";
+
+fn uplink() -> anyhow::Result<u32> {
+    let ip = |args: &str| -> anyhow::Result<()> {
+        let status = std::process::Command::new("ip").args(args.split(' ')).status()?;
+        anyhow::ensure!(status.success(), "ip {args}");
+        Ok(())
+    };
+    ip("link add bench0 type veth peer name bench1")?;
+    ip("link set bench0 up")?;
+    ip("link set bench1 up")?;
+    ip("addr add 10.0.0.1/24 dev bench0")?;
+    // The FIB lookup forwards only where the node does.
+    std::fs::write("/proc/sys/net/ipv4/conf/all/forwarding", "1")?;
+    ip("neigh add 10.0.0.2 lladdr 02:00:00:00:00:02 dev bench0 nud permanent")?;
+    ip("route add 10.244.2.0/24 via 10.0.0.2 dev bench0")?;
+    ip("route add 192.168.100.0/24 via 10.0.0.2 dev bench0")?;
+    Ok(proxy_agent::sys::ifindex(UPLINK)?)
+}
+
+/// A packet arriving on the uplink, taking turns packet by packet: tc's
+/// ingress (the routed path: redirect) against XDP's (`XDP_TX`): a miss
+/// (1M repeats), a new NodePort flow and a packet of a tracked one (one
+/// run each, as the figures above); `(name, ns, what)`.
+fn routed_and_xdp(
+    dp: &mut BpfObject,
+    rounds: u16,
+) -> anyhow::Result<Vec<(&'static str, f64, &'static str)>> {
+    let ifindex = uplink()?;
+    let miss = syn(40000, NODE, 22);
+    let tc_miss = dp.run_tc_on(&miss, 1_000_000, ifindex)?.duration.as_nanos() as f64;
+    let xdp_miss = dp.run_xdp(&miss, 1_000_000, ifindex)?.duration.as_nanos() as f64;
+    let (mut tc_new, mut xdp_new) = (Vec::new(), Vec::new());
+    for port in 0..rounds {
+        tc_new.push(dp.run_tc_on(&syn(40_000 + port, NODE, 30080), 1, ifindex)?.duration);
+        xdp_new.push(dp.run_xdp(&syn(20_000 + port, NODE, 30080), 1, ifindex)?.duration);
+    }
+    let (mut tc_tracked, mut xdp_tracked) = (Vec::new(), Vec::new());
+    for port in 0..rounds {
+        tc_tracked.push(dp.run_tc_on(&syn(40_000 + port, NODE, 30080), 1, ifindex)?.duration);
+        xdp_tracked.push(dp.run_xdp(&syn(20_000 + port, NODE, 30080), 1, ifindex)?.duration);
+    }
+    Ok(vec![
+        ("routed_miss", tc_miss, "tc, arriving on an uplink: not a service, 1M repeats"),
+        ("xdp_miss", xdp_miss, "XDP, the same"),
+        ("routed_node_port_new", mean(&tc_new), "tc, a new NodePort flow sent on by redirect"),
+        ("xdp_node_port_new", mean(&xdp_new), "XDP, the same by XDP_TX"),
+        ("routed_tracked", mean(&tc_tracked), "tc, a tracked flow's packet sent on by redirect"),
+        ("xdp_tracked", mean(&xdp_tracked), "XDP, the same by XDP_TX"),
+    ])
+}
+
 fn mean(runs: &[Duration]) -> f64 {
     runs.iter().map(|d| d.as_nanos() as f64).sum::<f64>() / runs.len() as f64
 }
@@ -263,6 +318,7 @@ fn main() -> anyhow::Result<()> {
             events += watch.by_ref().count();
         }
     }
+    let routed = routed_and_xdp(&mut dp, rounds)?;
     println!(
         "per-packet program (tc ingress), {services} services, ns per packet, kernel-measured:"
     );
@@ -300,6 +356,9 @@ fn main() -> anyhow::Result<()> {
     println!(
         "run_overhead {run_overhead:.0}  (the miss run once, mean of {rounds}, less its 1M figure)"
     );
+    for (name, ns, what) in routed {
+        println!("{name} {ns:.0}  ({what})");
+    }
     std::thread::sleep(Duration::from_millis(50));
     println!("bpf log level {level:?}: {} records", drained.load(Relaxed));
     events += watch.by_ref().count();

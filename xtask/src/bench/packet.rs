@@ -14,7 +14,7 @@ pub(super) const PACKET_BENCH: &str = "target/release/examples/packet_bench";
 /// The figures `packet_bench` prints, and `tracked_net`: a tracked packet
 /// less `run_overhead` (what one run costs beside the program, which the
 /// figures of one run per packet pay and the misses, over 1M repeats, not).
-const PER_PACKET: [&str; 13] = [
+const PER_PACKET: [&str; 19] = [
     "miss_ns",
     "socket_lb_reply_ns",
     "ipv6_miss_ns",
@@ -28,6 +28,12 @@ const PER_PACKET: [&str; 13] = [
     "sctp_tracked_ns",
     "run_overhead_ns",
     "tracked_net_ns",
+    "routed_miss_ns",
+    "xdp_miss_ns",
+    "routed_node_port_new_ns",
+    "xdp_node_port_new_ns",
+    "routed_tracked_ns",
+    "xdp_tracked_ns",
 ];
 
 /// Ratios within one `packet_bench` run (its figures measured a moment
@@ -35,14 +41,18 @@ const PER_PACKET: [&str; 13] = [
 /// different runs): a new NodePort flow picked from a Maglev table over a
 /// random pick, a new DSR flow over a new SNAT flow, and a tracked DSR
 /// packet over a tracked SNAT packet, and SCTP's new association and
-/// tracked packet (a tail call and the CRC's update more) over TCP's; each
+/// tracked packet (a tail call and the CRC's update more) over TCP's, and
+/// XDP's program over tc's on the same packets arriving on an uplink; each
 /// as `(name, numerator, denominator)`.
-const PER_PACKET_RATIOS: [(&str, &str, &str); 5] = [
+const PER_PACKET_RATIOS: [(&str, &str, &str); 8] = [
     ("maglev_vs_random", "node_port_new_maglev_ns", "node_port_new_ns"),
     ("dsr_vs_snat_new", "node_port_new_dsr_ns", "node_port_new_ns"),
     ("dsr_vs_snat_tracked", "tracked_dsr_ns", "tracked_ns"),
     ("sctp_vs_tcp_new", "sctp_node_port_new_ns", "node_port_new_ns"),
     ("sctp_vs_tcp_tracked", "sctp_tracked_ns", "tracked_ns"),
+    ("xdp_vs_tc_miss", "xdp_miss_ns", "routed_miss_ns"),
+    ("xdp_vs_tc_new", "xdp_node_port_new_ns", "routed_node_port_new_ns"),
+    ("xdp_vs_tc_tracked", "xdp_tracked_ns", "routed_tracked_ns"),
 ];
 
 pub(super) fn build_packet_bench() -> anyhow::Result<()> {

@@ -30,8 +30,9 @@ echo "VMTEST-AUTO ${auto:-unknown}"
 # One plan line: its scenario, mode, test binary and test.
 run_line() {
     scenario=$1 mode=$2 binary=$3 test=$4 log=/tmp/log.$5
-    # A mode the probe rules out is not run: `auto` would not pick it.
-    if [ "$mode" = ebpf ] && [ "$auto" != ebpf ]; then
+    # A mode the probe rules out is not run: `auto` would not pick it (XDP
+    # is the eBPF mode's).
+    if { [ "$mode" = ebpf ] || [ "$mode" = xdp ]; } && [ "$auto" != ebpf ]; then
         echo "VMTEST-RESULT $scenario $mode skipped 0"
         return
     fi

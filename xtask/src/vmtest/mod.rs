@@ -66,7 +66,7 @@ const SCENARIOS: &[Scenario] = &[
         id: "nodeport-snat",
         binary: "packet_lb",
         function: "node_port_cluster_policy_reaches_every_endpoint_snated_to_the_node",
-        modes: &MODES,
+        modes: &EXTERNAL_MODES,
     },
     Scenario {
         id: "nodeport-local",
@@ -97,7 +97,7 @@ const SCENARIOS: &[Scenario] = &[
         id: "restart",
         binary: "restarts",
         function: "flows_survive_an_agent_crash_and_restart",
-        modes: &MODES,
+        modes: &EXTERNAL_MODES,
     },
 ];
 
@@ -109,8 +109,11 @@ pub fn kernels(name: &str) -> Vec<Kernel> {
 /// The modes every scenario runs in; the nftables mode runs the lab's
 /// scenarios on the host, and here only what the host's kernel cannot.
 const MODES: [&str; 2] = ["ebpf", "iptables"];
+/// The external-traffic scenarios' modes: XDP's too (`--bpf-lb-acceleration
+/// native`, the eBPF mode's).
+const EXTERNAL_MODES: [&str; 3] = ["ebpf", "iptables", "xdp"];
 /// Every mode, in the matrix's column order.
-const ALL_MODES: [&str; 3] = ["ebpf", "iptables", "nftables"];
+const ALL_MODES: [&str; 4] = ["ebpf", "iptables", "nftables", "xdp"];
 
 /// Modules the lab uses, loaded before the tests (the kernel would also
 /// request most of them on first use).

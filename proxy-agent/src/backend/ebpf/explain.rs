@@ -145,16 +145,25 @@ fn fill(
 }
 
 /// One explain run of a loaded tc program.
+/// A `struct __sk_buff` for a test run of a packet arriving on `ifindex`
+/// (0: the kernel's choice), marked as an explain run's or not.
+pub(super) fn skb_ctx(ifindex: u32, explain: bool) -> [u8; SKB_CTX_LEN] {
+    let mut ctx = [0u8; SKB_CTX_LEN];
+    ctx[SKB_INGRESS_IFINDEX..][..4].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx[SKB_IFINDEX..][..4].copy_from_slice(&ifindex.to_ne_bytes());
+    if explain {
+        ctx[SKB_CB..][..4].copy_from_slice(&MAGIC[0].to_ne_bytes());
+        ctx[SKB_CB + 4..][..4].copy_from_slice(&MAGIC[1].to_ne_bytes());
+    }
+    ctx
+}
+
 pub fn test_run(
     prog: &SchedClassifier,
     packet: &[u8],
     ifindex: u32,
 ) -> Result<ExplainRun, ProgramError> {
-    let mut ctx = [0u8; SKB_CTX_LEN];
-    ctx[SKB_INGRESS_IFINDEX..][..4].copy_from_slice(&ifindex.to_ne_bytes());
-    ctx[SKB_IFINDEX..][..4].copy_from_slice(&ifindex.to_ne_bytes());
-    ctx[SKB_CB..][..4].copy_from_slice(&MAGIC[0].to_ne_bytes());
-    ctx[SKB_CB + 4..][..4].copy_from_slice(&MAGIC[1].to_ne_bytes());
+    let ctx = skb_ctx(ifindex, true);
     let mut ctx_out = [0u8; SKB_CTX_OUT_LEN];
     // Room for the largest packet the program builds from a small one.
     let mut out = vec![0u8; packet.len() + 128];

@@ -4,12 +4,18 @@
 
 use std::net::IpAddr;
 
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions, Xdp};
 
 use super::{
-    BpfObject, EbpfError, explain, program,
+    BpfObject, EbpfError, XDP_INGRESS, explain, program,
     programs::{TC_EGRESS, TC_INGRESS, TC_POD_REPLIES},
 };
+
+/// `struct xdp_md`'s length and where its `data_end` (the frame's length,
+/// for a test run) and `ingress_ifindex` are.
+const XDP_CTX_LEN: usize = 24;
+const XDP_DATA_END: usize = 4;
+const XDP_INGRESS_IFINDEX: usize = 12;
 
 /// What the per-packet program did to one packet under `BPF_PROG_TEST_RUN`.
 #[derive(Debug)]
@@ -37,12 +43,40 @@ impl BpfObject {
     /// Runs the per-packet program on `packet` `repeat` times in the kernel
     /// without sending anything (packet-level tests and benchmarks).
     pub fn run_tc(&mut self, packet: &[u8], repeat: u32) -> Result<PacketRun, EbpfError> {
-        self.run_program(TC_INGRESS, packet, repeat)
+        self.run_program(TC_INGRESS, packet, repeat, None)
+    }
+
+    /// As `run_tc`, the packet arriving on the interface `ifindex` (its
+    /// route, and the redirect, are then that interface's).
+    pub fn run_tc_on(
+        &mut self,
+        packet: &[u8],
+        repeat: u32,
+        ifindex: u32,
+    ) -> Result<PacketRun, EbpfError> {
+        let ctx = explain::skb_ctx(ifindex, false);
+        self.run_program(TC_INGRESS, packet, repeat, Some(&ctx))
+    }
+
+    /// The XDP program (`--bpf-lb-acceleration`) on `packet` arriving on
+    /// the interface `ifindex`, `repeat` times (loaded first if need be).
+    pub fn run_xdp(
+        &mut self,
+        packet: &[u8],
+        repeat: u32,
+        ifindex: u32,
+    ) -> Result<PacketRun, EbpfError> {
+        self.load_xdp()?;
+        let mut ctx = [0u8; XDP_CTX_LEN];
+        let len = u32::try_from(packet.len()).unwrap_or(u32::MAX);
+        ctx[XDP_DATA_END..][..4].copy_from_slice(&len.to_ne_bytes());
+        ctx[XDP_INGRESS_IFINDEX..][..4].copy_from_slice(&ifindex.to_ne_bytes());
+        self.run_program(XDP_INGRESS, packet, repeat, Some(&ctx))
     }
 
     /// As `run_tc`, with the egress program (packets the node's stack sends).
     pub fn run_tc_egress(&mut self, packet: &[u8], repeat: u32) -> Result<PacketRun, EbpfError> {
-        self.run_program(TC_EGRESS, packet, repeat)
+        self.run_program(TC_EGRESS, packet, repeat, None)
     }
 
     /// As `run_tc`, with the ingress program of pod interfaces the socket LB
@@ -52,7 +86,7 @@ impl BpfObject {
         packet: &[u8],
         repeat: u32,
     ) -> Result<PacketRun, EbpfError> {
-        self.run_program(TC_POD_REPLIES, packet, repeat)
+        self.run_program(TC_POD_REPLIES, packet, repeat, None)
     }
 
     /// As `run_tc`, once, as an explain run (`explain`): no state is
@@ -63,29 +97,32 @@ impl BpfObject {
         explain::test_run(prog, packet, 0).map_err(|source| EbpfError::Program { name, source })
     }
 
+    /// Runs the program `name` (tc's, or XDP's) on `packet` with the
+    /// context `ctx` (the kernel's default without).
     fn run_program(
         &mut self,
         name: &'static str,
         packet: &[u8],
         repeat: u32,
+        ctx: Option<&[u8]>,
     ) -> Result<PacketRun, EbpfError> {
         let err = |source| EbpfError::Program { name, source };
-        let prog: &SchedClassifier = self
-            .ebpf
-            .program(name)
-            .ok_or(EbpfError::Missing { what: "program", name })?
-            .try_into()
-            .map_err(err)?;
         // Room for the largest packet the program builds from a small one.
         let mut out = vec![0u8; packet.len() + 128];
-        let result = prog
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                repeat,
-                ..TestRunOptions::new()
-            })
-            .map_err(err)?;
+        let options = TestRunOptions {
+            data_in: Some(packet),
+            data_out: Some(&mut out),
+            ctx_in: ctx,
+            repeat,
+            ..TestRunOptions::new()
+        };
+        let program =
+            self.ebpf.program(name).ok_or(EbpfError::Missing { what: "program", name })?;
+        let result = match name {
+            XDP_INGRESS => <&Xdp>::try_from(program).map_err(err)?.test_run(options),
+            _ => <&SchedClassifier>::try_from(program).map_err(err)?.test_run(options),
+        }
+        .map_err(err)?;
         out.truncate(result.data_size_out as usize);
         Ok(PacketRun {
             verdict: result.return_value as i32,
