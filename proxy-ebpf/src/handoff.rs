@@ -31,10 +31,14 @@ pub enum Kind {
     /// A new flow to a frontend without endpoints (`decided.rev_nat_id`):
     /// tc refuses it (TCP RST, ICMP port unreachable), as without XDP.
     Refused,
+    /// A tracked DSR flow's packet, counted and its flow refreshed, that
+    /// carries or clamps the option: tc sends it on (XDP does not grow
+    /// packets).
+    Tracked,
 }
 
 const _: () = assert!(Kind::Translated as u8 == 1 && Kind::Decided as u8 == 2);
-const _: () = assert!(Kind::Refused as u8 == 3);
+const _: () = assert!(Kind::Refused as u8 == 3 && Kind::Tracked as u8 == 4);
 
 /// The metadata in front of a frame XDP passes on.
 #[repr(C)]
@@ -93,6 +97,13 @@ pub fn refused(handoff: *mut Handoff, rev_nat_id: u32) {
     }
 }
 
+/// Hands tc a tracked packet, counted, to send on with its DSR option.
+#[inline(always)]
+pub fn tracked(handoff: *mut Handoff) {
+    // SAFETY: as in `decided`.
+    unsafe { (*handoff).kind = Kind::Tracked as u8 };
+}
+
 /// Hands tc a translated packet to send on.
 #[inline(always)]
 pub fn translated(handoff: *mut Handoff) {
@@ -120,6 +131,7 @@ impl Handoff {
             1 => Kind::Translated,
             2 => Kind::Decided,
             3 => Kind::Refused,
+            4 => Kind::Tracked,
             _ => Kind::None,
         }
     }

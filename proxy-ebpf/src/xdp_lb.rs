@@ -70,6 +70,8 @@ fn ours(pkt: &Packet) -> bool {
 }
 
 /// A packet of a tracked flow: its verdict; `None` for a packet of no flow.
+/// Counted and its flow refreshed here, as on tc; one that carries or
+/// clamps a DSR option is handed to tc for that (`Kind::Tracked`).
 #[inline(always)]
 fn tracked(
     ctx: &XdpContext,
@@ -77,30 +79,46 @@ fn tracked(
     f: &mut Flow<CtKey>,
     handoff: Option<*mut Handoff>,
 ) -> Option<u32> {
-    let len = Frame::len(ctx);
-    // Asked first as an explain run asks (nothing written), so that a
-    // packet left to tc is counted once, by tc.
-    let entry = conntrack::lookup::<Ipv4Hdr>(&f.pkt, len, cfg, f.now, || Run::Explain)?;
+    let Some(handoff) = handoff else { return tracked_unhanded(ctx, cfg, f) };
+    let entry = conntrack::lookup::<Ipv4Hdr>(&f.pkt, Frame::len(ctx), cfg, f.now, || Run::Real)?;
+    counted(ctx, &entry);
     if dsr::action(entry.flags(), f.pkt.tcp_flags) != 0 {
+        handoff::tracked(handoff);
         return Some(PASS);
     }
     f.to = entry.rewritten(f.pkt.tuple.proto);
-    let way = match (Way::xdp(ctx, &f.to), handoff) {
-        (Some(way), _) => way,
-        (None, Some(handoff)) => Way::Tc(handoff),
-        (None, None) => return Some(PASS),
+    let way = Way::xdp(ctx, &f.to).unwrap_or(Way::Tc(handoff));
+    Some(send_on(ctx, f, way))
+}
+
+/// [`tracked`] where the driver keeps no metadata: only a packet XDP
+/// sends on itself is XDP's, the others reach tc untouched (asked first
+/// as an explain run asks, nothing written, so that tc counts them once).
+#[inline(always)]
+fn tracked_unhanded(ctx: &XdpContext, cfg: &Config, f: &mut Flow<CtKey>) -> Option<u32> {
+    let len = Frame::len(ctx);
+    let entry = conntrack::lookup::<Ipv4Hdr>(&f.pkt, len, cfg, f.now, || Run::Explain)?;
+    f.to = entry.rewritten(f.pkt.tuple.proto);
+    let way = match Way::xdp(ctx, &f.to) {
+        Some(way) if dsr::action(entry.flags(), f.pkt.tcp_flags) == 0 => way,
+        _ => return Some(PASS),
     };
     match conntrack::lookup::<Ipv4Hdr>(&f.pkt, len, cfg, f.now, || Run::Real) {
-        Some(entry) if entry.rewritten(f.pkt.tuple.proto) == f.to => {
-            count(Counter::CtHit);
-            if !<Ipv4Hdr as Family>::Entry::COUNTS {
-                stat::<Ipv4Hdr>(entry.rev_nat_id(), Event::packet(len));
-            }
-        }
+        Some(entry) if entry.rewritten(f.pkt.tuple.proto) == f.to => counted(ctx, &entry),
         // Changed since: tc decides.
         _ => return Some(PASS),
     }
     Some(send_on(ctx, f, way))
+}
+
+/// Counts a tracked packet as tc does: `ct_hit`, and its frontend's
+/// packets where the conntrack layout does not count them in the entry.
+#[inline(always)]
+fn counted(ctx: &XdpContext, entry: &<Ipv4Hdr as Family>::Entry) {
+    count(Counter::CtHit);
+    if !<Ipv4Hdr as Family>::Entry::COUNTS {
+        stat::<Ipv4Hdr>(entry.rev_nat_id(), Event::packet(Frame::len(ctx)));
+    }
 }
 
 /// A packet of no flow: its frontend's decision, the flow made and sent on

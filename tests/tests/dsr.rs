@@ -91,7 +91,12 @@ fn balanced(annotations: &[(&str, &str)], pods: &[&str]) -> String {
 
 /// The two-node dual-stack cluster on `manifest`, agents with `flags`.
 fn cluster(manifest: &str, flags: &[&str]) -> (Lab, Pod) {
-    two_node_web_cluster_on(Stack::Dual, Setup::EBPF, manifest, flags)
+    cluster_in(Setup::EBPF, manifest, flags)
+}
+
+/// As [`cluster`], in `setup` (XDP's too).
+fn cluster_in(setup: Setup, manifest: &str, flags: &[&str]) -> (Lab, Pod) {
+    two_node_web_cluster_on(Stack::Dual, setup, manifest, flags)
 }
 
 const DSR: (&str, &str) = ("service.cilium.io/forwarding-mode", "dsr");
@@ -156,8 +161,8 @@ fn ip_of(addr: &str) -> String {
 /// Through node 0, to pods on node 1 only: TCP and UDP keep the client's
 /// address and are answered from the service, by node 1 directly; a 1 MB
 /// download works at MTU 1500.
-fn the_pod_sees_the_client_and_replies_leave_from_its_node(family: Family) {
-    let (lab, ext) = cluster(&balanced_in(family, &[DSR], &["b", "c"]), &[]);
+fn the_pod_sees_the_client_and_replies_leave_from_its_node(setup: Setup, family: Family) {
+    let (lab, ext) = cluster_in(setup, &balanced_in(family, &[DSR], &["b", "c"]), &[]);
     count_arrivals_by_node(&lab, &ext, family);
     let tcp = lab.client_outside(&ext).tcp(&family.at(80), 20).unwrap();
     let udp = lab.client_outside(&ext).udp(&family.at(53), 20).unwrap();
@@ -181,12 +186,19 @@ fn the_pod_sees_the_client_and_replies_leave_from_its_node(family: Family) {
 
 #[test]
 fn the_pod_sees_the_client_and_replies_leave_from_its_node_ipv4() {
-    the_pod_sees_the_client_and_replies_leave_from_its_node(Family::V4);
+    the_pod_sees_the_client_and_replies_leave_from_its_node(Setup::EBPF, Family::V4);
 }
 
 #[test]
 fn the_pod_sees_the_client_and_replies_leave_from_its_node_ipv6() {
-    the_pod_sees_the_client_and_replies_leave_from_its_node(Family::V6);
+    the_pod_sees_the_client_and_replies_leave_from_its_node(Setup::EBPF, Family::V6);
+}
+
+/// With XDP: a DSR flow is decided at the driver hook and handed to tc,
+/// which makes it and inserts the option (XDP does not grow packets).
+#[test]
+fn the_pod_sees_the_client_and_replies_leave_from_its_node_with_xdp() {
+    the_pod_sees_the_client_and_replies_leave_from_its_node(Setup::XDP, Family::V4);
 }
 
 /// Full-size packets from the client (its offloads off: every segment
@@ -214,15 +226,30 @@ fn full_size_uploads_fit_with_the_option_ipv6() {
     full_size_uploads_fit_with_the_option(Family::V6);
 }
 
-#[test]
-fn hybrid_sends_tcp_by_dsr_and_masquerades_udp() {
-    let (lab, ext) = cluster(&balanced(&[], &["b", "c"]), &["--bpf-lb-mode", "hybrid"]);
+fn hybrid_sends_tcp_by_dsr_and_masquerades_udp(setup: Setup) {
+    let (lab, ext) = cluster_in(setup, &balanced(&[], &["b", "c"]), &["--bpf-lb-mode", "hybrid"]);
     let v4 = Family::V4;
     let tcp = lab.client_outside(&ext).tcp(&v4.at(80), 10).unwrap();
     let udp = lab.client_outside(&ext).udp(&v4.at(53), 10).unwrap();
     assert!(answered(&tcp).iter().all(|(_, peer, _)| ip_of(peer) == v4.client()), "{tcp:?}");
     let node0 = lab.nodes()[0].ip.clone();
     assert!(answered(&udp).iter().all(|(_, peer, _)| ip_of(peer) == node0), "{udp:?}");
+    if setup.xdp {
+        // The UDP flows (SNAT) went through XDP both ways.
+        let forwarded = lab.counter_on(0, proxy_common::Counter::XdpForwarded).unwrap();
+        assert!(forwarded >= 20, "{forwarded}");
+    }
+}
+
+#[test]
+fn hybrid_sends_tcp_by_dsr_and_masquerades_udp_ebpf() {
+    hybrid_sends_tcp_by_dsr_and_masquerades_udp(Setup::EBPF);
+}
+
+/// With XDP: TCP decided there and made at tc, UDP made and sent at XDP.
+#[test]
+fn hybrid_sends_tcp_by_dsr_and_masquerades_udp_with_xdp() {
+    hybrid_sends_tcp_by_dsr_and_masquerades_udp(Setup::XDP);
 }
 
 /// A client reusing its port right after its last connection closed (as

@@ -82,6 +82,17 @@ enum Task {
         #[arg(long, value_delimiter = ',')]
         sizes: Vec<usize>,
     },
+    /// Packets per second a NodePort forwards from an external client to a
+    /// pod on another node, and the machine's CPU per million: the eBPF
+    /// mode with tc alone, with XDP, and the iptables mode, in turns.
+    Forwarding {
+        /// Seconds of sending per run
+        #[arg(long, default_value_t = 3)]
+        seconds: u64,
+        /// Runs per setup (the median is reported)
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// The agent under steady churn of services and endpoints (from the
     /// test API server) with traffic through a stable service: RSS, fds,
     /// CPU, map and conntrack entries after a warm-up and at the end, and
@@ -170,6 +181,15 @@ fn main() -> anyhow::Result<()> {
                 None => bail!("--base BIN or --monitor"),
             };
             bench::packet_ab(builds, &sizes, rounds)
+        }
+        Task::Forwarding { seconds, rounds } => {
+            setup::run()?;
+            require_root()?;
+            if rerun_optimized()? {
+                return Ok(());
+            }
+            artifacts::release_bins()?;
+            bench::forwarding::run(seconds, rounds)
         }
         Task::Soak { minutes, mode, rate, warm_up } => {
             setup::run()?;

@@ -128,6 +128,18 @@ fn handed_on(ctx: &TcContext, cfg: &Config, handed: &Handoff) -> i32 {
             report::denied(&site, cfg, handed.decided.rev_nat_id, Denied::Refused);
             reject::refuse::<Ipv4Hdr>(ctx, &pkt)
         }
+        // Counted at XDP: the entry read without a write, the option put in.
+        Kind::Tracked => {
+            let now = unsafe { bpf_ktime_get_ns() };
+            let len = ctx.len();
+            let Some(entry) = conntrack::lookup::<Ipv4Hdr>(&pkt, len, cfg, now, || Run::Explain)
+            else {
+                return NEXT;
+            };
+            let to = entry.rewritten(pkt.tuple.proto);
+            Ipv4Hdr::pend_dsr(dsr::action(entry.flags(), pkt.tcp_flags), &pkt.tuple);
+            forward_counted::<Ipv4Hdr, TCP_AND_UDP>(ctx, &Flow { pkt, to, now }, entry.rev_nat_id())
+        }
         Kind::None => NEXT,
     }
 }

@@ -43,6 +43,7 @@
 //! to it; `--docs` copies them into docs/.
 
 mod external;
+pub mod forwarding;
 mod packet;
 mod programming;
 mod rates;
