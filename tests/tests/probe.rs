@@ -22,8 +22,10 @@ fn this_kernel_runs_the_ebpf_mode() {
     assert!(table.contains(&"--proxy-mode auto would run: ebpf"), "{out}");
     // Then where the programs go, and why.
     assert!(out.contains("tc_pod_replies (ingress only)"), "{out}");
-    // What Maglev and DSR need, as features of their own.
-    for feature in ["Maglev (--bpf-lb-algorithm maglev)", "DSR (--bpf-lb-mode dsr|hybrid)"] {
+    // What Maglev, DSR and XDP need, as features of their own.
+    let features =
+        ["Maglev (--bpf-lb-algorithm maglev)", "DSR (--bpf-lb-mode dsr|hybrid)", "XDP program"];
+    for feature in features {
         let line = table.iter().find(|l| l.starts_with(feature)).unwrap_or_else(|| panic!("{out}"));
         assert!(line.contains(" optional  yes "), "{line}");
     }
