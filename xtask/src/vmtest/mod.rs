@@ -91,7 +91,7 @@ const SCENARIOS: &[Scenario] = &[
         binary: "sctp",
         function: "sctp_echo_follows_the_endpoints",
         // The nftables mode here too: SCTP sockets exist only in the VMs.
-        modes: &ALL_MODES,
+        modes: &WITH_NFTABLES,
     },
     Scenario {
         id: "restart",
@@ -112,6 +112,8 @@ const MODES: [&str; 2] = ["ebpf", "iptables"];
 /// The external-traffic scenarios' modes: XDP's too (`--bpf-lb-acceleration
 /// native`, the eBPF mode's).
 const EXTERNAL_MODES: [&str; 3] = ["ebpf", "iptables", "xdp"];
+/// The modes with the nftables one.
+const WITH_NFTABLES: [&str; 3] = ["ebpf", "iptables", "nftables"];
 /// Every mode, in the matrix's column order.
 const ALL_MODES: [&str; 4] = ["ebpf", "iptables", "nftables", "xdp"];
 
