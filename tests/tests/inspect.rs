@@ -5,13 +5,14 @@
 
 use std::collections::BTreeSet;
 
-use proxy_lab::{Attempt, EXT_IP, Lab, Mode, NODE_IP, Setup, both_modes, node_port, tally};
+use proxy_lab::{
+    Attempt, EXT_IP, Lab, Mode, NODE_IP, Setup, both_modes, external_modes, node_port, tally,
+};
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
-both_modes!(
-    lb_list_shows_every_frontend_with_its_flags_and_backends,
-    ct_list_shows_the_flows_real_traffic_made,
-);
+both_modes!(lb_list_shows_every_frontend_with_its_flags_and_backends);
+// With XDP too: the flows it makes are the ones `ct list` reads.
+external_modes!(ct_list_shows_the_flows_real_traffic_made);
 
 /// (frontend, kind, service, flags, backend addresses), NodePorts as
 /// `*:port` (the eBPF mode has one per node address, iptables one rule).
