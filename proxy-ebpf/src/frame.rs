@@ -42,7 +42,7 @@ pub trait Frame: EbpfContext {
     /// right (`bpf_csum_update`; XDP's frames carry none).
     fn csum_update(&self, diff: u32);
     /// The skb's control buffer, where explain runs are marked and noted
-    /// (`run`, `explain`); XDP has none (its runs are real).
+    /// (`run`, `explain`); XDP's stand-in is its frame's metadata.
     fn cb(&self) -> Option<*mut [u32; 5]>;
 }
 
@@ -165,9 +165,13 @@ impl Frame for XdpContext {
     #[inline(always)]
     fn csum_update(&self, _diff: u32) {}
 
+    /// An explain run's marker and notes lie in front of the frame, where
+    /// the agent's test run puts them (a real frame's metadata is the
+    /// handoff, which never holds the marker).
     #[inline(always)]
     fn cb(&self) -> Option<*mut [u32; 5]> {
-        None
+        let meta = self.metadata();
+        (meta + size_of::<[u32; 5]>() <= XdpContext::data(self)).then_some(meta as *mut [u32; 5])
     }
 }
 

@@ -62,6 +62,11 @@ const _: () = assert!(SIZE <= 32 && SIZE.is_multiple_of(4));
 /// decision: the packet pointers the verifier knows are lost with it.
 #[inline(always)]
 pub fn reserve(ctx: &XdpContext) -> Option<*mut Handoff> {
+    // A frame that comes with metadata is an explain run's (marked there,
+    // its notes written there): nothing is handed on.
+    if ctx.metadata() != ctx.data() {
+        return None;
+    }
     // SAFETY: the program's own context.
     if unsafe { bpf_xdp_adjust_meta(ctx.ctx, -(SIZE as i32)) } != 0 {
         return None;

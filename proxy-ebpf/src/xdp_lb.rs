@@ -58,6 +58,7 @@ pub fn try_ingress(ctx: &XdpContext) -> u32 {
     match (tracked(ctx, cfg, &mut f, handoff), handoff) {
         (Some(verdict), _) => verdict,
         (None, Some(handoff)) => new_flow(ctx, cfg, &mut f, handoff),
+        (None, None) if Run::of(ctx) == Run::Explain => explained_new_flow(ctx, cfg, &mut f),
         (None, None) => PASS,
     }
 }
@@ -103,7 +104,7 @@ fn tracked_unhanded(ctx: &XdpContext, cfg: &Config, f: &mut Flow<CtKey>) -> Opti
         Some(way) if dsr::action(entry.flags(), f.pkt.tcp_flags) == 0 => way,
         _ => return Some(PASS),
     };
-    match conntrack::lookup::<Ipv4Hdr>(&f.pkt, len, cfg, f.now, || Run::Real) {
+    match conntrack::lookup::<Ipv4Hdr>(&f.pkt, len, cfg, f.now, || Run::of(ctx)) {
         Some(entry) if entry.rewritten(f.pkt.tuple.proto) == f.to => counted(ctx, &entry),
         // Changed since: tc decides.
         _ => return Some(PASS),
@@ -151,6 +152,21 @@ fn new_flow(ctx: &XdpContext, cfg: &Config, f: &mut Flow<CtKey>, handoff: *mut H
     }
 }
 
+/// An explain run's packet of no flow (`explain`; its notes in the frame's
+/// metadata, no handoff room beside them): decided, nothing made, and
+/// sent on from here as a real one would be, or passed up to tc, whose
+/// explain run says the rest.
+#[inline(always)]
+fn explained_new_flow(ctx: &XdpContext, cfg: &Config, f: &mut Flow<CtKey>) -> u32 {
+    match decide::<Ipv4Hdr, TCP_AND_UDP>(ctx, cfg, f) {
+        Decision::Drop(..) => DROP,
+        Decision::Translate(decided) if !decided.dsr => {
+            Way::xdp(ctx, &f.to).map_or(PASS, |way| send_on(ctx, f, way))
+        }
+        _ => PASS,
+    }
+}
+
 /// How a translated packet leaves.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Way {
@@ -190,7 +206,9 @@ fn send_on(ctx: &XdpContext, f: &Flow<CtKey>, way: Way) -> u32 {
                 count(Counter::Dropped);
                 return DROP;
             }
-            count(Counter::XdpForwarded);
+            if Run::of(ctx) == Run::Real {
+                count(Counter::XdpForwarded);
+            }
             if egress == Frame::ifindex(ctx) {
                 return TX;
             }

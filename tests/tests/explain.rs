@@ -9,11 +9,11 @@
 use std::collections::BTreeSet;
 
 use proxy_lab::{
-    Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Setup, both_modes, external_ip, node_port, tally,
+    Attempt, EXT_IP, Lab, Mode, NODE_IP, Pod, Setup, external_ip, external_modes, node_port, tally,
 };
 use test_objects::{Protocol::*, ep, manifest, port, service};
 
-both_modes!(explain_agrees_with_real_packets);
+external_modes!(explain_agrees_with_real_packets);
 
 fn explain(lab: &Lab, proto: &str, from: &str, to: &str) -> serde_json::Value {
     let args = ["explain", "--proto", proto, "--from", from, "--to", to, "-o", "json"];
@@ -202,6 +202,13 @@ fn explain_agrees_with_real_packets(setup: Setup) {
     // NodePort, policy Local, no endpoint here: dropped, and real SYNs time out.
     assert_eq!(text(&far["outcome"]), "dropped", "{far}");
     assert!(text(&far["reason"]).contains("Local"), "{far}");
+    if setup.xdp {
+        // Dropped at the driver hook; a flow to a pod here goes up to tc.
+        assert!(text(&far["program"]).starts_with("xdp_ingress on "), "{far}");
+        assert!(far["notes"].to_string().contains("at the driver hook"), "{far}");
+        let up = through_node_port["notes"].to_string();
+        assert!(up.contains("xdp_ingress on eth0 passes it up to tc"), "{through_node_port}");
+    }
     let real = lab.client_outside(&s.ext).timeout_ms(500).tcp(&node_port(30081), 1).unwrap();
     assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{real:?}");
 

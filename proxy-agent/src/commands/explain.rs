@@ -11,7 +11,10 @@ use std::{
 
 use crate::{
     backend::{
-        ebpf::{TC_INGRESS, TC_POD_REPLIES, explain::Explainer},
+        ebpf::{
+            TC_INGRESS, TC_POD_REPLIES, XDP_INGRESS,
+            explain::{ExplainRun, Explainer},
+        },
         iptables::exec::{Runner as _, System, Xtables},
     },
     cli::{ExplainArgs, InspectMode, Output},
@@ -132,8 +135,33 @@ fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Resu
             root.display()
         )
     })?;
-    let run = explainer.run(program, &craft(args.proto, from, to), ifindex)?;
+    let packet = craft(args.proto, from, to);
     let entries = inspect::maps::read_pinned(root)?;
+    // XDP first where it runs: what it sends on or drops never meets tc.
+    let xdp =
+        crate::backend::ebpf::xdp_pinned(root).contains(&interface) && !sctp && from_ip.is_ipv4();
+    let mut passed_up = None;
+    if xdp {
+        let run = explainer.run_xdp(&packet, ifindex)?;
+        if run.verdict != XDP_PASS {
+            let run = ExplainRun { verdict: tc_verdict(run.verdict), ..run };
+            let query = Query {
+                proto: args.proto,
+                from,
+                to,
+                program: format!("{XDP_INGRESS} on {interface}"),
+                replies_only: false,
+            };
+            let mut x = explain(&query, &run, &entries);
+            x.notes.push(format!("at the driver hook (--bpf-lb-acceleration): {} before the kernel builds an skb; tc never sees it", xdp_action(run.verdict)));
+            routed(&mut x, &run);
+            return Ok(x);
+        }
+        passed_up = Some(format!(
+            "{XDP_INGRESS} on {interface} passes it up to tc (not sent on from the driver hook: a pod or the host here, a next hop not behind an XDP interface, or a packet XDP leaves to tc); what tc does follows, XDP having decided a new flow's backend where it does"
+        ));
+    }
+    let run = explainer.run(program, &packet, ifindex)?;
     let query = Query {
         proto: args.proto,
         from,
@@ -147,7 +175,14 @@ fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Resu
     };
     let mut x = explain(&query, &run, &entries);
     x.notes.extend(note);
-    // Where the FIB lookup sends it: the route to its new destination.
+    x.notes.extend(passed_up);
+    routed(&mut x, &run);
+    Ok(x)
+}
+
+/// Where the FIB lookup sends a packet sent on: the route to its new
+/// destination.
+fn routed(x: &mut Explanation, run: &ExplainRun) {
     if run.verdict == REDIRECT
         && matches!(x.outcome, "translated" | "tracked")
         && let Some((_, _, dst)) = tuple(&run.packet)
@@ -155,7 +190,26 @@ fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Resu
     {
         x.action = format!("{} through {iface}", x.action);
     }
-    Ok(x)
+}
+
+/// XDP's verdicts (`XDP_DROP` 1, `XDP_PASS` 2, `XDP_TX` 3, `XDP_REDIRECT` 4)
+/// as the tc verdicts an explanation reads: sent on, dropped, passed.
+const XDP_PASS: i32 = 2;
+
+fn tc_verdict(xdp: i32) -> i32 {
+    match xdp {
+        1 => SHOT,
+        3 | 4 => REDIRECT,
+        _ => -1,
+    }
+}
+
+/// What XDP did, in words, from the tc verdict [`tc_verdict`] made.
+fn xdp_action(verdict: i32) -> &'static str {
+    match verdict {
+        REDIRECT => "rewritten and sent on (XDP_TX, or a redirect to another XDP interface)",
+        _ => "dropped (XDP_DROP)",
+    }
 }
 
 /// The interface this node routes `ip` through (its family's route table).
@@ -168,8 +222,9 @@ fn route(ip: IpAddr) -> Option<String> {
     }
 }
 
-/// The tc verdict of a redirect.
+/// The tc verdicts of a redirect and a drop.
 const REDIRECT: i32 = 7;
+const SHOT: i32 = 2;
 
 /// A port of the node's ephemeral range, at random.
 fn ephemeral_port() -> u16 {

@@ -10,14 +10,16 @@ use std::path::Path;
 use aya::{
     Ebpf,
     maps::{Array, Map, MapData, ProgramArray},
-    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions},
+    programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
 use proxy_common::{
     Layouts, TC_NEW_FLOW, TC_NEW_PROGRAMS, TC_SCTP_INGRESS, TC_SCTP_INGRESS6, TC_SCTP_PROGRAMS,
     TC6_INGRESS, TC6_POD_REPLIES, TC6_PROGRAMS, explain::MAGIC, map_names,
 };
 
-use super::{EbpfError, TC_INGRESS, TC_POD_REPLIES, io_err, load::OBJECT, program, sock_end};
+use super::{
+    EbpfError, TC_INGRESS, TC_POD_REPLIES, XDP_INGRESS, io_err, load::OBJECT, program, sock_end,
+};
 
 /// Where `__sk_buff` has its fields (`include/uapi/linux/bpf.h`): the
 /// kernel takes `ifindex`, `ingress_ifindex` and `cb` from `ctx_in`.
@@ -109,6 +111,51 @@ impl Explainer {
         test_run(prog, packet, ifindex).map_err(|source| EbpfError::Program { name, source })
     }
 }
+
+impl Explainer {
+    /// Runs `xdp_ingress` on `packet` as if it came in on `ifindex`, as an
+    /// explain run: the marker, and the notes it leaves, in the frame's
+    /// metadata (XDP has no `cb`).
+    pub fn run_xdp(&mut self, packet: &[u8], ifindex: u32) -> Result<ExplainRun, EbpfError> {
+        let name = XDP_INGRESS;
+        let err = |source| EbpfError::Program { name, source };
+        let prog = program::<Xdp>(&mut self.ebpf, name)?;
+        if prog.fd().is_err() {
+            prog.load().map_err(err)?;
+        }
+        let mut data = vec![0u8; XDP_META_LEN];
+        data[..4].copy_from_slice(&MAGIC[0].to_ne_bytes());
+        data[4..8].copy_from_slice(&MAGIC[1].to_ne_bytes());
+        data.extend_from_slice(packet);
+        let mut ctx = [0u8; 24];
+        ctx[..4].copy_from_slice(&(XDP_META_LEN as u32).to_ne_bytes());
+        ctx[4..8].copy_from_slice(&(data.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        let mut out = vec![0u8; data.len() + 128];
+        let result = prog
+            .test_run(TestRunOptions {
+                data_in: Some(&data),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                ..TestRunOptions::new()
+            })
+            .map_err(err)?;
+        out.truncate(result.data_size_out as usize);
+        let word = |i: usize| {
+            u32::from_ne_bytes([out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]])
+        };
+        let cb = std::array::from_fn(word);
+        Ok(ExplainRun {
+            verdict: result.return_value as i32,
+            packet: out[XDP_META_LEN..].to_vec(),
+            cb,
+        })
+    }
+}
+
+/// The metadata an XDP explain run puts in front of its frame: the words
+/// of `cb` (marker and notes), rounded to the kernel's unit.
+const XDP_META_LEN: usize = 32;
 
 /// The pinned program arrays, which hold the running agent's programs.
 const PROGRAM_ARRAYS: [&str; 3] = [map_names::TC_NEW, map_names::TC6, map_names::TC_SCTP];

@@ -17,13 +17,13 @@ use proxy_common::{Config, map_names};
 
 use super::{
     BpfObject, EbpfError, attach::Interfaces, departures::Departures, io_err, pin_replacing,
-    program, programs::PROGRAMS, reconciler::AffinityPurge, remove_tc_filters,
+    program, programs::PROGRAMS, reconciler::AffinityPurge, remove_tc_filters, xdp::XDP_EGRESS,
 };
 
 impl BpfObject {
-    /// Attaches the socket programs to `cgroup` and the per-packet programs to
-    /// `interfaces` (tc's, then XDP's), and pins maps and links under `root`, replacing what a
-    /// previous agent pinned there.
+    /// Attaches the per-packet programs to `interfaces` (XDP's first, then
+    /// tc's) and the socket programs to `cgroup`, and pins maps and links
+    /// under `root`, replacing what a previous agent pinned there.
     pub fn activate(
         &mut self,
         cgroup: &Path,
@@ -69,6 +69,10 @@ impl BpfObject {
         // attached, by the old pins or the new ones.
         for (name, map) in self.maps.by_name() {
             pinned.insert(pin_replacing(&maps_dir.join(name), |p| map.pin(p))?);
+        }
+        // For `explain`'s runs of the XDP program: where it may send.
+        if let Some(map) = self.ebpf.map(XDP_EGRESS) {
+            pinned.insert(pin_replacing(&maps_dir.join(XDP_EGRESS), |p| map.pin(p))?);
         }
         for (name, link) in links {
             // The pin keeps the attachment; our fd closes when this drops.

@@ -24,7 +24,7 @@ use super::{BpfObject, EbpfError, pin_replacing, program, settings::Acceleration
 /// The XDP program, by its function name in proxy-ebpf.
 pub const XDP_INGRESS: &str = "xdp_ingress";
 /// The map of the interfaces XDP sends packets on.
-const XDP_EGRESS: &str = "XDP_EGRESS";
+pub(super) const XDP_EGRESS: &str = "XDP_EGRESS";
 
 /// An interface's XDP link pin under `root`.
 fn pin_path(root: &Path, interface: &str) -> PathBuf {
