@@ -24,6 +24,7 @@ pub const CONNTRACK6: &str = "CONNTRACK6";
 pub const AFFINITY6: &str = "AFFINITY6";
 pub const SOURCE_RANGES6: &str = "SOURCE_RANGES6";
 pub const TC6: &str = "TC6";
+pub const XDP6: &str = "XDP6";
 pub const TC_SCTP: &str = "TC_SCTP";
 pub const TC_NEW: &str = "TC_NEW";
 pub const EVENTS: &str = "EVENTS";

@@ -15,6 +15,10 @@ use proxy_common::monitor::hook;
 
 use crate::checksum::{csum_diff, csum_replaced};
 
+/// Where XDP reads and writes at most: past Ethernet, IPv6 and a TCP
+/// header with options, with room.
+const MAX_OFF: usize = 256;
+
 /// The flags of `l3_csum_replace`/`l4_csum_replace` that say how large the
 /// replaced field is (0: `to` is a precomputed difference).
 const SIZE_MASK: u64 = 0xf;
@@ -176,8 +180,14 @@ impl Frame for XdpContext {
 }
 
 /// Where `size_of::<T>()` bytes at `off` start, if the frame holds them.
+/// The offset is bounded first: one read back from a map (IPv6's, kept in
+/// `FLOW6`) is unbounded to the verifier, which refuses it beside a
+/// packet pointer.
 #[inline(always)]
 fn in_frame<T>(ctx: &XdpContext, off: usize) -> Result<usize, i64> {
+    if off >= MAX_OFF {
+        return Err(-1);
+    }
     let at = ctx.data() + off;
     if at + size_of::<T>() > ctx.data_end() { Err(-1) } else { Ok(at) }
 }

@@ -8,7 +8,7 @@ use aya_ebpf::{
     helpers::generated::bpf_xdp_adjust_meta,
     programs::{TcContext, XdpContext},
 };
-use proxy_common::CtKey;
+use proxy_common::{CtKey, CtKey6};
 
 use crate::lb::Translation;
 
@@ -56,12 +56,18 @@ const SIZE: usize = size_of::<Handoff>();
 // The kernel's bound on metadata, in its unit.
 const _: () = assert!(SIZE <= 32 && SIZE.is_multiple_of(4));
 
+/// Proof that a handoff was reserved in front of the frame. The writes
+/// find it again from the context: a pointer to it would not survive the
+/// XDP program's BPF calls (the verifier loses its type).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Reserved(());
+
 /// Room for a handoff in front of the frame, said to be "nothing done"
 /// until written; `None` where the driver keeps no metadata (the XDP
 /// program then sends on only what needs no handoff). Made before any
 /// decision: the packet pointers the verifier knows are lost with it.
 #[inline(always)]
-pub fn reserve(ctx: &XdpContext) -> Option<*mut Handoff> {
+pub fn reserve(ctx: &XdpContext) -> Option<Reserved> {
     // A frame that comes with metadata is an explain run's (marked there,
     // its notes written there): nothing is handed on.
     if ctx.metadata() != ctx.data() {
@@ -71,20 +77,24 @@ pub fn reserve(ctx: &XdpContext) -> Option<*mut Handoff> {
     if unsafe { bpf_xdp_adjust_meta(ctx.ctx, -(SIZE as i32)) } != 0 {
         return None;
     }
-    let meta = ctx.metadata();
-    if meta + SIZE > ctx.data() {
-        return None;
-    }
-    let handoff = meta as *mut Handoff;
+    let handoff = slot(ctx)?;
     // SAFETY: the metadata just made, within the frame's bounds.
     unsafe { ((*handoff).magic, (*handoff).kind) = (MAGIC, Kind::None as u8) };
-    Some(handoff)
+    Some(Reserved(()))
+}
+
+/// The reserved handoff, found from the context.
+#[inline(always)]
+fn slot(ctx: &XdpContext) -> Option<*mut Handoff> {
+    let meta = ctx.metadata();
+    (meta + SIZE <= ctx.data()).then_some(meta as *mut Handoff)
 }
 
 /// Hands tc a new flow decided, translated to `to`, to make and send.
 #[inline(always)]
-pub fn decided(handoff: *mut Handoff, decided: Translation, to: &CtKey) {
-    // SAFETY: `reserve`'s metadata; nothing moved the frame since.
+pub fn decided(ctx: &XdpContext, _: Reserved, decided: Translation, to: &CtKey) {
+    let Some(handoff) = slot(ctx) else { return };
+    // SAFETY: `reserve`'s metadata, within the frame's bounds.
     unsafe {
         (*handoff).kind = Kind::Decided as u8;
         (*handoff).decided = decided;
@@ -92,9 +102,34 @@ pub fn decided(handoff: *mut Handoff, decided: Translation, to: &CtKey) {
     }
 }
 
+/// A family's tuple, as a decided new flow is handed on with it: IPv4's
+/// fits the handoff, IPv6's does not (its DSR frontends' new flows are
+/// left to tc before XDP decides them).
+pub trait Handed {
+    const HANDS_DECIDED: bool;
+    fn hand_decided(&self, ctx: &XdpContext, reserved: Reserved, decided: Translation);
+}
+
+impl Handed for CtKey {
+    const HANDS_DECIDED: bool = true;
+
+    #[inline(always)]
+    fn hand_decided(&self, ctx: &XdpContext, reserved: Reserved, decided: Translation) {
+        self::decided(ctx, reserved, decided, self);
+    }
+}
+
+impl Handed for CtKey6 {
+    const HANDS_DECIDED: bool = false;
+
+    #[inline(always)]
+    fn hand_decided(&self, _: &XdpContext, _: Reserved, _: Translation) {}
+}
+
 /// Hands tc a new flow to refuse for the frontend `rev_nat_id`.
 #[inline(always)]
-pub fn refused(handoff: *mut Handoff, rev_nat_id: u32) {
+pub fn refused(ctx: &XdpContext, _: Reserved, rev_nat_id: u32) {
+    let Some(handoff) = slot(ctx) else { return };
     // SAFETY: as in `decided`.
     unsafe {
         (*handoff).kind = Kind::Refused as u8;
@@ -104,14 +139,16 @@ pub fn refused(handoff: *mut Handoff, rev_nat_id: u32) {
 
 /// Hands tc a tracked packet, counted, to send on with its DSR option.
 #[inline(always)]
-pub fn tracked(handoff: *mut Handoff) {
+pub fn tracked(ctx: &XdpContext, _: Reserved) {
+    let Some(handoff) = slot(ctx) else { return };
     // SAFETY: as in `decided`.
     unsafe { (*handoff).kind = Kind::Tracked as u8 };
 }
 
 /// Hands tc a translated packet to send on.
 #[inline(always)]
-pub fn translated(handoff: *mut Handoff) {
+pub fn translated(ctx: &XdpContext, _: Reserved) {
+    let Some(handoff) = slot(ctx) else { return };
     // SAFETY: as in `decided`.
     unsafe { (*handoff).kind = Kind::Translated as u8 };
 }

@@ -156,6 +156,12 @@ pub fn xdp_ingress(ctx: XdpContext) -> u32 {
     xdp_lb::try_ingress(&ctx)
 }
 
+/// Its IPv6 packets, entered by tail call (`XDP6`).
+#[xdp]
+pub fn xdp_ingress6(ctx: XdpContext) -> u32 {
+    xdp_lb::try_ingress6(&ctx)
+}
+
 /// Socket iterators ending the TCP and UDP sockets connected to backends
 /// that left (`SOCK_ENDS`); run by the agent, never attached to a hook.
 ///

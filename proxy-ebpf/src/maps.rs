@@ -221,6 +221,11 @@ pub static FRONTEND_STATS: PerCpuHashMap<
 #[btf_map]
 pub static STATS_ZERO: Array<FrontendStats, 1> = Array::new();
 
+/// The IPv6 XDP program (`xdp_ingress6`), entered by tail call from
+/// `xdp_ingress`; empty: IPv6 packets go up to tc untouched.
+#[btf_map]
+pub static XDP6: ProgramArray<1> = ProgramArray::new();
+
 /// The node interfaces carrying `xdp_ingress`, by ifindex: where XDP may
 /// send a packet on (a driver takes XDP frames only where XDP is set up).
 /// Only the agent writes it.

@@ -246,6 +246,24 @@ fn hybrid_sends_tcp_by_dsr_and_masquerades_udp_ebpf() {
     hybrid_sends_tcp_by_dsr_and_masquerades_udp(Setup::EBPF);
 }
 
+/// With XDP, IPv6: a load-balancer IP's flows to pods on the other node,
+/// masqueraded (SNAT), made and sent on at the driver hook both ways
+/// (`xdp_ingress6`), and a DSR frontend's left to tc, which serves them.
+#[test]
+fn ipv6_flows_are_made_and_sent_at_xdp_and_dsr_ones_left_to_tc() {
+    let v6 = Family::V6;
+    let (lab, ext) = cluster_in(Setup::XDP, &balanced_in(v6, &[], &["b", "c"]), &[]);
+    let snat = lab.client_outside(&ext).tcp(&v6.at(80), 20).unwrap();
+    let node0 = lab.nodes()[0].ip6.clone().unwrap();
+    assert!(answered(&snat).iter().all(|(_, peer, _)| ip_of(peer) == node0), "{snat:?}");
+    let forwarded = lab.counter_on(0, proxy_common::Counter::XdpForwarded).unwrap();
+    assert!(forwarded >= 40, "IPv6 packets sent on at XDP: {forwarded}");
+
+    let (lab, ext) = cluster_in(Setup::XDP, &balanced_in(v6, &[DSR], &["b", "c"]), &[]);
+    let dsr = lab.client_outside(&ext).tcp(&v6.at(80), 10).unwrap();
+    assert!(answered(&dsr).iter().all(|(_, peer, _)| ip_of(peer) == v6.client()), "{dsr:?}");
+}
+
 /// With XDP: TCP decided there and made at tc, UDP made and sent at XDP.
 #[test]
 fn hybrid_sends_tcp_by_dsr_and_masquerades_udp_with_xdp() {

@@ -3,7 +3,7 @@
 //! fe80::1, nodes and an external client on both families of the fabric.
 //!
 //! Every scenario runs in both modes and from the test API server
-//! (`both_modes!`): in eBPF mode a pod's sockets meet the socket LB, the
+//! (`external_modes!`, XDP too): in eBPF mode a pod's sockets meet the socket LB, the
 //! external client's packets (and those of a pod outside the socket-LB
 //! cgroup) the per-packet programs.
 
@@ -15,12 +15,12 @@ use std::{
 };
 
 use proxy_lab::{
-    Attempt, EXT_IP, EXT_IP6, Lab, Mode, NODE_IP6, Pod, Request, Setup, answered_after, both_modes,
-    sample, tally, v6,
+    Attempt, EXT_IP, EXT_IP6, Lab, Mode, NODE_IP6, Pod, Request, Setup, answered_after,
+    external_modes, sample, tally, v6,
 };
 use test_objects::{Protocol::*, ServiceBuilder, ep, manifest, port, service, slice};
 
-both_modes!(
+external_modes!(
     a_dual_stack_service_reaches_each_familys_endpoints_on_each_cluster_ip,
     ipv6_node_port_cluster_policy_reaches_the_backend_from_the_nodes_ipv6_address,
     ipv6_node_port_local_policy_keeps_the_clients_ipv6_address,

@@ -115,7 +115,8 @@ pub fn try_ingress(ctx: &TcContext, scope: Scope) -> i32 {
 /// A packet the XDP program passed up with a handoff: what it left.
 #[inline(always)]
 fn handed_on(ctx: &TcContext, cfg: &Config, handed: &Handoff) -> i32 {
-    let Some(Parsed::Packet(pkt)) = packet::parse(ctx) else { return NEXT };
+    // An IPv6 packet's handoff is the IPv6 program's to read.
+    let Some(Parsed::Packet(pkt)) = packet::parse(ctx) else { return to_ipv6(ctx, TC6_INGRESS) };
     match handed.kind() {
         // Translated, and its flow counted.
         Kind::Translated => send::<Ipv4Hdr>(ctx, &pkt.tuple),
@@ -128,20 +129,40 @@ fn handed_on(ctx: &TcContext, cfg: &Config, handed: &Handoff) -> i32 {
             report::denied(&site, cfg, handed.decided.rev_nat_id, Denied::Refused);
             reject::refuse::<Ipv4Hdr>(ctx, &pkt)
         }
-        // Counted at XDP: the entry read without a write, the option put in.
         Kind::Tracked => {
-            let now = unsafe { bpf_ktime_get_ns() };
-            let len = ctx.len();
-            let Some(entry) = conntrack::lookup::<Ipv4Hdr>(&pkt, len, cfg, now, || Run::Explain)
-            else {
-                return NEXT;
-            };
-            let to = entry.rewritten(pkt.tuple.proto);
-            Ipv4Hdr::pend_dsr(dsr::action(entry.flags(), pkt.tcp_flags), &pkt.tuple);
-            forward_counted::<Ipv4Hdr, TCP_AND_UDP>(ctx, &Flow { pkt, to, now }, entry.rev_nat_id())
+            let mut f = Flow { to: pkt.tuple, pkt, now: unsafe { bpf_ktime_get_ns() } };
+            tracked_handed::<Ipv4Hdr>(ctx, cfg, &mut f)
         }
         Kind::None => NEXT,
     }
+}
+
+/// An IPv6 packet the XDP program passed up with a handoff (its new flows
+/// are never handed on decided: XDP leaves DSR frontends' to tc).
+#[inline(always)]
+fn handed_on6(ctx: &TcContext, cfg: &Config, f: &mut Flow<CtKey6>, handed: &Handoff) -> i32 {
+    match handed.kind() {
+        Kind::Translated => <Ipv6Hdr as Family>::step(|| send::<Ipv6Hdr>(ctx, &f.pkt.tuple)),
+        Kind::Refused => {
+            let site = Ingress::<Ipv6Hdr, _> { ctx, tuple: &f.pkt.tuple };
+            report::denied(&site, cfg, handed.decided.rev_nat_id, Denied::Refused);
+            <Ipv6Hdr as Family>::step(|| reject::refuse::<Ipv6Hdr>(ctx, &f.pkt))
+        }
+        Kind::Tracked => tracked_handed::<Ipv6Hdr>(ctx, cfg, f),
+        Kind::Decided | Kind::None => NEXT,
+    }
+}
+
+/// A tracked DSR flow's packet XDP counted and handed up: its entry read
+/// without a write, the option put in, sent on.
+#[inline(always)]
+fn tracked_handed<F: Family>(ctx: &TcContext, cfg: &Config, f: &mut Flow<F::Tuple>) -> i32 {
+    let (len, now) = (ctx.len(), f.now);
+    let entry = F::step(|| conntrack::lookup::<F>(&f.pkt, len, cfg, now, || Run::Explain));
+    let Some(entry) = entry else { return NEXT };
+    f.to = entry.rewritten(f.pkt.tuple.proto());
+    F::pend_dsr(dsr::action(entry.flags(), f.pkt.tcp_flags), &f.pkt.tuple);
+    forward_counted::<F, TCP_AND_UDP>(ctx, f, entry.rev_nat_id())
 }
 
 /// The SCTP program's ingress (`tc_ingress_sctp`): a packet the TCP/UDP
@@ -188,6 +209,10 @@ pub fn try_ingress6(ctx: &TcContext, scope: Scope) -> i32 {
     if !packet::parse6(ctx, &mut flow.pkt) {
         return icmp_error6(ctx, true);
     }
+    if let Some(handed) = handoff::take(ctx) {
+        flow.now = unsafe { bpf_ktime_get_ns() };
+        return handed_on6(ctx, cfg, flow, &handed);
+    }
     if flow.pkt.tuple.proto == IPPROTO_SCTP {
         return to_sctp(ctx, TC_SCTP_INGRESS6);
     }
@@ -212,7 +237,7 @@ pub fn try_ingress6_sctp(ctx: &TcContext) -> i32 {
 
 /// This CPU's IPv6 packet and tuples, off the stack (see `FLOW6`).
 #[inline(always)]
-fn flow6() -> Option<&'static mut Flow<CtKey6>> {
+pub(crate) fn flow6() -> Option<&'static mut Flow<CtKey6>> {
     let flow = FLOW6.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot; a tc program is not preempted by another
     // program using it.

@@ -158,7 +158,8 @@ impl Explainer {
 const XDP_META_LEN: usize = 32;
 
 /// The pinned program arrays, which hold the running agent's programs.
-const PROGRAM_ARRAYS: [&str; 3] = [map_names::TC_NEW, map_names::TC6, map_names::TC_SCTP];
+const PROGRAM_ARRAYS: [&str; 4] =
+    [map_names::TC_NEW, map_names::TC6, map_names::TC_SCTP, map_names::XDP6];
 
 /// The ingress slots of the program arrays (the egress programs never run
 /// here).

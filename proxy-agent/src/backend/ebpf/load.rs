@@ -227,6 +227,7 @@ impl BpfObject {
             held6: 0,
             on_demand: Stages::default(),
             xdp_interfaces: BTreeMap::new(),
+            xdp6: None,
         })
     }
 

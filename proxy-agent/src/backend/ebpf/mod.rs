@@ -179,6 +179,8 @@ pub struct BpfObject {
     on_demand: on_demand::Stages,
     /// Interfaces running the XDP program, with their index.
     xdp_interfaces: BTreeMap<String, u32>,
+    /// `XDP6`, holding `xdp_ingress6`, once the XDP programs are loaded.
+    xdp6: Option<aya::maps::Map>,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).

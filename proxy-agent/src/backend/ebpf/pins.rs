@@ -74,6 +74,10 @@ impl BpfObject {
         if let Some(map) = self.ebpf.map(XDP_EGRESS) {
             pinned.insert(pin_replacing(&maps_dir.join(XDP_EGRESS), |p| map.pin(p))?);
         }
+        if let Some(array) = self.xdp6() {
+            let path = maps_dir.join(map_names::XDP6);
+            pinned.insert(pin_replacing(&path, |p| array.pin(p))?);
+        }
         for (name, link) in links {
             // The pin keeps the attachment; our fd closes when this drops.
             pinned.insert(pin_replacing(&links_dir.join(name), |p| link.pin(p).map(drop))?);

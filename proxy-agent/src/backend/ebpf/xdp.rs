@@ -11,7 +11,7 @@ use std::{
 };
 
 use aya::{
-    maps::DevMapHash,
+    maps::{DevMapHash, Map, ProgramArray},
     programs::{
         Xdp,
         links::{FdLink, PinnedLink},
@@ -19,10 +19,13 @@ use aya::{
     },
 };
 
+use proxy_common::map_names;
+
 use super::{BpfObject, EbpfError, pin_replacing, program, settings::Acceleration};
 
-/// The XDP program, by its function name in proxy-ebpf.
+/// The XDP programs, by their function names in proxy-ebpf.
 pub const XDP_INGRESS: &str = "xdp_ingress";
+pub const XDP_INGRESS6: &str = "xdp_ingress6";
 /// The map of the interfaces XDP sends packets on.
 pub(super) const XDP_EGRESS: &str = "XDP_EGRESS";
 
@@ -93,14 +96,33 @@ impl BpfObject {
         Ok(pinned)
     }
 
-    /// Loads (verifies) the XDP program, once.
+    /// Loads (verifies) the XDP programs, once: `xdp_ingress`, and
+    /// `xdp_ingress6` in `XDP6`, where the first hands IPv6 packets on.
     pub fn load_xdp(&mut self) -> Result<(), EbpfError> {
-        let name = XDP_INGRESS;
-        let prog: &mut Xdp = program(&mut self.ebpf, name)?;
-        if prog.fd().is_err() {
-            prog.load().map_err(|source| EbpfError::Program { name, source })?;
+        if self.xdp6.is_some() {
+            return Ok(());
         }
+        for name in [XDP_INGRESS, XDP_INGRESS6] {
+            let prog: &mut Xdp = program(&mut self.ebpf, name)?;
+            if prog.fd().is_err() {
+                prog.load().map_err(|source| EbpfError::Program { name, source })?;
+            }
+        }
+        let name = map_names::XDP6;
+        let mut map = self.ebpf.take_map(name).ok_or(EbpfError::Missing { what: "map", name })?;
+        let mut array =
+            ProgramArray::try_from(&mut map).map_err(|source| EbpfError::Map { name, source })?;
+        let prog: &Xdp = program(&mut self.ebpf, XDP_INGRESS6)?;
+        let fd = prog.fd().map_err(|source| EbpfError::Program { name: XDP_INGRESS6, source })?;
+        array.set(0, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
+        self.xdp6 = Some(map);
         Ok(())
+    }
+
+    /// `XDP6`, once loaded: pinned with the maps, so that the pinned XDP
+    /// links keep their IPv6 program while no agent runs.
+    pub(super) fn xdp6(&self) -> Option<&Map> {
+        self.xdp6.as_ref()
     }
 
     /// Interfaces running the XDP program.
