@@ -97,24 +97,35 @@ impl BpfObject {
     }
 
     /// Loads (verifies) the XDP programs, once: `xdp_ingress`, and
-    /// `xdp_ingress6` in `XDP6`, where the first hands IPv6 packets on.
+    /// `xdp_ingress6` in `XDP6`, where the first hands IPv6 packets on. A
+    /// kernel that refuses the IPv6 one gets XDP for IPv4 (IPv6 packets go
+    /// up to tc, as without XDP), said in the log.
     pub fn load_xdp(&mut self) -> Result<(), EbpfError> {
         if self.xdp6.is_some() {
             return Ok(());
         }
-        for name in [XDP_INGRESS, XDP_INGRESS6] {
-            let prog: &mut Xdp = program(&mut self.ebpf, name)?;
-            if prog.fd().is_err() {
-                prog.load().map_err(|source| EbpfError::Program { name, source })?;
-            }
-        }
+        load(&mut self.ebpf, XDP_INGRESS)?;
         let name = map_names::XDP6;
         let mut map = self.ebpf.take_map(name).ok_or(EbpfError::Missing { what: "map", name })?;
-        let mut array =
-            ProgramArray::try_from(&mut map).map_err(|source| EbpfError::Map { name, source })?;
-        let prog: &Xdp = program(&mut self.ebpf, XDP_INGRESS6)?;
-        let fd = prog.fd().map_err(|source| EbpfError::Program { name: XDP_INGRESS6, source })?;
-        array.set(0, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
+        match load(&mut self.ebpf, XDP_INGRESS6) {
+            Ok(()) => {
+                let mut array = ProgramArray::try_from(&mut map)
+                    .map_err(|source| EbpfError::Map { name, source })?;
+                let prog: &Xdp = program(&mut self.ebpf, XDP_INGRESS6)?;
+                let fd = prog
+                    .fd()
+                    .map_err(|source| EbpfError::Program { name: XDP_INGRESS6, source })?;
+                array.set(0, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
+            }
+            Err(e) => {
+                let e = e.to_string();
+                let e = e.lines().next().unwrap_or_default();
+                tracing::warn!(
+                    error = e,
+                    "the IPv6 XDP program does not load on this kernel: IPv6 packets go up to tc"
+                );
+            }
+        }
         self.xdp6 = Some(map);
         Ok(())
     }
@@ -184,6 +195,15 @@ impl BpfObject {
         let map = self.ebpf.map_mut(name).ok_or(EbpfError::Missing { what: "map", name })?;
         DevMapHash::try_from(map).map_err(|source| EbpfError::Map { name, source })
     }
+}
+
+/// Loads the XDP program `name`, once.
+fn load(ebpf: &mut aya::Ebpf, name: &'static str) -> Result<(), EbpfError> {
+    let prog: &mut Xdp = program(ebpf, name)?;
+    if prog.fd().is_err() {
+        prog.load().map_err(|source| EbpfError::Program { name, source })?;
+    }
+    Ok(())
 }
 
 /// The interfaces whose XDP links are pinned under `root` (what `lb list`
