@@ -4,7 +4,7 @@
 
 use std::{
     io::Write,
-    os::fd::{AsRawFd, FromRawFd},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -211,17 +211,33 @@ pub(crate) fn sweep_stale() {
 }
 
 /// A bpffs of the lab's own.
-/// Loads an XDP program that passes every frame (`r0 = XDP_PASS; exit`),
-/// through `bpf(2)` itself, and pins it at `pin`: what the lab attaches to
-/// a veth that takes frames another veth's XDP sends it (a veth flushes
-/// them to its receive queue only where it runs an XDP program).
-pub(crate) fn pin_xdp_pass(pin: &Path) -> anyhow::Result<()> {
-    const BPF_PROG_LOAD: libc::c_long = 5;
+/// Verdicts of the lab's own XDP programs.
+pub(crate) const XDP_DROP: u8 = 1;
+pub(crate) const XDP_PASS: u8 = 2;
+
+/// Loads an XDP program that returns `verdict` for every frame
+/// (`r0 = verdict; exit`) and pins it at `pin`.
+pub(crate) fn pin_xdp_verdict(verdict: u8, pin: &Path) -> anyhow::Result<()> {
     const BPF_OBJ_PIN: libc::c_long = 6;
+    let fd = load_xdp(&[[0xb7, 0, 0, 0, verdict, 0, 0, 0], [0x95, 0, 0, 0, 0, 0, 0, 0]])
+        .with_context(|| format!("loading an XDP program returning {verdict}"))?;
+    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes())?;
+    // BPF_OBJ_PIN: path, descriptor.
+    let mut attr = [0u8; 128];
+    attr[0..8].copy_from_slice(&(path.as_ptr() as u64).to_ne_bytes());
+    attr[8..12].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
+    // SAFETY: an attr the size given, pointing at live buffers.
+    if unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, attr.as_ptr(), attr.len()) } < 0 {
+        bail!("pinning it at {}: {}", pin.display(), std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Loads an XDP program of raw instructions through `bpf(2)` itself: the
+/// lab's own few-instruction programs need no object file or loader.
+pub fn load_xdp(insns: &[[u8; 8]]) -> anyhow::Result<OwnedFd> {
+    const BPF_PROG_LOAD: libc::c_long = 5;
     const BPF_PROG_TYPE_XDP: u32 = 6;
-    const XDP_PASS: u8 = 2;
-    // `mov64 r0, XDP_PASS` and `exit`.
-    let insns: [[u8; 8]; 2] = [[0xb7, 0, 0, 0, XDP_PASS, 0, 0, 0], [0x95, 0, 0, 0, 0, 0, 0, 0]];
     let license = c"GPL";
     // `union bpf_attr` for BPF_PROG_LOAD: type, count, instructions, license.
     let mut attr = [0u8; 128];
@@ -232,20 +248,10 @@ pub(crate) fn pin_xdp_pass(pin: &Path) -> anyhow::Result<()> {
     // SAFETY: an attr the size given, pointing at live buffers.
     let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_LOAD, attr.as_ptr(), attr.len()) };
     if fd < 0 {
-        bail!("loading an XDP_PASS program: {}", std::io::Error::last_os_error());
+        bail!("BPF_PROG_LOAD: {}", std::io::Error::last_os_error());
     }
     // SAFETY: the descriptor just returned, ours alone.
-    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
-    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes())?;
-    // BPF_OBJ_PIN: path, descriptor.
-    let mut attr = [0u8; 128];
-    attr[0..8].copy_from_slice(&(path.as_ptr() as u64).to_ne_bytes());
-    attr[8..12].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
-    // SAFETY: as above.
-    if unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, attr.as_ptr(), attr.len()) } < 0 {
-        bail!("pinning it at {}: {}", pin.display(), std::io::Error::last_os_error());
-    }
-    Ok(())
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 pub(crate) fn mount_bpffs(at: &Path) -> anyhow::Result<()> {

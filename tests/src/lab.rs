@@ -14,8 +14,8 @@ use crate::{
     FAR_PREFIX, FAR_ROUTER, Mode, Node, PREFIX, Pod, SERVICE_RANGE, SERVICE_RANGE6, Setup, Source,
     apiserver,
     host::{
-        IpBatch, cgroup2_root, delete_netns, ip, mount_bpffs, pin_xdp_pass, remove_cgroup,
-        remove_scratch, sh, stop, sweep_stale, sysctl, veth_to_eth0, wait_link_up,
+        IpBatch, XDP_DROP, XDP_PASS, cgroup2_root, delete_netns, ip, mount_bpffs, pin_xdp_verdict,
+        remove_cgroup, remove_scratch, sh, stop, sweep_stale, sysctl, veth_to_eth0, wait_link_up,
     },
     node_ip, v6,
 };
@@ -172,6 +172,12 @@ impl Lab {
         wait_link_up(netns, "eth0")
     }
 
+    /// The fabric's namespace and node `index`'s port on its bridge: the
+    /// wire's far end, where a benchmark feeds the node's uplink.
+    pub fn fabric_port(&self, index: usize) -> (&str, String) {
+        (&self.fabric, uplink_port(index))
+    }
+
     /// Makes a node's uplink behave towards XDP as a NIC on a wire does:
     /// frames reach the node with their checksums complete (a veth passes
     /// a sender's offloaded checksum on unfinished, which XDP cannot
@@ -180,14 +186,28 @@ impl Lab {
     /// its peer only where the peer runs an XDP program: the port runs one
     /// that passes everything).
     fn wire_for_xdp(&self, port: &str) -> anyhow::Result<()> {
-        let pass = self.dir.join(BPFFS_DIR).join("xdp_pass");
-        if !pass.exists() {
-            pin_xdp_pass(&pass)?;
-        }
-        let pass = pass.to_string_lossy();
         let ethtool = ["netns", "exec", &self.fabric, "ethtool", "-K", port, "tx", "off"];
         sh("ip", &ethtool)?;
-        ip(&["-n", &self.fabric, "link", "set", "dev", port, "xdpdrv", "pinned", &pass])?;
+        self.attach_verdict(port, XDP_PASS)
+    }
+
+    /// Ends the wire at node `index`'s fabric port: what the node sends out
+    /// of its uplink is dropped there as it arrives, counted in the port's
+    /// `rx_packets` (for benchmarks of the node's forwarding alone).
+    pub fn end_wire_at(&self, index: usize) -> anyhow::Result<()> {
+        self.attach_verdict(&uplink_port(index), XDP_DROP)
+    }
+
+    /// Attaches to a fabric port the XDP program returning `verdict` for
+    /// every frame (pinned in the lab's bpffs when first needed).
+    fn attach_verdict(&self, port: &str, verdict: u8) -> anyhow::Result<()> {
+        let pin = self.dir.join(BPFFS_DIR).join(format!("xdp_verdict_{verdict}"));
+        if !pin.exists() {
+            pin_xdp_verdict(verdict, &pin)?;
+        }
+        let pin = pin.to_string_lossy();
+        // `-force`: in place of the one there (an XDP_PASS one).
+        ip(&["-force", "-n", &self.fabric, "link", "set", "dev", port, "xdpdrv", "pinned", &pin])?;
         Ok(())
     }
 
@@ -200,7 +220,7 @@ impl Lab {
         self.add_netns(&netns)?;
         sysctl(&netns, "net.ipv4.ip_forward", "1")?;
         let node_ip = node_ip(index);
-        let port = format!("n{index}");
+        let port = uplink_port(index);
         self.uplink(&netns, &port, &node_ip)?;
         if self.xdp {
             self.wire_for_xdp(&port)?;
@@ -420,4 +440,9 @@ fn node_object(node: &Node) -> String {
             .map_or(String::new(), |ip6| format!("{{type: InternalIP, address: '{ip6}'}}, ")),
         node.name
     )
+}
+
+/// Node `index`'s port on the fabric bridge.
+fn uplink_port(index: usize) -> String {
+    format!("n{index}")
 }

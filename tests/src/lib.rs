@@ -38,7 +38,7 @@ pub use client::{Attempt, Client, Request, Tally, answered, answered_after, tall
 pub use cluster::{
     Stack, two_node_endpoints, two_node_endpoints6, two_node_web_cluster, two_node_web_cluster_on,
 };
-pub use host::sh;
+pub use host::{load_xdp, sh};
 pub use lab::Lab;
 pub use node::{Node, sample};
 pub use pods::Pod;

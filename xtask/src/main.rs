@@ -82,9 +82,10 @@ enum Task {
         #[arg(long, value_delimiter = ',')]
         sizes: Vec<usize>,
     },
-    /// Packets per second a NodePort forwards from an external client to a
-    /// pod on another node, and the machine's CPU per million: the eBPF
-    /// mode with tc alone, with XDP, and the iptables mode, in turns.
+    /// Packets per second a node forwards through a NodePort to a pod on
+    /// another node, and its CPU per packet, from frames that reach it as a
+    /// NIC's do: the eBPF mode with tc alone, with XDP, and the iptables
+    /// mode, in turns.
     Forwarding {
         /// Seconds of sending per run
         #[arg(long, default_value_t = 3)]
