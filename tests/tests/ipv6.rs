@@ -450,17 +450,28 @@ fn explain(lab: &Lab, from: &str, to: &str) -> serde_json::Value {
 
 /// Explain of IPv6 packets (issue 13) agrees with real ones: an IPv6
 /// NodePort of policy Cluster from the external client is translated with
-/// SNAT to the node's IPv6 address, a NodePort without endpoints refused;
-/// explain runs first and, in the eBPF mode, leaves no flow behind.
+/// SNAT to the node's IPv6 address, one of policy Local without an endpoint
+/// here dropped (with XDP, at the driver hook), a NodePort without
+/// endpoints refused; explain runs first and, in the eBPF mode, leaves no
+/// flow behind.
 fn explain_ipv6_agrees_with_real_packets(setup: Setup) {
     let np = node_ports(dual("np", "10.96.0.11", "fd00:96::11"), 30080, 30053);
+    let far = node_ports(dual("far", "10.96.0.14", "fd00:96::14"), 30081, 30084);
+    let elsewhere = slice("lab", "far-ipv6")
+        .service("far")
+        .address_type("IPv6")
+        .port("http", 8080, Tcp)
+        .port("dns", 5353, Udp)
+        .endpoints([ep("fd00:244:2::3").ready(true).node("other-node")]);
+    let far = manifest(&[&far.external_policy("Local"), &elsewhere]);
     let docs = over(np, "np", &["a", "b"], &["a", "b"]) + "---\n" + &empty_service();
-    let c = dual_lab(setup, &docs);
+    let c = dual_lab(setup, &(docs + "---\n" + &far));
     let ebpf = setup.mode == Mode::Ebpf;
     let flows = || ebpf.then(|| c.lab.inspect_on(0, &["ct", "list", "-o", "json"]).unwrap());
     let before = flows();
     let node_port = explain(&c.lab, EXT_IP6, &at(NODE_IP6, 30080));
     let empty = explain(&c.lab, EXT_IP6, &at(NODE_IP6, 30090));
+    let far = explain(&c.lab, EXT_IP6, &at(NODE_IP6, 30081));
     assert_eq!(flows(), before, "explain left no flow");
 
     let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
@@ -473,6 +484,11 @@ fn explain_ipv6_agrees_with_real_packets(setup: Setup) {
         assert!(pods.contains(&text(&node_port["picked"])), "{node_port}");
         assert_eq!(text(&node_port["snat"]), NODE_IP6, "{node_port}");
         assert!(text(&node_port["program"]).starts_with("tc_ingress on "), "{node_port}");
+        if setup.xdp {
+            // xdp_ingress6 decided it; a flow to a pod here goes up to tc.
+            let up = node_port["notes"].to_string();
+            assert!(up.contains("xdp_ingress on eth0 passes it up to tc ("), "{node_port}");
+        }
     } else {
         assert!(text(&node_port["snat"]).starts_with("MASQUERADE"), "{node_port}");
         let program = if setup.mode == Mode::Nftables { "nft table ip6" } else { "ip6tables" };
@@ -500,6 +516,16 @@ fn explain_ipv6_agrees_with_real_packets(setup: Setup) {
     let counted = rejected(&c.lab) > refused_before;
     let refusing = !setup.mode.counts() && rejected(&c.lab) == 1;
     assert!(counted || refusing, "refused by the datapath, not the stack");
+
+    // Policy Local, no endpoint here: dropped, and real SYNs time out.
+    assert_eq!(text(&far["outcome"]), "dropped", "{far}");
+    assert!(text(&far["reason"]).contains("Local"), "{far}");
+    if setup.xdp {
+        assert_eq!(text(&far["program"]), "xdp_ingress on eth0", "{far}");
+        assert!(far["notes"].to_string().contains("at the driver hook"), "{far}");
+    }
+    let real = c.lab.client_outside(&c.ext).timeout_ms(500).tcp(&at(NODE_IP6, 30081), 1).unwrap();
+    assert!(matches!(&real[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{real:?}");
 
     // Mixed families are refused with a message.
     let mixed = ["explain", "--proto", "tcp", "--from", EXT_IP6, "--to", "10.96.0.11:80"];

@@ -12,7 +12,7 @@ use std::{
 use crate::{
     backend::{
         ebpf::{
-            TC_INGRESS, TC_POD_REPLIES, XDP_INGRESS,
+            TC_INGRESS, TC_POD_REPLIES, XDP_INGRESS, XDP_INGRESS6,
             explain::{ExplainRun, Explainer},
         },
         iptables::exec::{Runner as _, System, Xtables},
@@ -66,13 +66,8 @@ fn rules(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result
     let save = tools.for_family(family).run("iptables-save", &[], None);
     let save = save.context("reading the rules")?;
     let local = node_addresses(to)?;
-    let query = Query {
-        proto: args.proto,
-        from,
-        to,
-        program: format!("{tool} rules (nat KUBE-SERVICES, filter)"),
-        replies_only: false,
-    };
+    let program = format!("{tool} rules (nat KUBE-SERVICES, filter)");
+    let query = Query::new(args.proto, from, to, program);
     Ok(explain_rules(&query, &save, &local))
 }
 
@@ -80,15 +75,9 @@ fn rules(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result
 fn table(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result<Explanation> {
     let listed = super::lb::nft_tables()?;
     let family = if to.is_ipv4() { "ip" } else { "ip6" };
-    let query = Query {
-        proto: args.proto,
-        from,
-        to,
-        program: format!(
-            "nft table {family} kube-proxy (firewall-check, services, the endpoint checks)"
-        ),
-        replies_only: false,
-    };
+    let program =
+        format!("nft table {family} kube-proxy (firewall-check, services, the endpoint checks)");
+    let query = Query::new(args.proto, from, to, program);
     Ok(explain_nftables(&query, &listed, &node_addresses(to)?))
 }
 
@@ -106,13 +95,8 @@ fn node_addresses(to: SocketAddr) -> anyhow::Result<Vec<IpAddr>> {
 /// in the pinned service table.
 fn localhost(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Result<Explanation> {
     let entries = inspect::maps::read_pinned(&args.inspect.pins.bpffs_root)?;
-    let query = Query {
-        proto: args.proto,
-        from,
-        to,
-        program: "connect4/sendmsg4 (the socket LB), for the node's own sockets".into(),
-        replies_only: false,
-    };
+    let program = "connect4/sendmsg4 (the socket LB), for the node's own sockets".into();
+    let query = Query::new(args.proto, from, to, program);
     Ok(explain_localhost(&query, &entries))
 }
 
@@ -138,40 +122,40 @@ fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Resu
     let packet = craft(args.proto, from, to);
     let entries = inspect::maps::read_pinned(root)?;
     // XDP first where it runs: what it sends on or drops never meets tc.
-    let xdp =
-        crate::backend::ebpf::xdp_pinned(root).contains(&interface) && !sctp && from_ip.is_ipv4();
+    let xdp = crate::backend::ebpf::xdp_pinned(root).contains(&interface) && !sctp;
     let mut passed_up = None;
     if xdp {
+        let refused6 = match from_ip.is_ipv6() {
+            true => explainer.load_xdp6().err(),
+            false => None,
+        };
         let run = explainer.run_xdp(&packet, ifindex)?;
         if run.verdict != XDP_PASS {
             let run = ExplainRun { verdict: tc_verdict(run.verdict), ..run };
-            let query = Query {
-                proto: args.proto,
-                from,
-                to,
-                program: format!("{XDP_INGRESS} on {interface}"),
-                replies_only: false,
-            };
+            let query = Query::new(args.proto, from, to, format!("{XDP_INGRESS} on {interface}"));
             let mut x = explain(&query, &run, &entries);
             x.notes.push(format!("at the driver hook (--bpf-lb-acceleration): {} before the kernel builds an skb; tc never sees it", xdp_action(run.verdict)));
             routed(&mut x, &run);
             return Ok(x);
         }
-        passed_up = Some(format!(
-            "{XDP_INGRESS} on {interface} passes it up to tc (not sent on from the driver hook: a pod or the host here, a next hop not behind an XDP interface, or a packet XDP leaves to tc); what tc does follows, XDP having decided a new flow's backend where it does"
-        ));
+        passed_up = Some(match refused6 {
+            Some(e) => format!(
+                "{XDP_INGRESS} on {interface} passes IPv6 up to tc: this kernel's verifier refuses {XDP_INGRESS6}, so the agent runs XDP for IPv4 only (its log says so; {e})"
+            ),
+            None => format!(
+                "{XDP_INGRESS} on {interface} passes it up to tc (not sent on from the driver hook: a pod or the host here, a next hop not behind an XDP interface, or a packet XDP leaves to tc); what tc does follows, XDP having decided a new flow's backend where it does"
+            ),
+        });
     }
     let run = explainer.run(program, &packet, ifindex)?;
+    // SCTP goes on in its own program, which translates everything.
+    let program_text = match sctp {
+        false => format!("{program} on {interface}"),
+        true => format!("{program} on {interface}, then {}", TC_SCTP_PROGRAMS[0]),
+    };
     let query = Query {
-        proto: args.proto,
-        from,
-        to,
-        // SCTP goes on in its own program, which translates everything.
-        program: match sctp {
-            false => format!("{program} on {interface}"),
-            true => format!("{program} on {interface}, then {}", TC_SCTP_PROGRAMS[0]),
-        },
         replies_only: program == TC_POD_REPLIES && !sctp,
+        ..Query::new(args.proto, from, to, program_text)
     };
     let mut x = explain(&query, &run, &entries);
     x.notes.extend(note);

@@ -116,6 +116,14 @@ pub struct Query {
     pub replies_only: bool,
 }
 
+impl Query {
+    /// A packet from `from` to `to` where `program` meets it (one that
+    /// translates new flows too).
+    pub fn new(proto: Protocol, from: SocketAddr, to: SocketAddr, program: String) -> Self {
+        Query { proto, from, to, program, replies_only: false }
+    }
+}
+
 fn proto_name(proto: Protocol) -> &'static str {
     match proto {
         Protocol::Tcp => "tcp",
@@ -578,13 +586,7 @@ fd000000000000020000000000000000 40 00000000000000000000000000000000 00 00000000
     }
 
     fn query(to: &str) -> Query {
-        Query {
-            proto: Protocol::Tcp,
-            from: addr("192.168.1.5:40000"),
-            to: addr(to),
-            program: "tc_ingress on eth0".into(),
-            replies_only: false,
-        }
+        Query::new(Protocol::Tcp, addr("192.168.1.5:40000"), addr(to), "tc_ingress on eth0".into())
     }
 
     fn run(verdict: i32, word: u32, packet: Vec<u8>) -> ExplainRun {

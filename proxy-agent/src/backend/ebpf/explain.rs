@@ -50,6 +50,8 @@ pub struct Explainer {
     /// This build's own `TC_NEW`, `TC6` and `TC_SCTP`, kept open: the
     /// kernel empties a program array when its last descriptor closes.
     _arrays: Vec<ProgramArray<MapData>>,
+    /// This build's own `XDP6`, once filled (`load_xdp6`).
+    xdp6: Option<Map>,
 }
 
 impl Explainer {
@@ -96,7 +98,7 @@ impl Explainer {
         if sctp {
             arrays.push(fill(&mut ebpf, map_names::TC_SCTP, &TC_SCTP_PROGRAMS, SCTP_INGRESS)?);
         }
-        Ok(Explainer { ebpf, _arrays: arrays })
+        Ok(Explainer { ebpf, _arrays: arrays, xdp6: None })
     }
 
     /// Runs `program` (`tc_ingress` or `tc_pod_replies`) on `packet` as if
@@ -113,6 +115,22 @@ impl Explainer {
 }
 
 impl Explainer {
+    /// Fills this build's `XDP6` with its `xdp_ingress6` (a verifier run
+    /// only IPv6 explain runs at XDP need), so that `xdp_ingress` hands an
+    /// IPv6 packet on as it does real ones; an error where this kernel's
+    /// verifier refuses it (the agent then runs XDP for IPv4 only, and
+    /// `xdp_ingress` passes IPv6 up to tc).
+    pub fn load_xdp6(&mut self) -> Result<(), EbpfError> {
+        if self.xdp6.is_some() {
+            return Ok(());
+        }
+        let name = map_names::XDP6;
+        let mut map = self.ebpf.take_map(name).ok_or(EbpfError::Missing { what: "map", name })?;
+        super::xdp::fill_xdp6(&mut self.ebpf, &mut map)?;
+        self.xdp6 = Some(map);
+        Ok(())
+    }
+
     /// Runs `xdp_ingress` on `packet` as if it came in on `ifindex`, as an
     /// explain run: the marker, and the notes it leaves, in the frame's
     /// metadata (XDP has no `cb`).

@@ -67,7 +67,7 @@ pub use programs::{PROGRAMS, TC_EGRESS, TC_INGRESS, TC_POD_REPLIES, TcRole};
 pub use reconciler::{AffinityPurge, Reconciler, SyncError, SyncReport};
 pub use settings::Settings;
 pub use test_run::PacketRun;
-pub use xdp::{XDP_INGRESS, node_interfaces, xdp_pinned};
+pub use xdp::{XDP_INGRESS, XDP_INGRESS6, node_interfaces, xdp_pinned};
 
 use std::{
     collections::{BTreeMap, BTreeSet},

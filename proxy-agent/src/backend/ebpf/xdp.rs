@@ -107,24 +107,13 @@ impl BpfObject {
         load(&mut self.ebpf, XDP_INGRESS)?;
         let name = map_names::XDP6;
         let mut map = self.ebpf.take_map(name).ok_or(EbpfError::Missing { what: "map", name })?;
-        match load(&mut self.ebpf, XDP_INGRESS6) {
-            Ok(()) => {
-                let mut array = ProgramArray::try_from(&mut map)
-                    .map_err(|source| EbpfError::Map { name, source })?;
-                let prog: &Xdp = program(&mut self.ebpf, XDP_INGRESS6)?;
-                let fd = prog
-                    .fd()
-                    .map_err(|source| EbpfError::Program { name: XDP_INGRESS6, source })?;
-                array.set(0, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
-            }
-            Err(e) => {
-                let e = e.to_string();
-                let e = e.lines().next().unwrap_or_default();
-                tracing::warn!(
-                    error = e,
-                    "the IPv6 XDP program does not load on this kernel: IPv6 packets go up to tc"
-                );
-            }
+        if let Err(e) = fill_xdp6(&mut self.ebpf, &mut map) {
+            let e = e.to_string();
+            let e = e.lines().next().unwrap_or_default();
+            tracing::warn!(
+                error = e,
+                "the IPv6 XDP program does not load on this kernel: IPv6 packets go up to tc"
+            );
         }
         self.xdp6 = Some(map);
         Ok(())
@@ -195,6 +184,18 @@ impl BpfObject {
         let map = self.ebpf.map_mut(name).ok_or(EbpfError::Missing { what: "map", name })?;
         DevMapHash::try_from(map).map_err(|source| EbpfError::Map { name, source })
     }
+}
+
+/// Loads `xdp_ingress6` and puts it in `XDP6` (`map`, the object's), where
+/// `xdp_ingress` hands IPv6 packets on.
+pub(super) fn fill_xdp6(ebpf: &mut aya::Ebpf, map: &mut Map) -> Result<(), EbpfError> {
+    load(ebpf, XDP_INGRESS6)?;
+    let name = map_names::XDP6;
+    let mut array =
+        ProgramArray::try_from(map).map_err(|source| EbpfError::Map { name, source })?;
+    let prog: &Xdp = program(ebpf, XDP_INGRESS6)?;
+    let fd = prog.fd().map_err(|source| EbpfError::Program { name: XDP_INGRESS6, source })?;
+    array.set(0, fd, 0).map_err(|source| EbpfError::Map { name, source })
 }
 
 /// Loads the XDP program `name`, once.

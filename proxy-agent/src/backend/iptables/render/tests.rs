@@ -141,13 +141,9 @@ fn explain_walks_the_ipv6_rules() {
     let m = crate::source::model_of(&[np.build(), empty.build()], &[v6_slice.build()]);
     let save = render(&m, &options_v6()).to_string();
     let local = ["fd00:100::11".parse().unwrap()];
-    let query = |to: &str| Query {
-        proto: Protocol::Tcp,
-        from: "[fd00:100::101]:40000".parse().unwrap(),
-        to: to.parse().unwrap(),
-        program: "ip6tables rules".into(),
-        replies_only: false,
-    };
+    let from = "[fd00:100::101]:40000".parse().unwrap();
+    let query =
+        |to: &str| Query::new(Protocol::Tcp, from, to.parse().unwrap(), "ip6tables rules".into());
     let x = explain_rules(&query("[fd00:100::11]:30080"), &save, &local);
     assert_eq!(x.outcome, "translated", "{x:?}\n{save}");
     assert_eq!(x.frontend.as_ref().map(|f| f.kind.as_str()), Some("NodePort"));
