@@ -299,10 +299,16 @@ impl Family for Ipv6Hdr {
         };
         let (hi, lo) = (mask64(len), mask64(len.saturating_sub(64)));
         let prefix = &cfg.cluster_cidr6;
-        (len != 0).then(|| {
+        // Inline, not a `then` closure: LLVM called that out of line, and
+        // `decide`'s frame held its registers across the calls (296 bytes,
+        // 248 without), past 6.1's stack limit in `xdp_ingress6`.
+        if len == 0 {
+            return None;
+        }
+        Some(
             half(&addr, 0) & hi == half(prefix, 0) & hi
-                && half(&addr, 8) & lo == half(prefix, 8) & lo
-        })
+                && half(&addr, 8) & lo == half(prefix, 8) & lo,
+        )
     }
 
     #[inline(always)]

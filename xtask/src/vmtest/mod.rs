@@ -69,6 +69,13 @@ const SCENARIOS: &[Scenario] = &[
         modes: &EXTERNAL_MODES,
     },
     Scenario {
+        id: "nodeport-ipv6",
+        binary: "ipv6",
+        function: "ipv6_node_port_cluster_policy_reaches_the_backend_from_the_nodes_ipv6_address",
+        // With XDP, `xdp_ingress6` too (older verifiers count its frames larger).
+        modes: &EXTERNAL_MODES,
+    },
+    Scenario {
         id: "nodeport-local",
         binary: "packet_lb",
         function: "node_port_local_policy_keeps_the_client_ip_and_drops_without_local_endpoints",
