@@ -53,6 +53,23 @@ pub struct Handoff {
 }
 
 const SIZE: usize = size_of::<Handoff>();
+
+impl Handoff {
+    /// "Nothing done", every field written: the fields of a handoff are
+    /// read as typed (an enum, bools), so none may hold what the buffer
+    /// held before (an invalid value there would be undefined behaviour,
+    /// and `Option<Handoff>` keeps its `None` in such a field's unused
+    /// values: tc would find no handoff on a packet XDP translated).
+    const EMPTY: Handoff = Handoff {
+        magic: MAGIC,
+        kind: Kind::None as u8,
+        _pad: 0,
+        // SAFETY: all zeros is a valid Translation (frontend 0, no SNAT,
+        // no DSR, `Via::Affinity`, no flags) and a valid tuple.
+        decided: unsafe { core::mem::zeroed() },
+        to: unsafe { core::mem::zeroed() },
+    };
+}
 // The kernel's bound on metadata, in its unit.
 const _: () = assert!(SIZE <= 32 && SIZE.is_multiple_of(4));
 
@@ -79,7 +96,7 @@ pub fn reserve(ctx: &XdpContext) -> Option<Reserved> {
     }
     let handoff = slot(ctx)?;
     // SAFETY: the metadata just made, within the frame's bounds.
-    unsafe { ((*handoff).magic, (*handoff).kind) = (MAGIC, Kind::None as u8) };
+    unsafe { handoff.write(Handoff::EMPTY) };
     Some(Reserved(()))
 }
 
@@ -161,9 +178,20 @@ pub fn take(ctx: &TcContext) -> Option<Handoff> {
     if meta + SIZE > data {
         return None;
     }
-    // SAFETY: within the metadata, as just checked.
-    let handoff = unsafe { *(meta as *const Handoff) };
-    (handoff.magic == MAGIC && handoff.kind != Kind::None as u8).then_some(handoff)
+    // The header first, as plain bytes: metadata not ours (another
+    // program's) is never read as a handoff's typed fields.
+    // SAFETY: within the metadata, as just checked; bytes have any value.
+    let [m0, m1, kind, _] = unsafe { *(meta as *const [u8; 4]) };
+    if u16::from_ne_bytes([m0, m1]) != MAGIC || kind == Kind::None as u8 {
+        return None;
+    }
+    if kind == Kind::Translated as u8 || kind == Kind::Tracked as u8 {
+        // Nothing more to read (an earlier build's XDP left the rest
+        // unwritten: its packets may meet this tc during a take-over).
+        return Some(Handoff { kind, ..Handoff::EMPTY });
+    }
+    // SAFETY: within the metadata; ours, written in full by `reserve`.
+    Some(unsafe { *(meta as *const Handoff) })
 }
 
 impl Handoff {
