@@ -53,23 +53,6 @@ pub struct Handoff {
 }
 
 const SIZE: usize = size_of::<Handoff>();
-
-impl Handoff {
-    /// "Nothing done", every field written: the fields of a handoff are
-    /// read as typed (an enum, bools), so none may hold what the buffer
-    /// held before (an invalid value there would be undefined behaviour,
-    /// and `Option<Handoff>` keeps its `None` in such a field's unused
-    /// values: tc would find no handoff on a packet XDP translated).
-    const EMPTY: Handoff = Handoff {
-        magic: MAGIC,
-        kind: Kind::None as u8,
-        _pad: 0,
-        // SAFETY: all zeros is a valid Translation (frontend 0, no SNAT,
-        // no DSR, `Via::Affinity`, no flags) and a valid tuple.
-        decided: unsafe { core::mem::zeroed() },
-        to: unsafe { core::mem::zeroed() },
-    };
-}
 // The kernel's bound on metadata, in its unit.
 const _: () = assert!(SIZE <= 32 && SIZE.is_multiple_of(4));
 
@@ -195,6 +178,21 @@ pub fn take(ctx: &TcContext) -> Option<Handoff> {
 }
 
 impl Handoff {
+    /// "Nothing done", every field written: the fields of a handoff are
+    /// read as typed (an enum, bools), so none may hold what the buffer
+    /// held before (an invalid value there would be undefined behaviour,
+    /// and `Option<Handoff>` keeps its `None` in such a field's unused
+    /// values: tc would find no handoff on a packet XDP translated).
+    const EMPTY: Handoff = Handoff {
+        magic: MAGIC,
+        kind: Kind::None as u8,
+        _pad: 0,
+        // SAFETY: all zeros is a valid Translation (frontend 0, no SNAT,
+        // no DSR, `Via::Affinity`, no flags) and a valid tuple.
+        decided: unsafe { core::mem::zeroed() },
+        to: unsafe { core::mem::zeroed() },
+    };
+
     #[inline(always)]
     pub fn kind(&self) -> Kind {
         match self.kind {
