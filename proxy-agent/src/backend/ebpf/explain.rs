@@ -112,9 +112,7 @@ impl Explainer {
         let prog = program::<SchedClassifier>(&mut self.ebpf, name)?;
         test_run(prog, packet, ifindex).map_err(|source| EbpfError::Program { name, source })
     }
-}
 
-impl Explainer {
     /// Fills this build's `XDP6` with its `xdp_ingress6` (a verifier run
     /// only IPv6 explain runs at XDP need), so that `xdp_ingress` hands an
     /// IPv6 packet on as it does real ones; an error where this kernel's
@@ -145,10 +143,7 @@ impl Explainer {
         data[..4].copy_from_slice(&MAGIC[0].to_ne_bytes());
         data[4..8].copy_from_slice(&MAGIC[1].to_ne_bytes());
         data.extend_from_slice(packet);
-        let mut ctx = [0u8; 24];
-        ctx[..4].copy_from_slice(&(XDP_META_LEN as u32).to_ne_bytes());
-        ctx[4..8].copy_from_slice(&(data.len() as u32).to_ne_bytes());
-        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        let ctx = xdp_ctx(XDP_META_LEN as u32, data.len() as u32, ifindex);
         let mut out = vec![0u8; data.len() + 128];
         let result = prog
             .test_run(TestRunOptions {
@@ -208,6 +203,24 @@ fn fill(
         array.set(slot, fd, 0).map_err(|source| EbpfError::Map { name, source })?;
     }
     Ok(array)
+}
+
+/// `struct xdp_md`'s length and where its `data`, `data_end` and
+/// `ingress_ifindex` are (`include/uapi/linux/bpf.h`).
+const XDP_CTX_LEN: usize = 24;
+const XDP_DATA: usize = 0;
+const XDP_DATA_END: usize = 4;
+const XDP_INGRESS_IFINDEX: usize = 12;
+
+/// A `struct xdp_md` for a test run of a frame arriving on `ifindex`: its
+/// packet from `data` (what comes before is metadata) to `data_end` in the
+/// test run's buffer.
+pub(super) fn xdp_ctx(data: u32, data_end: u32, ifindex: u32) -> [u8; XDP_CTX_LEN] {
+    let mut ctx = [0u8; XDP_CTX_LEN];
+    ctx[XDP_DATA..][..4].copy_from_slice(&data.to_ne_bytes());
+    ctx[XDP_DATA_END..][..4].copy_from_slice(&data_end.to_ne_bytes());
+    ctx[XDP_INGRESS_IFINDEX..][..4].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx
 }
 
 /// One explain run of a loaded tc program.

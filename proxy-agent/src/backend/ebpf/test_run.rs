@@ -11,12 +11,6 @@ use super::{
     programs::{TC_EGRESS, TC_INGRESS, TC_POD_REPLIES},
 };
 
-/// `struct xdp_md`'s length and where its `data_end` (the frame's length,
-/// for a test run) and `ingress_ifindex` are.
-const XDP_CTX_LEN: usize = 24;
-const XDP_DATA_END: usize = 4;
-const XDP_INGRESS_IFINDEX: usize = 12;
-
 /// What the per-packet program did to one packet under `BPF_PROG_TEST_RUN`.
 #[derive(Debug)]
 pub struct PacketRun {
@@ -67,10 +61,8 @@ impl BpfObject {
         ifindex: u32,
     ) -> Result<PacketRun, EbpfError> {
         self.load_xdp()?;
-        let mut ctx = [0u8; XDP_CTX_LEN];
         let len = u32::try_from(packet.len()).unwrap_or(u32::MAX);
-        ctx[XDP_DATA_END..][..4].copy_from_slice(&len.to_ne_bytes());
-        ctx[XDP_INGRESS_IFINDEX..][..4].copy_from_slice(&ifindex.to_ne_bytes());
+        let ctx = explain::xdp_ctx(0, len, ifindex);
         self.run_program(XDP_INGRESS, packet, repeat, Some(&ctx))
     }
 
