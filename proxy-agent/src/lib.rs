@@ -20,6 +20,7 @@ pub mod maglev;
 pub mod metrics;
 pub mod model;
 pub mod monitor;
+pub mod netlink;
 pub mod node;
 pub mod objects;
 pub mod packet_craft;

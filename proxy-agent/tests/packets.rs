@@ -290,7 +290,11 @@ fn replies_reach_the_full_path_only_from_backends_with_per_packet_flows() {
     assert_eq!(tuple(&out.packet).1, (POD, 5353));
     assert!(dp.reply_slot_set(pod, 5353, UDP));
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    assert_eq!(dp.collect_conntrack().unwrap(), (2, 2), "the UDP flow went, the TCP one stays");
+    assert_eq!(
+        dp.collect_conntrack().unwrap().counts(),
+        (2, 2),
+        "the UDP flow went, the TCP one stays"
+    );
     assert!(dp.reply_slot_set(pod, 5353, UDP), "the other generation still has it");
     dp.collect_conntrack().unwrap();
     assert!(!dp.reply_slot_set(pod, 5353, UDP));
@@ -342,7 +346,7 @@ fn the_conntrack_collection_reads_live_flows_in_batches() {
         let out = run(&mut dp, &tcp((CLIENT, port), (NODE, 30080), SYN));
         assert_eq!(out.verdict, STACK);
     }
-    assert_eq!(dp.collect_conntrack().unwrap(), (0, 20), "ten flows, both directions");
+    assert_eq!(dp.collect_conntrack().unwrap().counts(), (0, 20), "ten flows, both directions");
     assert!(proxy_agent::backend::ebpf::batch::supported());
 }
 
@@ -371,7 +375,7 @@ fn explain_runs_decide_without_leaving_state() {
     assert_eq!(tuple(&out.packet).0, (NODE, 40000), "SNAT port chosen only with a flow");
     assert!([(POD, 8080), ([10, 244, 2, 3], 8080)].contains(&tuple(&out.packet).1));
     assert_checksums(&out.packet);
-    assert_eq!(dp.collect_conntrack().unwrap(), (0, 0), "no flow created");
+    assert_eq!(dp.collect_conntrack().unwrap().counts(), (0, 0), "no flow created");
     // No affinity was remembered: explain runs never say "affinity".
     for port in 40001..40010 {
         let again = dp.explain_tc(&tcp((CLIENT, port), (NODE, 30080), SYN)).unwrap();
@@ -379,7 +383,7 @@ fn explain_runs_decide_without_leaving_state() {
     }
     // A real packet creates the flow; explaining it then finds it tracked.
     let real = run(&mut dp, &syn);
-    assert_eq!(dp.collect_conntrack().unwrap(), (0, 2));
+    assert_eq!(dp.collect_conntrack().unwrap().counts(), (0, 2));
     let tracked = dp.explain_tc(&tcp((CLIENT, 40000), (NODE, 30080), ACK)).unwrap();
     assert_eq!((tracked.verdict, tracked.cb[2]), (STACK, 0), "no new decision");
     assert_eq!(tuple(&tracked.packet), tuple(&real.packet));
@@ -393,7 +397,7 @@ fn explain_runs_decide_without_leaving_state() {
     assert_eq!(decode(dropped.cb[2]), Some((Decided::SourceOutsideRanges, 0)));
     let passed = dp.explain_tc(&tcp((CLIENT, 40000), (NODE, 22), SYN)).unwrap();
     assert_eq!((passed.verdict, passed.cb[2], passed.cb[3]), (NEXT, 0, 0));
-    assert_eq!(dp.collect_conntrack().unwrap(), (0, 2), "still only the real flow");
+    assert_eq!(dp.collect_conntrack().unwrap().counts(), (0, 2), "still only the real flow");
 }
 
 #[test]
@@ -869,7 +873,7 @@ fn ipv6_node_port_flow_is_snated_and_translated_back_with_valid_checksums() {
 
     let again = run(&mut dp, &syn);
     assert_eq!(tuple6(&again.packet), tuple6(&out.packet), "the same flow");
-    assert_eq!(dp.collect_conntrack().unwrap(), (0, 2), "both directions in CONNTRACK6");
+    assert_eq!(dp.collect_conntrack().unwrap().counts(), (0, 2), "both directions in CONNTRACK6");
     // The frontend is IPv6 only: the IPv4 node address at that port is none.
     let v4 = run(&mut dp, &tcp((CLIENT, 40000), (NODE, 30080), SYN));
     assert_eq!(v4.verdict, NEXT);
@@ -897,7 +901,7 @@ fn ipv6_explain_runs_decide_without_leaving_state() {
     assert_eq!(refused.verdict, REDIRECT);
     assert_eq!(decode(refused.cb[2]), Some((Decided::Refused, 0)));
     assert_eq!(refused.packet[54 + 13], RST | ACK);
-    assert_eq!(dp.collect_conntrack().unwrap(), (0, 0), "no flow created");
+    assert_eq!(dp.collect_conntrack().unwrap().counts(), (0, 0), "no flow created");
 }
 
 #[test]
@@ -1385,7 +1389,11 @@ fn sctp_node_port_associations_are_translated_both_ways_with_valid_crcs() {
     assert_eq!(tuple(&back.packet), ((NODE, 30868), (CLIENT, 40000)));
     assert_eq!(back.packet.len(), 60);
     assert_checksums(&back.packet);
-    assert_eq!(dp.collect_conntrack().unwrap(), (0, 2), "one live association, both directions");
+    assert_eq!(
+        dp.collect_conntrack().unwrap().counts(),
+        (0, 2),
+        "one live association, both directions"
+    );
 }
 
 /// No socket hook sees SCTP: the programs of pod interfaces the socket LB

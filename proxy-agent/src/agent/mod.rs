@@ -307,7 +307,7 @@ impl Agent {
             }
         }
         if self.phase.serving() && self.rescan.due(Instant::now(), polled) {
-            self.datapath.scan_interfaces(&self.node.ips);
+            self.datapath.scan_interfaces(&self.node.ips, self.planner.plan());
             self.rescan.scanned(Instant::now());
             self.await_addresses();
         }

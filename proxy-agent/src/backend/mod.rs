@@ -126,7 +126,8 @@ pub trait Datapath: Send {
     }
 
     /// Follows the interfaces of now (see `follows_interfaces`).
-    fn scan_interfaces(&mut self, _node_ips: &[IpAddr]) {}
+    /// `plan`: what the datapath serves (which pods back what).
+    fn scan_interfaces(&mut self, _node_ips: &[IpAddr], _plan: &Plan) {}
 
     /// Takes over: makes this agent's datapath the one that serves.
     fn take_over(&mut self, node_ips: &[IpAddr], metrics: &Metrics) -> anyhow::Result<()>;

@@ -370,7 +370,7 @@ It attaches:
   connect4, sendmsg4, recvmsg4, getpeername4  the cgroup2 root (--cgroup-path): every socket's service connections, translated once
   connect6, sendmsg6, recvmsg6, getpeername6  the same for IPv6 sockets: IPv6 services, and IPv4 ones through v4-mapped addresses
   tc_ingress + tc_egress                      interfaces holding a node address: NodePort, externalIP, LB IP and forwarded ClusterIP traffic
-  tc_pod_replies (ingress only)               pod interfaces (--pod-interfaces): only replies of those per-packet flows to pods, as the socket LB covers the pods
+  tc_pod_replies (ingress only)               pod interfaces (--pod-interfaces) of pods that back a service or have per-packet flows (others run nothing): only replies of those flows, as the socket LB covers the pods
                                               (tc_ingress + tc_egress there too with --pod-interface-programs full, a --cgroup-path below the root, or --socket-lb-host-netns-only)";
 
 pub fn report(features: &[Feature]) -> String {

@@ -12,7 +12,7 @@ use std::{
 use crate::{
     backend::{
         ebpf::{
-            TC_INGRESS, TC_POD_REPLIES, XDP_INGRESS, XDP_INGRESS6,
+            self, TC_INGRESS, TC_POD_REPLIES, XDP_INGRESS, XDP_INGRESS6,
             explain::{ExplainRun, Explainer},
         },
         iptables::exec::{Runner as _, System, Xtables},
@@ -29,10 +29,6 @@ use crate::{
     sys,
 };
 use anyhow::{Context as _, bail};
-use aya::programs::{
-    links::{FdLink, PinnedLink},
-    loaded_programs,
-};
 use proxy_common::TC_SCTP_PROGRAMS;
 
 pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
@@ -122,7 +118,7 @@ fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Resu
     let packet = craft(args.proto, from, to);
     let entries = inspect::maps::read_pinned(root)?;
     // XDP first where it runs: what it sends on or drops never meets tc.
-    let xdp = crate::backend::ebpf::xdp_pinned(root).contains(&interface) && !sctp;
+    let xdp = ebpf::xdp_pinned(root).contains(&interface) && !sctp;
     let mut passed_up = None;
     if xdp {
         let refused6 = match from_ip.is_ipv6() {
@@ -229,16 +225,7 @@ fn ifindex(interface: &str) -> anyhow::Result<u32> {
 /// The ingress program attached to `interface` (its TCX link's, pinned as
 /// `links/tc-IFACE`); without one, `tc_ingress`, and a note saying so.
 fn attached(root: &Path, interface: &str) -> (&'static str, Option<String>) {
-    let pin = root.join("links").join(format!("tc-{interface}"));
-    let name = PinnedLink::from_pin(&pin)
-        .ok()
-        .and_then(|link| FdLink::from(link).info().ok())
-        .and_then(|info| {
-            loaded_programs()
-                .filter_map(Result::ok)
-                .find(|p| p.id() == info.program_id())
-                .and_then(|p| p.name_as_str().map(str::to_string))
-        });
+    let name = ebpf::pinned_program(&root.join("links").join(format!("tc-{interface}")));
     match name.as_deref() {
         Some(TC_POD_REPLIES) => (TC_POD_REPLIES, None),
         Some(_) => (TC_INGRESS, None),

@@ -6,6 +6,7 @@ use anyhow::Context as _;
 
 use crate::{
     backend::{
+        ebpf,
         iptables::exec::{ExecError, Runner as _, System, Xtables},
         nftables::render::TABLE,
     },
@@ -70,12 +71,38 @@ pub fn list(args: &LbListArgs) -> anyhow::Result<()> {
     entries.sort();
     print(&entries, inspect.output, inspect::table)?;
     if inspect.output == Output::Table && mode(inspect) == InspectMode::Ebpf {
-        let xdp = crate::backend::ebpf::xdp_pinned(&inspect.pins.bpffs_root);
+        let root = &inspect.pins.bpffs_root;
+        let xdp = ebpf::xdp_pinned(root);
         if !xdp.is_empty() {
             println!("XDP (--bpf-lb-acceleration) on: {}", xdp.join(", "));
         }
+        if args.service.is_none() {
+            print_tc_interfaces(root);
+        }
     }
     Ok(())
+}
+
+/// Which interfaces run which per-packet programs (TCX links; clsact
+/// filters are the kernel's: `tc filter show`), and those that run none.
+fn print_tc_interfaces(root: &std::path::Path) {
+    let attached = ebpf::tc_pinned(root);
+    if attached.is_empty() {
+        println!(
+            "per-packet programs: no TCX link pinned (clsact filters: `tc filter show dev IFACE ingress`)"
+        );
+        return;
+    }
+    println!("per-packet programs (TCX links):");
+    for (interface, programs) in &attached {
+        println!("  {interface:<16} {}", programs.join(" + "));
+    }
+    let bare: Vec<String> = sys::interfaces()
+        .map(|all| all.into_keys().filter(|i| i != "lo" && !attached.contains_key(i)).collect())
+        .unwrap_or_default();
+    if !bare.is_empty() {
+        println!("  none on: {}", bare.join(", "));
+    }
 }
 
 pub fn ct_list(args: &CtListArgs) -> anyhow::Result<()> {

@@ -129,6 +129,30 @@ pub struct FrontendPlan {
     pub dsr: bool,
 }
 
+#[cfg(test)]
+impl FrontendPlan {
+    /// A frontend of `kind` balancing over `backends` at random, with the
+    /// Cluster policy and nothing else set (tests).
+    pub fn plain(service: &str, kind: FrontendKind, backends: BackendList) -> Self {
+        let (namespace, name) = service.split_once('/').unwrap_or(("default", service));
+        let service = ServiceName { namespace: namespace.into(), name: name.into() };
+        FrontendPlan {
+            service: Arc::new(ServicePortName { service, port: "".into() }),
+            kind,
+            backends,
+            affinity_timeout_secs: None,
+            external: kind != FrontendKind::ClusterIp,
+            local: false,
+            drop_when_empty: false,
+            source_ranges: Vec::new(),
+            two_scopes: false,
+            serves_terminating: false,
+            maglev: false,
+            dsr: false,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
     pub frontends: BTreeMap<Frontend, FrontendPlan>,

@@ -12,13 +12,16 @@ use std::{
 };
 
 use anyhow::Context as _;
+use hashbrown::HashMap;
 use proxy_common::{Config, MAX_SERVICE_ENTRIES};
 
 use super::{
     BpfObject, CounterReader, MapSizes, TcAttach, TcRole,
     attach::Interfaces,
     fit::{self, Capacity, Refusal},
+    flows::Collected,
     frontend_stats,
+    pod_programs::PodPrograms,
     reconciler::{SyncError, SyncReport},
     settings::{Acceleration, PodInterfacePrograms, Settings, TcAttachChoice},
     sock_end::SocketDestroy,
@@ -28,7 +31,7 @@ use crate::{
     backend::{Datapath, Synced, iptables, nftables},
     metrics::Metrics,
     model::{IpFamily, Model, ServiceName, v4, v6},
-    node,
+    netlink, node,
     plan::{Frontend, Node, Plan},
     sys,
 };
@@ -71,6 +74,15 @@ pub struct EbpfDatapath {
     pod_interfaces: Vec<String>,
     /// What the per-packet programs do there.
     pod_role: TcRole,
+    /// Which pod interfaces need the replies program (`pod_role`
+    /// `PodReplies`): the pods behind them, what they back, their flows.
+    pods: PodPrograms,
+    /// The node and pod interfaces, as last listed.
+    facing: BTreeMap<String, node::Facing>,
+    /// The node addresses the interfaces were last listed with.
+    node_ips: Vec<IpAddr>,
+    /// Where the programs were last attached (while serving).
+    applied: Option<Interfaces>,
     /// Whether node interfaces run the XDP program.
     acceleration: Acceleration,
     /// When expired conntrack entries are next collected.
@@ -274,6 +286,10 @@ impl EbpfDatapath {
             cgroup,
             pod_interfaces,
             pod_role,
+            pods: PodPrograms::default(),
+            facing: BTreeMap::new(),
+            node_ips: node.ips.clone(),
+            applied: None,
             acceleration: settings.acceleration,
             next_gc,
             previous,
@@ -447,11 +463,13 @@ impl EbpfDatapath {
 
     /// Attaches the programs (beside what serves now, which then goes).
     fn activate(&mut self, node_ips: &[IpAddr], metrics: &Metrics) -> anyhow::Result<()> {
-        let wanted = self.wanted_interfaces(node_ips).context("listing interfaces")?;
+        self.list_interfaces(node_ips).context("listing interfaces")?;
+        let wanted = self.interfaces();
         let root = &self.loading.root;
         self.object
             .activate(&self.cgroup, &wanted, root)
             .with_context(|| format!("attaching to {} and {wanted:?}", self.cgroup.display()))?;
+        self.applied = Some(wanted);
         metrics.set_datapath(Box::new(CounterReader::open(root)?));
         metrics.set_service_stats_source(Box::new(frontend_stats::Pinned(root.clone())));
         let carried = self.object.carried().iter().map(|(m, c)| (*m, c.as_str())).collect();
@@ -492,18 +510,96 @@ impl EbpfDatapath {
         self.refused = refused;
     }
 
-    fn wanted_interfaces(&self, node_ips: &[IpAddr]) -> std::io::Result<Interfaces> {
+    /// Lists the node and pod interfaces of now.
+    fn list_interfaces(&mut self, node_ips: &[IpAddr]) -> std::io::Result<()> {
         let interfaces = sys::interfaces()?;
-        let facing = node::tc_interfaces(&interfaces, node_ips, &self.pod_interfaces);
-        let role = |facing| match facing {
-            node::Facing::Node => TcRole::Full,
-            node::Facing::Pod => self.pod_role,
+        self.facing = node::tc_interfaces(&interfaces, node_ips, &self.pod_interfaces);
+        self.node_ips = node_ips.to_vec();
+        Ok(())
+    }
+
+    /// Lists the interfaces and reads the routes to the pod interfaces:
+    /// which pods are behind them, and (from `plan`) what those back.
+    /// Returns whether it looked at the whole plan.
+    fn find_pods(&mut self, node_ips: &[IpAddr], plan: &Plan) -> std::io::Result<bool> {
+        self.list_interfaces(node_ips)?;
+        let index: HashMap<u32, &String> = self
+            .facing
+            .iter()
+            .filter(|(_, facing)| **facing == node::Facing::Pod)
+            .filter_map(|(name, _)| Some((sys::ifindex(name).ok()?, name)))
+            .collect();
+        let routes = netlink::host_routes()?;
+        let routed =
+            routes.iter().filter_map(|r| Some((r.address, index.get(&r.ifindex)?.to_string())));
+        let replan = self.pods.routes(routed);
+        if replan {
+            self.pods.plan(plan, None);
+        }
+        Ok(replan)
+    }
+
+    /// Before a sync writes `plan`'s changes (`dirty`), the replies program
+    /// goes on the interfaces of pods that back a frontend now; the routes
+    /// are read again first where a backend on this node is not a routed
+    /// pod yet (its pod may be new).
+    fn follow_endpoints(&mut self, plan: &Plan, dirty: Option<&BTreeSet<Frontend>>) {
+        if self.pod_role != TcRole::PodReplies {
+            return;
+        }
+        let unrouted = |f: &Frontend| {
+            let backends = plan.frontends.get(f).map(|fp| &fp.backends);
+            backends
+                .into_iter()
+                .flatten()
+                .any(|b| b.local && !b.host && !self.pods.is_routed(b.addr.ip()))
         };
-        Ok(Interfaces {
-            xdp: super::node_interfaces(&facing),
-            tc: facing.into_iter().map(|(name, facing)| (name, role(facing))).collect(),
-            acceleration: self.acceleration,
-        })
+        let stale = dirty.is_none_or(|dirty| dirty.iter().any(unrouted));
+        let node_ips = self.node_ips.clone();
+        let whole = stale
+            && self.find_pods(&node_ips, plan).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "could not read the routes to pod interfaces");
+                false
+            });
+        if !whole {
+            self.pods.plan(plan, dirty);
+        }
+        self.reattach();
+    }
+
+    /// Where the programs go now: on the interfaces last listed, the pod
+    /// interfaces that need nothing left bare.
+    fn interfaces(&mut self) -> Interfaces {
+        let bare = match self.pod_role {
+            TcRole::PodReplies => self.pods.bare(Instant::now()),
+            TcRole::Full => BTreeSet::new(),
+        };
+        let tc = self
+            .facing
+            .iter()
+            .filter(|(name, _)| !bare.contains(*name))
+            .map(|(name, facing)| {
+                let role = match facing {
+                    node::Facing::Node => TcRole::Full,
+                    node::Facing::Pod => self.pod_role,
+                };
+                (name.clone(), role)
+            })
+            .collect();
+        let xdp = super::node_interfaces(&self.facing);
+        Interfaces { xdp, tc, acceleration: self.acceleration }
+    }
+
+    /// Attaches and detaches where [`Self::interfaces`] changed (serving).
+    fn reattach(&mut self) {
+        if self.serving.is_none() {
+            return;
+        }
+        let wanted = self.interfaces();
+        if self.applied.as_ref() != Some(&wanted) {
+            self.object.set_interfaces(&self.loading.root, &wanted);
+            self.applied = Some(wanted);
+        }
     }
 }
 
@@ -535,6 +631,7 @@ impl Datapath for EbpfDatapath {
         dirty: Option<&BTreeSet<Frontend>>,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
+        self.follow_endpoints(plan, dirty);
         let report = self.sync_maps(plan, dirty, metrics).inspect_err(|_| {
             metrics.map_update_failures.fetch_add(1, Relaxed);
         })?;
@@ -573,12 +670,15 @@ impl Datapath for EbpfDatapath {
         if Instant::now() < self.next_gc {
             return false;
         }
+        let began = Instant::now();
         let collected = self.object.collect_conntrack();
         metrics.add_flow_growth(self.object.take_flow_growth());
-        let left = collected.as_ref().map_or(0, |(_, left)| *left);
+        let left = collected.as_ref().map_or(0, |c| c.left);
         self.next_gc = Instant::now() + gc_interval(left);
         match collected {
-            Ok((deleted, left)) => {
+            Ok(Collected { deleted, left, backends }) => {
+                self.pods.flows(began, backends);
+                self.reattach();
                 metrics.conntrack_entries.store(left as u64, Relaxed);
                 metrics.set_map_entries(&[("CONNTRACK", left)]);
                 if deleted > 0 {
@@ -601,9 +701,18 @@ impl Datapath for EbpfDatapath {
         true
     }
 
-    fn scan_interfaces(&mut self, node_ips: &[IpAddr]) {
-        match self.wanted_interfaces(node_ips) {
-            Ok(wanted) => self.object.set_interfaces(&self.loading.root, &wanted),
+    fn scan_interfaces(&mut self, node_ips: &[IpAddr], plan: &Plan) {
+        let listed = match self.pod_role {
+            TcRole::PodReplies => self.find_pods(node_ips, plan).map(drop),
+            TcRole::Full => self.list_interfaces(node_ips),
+        };
+        match listed {
+            // Every time: an attachment that failed is tried again.
+            Ok(()) => {
+                let wanted = self.interfaces();
+                self.object.set_interfaces(&self.loading.root, &wanted);
+                self.applied = Some(wanted);
+            }
             Err(e) => tracing::warn!(error = %e, "could not list interfaces"),
         }
     }

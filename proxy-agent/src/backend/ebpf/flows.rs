@@ -2,12 +2,12 @@
 //! backends flushed, what flows counted gathered; and stale affinity
 //! entries purged.
 
-use std::net::IpAddr;
+use std::{collections::HashSet, net::IpAddr};
 
 use aya::maps::{HashMap, Map, MapError};
 use proxy_common::{
-    AffinityValue, CtEntry, CtEntry6, CtKey, CtKey6, CtTuple, CtValue, FrontendInfo, FrontendStats,
-    SockFlow, SockFlowKey, map_names,
+    AffinityValue, CT_FLAG_REPLY, CtEntry, CtEntry6, CtKey, CtKey6, CtTuple, CtValue, FrontendInfo,
+    FrontendStats, SockFlow, SockFlowKey, map_names,
 };
 
 use super::{
@@ -38,26 +38,21 @@ impl BpfObject {
     /// a generation of the reply slots from the live ones (see
     /// [`replies`]) and adds what the flows counted to
     /// [`BpfObject::take_flow_growth`]'s; returns (deleted, left).
-    pub fn collect_conntrack(&mut self) -> Result<(usize, usize), EbpfError> {
+    pub fn collect_conntrack(&mut self) -> Result<Collected, EbpfError> {
         let now = crate::sys::monotonic_ns();
         let generation = self.maps.replies.begin();
         let slots = self.maps.replies.slots();
         let (v4, v6) = (&mut self.maps.conntrack, &mut self.maps.conntrack6);
+        let mut collected = Collected::default();
         let counts = (&mut self.flow_counts, &mut self.flow_growth);
-        let (deleted, left) =
-            collect::<CtKey, CtEntry>(v4, map_names::CONNTRACK, now, &slots, generation, counts)?;
+        let at = (now, &slots, generation);
+        collect::<CtKey, CtEntry>(v4, map_names::CONNTRACK, at, counts, &mut collected)?;
         let counts = (&mut self.flow_counts6, &mut self.flow_growth);
-        let (deleted6, left6) = collect::<CtKey6, CtEntry6>(
-            v6,
-            map_names::CONNTRACK6,
-            now,
-            &slots,
-            generation,
-            counts,
-        )?;
+        let left4 = collected.left;
+        collect::<CtKey6, CtEntry6>(v6, map_names::CONNTRACK6, at, counts, &mut collected)?;
         self.maps.replies.done(generation);
-        self.held6 = left6;
-        Ok((deleted + deleted6, left + left6))
+        self.held6 = collected.left - left4;
+        Ok(collected)
     }
 
     /// The IPv6 flow entries the last collection left.
@@ -163,35 +158,56 @@ fn delete_conntrack<K: aya::Pod, V: aya::Pod>(
 /// A conntrack map's counts at the last read, and where growth goes.
 type Counting<'a, K> = (&'a mut FlowCounts<K>, &'a mut Growth);
 
+/// What a conntrack collection did and found.
+#[derive(Debug, Default)]
+pub struct Collected {
+    pub deleted: usize,
+    pub left: usize,
+    /// The backends of the flows left (a reply entry's source).
+    pub backends: HashSet<IpAddr>,
+}
+
+impl Collected {
+    /// (deleted, left).
+    pub fn counts(&self) -> (usize, usize) {
+        (self.deleted, self.left)
+    }
+}
+
 /// Deletes a conntrack map's expired flows, marking the reply slots of the
 /// others in `generation` and counting what every flow counted since the
-/// last read; returns (deleted, left).
+/// last read; adds to `collected`.
 fn collect<K, V>(
     map: &mut Map,
     name: &'static str,
-    now: u64,
-    slots: &replies::Slots<'_>,
-    generation: replies::Generation,
+    (now, slots, generation): (u64, &replies::Slots<'_>, replies::Generation),
     (counts, growth): Counting<'_, K>,
-) -> Result<(usize, usize), EbpfError>
+    collected: &mut Collected,
+) -> Result<(), EbpfError>
 where
-    K: CtTuple<Addr: proxy_common::prefilter::Address> + Ord + aya::Pod,
+    K: CtTuple<Addr: proxy_common::prefilter::Address + Into<IpAddr>> + Ord + aya::Pod,
     V: CtValue<Key = K> + aya::Pod,
 {
     let entries = conntrack_entries::<K, V>(map, name)?;
     counts.observe(&entries, Some(growth));
     let stale = conntrack::expired(&entries, now);
     for (key, entry) in &entries {
-        if let Some((addr, port)) = replies::reply_backend(key, entry)
-            && stale.binary_search(key).is_err()
-        {
+        if stale.binary_search(key).is_ok() {
+            continue;
+        }
+        if let Some((addr, port)) = replies::reply_backend(key, entry) {
             slots.mark(generation, addr, port, key.proto());
+        }
+        if entry.flags() & CT_FLAG_REPLY != 0 {
+            collected.backends.insert(key.saddr().into());
         }
     }
     // A key the datapath gave a new flow meanwhile has a later expiry.
     let deleted = delete_conntrack(map, name, &stale, |_, e: &V| e.expires_ns() < now)?;
     counts.deleted(&deleted, growth);
-    Ok((deleted.len(), entries.len().saturating_sub(deleted.len())))
+    collected.deleted += deleted.len();
+    collected.left += entries.len().saturating_sub(deleted.len());
+    Ok(())
 }
 
 /// Sets the pre-filter bits of every flow in a conntrack map, and takes

@@ -3,7 +3,7 @@
 //! removal of pins.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fs::File,
     io,
     path::{Path, PathBuf},
@@ -11,7 +11,11 @@ use std::{
 
 use aya::{
     maps::{Array, Map, MapData},
-    programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink},
+    programs::{
+        CgroupAttachMode, CgroupSockAddr,
+        links::{FdLink, PinnedLink},
+        loaded_programs,
+    },
 };
 use proxy_common::{Config, map_names};
 
@@ -160,6 +164,41 @@ pub fn set_pinned_log_level(root: &Path, word: u8) -> Result<u8, EbpfError> {
     let previous = std::mem::replace(&mut value.log_level, word);
     config.set(0, value, 0).map_err(err)?;
     Ok(previous)
+}
+
+/// The name of the program a pinned link runs.
+pub fn pinned_program(pin: &Path) -> Option<String> {
+    let info = FdLink::from(PinnedLink::from_pin(pin).ok()?).info().ok()?;
+    let program = loaded_programs().filter_map(Result::ok).find(|p| p.id() == info.program_id());
+    program?.name_as_str().map(str::to_string)
+}
+
+/// The per-packet programs of each interface whose TCX links are pinned
+/// under `root` (what `lb list` says runs where), ingress first; clsact
+/// filters (kernels before 6.6) are the kernel's, not pinned.
+pub fn tc_pinned(root: &Path) -> BTreeMap<String, Vec<String>> {
+    let mut programs: BTreeMap<String, Vec<(bool, String)>> = BTreeMap::new();
+    let Ok(links) = std::fs::read_dir(root.join("links")) else { return BTreeMap::new() };
+    for link in links.filter_map(Result::ok) {
+        let Some(file) = link.file_name().to_str().map(str::to_string) else { continue };
+        let (egress, interface) = match file.strip_prefix("tc-egress-") {
+            Some(interface) => (true, interface),
+            None => match file.strip_prefix("tc-") {
+                Some(interface) => (false, interface),
+                None => continue,
+            },
+        };
+        if let Some(name) = pinned_program(&link.path()) {
+            programs.entry(interface.to_string()).or_default().push((egress, name));
+        }
+    }
+    programs
+        .into_iter()
+        .map(|(interface, mut names)| {
+            names.sort();
+            (interface, names.into_iter().map(|(_, name)| name).collect())
+        })
+        .collect()
 }
 
 /// Whether an agent's maps are pinned under `root`: its datapath serves.

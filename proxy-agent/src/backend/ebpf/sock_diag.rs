@@ -15,22 +15,13 @@
 //! The `sock_diag` message layouts are the kernel's (`linux/inet_diag.h`),
 //! built and read here as bytes; that part is pure and unit-tested.
 
-use std::{
-    collections::BTreeSet,
-    io,
-    net::IpAddr,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
-};
+use std::{collections::BTreeSet, io, net::IpAddr, os::fd::AsRawFd};
+
+use crate::netlink::{self, NLM_F_ACK, NLM_F_DUMP};
 
 const NETLINK_SOCK_DIAG: libc::c_int = 4;
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_HDRLEN: usize = 16;
 /// `struct inet_diag_sockid`.
 const SOCKID_LEN: usize = 48;
 /// `struct inet_diag_req_v2`.
@@ -91,102 +82,43 @@ fn request(
     (family, protocol): (u8, u8),
     id: Option<&SockId>,
 ) -> Vec<u8> {
-    let len = NLMSG_HDRLEN + REQ_LEN;
-    let mut msg = Vec::with_capacity(len);
-    msg.extend_from_slice(&(len as u32).to_ne_bytes());
-    msg.extend_from_slice(&kind.to_ne_bytes());
-    msg.extend_from_slice(&(flags | NLM_F_REQUEST).to_ne_bytes());
-    msg.extend_from_slice(&seq.to_ne_bytes());
-    msg.extend_from_slice(&0u32.to_ne_bytes());
-    msg.extend_from_slice(&[family, protocol, 0, 0]);
-    msg.extend_from_slice(&u32::MAX.to_ne_bytes());
-    msg.extend_from_slice(id.map_or(&[0; SOCKID_LEN], |id| &id.0));
-    msg
+    let mut req = Vec::with_capacity(REQ_LEN);
+    req.extend_from_slice(&[family, protocol, 0, 0]);
+    req.extend_from_slice(&u32::MAX.to_ne_bytes());
+    req.extend_from_slice(id.map_or(&[0; SOCKID_LEN], |id| &id.0));
+    netlink::message(kind, flags, seq, &req)
 }
 
-/// What a buffer of netlink replies says.
+/// The socket a dump's message names.
+fn sock_id(kind: u16, body: &[u8]) -> Option<SockId> {
+    let id = body.get(4..MSG_ID_END).filter(|_| kind == SOCK_DIAG_BY_FAMILY)?;
+    Some(SockId(id.try_into().ok()?))
+}
+
+/// What an exchange's replies said.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct Replies {
     sockets: Vec<SockId>,
-    /// An `NLMSG_DONE`, or an error or ack, ended the exchange.
-    done: bool,
     /// The errno of an `NLMSG_ERROR` (0: an ack).
     error: Option<i32>,
 }
 
-fn parse_replies(mut buf: &[u8]) -> Replies {
-    let mut replies = Replies::default();
-    while buf.len() >= NLMSG_HDRLEN {
-        let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap_or_default()) as usize;
-        let kind = u16::from_ne_bytes(buf[4..6].try_into().unwrap_or_default());
-        if len < NLMSG_HDRLEN || len > buf.len() {
-            break;
-        }
-        let body = &buf[NLMSG_HDRLEN..len];
-        match kind {
-            NLMSG_DONE => replies.done = true,
-            NLMSG_ERROR => {
-                replies.done = true;
-                replies.error =
-                    body.get(0..4).map(|e| -i32::from_ne_bytes(e.try_into().unwrap_or_default()));
-            }
-            SOCK_DIAG_BY_FAMILY if body.len() >= MSG_ID_END => {
-                let mut id = [0; SOCKID_LEN];
-                id.copy_from_slice(&body[4..MSG_ID_END]);
-                replies.sockets.push(SockId(id));
-            }
-            _ => {}
-        }
-        // Messages are 4-byte aligned.
-        buf = &buf[((len + 3) & !3).min(buf.len())..];
-    }
-    replies
-}
-
 /// A `sock_diag` socket in the calling thread's network namespace.
 struct Diag {
-    fd: OwnedFd,
+    socket: netlink::Socket,
     seq: u32,
 }
 
 impl Diag {
     fn open() -> io::Result<Self> {
-        // SAFETY: plain socket creation; the fd is owned at once.
-        let fd = unsafe {
-            libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh fd nobody else owns.
-        Ok(Diag { fd: unsafe { OwnedFd::from_raw_fd(fd) }, seq: 0 })
+        Ok(Diag { socket: netlink::Socket::open(NETLINK_SOCK_DIAG)?, seq: 0 })
     }
 
     /// Sends `msg` and reads replies until the exchange ends.
     fn exchange(&mut self, msg: &[u8]) -> io::Result<Replies> {
-        // SAFETY: a valid buffer of the given length.
-        let sent = unsafe { libc::send(self.fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) };
-        if sent < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let mut all = Replies::default();
-        let mut buf = vec![0u8; 32 * 1024];
-        while !all.done {
-            // SAFETY: a valid buffer of the given length.
-            let n =
-                unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if n == 0 {
-                break;
-            }
-            let replies = parse_replies(&buf[..n as usize]);
-            all.sockets.extend(replies.sockets);
-            all.done = replies.done;
-            all.error = replies.error;
-        }
-        Ok(all)
+        let mut sockets = Vec::new();
+        let error = self.socket.exchange(msg, |kind, body| sockets.extend(sock_id(kind, body)))?;
+        Ok(Replies { sockets, error })
     }
 
     /// Destroys the `protocol` sockets of this namespace `must_end` picks,
@@ -307,15 +239,7 @@ pub fn probe() -> io::Result<()> {
 mod tests {
     use super::*;
 
-    fn reply(kind: u16, body: &[u8]) -> Vec<u8> {
-        let len = NLMSG_HDRLEN + body.len();
-        let mut msg = (len as u32).to_ne_bytes().to_vec();
-        msg.extend_from_slice(&kind.to_ne_bytes());
-        msg.extend_from_slice(&[0; 10]);
-        msg.extend_from_slice(body);
-        msg.resize((len + 3) & !3, 0);
-        msg
-    }
+    use crate::netlink::{NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, reply};
 
     #[test]
     fn dumps_and_destroys_name_sockets_by_the_kernels_layout() {
@@ -355,13 +279,15 @@ mod tests {
         let mut buf = reply(SOCK_DIAG_BY_FAMILY, &body);
         buf.extend(reply(SOCK_DIAG_BY_FAMILY, &body));
         buf.extend(reply(NLMSG_DONE, &[0; 4]));
-        let replies = parse_replies(&buf);
-        assert_eq!(replies.sockets, vec![id, id]);
-        assert!(replies.done && replies.error.is_none());
-
-        let nack = parse_replies(&reply(NLMSG_ERROR, &(-libc::ENOENT).to_ne_bytes()));
-        assert_eq!((nack.done, nack.error), (true, Some(libc::ENOENT)));
-        let ack = parse_replies(&reply(NLMSG_ERROR, &0i32.to_ne_bytes()));
-        assert_eq!(ack.error, Some(0));
+        let mut ended = None;
+        let mut sockets = Vec::new();
+        for (kind, body) in netlink::messages(&buf) {
+            match netlink::ending(kind, body) {
+                Some(error) => ended = Some(error),
+                None => sockets.extend(sock_id(kind, body)),
+            }
+        }
+        assert_eq!(sockets, vec![id, id]);
+        assert_eq!(ended, Some(None), "ended by DONE, no error");
     }
 }
