@@ -112,7 +112,7 @@ pub fn markdown(results: &Value) -> String {
     let _ = writeln!(out, "\n### Programming N services, and one endpoint change\n");
     let _ = writeln!(
         out,
-        "| mode | source | services × endpoints | listed (s) | to serving (s) | first sync (s) | change p50 (ms) | change p99 (ms) | agent peak RSS MiB | BPF maps MiB |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| mode | source | services × endpoints | listed (s) | to serving (s) | first sync (s) | restart after kill -9, to serving (s) | change p50 (ms) | change p99 (ms) | agent peak RSS MiB | BPF maps MiB |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in rows(results, "programming") {
         // Runs from before the manifest files were measured name no source.
@@ -133,13 +133,14 @@ pub fn markdown(results: &Value) -> String {
             (None, None) => None,
         };
         let _ = match unfinished {
-            Some(why) => writeln!(out, "{head} {why} | | | | | | |"),
+            Some(why) => writeln!(out, "{head} {why} | | | | | | | |"),
             None => writeln!(
                 out,
-                "{head} {:.2} | {:.2} | {:.3} | {} | {} | {:.1} | {:.1} |",
+                "{head} {:.2} | {:.2} | {:.3} | {} | {} | {} | {:.1} | {:.1} |",
                 num(r, "listed_s"),
                 num(r, "to_serving_s"),
                 num(r, "first_sync_s"),
+                r["restart_to_serving_s"].as_f64().map_or("–".into(), |s| format!("{s:.2}")),
                 latency("p50_ms"),
                 latency("p99_ms"),
                 num(r, "agent_peak_rss_mib"),

@@ -79,26 +79,10 @@ pub(super) fn programming_with(
             )?;
         }
     }
+    let limit = limit(mode, full);
     let start = Instant::now();
     lab.spawn_agent_on(0, extra)?;
-    let limit = limit(mode, full);
-    let mut listed = None;
-    let outcome = loop {
-        let log = lab.agent_log();
-        if listed.is_none() && log.contains("source read whole") {
-            listed = Some(start.elapsed().as_secs_f64());
-        }
-        if log.contains("datapath ready; serving") {
-            break Programmed::Serving;
-        }
-        if let Some(line) = log.lines().find(|l| l.contains("sync failed") || l.contains("ERROR")) {
-            break Programmed::Failed(line.to_string());
-        }
-        if start.elapsed() > limit {
-            break Programmed::OverLimit(limit);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (outcome, listed) = wait_serving(&lab, 0, start, limit);
     let serving = start.elapsed().as_secs_f64();
     let mut result = json!({"mode": mode.as_arg(), "source": feed.name(), "services": n, "endpoints": n * feed.endpoints()});
     match outcome {
@@ -113,6 +97,9 @@ pub(super) fn programming_with(
             result["agent_peak_rss_mib"] =
                 json!(lab.agent_pid_on(0).map_or(f64::NAN, peak_rss_mib));
             result["map_memory_mib"] = json!(map_memory_mib(&lab));
+            if mode == Mode::Ebpf && feed == Feed::ApiServer {
+                result["restart_to_serving_s"] = restart(&mut lab, extra, limit)?;
+            }
         }
         // A measured limit (the size is too large for the mode), not a
         // failure.
@@ -121,6 +108,49 @@ pub(super) fn programming_with(
     }
     eprintln!("  {}", result);
     Ok(result)
+}
+
+/// From a restart after a crash (`kill -9`: the state maps and the
+/// serving programs carried over) to serving again.
+fn restart(lab: &mut Lab, extra: &[&str], limit: Duration) -> anyhow::Result<Value> {
+    lab.kill_agent_on(0);
+    let from = lab.agent_log().len();
+    let start = Instant::now();
+    lab.spawn_agent_on(0, extra)?;
+    Ok(match wait_serving(lab, from, start, limit).0 {
+        Programmed::Serving => json!(start.elapsed().as_secs_f64()),
+        Programmed::OverLimit(_) => json!("over the limit"),
+        Programmed::Failed(why) => json!(why),
+    })
+}
+
+/// Waits for the agent spawned at `start` to serve, reading its log from
+/// byte `from` on (the log is appended to across restarts); returns how it
+/// ended and when the source was read whole.
+fn wait_serving(
+    lab: &Lab,
+    from: usize,
+    start: Instant,
+    limit: Duration,
+) -> (Programmed, Option<f64>) {
+    let mut listed = None;
+    loop {
+        let log = lab.agent_log();
+        let log = log.get(from..).unwrap_or_default();
+        if listed.is_none() && log.contains("source read whole") {
+            listed = Some(start.elapsed().as_secs_f64());
+        }
+        if log.contains("datapath ready; serving") {
+            return (Programmed::Serving, listed);
+        }
+        if let Some(line) = log.lines().find(|l| l.contains("sync failed") || l.contains("ERROR")) {
+            return (Programmed::Failed(line.to_string()), listed);
+        }
+        if start.elapsed() > limit {
+            return (Programmed::OverLimit(limit), listed);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// How a programming run ended.

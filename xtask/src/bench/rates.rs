@@ -3,6 +3,8 @@
 
 use std::fmt::Write as _;
 
+use anyhow::Context as _;
+
 use proxy_lab::{
     Lab, Mode, Pod, Setup, Source,
     bench_objects::{self, POD, SERVICE_PORT},
@@ -62,17 +64,25 @@ pub(super) fn manifest(n: usize, endpoints: usize) -> String {
     out
 }
 
-/// A lab: nginx in a pod (one process, no master: stopping it leaves no
-/// worker behind), two client pods (one for the runs through the
+/// The lab's pods: nginx's, two clients (one for the runs through the
 /// socket-LB cgroup and direct, one for the per-packet runs: a 4-tuple the
 /// backend holds in TIME_WAIT after one kind of run would refuse the other
-/// kind's SYN, as with any NAT), an external client that can also reach the
-/// pod directly; client ports opened up.
-fn lab(setup: Setup) -> anyhow::Result<(Lab, Pod, Pod, Pod)> {
+/// kind's SYN, as with any NAT), and an external client that can also
+/// reach the server directly.
+struct Pods {
+    server: Pod,
+    client: Pod,
+    per_packet: Pod,
+    ext: Pod,
+}
+
+/// A lab: nginx in a pod (one process, no master: stopping it leaves no
+/// worker behind), the [`Pods`], client ports opened up.
+fn lab(setup: Setup) -> anyhow::Result<(Lab, Pods)> {
     let mut lab = Lab::with(setup)?;
     lab.dual_stack()?;
-    let web = lab.add_pod("web-0", POD)?;
-    start_nginx(&mut lab, &web, &[SERVICE_PORT, DIRECT_PORT], true)?;
+    let server = lab.add_pod("web-0", POD)?;
+    start_nginx(&mut lab, &server, &[SERVICE_PORT, DIRECT_PORT], true)?;
     let client = lab.add_pod("client", "10.244.1.100")?;
     let per_packet = lab.add_pod("client-pp", "10.244.1.101")?;
     let ext = lab.add_external("ext", "192.168.100.101")?;
@@ -81,7 +91,23 @@ fn lab(setup: Setup) -> anyhow::Result<(Lab, Pod, Pod, Pod)> {
         open_client_ports(netns)?;
     }
     wait_answering(&lab, &client, &format!("{POD}:{DIRECT_PORT}"))?;
-    Ok((lab, client, per_packet, ext))
+    Ok((lab, Pods { server, client, per_packet, ext }))
+}
+
+/// Waits (10 s at most) until the interface of `pod` on node 0 runs no
+/// per-packet program: the agent takes `tc_pod_replies` off a pod that
+/// backs nothing after its first conntrack collection.
+fn wait_bare(lab: &Lab, pod: &Pod) -> anyhow::Result<()> {
+    let route = lab.exec_on(0, "ip", &["-o", "route", "show", &format!("{}/32", pod.ip)])?;
+    let dev = route.split_whitespace().skip_while(|w| *w != "dev").nth(1);
+    let dev = dev.with_context(|| format!("no route to {}", pod.ip))?;
+    let pin = lab.pins.join("links").join(format!("tc-{dev}"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pin.exists() {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "{dev} kept its program");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    Ok(())
 }
 
 /// Connection rates at size `n` in `mode`, `rounds` alternating rounds.
@@ -89,16 +115,22 @@ fn lab(setup: Setup) -> anyhow::Result<(Lab, Pod, Pod, Pod)> {
 /// and then starts the agent for the other runs, so a change in the
 /// machine's load meets every kind of run alike.
 pub(super) fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::Result<Value> {
-    let (mut lab, client, per_packet, ext) = lab(Setup::of(mode, Source::Manifests))?;
+    let (mut lab, Pods { server, client, per_packet, ext }) =
+        lab(Setup::of(mode, Source::Manifests))?;
     let s = opts.seconds;
     let direct = format!("{POD}:{DIRECT_PORT}");
     rate(&lab, &client, false, &direct, 1)?;
-    lab.write_manifest(&(manifest(n, 1) + &manifest6(n)))?;
+    let all = manifest(n, 1) + &manifest6(n);
+    lab.write_manifest(&all)?;
     let vip = "10.96.0.10:80";
     let direct6 = format!("[{POD6}]:{DIRECT_PORT}");
     let node_port = "192.168.100.11:30080";
-    let (mut baseline, mut direct_replies, mut direct_no_pod_programs) =
-        (Vec::<Run>::new(), Vec::new(), Vec::new());
+    let (mut baseline, mut direct_replies, mut direct_bare, mut direct_no_pod_programs) =
+        (Vec::<Run>::new(), Vec::new(), Vec::new(), Vec::new());
+    // The same services, none of them over the server pod.
+    let all_but_the_server = all
+        .replace(&format!("[{POD}]"), "[10.244.9.9]")
+        .replace(&format!("['{POD6}']"), "['fd00:244:9::9']");
     let mut runs: Vec<(&str, Vec<Run>)> = vec![
         ("direct", vec![]),
         ("vip", vec![]),
@@ -133,14 +165,27 @@ pub(super) fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::
         }
         if mode == Mode::Ebpf {
             // Pod interfaces as on a node whose socket LB covers every pod
-            // (its default): the replies program at their ingress only; and,
-            // to tell the programs' share from the rest of the agent's, none.
-            for (flags, runs) in [
-                (["--pod-interface-programs", "replies"], &mut direct_replies),
-                (["--pod-interfaces", ""], &mut direct_no_pod_programs),
-            ] {
-                lab.stop_agent_on(0);
+            // (its default): the replies program only on the interfaces of
+            // pods that back a service (the server's: the client's goes
+            // bare); the server backing nothing (no program either side);
+            // and, to tell the programs' share from the rest of the
+            // agent's, none on any pod interface.
+            let (replies, none) =
+                (["--pod-interface-programs", "replies"], ["--pod-interfaces", ""]);
+            let runs_of: [(_, _, &[&Pod], &mut Vec<Run>); 3] = [
+                (replies, &all, &[&client], &mut direct_replies),
+                (replies, &all_but_the_server, &[&client, &server], &mut direct_bare),
+                (none, &all, &[], &mut direct_no_pod_programs),
+            ];
+            for (flags, manifest, bare, runs) in runs_of {
+                // Without the NodePort run's flows (to the server): the
+                // server's interface keeps the program while they live.
+                stop_and_clean(&mut lab)?;
+                lab.write_manifest(manifest)?;
                 lab.start_agent_within(0, &flags, LIMIT)?;
+                for pod in bare {
+                    wait_bare(&lab, pod)?;
+                }
                 runs.push(rate(&lab, &client, false, &direct, s)?);
             }
         }
@@ -150,6 +195,7 @@ pub(super) fn connection_rates(mode: Mode, n: usize, opts: &Options) -> anyhow::
     }
     if mode == Mode::Ebpf {
         runs.push(("direct_replies_only", direct_replies));
+        runs.push(("direct_bare", direct_bare));
         runs.push(("direct_no_pod_programs", direct_no_pod_programs));
     }
     let baseline_errors: u64 = baseline.iter().map(|r| r.errors).sum();
