@@ -1,8 +1,9 @@
 //! Netlink requests and dumps, as bytes: the message framing
-//! (`linux/netlink.h`) shared by `sock_diag` and the route dump, and the
-//! route dump itself (`linux/rtnetlink.h`): which addresses the node routes
-//! to which interface. The layouts are built and read here; that part is
-//! pure and unit-tested.
+//! (`linux/netlink.h`) shared by `sock_diag` and the dumps here
+//! (`linux/rtnetlink.h`): the host routes (which addresses the node routes
+//! to which interface) and the clsact filters' BPF programs (which
+//! interface runs what, on kernels without TCX links). The layouts are
+//! built and read here; that part is pure and unit-tested.
 
 use std::{
     io,
@@ -167,6 +168,58 @@ fn host_route(kind: u16, body: &[u8]) -> Option<HostRoute> {
     Some(HostRoute { address: address?, ifindex: ifindex? })
 }
 
+const RTM_NEWTFILTER: u16 = 44;
+const RTM_GETTFILTER: u16 = 46;
+/// `struct tcmsg`.
+const TCMSG_LEN: usize = 20;
+const TCA_KIND: u16 = 1;
+const TCA_OPTIONS: u16 = 2;
+const TCA_BPF_NAME: u16 = 7;
+/// The clsact qdisc's hooks, as filters name their parent.
+pub const TC_INGRESS_PARENT: u32 = 0xffff_fff2;
+pub const TC_EGRESS_PARENT: u32 = 0xffff_fff3;
+
+/// The names of the BPF programs the clsact filters of interface `ifindex`
+/// at `parent` (a hook) run, as they were attached.
+pub fn tc_filter_names(ifindex: u32, parent: u32) -> io::Result<Vec<String>> {
+    let mut tcmsg = [0u8; TCMSG_LEN];
+    tcmsg[0] = libc::AF_UNSPEC as u8;
+    tcmsg[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+    tcmsg[12..16].copy_from_slice(&parent.to_ne_bytes());
+    let request = message(RTM_GETTFILTER, NLM_F_DUMP, 1, &tcmsg);
+    let mut names = Vec::new();
+    let each = |kind, body: &[u8]| names.extend(bpf_filter_name(kind, body));
+    match Socket::open(libc::NETLINK_ROUTE)?.exchange(&request, each)? {
+        Some(errno) if errno != 0 => Err(io::Error::from_raw_os_error(errno)),
+        _ => Ok(names),
+    }
+}
+
+/// A BPF filter's program name (`TCA_OPTIONS` → `TCA_BPF_NAME`).
+fn bpf_filter_name(kind: u16, body: &[u8]) -> Option<String> {
+    if kind != RTM_NEWTFILTER {
+        return None;
+    }
+    let attrs = attributes(body.get(TCMSG_LEN..)?);
+    let mut bpf = false;
+    let mut name = None;
+    for (kind, value) in attrs {
+        match kind & NLA_TYPE_MASK {
+            TCA_KIND => bpf = value.split(|b| *b == 0).next() == Some(b"bpf"),
+            TCA_OPTIONS => {
+                let named = attributes(value).find(|(k, _)| k & NLA_TYPE_MASK == TCA_BPF_NAME);
+                let text = named.map(|(_, v)| v.split(|b| *b == 0).next().unwrap_or_default());
+                name = text.map(|t| String::from_utf8_lossy(t).into_owned());
+            }
+            _ => {}
+        }
+    }
+    name.filter(|_| bpf)
+}
+
+/// An attribute's type without its nested and byte-order flags.
+const NLA_TYPE_MASK: u16 = 0x3fff;
+
 /// The route attributes (`struct rtattr`, 4-byte aligned) as (type, value).
 fn attributes(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     std::iter::from_fn(move || {
@@ -232,6 +285,22 @@ mod tests {
         let request = message(RTM_GETROUTE, NLM_F_DUMP, 5, &[libc::AF_INET6 as u8; 1]);
         assert_eq!(u16::from_ne_bytes([request[6], request[7]]), NLM_F_DUMP | NLM_F_REQUEST);
         assert_eq!(u32::from_ne_bytes(request[8..12].try_into().unwrap()), 5);
+    }
+
+    #[test]
+    fn bpf_filters_are_named_by_the_kernels_layout() {
+        let mut body = vec![0u8; TCMSG_LEN];
+        body.extend(attribute(TCA_KIND, b"bpf\0"));
+        let mut options = attribute(3, &7u32.to_ne_bytes());
+        options.extend(attribute(TCA_BPF_NAME, b"tc_pod_replies\0"));
+        // Nested: the kernel may flag it so.
+        body.extend(attribute(TCA_OPTIONS | 0x8000, &options));
+        assert_eq!(bpf_filter_name(RTM_NEWTFILTER, &body).as_deref(), Some("tc_pod_replies"));
+        let mut u32_filter = vec![0u8; TCMSG_LEN];
+        u32_filter.extend(attribute(TCA_KIND, b"u32\0"));
+        u32_filter.extend(attribute(TCA_OPTIONS, &attribute(TCA_BPF_NAME, b"x\0")));
+        assert_eq!(bpf_filter_name(RTM_NEWTFILTER, &u32_filter), None, "not a BPF filter");
+        assert_eq!(bpf_filter_name(RTM_NEWTFILTER, &body[..8]), None, "cut short");
     }
 
     #[test]

@@ -99,15 +99,13 @@ fn pod_interfaces_replies_only(attach: &[&str]) {
     wait_programs(&lab, "veth2", &[]);
     let log = lab.agent_log();
     assert!(log.contains("replies of per-packet flows only"), "the log says why: {log}");
-    if attach.is_empty() {
-        // `lb list` says which interface runs what (TCX links).
-        let listed = lab.inspect_on(0, &["lb", "list"]).unwrap();
-        let line = |i: &str| listed.lines().find(|l| l.trim_start().starts_with(i)).map(str::trim);
-        assert_eq!(line("eth0 "), Some("eth0             tc_ingress + tc_egress"), "{listed}");
-        assert_eq!(line("veth1 "), Some("veth1            tc_pod_replies"), "{listed}");
-        let bare = line("none on:").unwrap_or_default();
-        assert!(bare.split([' ', ',']).any(|i| i == "veth2"), "{listed}");
-    }
+    // `lb list` says which interface runs what (TCX links or clsact filters).
+    let listed = lab.inspect_on(0, &["lb", "list"]).unwrap();
+    let line = |i: &str| listed.lines().find(|l| l.trim_start().starts_with(i)).map(str::trim);
+    assert_eq!(line("eth0 "), Some("eth0             tc_ingress + tc_egress"), "{listed}");
+    assert_eq!(line("veth1 "), Some("veth1            tc_pod_replies"), "{listed}");
+    let bare = line("none on:").unwrap_or_default();
+    assert!(bare.split([' ', ',']).any(|i| i == "veth2"), "{listed}");
 
     for proto in ["tcp", "udp"] {
         let to = node_port(if proto == "tcp" { 30080 } else { 30053 });

@@ -83,25 +83,17 @@ pub fn list(args: &LbListArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Which interfaces run which per-packet programs (TCX links; clsact
-/// filters are the kernel's: `tc filter show`), and those that run none.
+/// Which interfaces run which per-packet programs, and those that run none.
 fn print_tc_interfaces(root: &std::path::Path) {
-    let attached = ebpf::tc_pinned(root);
-    if attached.is_empty() {
-        println!(
-            "per-packet programs: no TCX link pinned (clsact filters: `tc filter show dev IFACE ingress`)"
-        );
-        return;
-    }
-    println!("per-packet programs (TCX links):");
-    for (interface, programs) in &attached {
+    let (running, bare): (Vec<_>, Vec<_>) =
+        ebpf::tc_attached(root).into_iter().partition(|(_, programs)| !programs.is_empty());
+    println!("per-packet programs:");
+    for (interface, programs) in &running {
         println!("  {interface:<16} {}", programs.join(" + "));
     }
-    let bare: Vec<String> = sys::interfaces()
-        .map(|all| all.into_keys().filter(|i| i != "lo" && !attached.contains_key(i)).collect())
-        .unwrap_or_default();
     if !bare.is_empty() {
-        println!("  none on: {}", bare.join(", "));
+        let names: Vec<String> = bare.into_iter().map(|(interface, _)| interface).collect();
+        println!("  none on: {}", names.join(", "));
     }
 }
 

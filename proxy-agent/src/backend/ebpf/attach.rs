@@ -9,7 +9,7 @@ use std::{
 
 use aya::{
     programs::{
-        Link, LinkOrder, SchedClassifier,
+        Link, LinkOrder, SchedClassifier, TcAttachType,
         links::FdLink,
         tc::{
             NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle, qdisc_add_clsact,
@@ -20,9 +20,10 @@ use aya::{
 };
 
 use super::{
-    BpfObject, EbpfError, pin_replacing, program,
+    BpfObject, EbpfError, pin_replacing, pinned_program, program,
     programs::{TC_PROGRAMS, TcHook, TcRole},
 };
+use crate::netlink;
 
 /// How the per-packet program is attached to an interface's ingress.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -213,6 +214,38 @@ pub struct Interfaces {
 pub(super) enum Attached {
     Tcx(FdLink, &'static str),
     Filter(SchedClassifierLink),
+}
+
+/// The per-packet programs each interface of the caller's network
+/// namespace runs, ingress first: its TCX links' (pinned under `root`), or
+/// its clsact filters' (kernels before 6.6). What `lb list` prints.
+pub fn tc_attached(root: &Path) -> BTreeMap<String, Vec<String>> {
+    let Ok(interfaces) = crate::sys::interfaces() else { return BTreeMap::new() };
+    let hooks = [(TcAttachType::Ingress, "tc"), (TcAttachType::Egress, "tc-egress")];
+    interfaces
+        .into_keys()
+        .filter(|interface| interface != "lo")
+        .map(|interface| {
+            let programs = hooks
+                .iter()
+                .filter_map(|(hook, prefix)| {
+                    let pin = root.join("links").join(format!("{prefix}-{interface}"));
+                    pinned_program(&pin).or_else(|| filter_program(&interface, *hook))
+                })
+                .collect();
+            (interface, programs)
+        })
+        .collect()
+}
+
+/// The per-packet program our clsact filter on `hook` of `interface` runs.
+fn filter_program(interface: &str, hook: TcAttachType) -> Option<String> {
+    let parent = match hook {
+        TcAttachType::Egress => netlink::TC_EGRESS_PARENT,
+        _ => netlink::TC_INGRESS_PARENT,
+    };
+    let names = netlink::tc_filter_names(crate::sys::ifindex(interface).ok()?, parent).ok()?;
+    names.into_iter().find(|name| TC_PROGRAMS.iter().any(|(ours, _, _)| ours == name))
 }
 
 /// Removes the per-packet programs' clsact filters from every interface of

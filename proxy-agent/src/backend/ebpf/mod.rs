@@ -60,10 +60,10 @@ pub mod state_sizes;
 mod test_run;
 mod xdp;
 
-pub use attach::{TcAttach, remove_tc_filters};
+pub use attach::{TcAttach, remove_tc_filters, tc_attached};
 pub use counters::CounterReader;
 pub use load::has_set_retval;
-pub use pins::{cleanup, pinned, pinned_program, remove_pins, set_pinned_log_level, tc_pinned};
+pub use pins::{cleanup, pinned, pinned_program, remove_pins, set_pinned_log_level};
 pub use programs::{PROGRAMS, TC_EGRESS, TC_INGRESS, TC_POD_REPLIES, TcRole};
 pub use reconciler::{AffinityPurge, Reconciler, SyncError, SyncReport};
 pub use settings::Settings;

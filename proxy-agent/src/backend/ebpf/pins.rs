@@ -3,7 +3,7 @@
 //! removal of pins.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     fs::File,
     io,
     path::{Path, PathBuf},
@@ -171,34 +171,6 @@ pub fn pinned_program(pin: &Path) -> Option<String> {
     let info = FdLink::from(PinnedLink::from_pin(pin).ok()?).info().ok()?;
     let program = loaded_programs().filter_map(Result::ok).find(|p| p.id() == info.program_id());
     program?.name_as_str().map(str::to_string)
-}
-
-/// The per-packet programs of each interface whose TCX links are pinned
-/// under `root` (what `lb list` says runs where), ingress first; clsact
-/// filters (kernels before 6.6) are the kernel's, not pinned.
-pub fn tc_pinned(root: &Path) -> BTreeMap<String, Vec<String>> {
-    let mut programs: BTreeMap<String, Vec<(bool, String)>> = BTreeMap::new();
-    let Ok(links) = std::fs::read_dir(root.join("links")) else { return BTreeMap::new() };
-    for link in links.filter_map(Result::ok) {
-        let Some(file) = link.file_name().to_str().map(str::to_string) else { continue };
-        let (egress, interface) = match file.strip_prefix("tc-egress-") {
-            Some(interface) => (true, interface),
-            None => match file.strip_prefix("tc-") {
-                Some(interface) => (false, interface),
-                None => continue,
-            },
-        };
-        if let Some(name) = pinned_program(&link.path()) {
-            programs.entry(interface.to_string()).or_default().push((egress, name));
-        }
-    }
-    programs
-        .into_iter()
-        .map(|(interface, mut names)| {
-            names.sort();
-            (interface, names.into_iter().map(|(_, name)| name).collect())
-        })
-        .collect()
 }
 
 /// Whether an agent's maps are pinned under `root`: its datapath serves.
