@@ -8,8 +8,8 @@
 
 use std::time::{Duration, Instant};
 
-use proxy_lab::{EXT_IP, Lab, NODE_IP, Request, answered, node_port};
-use test_objects::{Protocol::*, ep, manifest, port, service};
+use proxy_lab::{EXT_IP, Lab, NODE_IP, NODE_IP6, Pod, Request, answered, node_port, v6};
+use test_objects::{Protocol::*, ep, manifest, port, service, slice};
 
 const REPLIES: [&str; 2] = ["--pod-interface-programs", "replies"];
 const FULL: [&str; 2] = ["egress:tc_egress", "ingress:tc_ingress"];
@@ -168,17 +168,69 @@ fn ebpf_a_new_endpoint_has_the_replies_program_before_its_first_flow() {
         lab.write_manifest(&web_on(&ips)).unwrap();
         let proto = if round % 2 == 0 { "udp" } else { "tcp" };
         let to = node_port(if proto == "tcp" { 30080 } else { 30053 });
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut tries = 0;
-        loop {
-            let attempt = lab.client_outside(&ext).timeout_ms(800).run(Request::of(proto, &to, 1));
-            tries += 1;
-            let answers = answered(&attempt.unwrap());
-            if answers.iter().any(|(answered_by, _, _)| *answered_by == name) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "{name} never answered in {tries} {proto} tries");
-        }
+        connect_until_answered_by(&lab, &ext, proto, &to, &name);
         assert_eq!(programs(&lab, &veth), REPLIES_ONLY, "{name} backs the service");
     }
+}
+
+/// Connects from `ext` to `to` at once and again, one attempt at a time,
+/// until `pod` answers (10 s at most); every attempt must be answered.
+fn connect_until_answered_by(lab: &Lab, ext: &Pod, proto: &str, to: &str, pod: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut tries = 0;
+    loop {
+        let attempt = lab.client_outside(ext).timeout_ms(800).run(Request::of(proto, to, 1));
+        tries += 1;
+        if answered(&attempt.unwrap()).iter().any(|(by, _, _)| by == pod) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{pod} never answered in {tries} {proto} tries");
+    }
+}
+
+/// The same for an IPv6 NodePort: the pod is found by its /128 route.
+#[test]
+fn ebpf_a_new_ipv6_endpoint_has_the_replies_program_before_its_first_flow() {
+    let mut lab = Lab::new().unwrap();
+    lab.dual_stack().unwrap();
+    let ext = lab.add_external("ext", EXT_IP).unwrap();
+    let first = lab.add_pod("web-a", "10.244.1.2").unwrap();
+    lab.serve(&first, &[8080], &[5353]).unwrap();
+    let mut endpoints = vec![v6("10.244.1.2")];
+    lab.write_manifest(&web6_on(&endpoints)).unwrap();
+    lab.drop_invalid_forwards(0).unwrap();
+    lab.start_agent(&REPLIES).unwrap();
+    for (round, proto) in ["udp", "tcp"].into_iter().enumerate() {
+        let (name, ip) = (format!("web-n{round}"), format!("10.244.1.{}", 10 + round));
+        let pod = lab.add_pod(&name, &ip).unwrap();
+        lab.serve(&pod, &[8080], &[5353]).unwrap();
+        let veth = format!("veth{}", round + 2);
+        wait_programs(&lab, &veth, &[]);
+        endpoints.push(v6(&ip));
+        lab.write_manifest(&web6_on(&endpoints)).unwrap();
+        let port = if proto == "tcp" { 30080 } else { 30053 };
+        let to = std::net::SocketAddr::new(NODE_IP6.parse().unwrap(), port).to_string();
+        connect_until_answered_by(&lab, &ext, proto, &to, &name);
+        assert_eq!(programs(&lab, &veth), REPLIES_ONLY, "{name} backs the service");
+    }
+}
+
+/// An IPv6-only NodePort service `lab/web6` over the IPv6 pods at `ips`,
+/// on node ports 30080 and 30053 as [`web_on`]'s.
+fn web6_on(ips: &[String]) -> String {
+    let web = service("lab", "web6")
+        .cluster_ip("fd00:96::20")
+        .cluster_ips(&["fd00:96::20"])
+        .ip_families(&["IPv6"])
+        .node_port_type()
+        .port(port("http", 80).target(8080).node_port(30080))
+        .port(port("dns", 53).udp().target(5353).node_port(30053));
+    let endpoints: Vec<_> = ips.iter().map(|ip| ep(ip).node("lab-node")).collect();
+    let slice = slice("lab", "web6-ipv6")
+        .service("web6")
+        .address_type("IPv6")
+        .port("http", 8080, Tcp)
+        .port("dns", 5353, Udp)
+        .endpoints(endpoints);
+    manifest(&[&web, &slice])
 }
