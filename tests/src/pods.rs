@@ -38,6 +38,9 @@ impl Lab {
         host.veths += 1;
         let host_if = format!("veth{}", host.veths);
         let node_ns = host.netns.clone();
+        // What the agent logged before the pod: it says when it took the
+        // new interface in (see `wait_tc_attached`).
+        let logged = self.agent_log_on(node).len();
         let (mut node_side, mut pod_side) = (IpBatch::new(&node_ns), IpBatch::new(&netns));
         node_side.add(&veth_to_eth0(&host_if, &[], &netns));
         // Link scope, as CNIs leave the gateway off the host's global
@@ -63,7 +66,7 @@ impl Lab {
         pod_side.run()?;
         wait_link_up(&netns, "eth0")?;
         wait_link_up(&node_ns, &host_if)?;
-        self.wait_tc_attached(node, &host_if)?;
+        self.wait_tc_attached(node, &host_if, logged)?;
         Ok(Pod { name: name.to_string(), netns, ip: pod_ip.to_string() })
     }
 
@@ -83,7 +86,16 @@ impl Lab {
     /// With an agent running on `node`, waits until it has attached its
     /// per-packet program to the new interface (it follows netlink
     /// notifications), as a CNI would wait before starting the pod.
-    fn wait_tc_attached(&mut self, node: usize, interface: &str) -> anyhow::Result<()> {
+    /// Waits until the running eBPF agent took a new pod interface in: its
+    /// program attached, or (where pod interfaces carry the replies program
+    /// only while their pod backs a service) attached and already taken off
+    /// again, which its log says after byte `logged`.
+    fn wait_tc_attached(
+        &mut self,
+        node: usize,
+        interface: &str,
+        logged: usize,
+    ) -> anyhow::Result<()> {
         let host = &mut self.nodes[node];
         let running = host.agent.as_mut().is_some_and(|a| matches!(a.try_wait(), Ok(None)));
         if !running || self.mode != Mode::Ebpf {
@@ -97,10 +109,12 @@ impl Lab {
             sh("tc", &["-n", &netns, "filter", "show", "dev", interface, "ingress"])
                 .is_ok_and(|shown| shown.contains(" bpf "))
         };
+        let detached = format!("per-packet programs detached interface={interface}");
+        let taken_off = |log: String| log.get(logged..).is_some_and(|new| new.contains(&detached));
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !pin.exists() && !filter() {
+        while !pin.exists() && !filter() && !taken_off(self.agent_log_on(node)) {
             if Instant::now() > deadline {
-                bail!("the agent on {} did not attach to {interface}", host.netns);
+                bail!("the agent on {netns} did not attach to {interface}");
             }
             std::thread::sleep(Duration::from_millis(20));
         }
