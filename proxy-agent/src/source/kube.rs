@@ -420,12 +420,10 @@ impl KubeSource {
             true => (1, Some(1)),
             false => (handed, total),
         };
+        // Services held back for their slices wait in `pending`.
+        let services = shared.services.handed.len().saturating_sub(shared.services.pending.len());
         ListProgress {
-            services: count(
-                shared.services.handed.len(),
-                shared.services.complete,
-                shared.totals.services,
-            ),
+            services: count(services, shared.services.complete, shared.totals.services),
             slices: count(shared.slices.handed.len(), shared.slices.complete, shared.totals.slices),
         }
     }
