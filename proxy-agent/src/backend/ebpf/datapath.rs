@@ -50,6 +50,9 @@ const GC_MAX: Duration = Duration::from_secs(30);
 /// collection only frees room early.
 const GC_ENTRIES_PER_SEC: usize = 10_000;
 
+/// How much lower the syncs of a partial source run than the lists.
+const PARTIAL_SYNC_NICE: i32 = 10;
+
 /// Logged when a change is applied in steps that each fit the maps.
 const STEPWISE: &str =
     "old and new entries do not fit side by side: applying the change service by service";
@@ -317,7 +320,21 @@ impl EbpfDatapath {
         metrics: &Metrics,
     ) -> anyhow::Result<SyncReport> {
         if let (Extent::Partial { scale }, None) = (extent, &self.serving) {
-            return self.sync_partial(plan, dirty, scale, metrics);
+            // The lists are still arriving, and their reading comes first:
+            // on a node short of CPU, writing a part sooner is no gain if
+            // the list then ends later. These writes (and the verifier's
+            // threads) take the CPU the lists leave.
+            // The loop's runtime, for the tasks the programs' setup starts
+            // (their records' reader).
+            let runtime = tokio::runtime::Handle::try_current().ok();
+            return std::thread::scope(|scope| {
+                let partial = scope.spawn(|| {
+                    let _in_runtime = runtime.as_ref().map(|r| r.enter());
+                    sys::lower_thread_priority(PARTIAL_SYNC_NICE);
+                    self.sync_partial(plan, dirty, scale, metrics)
+                });
+                partial.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the sync's thread failed")))
+            });
         }
         // Before the programs are verified, the plan's size is checked
         // first: maps too small for what the source holds are sized for it
