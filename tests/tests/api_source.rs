@@ -60,6 +60,15 @@ fn metric(lab: &Lab, name: &str) -> f64 {
         .sum()
 }
 
+/// What a spawned client reported, once it ended.
+fn attempts_of(flow: &mut std::process::Child) -> Vec<Attempt> {
+    let out = flow.stdout.take().expect("the client's output");
+    let attempts = BufReader::new(out).lines().map_while(Result::ok);
+    let attempts = attempts.filter_map(|l| Attempt::parse(&l)).collect();
+    flow.wait().unwrap();
+    attempts
+}
+
 fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !done() {
@@ -106,12 +115,7 @@ fn watches_that_break_or_expire_resume_without_disturbing_traffic() {
     api(&lab).compact();
     api(&lab).set_up(true);
 
-    let attempts: Vec<Attempt> = BufReader::new(flow.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|l| Attempt::parse(&l))
-        .collect();
-    flow.wait().unwrap();
+    let attempts = attempts_of(&mut flow);
     assert_eq!(attempts.len(), 100, "every attempt reported");
     let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
     assert!(failed.is_empty(), "{failed:?}\n{}", lab.agent_log());
@@ -406,12 +410,7 @@ fn a_slow_list_is_written_as_it_comes_and_served_only_whole() {
     assert_eq!(tally(&tcp(&lab, &client, "10.96.0.11:80", 4)).get("web-0"), Some(&4), "{}", log());
 
     // The previous datapath served all along, then this one.
-    let attempts: Vec<Attempt> = BufReader::new(flow.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|l| Attempt::parse(&l))
-        .collect();
-    flow.wait().unwrap();
+    let attempts = attempts_of(&mut flow);
     let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
     assert!(failed.is_empty(), "{failed:?}\n{}", log());
 
