@@ -59,6 +59,8 @@ struct Collection<P> {
     handed: Vec<ServiceName>,
     /// Objects of the first list so far (handed over or not).
     listed: usize,
+    /// Objects handed over as changes so far, for the lists' progress.
+    given: usize,
     /// Listed completely at least once.
     complete: bool,
 }
@@ -71,6 +73,7 @@ impl<P> Default for Collection<P> {
             pending: BTreeMap::new(),
             handed: Vec::new(),
             listed: 0,
+            given: 0,
             complete: false,
         }
     }
@@ -174,6 +177,12 @@ impl<P> Collection<P> {
         self.handed.extend(taken.iter().map(|(name, _)| name.clone()));
         taken
     }
+
+    /// Objects handed over, and how many the kind holds: once listed, its
+    /// list's; before, `total` (the server's count).
+    fn progress(&self, total: Option<usize>) -> (usize, Option<usize>) {
+        (self.given, if self.complete { Some(self.names.len()) } else { total })
+    }
 }
 
 /// This node's Node object.
@@ -258,6 +267,8 @@ impl Shared {
                 None => std::mem::take(&mut changes.services),
             };
         }
+        self.services.given += changes.services.values().filter(|c| c.is_some()).count();
+        self.slices.given += changes.slices.values().filter(|c| c.is_some()).count();
         changes
     }
 }
@@ -275,7 +286,8 @@ fn split_after<V>(
 }
 
 /// How far the first lists have come: of each kind, the objects handed
-/// over and how many the API server said it holds.
+/// over and how many it holds (as the API server said before the list is
+/// complete).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ListProgress {
     pub services: (usize, Option<usize>),
@@ -416,15 +428,9 @@ impl KubeSource {
     /// How far the first lists have come.
     pub fn progress(&self) -> ListProgress {
         let shared = self.shared();
-        let count = |handed: usize, complete: bool, total: Option<usize>| match complete {
-            true => (1, Some(1)),
-            false => (handed, total),
-        };
-        // Services held back for their slices wait in `pending`.
-        let services = shared.services.handed.len().saturating_sub(shared.services.pending.len());
         ListProgress {
-            services: count(services, shared.services.complete, shared.totals.services),
-            slices: count(shared.slices.handed.len(), shared.slices.complete, shared.totals.slices),
+            services: shared.services.progress(shared.totals.services),
+            slices: shared.slices.progress(shared.totals.slices),
         }
     }
 
@@ -651,8 +657,13 @@ mod tests {
         };
         shared.slices.apply(watcher::Event::InitApply(slice("b")), parse_slice);
         assert_eq!(take(&mut shared), (vec!["a".into(), "b".into()], 1));
+        // Complete, its objects not all handed over: those held back count
+        // as not there yet.
+        shared.services.apply(watcher::Event::InitDone, parse_service);
+        assert_eq!(shared.services.progress(Some(9)), (2, Some(3)));
         shared.slices.apply(watcher::Event::InitDone, parse_slice);
         assert_eq!(take(&mut shared), (vec!["c".into()], 0), "the slices are whole");
+        assert_eq!(shared.services.progress(Some(9)), (3, Some(3)));
     }
 
     #[test]
