@@ -203,10 +203,10 @@ fn child(args: &[String]) -> anyhow::Result<()> {
 
 /// What the agent does until its source is whole.
 async fn source(kubeconfig: &Path, page_size: Option<u32>) -> anyhow::Result<Value> {
-    use proxy_agent::source::kube::{KubeSource, PAGE_SIZE, client};
+    use proxy_agent::source::kube::{KubeSource, PAGE_SIZE, config};
     let start = Instant::now();
-    let client = client(Some(kubeconfig)).await?;
-    let mut source = KubeSource::start_paged(client, NODE, page_size.unwrap_or(PAGE_SIZE));
+    let config = config(Some(kubeconfig)).await?;
+    let mut source = KubeSource::start_paged(config, NODE, page_size.unwrap_or(PAGE_SIZE))?;
     let notify = source.notify();
     while !source.poll().1 {
         ensure!(start.elapsed() < Duration::from_secs(300), "not whole after 300 s");

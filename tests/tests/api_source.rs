@@ -60,6 +60,15 @@ fn metric(lab: &Lab, name: &str) -> f64 {
         .sum()
 }
 
+/// What a spawned client reported, once it ended.
+fn attempts_of(flow: &mut std::process::Child) -> Vec<Attempt> {
+    let out = flow.stdout.take().expect("the client's output");
+    let attempts = BufReader::new(out).lines().map_while(Result::ok);
+    let attempts = attempts.filter_map(|l| Attempt::parse(&l)).collect();
+    flow.wait().unwrap();
+    attempts
+}
+
 fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !done() {
@@ -106,12 +115,7 @@ fn watches_that_break_or_expire_resume_without_disturbing_traffic() {
     api(&lab).compact();
     api(&lab).set_up(true);
 
-    let attempts: Vec<Attempt> = BufReader::new(flow.stdout.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|l| Attempt::parse(&l))
-        .collect();
-    flow.wait().unwrap();
+    let attempts = attempts_of(&mut flow);
     assert_eq!(attempts.len(), 100, "every attempt reported");
     let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
     assert!(failed.is_empty(), "{failed:?}\n{}", lab.agent_log());
@@ -340,4 +344,83 @@ fn topology_hints_keep_traffic_in_the_zone_iptables() {
 #[test]
 fn topology_hints_keep_traffic_in_the_zone_nftables() {
     topology_hints_keep_traffic_in_the_zone(API_NFTABLES);
+}
+
+/// `n` services in namespace `fill` (listed before namespace `lab`), each
+/// with an endpoint nobody answers on: pages of a large list.
+fn fillers(n: usize) -> String {
+    let mut yaml = String::new();
+    for i in 0..n {
+        let ip = format!("10.96.{}.{}", 16 + i / 250, 1 + i % 250);
+        let svc = service("fill", &format!("f{i:04}")).cluster_ip(&ip).port(port("http", 80));
+        let slice = svc.slice().port("http", 8080, Tcp);
+        let slice = slice.endpoints([ep(&format!("10.245.{}.{}", i / 250, 1 + i % 250))]);
+        yaml += &manifest(&[&svc, &slice]);
+    }
+    yaml
+}
+
+/// The `writes=` of the agent's "datapath synced" lines in `log` whose
+/// `source` is `source`.
+fn sync_writes(log: &str, source: &str) -> Vec<u64> {
+    let lines = log.lines().filter(|l| l.contains("datapath synced"));
+    let lines = lines.filter(|l| l.contains(&format!("source=\"{source}\"")));
+    let writes = |l: &str| l.split("writes=").nth(1)?.split(' ').next()?.parse().ok();
+    lines.filter_map(writes).collect()
+}
+
+/// eBPF only (a rule-based mode's writes are live: it waits for the whole
+/// list). A restart on a slow list: what is listed is written into the new
+/// agent's maps as it comes, nothing of it serves, the previous agent's
+/// datapath serves meanwhile; once the list is whole, the sync writes only
+/// the rest, and then the new agent takes over.
+#[test]
+fn a_slow_list_is_written_as_it_comes_and_served_only_whole() {
+    let (mut lab, pods, client) = lab(Setup::API, 2);
+    let late = service("lab", "late").cluster_ip("10.96.0.11").port(port("http", 80).target(8080));
+    let late_slice = late.slice().port("http", 8080, Tcp).endpoints([ep(&pods[0].ip)]);
+    let before = fillers(1600) + &web(80, &on_node0(&pods), None);
+    lab.write_manifest(&before).unwrap();
+    lab.start_agent(&[]).unwrap();
+    assert_eq!(tally(&tcp(&lab, &client, "10.96.0.10:80", 4)).values().sum::<usize>(), 4);
+
+    // The previous agent's datapath stays; the new one lists 4 pages of
+    // each kind, a second apart, `late` on the last.
+    lab.kill_agent();
+    lab.write_manifest(&(before + &manifest(&[&late, &late_slice]))).unwrap();
+    api(&lab).set_page_delay(Duration::from_secs(1));
+    let mut flow = lab
+        .client(&client)
+        .timeout_ms(1000)
+        .spawn(Request::tcp("10.96.0.10:80", 80).interval_ms(50))
+        .unwrap();
+    let restarted = lab.agent_log().len();
+    lab.spawn_agent_on(0, &[]).unwrap();
+    let log = || lab.agent_log()[restarted..].to_string();
+    wait_for("a sync of the listed part", Duration::from_secs(20), || {
+        !sync_writes(&log(), "partial").is_empty()
+    });
+    let listing = log();
+    assert!(!listing.contains("source read whole"), "{listing}");
+    assert!(!listing.contains("datapath ready; serving"), "{listing}");
+    // Not served before the whole list is in: the previous agent had none.
+    let refused = tcp(&lab, &client, "10.96.0.11:80", 1);
+    assert!(refused[0].pod().is_none(), "{refused:?}\n{listing}");
+    wait_for("serving", Duration::from_secs(30), || log().contains("datapath ready; serving"));
+    assert_eq!(tally(&tcp(&lab, &client, "10.96.0.11:80", 4)).get("web-0"), Some(&4), "{}", log());
+
+    // The previous datapath served all along, then this one.
+    let attempts = attempts_of(&mut flow);
+    let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
+    assert!(failed.is_empty(), "{failed:?}\n{}", log());
+
+    // Written as it came: the sync of the whole wrote the rest only.
+    let log = log();
+    let (partial, whole) = (sync_writes(&log, "partial"), sync_writes(&log, "whole"));
+    assert!(partial.len() >= 2, "{log}");
+    let first_whole = *whole.first().expect(&log);
+    assert!(first_whole * 2 < partial.iter().sum::<u64>(), "{partial:?} then {first_whole}\n{log}");
+    assert_eq!(log.matches("BPF programs verified").count(), 1, "{log}");
+    let (read, synced) = (log.find("source read whole"), log.find("datapath holds the whole"));
+    assert!(read < synced && synced < log.find("datapath ready; serving"), "{log}");
 }

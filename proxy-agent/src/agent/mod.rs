@@ -20,7 +20,7 @@ use self::{
     stats::ServiceStats,
 };
 use crate::{
-    backend::Datapath,
+    backend::{Datapath, Extent, Scale},
     health::{ProxyHealth, ServiceChecks},
     link_events::{LinkEvents, Rescan},
     metrics::Metrics,
@@ -40,6 +40,11 @@ const MAX_RETRY: Duration = Duration::from_secs(10);
 /// Failed attachments and removals of the other mode's datapath are
 /// retried every this many polls.
 const RETRY_EVERY: u32 = 25;
+/// While the source is still being read, what it holds so far is synced at
+/// most this often (only where the datapath is private until it serves):
+/// each sync writes what came since the last, in batches, and the sync of
+/// the whole source writes only what came in the last period.
+const PARTIAL_SYNC_PERIOD: Duration = Duration::from_millis(100);
 /// What the agent logs once its datapath serves the source.
 const SERVING: &str = "datapath ready; serving";
 
@@ -109,6 +114,8 @@ struct Pacing {
     min_sync_period: Duration,
     sync_period: Duration,
     last_sync: Option<Instant>,
+    /// How long the last successful sync took.
+    last_took: Duration,
     polls: u32,
 }
 
@@ -167,6 +174,7 @@ impl Agent {
                 min_sync_period: min_sync_period.unwrap_or(datapath.min_sync_period()),
                 sync_period,
                 last_sync: None,
+                last_took: Duration::ZERO,
                 polls: 0,
             },
             datapath,
@@ -394,7 +402,11 @@ impl Agent {
     /// services touched are replanned). Returns whether a sync is needed.
     fn take_changes(&mut self) -> bool {
         let mut replan_all = !self.planned;
-        if let Source::Kube(kube) = &self.source {
+        // While the lists arrive, the Node may not be listed yet: its zone
+        // and addresses are taken once it is.
+        if let Source::Kube(kube) = &self.source
+            && kube.node_listed()
+        {
             let info = NodeInfo::of(kube.node().as_ref());
             self.report.health.set_node(info.eligibility);
             if self.addresses == AddressSource::NodeObject
@@ -430,18 +442,26 @@ impl Agent {
             dirty.extend(replanned);
         }
         self.report_problems(&update);
-        !update.touched.is_empty() || replan_all || !self.phase.synced_whole()
+        // Before the source is whole, a sync only if something changed:
+        // a page of the lists may bring nothing to plan yet.
+        let unsynced_whole = self.phase.source_whole() && !self.phase.synced_whole();
+        !update.touched.is_empty() || replan_all || unsynced_whole
     }
 
     /// A sync is due as soon as the minimum sync period allows.
     fn schedule_sync(&mut self) {
         let now = Instant::now();
-        let earliest = self.pacing.last_sync.map_or(now, |t| t + self.pacing.min_sync_period);
+        let period = match self.phase.source_whole() {
+            true => self.pacing.min_sync_period,
+            false => PARTIAL_SYNC_PERIOD,
+        };
+        let earliest = self.pacing.last_sync.map_or(now, |t| t + period);
         self.pacing.due = Some(earliest.max(now));
         self.pacing.retry_after = FIRST_RETRY;
         // As kube-proxy, nothing is queued before the source is whole (a
-        // slow first list must not fail /livez).
-        if self.may_sync() {
+        // slow first list must not fail /livez, also where what it brought
+        // so far is synced).
+        if self.phase.source_whole() {
             let wall = SystemTime::now();
             self.report.health.queued(wall);
             self.report.metrics.queued_at(wall);
@@ -499,15 +519,25 @@ impl Agent {
     fn sync(&mut self) {
         let start = Instant::now();
         self.pacing.last_sync = Some(start);
+        let extent = match self.phase.source_whole() {
+            true => Extent::Whole,
+            false => Extent::Partial { scale: self.scale() },
+        };
         let (model, plan) = (self.store.model(), self.planner.plan());
-        let result =
-            self.datapath.sync(model, plan, self.pacing.dirty.as_ref(), &self.report.metrics);
+        let dirty = self.pacing.dirty.as_ref();
+        let result = self.datapath.sync(model, plan, dirty, extent, &self.report.metrics);
         let took = start.elapsed();
         self.report.metrics.sync_duration.observe(took);
         match result {
             Ok(synced) => {
                 self.pacing.dirty = Some(BTreeSet::new());
-                self.synced(synced.backends);
+                self.pacing.last_took = took;
+                match extent {
+                    Extent::Whole => self.synced(synced.backends),
+                    // Nothing serves from it: health, metrics and the
+                    // health-check ports wait for the whole.
+                    Extent::Partial { .. } => self.pacing.due = None,
+                }
             }
             Err(err) => {
                 // Where it stopped is known to the datapath: the next sync
@@ -525,6 +555,14 @@ impl Agent {
                 self.pacing.retry_after = (self.pacing.retry_after * 2).min(MAX_RETRY);
             }
         }
+    }
+
+    /// How much more the whole source holds than what was taken of it,
+    /// where it can tell (the API server's counts).
+    fn scale(&self) -> Option<Scale> {
+        let Source::Kube(kube) = &self.source else { return None };
+        let (frontends, endpoints) = kube.progress().ratios()?;
+        Some(Scale { frontends, endpoints })
     }
 
     /// After a successful sync: health, metrics, health-check node ports.
@@ -612,7 +650,10 @@ impl Agent {
                 let services = self.store.model().service_names().count();
                 tracing::info!(source = self.source.name(), services, "source read whole");
             }
-            (_, Phase::SyncedWhole) => tracing::debug!("the datapath holds the whole source"),
+            (_, Phase::SyncedWhole) => {
+                let ms = self.pacing.last_took.as_secs_f64() * 1000.0;
+                tracing::info!(ms, "the datapath holds the whole source");
+            }
             (Phase::SyncedWhole, Phase::Serving { .. }) => {
                 let (mode, source) = (self.datapath.mode(), self.source.name());
                 // /healthz answers 200 from now on (while syncs keep up).
@@ -643,7 +684,7 @@ impl Agent {
                     tracing::warn!(
                         source,
                         listing = ?kube.listing(),
-                        "waiting for the whole source: the API server's lists are not complete; nothing is synced before they are"
+                        "waiting for the whole source: the API server's lists are not complete; nothing serves from them before they are"
                     );
                 } else {
                     tracing::warn!(

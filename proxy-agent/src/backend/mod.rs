@@ -64,6 +64,28 @@ impl TrafficRules {
     }
 }
 
+/// How much of the source a sync holds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Extent {
+    /// Everything the source holds.
+    Whole,
+    /// What a source still being read holds so far (given only to a
+    /// datapath that is not [`Datapath::live_at_once`], before it serves):
+    /// nothing may serve from it before a sync of the whole.
+    Partial {
+        /// How much more the whole source holds, when it can tell.
+        scale: Option<Scale>,
+    },
+}
+
+/// How many times more frontends, and more endpoints, a whole source holds
+/// than a part of it (at least 1 each).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scale {
+    pub frontends: f64,
+    pub endpoints: f64,
+}
+
 /// What a successful sync did, for the metrics.
 #[derive(Debug, Default)]
 pub struct Synced {
@@ -94,14 +116,15 @@ pub trait Datapath: Send {
     fn set_zone(&mut self, _zone: Option<String>) {}
 
     /// Brings the datapath to `plan` (or `model`, which iptables renders
-    /// kube-proxy's rules from); only the frontends in `dirty` may differ
-    /// from the last successful sync (`None`: any may). Counts what went
-    /// wrong.
+    /// kube-proxy's rules from), which holds the source to `extent`; only
+    /// the frontends in `dirty` may differ from the last successful sync
+    /// (`None`: any may). Counts what went wrong.
     fn sync(
         &mut self,
         model: &Model,
         plan: &Plan,
         dirty: Option<&BTreeSet<Frontend>>,
+        extent: Extent,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced>;
 

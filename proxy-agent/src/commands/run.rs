@@ -186,8 +186,8 @@ async fn source(args: &RunArgs, node_name: &str) -> anyhow::Result<Source> {
     if let Some(path) = &args.manifests {
         return Ok(Source::Manifests(Manifests::new(path)));
     }
-    let client = crate::source::kube::client(args.kubeconfig.as_deref()).await?;
-    Ok(Source::Kube(KubeSource::start(client, node_name)))
+    let config = crate::source::kube::config(args.kubeconfig.as_deref()).await?;
+    Ok(Source::Kube(KubeSource::start(config, node_name)?))
 }
 
 /// `--node-ip`; else the Node object's InternalIPs (waiting a while for

@@ -46,7 +46,13 @@ pub(super) async fn serve(
         tokio::spawn(async move {
             let service = service_fn(move |req| {
                 let state = state.clone();
-                async move { Ok::<_, Infallible>(handle(state, req)) }
+                async move {
+                    let delay = page_delay(&state, &req);
+                    if !delay.is_zero() {
+                        tokio::time::sleep(delay).await;
+                    }
+                    Ok::<_, Infallible>(handle(state, req))
+                }
             });
             let connection = http1::Builder::new()
                 .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
@@ -55,6 +61,17 @@ pub(super) async fn serve(
                 _ = up.wait_for(|up| !*up) => {}
             }
         });
+    }
+}
+
+/// How late to answer `req`: a list's pages after its first, as the test
+/// asks (`ApiServer::set_page_delay`).
+fn page_delay(state: &Mutex<State>, req: &Request<Incoming>) -> Duration {
+    let query = req.uri().query().unwrap_or("");
+    let page = query.split('&').any(|p| p.starts_with("continue="));
+    match page && !query.split('&').any(|p| p.starts_with("watch=")) {
+        true => state.lock().unwrap_or_else(|e| e.into_inner()).page_delay,
+        false => Duration::ZERO,
     }
 }
 
@@ -208,6 +225,10 @@ pub(super) fn list_response(
     let mut metadata = json!({ "resourceVersion": state.rv.to_string() });
     if let Some((_, ns, name)) = last.filter(|_| matching.next().is_some()) {
         metadata["continue"] = json!(format!("{ns}/{name}"));
+        // As the real server: only for a list without selectors.
+        if selector.counts_remaining() {
+            metadata["remainingItemCount"] = json!(1 + matching.count());
+        }
     }
     let head = json!({
         "kind": format!("{}List", kind.name()),

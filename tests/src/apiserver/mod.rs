@@ -146,6 +146,8 @@ struct State {
     next_watch: u64,
     /// Every request gets 500 Internal Server Error.
     failing: bool,
+    /// Each list page after the first is answered this late.
+    page_delay: Duration,
 }
 
 fn event(kind: &str, object: &Value) -> Bytes {
@@ -400,6 +402,12 @@ impl ApiServer {
         if failing {
             self.drop_watches();
         }
+    }
+
+    /// Answers each list page after a list's first `delay` late: a slow
+    /// list, as from a large cluster or a busy server.
+    pub fn set_page_delay(&self, delay: Duration) {
+        self.state().page_delay = delay;
     }
 
     /// Stops answering (connections reset, new ones closed at once) or

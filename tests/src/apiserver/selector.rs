@@ -100,6 +100,12 @@ pub(super) struct Selector {
 }
 
 impl Selector {
+    /// Neither labels nor fields: the API server then says how many objects
+    /// a page leaves (`remainingItemCount`).
+    pub(super) fn counts_remaining(&self) -> bool {
+        self.labels.is_empty() && self.fields.is_empty()
+    }
+
     pub(super) fn matches(&self, object: &Value) -> bool {
         let meta = &object["metadata"];
         if self.namespace.as_ref().is_some_and(|ns| meta["namespace"].as_str() != Some(ns)) {

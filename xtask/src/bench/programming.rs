@@ -89,11 +89,16 @@ pub(super) fn programming_with(
         Programmed::Serving => {
             result["to_serving_s"] = json!(serving);
             result["listed_s"] = json!(listed.unwrap_or(f64::NAN));
-            let first_sync = metric(&lab, "kubeproxy_sync_proxy_rules_duration_seconds_sum");
-            if let Err(e) = &first_sync {
+            // Every sync until then: those of the lists' parts as they
+            // came (eBPF), and the sync of the whole.
+            let syncs = metric(&lab, "kubeproxy_sync_proxy_rules_duration_seconds_sum");
+            if let Err(e) = &syncs {
                 eprintln!("  no sync duration: {e:#}");
             }
-            result["first_sync_s"] = json!(first_sync.unwrap_or(f64::NAN));
+            let syncs = syncs.unwrap_or(f64::NAN);
+            result["syncs_s"] = json!(syncs);
+            // The one between the whole source and serving.
+            result["first_sync_s"] = json!(whole_sync_s(&lab.agent_log()).unwrap_or(syncs));
             result["agent_peak_rss_mib"] =
                 json!(lab.agent_pid_on(0).map_or(f64::NAN, peak_rss_mib));
             result["map_memory_mib"] = json!(map_memory_mib(&lab));
@@ -151,6 +156,14 @@ fn wait_serving(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The sync of the whole source, as the agent logs it (`None` before it
+/// said so).
+fn whole_sync_s(log: &str) -> Option<f64> {
+    let (_, rest) = log.split_once("the datapath holds the whole source ms=")?;
+    let ms: f64 = rest.split_whitespace().next()?.parse().ok()?;
+    Some(ms / 1000.0)
 }
 
 /// How a programming run ended.

@@ -28,7 +28,7 @@ use super::{
     state_sizes::StateSizes,
 };
 use crate::{
-    backend::{Datapath, Synced, iptables, nftables},
+    backend::{Datapath, Extent, Scale, Synced, iptables, nftables},
     metrics::Metrics,
     model::{IpFamily, Model, ServiceName, v4, v6},
     netlink, node,
@@ -53,6 +53,9 @@ const GC_MAX: Duration = Duration::from_secs(30);
 /// collection only frees room early.
 const GC_ENTRIES_PER_SEC: usize = 10_000;
 
+/// How much lower the syncs of a partial source run than the lists.
+const PARTIAL_SYNC_NICE: i32 = 10;
+
 /// Logged when a change is applied in steps that each fit the maps.
 const STEPWISE: &str =
     "old and new entries do not fit side by side: applying the change service by service";
@@ -68,6 +71,9 @@ pub struct EbpfDatapath {
     /// Whether `object`'s programs are verified: not before the first sync,
     /// which knows what size of maps the source needs (one verifier run).
     verified: bool,
+    /// Whether the maps were sized for what the whole source is expected
+    /// to hold, at a sync of a part of it.
+    estimated: bool,
     loading: Loading,
     cgroup: PathBuf,
     /// Name prefixes of pod-facing interfaces.
@@ -282,6 +288,7 @@ impl EbpfDatapath {
         Ok(EbpfDatapath {
             object,
             verified: false,
+            estimated: false,
             loading,
             cgroup,
             pod_interfaces,
@@ -318,32 +325,48 @@ impl EbpfDatapath {
 
     /// Brings the maps to `plan`; when it outgrew them, into larger maps
     /// (see [`Self::grow`]); while it does not fit even so, to the part of
-    /// it that does (see [`fit`]). The first sync verifies the programs
-    /// while it fills their maps.
+    /// it that does (see [`fit`]). The first sync of the whole source
+    /// verifies the programs while it fills their maps, unless a sync of
+    /// a part of it did (see [`Self::sync_partial`]).
     fn sync_maps(
         &mut self,
         plan: &Plan,
         dirty: Option<&BTreeSet<Frontend>>,
+        extent: Extent,
         metrics: &Metrics,
     ) -> anyhow::Result<SyncReport> {
-        // Before serving (the first sync), the plan's size is checked first:
-        // maps too small for what the source holds are sized for it before
-        // anything is written, not after a failed attempt to fill them.
-        let outgrown = self.serving.is_none()
-            && fit::grown(self.capacity, fit::needed(plan), self.bound).is_some();
+        if let (Extent::Partial { scale }, None) = (extent, &self.serving) {
+            // The lists are still arriving, and their reading comes first:
+            // on a node short of CPU, writing a part sooner is no gain if
+            // the list then ends later. These writes (and the verifier's
+            // threads) take the CPU the lists leave.
+            // The loop's runtime, for the tasks the programs' setup starts
+            // (their records' reader).
+            let runtime = tokio::runtime::Handle::try_current().ok();
+            return std::thread::scope(|scope| {
+                let partial = scope.spawn(|| {
+                    let _in_runtime = runtime.as_ref().map(|r| r.enter());
+                    sys::lower_thread_priority(PARTIAL_SYNC_NICE);
+                    self.sync_partial(plan, dirty, scale, metrics)
+                });
+                partial.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the sync's thread failed")))
+            });
+        }
+        // Before the programs are verified, the plan's size is checked
+        // first: maps too small for what the source holds are sized for it
+        // before anything is written, not after a failed attempt to fill
+        // them (which would verify the programs into the small ones).
+        let outgrown =
+            !self.verified && fit::grown(self.capacity, fit::needed(plan), self.bound).is_some();
         if self.verified && self.refused.is_empty() && !outgrown {
-            match self.object.sync(plan, dirty) {
+            match self.write(plan, dirty) {
                 Err(SyncError::Capacity { .. }) => {}
                 result => return Ok(result?),
             }
         }
-        // What the maps serve, named as the plan names it.
-        let served = self
-            .object
-            .reconciler()
-            .installed_plan(|f| plan.frontends.get(f).map(|fp| fp.service.clone()));
         let larger = fit::grown(self.capacity, fit::needed(plan), self.bound);
         if let Some(larger) = larger.filter(|_| self.growable) {
+            let served = self.served(plan);
             match self.grow(plan, &served, larger, metrics) {
                 Ok(report) => return Ok(report),
                 Err(e) => {
@@ -356,34 +379,149 @@ impl EbpfDatapath {
             }
         }
         if !self.verified {
-            return self.verify_and_fill(plan, &served, metrics).inspect_err(|_| {
-                // Some programs may be loaded: a retry starts afresh (a
-                // failed growth restores its own object instead).
-                if let Ok(fresh) = self.loading.prepare(self.capacity) {
-                    self.object = fresh;
-                }
-            });
+            return self.verify_first(plan, dirty, metrics);
         }
+        let served = self.served(plan);
         Ok(self.sync_fitted(plan, &served, metrics)?)
     }
 
+    /// The first verification of the object's programs, beside its writes
+    /// (see [`Self::verify_and_fill`]).
+    fn verify_first(
+        &mut self,
+        plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
+        metrics: &Metrics,
+    ) -> anyhow::Result<SyncReport> {
+        self.verify_and_fill(plan, dirty, None, metrics).inspect_err(|_| {
+            // Some programs may be loaded: a retry starts afresh (a failed
+            // growth restores its own object instead), writing everything.
+            if let Ok(fresh) = self.loading.prepare(self.capacity) {
+                self.object = fresh;
+            }
+        })
+    }
+
+    /// Before serving, while the source is still being read: writes what it
+    /// holds so far into maps that nothing runs yet (a previous agent's
+    /// programs keep serving from their own), so that the sync of the whole
+    /// writes only the rest. The first that knows how much more the whole
+    /// holds (`scale`) sizes the maps for it and verifies the programs
+    /// beside its writes, while the lists go on; one that outgrows the maps
+    /// makes them again, larger, and writes everything again (the programs
+    /// are then verified again, at the sync of the whole).
+    fn sync_partial(
+        &mut self,
+        plan: &Plan,
+        mut dirty: Option<&BTreeSet<Frontend>>,
+        scale: Option<Scale>,
+        metrics: &Metrics,
+    ) -> anyhow::Result<SyncReport> {
+        let expected = |plan: &Plan| {
+            let needed = fit::needed(plan);
+            scale.map_or(needed, |scale| fit::extrapolated(needed, scale))
+        };
+        if !self.estimated && scale.is_some() && !plan.frontends.is_empty() {
+            self.estimated = true;
+            if self.presize(expected(plan)) {
+                dirty = None;
+            }
+            if !self.verified {
+                return self.verify_first(plan, dirty, metrics);
+            }
+        }
+        match self.write(plan, dirty) {
+            Err(SyncError::Capacity { .. }) if self.presize(expected(plan)) => {
+                Ok(self.write(plan, None)?)
+            }
+            Err(SyncError::Capacity { .. }) => {
+                let served = self.served(plan);
+                Ok(self.sync_fitted(plan, &served, metrics)?)
+            }
+            result => Ok(result?),
+        }
+    }
+
+    /// Before serving: makes the service maps again, empty, at the size
+    /// `expected` needs if theirs is smaller (nothing runs from them yet:
+    /// no make-before-break, and the programs are verified into the new
+    /// ones later); whether it did.
+    fn presize(&mut self, expected: Capacity) -> bool {
+        let larger = fit::grown(self.capacity, expected, self.bound).filter(|_| self.growable);
+        let Some(larger) = larger else { return false };
+        tracing::info!(from = ?self.capacity, to = ?larger, "sizing the service maps for what the source is expected to hold");
+        match self.loading.prepare(larger) {
+            Ok(object) => {
+                self.object = object;
+                self.capacity = larger;
+                self.verified = false;
+                true
+            }
+            Err(e) => {
+                tracing::warn!("could not make larger service maps, filling these: {e:#}");
+                self.growable = false;
+                false
+            }
+        }
+    }
+
+    /// What the maps serve, named as `plan` names it.
+    fn served(&self, plan: &Plan) -> Plan {
+        self.object
+            .reconciler()
+            .installed_plan(|f| plan.frontends.get(f).map(|fp| fp.service.clone()))
+    }
+
+    /// Writes `plan` into the maps; before serving, without touching what a
+    /// previous agent's programs read (see [`BpfObject::sync_unserved`]),
+    /// and the programs loaded on demand only once the others are
+    /// verified (the verification looks at the whole plan for them).
+    fn write(
+        &mut self,
+        plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
+    ) -> Result<SyncReport, SyncError> {
+        match self.serving {
+            Some(_) => self.object.sync(plan, dirty),
+            None => {
+                if self.verified {
+                    self.object.serve_on_demand(plan, dirty);
+                }
+                self.object.sync_unserved(plan, dirty)
+            }
+        }
+    }
+
     /// Verifies the object's programs while its maps fill with `plan` (or
-    /// with the part of it that fits, `served` being what they hold), and
-    /// sets them up; they serve once attached.
+    /// with the part of it that fits, `served` being what they hold: `None`,
+    /// what this object's maps hold), and sets them up; they serve once
+    /// attached.
     fn verify_and_fill(
         &mut self,
         plan: &Plan,
-        served: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
+        served: Option<&Plan>,
         metrics: &Metrics,
     ) -> anyhow::Result<SyncReport> {
         let started = Instant::now();
-        let synced = self.object.verify_while_syncing(plan).context("loading the BPF programs")?;
+        let synced =
+            self.object.verify_while_syncing(plan, dirty).context("loading the BPF programs")?;
         let ms = started.elapsed().as_millis();
         tracing::info!(capacity = ?self.capacity, ms, "BPF programs verified while their maps filled");
         self.loading.finish(&mut self.object);
         self.verified = true;
         let report = match synced {
-            Err(SyncError::Capacity { .. }) => self.sync_fitted(plan, served, metrics),
+            Err(SyncError::Capacity { .. }) => {
+                let own;
+                let served = match served {
+                    Some(served) => served,
+                    None => {
+                        own = self.served(plan);
+                        &own
+                    }
+                };
+                self.sync_fitted(plan, served, metrics)
+            }
             Ok(report) => {
                 self.report_refused(BTreeMap::new(), plan, metrics);
                 Ok(report)
@@ -403,7 +541,7 @@ impl EbpfDatapath {
         let mut fitted = fit::fit(plan, served, self.capacity);
         let refused = std::mem::take(&mut fitted.refused);
         self.report_refused(refused, &fitted.plan, metrics);
-        match self.object.sync(&fitted.plan, None) {
+        match self.write(&fitted.plan, None) {
             Err(SyncError::Capacity { .. }) => {
                 tracing::info!("{STEPWISE}");
                 self.object.sync_in_steps(served, &fitted.plan)
@@ -440,7 +578,7 @@ impl EbpfDatapath {
             // Nothing runs the new programs yet: they are verified while the
             // maps fill, whole where they fit (the usual case, and the cheap
             // one).
-            let report = self.verify_and_fill(plan, served, metrics)?;
+            let report = self.verify_and_fill(plan, None, Some(served), metrics)?;
             if let Some(node_ips) = self.serving.clone() {
                 // The programs attached now serve until the new ones are.
                 self.activate(&node_ips, metrics).context("attaching to them")?;
@@ -554,7 +692,8 @@ impl EbpfDatapath {
                 .flatten()
                 .any(|b| b.local && !b.host && !self.pods.is_routed(b.addr.ip()))
         };
-        let stale = dirty.is_none_or(|dirty| dirty.iter().any(unrouted));
+        let stale =
+            !self.pods.routes_read() || dirty.is_none_or(|dirty| dirty.iter().any(unrouted));
         let node_ips = self.node_ips.clone();
         let whole = stale
             && self.find_pods(&node_ips, plan).unwrap_or_else(|e| {
@@ -629,21 +768,35 @@ impl Datapath for EbpfDatapath {
         _model: &Model,
         plan: &Plan,
         dirty: Option<&BTreeSet<Frontend>>,
+        extent: Extent,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
         self.follow_endpoints(plan, dirty);
-        let report = self.sync_maps(plan, dirty, metrics).inspect_err(|_| {
+        let report = self.sync_maps(plan, dirty, extent, metrics).inspect_err(|_| {
             metrics.map_update_failures.fetch_add(1, Relaxed);
         })?;
         let state = self.object.reconciler();
         let backends = state.backend_count();
         metrics.set_map_entries(&state.map_entries());
+        let source = match extent {
+            Extent::Whole => "whole",
+            Extent::Partial { .. } => "partial",
+        };
         tracing::info!(
             frontends = state.frontend_count(),
             backends = state.backend_count(),
             writes = report.writes,
+            source,
             "datapath synced"
         );
+        if self.serving.is_none() {
+            // The endpoints a sync before serving drops were in this
+            // agent's maps only (a partial source's): flows and sockets
+            // made through a previous agent's programs are not theirs (its
+            // backends this agent does not serve are dealt with at the
+            // takeover).
+            return Ok(Synced { backends });
+        }
         match self.object.flush_departed_flows(&report.departures) {
             Ok(0) => {}
             Ok(flushed) => tracing::info!(flushed, "UDP/SCTP flows to removed endpoints deleted"),

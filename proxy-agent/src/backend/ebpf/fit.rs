@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::{
+    backend::Scale,
     model::{Protocol, ServiceName},
     plan::{BackendPlan, Frontend, FrontendPlan, Plan},
 };
@@ -236,6 +237,20 @@ pub fn needed(plan: &Plan) -> Capacity {
     Capacity { services, backends: backends.len(), rev_nat: plan.frontends.len(), source_ranges }
 }
 
+/// What a whole source is expected to need, from what a part of it needs
+/// and how much more the whole holds: frontends (and their reverse-NAT
+/// entries) as the services, backend slots and backends as the endpoints.
+pub fn extrapolated(needed: Capacity, scale: Scale) -> Capacity {
+    let times = |n: usize, by: f64| (n as f64 * by.max(1.0)).ceil() as usize;
+    let slots = needed.services.saturating_sub(needed.rev_nat);
+    Capacity {
+        services: times(needed.rev_nat, scale.frontends) + times(slots, scale.endpoints),
+        backends: times(needed.backends, scale.endpoints),
+        rev_nat: times(needed.rev_nat, scale.frontends),
+        source_ranges: needed.source_ranges,
+    }
+}
+
 /// The sizes the service maps grow to so that `needed` fits with room to
 /// spare (a quarter more, rounded up to a power of two: growing is rare),
 /// each at most `bound`; `None` when no map outgrew `current` or none can
@@ -437,6 +452,20 @@ mod tests {
         assert_eq!(grown(small, needed, 1024), Some(cap(8)), "6 and a quarter: 8");
         assert_eq!(grown(small, needed, 5), Some(Capacity { services: 5, ..cap(8) }));
         assert_eq!(grown(Capacity { services: 5, ..cap(8) }, needed, 5), None, "at the bound");
+    }
+
+    #[test]
+    fn a_part_of_a_source_tells_what_the_whole_needs() {
+        // 2 frontends of 4 slots and 3 backends, in a tenth of the services
+        // and a twentieth of the endpoints.
+        let part = Capacity { services: 6, backends: 3, rev_nat: 2, source_ranges: 1 };
+        let whole = extrapolated(part, Scale { frontends: 10.0, endpoints: 20.0 });
+        assert_eq!(
+            whole,
+            Capacity { services: 20 + 80, backends: 60, rev_nat: 20, source_ranges: 1 }
+        );
+        let same = extrapolated(part, Scale { frontends: 1.0, endpoints: 0.5 });
+        assert_eq!(same, part, "never less than the part");
     }
 
     #[test]

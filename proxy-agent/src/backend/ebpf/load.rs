@@ -2,7 +2,10 @@
 //! and carried-over state maps, the verifier run (in parallel), and the
 //! programs' settings and decision records.
 
-use std::{collections::BTreeMap, path::Path};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::Path,
+};
 
 use aya::{
     Ebpf,
@@ -25,7 +28,7 @@ use super::{
     sock_end::SocketEnding,
     state_sizes::StateSizes,
 };
-use crate::plan::Plan;
+use crate::plan::{Frontend, Plan};
 
 /// The socket programs' global saying whether they may call
 /// `bpf_set_retval`.
@@ -250,6 +253,7 @@ impl BpfObject {
     pub fn verify_while_syncing(
         &mut self,
         plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
     ) -> Result<Result<SyncReport, SyncError>, EbpfError> {
         let ipv6 = self.on_demand.of(Group::Ipv6) == Stage::NotNeeded
             && Group::Ipv6.wanted(&plan.frontends, None);
@@ -261,13 +265,14 @@ impl BpfObject {
         let (verified, verified6, synced) = std::thread::scope(|scope| {
             let verifying = scope.spawn(|| verify_set(base, &heaviest));
             let verifying6 = ipv6.then(|| scope.spawn(|| verify_set(tc6, &Group::Ipv6.heaviest())));
-            let synced = state.sync(plan, None, maps);
+            let synced = state.sync(plan, dirty, maps);
             let join = |thread: std::thread::ScopedJoinHandle<'_, Result<(), EbpfError>>| {
                 thread.join().unwrap_or(Err(EbpfError::VerifierThread))
             };
             (join(verifying), verifying6.map_or(Ok(()), join), synced)
         });
-        self.purge_owed();
+        // Before serving: see `sync_unserved`.
+        drop(self.reconciler.take_affinity_purge());
         verified?;
         self.maps.fill_tc_new(&mut self.ebpf)?;
         if ipv6 {

@@ -216,6 +216,20 @@ impl BpfObject {
         result
     }
 
+    /// As [`Self::sync`], before the programs serve: the affinity entries
+    /// that name backends a frontend lost are not purged. Those backends
+    /// were in this agent's maps only (a partial source's, never served),
+    /// and the affinity map may be a previous agent's, serving.
+    pub fn sync_unserved(
+        &mut self,
+        plan: &Plan,
+        dirty: Option<&BTreeSet<Frontend>>,
+    ) -> Result<SyncReport, SyncError> {
+        let result = self.reconciler.sync(plan, dirty, &mut self.maps);
+        drop(self.reconciler.take_affinity_purge());
+        result
+    }
+
     /// From `served` to `target` in syncs that each fit (see
     /// [`Reconciler::sync_in_steps`]).
     pub fn sync_in_steps(&mut self, served: &Plan, target: &Plan) -> Result<SyncReport, SyncError> {

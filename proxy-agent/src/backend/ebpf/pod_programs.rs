@@ -48,6 +48,8 @@ pub struct PodPrograms {
     /// When the last conntrack collection began, and the backends of the
     /// flows it found.
     flows: Option<(Instant, HashSet<IpAddr>)>,
+    /// Whether the routes were read at all.
+    read: bool,
 }
 
 impl PodPrograms {
@@ -56,6 +58,7 @@ impl PodPrograms {
     /// changed, when what they back is to be worked out again from the
     /// whole plan ([`Self::plan`] without `dirty`).
     pub fn routes(&mut self, routed: impl IntoIterator<Item = (IpAddr, String)>) -> bool {
+        self.read = true;
         let routed: HashMap<IpAddr, String> = routed.into_iter().collect();
         let same =
             routed.len() == self.routed.len() && routed.keys().all(|a| self.routed.contains_key(a));
@@ -63,6 +66,11 @@ impl PodPrograms {
         let routed_to: BTreeSet<&String> = self.routed.values().collect();
         self.idle_since.retain(|i, _| routed_to.contains(i));
         !same
+    }
+
+    /// Whether [`Self::routes`] was given the routes once.
+    pub fn routes_read(&self) -> bool {
+        self.read
     }
 
     /// Whether `address` is one this node routes to a pod interface.

@@ -20,7 +20,7 @@ use super::{
 };
 use crate::{
     backend::{
-        Datapath, Synced, TrafficRules,
+        Datapath, Extent, Synced, TrafficRules,
         conntrack_limit::ConntrackLimit,
         ebpf, nftables, rule_families,
         rule_modes::{RuleOptions, raise_conntrack_max, synced, timed_sync},
@@ -137,6 +137,8 @@ impl Datapath for IptablesDatapath {
         model: &Model,
         plan: &Plan,
         _dirty: Option<&BTreeSet<Frontend>>,
+        // Always whole: its rules are live (`live_at_once`).
+        _extent: Extent,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
         // The rules' counters restart with the rules a sync writes.

@@ -14,7 +14,7 @@ use std::{
 use super::{NftablesBackend, NftablesError, SyncReport, render};
 use crate::{
     backend::{
-        Datapath, Synced, TrafficRules,
+        Datapath, Extent, Synced, TrafficRules,
         conntrack_limit::ConntrackLimit,
         ebpf, iptables,
         iptables::exec::System,
@@ -115,6 +115,8 @@ impl Datapath for NftablesDatapath {
         model: &Model,
         plan: &Plan,
         _dirty: Option<&BTreeSet<Frontend>>,
+        // Always whole: its rules are live (`live_at_once`).
+        _extent: Extent,
         metrics: &Metrics,
     ) -> anyhow::Result<Synced> {
         for backend in &mut self.backends {
