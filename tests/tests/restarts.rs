@@ -321,7 +321,7 @@ fn assert_xdp_serves_after_restarts(lab: &Lab, ext: &Pod) {
     assert!(shown.contains("prog/xdp id"), "{shown}");
     assert!(lab.pins.join("links/xdp-eth0").exists(), "the XDP link is pinned");
     let listed = lab.inspect_on(0, &["lb", "list"]).unwrap();
-    assert!(listed.ends_with("XDP (--bpf-lb-acceleration) on: eth0\n"), "{listed}");
+    assert!(listed.lines().any(|l| l == "XDP (--bpf-lb-acceleration) on: eth0"), "{listed}");
     let forwarded = lab.counter_on(0, proxy_common::Counter::XdpForwarded).unwrap();
     assert!(forwarded > 0, "the new program forwards at XDP: {forwarded}");
 }
