@@ -26,7 +26,10 @@ use proxy_common::{
 };
 use proxy_common::{AffinityKey6, CtEntry6, CtEntry6V1, CtEntry6V2, CtKey6};
 
-use super::entries::{BackendEntry, SlotKey};
+use super::{
+    entries::{BackendEntry, SlotKey},
+    maps::read_all,
+};
 use crate::plan::Frontend;
 
 /// What a map looks like to the kernel: a pinned map is used as it is only
@@ -277,19 +280,17 @@ impl Reserved {
         services: &str,
         backends: &str,
     ) -> Result<(), MapError> {
-        let services = open(dir, services)?;
-        let services = HashMap::<_, K, ServiceValue>::try_from(&services)?;
+        // Every slot is an entry: a million at 100,000 services, read in
+        // batches.
+        let services = read_all::<K, ServiceValue>(&open(dir, services)?)?;
         let frontends = services
-            .iter()
-            .filter_map(Result::ok)
+            .into_iter()
             .map(|(key, value)| (key.slot_key(), value))
             .filter(|(key, _)| key.slot() == 0)
             .map(|(key, value)| (key.frontend(), value.rev_nat_id));
         self.frontends.extend(frontends);
-        let backends = open(dir, backends)?;
-        let backends = HashMap::<_, u32, K::Backend>::try_from(&backends)?;
-        let backends = backends.iter().filter_map(Result::ok);
-        self.backends.extend(backends.map(|(id, b)| (K::backend_entry(b), id)));
+        let backends = read_all::<u32, K::Backend>(&open(dir, backends)?)?;
+        self.backends.extend(backends.into_iter().map(|(id, b)| (K::backend_entry(b), id)));
         Ok(())
     }
 }

@@ -4,17 +4,17 @@
 
 use std::{collections::HashSet, net::IpAddr};
 
-use aya::maps::{HashMap, Map, MapError};
+use aya::maps::{HashMap, Map};
 use proxy_common::{
     AffinityValue, CT_FLAG_REPLY, CtEntry, CtEntry6, CtKey, CtKey6, CtTuple, CtValue, FrontendInfo,
     FrontendStats, SockFlow, SockFlowKey, map_names,
 };
 
 use super::{
-    BpfObject, EbpfError, batch, conntrack,
+    BpfObject, EbpfError, conntrack,
     departures::Departures,
     flow_counts::{FlowCounts, Growth},
-    maps::hash_fd,
+    maps::read_all,
     prefilter,
     prefilter::Prefilter,
     reconciler::AffinityPurge,
@@ -120,17 +120,7 @@ pub(super) fn conntrack_entries<K: aya::Pod, V: aya::Pod>(
     map: &Map,
     name: &'static str,
 ) -> Result<Vec<(K, V)>, EbpfError> {
-    let err = |source| EbpfError::Map { name, source };
-    if let Some(read) = hash_fd(map).and_then(batch::lookup_all) {
-        return read.map_err(|io_error| {
-            err(MapError::SyscallError(aya::sys::SyscallError {
-                call: "BPF_MAP_LOOKUP_BATCH",
-                io_error,
-            }))
-        });
-    }
-    let map = HashMap::<_, K, V>::try_from(map).map_err(err)?;
-    Ok(map.iter().filter_map(Result::ok).collect())
+    read_all(map).map_err(|source| EbpfError::Map { name, source })
 }
 
 /// Deletes the `keys` whose entry `still_stale` says may go: the map moves

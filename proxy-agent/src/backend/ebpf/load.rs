@@ -198,8 +198,14 @@ impl BpfObject {
         let mut maps = Maps::take(&mut ebpf)?;
         let mut state = Reconciler::with_capacity(sizes);
         if let Some(pinned) = &pinned {
+            let started = std::time::Instant::now();
             match pinned.reserved() {
-                Ok(reserved) => state.reserve(reserved),
+                Ok(reserved) => {
+                    let (frontends, backends) = (reserved.frontends.len(), reserved.backends.len());
+                    state.reserve(reserved);
+                    let ms = started.elapsed().as_secs_f64() * 1000.0;
+                    tracing::info!(frontends, backends, ms, "the previous agent's ids kept");
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "could not read the previous agent's ids; frontends and backends get new ones")
                 }
