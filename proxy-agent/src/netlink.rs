@@ -41,17 +41,29 @@ pub fn message(kind: u16, flags: u16, seq: u32, payload: &[u8]) -> Vec<u8> {
 
 /// The messages of a buffer of replies, as (type, body); a truncated or
 /// malformed one ends the walk.
-pub fn messages(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+pub fn messages(buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    records(buf, NLMSG_HDRLEN, |header| {
+        let len = u32::from_ne_bytes(header[0..4].try_into().ok()?);
+        Some((len as usize, u16::from_ne_bytes(header[4..6].try_into().ok()?)))
+    })
+}
+
+/// Type-length-value records, each 4-byte aligned: `header` bytes, of
+/// which `read` gives the record's length (header included) and type;
+/// a truncated or malformed one ends the walk.
+fn records(
+    mut buf: &[u8],
+    header: usize,
+    read: fn(&[u8]) -> Option<(usize, u16)>,
+) -> impl Iterator<Item = (u16, &[u8])> {
     std::iter::from_fn(move || {
-        let len = u32::from_ne_bytes(buf.get(0..4)?.try_into().ok()?) as usize;
-        let kind = u16::from_ne_bytes(buf.get(4..6)?.try_into().ok()?);
-        if len < NLMSG_HDRLEN || len > buf.len() {
+        let (len, kind) = read(buf.get(..header)?)?;
+        if len < header || len > buf.len() {
             return None;
         }
-        let body = &buf[NLMSG_HDRLEN..len];
-        // Messages are 4-byte aligned.
+        let value = &buf[header..len];
         buf = &buf[((len + 3) & !3).min(buf.len())..];
-        Some((kind, body))
+        Some((kind, value))
     })
 }
 
@@ -221,16 +233,10 @@ fn bpf_filter_name(kind: u16, body: &[u8]) -> Option<String> {
 const NLA_TYPE_MASK: u16 = 0x3fff;
 
 /// The route attributes (`struct rtattr`, 4-byte aligned) as (type, value).
-fn attributes(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    std::iter::from_fn(move || {
-        let len = u16::from_ne_bytes(buf.get(0..2)?.try_into().ok()?) as usize;
-        let kind = u16::from_ne_bytes(buf.get(2..4)?.try_into().ok()?);
-        if len < 4 || len > buf.len() {
-            return None;
-        }
-        let value = &buf[4..len];
-        buf = &buf[((len + 3) & !3).min(buf.len())..];
-        Some((kind, value))
+fn attributes(buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    records(buf, 4, |header| {
+        let len = u16::from_ne_bytes(header[0..2].try_into().ok()?);
+        Some((len as usize, u16::from_ne_bytes(header[2..4].try_into().ok()?)))
     })
 }
 
