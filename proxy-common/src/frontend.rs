@@ -19,7 +19,14 @@ pub const KIND_LOAD_BALANCER: u8 = 3;
 pub struct FrontendInfo {
     pub kind: u8,
     pub name_len: u8,
-    pub _pad: [u8; 2],
+    /// The frontend's IP protocol and scope (`SCOPE_*`), as its service
+    /// keys hold them: with the reverse-NAT entry's address and port, a
+    /// restarting agent learns which frontend each id names from this map
+    /// and the reverse-NAT maps (a tenth of the service keys). 0: an agent
+    /// before these were kept. Read only where the pinned `Layouts::services`
+    /// is this build's: a change of this layout changes that version.
+    pub proto: u8,
+    pub scope: u8,
     pub name: [u8; FRONTEND_NAME_LEN],
 }
 
@@ -30,10 +37,20 @@ impl FrontendInfo {
         while !name.is_char_boundary(end) {
             end -= 1;
         }
-        let mut info =
-            FrontendInfo { kind, name_len: end as u8, _pad: [0; 2], name: [0; FRONTEND_NAME_LEN] };
+        let mut info = FrontendInfo {
+            kind,
+            name_len: end as u8,
+            proto: 0,
+            scope: 0,
+            name: [0; FRONTEND_NAME_LEN],
+        };
         info.name[..end].copy_from_slice(&name.as_bytes()[..end]);
         info
+    }
+
+    /// With the frontend's protocol and scope.
+    pub const fn with_key(self, proto: u8, scope: u8) -> Self {
+        FrontendInfo { proto, scope, ..self }
     }
 
     pub fn name(&self) -> &str {

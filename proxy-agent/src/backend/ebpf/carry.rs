@@ -10,10 +10,7 @@
 //! agent gave them are kept too ([`Reserved`]): the service maps are rebuilt,
 //! but each frontend and backend gets its old id back.
 
-use std::{
-    collections::BTreeMap,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
 use aya::{
     Pod,
@@ -21,13 +18,13 @@ use aya::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, Backend6, CtEntry, CtEntryV1, CtEntryV2, CtKey, FragKey,
-    FragRewrite, Layouts, ServiceKey, ServiceKey6, ServiceValue, SockFlow, SockFlowKey, SockRevNat,
-    SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
+    FragRewrite, FrontendInfo, Layouts, RevNat, RevNat6, ServiceKey, ServiceKey6, ServiceValue,
+    SockFlow, SockFlowKey, SockRevNat, SockRevNat6, SockRevNatKey, SockRevNatKey6, map_names,
 };
 use proxy_common::{AffinityKey6, CtEntry6, CtEntry6V1, CtEntry6V2, CtKey6};
 
 use super::{
-    entries::{BackendEntry, SlotKey},
+    entries::{BackendEntry, RevNatEntry, SlotKey},
     maps::read_all,
 };
 use crate::plan::Frontend;
@@ -234,12 +231,24 @@ impl Pinned {
             );
             return Ok(Reserved::default());
         }
+        let dir = &self.maps;
         let mut reserved = Reserved::default();
-        reserved.read::<ServiceKey>(&self.maps, map_names::SERVICES, map_names::BACKENDS)?;
+        // The frontends from their reverse-NAT entries and infos (a tenth
+        // of the service keys at ten endpoints a service), where the
+        // previous agent's infos say their protocols.
+        match named_frontends(read_frontend_infos(dir)?, read_rev_nat(dir)?) {
+            Some(frontends) => reserved.frontends = frontends,
+            None => {
+                reserved.read_frontends::<ServiceKey>(dir, map_names::SERVICES)?;
+                if dir.join(map_names::SERVICES6).exists() {
+                    reserved.read_frontends::<ServiceKey6>(dir, map_names::SERVICES6)?;
+                }
+            }
+        }
+        reserved.read_backends::<ServiceKey>(dir, map_names::BACKENDS)?;
         // The IPv6 maps, where the previous agent had them.
-        if self.maps.join(map_names::SERVICES6).exists() {
-            let (services, backends) = (map_names::SERVICES6, map_names::BACKENDS6);
-            reserved.read::<ServiceKey6>(&self.maps, services, backends)?;
+        if dir.join(map_names::BACKENDS6).exists() {
+            reserved.read_backends::<ServiceKey6>(dir, map_names::BACKENDS6)?;
         }
         Ok(reserved)
     }
@@ -273,37 +282,80 @@ impl FamilyMaps for ServiceKey6 {
 }
 
 impl Reserved {
-    /// Adds the ids one family's pinned maps give.
-    fn read<K: FamilyMaps>(
-        &mut self,
-        dir: &Path,
-        services: &str,
-        backends: &str,
-    ) -> Result<(), MapError> {
-        // Every slot is an entry: a million at 100,000 services, read in
-        // batches.
-        let services = read_all::<K, ServiceValue>(&open(dir, services)?)?;
+    /// Adds the frontends' ids one family's service keys give: every slot is
+    /// an entry, a million at 100,000 services, read in batches.
+    fn read_frontends<K: FamilyMaps>(&mut self, dir: &Path, name: &str) -> Result<(), MapError> {
+        let services = read_all::<K, ServiceValue>(&open(dir, name)?)?;
         let frontends = services
             .into_iter()
             .map(|(key, value)| (key.slot_key(), value))
             .filter(|(key, _)| key.slot() == 0)
             .map(|(key, value)| (key.frontend(), value.rev_nat_id));
         self.frontends.extend(frontends);
-        let backends = read_all::<u32, K::Backend>(&open(dir, backends)?)?;
+        Ok(())
+    }
+
+    /// Adds the backends' ids one family's backends map gives.
+    fn read_backends<K: FamilyMaps>(&mut self, dir: &Path, name: &str) -> Result<(), MapError> {
+        let backends = read_all::<u32, K::Backend>(&open(dir, name)?)?;
+        self.backends.reserve(backends.len());
         self.backends.extend(backends.into_iter().map(|(id, b)| (K::backend_entry(b), id)));
         Ok(())
     }
+}
+
+fn read_frontend_infos(dir: &Path) -> Result<Vec<(u32, FrontendInfo)>, MapError> {
+    read_all(&open(dir, map_names::FRONTEND_INFO)?)
+}
+
+/// Both families' reverse-NAT entries (one id space).
+fn read_rev_nat(dir: &Path) -> Result<hashbrown::HashMap<u32, RevNatEntry>, MapError> {
+    let v4 = read_all::<u32, RevNat>(&open(dir, map_names::REV_NAT)?)?;
+    let mut entries: hashbrown::HashMap<u32, RevNatEntry> =
+        v4.into_iter().map(|(id, r)| (id, RevNatEntry::V4(r))).collect();
+    if dir.join(map_names::REV_NAT6).exists() {
+        let v6 = read_all::<u32, RevNat6>(&open(dir, map_names::REV_NAT6)?)?;
+        entries.extend(v6.into_iter().map(|(id, r)| (id, RevNatEntry::V6(r))));
+    }
+    Ok(entries)
+}
+
+/// Which frontend each reverse-NAT id names, from the frontends' infos and
+/// reverse-NAT entries; `None` if an info does not say its frontend's
+/// protocol (an older agent's: its service keys say it instead).
+fn named_frontends(
+    infos: Vec<(u32, FrontendInfo)>,
+    rev_nat: hashbrown::HashMap<u32, RevNatEntry>,
+) -> Option<hashbrown::HashMap<Frontend, u32>> {
+    let mut frontends = hashbrown::HashMap::with_capacity(infos.len());
+    for (id, info) in infos {
+        // An info without its entry names nothing the programs serve.
+        let Some(entry) = rev_nat.get(&id) else { continue };
+        frontends.insert(entry.frontend(&info)?, id);
+    }
+    Some(frontends)
 }
 
 fn open(dir: &Path, name: &str) -> Result<Map, MapError> {
     Map::from_map_data(MapData::from_pin(dir.join(name))?)
 }
 
-/// Ids a previous agent gave, by what they name.
+/// Which ids the frontends and backends of service maps being made keep.
+#[derive(Debug)]
+pub enum KeptIds {
+    /// The previous agent's, read from its pinned maps (if any): at the
+    /// start.
+    Pinned,
+    /// These, given by the maps being replaced.
+    These(Reserved),
+}
+
+/// Ids a previous agent gave, by what they name: hashed, as a restart at
+/// 100,000 services reads a million of them before its first write.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Reserved {
-    pub frontends: BTreeMap<Frontend, u32>,
-    pub backends: BTreeMap<BackendEntry, u32>,
+    pub frontends: hashbrown::HashMap<Frontend, u32>,
+    pub backends: hashbrown::HashMap<BackendEntry, u32>,
 }
 
 /// A previous agent's state map whose entries are converted into ours.
@@ -443,6 +495,33 @@ mod tests {
         assert_eq!(decide_at(map, Some((&pinned, shape))), Carry::Convert { from: other });
         let before = Layouts { conntrack6: 0, ..Layouts::CURRENT };
         assert_eq!(decide_at(map, Some((&before, map.shape(SIZE)))), Carry::Reset { version: 0 });
+    }
+
+    #[test]
+    fn frontend_ids_are_read_from_infos_and_reverse_nat_entries_unless_an_older_agent_wrote_them() {
+        use crate::{
+            backend::ebpf::reconciler::Owner,
+            model::{Protocol, ServiceName, ServicePortName},
+            plan::FrontendKind,
+        };
+        let dns = Frontend::new("10.96.0.10".parse().unwrap(), 53, Protocol::Udp);
+        let web = Frontend::new("fd00:96::a".parse().unwrap(), 80, Protocol::Sctp).internal();
+        let service = ServiceName { namespace: "ns".into(), name: "web".into() };
+        let service = std::sync::Arc::new(ServicePortName { service, port: "".into() });
+        let owner = Owner { service, kind: FrontendKind::ClusterIp };
+        let infos = vec![(3, owner.info(&dns)), (4, owner.info(&web)), (9, owner.info(&dns))];
+        let rev_nat = hashbrown::HashMap::from([
+            (3, RevNatEntry::new(&dns)),
+            (4, RevNatEntry::new(&web)),
+            (5, RevNatEntry::new(&dns)),
+        ]);
+        let named = named_frontends(infos.clone(), rev_nat.clone()).unwrap();
+        // Id 9 has no reverse-NAT entry, id 5 no info: neither names one.
+        assert_eq!(named, hashbrown::HashMap::from([(dns, 3), (web, 4)]));
+
+        let mut older = infos;
+        older[1].1 = FrontendInfo::new(older[1].1.kind, older[1].1.name());
+        assert_eq!(named_frontends(older, rev_nat), None, "read from the service keys instead");
     }
 
     #[test]

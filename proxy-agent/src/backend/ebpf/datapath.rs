@@ -18,6 +18,7 @@ use proxy_common::{Config, MAX_SERVICE_ENTRIES};
 use super::{
     BpfObject, CounterReader, MapSizes, TcAttach, TcRole,
     attach::Interfaces,
+    carry::KeptIds,
     fit::{self, Capacity, Refusal},
     flows::Collected,
     frontend_stats,
@@ -126,13 +127,14 @@ impl Loading {
     /// under the root over (a previous agent's, or this one's when they
     /// grow), and configures them; the programs are verified by the caller
     /// (while the maps fill), then [`Self::finish`]ed; nothing is attached.
-    fn prepare(&self, capacity: Capacity) -> anyhow::Result<BpfObject> {
+    /// Frontends and backends keep the ids `ids` gives.
+    fn prepare(&self, capacity: Capacity, ids: KeptIds) -> anyhow::Result<BpfObject> {
         let sizes = MapSizes {
             services: map_size(capacity.services),
             backends: map_size(capacity.backends),
             rev_nat: map_size(capacity.rev_nat),
         };
-        let mut object = BpfObject::prepare(self.tc_mode, sizes, self.state, Some(&self.root))
+        let mut object = BpfObject::prepare(self.tc_mode, sizes, self.state, Some(&self.root), ids)
             .context("loading the BPF object")?;
         object.configure(&self.config).context("writing the datapath settings")?;
         Ok(object)
@@ -254,7 +256,7 @@ impl EbpfDatapath {
             socket_destroy: settings.socket_destroy,
             terminate_tcp: settings.terminate_tcp_on_endpoint_removal,
         };
-        let object = loading.prepare(capacity)?;
+        let object = loading.prepare(capacity, KeptIds::Pinned)?;
         let (min, max) = settings.snat_port_range;
         if let Some((low, high)) = sys::ephemeral_ports()
             && min <= high
@@ -396,7 +398,7 @@ impl EbpfDatapath {
         self.verify_and_fill(plan, dirty, None, metrics).inspect_err(|_| {
             // Some programs may be loaded: a retry starts afresh (a failed
             // growth restores its own object instead), writing everything.
-            if let Ok(fresh) = self.loading.prepare(self.capacity) {
+            if let Ok(fresh) = self.loading.prepare(self.capacity, self.kept_ids()) {
                 self.object = fresh;
             }
         })
@@ -450,7 +452,7 @@ impl EbpfDatapath {
         let larger = fit::grown(self.capacity, expected, self.bound).filter(|_| self.growable);
         let Some(larger) = larger else { return false };
         tracing::info!(from = ?self.capacity, to = ?larger, "sizing the service maps for what the source is expected to hold");
-        match self.loading.prepare(larger) {
+        match self.loading.prepare(larger, self.kept_ids()) {
             Ok(object) => {
                 self.object = object;
                 self.capacity = larger;
@@ -463,6 +465,11 @@ impl EbpfDatapath {
                 false
             }
         }
+    }
+
+    /// The ids maps made to replace the current ones keep.
+    fn kept_ids(&self) -> KeptIds {
+        KeptIds::These(self.object.reconciler().kept_ids())
     }
 
     /// What the maps serve, named as `plan` names it.
@@ -570,7 +577,7 @@ impl EbpfDatapath {
                 tracing::info!(from = ?before, to = ?larger, "the services outgrew the maps: growing them")
             }
         }
-        let object = self.loading.prepare(larger)?;
+        let object = self.loading.prepare(larger, self.kept_ids())?;
         let old = std::mem::replace(&mut self.object, object);
         let was_verified = std::mem::replace(&mut self.verified, false);
         self.capacity = larger;

@@ -7,8 +7,8 @@
 use std::net::{IpAddr, SocketAddr};
 
 use proxy_common::{
-    Backend, Backend6, BackendFlags, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, RevNat, RevNat6,
-    SCOPE_EXTERNAL, SCOPE_INTERNAL, ServiceKey, ServiceKey6,
+    Backend, Backend6, BackendFlags, FrontendInfo, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, RevNat,
+    RevNat6, SCOPE_EXTERNAL, SCOPE_INTERNAL, ServiceKey, ServiceKey6,
 };
 
 use crate::{
@@ -54,13 +54,26 @@ fn protocol(proto: u8) -> Protocol {
     }
 }
 
+/// A frontend's protocol and scope as the maps' keys hold them.
+pub fn proto_and_scope(frontend: &Frontend) -> (u8, u8) {
+    let scope = match frontend.scope {
+        Scope::External => SCOPE_EXTERNAL,
+        Scope::Internal => SCOPE_INTERNAL,
+    };
+    (proto(frontend.protocol), scope)
+}
+
+/// The frontend at `ip` and `port` with a protocol and a scope as the maps'
+/// keys hold them.
+fn frontend(ip: IpAddr, port: u16, proto: u8, scope: u8) -> Frontend {
+    let frontend = Frontend::new(ip, port, protocol(proto));
+    if scope == SCOPE_INTERNAL { frontend.internal() } else { frontend }
+}
+
 impl SlotKey {
     pub fn new(frontend: &Frontend, slot: u16) -> Self {
-        let scope = match frontend.scope {
-            Scope::External => SCOPE_EXTERNAL,
-            Scope::Internal => SCOPE_INTERNAL,
-        };
-        let (port, proto) = (frontend.port, proto(frontend.protocol));
+        let (proto, scope) = proto_and_scope(frontend);
+        let port = frontend.port;
         match frontend.ip {
             IpAddr::V4(ip) => {
                 SlotKey::V4(ServiceKey::new(ip.octets(), port, proto, slot).with_scope(scope))
@@ -87,12 +100,10 @@ impl SlotKey {
 
     /// The frontend whose entry this is.
     pub fn frontend(&self) -> Frontend {
-        let (ip, port, proto, scope) = match self {
-            SlotKey::V4(k) => (IpAddr::from(k.address), k.port, k.proto, k.scope),
-            SlotKey::V6(k) => (IpAddr::from(k.address), k.port, k.proto, k.scope),
-        };
-        let frontend = Frontend::new(ip, port, protocol(proto));
-        if scope == SCOPE_INTERNAL { frontend.internal() } else { frontend }
+        match self {
+            SlotKey::V4(k) => frontend(k.address.into(), k.port, k.proto, k.scope),
+            SlotKey::V6(k) => frontend(k.address.into(), k.port, k.proto, k.scope),
+        }
     }
 }
 
@@ -154,6 +165,17 @@ impl RevNatEntry {
             IpAddr::V4(ip) => RevNatEntry::V4(RevNat { address: ip.octets(), port, _pad: 0 }),
             IpAddr::V6(ip) => RevNatEntry::V6(RevNat6 { address: ip.octets(), port, _pad: 0 }),
         }
+    }
+
+    /// The frontend whose reverse-NAT entry this is and whose info is
+    /// `info`; `None` if the info does not say its protocol (an older
+    /// agent's).
+    pub fn frontend(&self, info: &FrontendInfo) -> Option<Frontend> {
+        let (ip, port) = match self {
+            RevNatEntry::V4(r) => (IpAddr::from(r.address), r.port),
+            RevNatEntry::V6(r) => (IpAddr::from(r.address), r.port),
+        };
+        (info.proto != 0).then(|| frontend(ip, port, info.proto, info.scope))
     }
 }
 

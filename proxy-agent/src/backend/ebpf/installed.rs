@@ -188,10 +188,16 @@ impl Backends {
         self.backend(id).map_or(0, |b| b.state.refs())
     }
 
+    /// The installed backends with their ids, in no order.
+    pub fn installed(&self) -> impl Iterator<Item = (u32, &BackendEntry)> + '_ {
+        let installed = self.slab.iter().flatten().filter(|b| b.state.is_installed());
+        installed.map(|b| (b.id, &b.entry))
+    }
+
     /// The installed ids, in no order.
     #[cfg(test)]
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.slab.iter().flatten().filter(|b| b.state.is_installed()).map(|b| b.id)
+        self.installed().map(|(id, _)| id)
     }
 
     /// The backends `written` lists, from its `skip`th on.

@@ -18,7 +18,7 @@ use super::{
     BpfObject, EbpfError, MapSizes,
     attach::TcAttach,
     carry,
-    carry::{Carry, Conversion, Pinned, STATE_MAPS},
+    carry::{Carry, Conversion, KeptIds, Pinned, STATE_MAPS},
     flow_counts::{FlowCounts, Growth},
     maps::Maps,
     on_demand::{Group, Stage, Stages},
@@ -145,7 +145,7 @@ impl BpfObject {
         state: StateSizes,
         root: Option<&Path>,
     ) -> Result<Self, EbpfError> {
-        let mut backend = Self::prepare(tc_mode, sizes, state, root)?;
+        let mut backend = Self::prepare(tc_mode, sizes, state, root, KeptIds::Pinned)?;
         backend.verify()?;
         Ok(backend)
     }
@@ -153,12 +153,14 @@ impl BpfObject {
     /// [`Self::load_with`] but for the programs: the maps are made (and the
     /// state maps carried over), the programs are not verified yet
     /// ([`Self::verify`], [`Self::verify_while_syncing`]). The state maps
-    /// take `state`'s sizes.
+    /// take `state`'s sizes; frontends and backends keep the ids `ids`
+    /// gives.
     pub fn prepare(
         tc_mode: TcAttach,
         sizes: MapSizes,
         state: StateSizes,
         root: Option<&Path>,
+        ids: KeptIds,
     ) -> Result<Self, EbpfError> {
         crate::sys::raise_memlock_rlimit();
         let set_retval = u8::from(has_set_retval());
@@ -197,17 +199,11 @@ impl BpfObject {
         let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
         let mut maps = Maps::take(&mut ebpf)?;
         let mut state = Reconciler::with_capacity(sizes);
-        if let Some(pinned) = &pinned {
-            let started = std::time::Instant::now();
-            match pinned.reserved() {
-                Ok(reserved) => {
-                    let (frontends, backends) = (reserved.frontends.len(), reserved.backends.len());
+        match ids {
+            KeptIds::These(reserved) => state.reserve(reserved),
+            KeptIds::Pinned => {
+                if let Some(reserved) = pinned.as_ref().and_then(previous_ids) {
                     state.reserve(reserved);
-                    let ms = started.elapsed().as_secs_f64() * 1000.0;
-                    tracing::info!(frontends, backends, ms, "the previous agent's ids kept");
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not read the previous agent's ids; frontends and backends get new ones")
                 }
             }
         }
@@ -323,6 +319,23 @@ impl BpfObject {
     /// Keeps the task reading the records: it stops when these programs go.
     pub fn keep_records_reader(&mut self, reader: records::Reader) {
         self.records = Some(reader);
+    }
+}
+
+/// The ids the previous agent pinned under `pinned` gave, logged.
+fn previous_ids(pinned: &Pinned) -> Option<carry::Reserved> {
+    let started = std::time::Instant::now();
+    match pinned.reserved() {
+        Ok(reserved) => {
+            let (frontends, backends) = (reserved.frontends.len(), reserved.backends.len());
+            let ms = started.elapsed().as_secs_f64() * 1000.0;
+            tracing::info!(frontends, backends, ms, "the previous agent's ids kept");
+            Some(reserved)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the previous agent's ids; frontends and backends get new ones");
+            None
+        }
     }
 }
 

@@ -213,7 +213,7 @@ impl MapWriter for Maps {
                 MapOp::DeleteBackend { id, family: IpFamily::V6 } => {
                     HashMap::<_, u32, Backend6>::try_from(&mut self.backends6)?.remove(id)
                 }
-                MapOp::PutRevNat { id, value, owner, .. } => {
+                MapOp::PutRevNat { frontend, id, value, owner } => {
                     match value {
                         RevNatEntry::V4(value) => {
                             HashMap::<_, u32, RevNat>::try_from(&mut self.rev_nat)?
@@ -226,7 +226,7 @@ impl MapWriter for Maps {
                     }
                     HashMap::<_, u32, FrontendInfo>::try_from(&mut self.frontend_info)?.insert(
                         id,
-                        owner.info(),
+                        owner.info(frontend),
                         0,
                     )
                 }
@@ -300,7 +300,6 @@ impl MapWriter for Maps {
     }
 }
 
-/// The fd of a hash map (plain or LRU), for the batched operations.
 /// Every entry of a hash map (plain or LRU), read in batches where the
 /// kernel has them (a pinned map of a million entries: well under a second,
 /// where two syscalls per entry took seconds), else one by one.
@@ -317,6 +316,7 @@ pub(super) fn read_all<K: aya::Pod, V: aya::Pod>(map: &Map) -> Result<Vec<(K, V)
     Ok(map.iter().filter_map(Result::ok).collect())
 }
 
+/// The fd of a hash map (plain or LRU), for the batched operations.
 pub(super) fn hash_fd(map: &Map) -> Option<std::os::fd::BorrowedFd<'_>> {
     use std::os::fd::AsFd;
     match map {

@@ -103,15 +103,17 @@ impl Owner {
         Owner { service: fp.service.clone(), kind: fp.kind }
     }
 
-    /// What operators see of the frontend.
-    pub fn info(&self) -> FrontendInfo {
+    /// What operators (and the next agent) see of `frontend`, which this
+    /// owns.
+    pub fn info(&self, frontend: &Frontend) -> FrontendInfo {
         let kind = match self.kind {
             FrontendKind::ClusterIp => KIND_CLUSTER_IP,
             FrontendKind::NodePort => KIND_NODE_PORT,
             FrontendKind::ExternalIp => KIND_EXTERNAL_IP,
             FrontendKind::LoadBalancer => KIND_LOAD_BALANCER,
         };
-        FrontendInfo::new(kind, &self.service.to_string())
+        let (proto, scope) = super::entries::proto_and_scope(frontend);
+        FrontendInfo::new(kind, &self.service.to_string()).with_key(proto, scope)
     }
 }
 
@@ -181,8 +183,43 @@ impl Default for TableSize {
 /// The reserved ids themselves, which new frontends and backends skip.
 #[derive(Debug, Default)]
 struct ReservedIds {
-    rev_nat: BTreeSet<u32>,
-    backends: BTreeSet<u32>,
+    rev_nat: IdSet,
+    backends: IdSet,
+}
+
+/// Ids in order, searched by bisection: a restart at 100,000 services
+/// reserves a million at once, sorted in a fraction of what hashing them
+/// takes.
+#[derive(Debug, Default)]
+struct IdSet(Vec<u32>);
+
+impl IdSet {
+    fn contains(&self, id: u32) -> bool {
+        self.0.binary_search(&id).is_ok()
+    }
+
+    fn last(&self) -> Option<u32> {
+        self.0.last().copied()
+    }
+
+    /// Those of these ids that `present` does not hold.
+    fn absent(&self, present: impl IntoIterator<Item = u32>) -> IdSet {
+        let mut found = vec![false; self.0.len()];
+        for id in present {
+            if let Ok(at) = self.0.binary_search(&id) {
+                found[at] = true;
+            }
+        }
+        IdSet(self.0.iter().zip(found).filter(|(_, found)| !found).map(|(id, _)| *id).collect())
+    }
+}
+
+impl FromIterator<u32> for IdSet {
+    fn from_iter<I: IntoIterator<Item = u32>>(ids: I) -> Self {
+        let mut ids: Vec<u32> = ids.into_iter().collect();
+        ids.sort_unstable();
+        IdSet(ids)
+    }
 }
 
 /// What the previous agent named that this one did not install: its flows
@@ -271,27 +308,38 @@ impl Reconciler {
             backends: reserved.backends.values().copied().collect(),
         };
         // Round-robin resumes past the previous agent's ids.
-        self.last_rev_nat_id = self.reserved_ids.rev_nat.last().copied().unwrap_or(0);
-        self.last_backend_id = self.reserved_ids.backends.last().copied().unwrap_or(0);
+        self.last_rev_nat_id = self.reserved_ids.rev_nat.last().unwrap_or(0);
+        self.last_backend_id = self.reserved_ids.backends.last().unwrap_or(0);
         self.reserved = reserved;
+    }
+
+    /// The ids maps made to replace these (larger, or afresh after a failed
+    /// load) are to keep: those installed here, and the previous agent's
+    /// while they are reserved. Known here, where reading them back from
+    /// the pinned maps took seconds at 100,000 services.
+    pub fn kept_ids(&self) -> Reserved {
+        let mut kept = self.reserved.clone();
+        kept.frontends.extend(self.frontends.iter().map(|(f, i)| (*f, i.rev_nat_id)));
+        kept.backends.extend(self.backends.installed().map(|(id, entry)| (*entry, id)));
+        kept
     }
 
     /// Ends the reservations (once this agent serves the whole source):
     /// returns what the previous agent had and this one did not install.
     pub fn release_reserved(&mut self) -> Released {
-        let Reserved { frontends, backends } = std::mem::take(&mut self.reserved);
-        self.reserved_ids = ReservedIds::default();
+        let backends = std::mem::take(&mut self.reserved).backends;
+        let ids = std::mem::take(&mut self.reserved_ids);
+        // A reserved id is given to what held it and to nothing else: those
+        // not installed are what this agent did not install. Found by id,
+        // as a restart at 100,000 services releases a million.
+        let gone = ids.backends.absent(self.backends.installed().map(|(id, _)| id));
         Released {
             backends: backends
                 .into_iter()
-                .filter(|(b, _)| self.backends.id_of(b).is_none())
+                .filter(|(_, id)| gone.contains(*id))
                 .map(|(b, id)| (id, b))
                 .collect(),
-            rev_nat_ids: frontends
-                .into_iter()
-                .filter(|(f, id)| self.frontends.get(f).is_none_or(|i| i.rev_nat_id != *id))
-                .map(|(_, id)| id)
-                .collect(),
+            rev_nat_ids: ids.rev_nat.absent(self.rev_nat.iter().copied()).0,
         }
     }
 
@@ -301,14 +349,14 @@ impl Reconciler {
         reserved: Option<&u32>,
         last: &mut u32,
         used: impl Fn(u32) -> bool,
-        reserved_ids: &BTreeSet<u32>,
+        reserved_ids: &IdSet,
     ) -> u32 {
         if let Some(id) = reserved.filter(|id| !used(**id)) {
             return *id;
         }
         let id = next_free(
             *last,
-            |id| used(id) || reserved_ids.contains(&id),
+            |id| used(id) || reserved_ids.contains(id),
             |id| id.checked_add(1).unwrap_or(1),
         );
         *last = id;
@@ -584,16 +632,10 @@ impl Reconciler {
         match op {
             MapOp::PutBackend { id, backend } => {
                 self.backends.insert(*id, *backend);
-                if !self.reserved_ids.backends.contains(id) {
-                    self.last_backend_id = *id;
-                }
             }
             MapOp::DeleteBackend { id, .. } => drop(self.backends.remove(*id)),
             MapOp::PutRevNat { frontend, id, owner, .. } => {
                 self.rev_nat.insert(*id);
-                if !self.reserved_ids.rev_nat.contains(id) {
-                    self.last_rev_nat_id = *id;
-                }
                 let entry = self.frontends.entry(*frontend).or_default();
                 (entry.rev_nat_id, entry.owner) = (*id, Some(owner.clone()));
             }

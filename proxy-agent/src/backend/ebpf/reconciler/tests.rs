@@ -395,7 +395,7 @@ fn a_frontend_names_its_service_and_kind_and_follows_a_new_owner() {
     let mut state = Reconciler::default();
     let mut p = plan(&[(tcp, &[2], None)]);
     let writes = state.sync(&p, None, &mut maps).unwrap().writes;
-    let info = state.frontends[&tcp].owner.as_ref().unwrap().info();
+    let info = state.frontends[&tcp].owner.as_ref().unwrap().info(&tcp);
     assert_eq!((info.kind, info.name()), (KIND_CLUSTER_IP, "ns/svc"));
     // Another service (or kind) takes the address over: one write.
     let fp = p.frontends.get_mut(&tcp).unwrap();
@@ -403,7 +403,7 @@ fn a_frontend_names_its_service_and_kind_and_follows_a_new_owner() {
     fp.kind = FrontendKind::ExternalIp;
     let report = state.sync(&p, None, &mut maps).unwrap();
     assert_eq!(report.writes, 1, "after {writes} at first");
-    let info = state.frontends[&tcp].owner.as_ref().unwrap().info();
+    let info = state.frontends[&tcp].owner.as_ref().unwrap().info(&tcp);
     assert_eq!((info.kind, info.name()), (KIND_EXTERNAL_IP, "ns/other"));
     assert_eq!(state.sync(&p, None, &mut maps).unwrap().writes, 0);
 }
@@ -471,6 +471,37 @@ fn a_new_agent_gives_frontends_and_backends_their_previous_ids() {
     assert_eq!(released.backends, vec![(udp_id, *udp_backend)], "its flows are stale");
     assert_eq!(released.rev_nat_ids, vec![reserved.frontends[&frontend(3, udp)]]);
     after.assert_consistent();
+}
+
+#[test]
+fn maps_made_again_keep_every_id() {
+    let (tcp, udp) = (Protocol::Tcp, Protocol::Udp);
+    let mut previous = Reconciler::default();
+    previous.sync(&plan(&[(frontend(3, udp), &[3], None)]), None, &mut Maps::default()).unwrap();
+    let mut serving = Reconciler::default();
+    serving.reserve(previous.kept_ids());
+    let now = plan(&[(frontend(1, tcp), &[1, 2], Some(30)), (frontend(4, tcp), &[4], None)]);
+    let mut maps = Maps::default();
+    serving.sync(&now, None, &mut maps).unwrap();
+
+    // Before the take-over, the previous agent's ids are kept too, the
+    // ones no plan names yet included.
+    let kept = serving.kept_ids();
+    assert_eq!(kept.frontends.len(), 3);
+    assert_eq!(kept.backends.len(), 4);
+    let mut again = Reconciler::default();
+    again.reserve(kept);
+    let mut larger = Maps::default();
+    again.sync(&now, None, &mut larger).unwrap();
+    assert_eq!(larger.services, maps.services, "every frontend and slot as it was");
+    assert_eq!(larger.backends, maps.backends, "every backend under its id");
+
+    // After it, what is installed.
+    drop(serving.release_reserved());
+    let kept = serving.kept_ids();
+    assert_eq!(kept.frontends.len(), 2);
+    assert_eq!(kept.backends.len(), 3);
+    assert!(kept.backends.iter().all(|(backend, id)| maps.backends[id] == *backend));
 }
 
 #[test]

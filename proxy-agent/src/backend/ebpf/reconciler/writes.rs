@@ -74,6 +74,9 @@ impl Reconciler {
                 named.push(at);
             }
         }
+        // Given, if not written yet: a failed sync's staged backends keep
+        // theirs, and an id passed over is only reused later.
+        self.last_backend_id = last_id;
 
         // 2. Frontends to create or update, with ids for the new ones.
         let mut last_rev = self.last_rev_nat_id;
@@ -98,6 +101,7 @@ impl Reconciler {
             self.frontend_writes((frontend, fp, rev_nat_id), named, Some(&mut tally), &mut drop);
             kept_ids.push((frontend, fp, rev_nat_id));
         }
+        self.last_rev_nat_id = last_rev;
 
         // 3. Frontends that are gone.
         for frontend in &removed {
