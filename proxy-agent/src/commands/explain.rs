@@ -105,7 +105,8 @@ fn program(args: &ExplainArgs, from: SocketAddr, to: SocketAddr) -> anyhow::Resu
             format!("no route to {from_ip} here: name the interface (--interface)")
         })?,
     };
-    let ifindex = ifindex(&interface)?;
+    let ifindex = sys::ifindex(&interface)
+        .with_context(|| format!("no interface {interface} in this network namespace"))?;
     let root = &args.inspect.pins.bpffs_root;
     let (program, note) = attached(root, &interface);
     let sctp = args.proto == Protocol::Sctp;
@@ -211,15 +212,6 @@ fn ephemeral_port() -> u16 {
     let (min, max) = sys::ephemeral_ports().unwrap_or((32768, 60999));
     let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
     min + (random % (max.saturating_sub(min) as u64 + 1)) as u16
-}
-
-fn ifindex(interface: &str) -> anyhow::Result<u32> {
-    let name = std::ffi::CString::new(interface).context("interface name")?;
-    // SAFETY: a valid C string.
-    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
-        0 => bail!("no interface {interface} in this network namespace"),
-        index => Ok(index),
-    }
 }
 
 /// The ingress program attached to `interface` (its TCX link's, pinned as
