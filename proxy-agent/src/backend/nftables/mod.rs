@@ -23,8 +23,8 @@ use std::{
 };
 
 use self::render::{
-    Applied, ElementKey, Existing, Options, Ruleset, TABLE, Transaction, is_affinity_set,
-    is_service_chain, render_parts, render_port,
+    Applied, ElementKey, Existing, Options, Ruleset, SyncWriter, TABLE, Transaction,
+    is_affinity_set, is_service_chain, render_port,
 };
 use crate::{
     backend::{
@@ -38,15 +38,12 @@ use crate::{
     model::{IpFamily, Model, ServicePort, ServicePortName},
 };
 
-/// A port's part of the ruleset, and the port it was rendered from.
-type Part = (ServicePort, Ruleset);
-
 /// The ports a sync renders again: their parts as applied and as they are
-/// now, and each port's new part (`None`: removed).
+/// now, and each port as it is now (`None`: removed).
 struct Change {
     old: Ruleset,
     new: Ruleset,
-    ports: Vec<(Arc<ServicePortName>, Option<Part>)>,
+    ports: Vec<(Arc<ServicePortName>, Option<ServicePort>)>,
 }
 
 const NFT: &str = "nft";
@@ -122,10 +119,11 @@ pub struct NftablesBackend<R: Runner> {
     options: Options,
     /// What the kernel's table holds; `None`: the next sync is full.
     applied: Option<Applied>,
-    /// Each port's part of what was applied, and the port it was rendered
-    /// from: a sync renders only the ports that differ. `None` while two
-    /// ports claim one element.
-    parts: Option<HashMap<Arc<ServicePortName>, Part>>,
+    /// Each port as its part of what was applied was rendered from: a
+    /// sync renders only the ports that differ, and their parts as applied
+    /// again from these (rendering is pure; a port's text is not kept).
+    /// `None` while two ports claim one element.
+    ports: Option<HashMap<Arc<ServicePortName>, ServicePort>>,
     last_full: Option<Instant>,
     /// A full sync of this agent made the base chains anew (the first
     /// does: another version may have left them with other priorities).
@@ -147,7 +145,7 @@ impl<R: Runner> NftablesBackend<R> {
             flows: ConntrackFlows::new(options.family),
             options,
             applied: None,
-            parts: None,
+            ports: None,
             last_full: None,
             base_chains_made: false,
             stale: BTreeMap::new(),
@@ -169,7 +167,7 @@ impl<R: Runner> NftablesBackend<R> {
     /// new one.
     pub fn set_zone(&mut self, zone: Option<String>) {
         self.options.zone = zone;
-        self.parts = None;
+        self.ports = None;
     }
 
     /// Whether the next sync will be a full one.
@@ -207,40 +205,46 @@ impl<R: Runner> NftablesBackend<R> {
     }
 
     /// Renders every port and writes the whole ruleset (no `applied`: a
-    /// full sync) or what differs from `applied`; keeps each port's part
-    /// for the next syncs (none while two ports claim one element: then
-    /// every sync renders whole).
+    /// full sync) or what differs from `applied`, a port at a time; keeps
+    /// the ports for the next syncs (none while two ports claim one
+    /// element: then every sync renders whole).
     fn sync_whole(
         &mut self,
         model: &Model,
         applied: Option<Applied>,
     ) -> Result<Transaction, NftablesError> {
-        self.parts = None;
-        let (ruleset, parts, conflicts) = render_parts(model, &self.options);
+        self.ports = None;
         let full = applied.is_none();
-        let tx = match &applied {
-            Some(applied) => ruleset.partial(applied),
-            None => ruleset.full(&self.existing()?, !self.base_chains_made),
+        let existing = if full { Some(self.existing()?) } else { None };
+        let mut writer = match &applied {
+            Some(applied) => SyncWriter::partial(self.options.family, applied),
+            None => SyncWriter::full(&render::fixed(&self.options), !self.base_chains_made),
         };
+        let mut ports = HashMap::new();
+        let mut conflicts = false;
+        for port in model.ports_of(self.options.family) {
+            conflicts |= writer.add(&render_port(port, &self.options));
+            ports.insert(port.name.clone(), port.clone());
+        }
+        let (tx, after) = writer.finish(existing.as_ref());
         self.apply(&tx, full)?;
         if full {
             self.base_chains_made = true;
             self.last_full = Some(Instant::now());
         }
-        self.stale.retain(|chain, _| !ruleset.has_chain(chain));
+        self.stale.retain(|chain, _| !after.has_chain(chain));
         self.note_stale(&tx);
-        self.applied = Some(ruleset.applied());
-        let parts = parts.into_iter().map(|(port, part)| (port.name.clone(), (port.clone(), part)));
-        self.parts = (!conflicts).then(|| parts.collect());
+        self.applied = Some(after);
+        self.ports = (!conflicts).then_some(ports);
         Ok(tx)
     }
 
-    /// The ports that differ from the parts kept (added, changed, removed),
-    /// their old and new parts rendered; `None` without parts kept, or when
-    /// a new element's key is another port's (two ports claim it: the
+    /// The ports that differ from the ports kept (added, changed, removed),
+    /// their old and new parts rendered; `None` without ports kept, or
+    /// when a new element's key is another port's (two ports claim it: the
     /// caller renders whole).
     fn changed_ports(&self, model: &Model, applied: &Applied) -> Option<Change> {
-        let parts = self.parts.as_ref()?;
+        let ports = self.ports.as_ref()?;
         let family = self.options.family;
         let mut change = Change {
             old: Ruleset::new(family, None),
@@ -251,19 +255,18 @@ impl<R: Runner> NftablesBackend<R> {
         let mut conflict = false;
         for port in model.ports_of(family) {
             seen.insert(&port.name);
-            let kept = parts.get(&port.name);
-            if kept.is_some_and(|(was, _)| was == port) {
+            let kept = ports.get(&port.name);
+            if kept.is_some_and(|was| was == port) {
                 continue;
             }
-            if let Some((_, part)) = kept {
-                change.old.absorb(part);
+            if let Some(was) = kept {
+                change.old.absorb(&render_port(was, &self.options));
             }
-            let part = render_port(port, &self.options);
-            conflict |= change.new.absorb(&part);
-            change.ports.push((port.name.clone(), Some((port.clone(), part))));
+            conflict |= change.new.absorb(&render_port(port, &self.options));
+            change.ports.push((port.name.clone(), Some(port.clone())));
         }
-        for (name, (_, part)) in parts.iter().filter(|(name, _)| !seen.contains(&***name)) {
-            change.old.absorb(part);
+        for (name, was) in ports.iter().filter(|(name, _)| !seen.contains(&***name)) {
+            change.old.absorb(&render_port(was, &self.options));
             change.ports.push((name.clone(), None));
         }
         let old_keys: HashSet<&ElementKey> = change.old.element_keys().collect();
@@ -284,11 +287,11 @@ impl<R: Runner> NftablesBackend<R> {
         self.apply(&tx, false)?;
         applied.replace(&change.old, &change.new);
         self.applied = Some(applied);
-        if let Some(parts) = self.parts.as_mut() {
-            for (name, part) in change.ports {
-                match part {
-                    Some(part) => parts.insert(name, part),
-                    None => parts.remove(&name),
+        if let Some(ports) = self.ports.as_mut() {
+            for (name, port) in change.ports {
+                match port {
+                    Some(port) => ports.insert(name, port),
+                    None => ports.remove(&name),
                 };
             }
         }

@@ -225,7 +225,7 @@ fn a_partial_sync_renders_and_writes_only_the_ports_that_changed() {
     // and the maps hold what a whole render says.
     let c = ("c", "10.96.0.1", vec![ep("10.244.3.1")]);
     backend.sync(&services(&[a(), c.clone()])).unwrap();
-    assert!(backend.parts.is_none(), "conflicting ports: rendered whole from now on");
-    let whole = render_parts(&services(&[a(), c]), &backend.options).0;
+    assert!(backend.ports.is_none(), "conflicting ports: rendered whole from now on");
+    let whole = render::render(&services(&[a(), c]), &backend.options);
     assert_eq!(whole.partial(backend.applied.as_ref().unwrap()).text, "");
 }
