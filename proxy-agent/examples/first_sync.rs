@@ -26,7 +26,7 @@ use proxy_agent::{
             MapSizes, fit,
             reconciler::{MapOp, MapWriter, Reconciler},
         },
-        iptables::exec::{ExecError, Runner},
+        iptables::exec::{ExecError, Input, Runner},
         nftables::{NftablesBackend, datapath::render_options},
     },
     intern,
@@ -67,17 +67,35 @@ impl MapWriter for Counter {
     }
 }
 
-/// An `nft` (and `conntrack`) that takes everything, listing nothing, and
-/// counts the bytes of the transactions it is given.
-#[derive(Default)]
-struct Nft {
-    bytes: usize,
-}
+/// An `nft` (and `conntrack`) that takes everything and lists nothing; a
+/// transaction written to it is read as from a pipe, not kept, and its
+/// size printed.
+struct Nft;
 
 impl Runner for Nft {
-    fn run(&mut self, _: &str, _: &[&str], stdin: Option<&str>) -> Result<String, ExecError> {
-        self.bytes += stdin.map_or(0, str::len);
+    fn run(&mut self, _: &str, _: &[&str], _: Option<&str>) -> Result<String, ExecError> {
         Ok(String::new())
+    }
+
+    fn run_writing(&mut self, _: &str, _: &[&str], input: Input) -> Result<String, ExecError> {
+        let mut sink = Sink(0);
+        input(&mut sink).map_err(|source| ExecError::Io { program: "nft".into(), source })?;
+        println!("  nft read {:.1} MiB", sink.0 as f64 / MIB);
+        Ok(String::new())
+    }
+}
+
+/// Counts what is written to it.
+struct Sink(usize);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -156,7 +174,7 @@ fn main() {
     phase("plan", || drop(planner.rebuild(store.model())));
     if nftables {
         let options = render_options(&node, &TrafficRules::default(), model::IpFamily::V4);
-        let mut backend = NftablesBackend::new(Nft::default(), options);
+        let mut backend = NftablesBackend::new(Nft, options);
         let sync = |backend: &mut NftablesBackend<Nft>, store: &Store| {
             let report = backend.sync(store.model()).expect("the fake nft takes everything");
             println!("  chains {} elements {}", report.chains_written, report.elements_written);

@@ -18,6 +18,7 @@ pub mod render;
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
+    io,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -74,6 +75,47 @@ pub struct SyncReport {
     pub cleanup_error: Option<String>,
     /// The conntrack entries deleted after the ruleset was applied.
     pub flows: FlowReport,
+}
+
+/// A sync's transaction as written, what it applies, the ports it was
+/// rendered from and whether two of them claim one element.
+struct Written {
+    tx: Transaction,
+    applied: Applied,
+    ports: HashMap<Arc<ServicePortName>, ServicePort>,
+    conflicts: bool,
+}
+
+/// Adds every port of `model` to `writer`, writing its text into `out` as
+/// it goes, then ends it (`existing`: see [`SyncWriter::finish`]): the
+/// transaction's text is all in `out`.
+fn write_ports(
+    mut writer: SyncWriter,
+    model: &Model,
+    options: &Options,
+    existing: Option<&Existing>,
+    out: &mut dyn io::Write,
+) -> io::Result<Written> {
+    let mut ports = HashMap::new();
+    let mut conflicts = false;
+    for port in model.ports_of(options.family) {
+        conflicts |= writer.add(&render_port(port, options));
+        writer.drain_into(out)?;
+        ports.insert(port.name.clone(), port.clone());
+    }
+    let (mut tx, applied) = writer.finish(existing);
+    out.write_all(tx.text.as_bytes())?;
+    tx.text.clear();
+    Ok(Written { tx, applied, ports, conflicts })
+}
+
+/// A transaction nft did not get whole.
+fn unwritten(full: bool, source: io::Error) -> NftablesError {
+    NftablesError::Apply {
+        full,
+        source: ExecError::Io { program: NFT.into(), source },
+        context: String::new(),
+    }
 }
 
 /// `ip` or `ip6`: the table's family as nft names it.
@@ -215,19 +257,18 @@ impl<R: Runner> NftablesBackend<R> {
     ) -> Result<Transaction, NftablesError> {
         self.ports = None;
         let full = applied.is_none();
-        let existing = if full { Some(self.existing()?) } else { None };
-        let mut writer = match &applied {
-            Some(applied) => SyncWriter::partial(self.options.family, applied),
-            None => SyncWriter::full(&render::fixed(&self.options), !self.base_chains_made),
+        let Written { tx, applied: after, ports, conflicts } = match &applied {
+            Some(applied) => {
+                let writer = SyncWriter::partial(self.options.family, applied);
+                let mut text = Vec::new();
+                let mut written = write_ports(writer, model, &self.options, None, &mut text)
+                    .map_err(|e| unwritten(false, e))?;
+                written.tx.text = String::from_utf8_lossy(&text).into_owned();
+                self.apply(&written.tx, false)?;
+                written
+            }
+            None => self.apply_full(model)?,
         };
-        let mut ports = HashMap::new();
-        let mut conflicts = false;
-        for port in model.ports_of(self.options.family) {
-            conflicts |= writer.add(&render_port(port, &self.options));
-            ports.insert(port.name.clone(), port.clone());
-        }
-        let (tx, after) = writer.finish(existing.as_ref());
-        self.apply(&tx, full)?;
         if full {
             self.base_chains_made = true;
             self.last_full = Some(Instant::now());
@@ -237,6 +278,40 @@ impl<R: Runner> NftablesBackend<R> {
         self.applied = Some(after);
         self.ports = (!conflicts).then_some(ports);
         Ok(tx)
+    }
+
+    /// A full sync, its transaction written into nft's standard input a
+    /// port at a time (at 10,000 services × 10 endpoints it is 50 MB of
+    /// text, which the agent would otherwise hold).
+    fn apply_full(&mut self, model: &Model) -> Result<Written, NftablesError> {
+        let existing = self.existing()?;
+        let recreate = !self.base_chains_made;
+        let options = &self.options;
+        let write = |out: &mut dyn io::Write| {
+            let writer = SyncWriter::full(&render::fixed(options), recreate);
+            write_ports(writer, model, options, Some(&existing), out)
+        };
+        let mut written = None;
+        let result = self.runner.run_writing(NFT, &["-f", "-"], &mut |pipe| {
+            written = Some(write(pipe)?);
+            Ok(())
+        });
+        let context = |source: &ExecError| match source {
+            // Not kept: written again for the lines nft names.
+            ExecError::Failed { stderr, .. } => {
+                let mut text = Vec::new();
+                let _ = write(&mut text);
+                transaction_context(&String::from_utf8_lossy(&text), stderr)
+            }
+            _ => String::new(),
+        };
+        match (result, written) {
+            (Ok(_), Some(written)) => Ok(written),
+            (Err(source), _) => {
+                Err(NftablesError::Apply { full: true, context: context(&source), source })
+            }
+            (Ok(_), None) => Err(unwritten(true, io::Error::other("nothing written"))),
+        }
     }
 
     /// The ports that differ from the ports kept (added, changed, removed),

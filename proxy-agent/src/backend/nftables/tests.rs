@@ -132,6 +132,15 @@ fn a_refused_transaction_is_reported_with_its_line_and_the_next_sync_is_full() {
 }
 
 #[test]
+fn a_refused_full_sync_names_its_line_though_its_text_was_not_kept() {
+    let fake = Fake::default();
+    fake.0.borrow_mut().refuse = true;
+    let mut backend = NftablesBackend::new(fake.clone(), options());
+    let err = backend.sync(&web(vec![ep("10.244.1.2")])).unwrap_err().to_string();
+    assert!(err.contains("full sync") && err.contains(">     3: add "), "{err}");
+}
+
+#[test]
 fn chains_no_longer_used_are_flushed_then_deleted_at_a_later_sync() {
     let fake = Fake::default();
     let mut backend = NftablesBackend::new(fake.clone(), options());

@@ -7,6 +7,7 @@ use std::{
     collections::{BTreeMap, BTreeSet, HashMap, btree_map::Entry, hash_map},
     fmt::{self, Write as _},
     hash::{DefaultHasher, Hash, Hasher as _},
+    io,
     net::IpAddr,
 };
 
@@ -484,9 +485,8 @@ impl Ruleset {
 
 /// A sync's transaction, written a port's part at a time (each rendered,
 /// written and dropped), with the digests of what it applies: the agent
-/// holds the transaction's text and the digests, never the whole ruleset
-/// (at 10,000 services its chains' text took more memory than the text of
-/// a transaction writing them).
+/// never holds the whole ruleset, and a full sync's text only a port's at
+/// a time (`drain_into`).
 pub struct SyncWriter<'a> {
     family: IpFamily,
     text: String,
@@ -573,6 +573,14 @@ impl<'a> SyncWriter<'a> {
             self.elements_written += 1;
         }
         conflict
+    }
+
+    /// Writes the text so far into `out`, and forgets it: a full sync's
+    /// transaction goes to nft a port at a time, never held whole.
+    pub fn drain_into(&mut self, out: &mut dyn io::Write) -> io::Result<()> {
+        out.write_all(self.text.as_bytes())?;
+        self.text.clear();
+        Ok(())
     }
 
     /// The transaction, ended by removing what the kernel holds that no
