@@ -127,6 +127,10 @@ pub struct Options {
     /// `--rounds` times, and each times `nft -f` of the whole ruleset
     #[arg(long, value_delimiter = ',')]
     pub nft: Vec<String>,
+    /// Endpoint changes timed per run (100; 20 in the quick profile's
+    /// iptables mode)
+    #[arg(long)]
+    pub changes: Option<usize>,
     /// Only the external path: two nodes, an external client's connections
     /// straight to a pod and through NodePorts by SNAT, DSR and DSR with
     /// Maglev (eBPF mode)
@@ -230,7 +234,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
                 };
                 slowest = slowest.max(took);
                 eprintln!("change latency: {} mode{with}, {n} services", mode.as_arg());
-                let mut result = change_latency(mode, n, opts.full, nft)?;
+                let mut result = change_latency(mode, n, &opts, nft)?;
                 label(&mut result, round, nft);
                 push(&mut results, "change_latency", result);
                 if round.is_some() {
@@ -361,6 +365,9 @@ fn command(opts: &Options) -> String {
         if set {
             command.push_str(flag);
         }
+    }
+    if let Some(changes) = opts.changes {
+        let _ = write!(command, " --changes {changes}");
     }
     if !opts.nft.is_empty() {
         let _ = write!(command, " --nft {}", opts.nft.join(","));

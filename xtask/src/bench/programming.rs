@@ -211,14 +211,17 @@ enum Programmed {
 }
 
 /// One endpoint change at a time through the test API server, `CHANGES`
-/// times: from the change to the end of the sync that programmed it.
+/// times (or `--changes`): from the change to the end of the sync that
+/// programmed it.
 pub(super) fn change_latency(
     mode: Mode,
     n: usize,
-    full: bool,
+    opts: &super::Options,
     nft: Option<&Nft>,
 ) -> anyhow::Result<Value> {
-    let changes = if mode == Mode::Iptables && !full { QUICK_IPTABLES_CHANGES } else { CHANGES };
+    let quick_iptables = mode == Mode::Iptables && !opts.full;
+    let changes =
+        opts.changes.unwrap_or(if quick_iptables { QUICK_IPTABLES_CHANGES } else { CHANGES });
     let mut lab = Lab::with(Setup::of(mode, Source::ApiServer))?;
     lab.set_agent_path(0, nft.and_then(|n| n.dir.clone()));
     lab.write_manifest(&manifest(n, 10))?;

@@ -88,7 +88,9 @@ struct Written {
 
 /// Adds every port of `model` to `writer`, writing its text into `out` as
 /// it goes, then ends it (`existing`: see [`SyncWriter::finish`]): the
-/// transaction's text is all in `out`.
+/// transaction's text is all in `out`. Each port is rendered twice, its
+/// chains declared in a first pass and filled in a second (see
+/// [`SyncWriter::declare`]), rather than every port's part held.
 fn write_ports(
     mut writer: SyncWriter,
     model: &Model,
@@ -96,10 +98,14 @@ fn write_ports(
     existing: Option<&Existing>,
     out: &mut dyn io::Write,
 ) -> io::Result<Written> {
+    for port in model.ports_of(options.family) {
+        writer.declare(&render_port(port, options));
+        writer.drain_into(out)?;
+    }
     let mut ports = HashMap::new();
     let mut conflicts = false;
     for port in model.ports_of(options.family) {
-        conflicts |= writer.add(&render_port(port, options));
+        conflicts |= writer.fill(&render_port(port, options));
         writer.drain_into(out)?;
         ports.insert(port.name.clone(), port.clone());
     }

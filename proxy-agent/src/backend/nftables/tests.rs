@@ -132,6 +132,28 @@ fn a_refused_transaction_is_reported_with_its_line_and_the_next_sync_is_full() {
 }
 
 #[test]
+fn a_full_sync_declares_every_chain_before_any_rule_of_theirs() {
+    let fake = Fake::default();
+    let mut backend = NftablesBackend::new(fake.clone(), options());
+    let two =
+        [("a", "10.96.0.1", vec![ep("10.244.1.1")]), ("b", "10.96.0.2", vec![ep("10.244.2.1")])];
+    backend.sync(&services(&two)).unwrap();
+    let tx = fake.transactions().concat();
+    // The per-service chains' names hold the service's: `…-ns/a/tcp/http`.
+    let per_service = |verb: &str| {
+        let prefix = format!("{verb} ip kube-proxy ");
+        let lines = tx.lines().enumerate();
+        let of = |l: &str| {
+            l.starts_with(&prefix) && l.split(' ').nth(4).is_some_and(|c| c.contains("-ns/"))
+        };
+        lines.filter(|(_, l)| of(l)).map(|(i, _)| i).collect::<Vec<_>>()
+    };
+    let (chains, rules) = (per_service("add chain"), per_service("add rule"));
+    assert_eq!((chains.len(), rules.is_empty()), (4, false), "{tx}");
+    assert!(chains.iter().max() < rules.iter().min(), "{tx}");
+}
+
+#[test]
 fn a_refused_full_sync_names_its_line_though_its_text_was_not_kept() {
     let fake = Fake::default();
     fake.0.borrow_mut().refuse = true;

@@ -528,36 +528,54 @@ impl<'a> SyncWriter<'a> {
         }
     }
 
-    /// Writes what `part` (a port's, from [`super::render_port`]) changes.
-    /// Returns whether one of its elements' keys was taken already (two
-    /// ports claim one address and port): the first keeps it.
+    /// Writes what `part` (a port's, from [`super::render_port`]) changes:
+    /// [`SyncWriter::declare`], then [`SyncWriter::fill`].
     pub fn add(&mut self, part: &Ruleset) -> bool {
-        let before = self.before;
+        self.declare(part);
+        self.fill(part)
+    }
+
+    /// Declares `part`'s affinity sets and the chains it writes (emptied).
+    /// A full sync declares every port's before any rule: nft 1.0.6 took
+    /// three times longer over every later transaction in a table whose
+    /// chains were made between rules (3.2 s against 1.1 s at 10,000
+    /// services).
+    pub fn declare(&mut self, part: &Ruleset) {
         let mut w = Writer { out: &mut self.text, family: ip(self.family) };
         for (name, timeout) in &part.affinity {
-            if before.is_none_or(|b| b.affinity.get(name) != Some(timeout)) {
+            if self.before.is_none_or(|b| b.affinity.get(name) != Some(timeout)) {
                 w.affinity_set(self.family, name, *timeout);
             }
-            self.after.affinity.insert(name.clone(), *timeout);
         }
-        let mut changed = Vec::new();
+        for (name, rules) in &part.chains {
+            if self.before.is_none_or(|b| b.chains.get(name) != Some(&digest(rules))) {
+                w.line("add", "chain", name, "");
+                w.line("flush", "chain", name, "");
+            }
+        }
+    }
+
+    /// Writes the rules of `part`'s chains that changed (declared first)
+    /// and its elements that did. Returns whether one of its elements'
+    /// keys was taken already (two ports claim one address and port): the
+    /// first keeps it.
+    pub fn fill(&mut self, part: &Ruleset) -> bool {
+        let before = self.before;
+        let mut w = Writer { out: &mut self.text, family: ip(self.family) };
+        let after = &mut self.after;
+        after.affinity.extend(part.affinity.iter().map(|(name, timeout)| (name.clone(), *timeout)));
         for (name, rules) in &part.chains {
             let d = digest(rules);
             if before.is_none_or(|b| b.chains.get(name) != Some(&d)) {
-                w.line("add", "chain", name, "");
-                w.line("flush", "chain", name, "");
-                changed.push((name, rules));
+                rules.iter().for_each(|rule| w.rule(name, rule));
+                self.chains_written += 1;
             }
-            self.after.chains.insert(name.clone(), d);
+            after.chains.insert(name.clone(), d);
         }
-        for (name, rules) in &changed {
-            rules.iter().for_each(|rule| w.rule(name, rule));
-        }
-        self.chains_written += changed.len();
         let mut conflict = false;
         for (key, element) in &part.elements {
             let d = digest(element);
-            match self.after.elements.entry(key.clone()) {
+            match after.elements.entry(key.clone()) {
                 hash_map::Entry::Occupied(_) => {
                     conflict = true;
                     continue;
