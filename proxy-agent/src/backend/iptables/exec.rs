@@ -3,7 +3,7 @@
 
 use std::{
     io::{self, Write as _},
-    process::{Command, Output, Stdio},
+    process::{Child, Command, Output, Stdio},
 };
 
 use crate::model::IpFamily;
@@ -173,22 +173,13 @@ impl Runner for System {
         stdin: Option<&str>,
     ) -> Result<String, ExecError> {
         let program = &*self.program(program);
-        let io_err = |source: io::Error| match source.kind() {
-            io::ErrorKind::NotFound => ExecError::Missing { program: program.to_string() },
-            _ => ExecError::Io { program: program.to_string(), source },
-        };
-        let mut child = Command::new(program)
-            .args(args)
-            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(io_err)?;
+        let piped = if stdin.is_some() { Stdio::piped() } else { Stdio::null() };
+        let mut child = spawn(program, args, piped)?;
         if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
             // A tool that fails early closes its end: its status says why.
             let _ = pipe.write_all(input.as_bytes());
         }
-        let out = child.wait_with_output().map_err(io_err)?;
+        let out = child.wait_with_output().map_err(io_error(program))?;
         outcome(program, args, &out)
     }
 
@@ -199,17 +190,7 @@ impl Runner for System {
         input: Input,
     ) -> Result<String, ExecError> {
         let program = &*self.program(program);
-        let io_err = |source: io::Error| match source.kind() {
-            io::ErrorKind::NotFound => ExecError::Missing { program: program.to_string() },
-            _ => ExecError::Io { program: program.to_string(), source },
-        };
-        let mut child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(io_err)?;
+        let mut child = spawn(program, args, Stdio::piped())?;
         let pipe = child.stdin.take();
         // Its output is read meanwhile: a program that writes much while
         // it reads would otherwise block, and the writer with it.
@@ -221,12 +202,31 @@ impl Runner for System {
             });
             (reader.join().unwrap_or_else(|_| Err(io::Error::other("reader panicked"))), written)
         });
-        let out = out.map_err(io_err)?;
+        let out = out.map_err(io_error(program))?;
         let result = outcome(program, args, &out)?;
         // A program that fails early closes its end: its status says why;
         // one that succeeded took all of it.
-        written.map_err(io_err)?;
+        written.map_err(io_error(program))?;
         Ok(result)
+    }
+}
+
+/// `program` started, its output piped.
+fn spawn(program: &str, args: &[&str], stdin: Stdio) -> Result<Child, ExecError> {
+    Command::new(program)
+        .args(args)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(io_error(program))
+}
+
+/// What an I/O error running `program` means (not found: not installed).
+fn io_error(program: &str) -> impl Fn(io::Error) -> ExecError + '_ {
+    move |source| match source.kind() {
+        io::ErrorKind::NotFound => ExecError::Missing { program: program.to_string() },
+        _ => ExecError::Io { program: program.to_string(), source },
     }
 }
 
