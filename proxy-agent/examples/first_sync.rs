@@ -2,12 +2,15 @@
 //! endpoints (as `cargo xtask bench` lists them from the test API server)
 //! read into changes the way the API-server source hands them over, then
 //! the store, the plan, the size check and the eBPF sync into a map writer
-//! that only counts. Per phase: seconds, the heap it left live and its peak
-//! (a counting allocator), and the process's VmRSS / VmHWM.
+//! that only counts; with `nftables` as a third argument, the nftables
+//! mode's full sync into an `nft` that takes every transaction, then one
+//! endpoint's change (a partial sync). Per phase: seconds, the heap it left
+//! live and its peak (a counting allocator), and the process's VmRSS /
+//! VmHWM.
 //!
 //! ```sh
 //! cargo build --release -p proxy-agent --example first_sync
-//! target/release/examples/first_sync 100000 10
+//! target/release/examples/first_sync 100000 10 [nftables]
 //! ```
 
 use std::{
@@ -17,9 +20,14 @@ use std::{
 };
 
 use proxy_agent::{
-    backend::ebpf::{
-        MapSizes, fit,
-        reconciler::{MapOp, MapWriter, Reconciler},
+    backend::{
+        TrafficRules,
+        ebpf::{
+            MapSizes, fit,
+            reconciler::{MapOp, MapWriter, Reconciler},
+        },
+        iptables::exec::{ExecError, Input, Runner},
+        nftables::{NftablesBackend, datapath::render_options},
     },
     intern,
     model::{self, ServiceName},
@@ -56,6 +64,38 @@ impl MapWriter for Counter {
         self.writes += ops.len();
         self.runs += 1;
         (ops.len(), Ok(()))
+    }
+}
+
+/// An `nft` (and `conntrack`) that takes everything and lists nothing; a
+/// transaction written to it is read as from a pipe, not kept, and its
+/// size printed.
+struct Nft;
+
+impl Runner for Nft {
+    fn run(&mut self, _: &str, _: &[&str], _: Option<&str>) -> Result<String, ExecError> {
+        Ok(String::new())
+    }
+
+    fn run_writing(&mut self, _: &str, _: &[&str], input: Input) -> Result<String, ExecError> {
+        let mut sink = Sink(0);
+        input(&mut sink).map_err(|source| ExecError::Io { program: "nft".into(), source })?;
+        println!("  nft read {:.1} MiB", sink.0 as f64 / MIB);
+        Ok(String::new())
+    }
+}
+
+/// Counts what is written to it.
+struct Sink(usize);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -114,6 +154,7 @@ fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>());
     let services = args.next().and_then(Result::ok).unwrap_or(100_000);
     let endpoints = args.next().and_then(Result::ok).unwrap_or(10);
+    let nftables = std::env::args().nth(3).is_some_and(|a| a == "nftables");
     println!("{services} services x {endpoints} endpoints");
     let total = Instant::now();
 
@@ -129,8 +170,24 @@ fn main() {
         ips: vec![Ipv4Addr::new(192, 168, 100, 11).into()],
         ..Node::default()
     };
-    let mut planner = Planner::new(node);
+    let mut planner = Planner::new(node.clone());
     phase("plan", || drop(planner.rebuild(store.model())));
+    if nftables {
+        let options = render_options(&node, &TrafficRules::default(), model::IpFamily::V4);
+        let mut backend = NftablesBackend::new(Nft, options);
+        let sync = |backend: &mut NftablesBackend<Nft>, store: &Store| {
+            let report = backend.sync(store.model()).expect("the fake nft takes everything");
+            println!("  chains {} elements {}", report.chains_written, report.elements_written);
+        };
+        phase("nftables sync", || sync(&mut backend, &store));
+        // Service 0 with one endpoint fewer.
+        let mut changes = Changes::default();
+        read(&mut changes, 0, endpoints - 1);
+        store.apply(changes);
+        phase("nftables change", || sync(&mut backend, &store));
+        println!("total {:.3} s", total.elapsed().as_secs_f64());
+        return;
+    }
     let needed = phase("size check", || fit::needed(planner.plan()));
     let sizes = MapSizes {
         services: (needed.services as u32 + 1).next_power_of_two(),

@@ -127,6 +127,11 @@ impl Lab {
                 });
             }
         }
+        if let Some(dir) = &host.agent_path {
+            let path = std::env::var_os("PATH").unwrap_or_default();
+            let paths = std::iter::once(dir.clone()).chain(std::env::split_paths(&path));
+            command.env("PATH", std::env::join_paths(paths)?);
+        }
         let child = command
             .arg(format!("--net=/run/netns/{}", host.netns))
             .arg(agent)
@@ -159,6 +164,12 @@ impl Lab {
     /// the agent, for upgrades), or this workspace's with `None`.
     pub fn set_agent_binary(&mut self, node: usize, binary: Option<PathBuf>) {
         self.nodes[node].agent_bin = binary;
+    }
+
+    /// Agents started on `node` from now on look for the programs they run
+    /// (`nft`, …) in `dir` first, or only in `PATH` with `None`.
+    pub fn set_agent_path(&mut self, node: usize, dir: Option<PathBuf>) {
+        self.nodes[node].agent_path = dir;
     }
 
     /// Agents started on `node` from now on start with this umask (the

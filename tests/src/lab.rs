@@ -258,6 +258,7 @@ impl Lab {
             agent: None,
             agent_bin: None,
             agent_umask: None,
+            agent_path: None,
             pass_node_ip: true,
             veths: 0,
         });

@@ -31,6 +31,9 @@ pub struct Node {
     pub(crate) agent_bin: Option<PathBuf>,
     /// The umask agents start with, when not the test's.
     pub(crate) agent_umask: Option<libc::mode_t>,
+    /// A directory the agent looks for the programs it runs in before
+    /// `PATH` (another `nft`).
+    pub(crate) agent_path: Option<PathBuf>,
     /// Whether the agent is told its address (`--node-ip`), or finds it.
     pub(crate) pass_node_ip: bool,
     pub(crate) veths: usize,

@@ -1,9 +1,10 @@
 //! Developer tasks: `cargo xtask setup | demo | test | bench | packet-bench | soak |
-//! vmtest`.
+//! vmtest | newer-nft`.
 
 mod artifacts;
 mod bench;
 mod demo;
+mod nft;
 mod report;
 mod runner;
 mod setup;
@@ -125,6 +126,11 @@ enum Task {
         #[arg(long = "scenario", value_name = "ID")]
         scenarios: Vec<String>,
     },
+    /// nft 1.1.3 for benchmarks (Debian 12's is 1.0.6): Debian trixie's
+    /// packages, pinned by sha256, unpacked into target/nft-1.1.3/ (no
+    /// install; quick when there); prints the directory holding its `nft`,
+    /// for `bench --nft`.
+    NewerNft,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -208,6 +214,7 @@ fn main() -> anyhow::Result<()> {
             require_root()?;
             vmtest::run(&vmtest::kernels(&kernel), &scenarios)
         }
+        Task::NewerNft => nft::run().map(drop),
     }
 }
 

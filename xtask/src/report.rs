@@ -118,15 +118,13 @@ pub fn markdown(results: &Value) -> String {
         // Runs from before the manifest files were measured name no source.
         let source = r["source"].as_str().unwrap_or("API server");
         let change = rows(results, "change_latency").find(|c| {
-            source == "API server" && c["mode"] == r["mode"] && c["services"] == r["services"]
+            source == "API server"
+                && ["mode", "services", "nft", "round"].iter().all(|k| c[k] == r[k])
         });
         let latency = |k: &str| change.map_or("–".into(), |c| format!("{:.1}", num(c, k)));
         let services = r["services"].as_f64().unwrap_or(f64::NAN);
         let per_service = r["endpoints"].as_f64().map_or(10.0, |e| e / services);
-        let head = format!(
-            "| {} | {source} | {services} × {per_service} |",
-            r["mode"].as_str().unwrap_or("")
-        );
+        let head = format!("| {} | {source} | {services} × {per_service} |", mode_label(r));
         let unfinished = match (r["failed"].as_str(), r["over_limit_s"].as_u64()) {
             (Some(why), _) => Some(format!("failed: {why}")),
             (None, Some(limit)) => Some(format!("not serving within {limit} s")),
@@ -148,6 +146,7 @@ pub fn markdown(results: &Value) -> String {
             ),
         };
     }
+    nft_load_table(&mut out, results);
     external_table(&mut out, results);
     let _ = writeln!(out, "\n### Per-packet program, ns per packet (`BPF_PROG_TEST_RUN`)\n");
     let _ = writeln!(
@@ -177,6 +176,38 @@ pub fn markdown(results: &Value) -> String {
 
 /// The external path on two nodes: an external client to a pod on the
 /// second node, straight and through the first node's NodePorts.
+/// A run's mode, with its nft (and round) where the bench compared nfts.
+fn mode_label(r: &Value) -> String {
+    let mode = r["mode"].as_str().unwrap_or("");
+    match (r["nft"].as_str(), r["round"].as_u64()) {
+        (Some(nft), Some(round)) => format!("{mode} (nft {nft}, round {round})"),
+        (Some(nft), None) => format!("{mode} (nft {nft})"),
+        _ => mode.to_string(),
+    }
+}
+
+/// `nft -f` of the nftables mode's whole ruleset with each nft (`--nft`).
+fn nft_load_table(out: &mut String, results: &Value) {
+    if rows(results, "nft_load").next().is_none() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\n### `nft -f` of the whole IPv4 ruleset into an empty namespace\n\n| nft | round | services × endpoints | lines | seconds |\n|---|---:|---:|---:|---:|"
+    );
+    for r in rows(results, "nft_load") {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} × 10 | {} | {:.2} |",
+            r["nft"].as_str().unwrap_or(""),
+            r["round"],
+            r["services"],
+            r["lines"],
+            num(r, "seconds"),
+        );
+    }
+}
+
 fn external_table(out: &mut String, results: &Value) {
     let Some(r) = rows(results, "external_path").next() else { return };
     let _ = writeln!(

@@ -33,7 +33,7 @@ fn succeeds(cmd: &mut Command) -> bool {
     cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
 }
 
-fn run_cmd(cmd: &mut Command) -> anyhow::Result<()> {
+pub(crate) fn run_cmd(cmd: &mut Command) -> anyhow::Result<()> {
     let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed ({status})");

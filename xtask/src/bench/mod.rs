@@ -64,7 +64,7 @@ pub use programming::iptables_backends;
 
 use external::external_path;
 use packet::{PACKET_BENCH, build_packet_bench, medians, per_packet};
-use programming::{Feed, change_latency, programming, programming_with};
+use programming::{Feed, Nft, change_latency, nft_load, programming, programming_with};
 use rates::connection_rates;
 
 const OUT: &str = "target/bench";
@@ -120,6 +120,17 @@ pub struct Options {
     /// size from one JSON and one YAML file) and the change latency
     #[arg(long, conflicts_with = "external_only")]
     pub programming_only: bool,
+    /// The nftables mode's nft: directories holding an `nft` the agent
+    /// finds first (`system`: the one in PATH), e.g. `--nft
+    /// system,target/nft-1.1.3/bin` (`cargo xtask newer-nft`); with more
+    /// than one, its programming and change runs take them in turn,
+    /// `--rounds` times, and each times `nft -f` of the whole ruleset
+    #[arg(long, value_delimiter = ',')]
+    pub nft: Vec<String>,
+    /// Endpoint changes timed per run (100; 20 in the quick profile's
+    /// iptables mode)
+    #[arg(long)]
+    pub changes: Option<usize>,
     /// Only the external path: two nodes, an external client's connections
     /// straight to a pod and through NodePorts by SNAT, DSR and DSR with
     /// Maglev (eBPF mode)
@@ -193,7 +204,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         "command": command(&opts),
         "machine": machine(),
         "connection_rates": [], "programming": [], "change_latency": [], "per_packet": [],
-        "external_path": [],
+        "external_path": [], "nft_load": [],
     });
     if opts.external_only {
         eprintln!("external path: ebpf mode, two nodes");
@@ -204,20 +215,35 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     // endpoint are not measured where it could not program N/10 services
     // of ten (as many rules) within the limit.
     let mut too_big: Vec<(Mode, usize)> = Vec::new();
+    let nfts = Nft::all(&opts.nft)?;
     for &mode in &modes {
         let limit = limit(mode, opts.full);
         let mut sizes = sizes(&opts).into_iter();
-        for n in sizes.by_ref() {
-            eprintln!("programming: {} mode, {n} services x 10 endpoints", mode.as_arg());
-            let result = programming(mode, n, opts.full)?;
-            let took = result["to_serving_s"].as_f64();
-            push(&mut results, "programming", result);
-            let Some(took) = took else {
-                too_big.push((mode, n));
-                break;
-            };
-            eprintln!("change latency: {} mode, {n} services", mode.as_arg());
-            push(&mut results, "change_latency", change_latency(mode, n, opts.full)?);
+        'sizes: for n in sizes.by_ref() {
+            let mut slowest: f64 = 0.0;
+            for (round, nft) in runs(mode, &nfts, opts.rounds) {
+                let with = nft.map_or_else(String::new, |nft| format!(", nft {}", nft.version));
+                eprintln!("programming: {} mode{with}, {n} services x 10 endpoints", mode.as_arg());
+                let mut result = programming(mode, n, opts.full, nft)?;
+                label(&mut result, round, nft);
+                let took = result["to_serving_s"].as_f64();
+                push(&mut results, "programming", result);
+                let Some(took) = took else {
+                    too_big.push((mode, n));
+                    break 'sizes;
+                };
+                slowest = slowest.max(took);
+                eprintln!("change latency: {} mode{with}, {n} services", mode.as_arg());
+                let mut result = change_latency(mode, n, &opts, nft)?;
+                label(&mut result, round, nft);
+                push(&mut results, "change_latency", result);
+                if round.is_some() {
+                    let mut result = nft_load(n, nft)?;
+                    label(&mut result, round, nft);
+                    push(&mut results, "nft_load", result);
+                }
+            }
+            let took = slowest;
             if took > limit.as_secs_f64() / 10.0 {
                 eprintln!("  {took:.0} s: a larger size would not finish within {limit:?}");
                 too_big.extend(sizes.next().map(|next| (mode, next)));
@@ -235,7 +261,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
             push(
                 &mut results,
                 "programming",
-                programming_with(Mode::Ebpf, feed, n, opts.full, &[])?,
+                programming_with(Mode::Ebpf, feed, n, opts.full, &[], None)?,
             );
         }
     }
@@ -271,6 +297,26 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         push(&mut results, "per_packet", medians(n, &values));
     }
     report(results, started, &opts)
+}
+
+/// The runs of `mode` at one size: once; in the nftables mode with
+/// several nfts, `rounds` rounds taking them in turn (numbered from 1).
+fn runs(mode: Mode, nfts: &[Nft], rounds: usize) -> Vec<(Option<usize>, Option<&Nft>)> {
+    match nfts {
+        _ if mode != Mode::Nftables => vec![(None, None)],
+        [nft] => vec![(None, Some(nft))],
+        _ => (1..=rounds).flat_map(|r| nfts.iter().map(move |nft| (Some(r), Some(nft)))).collect(),
+    }
+}
+
+/// Names the nft and the round of a run's result.
+fn label(result: &mut Value, round: Option<usize>, nft: Option<&Nft>) {
+    if let Some(nft) = nft {
+        result["nft"] = json!(nft.version);
+    }
+    if let Some(round) = round {
+        result["round"] = json!(round);
+    }
 }
 
 /// Writes the results, the report and the plots (and into docs/ with
@@ -319,6 +365,12 @@ fn command(opts: &Options) -> String {
         if set {
             command.push_str(flag);
         }
+    }
+    if let Some(changes) = opts.changes {
+        let _ = write!(command, " --changes {changes}");
+    }
+    if !opts.nft.is_empty() {
+        let _ = write!(command, " --nft {}", opts.nft.join(","));
     }
     if opts.external_only || opts.rounds != 3 || opts.seconds != 2 {
         let _ = write!(command, " --rounds {} --seconds {}", opts.rounds, opts.seconds);

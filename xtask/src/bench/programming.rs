@@ -1,10 +1,11 @@
 //! Programming N services (from the test API server or one manifest
-//! file), one endpoint change's latency, and the iptables mode's
-//! programming time with each iptables implementation.
+//! file), one endpoint change's latency, the iptables mode's programming
+//! time with each iptables implementation, and `nft -f` of the nftables
+//! mode's whole ruleset with each nft.
 
 use std::{
     fmt::Write as _,
-    path::Path,
+    path::{Path, PathBuf},
     time::{Duration, Instant, SystemTime},
 };
 
@@ -28,11 +29,43 @@ pub(super) fn manifest_json(n: usize, endpoints: usize) -> String {
     json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string()
 }
 
+/// An `nft` the nftables mode's agent runs (`bench --nft`).
+pub(super) struct Nft {
+    /// The directory put first in the agent's PATH; `None`: PATH's.
+    dir: Option<PathBuf>,
+    /// What it says it is (`1.1.3`).
+    pub(super) version: String,
+}
+
+impl Nft {
+    /// `--nft`'s directories (`system`: PATH's nft), PATH's when none.
+    pub(super) fn all(dirs: &[String]) -> anyhow::Result<Vec<Nft>> {
+        let system = [String::from("system")];
+        let dirs = if dirs.is_empty() { &system[..] } else { dirs };
+        dirs.iter()
+            .map(|d| {
+                let dir = (d != "system").then(|| std::fs::canonicalize(d)).transpose()?;
+                let version = crate::nft::version(dir.as_deref())?;
+                Ok(Nft { dir, version })
+            })
+            .collect()
+    }
+
+    fn program(&self) -> PathBuf {
+        self.dir.as_ref().map_or_else(|| "nft".into(), |d| d.join("nft"))
+    }
+}
+
 /// From starting the agent on N services × 10 endpoints (listed from the
 /// test API server, as from a cluster's) to its datapath serving; and its
 /// first sync.
-pub(super) fn programming(mode: Mode, n: usize, full: bool) -> anyhow::Result<Value> {
-    programming_with(mode, Feed::ApiServer, n, full, &[])
+pub(super) fn programming(
+    mode: Mode,
+    n: usize,
+    full: bool,
+    nft: Option<&Nft>,
+) -> anyhow::Result<Value> {
+    programming_with(mode, Feed::ApiServer, n, full, &[], nft)
 }
 
 /// Where a programming run's services come from.
@@ -65,9 +98,11 @@ pub(super) fn programming_with(
     n: usize,
     full: bool,
     extra: &[&str],
+    nft: Option<&Nft>,
 ) -> anyhow::Result<Value> {
     let source = if feed == Feed::ApiServer { Source::ApiServer } else { Source::Manifests };
     let mut lab = Lab::with(Setup::of(mode, source))?;
+    lab.set_agent_path(0, nft.and_then(|n| n.dir.clone()));
     match feed {
         // The file, and the test API server fed the same.
         Feed::ApiServer | Feed::Yaml => drop(lab.write_manifest(&manifest(n, feed.endpoints()))?),
@@ -176,10 +211,19 @@ enum Programmed {
 }
 
 /// One endpoint change at a time through the test API server, `CHANGES`
-/// times: from the change to the end of the sync that programmed it.
-pub(super) fn change_latency(mode: Mode, n: usize, full: bool) -> anyhow::Result<Value> {
-    let changes = if mode == Mode::Iptables && !full { QUICK_IPTABLES_CHANGES } else { CHANGES };
+/// times (or `--changes`): from the change to the end of the sync that
+/// programmed it.
+pub(super) fn change_latency(
+    mode: Mode,
+    n: usize,
+    opts: &super::Options,
+    nft: Option<&Nft>,
+) -> anyhow::Result<Value> {
+    let quick_iptables = mode == Mode::Iptables && !opts.full;
+    let changes =
+        opts.changes.unwrap_or(if quick_iptables { QUICK_IPTABLES_CHANGES } else { CHANGES });
     let mut lab = Lab::with(Setup::of(mode, Source::ApiServer))?;
+    lab.set_agent_path(0, nft.and_then(|n| n.dir.clone()));
     lab.write_manifest(&manifest(n, 10))?;
     lab.start_agent_within(0, &["--min-sync-period", "0s"], LIMIT)?;
     let api = lab.api().context("API server")?;
@@ -227,7 +271,8 @@ pub fn iptables_backends(sizes: &[usize], full: bool) -> anyhow::Result<()> {
         for backend in ["nft", "legacy"] {
             eprintln!("programming: iptables-{backend}, {n} services x 10 endpoints");
             let flags = ["--iptables-backend", backend];
-            let mut result = programming_with(Mode::Iptables, Feed::ApiServer, n, full, &flags)?;
+            let mut result =
+                programming_with(Mode::Iptables, Feed::ApiServer, n, full, &flags, None)?;
             result["backend"] = json!(backend);
             let secs = |key: &str| {
                 result[key]
@@ -252,4 +297,38 @@ pub fn iptables_backends(sizes: &[usize], full: bool) -> anyhow::Result<()> {
         bail!("the bench had failures:\n  {}", failed.join("\n  "));
     }
     Ok(())
+}
+
+/// `nft -f` of the nftables mode's whole IPv4 ruleset for N services × 10
+/// endpoints (`proxy-agent render nftables`) into a node's empty
+/// namespace, with `nft`: how much of the start is nft's.
+pub(super) fn nft_load(n: usize, nft: Option<&Nft>) -> anyhow::Result<Value> {
+    let nft = nft.context("an nft")?;
+    let lab = Lab::with(Setup::NFTABLES)?;
+    let manifest = lab.write_manifest(&manifest(n, 10))?;
+    let node = &lab.nodes()[0];
+    let ruleset = proxy_lab::sh(
+        &proxy_lab::target_bin("proxy-agent").to_string_lossy(),
+        &[
+            "render",
+            "nftables",
+            "--manifests",
+            &manifest.to_string_lossy(),
+            "--hostname-override",
+            &node.name,
+            "--node-ip",
+            &node.ip,
+            "--ip-family",
+            "IPv4",
+        ],
+    )?;
+    let file = lab.dir.join("ruleset.nft");
+    std::fs::write(&file, &ruleset)?;
+    let start = Instant::now();
+    lab.exec_on(0, &nft.program().to_string_lossy(), &["-f", &file.to_string_lossy()])?;
+    let result = json!({
+        "services": n, "lines": ruleset.lines().count(), "seconds": start.elapsed().as_secs_f64(),
+    });
+    eprintln!("  nft -f: {result}");
+    Ok(result)
 }

@@ -3,7 +3,7 @@
 
 use std::{
     io::{self, Write as _},
-    process::{Command, Stdio},
+    process::{Child, Command, Output, Stdio},
 };
 
 use crate::model::IpFamily;
@@ -36,6 +36,9 @@ impl ExecError {
     }
 }
 
+/// What writes a program's standard input (into a pipe, as it reads it).
+pub type Input<'a> = &'a mut dyn FnMut(&mut dyn io::Write) -> io::Result<()>;
+
 /// Runs a program with arguments and optional standard input.
 pub trait Runner {
     /// Its standard output, or why it failed (with its standard error).
@@ -45,6 +48,19 @@ pub trait Runner {
         args: &[&str],
         stdin: Option<&str>,
     ) -> Result<String, ExecError>;
+
+    /// `run` with the standard input `input` writes, which need not be
+    /// held whole: a large input is written as the program reads it.
+    fn run_writing(
+        &mut self,
+        program: &str,
+        args: &[&str],
+        input: Input,
+    ) -> Result<String, ExecError> {
+        let mut text = Vec::new();
+        input(&mut text).map_err(|source| ExecError::Io { program: program.into(), source })?;
+        self.run(program, args, Some(&String::from_utf8_lossy(&text)))
+    }
 }
 
 /// Which iptables implementation the tools drive (`--iptables-backend`).
@@ -157,32 +173,74 @@ impl Runner for System {
         stdin: Option<&str>,
     ) -> Result<String, ExecError> {
         let program = &*self.program(program);
-        let io_err = |source: io::Error| match source.kind() {
-            io::ErrorKind::NotFound => ExecError::Missing { program: program.to_string() },
-            _ => ExecError::Io { program: program.to_string(), source },
-        };
-        let mut child = Command::new(program)
-            .args(args)
-            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(io_err)?;
+        let piped = if stdin.is_some() { Stdio::piped() } else { Stdio::null() };
+        let mut child = spawn(program, args, piped)?;
         if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
             // A tool that fails early closes its end: its status says why.
             let _ = pipe.write_all(input.as_bytes());
         }
-        let out = child.wait_with_output().map_err(io_err)?;
-        if !out.status.success() {
-            return Err(ExecError::Failed {
-                command: format!("{program} {}", args.join(" ")),
-                status: out.status.to_string(),
-                code: out.status.code(),
-                stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-            });
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        let out = child.wait_with_output().map_err(io_error(program))?;
+        outcome(program, args, &out)
     }
+
+    fn run_writing(
+        &mut self,
+        program: &str,
+        args: &[&str],
+        input: Input,
+    ) -> Result<String, ExecError> {
+        let program = &*self.program(program);
+        let mut child = spawn(program, args, Stdio::piped())?;
+        let pipe = child.stdin.take();
+        // Its output is read meanwhile: a program that writes much while
+        // it reads would otherwise block, and the writer with it.
+        let (out, written) = std::thread::scope(|scope| {
+            let reader = scope.spawn(move || child.wait_with_output());
+            let written = pipe.map_or(Ok(()), |pipe| {
+                let mut pipe = io::BufWriter::with_capacity(1 << 16, pipe);
+                input(&mut pipe).and_then(|()| pipe.flush())
+            });
+            (reader.join().unwrap_or_else(|_| Err(io::Error::other("reader panicked"))), written)
+        });
+        let out = out.map_err(io_error(program))?;
+        let result = outcome(program, args, &out)?;
+        // A program that fails early closes its end: its status says why;
+        // one that succeeded took all of it.
+        written.map_err(io_error(program))?;
+        Ok(result)
+    }
+}
+
+/// `program` started, its output piped.
+fn spawn(program: &str, args: &[&str], stdin: Stdio) -> Result<Child, ExecError> {
+    Command::new(program)
+        .args(args)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(io_error(program))
+}
+
+/// What an I/O error running `program` means (not found: not installed).
+fn io_error(program: &str) -> impl Fn(io::Error) -> ExecError + '_ {
+    move |source| match source.kind() {
+        io::ErrorKind::NotFound => ExecError::Missing { program: program.to_string() },
+        _ => ExecError::Io { program: program.to_string(), source },
+    }
+}
+
+/// A finished program's standard output, or why it failed.
+fn outcome(program: &str, args: &[&str], out: &Output) -> Result<String, ExecError> {
+    if !out.status.success() {
+        return Err(ExecError::Failed {
+            command: format!("{program} {}", args.join(" ")),
+            status: out.status.to_string(),
+            code: out.status.code(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[cfg(test)]
@@ -213,5 +271,20 @@ mod tests {
         assert_eq!(v6.program("iptables-restore"), "ip6tables-legacy-restore");
         assert_eq!(v6.program("conntrack"), "conntrack");
         assert_eq!(System::default().for_family(IpFamily::V6).program("iptables"), "ip6tables");
+    }
+
+    #[test]
+    fn an_input_is_written_as_the_program_reads_it_and_a_failure_is_its_status() {
+        // More than a pipe holds, while the program writes as much back:
+        // neither side may wait for the other.
+        let line = "x".repeat(1023) + "\n";
+        let mut write =
+            |out: &mut dyn io::Write| (0..1024).try_for_each(|_| out.write_all(line.as_bytes()));
+        let echoed = System::default().run_writing("cat", &[], &mut write).unwrap();
+        assert_eq!(echoed.len(), 1 << 20);
+        let failed = System::default().run_writing("sh", &["-c", "exit 3"], &mut write);
+        assert!(matches!(failed, Err(ExecError::Failed { code: Some(3), .. })), "{failed:?}");
+        let missing = System::default().run_writing("no-such-program-here", &[], &mut write);
+        assert!(matches!(missing, Err(ExecError::Missing { .. })), "{missing:?}");
     }
 }

@@ -18,13 +18,14 @@ pub mod render;
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
+    io,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use self::render::{
-    Applied, ElementKey, Existing, Options, Ruleset, TABLE, Transaction, is_affinity_set,
-    is_service_chain, render_parts, render_port,
+    Applied, ElementKey, Existing, Options, Ruleset, SyncWriter, TABLE, Transaction,
+    is_affinity_set, is_service_chain, render_port,
 };
 use crate::{
     backend::{
@@ -38,15 +39,12 @@ use crate::{
     model::{IpFamily, Model, ServicePort, ServicePortName},
 };
 
-/// A port's part of the ruleset, and the port it was rendered from.
-type Part = (ServicePort, Ruleset);
-
 /// The ports a sync renders again: their parts as applied and as they are
-/// now, and each port's new part (`None`: removed).
+/// now, and each port as it is now (`None`: removed).
 struct Change {
     old: Ruleset,
     new: Ruleset,
-    ports: Vec<(Arc<ServicePortName>, Option<Part>)>,
+    ports: Vec<(Arc<ServicePortName>, Option<ServicePort>)>,
 }
 
 const NFT: &str = "nft";
@@ -77,6 +75,53 @@ pub struct SyncReport {
     pub cleanup_error: Option<String>,
     /// The conntrack entries deleted after the ruleset was applied.
     pub flows: FlowReport,
+}
+
+/// A sync's transaction as written, what it applies, the ports it was
+/// rendered from and whether two of them claim one element.
+struct Written {
+    tx: Transaction,
+    applied: Applied,
+    ports: HashMap<Arc<ServicePortName>, ServicePort>,
+    conflicts: bool,
+}
+
+/// Adds every port of `model` to `writer`, writing its text into `out` as
+/// it goes, then ends it (`existing`: see [`SyncWriter::finish`]): the
+/// transaction's text is all in `out`. Each port is rendered twice, its
+/// chains declared in a first pass and filled in a second (see
+/// [`SyncWriter::declare`]), rather than every port's part held.
+fn write_ports(
+    mut writer: SyncWriter,
+    model: &Model,
+    options: &Options,
+    existing: Option<&Existing>,
+    out: &mut dyn io::Write,
+) -> io::Result<Written> {
+    for port in model.ports_of(options.family) {
+        writer.declare(&render_port(port, options));
+        writer.drain_into(out)?;
+    }
+    let mut ports = HashMap::new();
+    let mut conflicts = false;
+    for port in model.ports_of(options.family) {
+        conflicts |= writer.fill(&render_port(port, options));
+        writer.drain_into(out)?;
+        ports.insert(port.name.clone(), port.clone());
+    }
+    let (mut tx, applied) = writer.finish(existing);
+    out.write_all(tx.text.as_bytes())?;
+    tx.text.clear();
+    Ok(Written { tx, applied, ports, conflicts })
+}
+
+/// A transaction nft did not get whole.
+fn unwritten(full: bool, source: io::Error) -> NftablesError {
+    NftablesError::Apply {
+        full,
+        source: ExecError::Io { program: NFT.into(), source },
+        context: String::new(),
+    }
 }
 
 /// `ip` or `ip6`: the table's family as nft names it.
@@ -122,10 +167,11 @@ pub struct NftablesBackend<R: Runner> {
     options: Options,
     /// What the kernel's table holds; `None`: the next sync is full.
     applied: Option<Applied>,
-    /// Each port's part of what was applied, and the port it was rendered
-    /// from: a sync renders only the ports that differ. `None` while two
-    /// ports claim one element.
-    parts: Option<HashMap<Arc<ServicePortName>, Part>>,
+    /// Each port as its part of what was applied was rendered from: a
+    /// sync renders only the ports that differ, and their parts as applied
+    /// again from these (rendering is pure; a port's text is not kept).
+    /// `None` while two ports claim one element.
+    ports: Option<HashMap<Arc<ServicePortName>, ServicePort>>,
     last_full: Option<Instant>,
     /// A full sync of this agent made the base chains anew (the first
     /// does: another version may have left them with other priorities).
@@ -147,7 +193,7 @@ impl<R: Runner> NftablesBackend<R> {
             flows: ConntrackFlows::new(options.family),
             options,
             applied: None,
-            parts: None,
+            ports: None,
             last_full: None,
             base_chains_made: false,
             stale: BTreeMap::new(),
@@ -169,7 +215,7 @@ impl<R: Runner> NftablesBackend<R> {
     /// new one.
     pub fn set_zone(&mut self, zone: Option<String>) {
         self.options.zone = zone;
-        self.parts = None;
+        self.ports = None;
     }
 
     /// Whether the next sync will be a full one.
@@ -207,40 +253,79 @@ impl<R: Runner> NftablesBackend<R> {
     }
 
     /// Renders every port and writes the whole ruleset (no `applied`: a
-    /// full sync) or what differs from `applied`; keeps each port's part
-    /// for the next syncs (none while two ports claim one element: then
-    /// every sync renders whole).
+    /// full sync) or what differs from `applied`, a port at a time; keeps
+    /// the ports for the next syncs (none while two ports claim one
+    /// element: then every sync renders whole).
     fn sync_whole(
         &mut self,
         model: &Model,
         applied: Option<Applied>,
     ) -> Result<Transaction, NftablesError> {
-        self.parts = None;
-        let (ruleset, parts, conflicts) = render_parts(model, &self.options);
+        self.ports = None;
         let full = applied.is_none();
-        let tx = match &applied {
-            Some(applied) => ruleset.partial(applied),
-            None => ruleset.full(&self.existing()?, !self.base_chains_made),
+        let Written { tx, applied: after, ports, conflicts } = match &applied {
+            Some(applied) => {
+                let writer = SyncWriter::partial(self.options.family, applied);
+                let mut text = Vec::new();
+                let mut written = write_ports(writer, model, &self.options, None, &mut text)
+                    .map_err(|e| unwritten(false, e))?;
+                written.tx.text = String::from_utf8_lossy(&text).into_owned();
+                self.apply(&written.tx, false)?;
+                written
+            }
+            None => self.apply_full(model)?,
         };
-        self.apply(&tx, full)?;
         if full {
             self.base_chains_made = true;
             self.last_full = Some(Instant::now());
         }
-        self.stale.retain(|chain, _| !ruleset.has_chain(chain));
+        self.stale.retain(|chain, _| !after.has_chain(chain));
         self.note_stale(&tx);
-        self.applied = Some(ruleset.applied());
-        let parts = parts.into_iter().map(|(port, part)| (port.name.clone(), (port.clone(), part)));
-        self.parts = (!conflicts).then(|| parts.collect());
+        self.applied = Some(after);
+        self.ports = (!conflicts).then_some(ports);
         Ok(tx)
     }
 
-    /// The ports that differ from the parts kept (added, changed, removed),
-    /// their old and new parts rendered; `None` without parts kept, or when
-    /// a new element's key is another port's (two ports claim it: the
+    /// A full sync, its transaction written into nft's standard input a
+    /// port at a time (at 10,000 services × 10 endpoints it is 50 MB of
+    /// text, which the agent would otherwise hold).
+    fn apply_full(&mut self, model: &Model) -> Result<Written, NftablesError> {
+        let existing = self.existing()?;
+        let recreate = !self.base_chains_made;
+        let options = &self.options;
+        let write = |out: &mut dyn io::Write| {
+            let writer = SyncWriter::full(&render::fixed(options), recreate);
+            write_ports(writer, model, options, Some(&existing), out)
+        };
+        let mut written = None;
+        let result = self.runner.run_writing(NFT, &["-f", "-"], &mut |pipe| {
+            written = Some(write(pipe)?);
+            Ok(())
+        });
+        let context = |source: &ExecError| match source {
+            // Not kept: written again for the lines nft names.
+            ExecError::Failed { stderr, .. } => {
+                let mut text = Vec::new();
+                let _ = write(&mut text);
+                transaction_context(&String::from_utf8_lossy(&text), stderr)
+            }
+            _ => String::new(),
+        };
+        match (result, written) {
+            (Ok(_), Some(written)) => Ok(written),
+            (Err(source), _) => {
+                Err(NftablesError::Apply { full: true, context: context(&source), source })
+            }
+            (Ok(_), None) => Err(unwritten(true, io::Error::other("nothing written"))),
+        }
+    }
+
+    /// The ports that differ from the ports kept (added, changed, removed),
+    /// their old and new parts rendered; `None` without ports kept, or
+    /// when a new element's key is another port's (two ports claim it: the
     /// caller renders whole).
     fn changed_ports(&self, model: &Model, applied: &Applied) -> Option<Change> {
-        let parts = self.parts.as_ref()?;
+        let ports = self.ports.as_ref()?;
         let family = self.options.family;
         let mut change = Change {
             old: Ruleset::new(family, None),
@@ -251,19 +336,18 @@ impl<R: Runner> NftablesBackend<R> {
         let mut conflict = false;
         for port in model.ports_of(family) {
             seen.insert(&port.name);
-            let kept = parts.get(&port.name);
-            if kept.is_some_and(|(was, _)| was == port) {
+            let kept = ports.get(&port.name);
+            if kept.is_some_and(|was| was == port) {
                 continue;
             }
-            if let Some((_, part)) = kept {
-                change.old.absorb(part);
+            if let Some(was) = kept {
+                change.old.absorb(&render_port(was, &self.options));
             }
-            let part = render_port(port, &self.options);
-            conflict |= change.new.absorb(&part);
-            change.ports.push((port.name.clone(), Some((port.clone(), part))));
+            conflict |= change.new.absorb(&render_port(port, &self.options));
+            change.ports.push((port.name.clone(), Some(port.clone())));
         }
-        for (name, (_, part)) in parts.iter().filter(|(name, _)| !seen.contains(&***name)) {
-            change.old.absorb(part);
+        for (name, was) in ports.iter().filter(|(name, _)| !seen.contains(&***name)) {
+            change.old.absorb(&render_port(was, &self.options));
             change.ports.push((name.clone(), None));
         }
         let old_keys: HashSet<&ElementKey> = change.old.element_keys().collect();
@@ -284,11 +368,11 @@ impl<R: Runner> NftablesBackend<R> {
         self.apply(&tx, false)?;
         applied.replace(&change.old, &change.new);
         self.applied = Some(applied);
-        if let Some(parts) = self.parts.as_mut() {
-            for (name, part) in change.ports {
-                match part {
-                    Some(part) => parts.insert(name, part),
-                    None => parts.remove(&name),
+        if let Some(ports) = self.ports.as_mut() {
+            for (name, port) in change.ports {
+                match port {
+                    Some(port) => ports.insert(name, port),
+                    None => ports.remove(&name),
                 };
             }
         }

@@ -132,6 +132,37 @@ fn a_refused_transaction_is_reported_with_its_line_and_the_next_sync_is_full() {
 }
 
 #[test]
+fn a_full_sync_declares_every_chain_before_any_rule_of_theirs() {
+    let fake = Fake::default();
+    let mut backend = NftablesBackend::new(fake.clone(), options());
+    let two =
+        [("a", "10.96.0.1", vec![ep("10.244.1.1")]), ("b", "10.96.0.2", vec![ep("10.244.2.1")])];
+    backend.sync(&services(&two)).unwrap();
+    let tx = fake.transactions().concat();
+    // The per-service chains' names hold the service's: `…-ns/a/tcp/http`.
+    let per_service = |verb: &str| {
+        let prefix = format!("{verb} ip kube-proxy ");
+        let lines = tx.lines().enumerate();
+        let of = |l: &str| {
+            l.starts_with(&prefix) && l.split(' ').nth(4).is_some_and(|c| c.contains("-ns/"))
+        };
+        lines.filter(|(_, l)| of(l)).map(|(i, _)| i).collect::<Vec<_>>()
+    };
+    let (chains, rules) = (per_service("add chain"), per_service("add rule"));
+    assert_eq!((chains.len(), rules.is_empty()), (4, false), "{tx}");
+    assert!(chains.iter().max() < rules.iter().min(), "{tx}");
+}
+
+#[test]
+fn a_refused_full_sync_names_its_line_though_its_text_was_not_kept() {
+    let fake = Fake::default();
+    fake.0.borrow_mut().refuse = true;
+    let mut backend = NftablesBackend::new(fake.clone(), options());
+    let err = backend.sync(&web(vec![ep("10.244.1.2")])).unwrap_err().to_string();
+    assert!(err.contains("full sync") && err.contains(">     3: add "), "{err}");
+}
+
+#[test]
 fn chains_no_longer_used_are_flushed_then_deleted_at_a_later_sync() {
     let fake = Fake::default();
     let mut backend = NftablesBackend::new(fake.clone(), options());
@@ -225,7 +256,7 @@ fn a_partial_sync_renders_and_writes_only_the_ports_that_changed() {
     // and the maps hold what a whole render says.
     let c = ("c", "10.96.0.1", vec![ep("10.244.3.1")]);
     backend.sync(&services(&[a(), c.clone()])).unwrap();
-    assert!(backend.parts.is_none(), "conflicting ports: rendered whole from now on");
-    let whole = render_parts(&services(&[a(), c]), &backend.options).0;
+    assert!(backend.ports.is_none(), "conflicting ports: rendered whole from now on");
+    let whole = render::render(&services(&[a(), c]), &backend.options);
     assert_eq!(whole.partial(backend.applied.as_ref().unwrap()).text, "");
 }

@@ -17,32 +17,23 @@ mod service;
 pub use self::{
     names::{is_affinity_set, is_service_chain},
     options::Options,
-    ruleset::{Applied, ElementKey, Existing, Ruleset, TABLE, Transaction},
+    ruleset::{Applied, ElementKey, Existing, Ruleset, SyncWriter, TABLE, Transaction},
 };
 use crate::model::{Model, ServicePort};
 
 /// The ruleset for `model`'s ports of `opts.family`. Of two ports claiming
 /// one address and port, the first by name keeps it, as the plan decides.
 pub fn render(model: &Model, opts: &Options) -> Ruleset {
-    render_parts(model, opts).0
+    let mut ruleset = fixed(opts);
+    for port in model.ports_of(opts.family) {
+        ruleset.absorb(&render_port(port, opts));
+    }
+    ruleset
 }
 
-/// The ruleset, each port's part of it (by name) and whether two ports
-/// claim one element (then a port's part alone does not say what it
-/// holds).
-pub fn render_parts<'m>(
-    model: &'m Model,
-    opts: &Options,
-) -> (Ruleset, Vec<(&'m ServicePort, Ruleset)>, bool) {
-    let mut ruleset = Ruleset::new(opts.family, options::nodeport_ips(opts));
-    let mut parts = Vec::new();
-    let mut conflicts = false;
-    for port in model.ports_of(opts.family) {
-        let part = render_port(port, opts);
-        conflicts |= ruleset.absorb(&part);
-        parts.push((port, part));
-    }
-    (ruleset, parts, conflicts)
+/// The ruleset of no service: the table's fixed part.
+pub fn fixed(opts: &Options) -> Ruleset {
+    Ruleset::new(opts.family, options::nodeport_ips(opts))
 }
 
 /// One port's chains, affinity sets and elements, alone.

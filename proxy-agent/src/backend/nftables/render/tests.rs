@@ -481,7 +481,7 @@ fn a_full_sync_rewrites_everything_and_removes_what_it_does_not_write() {
             .map(String::from)
             .into(),
     };
-    let tx = rs.full(&existing, true);
+    let tx = full(&rs, &existing, true);
     for line in [
         "add chain ip kube-proxy nat-prerouting\ndelete chain ip kube-proxy nat-prerouting\n",
         "flush map ip kube-proxy service-ips\n",
@@ -495,5 +495,63 @@ fn a_full_sync_rewrites_everything_and_removes_what_it_does_not_write() {
     // The affinity set of a served endpoint is added, never flushed: its
     // clients keep their endpoint.
     assert!(!tx.text.contains("flush set ip kube-proxy affinity-"), "{}", tx.text);
-    assert!(!rs.full(&existing, false).text.contains("delete chain"));
+    assert!(!full(&rs, &existing, false).text.contains("delete chain"));
+}
+
+/// A full sync of `rs` as one part.
+fn full(rs: &Ruleset, existing: &Existing, recreate: bool) -> Transaction {
+    let mut writer = SyncWriter::full(&fixed(&options()), recreate);
+    writer.add(rs);
+    writer.finish(Some(existing)).0
+}
+
+#[test]
+fn a_full_sync_written_a_port_at_a_time_is_the_whole_ruleset() {
+    let m = kube_proxys_overall_services();
+    let opts = options();
+    let whole = render(&m, &opts);
+    let mut writer = SyncWriter::full(&fixed(&opts), false);
+    for port in m.ports_of(IpFamily::V4) {
+        assert!(!writer.add(&render_port(port, &opts)), "no two ports claim one element");
+    }
+    let (tx, applied) = writer.finish(Some(&Existing::default()));
+    // Every statement of the whole ruleset, and besides them only the
+    // flushes that empty what a full sync rewrites.
+    let (flushes, written): (Vec<&str>, Vec<&str>) =
+        tx.text.lines().partition(|l| l.starts_with("flush "));
+    assert_eq!(statements(&written.join("\n")), statements(&whole.to_string()));
+    assert!(flushes.contains(&"flush map ip kube-proxy service-ips"), "{}", tx.text);
+    assert_eq!(applied, whole.applied());
+    assert_eq!(tx.chains_written, whole.chains.len());
+    assert_eq!(tx.elements_written, whole.elements.len());
+    assert!(tx.stale_chains.is_empty());
+
+    // What it applied is what a partial sync of the same compares with.
+    let mut writer = SyncWriter::partial(IpFamily::V4, &applied);
+    for port in m.ports_of(IpFamily::V4) {
+        writer.add(&render_port(port, &opts));
+    }
+    let (tx, again) = writer.finish(None);
+    assert_eq!(tx.text, "", "nothing changed, nothing written");
+    assert_eq!(again, applied);
+}
+
+#[test]
+fn of_two_parts_claiming_one_element_the_first_keeps_it() {
+    let svc = |name: &str| service("ns", name).cluster_ip("172.30.0.1").port(port("p80", 80));
+    let m = model(&[(svc("a"), vec![ep("10.0.1.1")]), (svc("b"), vec![ep("10.0.2.1")])]);
+    let opts = options();
+    let mut writer = SyncWriter::full(&fixed(&opts), false);
+    let claims: Vec<bool> =
+        m.ports_of(IpFamily::V4).map(|port| writer.add(&render_port(port, &opts))).collect();
+    assert_eq!(claims, [false, true]);
+    let (tx, applied) = writer.finish(None);
+    let elements: Vec<&str> = tx
+        .text
+        .lines()
+        .filter(|l| l.starts_with("add element ip kube-proxy service-ips"))
+        .collect();
+    assert_eq!(elements.len(), 1, "{}", tx.text);
+    assert!(elements[0].contains("goto service-") && elements[0].contains("-ns/a/tcp/p80"));
+    assert_eq!(applied, render(&m, &opts).applied(), "as the whole ruleset says");
 }
