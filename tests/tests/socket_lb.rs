@@ -762,6 +762,13 @@ fn a_pod_leaving_one_service_keeps_the_sockets_of_another(setup: Setup) {
         .expect("a socket to web lands on the first pod");
     let dns_socket = connected_udp(&lab, &client, "10.96.0.11:53");
     assert_eq!(dns_socket.next().1.pod(), Some(pods[0].name.as_str()));
+    // A second of datagrams first: they stay with the first pod, and the
+    // change comes past the minimum sync period ([`MIN_SYNC_PERIOD`]). The
+    // other socket's, read meanwhile, are set aside: what is read of it
+    // next is what came after the change.
+    let before = web.take(20, Instant::now());
+    assert!(before.iter().all(|(_, a)| a.pod() == Some(pods[0].name.as_str())), "{before:?}");
+    drop(dns_socket.take(20, Instant::now()));
 
     write(&mut lab, &pods[1..].iter().collect::<Vec<_>>());
     let changed = Instant::now();
