@@ -350,8 +350,9 @@ pub enum KeptIds {
     These(Reserved),
 }
 
-/// Ids a previous agent gave, by what they name: hashed, as a restart at
-/// 100,000 services reads a million of them before its first write.
+/// Ids to keep, by what they name: a previous agent's, or those of maps
+/// being replaced ([`KeptIds`]). Hashed, as a restart at 100,000 services
+/// reads a million of them before its first write.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Reserved {
     pub frontends: hashbrown::HashMap<Frontend, u32>,
