@@ -6,14 +6,14 @@
 //! `service-nodeports` (each sends a frontend to its chain) and of
 //! `no-endpoint-services` and `no-endpoint-nodeports` (no endpoints, no
 //! local endpoints; their comment names the service). A frontend's chain is
-//! followed `external-` → `service-`/`local-` → `endpoint-`, whose `dnat`
-//! names the backend. The maps do not say whether an address is an
+//! followed `external-` → `service-`/`local-`, whose `dnat` rules name the
+//! backends. The maps do not say whether an address is an
 //! externalIP or a load-balancer IP: one with source ranges (in
 //! `firewall-ips`) is a load-balancer IP, the others are `External`.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
 };
 
 use super::{
@@ -156,7 +156,7 @@ fn within(ip: IpAddr, text: &str) -> bool {
 
 /// The first packet of a connection walked through one family's table as
 /// netfilter does: `firewall-check` (before DNAT), `services` (the verdict
-/// maps, then the service's chains down to an endpoint's `dnat`), and
+/// maps, then the service's chains down to the `dnat` rules), and
 /// without a DNAT the checks of the filter chains (`no-endpoint-services`,
 /// `no-endpoint-nodeports`, `cluster-ips`). Matches are read as the
 /// renderer writes them; other rules (marks) are taken as matching.
@@ -237,6 +237,17 @@ pub(super) fn walk(text: &str, p: &Packet) -> Walk {
     Walk { walked, frontend: refusal.and_then(|(k, _)| frontend(k)), affinity: false }
 }
 
+/// The statement of a rule marking for masquerade, as nft lists it.
+const MARK: &str = "meta mark set ";
+/// The statement of a rule translating to an endpoint.
+const DNAT: &str = " dnat to ";
+
+/// Whether `rule` is an affinity check (`ip saddr @affinity-… …`), not a
+/// pick that remembers its client (`… update @affinity-… { ip saddr } …`).
+fn is_affinity_check(rule: &str) -> bool {
+    rule.contains("saddr @affinity-")
+}
+
 /// A packet's way through the service chains.
 struct Walker<'a> {
     chains: &'a BTreeMap<String, Vec<String>>,
@@ -255,42 +266,34 @@ impl Walker<'_> {
         let mut candidates: Vec<String> = Vec::new();
         for rule in self.rules(chain).to_vec() {
             let rule = rule.split(" comment \"").next().unwrap_or_default();
-            if rule.contains("@affinity-") {
+            if is_affinity_check(rule) {
                 self.affinity = true;
                 continue;
             }
-            if let Some(matches) = rule.strip_suffix("jump mark-for-masquerade") {
+            if let Some((matches, _)) = rule.split_once(MARK) {
                 if self.holds(matches) {
                     self.masquerade = true;
                 }
-            } else if let Some((matches, target)) = rule.rsplit_once("goto ") {
-                if target.starts_with("endpoint-") {
-                    candidates.extend(self.dnat(target));
-                    if !matches.starts_with("numgen ") {
-                        break;
-                    }
-                } else if self.holds(matches) {
-                    return self.follow(target);
+            } else if let Some((matches, address)) = rule.split_once(DNAT) {
+                candidates.push(address.trim().to_string());
+                if !matches.starts_with("numgen ") {
+                    break;
                 }
+            } else if let Some((matches, target)) = rule.rsplit_once("goto ")
+                && self.holds(matches)
+            {
+                return self.follow(target);
             }
         }
+        // `masquerading`: a connection DNATed to its own source.
+        let from = self.p.from.ip();
+        let hairpin = |c: &String| c.parse::<SocketAddr>().is_ok_and(|c| c.ip() == from);
+        self.masquerade |= candidates.iter().any(hairpin);
         let n = candidates.len();
         (n > 0).then(|| Walked::Translated {
             candidates: candidates.into_iter().map(|c| (c, 1.0 / n as f64)).collect(),
             masquerade: self.masquerade,
         })
-    }
-
-    /// The address an endpoint chain DNATs to (a hairpin is masqueraded).
-    fn dnat(&mut self, chain: &str) -> Option<String> {
-        let rules = self.rules(chain);
-        let hairpin = rules.iter().find_map(|r| r.strip_suffix(" jump mark-for-masquerade"));
-        let address =
-            rules.iter().find_map(|r| r.split_once(" dnat to ")).map(|d| d.1.trim().to_string());
-        if hairpin.is_some_and(|m| self.holds(m)) {
-            self.masquerade = true;
-        }
-        address
     }
 
     /// Whether every match of `matches` takes the packet.
@@ -349,28 +352,16 @@ impl BackendWalk<'_> {
                 self.add(flag::LOCAL_POLICY);
             }
             let rules = self.rules(chain).to_vec();
-            if rules.iter().any(|r| r.contains("@affinity-")) {
+            if rules.iter().any(|r| is_affinity_check(r)) {
                 self.add(flag::AFFINITY);
             }
-            // The endpoints the pick (and the affinity checks) go to.
-            let mut endpoints: Vec<&str> = Vec::new();
-            let targets = rules.iter().filter_map(|r| r.rsplit_once("goto endpoint-"));
-            for (_, target) in targets {
-                let endpoint = target.split([' ', ',', '}']).next().unwrap_or_default();
-                if !endpoints.contains(&endpoint) {
-                    endpoints.push(endpoint);
-                }
-            }
-            for endpoint in endpoints {
-                let dnat = self
-                    .rules(&format!("endpoint-{endpoint}"))
-                    .iter()
-                    .find_map(|r| r.split_once(" dnat to "))
-                    .map(|d| d.1);
-                if let Some(address) = dnat.map(|a| a.trim().to_string()) {
-                    let local = local.then_some(true);
-                    self.backends.push(LbBackend { address, local, maglev_share: None });
-                }
+            // The endpoints the pick goes to.
+            let picks = rules.iter().filter(|r| !is_affinity_check(r));
+            for (_, address) in picks.filter_map(|r| r.split_once(DNAT)) {
+                let address = address.split(" comment ").next().unwrap_or_default().trim();
+                let local = local.then_some(true);
+                let backend = LbBackend { address: address.into(), local, maglev_share: None };
+                self.backends.push(backend);
             }
         }
     }
@@ -484,36 +475,27 @@ mod tests {
 	}
 
 	chain service-AAAAAAAA-demo/web/tcp/http {
-		ip daddr 10.96.0.10 ip saddr != 10.244.0.0/16 jump mark-for-masquerade
-		ip saddr @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
-		numgen random mod 2 0 goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
-		goto endpoint-CCCCCCCC-demo/web/tcp/http__10.244.2.3/8080
+		ip daddr 10.96.0.10 ip saddr != 10.244.0.0/16 meta mark set meta mark | 0x00004000
+		ip saddr @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 update @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 { ip saddr } meta l4proto tcp dnat to 10.244.1.2:8080
+		ip saddr @affinity-CCCCCCCC-demo/web/tcp/http__10.244.2.3/8080 update @affinity-CCCCCCCC-demo/web/tcp/http__10.244.2.3/8080 { ip saddr } meta l4proto tcp dnat to 10.244.2.3:8080
+		numgen random mod 2 0 update @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 { ip saddr } meta l4proto tcp dnat to 10.244.1.2:8080
+		update @affinity-CCCCCCCC-demo/web/tcp/http__10.244.2.3/8080 { ip saddr } meta l4proto tcp dnat to 10.244.2.3:8080
 	}
 
 	chain local-AAAAAAAA-demo/web/tcp/http {
-		ip saddr @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
-		goto endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080
+		ip saddr @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 update @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 { ip saddr } meta l4proto tcp dnat to 10.244.1.2:8080
+		update @affinity-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 { ip saddr } meta l4proto tcp dnat to 10.244.1.2:8080
 	}
 
 	chain external-AAAAAAAA-demo/web/tcp/http {
 		ip saddr 10.244.0.0/16 goto service-AAAAAAAA-demo/web/tcp/http comment "short-circuit pod traffic"
-		fib saddr type local jump mark-for-masquerade comment "masquerade local traffic"
+		fib saddr type local meta mark set meta mark | 0x00004000 comment "masquerade local traffic"
 		fib saddr type local goto service-AAAAAAAA-demo/web/tcp/http comment "short-circuit local traffic"
 		goto local-AAAAAAAA-demo/web/tcp/http
 	}
 
 	chain firewall-AAAAAAAA-demo/web/tcp/http {
 		ip saddr != { 192.168.0.0/16, 172.18.0.50 } drop
-	}
-
-	chain endpoint-BBBBBBBB-demo/web/tcp/http__10.244.1.2/8080 {
-		ip saddr 10.244.1.2 jump mark-for-masquerade
-		meta l4proto tcp dnat to 10.244.1.2:8080
-	}
-
-	chain endpoint-CCCCCCCC-demo/web/tcp/http__10.244.2.3/8080 {
-		ip saddr 10.244.2.3 jump mark-for-masquerade
-		meta l4proto tcp dnat to 10.244.2.3:8080
 	}
 }
 "#;
@@ -646,7 +628,6 @@ mod tests {
             masquerade_all: false,
         };
         let rendered = render(&model, &opts).to_string();
-        assert!(rendered.contains("http goto endpoint-"), "{rendered}");
-        assert!(rendered.contains("meta l4proto tcp dnat to 10.244.1.2:8080"));
+        assert!(rendered.contains("/tcp/http meta l4proto tcp dnat to 10.244.1.2:8080"));
     }
 }

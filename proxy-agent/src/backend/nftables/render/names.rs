@@ -1,5 +1,5 @@
-//! kube-proxy's nftables names of the per-service-port and per-endpoint
-//! chains and sets: a prefix, the first 8 characters of
+//! kube-proxy's nftables names of the per-service-port chains and the
+//! per-endpoint affinity sets: a prefix, the first 8 characters of
 //! base32(sha256(identity)), a hyphen and the identity itself
 //! (`namespace/service/protocol/port`, with `__ip/port` for an endpoint),
 //! so `nft list table` reads as the services it serves.
@@ -58,8 +58,8 @@ impl ServiceChains {
     }
 }
 
-/// The base of an endpoint's chain and affinity set: `:` is not allowed in
-/// a name, so an IPv6 address is written with dots.
+/// The base of an endpoint's names: `:` is not allowed in a name, so an
+/// IPv6 address is written with dots.
 fn endpoint_base(name: &ServicePortName, protocol: Protocol, endpoint: EndpointAddr) -> String {
     let s = &name.service;
     let ip = endpoint.ip().to_string().replace(':', ".");
@@ -67,22 +67,15 @@ fn endpoint_base(name: &ServicePortName, protocol: Protocol, endpoint: EndpointA
     hashed(&format!("{}/{}/{proto}/{}__{ip}/{port}", s.namespace, s.name, name.port))
 }
 
-/// An endpoint's chain (`endpoint-`) and affinity set (`affinity-`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EndpointNames {
-    pub chain: String,
-    pub affinity: String,
+/// An endpoint's affinity set (`affinity-`), kube-proxy's name. (kube-proxy
+/// also gives each endpoint a chain, `endpoint-` and the same base; the
+/// agent writes what it holds into the service's chain.)
+pub fn affinity_set(name: &ServicePortName, protocol: Protocol, endpoint: EndpointAddr) -> String {
+    format!("affinity-{}", endpoint_base(name, protocol, endpoint))
 }
 
-impl EndpointNames {
-    pub fn new(name: &ServicePortName, protocol: Protocol, endpoint: EndpointAddr) -> Self {
-        let base = endpoint_base(name, protocol, endpoint);
-        EndpointNames { chain: format!("endpoint-{base}"), affinity: format!("affinity-{base}") }
-    }
-}
-
-/// Whether `chain` is a per-service-port or per-endpoint chain: only those
-/// have a `/` in their names.
+/// Whether `chain` is a per-service-port chain (or a per-endpoint one an
+/// older agent or kube-proxy left): only those have a `/` in their names.
 pub fn is_service_chain(chain: &str) -> bool {
     chain.contains('/')
 }
@@ -110,14 +103,10 @@ mod tests {
             "external-42NFTM6N-ns2/svc2/tcp/p80"
         );
         let ep = |text: &str| text.parse::<EndpointAddr>().unwrap();
-        let names =
-            EndpointNames::new(&spn("ns1", "svc1", "p80"), Protocol::Tcp, ep("10.180.0.1:80"));
-        assert_eq!(names.chain, "endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80");
-        let names =
-            EndpointNames::new(&spn("ns5", "svc5", "p80"), Protocol::Tcp, ep("10.180.0.3:80"));
-        assert_eq!(names.affinity, "affinity-GTK6MW7G-ns5/svc5/tcp/p80__10.180.0.3/80");
-        let v6 = EndpointNames::new(&spn("ns1", "svc1", "p80"), Protocol::Tcp, ep("[fd00::1]:80"));
-        assert!(v6.chain.ends_with("-ns1/svc1/tcp/p80__fd00..1/80"), "{}", v6.chain);
+        let set = affinity_set(&spn("ns5", "svc5", "p80"), Protocol::Tcp, ep("10.180.0.3:80"));
+        assert_eq!(set, "affinity-GTK6MW7G-ns5/svc5/tcp/p80__10.180.0.3/80");
+        let v6 = affinity_set(&spn("ns1", "svc1", "p80"), Protocol::Tcp, ep("[fd00::1]:80"));
+        assert!(v6.ends_with("-ns1/svc1/tcp/p80__fd00..1/80"), "{v6}");
     }
 
     #[test]
@@ -125,9 +114,10 @@ mod tests {
         let long = "x".repeat(63);
         let name = spn(&long, &long, &long);
         let ep = "[fd00:1111:2222:3333:4444:5555:6666:7777]:65535".parse().unwrap();
-        let names = EndpointNames::new(&name, Protocol::Sctp, ep);
-        assert_eq!(names.chain.len(), "endpoint-".len() + NAME_MAX - PREFIX_MAX);
-        assert!(names.chain.ends_with("..."));
-        assert!(is_service_chain(&names.chain) && !is_service_chain("services"));
+        let set = affinity_set(&name, Protocol::Sctp, ep);
+        assert_eq!(set.len(), "affinity-".len() + NAME_MAX - PREFIX_MAX);
+        assert!(set.ends_with("..."));
+        let chains = ServiceChains::new(&name, Protocol::Sctp);
+        assert!(is_service_chain(&chains.cluster) && !is_service_chain("services"));
     }
 }

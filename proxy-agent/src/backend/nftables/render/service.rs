@@ -1,17 +1,17 @@
 //! One service port's chains, affinity sets and elements, as kube-proxy's
-//! nftables proxier writes them.
+//! nftables proxier writes them, but for its per-endpoint chains: what
+//! each holds is written where kube-proxy jumps to it (docs/nftables.md).
 
 use super::{
     Options,
-    names::{EndpointNames, ServiceChains},
-    ruleset::{Container, Element, Ruleset},
+    names::{ServiceChains, affinity_set},
+    ruleset::{Container, Element, MARK_MASQ, Ruleset},
 };
 use crate::{
     backend::categorize::Categorized,
     model::{Endpoint, ServicePort},
 };
 
-const MARK_MASQ: &str = "jump mark-for-masquerade";
 const REJECT: &str = "goto reject-chain";
 
 /// Writes `port`'s part of the ruleset into `rs`.
@@ -46,8 +46,19 @@ impl<'a> ServiceWriter<'a> {
         }
     }
 
-    fn endpoint_names(&self, e: &Endpoint) -> EndpointNames {
-        EndpointNames::new(&self.port.name, self.port.protocol, e.addr)
+    fn affinity_set(&self, e: &Endpoint) -> String {
+        affinity_set(&self.port.name, self.port.protocol, e.addr)
+    }
+
+    /// What kube-proxy's chain of endpoint `e` does after its hairpin
+    /// check (here a lookup in `hairpin-endpoints`, after DNAT): remember
+    /// the client for affinity, then DNAT.
+    fn translation(&self, e: &Endpoint) -> String {
+        let dnat = format!("meta l4proto {} dnat to {}", self.proto, e.addr);
+        match self.port.affinity_timeout_secs {
+            Some(_) => format!("update @{} {{ {} saddr }} {dnat}", self.affinity_set(e), self.ip),
+            None => dnat,
+        }
     }
 
     /// `IP . proto . port`.
@@ -76,9 +87,6 @@ impl<'a> ServiceWriter<'a> {
         let declare = |rs: &mut Ruleset, chain: &str| {
             rs.chains.entry(chain.to_string()).or_default();
         };
-        for ep in &reachable {
-            declare(rs, &self.endpoint_names(ep).chain);
-        }
         if e.uses_cluster_chain() {
             declare(rs, &c.cluster);
         }
@@ -193,9 +201,12 @@ impl<'a> ServiceWriter<'a> {
             let rule = format!("{ip} saddr != {{ {} }} drop", sources.join(" , "));
             Self::rule(rs, &c.firewall, rule);
         }
-        if let Some(timeout) = port.affinity_timeout_secs {
-            for ep in &reachable {
-                rs.affinity.insert(self.endpoint_names(ep).affinity, timeout);
+        for ep in &reachable {
+            let ip = ep.addr.ip();
+            let hairpin = (Container::HairpinEndpoints, format!("{ip} . {ip}"));
+            rs.elements.insert(hairpin, Element { value: None, comment: None });
+            if let Some(timeout) = port.affinity_timeout_secs {
+                rs.affinity.insert(self.affinity_set(ep), timeout);
             }
         }
         if e.uses_cluster_chain() {
@@ -204,49 +215,41 @@ impl<'a> ServiceWriter<'a> {
         if e.uses_local_chain() {
             self.write_balancer(rs, &c.local, &e.local);
         }
-        for ep in &reachable {
-            let names = self.endpoint_names(ep);
-            let chain = &names.chain;
-            Self::rule(rs, chain, format!("{ip} saddr {} {MARK_MASQ}", ep.addr.ip()));
-            if port.affinity_timeout_secs.is_some() {
-                Self::rule(rs, chain, format!("update @{} {{ {ip} saddr }}", names.affinity));
-            }
-            Self::rule(rs, chain, format!("meta l4proto {} dnat to {}", self.proto, ep.addr));
-        }
     }
 
     /// Affinity checks, then a random pick among `endpoints`, in `chain`.
     fn write_balancer(&self, rs: &mut Ruleset, chain: &str, endpoints: &[&Endpoint]) {
-        let names: Vec<EndpointNames> = endpoints.iter().map(|e| self.endpoint_names(e)).collect();
+        let translations: Vec<String> = endpoints.iter().map(|e| self.translation(e)).collect();
         if self.port.affinity_timeout_secs.is_some() {
-            for n in &names {
-                let rule = format!("{} saddr @{} goto {}", self.ip, n.affinity, n.chain);
+            for (e, translation) in endpoints.iter().zip(&translations) {
+                let rule = format!("{} saddr @{} {translation}", self.ip, self.affinity_set(e));
                 Self::rule(rs, chain, rule);
             }
         }
-        for rule in pick(&names) {
+        for rule in pick(&translations) {
             Self::rule(rs, chain, rule);
         }
     }
 }
 
-/// The rules picking one of `endpoints` at random, uniformly: the i-th of
-/// N taken with probability 1/(N-i) (`numgen random mod (N-i) 0`), the last
-/// always, as iptables' statistic rules do. Not kube-proxy's one rule with
-/// an anonymous verdict map (`numgen random mod N vmap { 0 : goto …, … }`):
-/// the kernel names each anonymous set by scanning every set of the table,
-/// so a full sync's transaction made 10,000 of them in minutes (4 min 20 s
-/// at 10,000 services × 10 endpoints, 18 s this way; docs/nftables.md).
-/// Only a connection's first packet walks them, at most N rules of its own
+/// The rules picking one of the endpoints (their `translations`) at
+/// random, uniformly: the i-th of N taken with probability 1/(N-i)
+/// (`numgen random mod (N-i) 0`), the last always, as iptables' statistic
+/// rules do. Not kube-proxy's one rule with an anonymous verdict map
+/// (`numgen random mod N vmap { 0 : goto endpoint-…, … }`): the kernel
+/// names each anonymous set by scanning every set of the table, so a full
+/// sync's transaction made 10,000 of them in minutes (4 min 20 s at 10,000
+/// services × 10 endpoints; docs/nftables.md). A DNAT ends the walk: only
+/// a connection's first packet walks these, at most N rules of its own
 /// service.
-fn pick(endpoints: &[EndpointNames]) -> Vec<String> {
-    let n = endpoints.len();
-    endpoints
+fn pick(translations: &[String]) -> Vec<String> {
+    let n = translations.len();
+    translations
         .iter()
         .enumerate()
-        .map(|(i, e)| match n - i {
-            1 => format!("goto {}", e.chain),
-            left => format!("numgen random mod {left} 0 goto {}", e.chain),
+        .map(|(i, t)| match n - i {
+            1 => t.clone(),
+            left => format!("numgen random mod {left} 0 {t}"),
         })
         .collect()
 }

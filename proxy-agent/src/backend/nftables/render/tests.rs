@@ -40,12 +40,19 @@ struct Statements {
 }
 
 /// Reads `nft -f` input for an empty table, as kube-proxy's tests write it
-/// (blank lines and `#` comments skipped).
+/// (blank lines and `#` comments skipped; a statement adding several
+/// elements read as one per element).
 fn statements(text: &str) -> Statements {
     let mut declarations = BTreeSet::new();
     let mut rules: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
-        if let Some(rest) = line.strip_prefix("add rule ") {
+        if line.starts_with("add element ")
+            && let Some((set, elements)) = line.split_once(" { ")
+        {
+            for element in elements.trim_end_matches(" }").split(", ") {
+                declarations.insert(format!("{set} {{ {element} }}"));
+            }
+        } else if let Some(rest) = line.strip_prefix("add rule ") {
             let mut words = rest.splitn(4, ' ');
             let (_family, _table) = (words.next(), words.next());
             let chain = words.next().unwrap_or_default().to_string();
@@ -261,10 +268,59 @@ fn kube_proxys_overall_services() -> Model {
     ])
 }
 
+/// What we write that kube-proxy does not, by design (docs/nftables.md):
+/// the hairpin check of its endpoint chains, as one lookup after DNAT.
+const OURS_ONLY: [&str; 2] = [
+    "add set ip kube-proxy hairpin-endpoints { type ipv4_addr . ipv4_addr ; comment \"endpoints twice: a connection DNATed to its own source is masqueraded\" ; }",
+    "add rule ip kube-proxy masquerading ct status dnat ip saddr . ip daddr @hairpin-endpoints mark set mark or 0x4000",
+];
+
+/// kube-proxy's ruleset as ours writes it by design (docs/nftables.md): no
+/// per-endpoint chains and no `mark-for-masquerade` chain. An endpoint
+/// chain's hairpin check (`ip saddr A jump mark-for-masquerade`) becomes an
+/// element `A . A` of `hairpin-endpoints`, and what else it does is written
+/// where kube-proxy jumps to it; its pick `numgen random mod N vmap { 0 :
+/// goto A , 1 : goto B }` becomes `numgen random mod 2 0 <A's>`, `<B's>`
+/// (no anonymous set); `jump mark-for-masquerade` becomes that chain's one
+/// rule.
+fn as_ours(mut theirs: Statements) -> Statements {
+    let (endpoints, chains): (BTreeMap<_, _>, BTreeMap<_, _>) =
+        theirs.rules.into_iter().partition(|(chain, _)| chain.starts_with("endpoint-"));
+    let mut translations = BTreeMap::new();
+    for (chain, rules) in endpoints {
+        let (hairpin, rest) = rules.split_first().unwrap();
+        let ip = hairpin.strip_prefix("ip saddr ").unwrap();
+        let ip = ip.strip_suffix(" jump mark-for-masquerade").unwrap();
+        let element = format!("add element ip kube-proxy hairpin-endpoints {{ {ip} . {ip} }}");
+        theirs.declarations.insert(element);
+        theirs.declarations.remove(&format!("add chain ip kube-proxy {chain}"));
+        translations.insert(chain, rest.join(" "));
+    }
+    theirs.declarations.remove("add chain ip kube-proxy mark-for-masquerade");
+    let inline = |rule: &str| -> String {
+        let rule = rule.replace("jump mark-for-masquerade", "mark set mark or 0x4000");
+        match rule.rsplit_once("goto endpoint-") {
+            Some((matches, chain)) => {
+                format!("{matches}{}", translations[&format!("endpoint-{chain}")])
+            }
+            None => rule,
+        }
+    };
+    theirs.rules = chains
+        .into_iter()
+        .filter(|(chain, _)| chain != "mark-for-masquerade")
+        .map(|(chain, rules)| {
+            let rules = rules.iter().flat_map(|r| cascade(r)).map(|r| inline(&r)).collect();
+            (chain, rules)
+        })
+        .collect();
+    theirs
+}
+
 /// kube-proxy's pick, `numgen random mod N vmap { 0 : goto A , 1 : goto B
-/// }`, as ours writes it by design (`service::pick`: no anonymous set):
-/// `numgen random mod 2 0 goto A`, `goto B`.
-fn as_our_pick(rule: &str) -> Vec<String> {
+/// }`, as a cascade (`service::pick`): `numgen random mod 2 0 goto A`,
+/// `goto B`.
+fn cascade(rule: &str) -> Vec<String> {
     let Some(picks) =
         rule.strip_prefix("numgen random mod ").and_then(|r| r.split_once(" vmap { "))
     else {
@@ -278,37 +334,47 @@ fn as_our_pick(rule: &str) -> Vec<String> {
         .map(|p| p.1)
         .collect();
     let n = targets.len();
-    targets
-        .iter()
-        .enumerate()
-        .map(
-            |(i, t)| {
-                if n - i == 1 {
-                    t.to_string()
-                } else {
-                    format!("numgen random mod {} 0 {t}", n - i)
+    let pick = |(i, t): (usize, &&str)| match n - i {
+        1 => t.to_string(),
+        left => format!("numgen random mod {left} 0 {t}"),
+    };
+    targets.iter().enumerate().map(pick).collect()
+}
+
+/// `lines` added to `theirs` (`add`: a rule first in its chain) or taken
+/// from it, each asserted to be new, or there.
+fn amend(theirs: &mut Statements, lines: &[&str], add: bool) {
+    for line in lines {
+        let amendment = statements(line);
+        for declaration in amendment.declarations {
+            let changed = match add {
+                true => theirs.declarations.insert(declaration),
+                false => theirs.declarations.remove(&declaration),
+            };
+            assert!(changed, "{line}");
+        }
+        for (chain, rules) in amendment.rules {
+            let kept = theirs.rules.get_mut(&chain).unwrap();
+            for rule in rules {
+                match add {
+                    true => kept.insert(0, rule),
+                    false => {
+                        let before = kept.len();
+                        kept.retain(|r| *r != rule);
+                        assert_eq!(kept.len() + 1, before, "{line} is not in kube-proxy's ruleset");
+                    }
                 }
-            },
-        )
-        .collect()
+            }
+        }
+    }
 }
 
 #[test]
 fn kube_proxys_overall_test_element_for_element() {
     let ours = statements(&render(&kube_proxys_overall_services(), &options()).to_string());
-    let mut theirs = statements(KUBE_PROXY_OVERALL);
-    for rules in theirs.rules.values_mut() {
-        *rules = rules.iter().flat_map(|r| as_our_pick(r)).collect();
-    }
-    for line in NOT_OURS {
-        let rule = statements(line);
-        for (chain, rules) in rule.rules {
-            let kept = theirs.rules.get_mut(&chain).unwrap();
-            let before = kept.len();
-            kept.retain(|r| !rules.contains(r));
-            assert_eq!(kept.len() + 1, before, "{line} is not in kube-proxy's ruleset");
-        }
-    }
+    let mut theirs = as_ours(statements(KUBE_PROXY_OVERALL));
+    amend(&mut theirs, &NOT_OURS, false);
+    amend(&mut theirs, &OURS_ONLY, true);
     let only = |a: &Statements, b: &Statements| -> Vec<String> {
         a.declarations.difference(&b.declarations).cloned().collect()
     };
@@ -382,7 +448,7 @@ fn masquerade_all_and_every_local_address_for_nodeports() {
     let text = render(&model(&[(svc, vec![ep("10.0.1.1")])]), &opts).to_string();
     let chains = ServiceChainsFor::web();
     let masquerade = format!(
-        "add rule ip kube-proxy {} ip daddr 172.30.0.10 jump mark-for-masquerade",
+        "add rule ip kube-proxy {} ip daddr 172.30.0.10 mark set mark or 0x4000",
         chains.cluster
     );
     assert!(text.contains(&masquerade), "{text}");
@@ -408,12 +474,13 @@ fn the_ipv6_family_as_kube_proxy_writes_it() {
     for line in [
         "add table ip6 kube-proxy",
         "add set ip6 kube-proxy cluster-ips { type ipv6_addr ;",
-        "ip6 daddr fd00:96::10 ip6 saddr != fd00:10::/64 jump mark-for-masquerade",
-        "ip6 saddr fd00:10::2 jump mark-for-masquerade",
+        "add set ip6 kube-proxy hairpin-endpoints { type ipv6_addr . ipv6_addr ;",
+        "masquerading ct status dnat ip6 saddr . ip6 daddr @hairpin-endpoints mark set",
+        "hairpin-endpoints { fd00:10::2 . fd00:10::2 }",
+        "ip6 daddr fd00:96::10 ip6 saddr != fd00:10::/64 mark set mark or 0x4000",
         "__fd00.10..2/8080 { type ipv6_addr ; flags dynamic,timeout ; timeout 60s ; }",
-        "update @affinity-",
-        "{ ip6 saddr }",
-        "meta l4proto tcp dnat to [fd00:10::2]:8080",
+        "__fd00.10..2/8080 { ip6 saddr } meta l4proto tcp dnat to [fd00:10::2]:8080\n",
+        "ip6 saddr @affinity-",
         "ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
         "add element ip6 kube-proxy service-ips { fd00:96::10 . tcp . 80 : goto service-",
     ] {
@@ -441,15 +508,16 @@ fn a_partial_sync_writes_only_what_changed() {
     );
     assert_eq!(before.partial(&before.applied()).text, "", "nothing changed, nothing written");
     let tx = after.partial(&before.applied());
-    // b's service chain (its pick) and its new endpoint's chain.
-    assert_eq!(tx.chains_written, 2, "{}", tx.text);
+    // b's service chain (its pick) and its new endpoint's hairpin element;
+    // the old one's stays (see `an_endpoint_of_two_ports_is_one_hairpin_element`).
+    assert_eq!(tx.chains_written, 1, "{}", tx.text);
     assert!(!tx.text.contains("ns/a/"), "a is untouched\n{}", tx.text);
-    assert!(tx.text.contains("add chain ip kube-proxy endpoint-"), "{}", tx.text);
     assert!(tx.text.contains("dnat to 10.0.2.2:80"), "{}", tx.text);
-    assert_eq!(tx.stale_chains.len(), 1);
-    assert!(tx.stale_chains[0].ends_with("__10.0.2.1/80"));
-    assert!(tx.text.contains(&format!("flush chain ip kube-proxy {}", tx.stale_chains[0])));
-    assert_eq!(tx.elements_written, 0, "the maps still send b to its chain");
+    assert!(tx.stale_chains.is_empty());
+    assert_eq!(tx.elements_written, 1, "the maps still send b to its chain");
+    assert!(
+        tx.text.contains("add element ip kube-proxy hairpin-endpoints { 10.0.2.2 . 10.0.2.2 }")
+    );
 
     // b loses its endpoints: its service-ips element becomes a reject.
     let empty = render(
@@ -467,7 +535,7 @@ fn a_partial_sync_writes_only_what_changed() {
         "{}",
         tx.text
     );
-    assert_eq!(tx.stale_chains.len(), 2, "b's service and endpoint chains");
+    assert_eq!(tx.stale_chains.len(), 1, "b's service chain");
 }
 
 #[test]
@@ -554,4 +622,41 @@ fn of_two_parts_claiming_one_element_the_first_keeps_it() {
     assert_eq!(elements.len(), 1, "{}", tx.text);
     assert!(elements[0].contains("goto service-") && elements[0].contains("-ns/a/tcp/p80"));
     assert_eq!(applied, render(&m, &opts).applied(), "as the whole ruleset says");
+}
+
+#[test]
+fn an_endpoint_of_two_ports_is_one_hairpin_element() {
+    let svc = |name: &str, ip: &str| service("ns", name).cluster_ip(ip).port(port("p80", 80));
+    let both = model(&[
+        (svc("a", "172.30.0.1"), vec![ep("10.0.1.1")]),
+        (svc("b", "172.30.0.2"), vec![ep("10.0.1.1")]),
+    ]);
+    let opts = options();
+    let mut writer = SyncWriter::full(&fixed(&opts), false);
+    for port in both.ports_of(IpFamily::V4) {
+        assert!(!writer.add(&render_port(port, &opts)), "not a claim two ports dispute");
+    }
+    let (tx, applied) = writer.finish(None);
+    let hairpin = "add element ip kube-proxy hairpin-endpoints { 10.0.1.1 . 10.0.1.1 }";
+    assert_eq!(tx.text.matches(hairpin).count(), 1, "{}", tx.text);
+
+    // b goes: a partial sync (of b's part alone) leaves the element, which
+    // a still needs.
+    let b = both.ports_of(IpFamily::V4).find(|p| &*p.name.service.name == "b").unwrap();
+    let tx = Ruleset::new(IpFamily::V4, None).partial(&render_port(b, &opts).applied());
+    assert!(tx.text.contains("delete element ip kube-proxy service-ips"), "{}", tx.text);
+    assert!(!tx.text.contains("hairpin-endpoints"), "{}", tx.text);
+
+    // One left when no port has it any more: a full sync does not write it.
+    let none = model(&[(svc("a", "172.30.0.1"), vec![ep("10.0.2.1")])]);
+    let mut writer = SyncWriter::full(&fixed(&opts), false);
+    for port in none.ports_of(IpFamily::V4) {
+        writer.add(&render_port(port, &opts));
+    }
+    let (tx, _) = writer.finish(None);
+    assert!(tx.text.contains("flush set ip kube-proxy hairpin-endpoints\n"), "{}", tx.text);
+    assert!(!tx.text.contains(hairpin), "{}", tx.text);
+    assert!(
+        applied.has_element(&(ruleset::Container::HairpinEndpoints, "10.0.1.1 . 10.0.1.1".into()))
+    );
 }
