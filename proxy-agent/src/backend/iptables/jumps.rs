@@ -16,7 +16,7 @@ use super::{
 const OUR_TABLES: [&str; 3] = ["filter", "nat", "mangle"];
 
 /// One table's part of an `iptables-save` of every table (`*table` to its
-/// `COMMIT`); empty where the table is not there.
+/// `COMMIT`); empty where the table is not there or holds nothing.
 pub(super) fn saved_table<'a>(saved: &'a str, table: &str) -> &'a str {
     let header = format!("*{table}\n");
     let Some(start) = saved.find(&header).filter(|&i| i == 0 || saved.as_bytes()[i - 1] == b'\n')
@@ -24,7 +24,12 @@ pub(super) fn saved_table<'a>(saved: &'a str, table: &str) -> &'a str {
         return "";
     };
     let body = &saved[start + header.len()..];
-    &body[..body.find("\nCOMMIT").map_or(body.len(), |end| end + 1)]
+    let end = if body.starts_with("COMMIT") {
+        0
+    } else {
+        body.find("\nCOMMIT").map_or(body.len(), |end| end + 1)
+    };
+    &body[..end]
 }
 
 /// The chain names an `iptables-save` output declares.
@@ -178,6 +183,10 @@ mod tests {
         assert!(!saved_jump(saved, "nat", "INPUT", "KUBE-NODEPORTS"));
         assert!(!saved_jump(saved, "mangle", "OUTPUT", "KUBE-SERVICES"));
         assert_eq!(saved_table(saved, "nat"), ":OUTPUT ACCEPT [0:0]\n-A OUTPUT -j KUBE-SERVICES\n");
+        // A table saved empty ends at its own COMMIT, not the next one's.
+        let saved = "*nat\nCOMMIT\n*filter\n:KUBE-SERVICES - [0:0]\nCOMMIT\n";
+        assert_eq!(saved_table(saved, "nat"), "");
+        assert_eq!(saved_table(saved, "filter"), ":KUBE-SERVICES - [0:0]\n");
     }
 
     #[test]

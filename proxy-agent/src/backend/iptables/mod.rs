@@ -283,17 +283,7 @@ impl<R: Runner> IptablesBackend<R> {
     /// Whether a previous agent's rules are in place (its canary chain);
     /// when iptables cannot tell, taken as yes (waiting is the safe side).
     pub fn rules_present(&mut self) -> bool {
-        !self.canary_missing("mangle").unwrap_or(false)
-    }
-
-    /// Whether the canary is missing from `table` (iptables exits 1);
-    /// other failures (the lock held too long) are errors, not a verdict.
-    fn canary_missing(&mut self, table: &str) -> Result<bool, ExecError> {
-        match self.runner.run(IPTABLES, &rule_args(table, "-S", CANARY, &[]), None) {
-            Ok(_) => Ok(false),
-            Err(e) if e.is_exit_1() => Ok(true),
-            Err(e) => Err(e),
-        }
+        !canary_missing(&mut self.runner, "mangle").unwrap_or(false)
     }
 
     /// The first table whose canary chain is gone, if any (mangle only,
@@ -302,7 +292,7 @@ impl<R: Runner> IptablesBackend<R> {
     pub fn canary_gone(&mut self, thorough: bool) -> Result<Option<&'static str>, ExecError> {
         let tables = if thorough { &CANARY_TABLES[..] } else { &CANARY_TABLES[..1] };
         for table in tables {
-            if self.canary_missing(table)? {
+            if canary_missing(&mut self.runner, table)? {
                 self.applied = None;
                 self.rules_were_missing = true;
                 return Ok(Some(table));
@@ -312,17 +302,73 @@ impl<R: Runner> IptablesBackend<R> {
     }
 }
 
+/// Whether the canary is missing from `table` (iptables exits 1); other
+/// failures (the lock held too long) are errors, not a verdict.
+fn canary_missing(runner: &mut impl Runner, table: &str) -> Result<bool, ExecError> {
+    match runner.run(IPTABLES, &rule_args(table, "-S", CANARY, &[]), None) {
+        Ok(_) => Ok(false),
+        Err(e) if e.is_exit_1() => Ok(true),
+        Err(e) => Err(e),
+    }
+}
+
 /// [`cleanup`] in both iptables implementations (an agent may have used
 /// either) and both families; those whose tools are missing have nothing to
-/// remove.
+/// remove. iptables-nft's only where a canary says the iptables mode left
+/// something ([`cleanup_if_canary`]).
 pub fn cleanup_every_backend() -> Result<usize, IptablesError> {
     let mut chains = 0;
     for xtables in [exec::Xtables::Nft, exec::Xtables::Legacy] {
         for family in IpFamily::ALL {
-            chains += cleanup(&mut exec::System::new(xtables).for_family(family))?;
+            let runner = &mut exec::System::new(xtables).for_family(family);
+            chains += match xtables {
+                exec::Xtables::Nft => cleanup_if_canary(runner)?,
+                _ => cleanup(runner)?,
+            };
         }
     }
     Ok(chains)
+}
+
+/// [`cleanup`], unless no table holds the iptables mode's canary: on a
+/// clean node one `iptables -t TABLE -S KUBE-PROXY-CANARY` per table, which
+/// reads that chain alone, whatever else the family holds.
+///
+/// Why: listing a table's chains reads every chain of the family, the
+/// nftables mode's table `kube-proxy` included (a chain or more per
+/// service port, and per endpoint in kube-proxy's layout: 1.1 million at
+/// 100,000 services × 10 endpoints): the kernel filters a chain dump by
+/// family only, and each message of the dump walks the chains from the
+/// first to where the last one stopped, so the dump grows with the square
+/// of the chains. Measured with iptables 1.8.9 and nft 1.0.6 beside an
+/// `ip kube-proxy` table of 1.1 million chains (docs/benchmarks.md, "The
+/// iptables mode's leftovers"): `iptables-nft-save` 66 s, 65 of them in the
+/// kernel, and the same 66 s of kernel time for `iptables-nft-save -t nat`,
+/// `iptables-nft -t nat -S` and `nft list table ip nat` (nft 1.0.6 fills
+/// its cache with every chain of every table); `iptables-nft -t nat -S
+/// KUBE-PROXY-CANARY`, which asks the kernel for chains by name (that one
+/// and the table's built-in ones) and for their rules alone, 5 to 15 ms,
+/// the chain there or not, as without the table.
+///
+/// Why the canary: the iptables mode (this agent's, and kube-proxy's)
+/// creates `KUBE-PROXY-CANARY` in mangle, nat and filter in the same
+/// restore as the other chains of the table and deletes it in the same
+/// restore as them ([`jumps`]), so a table holding anything of the mode
+/// holds the canary; kubelet's chains (`KUBE-FIREWALL`, its own canary)
+/// never trigger the cleanup. A probe that cannot tell (another error
+/// than "no such chain") falls back to the look at every table.
+///
+/// When the canary is there, the look at every table costs what it did:
+/// the leftovers of an iptables mode serving as many services are as many
+/// chains again, which no listing skips; that is once, after a change of
+/// mode. iptables-legacy is not probed: its `iptables-save` reads only the
+/// tables the legacy kernel interface holds (5 ms beside the 1.1 million
+/// nf_tables chains), while a probe of a table would create it.
+pub fn cleanup_if_canary(runner: &mut impl Runner) -> Result<usize, IptablesError> {
+    if CANARY_TABLES.into_iter().all(|table| matches!(canary_missing(runner, table), Ok(true))) {
+        return Ok(0);
+    }
+    cleanup(runner)
 }
 
 /// Removes the iptables mode's rules: the jumps from the built-in chains

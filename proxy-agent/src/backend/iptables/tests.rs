@@ -18,6 +18,8 @@ struct Fake {
     lock_held: bool,
     /// A kernel without the sctp match: restores with SCTP rules fail.
     no_sctp_match: bool,
+    /// The iptables tools are not installed.
+    not_installed: bool,
 }
 
 impl Fake {
@@ -46,6 +48,9 @@ impl Runner for Fake {
         stdin: Option<&str>,
     ) -> Result<String, ExecError> {
         self.log.push(format!("{program} {}", args.join(" ")));
+        if self.not_installed {
+            return Err(ExecError::Missing { program: program.to_string() });
+        }
         let failed = |stderr: &str| ExecError::Failed {
             command: program.to_string(),
             status: "exit status: 1".into(),
@@ -369,6 +374,72 @@ fn cleanup_of_a_clean_node_is_one_look() {
     let mut fake = Fake::default();
     assert_eq!(cleanup(&mut fake).unwrap(), 0);
     assert_eq!(fake.log, ["iptables-save "]);
+}
+
+/// The probes of [`cleanup_if_canary`], one per table.
+const PROBES: [&str; 3] = [
+    "iptables -w 5 -W 100000 -t mangle -S KUBE-PROXY-CANARY",
+    "iptables -w 5 -W 100000 -t nat -S KUBE-PROXY-CANARY",
+    "iptables -w 5 -W 100000 -t filter -S KUBE-PROXY-CANARY",
+];
+
+/// A node the iptables mode served `web` on, then stopped.
+fn left_by_the_iptables_mode() -> Fake {
+    let mut backend = IptablesBackend::new(Fake::default(), options());
+    backend.sync(&web(&["10.244.1.2"])).unwrap();
+    let mut fake = backend.runner;
+    fake.log.clear();
+    fake
+}
+
+#[test]
+fn the_canary_check_of_a_clean_node_lists_no_table() {
+    let mut fake = Fake::default();
+    assert_eq!(cleanup_if_canary(&mut fake).unwrap(), 0);
+    assert_eq!(fake.log, PROBES);
+    // kubelet's chains are not the iptables mode's leftovers.
+    let kubelet = [("mangle", "KUBE-KUBELET-CANARY"), ("filter", KUBELET_FIREWALL)];
+    for (table, chain) in kubelet {
+        fake.chains.entry(table).or_default().insert(chain.into());
+    }
+    fake.rules.insert(format!("filter INPUT -j {KUBELET_FIREWALL}"));
+    fake.log.clear();
+    assert_eq!(cleanup_if_canary(&mut fake).unwrap(), 0);
+    assert_eq!(fake.log, PROBES);
+}
+
+#[test]
+fn a_canary_in_any_table_removes_what_the_iptables_mode_left() {
+    let whole = left_by_the_iptables_mode();
+    let mut fake = left_by_the_iptables_mode();
+    assert_eq!(cleanup_if_canary(&mut fake).unwrap(), 3 + 5 + 4 + 4);
+    // The first probe found it: then one look at every table, one restore.
+    assert_eq!(fake.log[..2], [PROBES[0], "iptables-save "]);
+    assert_eq!(fake.log.len(), 3, "{:?}", fake.log);
+    let (removal, _) = jumps::removal(&whole.saved_tables()).unwrap();
+    assert_eq!(fake.restored.last(), Some(&removal));
+    assert_eq!(fake.chains["filter"].iter().collect::<Vec<_>>(), [KUBELET_FIREWALL]);
+    // Someone deleted mangle's and nat's chains: filter's canary is enough.
+    let mut fake = left_by_the_iptables_mode();
+    fake.chains.get_mut("mangle").unwrap().clear();
+    fake.chains.get_mut("nat").unwrap().clear();
+    fake.rules.retain(|r| r.starts_with("filter "));
+    assert_eq!(cleanup_if_canary(&mut fake).unwrap(), 6);
+    assert_eq!(fake.log[..4], [PROBES[0], PROBES[1], PROBES[2], "iptables-save "]);
+    assert_eq!(fake.chains["filter"].iter().collect::<Vec<_>>(), [KUBELET_FIREWALL]);
+    assert!(fake.rules.iter().all(|r| r.ends_with(KUBELET_FIREWALL)), "{:?}", fake.rules);
+}
+
+#[test]
+fn a_canary_check_that_cannot_tell_looks_at_every_table() {
+    // Another failure than "no such chain" (exit 4): the look as before.
+    let mut fake = Fake { lock_held: true, ..Fake::default() };
+    assert_eq!(cleanup_if_canary(&mut fake).unwrap(), 0);
+    assert_eq!(fake.log, [PROBES[0], "iptables-save "]);
+    // Not installed: nothing to remove.
+    let mut fake = Fake { not_installed: true, ..Fake::default() };
+    assert_eq!(cleanup_if_canary(&mut fake).unwrap(), 0);
+    assert_eq!(fake.log, [PROBES[0], "iptables-save "]);
 }
 
 #[test]
