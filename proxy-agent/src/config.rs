@@ -46,7 +46,8 @@ struct File {
     #[serde(rename = "clusterCIDR")]
     cluster_cidr: Option<String>,
     node_port_addresses: Option<Vec<String>>,
-    iptables: Option<Iptables>,
+    iptables: Option<RuleMode>,
+    nftables: Option<RuleMode>,
     conntrack: Option<Conntrack>,
     detect_local_mode: Option<String>,
     /// Ours, not kube-proxy's: `--unreadable-source-grace`.
@@ -71,9 +72,11 @@ struct ClientConnection {
     kubeconfig: Option<String>,
 }
 
+/// kube-proxy's `iptables` and `nftables` sections (`localhostNodePorts`
+/// is the first's only).
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Iptables {
+struct RuleMode {
     masquerade_all: Option<bool>,
     masquerade_bit: Option<i32>,
     sync_period: Option<String>,
@@ -109,6 +112,11 @@ const HONOURED: &[&str] = &[
     "iptables.syncPeriod",
     "iptables.minSyncPeriod",
     "iptables.localhostNodePorts",
+    "nftables",
+    "nftables.masqueradeAll",
+    "nftables.masqueradeBit",
+    "nftables.syncPeriod",
+    "nftables.minSyncPeriod",
     "conntrack",
     "conntrack.maxPerCore",
     "conntrack.min",
@@ -125,6 +133,25 @@ const HONOURED: &[&str] = &[
     "bpfLbAcceleration",
 ];
 
+/// The names of a rule mode's section and of its fields that can be wrong.
+struct SectionNames {
+    name: &'static str,
+    sync_period: &'static str,
+    min_sync_period: &'static str,
+}
+
+const IPTABLES: SectionNames = SectionNames {
+    name: "iptables",
+    sync_period: "iptables.syncPeriod",
+    min_sync_period: "iptables.minSyncPeriod",
+};
+
+const NFTABLES: SectionNames = SectionNames {
+    name: "nftables",
+    sync_period: "nftables.syncPeriod",
+    min_sync_period: "nftables.minSyncPeriod",
+};
+
 /// kube-proxy's fields that do not apply to this proxy.
 const NOT_APPLICABLE: &[&str] = &[
     "featureGates",
@@ -138,7 +165,6 @@ const NOT_APPLICABLE: &[&str] = &[
     "enableProfiling",
     "showHiddenMetricsForVersion",
     "ipvs",
-    "nftables",
     "winkernel",
     "detectLocal",
     "oomScoreAdj",
@@ -260,18 +286,32 @@ pub fn parse(path: &std::path::Path, text: &str) -> Result<(Settings, Vec<String
         }
         s.nodeport_addresses = Some(cidrs);
     }
-    if let Some(ipt) = file.iptables {
-        s.masquerade_all = ipt.masquerade_all;
-        s.localhost_nodeports = ipt.localhost_node_ports;
-        if ipt.masquerade_bit.is_some_and(|b| b != 14) {
-            warnings.push("iptables.masqueradeBit: only 14 (kube-proxy's default) is used".into());
+    // As kube-proxy: the section of the mode run; `nftables` with `mode:
+    // nftables`, else `iptables` (which the eBPF mode takes too).
+    let (section, names, other) = match s.proxy_mode {
+        Some(ProxyMode::Nftables) => (file.nftables, NFTABLES, file.iptables.map(|_| IPTABLES)),
+        _ => (file.iptables, IPTABLES, file.nftables.map(|_| NFTABLES)),
+    };
+    if let Some(other) = other {
+        let mode = file.mode.as_deref().filter(|m| !m.is_empty()).unwrap_or("auto");
+        let (other, used) = (other.name, names.name);
+        warnings.push(format!("{other}: ignored (mode {mode} takes {used})"));
+    }
+    if let Some(section) = section {
+        s.masquerade_all = section.masquerade_all;
+        if names.name == IPTABLES.name {
+            s.localhost_nodeports = section.localhost_node_ports;
         }
-        if let Some(d) = ipt.sync_period {
-            s.sync_period = duration(&d).map_err(bad("iptables.syncPeriod"))?;
+        if section.masquerade_bit.is_some_and(|b| b != 14) {
+            let name = names.name;
+            warnings.push(format!("{name}.masqueradeBit: only 14 (kube-proxy's default) is used"));
         }
-        if let Some(d) = ipt.min_sync_period {
+        if let Some(d) = section.sync_period {
+            s.sync_period = duration(&d).map_err(bad(names.sync_period))?;
+        }
+        if let Some(d) = section.min_sync_period {
             s.min_sync_period =
-                Some(duration(&d).map_err(bad("iptables.minSyncPeriod"))?.unwrap_or_default());
+                Some(duration(&d).map_err(bad(names.min_sync_period))?.unwrap_or_default());
         }
     }
     if let Some(ct) = file.conntrack {
@@ -487,6 +527,27 @@ bpfLbAcceleration: best-effort
         assert_eq!(args.bpf_lb_maglev_table_size, 65521);
         assert_eq!(args.bpf_lb_mode, LbMode::Hybrid);
         assert_eq!(args.bpf_lb_acceleration, Acceleration::BestEffort);
+    }
+
+    #[test]
+    fn the_nftables_mode_takes_the_nftables_section() {
+        let text = format!(
+            "apiVersion: {API_VERSION}\nkind: {KIND}\nmode: nftables\n\
+             nftables: {{masqueradeAll: true, syncPeriod: 30s, minSyncPeriod: 1s}}\n\
+             iptables: {{syncPeriod: 10s}}\n"
+        );
+        let (settings, warnings) = parse(std::path::Path::new("c"), &text).unwrap();
+        assert_eq!(settings.proxy_mode, Some(ProxyMode::Nftables));
+        assert_eq!(settings.masquerade_all, Some(true));
+        assert_eq!(settings.sync_period, Some(Duration::from_secs(30)));
+        assert_eq!(settings.min_sync_period, Some(Duration::from_secs(1)));
+        assert_eq!(warnings, ["iptables: ignored (mode nftables takes nftables)"]);
+        // Another mode takes `iptables`, and says `nftables` is not its.
+        let text = text.replace("mode: nftables", "mode: iptables");
+        let (settings, warnings) = parse(std::path::Path::new("c"), &text).unwrap();
+        assert_eq!(settings.sync_period, Some(Duration::from_secs(10)));
+        assert_eq!(settings.masquerade_all, None);
+        assert_eq!(warnings, ["nftables: ignored (mode iptables takes iptables)"]);
     }
 
     #[test]
