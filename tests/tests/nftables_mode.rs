@@ -101,3 +101,30 @@ fn a_table_deleted_by_someone_is_written_again_and_cleanup_removes_it() {
     let v6 = lab.exec_on(0, "nft", &["list", "table", "ip6", "kube-proxy"]);
     assert!(v6.is_err(), "{v6:?}");
 }
+
+/// An older agent's table in kube-proxy's layout: a per-endpoint chain and
+/// the `mark-for-masquerade` chain it jumps to.
+const OLDER_TABLE: &str = "add table ip kube-proxy
+add chain ip kube-proxy mark-for-masquerade
+add rule ip kube-proxy mark-for-masquerade mark set mark or 0x4000
+add chain ip kube-proxy endpoint-AAAAAAAA-lab/old/tcp/http__10.244.9.9/8080
+add rule ip kube-proxy endpoint-AAAAAAAA-lab/old/tcp/http__10.244.9.9/8080 ip saddr 10.244.9.9 jump mark-for-masquerade
+add rule ip kube-proxy endpoint-AAAAAAAA-lab/old/tcp/http__10.244.9.9/8080 meta l4proto tcp dnat to 10.244.9.9:8080
+";
+
+#[test]
+fn an_older_agents_endpoint_chains_and_mark_chain_go_once_the_ruleset_serves() {
+    let (mut lab, client) = lab(Mode::Nftables);
+    let older = lab.dir.join("older.nft");
+    std::fs::write(&older, OLDER_TABLE).unwrap();
+    lab.exec_on(0, "nft", &["-f", &older.to_string_lossy()]).unwrap();
+    lab.start_agent(&[]).unwrap();
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+    // The endpoint chain is flushed by the first sync and deleted a second
+    // later by a sync of its own (nothing else changes); the mark chain in
+    // the first sync, once nothing jumps to it.
+    wait_for("the older chains deleted", Duration::from_secs(10), || {
+        table(&lab).is_ok_and(|t| !t.contains("chain endpoint-") && !t.contains("mark-for-masq"))
+    });
+    assert_eq!(reach(&lab, &client, 20).served().len(), 2);
+}
