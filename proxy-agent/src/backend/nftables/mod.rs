@@ -498,19 +498,24 @@ impl<R: Runner> NftablesBackend<R> {
 }
 
 /// Removes the nftables mode's tables (`ip kube-proxy`, `ip6 kube-proxy`)
-/// where `nft list tables` shows them: nothing more to do on a clean node
-/// (an agent of another mode runs this at every start), nor where nft is
-/// not installed. Returns the number of tables deleted.
+/// where `nft -t list sets` shows them (ours always has sets): nothing more
+/// to do on a clean node (an agent of another mode runs this at every
+/// start), nor where nft is not installed. Not `nft list tables`: nft 1.0.6
+/// reads every rule of every table for it, 3.3 s beside 10,000 services
+/// and minutes beside 100,000. Returns the number of tables deleted.
 pub fn cleanup(runner: &mut impl Runner) -> Result<usize, NftablesError> {
-    let tables = match runner.run(NFT, &["list", "tables"], None) {
-        Ok(tables) => tables,
-        Err(ExecError::Missing { .. }) => return Ok(0),
-        Err(e) => return Err(NftablesError::Cleanup(vec![format!("listing the tables: {e}")])),
-    };
     let mut deleted = 0;
     let mut errors = Vec::new();
     for family in IpFamily::ALL.map(nft_family) {
-        if !tables.lines().any(|l| l.split_whitespace().eq(["table", family, TABLE])) {
+        let sets = match runner.run(NFT, &["-t", "list", "sets", family], None) {
+            Ok(sets) => sets,
+            Err(ExecError::Missing { .. }) => return Ok(0),
+            Err(e) => {
+                errors.push(format!("listing the {family} sets: {e}"));
+                continue;
+            }
+        };
+        if !sets.lines().any(|l| l.split_whitespace().eq(["table", family, TABLE, "{"])) {
             continue;
         }
         match runner.run(NFT, &["delete", "table", family, TABLE], None) {

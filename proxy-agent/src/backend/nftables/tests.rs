@@ -49,9 +49,10 @@ impl Runner for Fake {
                 let chains: String = k.chains.iter().map(|c| format!("\tchain {c} {{\n\t}}\n")).collect();
                 Ok(format!("table ip filter {{\n\tchain INPUT {{\n\t}}\n}}\ntable ip kube-proxy {{\n{chains}}}\n"))
             }
-            ("nft", ["-t", "list", "sets", _]) => Ok(String::new()),
-            ("nft", ["list", "tables"]) => {
-                Ok(format!("table ip filter\n{}", if k.table { "table ip kube-proxy\n" } else { "" }))
+            ("nft", ["-t", "list", "sets", family]) => {
+                let ours = format!("table {family} kube-proxy {{\n\tset cluster-ips {{\n\t}}\n}}\n");
+                let ours = if k.table && *family == "ip" { ours.as_str() } else { "" };
+                Ok(format!("table {family} filter {{\n\tset x {{\n\t}}\n}}\n{ours}"))
             }
             ("nft", ["delete", "table", "ip", "kube-proxy"]) if k.table => {
                 k.table = false;
@@ -229,7 +230,9 @@ fn cleanup_deletes_the_tables_nft_lists_and_only_looks_on_a_clean_node() {
     assert_eq!(cleanup(&mut fake.clone()).unwrap(), 1);
     assert_eq!(cleanup(&mut fake.clone()).unwrap(), 0);
     let commands: Vec<String> = fake.0.borrow().commands.iter().map(|(c, _)| c.clone()).collect();
-    assert_eq!(commands, ["nft list tables", "nft delete table ip kube-proxy", "nft list tables"]);
+    let looks = ["nft -t list sets ip", "nft -t list sets ip6"];
+    let deletion = "nft delete table ip kube-proxy";
+    assert_eq!(commands, [looks[0], deletion, looks[1], looks[0], looks[1]]);
 }
 
 /// Services `ns/<name>` at `ip`:80, each with its endpoints.
