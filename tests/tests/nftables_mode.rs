@@ -84,13 +84,14 @@ fn a_table_deleted_by_someone_is_written_again_and_cleanup_removes_it() {
     wait_for("the table written again", Duration::from_secs(10), || {
         table(&lab).is_ok_and(|t| t.contains("10.96.0.10 . tcp . 80 : goto service-"))
     });
-    assert!(lab.agent_log().contains("deleted or flushed by another program"));
+    assert!(lab.agent_log().contains("was deleted by another program"));
     assert_eq!(reach(&lab, &client, 20).served().len(), 2);
     // Flushed (rules gone, chains and maps left): written again too.
     lab.exec_on(0, "nft", &["flush", "table", "ip", "kube-proxy"]).unwrap();
     wait_for("the rules written again", Duration::from_secs(10), || {
         table(&lab).is_ok_and(|t| t.contains("vmap @service-ips"))
     });
+    assert!(lab.agent_log().contains("was flushed by another program"));
     assert_eq!(reach(&lab, &client, 20).served().len(), 2);
 
     lab.stop_agent_on(0);

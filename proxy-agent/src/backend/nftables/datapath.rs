@@ -14,13 +14,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{NftablesBackend, NftablesError, SyncReport, TableCheck, render};
+use super::{NftablesBackend, NftablesError, SyncReport, render, rules_gone};
 use crate::{
     backend::{
         Datapath, Extent, Synced, TrafficRules,
         conntrack_limit::ConntrackLimit,
         ebpf, iptables,
-        iptables::exec::System,
+        iptables::exec::{ExecError, System},
         rule_families,
         rule_modes::{RuleOptions, raise_conntrack_max, synced, timed_sync},
     },
@@ -29,12 +29,30 @@ use crate::{
     plan::{Frontend, Node, Plan},
 };
 
-/// The tables are checked every this many looks (200 ms apart).
+/// The tables are looked for every this many looks (200 ms apart).
 const TABLE_CHECK_EVERY: u32 = 10;
-/// Their rules are checked at most this share of the time: at every check
-/// while that is cheap, less often where nft 1.0.6 reads the whole table to
-/// list one chain (every 36 s at 10,000 services, 0.9 s a check).
+/// Their rules are checked, beside the loop, at most this share of the
+/// time: at every look while that is cheap, less often where nft 1.0.6
+/// reads every rule to list one chain (every 36 s at 10,000 services, 0.9 s
+/// a check; 37 s at 100,000).
 const RULES_CHECK_SHARE: u32 = 40;
+
+/// A check of the tables' rules running in a thread of its own, so that a
+/// slow one delays no sync.
+struct RulesCheck {
+    started: Instant,
+    thread: std::thread::JoinHandle<Vec<(IpFamily, Result<bool, ExecError>)>>,
+}
+
+impl RulesCheck {
+    fn start(families: Vec<IpFamily>) -> Self {
+        let check = move || {
+            let runner = &mut System::default();
+            families.into_iter().map(|f| (f, rules_gone(runner, f))).collect()
+        };
+        RulesCheck { started: Instant::now(), thread: std::thread::spawn(check) }
+    }
+}
 
 /// The nftables mode's settings.
 #[derive(Clone, Debug)]
@@ -59,8 +77,9 @@ pub struct NftablesDatapath {
     /// (its NAT loads `nf_conntrack`, whose settings appear with it).
     conntrack_max: Option<u32>,
     /// When the tables' rules are checked next (their presence is at
-    /// every check).
+    /// every look), and the check running.
     next_rules_check: Instant,
+    rules_check: Option<RulesCheck>,
 }
 
 impl NftablesDatapath {
@@ -83,6 +102,7 @@ impl NftablesDatapath {
             ebpf_only_told: false,
             conntrack_max: settings.conntrack.max(crate::sys::cpu_count()),
             next_rules_check: Instant::now(),
+            rules_check: None,
         }
     }
 }
@@ -142,37 +162,54 @@ impl Datapath for NftablesDatapath {
         Ok(synced(plan, &mut self.ebpf_only_told, "the nftables ruleset's rules"))
     }
 
-    /// Checks each family's table ([`RULES_CHECK_SHARE`]): a full resync is
-    /// due when one was deleted or flushed, or when a backend asks for one; a sync, when
-    /// chains flushed a while ago are still to be deleted (after a change,
-    /// or an older agent's chains after the first sync).
+    /// Looks for each family's table, and checks its rules beside the loop
+    /// ([`RULES_CHECK_SHARE`]): a full resync is due when one was deleted
+    /// or flushed, or when a backend asks for one; a sync, when chains
+    /// flushed a while ago are still to be deleted (after a change, or an
+    /// older agent's chains after the first sync).
     fn look_after(&mut self, polls: u32, metrics: &Metrics) -> bool {
         if !polls.is_multiple_of(TABLE_CHECK_EVERY) {
             return false;
         }
-        let started = Instant::now();
-        let check = match started >= self.next_rules_check {
-            true => TableCheck::Rules,
-            false => TableCheck::Exists,
+        let lost = |family: IpFamily, what: &str| {
+            tracing::warn!(%family, "table kube-proxy was {what} by another program; full resync");
+            metrics.canary_resyncs.fetch_add(1, Relaxed);
         };
         let mut due = false;
         for backend in &mut self.backends {
             let family = backend.family();
-            due |= match backend.table_gone(check) {
+            due |= match backend.table_gone() {
                 Ok(true) => {
-                    tracing::warn!(%family, "table kube-proxy was deleted or flushed by another program; full resync");
-                    metrics.canary_resyncs.fetch_add(1, Relaxed);
+                    lost(family, "deleted");
                     true
                 }
                 Ok(false) => backend.full_sync_due() || backend.stale_chains_due(),
                 Err(e) => {
-                    tracing::warn!(%family, "could not check table kube-proxy: {e}");
+                    tracing::warn!(%family, "could not look for table kube-proxy: {e}");
                     false
                 }
             };
         }
-        if check == TableCheck::Rules {
-            self.next_rules_check = Instant::now() + started.elapsed() * RULES_CHECK_SHARE;
+        let finished = self.rules_check.take_if(|c| c.thread.is_finished());
+        if let Some(check) = finished {
+            self.next_rules_check = Instant::now() + check.started.elapsed() * RULES_CHECK_SHARE;
+            for (family, gone) in check.thread.join().unwrap_or_default() {
+                let backend = self.backends.iter_mut().find(|b| b.family() == family);
+                match (gone, backend) {
+                    (Ok(true), Some(backend)) => {
+                        lost(family, "flushed");
+                        backend.lost_its_rules();
+                        due = true;
+                    }
+                    (Err(e), _) => {
+                        tracing::warn!(%family, "could not check table kube-proxy's rules: {e}")
+                    }
+                    _ => {}
+                }
+            }
+        } else if self.rules_check.is_none() && Instant::now() >= self.next_rules_check {
+            let families = self.backends.iter().map(|b| b.family()).collect();
+            self.rules_check = Some(RulesCheck::start(families));
         }
         due
     }

@@ -162,17 +162,25 @@ fn listed(text: &str, what: &str) -> Vec<String> {
     names
 }
 
-/// How closely [`NftablesBackend::table_gone`] looks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TableCheck {
-    /// The table is there (`nft -t list set … cluster-ips`): a deleted
-    /// table, `nft flush ruleset`'s way. 10-20 ms with any nft.
-    Exists,
-    /// Its dispatch rule is there (`services` looking up `service-ips`):
-    /// also a table whose rules someone flushed. nft 1.0.6 reads every
-    /// rule of every table to list one chain: 0.9 s at 10,000 services
-    /// (1.1.3: 10 ms).
-    Rules,
+/// Whether `family`'s table is listed in `nft -t list sets` output (ours
+/// always has sets). The cheapest look with any nft: nft 1.0.6 reads every
+/// rule of every table to list one chain or the tables (0.9 s and 3.3 s
+/// beside 10,000 services, 37 s to list one chain beside 100,000), and
+/// every element of a set to list it (0.56 s at 100,000), not for this.
+fn lists_table(sets: &str, family: &str) -> bool {
+    sets.lines().any(|l| l.split_whitespace().eq(["table", family, TABLE, "{"]))
+}
+
+/// Whether `family`'s table lost its dispatch rule (`services` looking up
+/// `service-ips`): someone flushed its rules, or deleted it. Slow with nft
+/// 1.0.6 (above): the datapath runs it beside the loop.
+pub fn rules_gone(runner: &mut impl Runner, family: IpFamily) -> Result<bool, ExecError> {
+    let family = nft_family(family);
+    match runner.run(NFT, &["-t", "list", "chain", family, TABLE, "services"], None) {
+        Ok(text) => Ok(!text.contains("@service-ips")),
+        Err(e) if is_absent(&e) => Ok(true),
+        Err(e) => Err(e),
+    }
 }
 
 pub struct NftablesBackend<R: Runner> {
@@ -460,40 +468,37 @@ impl<R: Runner> NftablesBackend<R> {
         Ok(Existing { chains: chains.collect(), sets: sets.collect() })
     }
 
-    /// Whether the table is there with its dispatch rule; when nft cannot
-    /// tell, taken as yes (but not without nft: nothing of ours can be
-    /// there).
+    /// Whether the table is there; when nft cannot tell, taken as yes (but
+    /// not without nft: nothing of ours can be there).
     pub fn table_present(&mut self) -> bool {
-        match self.table_gone_now(TableCheck::Rules) {
+        match self.table_gone_now() {
             Ok(gone) => !gone,
             Err(ExecError::Missing { .. }) => false,
             Err(_) => true,
         }
     }
 
-    fn table_gone_now(&mut self, check: TableCheck) -> Result<bool, ExecError> {
+    fn table_gone_now(&mut self) -> Result<bool, ExecError> {
         let family = self.nft_family();
-        let (what, name, ours) = match check {
-            TableCheck::Exists => ("set", "cluster-ips", "cluster-ips"),
-            TableCheck::Rules => ("chain", "services", "@service-ips"),
-        };
-        match self.runner.run(NFT, &["-t", "list", what, family, TABLE, name], None) {
-            Ok(text) => Ok(!text.contains(ours)),
-            Err(e) if is_absent(&e) => Ok(true),
-            Err(e) => Err(e),
-        }
+        let sets = self.runner.run(NFT, &["-t", "list", "sets", family], None)?;
+        Ok(!lists_table(&sets, family))
     }
 
-    /// Whether someone deleted the table (or, with [`TableCheck::Rules`],
-    /// flushed its rules) since the last sync: then the next sync is a
-    /// full one.
-    pub fn table_gone(&mut self, check: TableCheck) -> Result<bool, ExecError> {
-        let gone = self.table_gone_now(check)?;
+    /// Whether someone deleted the table since the last sync: then the
+    /// next sync is a full one ([`NftablesBackend::lost_its_rules`]).
+    pub fn table_gone(&mut self) -> Result<bool, ExecError> {
+        let gone = self.table_gone_now()?;
         if gone {
-            self.applied = None;
-            self.table_was_missing = true;
+            self.lost_its_rules();
         }
         Ok(gone)
+    }
+
+    /// The table was deleted or its rules flushed by someone: the next
+    /// sync is a full one, and the flows made meanwhile are looked at.
+    pub fn lost_its_rules(&mut self) {
+        self.applied = None;
+        self.table_was_missing = true;
     }
 }
 
@@ -515,7 +520,7 @@ pub fn cleanup(runner: &mut impl Runner) -> Result<usize, NftablesError> {
                 continue;
             }
         };
-        if !sets.lines().any(|l| l.split_whitespace().eq(["table", family, TABLE, "{"])) {
+        if !lists_table(&sets, family) {
             continue;
         }
         match runner.run(NFT, &["delete", "table", family, TABLE], None) {
