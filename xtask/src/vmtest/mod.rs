@@ -97,8 +97,7 @@ const SCENARIOS: &[Scenario] = &[
         id: "sctp-echo",
         binary: "sctp",
         function: "sctp_echo_follows_the_endpoints",
-        // The nftables mode here too: SCTP sockets exist only in the VMs.
-        modes: &WITH_NFTABLES,
+        modes: &MODES,
     },
     Scenario {
         id: "restart",
@@ -113,14 +112,11 @@ pub fn kernels(name: &str) -> Vec<Kernel> {
     KERNELS.iter().copied().filter(|k| name == "all" || k.name == name).collect()
 }
 
-/// The modes every scenario runs in; the nftables mode runs the lab's
-/// scenarios on the host, and here only what the host's kernel cannot.
-const MODES: [&str; 2] = ["ebpf", "iptables"];
+/// The modes every scenario runs in.
+const MODES: [&str; 3] = ["ebpf", "iptables", "nftables"];
 /// The external-traffic scenarios' modes: XDP's too (`--bpf-lb-acceleration
 /// native`, the eBPF mode's).
-const EXTERNAL_MODES: [&str; 3] = ["ebpf", "iptables", "xdp"];
-/// The modes with the nftables one.
-const WITH_NFTABLES: [&str; 3] = ["ebpf", "iptables", "nftables"];
+const EXTERNAL_MODES: [&str; 4] = ["ebpf", "iptables", "nftables", "xdp"];
 /// Every mode, in the matrix's column order.
 const ALL_MODES: [&str; 4] = ["ebpf", "iptables", "nftables", "xdp"];
 
