@@ -171,7 +171,7 @@ impl Datapath for NftablesDatapath {
         if !polls.is_multiple_of(TABLE_CHECK_EVERY) {
             return false;
         }
-        let lost = |family: IpFamily, what: &str| {
+        let lost = |family: IpFamily, what: &'static str| {
             tracing::warn!(%family, "table kube-proxy was {what} by another program; full resync");
             metrics.canary_resyncs.fetch_add(1, Relaxed);
         };
@@ -190,28 +190,7 @@ impl Datapath for NftablesDatapath {
                 }
             };
         }
-        let finished = self.rules_check.take_if(|c| c.thread.is_finished());
-        if let Some(check) = finished {
-            self.next_rules_check = Instant::now() + check.started.elapsed() * RULES_CHECK_SHARE;
-            for (family, gone) in check.thread.join().unwrap_or_default() {
-                let backend = self.backends.iter_mut().find(|b| b.family() == family);
-                match (gone, backend) {
-                    (Ok(true), Some(backend)) => {
-                        lost(family, "flushed");
-                        backend.lost_its_rules();
-                        due = true;
-                    }
-                    (Err(e), _) => {
-                        tracing::warn!(%family, "could not check table kube-proxy's rules: {e}")
-                    }
-                    _ => {}
-                }
-            }
-        } else if self.rules_check.is_none() && Instant::now() >= self.next_rules_check {
-            let families = self.backends.iter().map(|b| b.family()).collect();
-            self.rules_check = Some(RulesCheck::start(families));
-        }
-        due
+        due | self.rules_checked(&lost)
     }
 
     /// The ruleset serves as soon as it is applied; the kernel's conntrack
@@ -235,6 +214,39 @@ impl Datapath for NftablesDatapath {
             tracing::info!(chains, "removed the iptables mode's rules");
         }
         Ok(())
+    }
+}
+
+impl NftablesDatapath {
+    /// Takes the rules check's result when it has finished (a full resync
+    /// due where a table lost its rules, `lost` telling it), or starts the
+    /// next one when it is time.
+    fn rules_checked(&mut self, lost: &dyn Fn(IpFamily, &'static str)) -> bool {
+        let Some(check) = self.rules_check.take_if(|c| c.thread.is_finished()) else {
+            if self.rules_check.is_none() && Instant::now() >= self.next_rules_check {
+                let families = self.backends.iter().map(|b| b.family()).collect();
+                self.rules_check = Some(RulesCheck::start(families));
+            }
+            return false;
+        };
+        self.next_rules_check = Instant::now() + check.started.elapsed() * RULES_CHECK_SHARE;
+        let mut due = false;
+        for (family, gone) in check.thread.join().unwrap_or_default() {
+            let backend = self.backends.iter_mut().find(|b| b.family() == family);
+            match (gone, backend) {
+                // Not told twice: a deleted table was, by the look for it.
+                (Ok(true), Some(backend)) if !backend.full_sync_due() => {
+                    lost(family, "flushed");
+                    backend.lost_its_rules();
+                    due = true;
+                }
+                (Err(e), _) => {
+                    tracing::warn!(%family, "could not check table kube-proxy's rules: {e}")
+                }
+                _ => {}
+            }
+        }
+        due
     }
 }
 
