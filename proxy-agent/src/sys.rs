@@ -77,6 +77,26 @@ pub fn ensure_bpffs_dir(root: &Path) -> io::Result<()> {
     private_dir(root)
 }
 
+/// Holds `root`'s lock (`flock`) for the rest of the agent's life; whether
+/// it was free: no other agent runs on these pins. Held by another, it is
+/// taken once that one exits (a thread waits for it).
+pub fn hold_lock(root: &Path) -> io::Result<bool> {
+    let dir = std::fs::File::open(root)?;
+    let free = match dir.try_lock() {
+        Ok(()) => true,
+        Err(std::fs::TryLockError::WouldBlock) => false,
+        Err(std::fs::TryLockError::Error(e)) => return Err(e),
+    };
+    std::thread::Builder::new().name("pins-lock".into()).spawn(move || {
+        if free || dir.lock().is_ok() {
+            loop {
+                std::thread::park();
+            }
+        }
+    })?;
+    Ok(free)
+}
+
 /// Creates `dir` (and its missing parents) for root's eyes only: 0700 what
 /// the umask says (under `umask 000` a directory would be 0777 and anyone
 /// could unlink the pins in it).
@@ -338,6 +358,16 @@ pub fn raise_memlock_rlimit() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_second_agent_on_the_same_pins_finds_them_locked() {
+        let root = std::env::temp_dir().join(format!("pins-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        assert!(hold_lock(&root).unwrap(), "the first holds it");
+        // Another open of the directory, as another process's would be.
+        assert!(!hold_lock(&root).unwrap(), "the second waits for it");
+        std::fs::remove_dir(&root).unwrap();
+    }
 
     #[test]
     fn finds_the_cgroup2_mount_among_v1_mounts() {

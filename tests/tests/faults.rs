@@ -464,12 +464,29 @@ fn service_maps_grow_under_load_and_are_sized_at_start() {
     std::thread::sleep(Duration::from_secs(1));
     load.check(Setup::EBPF, &log);
 
-    // A new agent sizes its maps for what the source holds before its first
-    // sync writes anything, and before it serves: never too small.
+    // A new agent adopts these maps: their size, their entries, one
+    // verifier run into them, no sync before the source is whole.
     b.lab.kill_agent();
     let before = b.lab.agent_log().len();
     b.lab.start_agent(&[]).unwrap();
     let log = b.lab.agent_log()[before..].to_string();
+    assert!(log.contains("the previous agent's service maps adopted"), "{log}");
+    assert!(!log.contains("sizing the service maps"), "{log}");
+    assert_eq!(log.matches("BPF programs verified").count(), 1, "{log}");
+    assert_eq!(b.lab.map_capacity("SERVICES").unwrap(), 131_072);
+    wait_for_pod(&b, 1, "web-2");
+
+    // One it cannot adopt (Maglev tables of another size) sizes new maps
+    // for what the source holds before its first sync writes anything,
+    // and before it serves: never too small.
+    b.lab.kill_agent();
+    let before = b.lab.agent_log().len();
+    b.lab.start_agent(&["--bpf-lb-maglev-table-size", "251"]).unwrap();
+    let log = b.lab.agent_log()[before..].to_string();
+    assert!(
+        log.contains("service maps are not adopted (their Maglev tables have 16381 entries"),
+        "{log}"
+    );
     let sized = log.find("sizing the service maps for what the source holds").expect(&log);
     let grown = log.find("the service maps grew").expect(&log);
     assert!(sized < grown && grown < log.find("datapath ready; serving").unwrap(), "{log}");

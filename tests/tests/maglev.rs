@@ -34,6 +34,7 @@ both_sources!(
     every_node_sends_a_flow_to_the_same_pod,
     removing_a_backend_moves_only_its_flows,
     the_node_default_and_an_unknown_annotation,
+    a_restarted_node_sends_new_flows_where_the_others_do,
 );
 
 #[test]
@@ -166,6 +167,26 @@ fn removing_a_backend_moves_only_its_flows(setup: Setup) {
             kept => assert_eq!(&after[port], kept, "port {port} moved though its pod stayed"),
         }
     }
+}
+
+/// The restarted agent adopts its predecessor's service maps, whose Maglev
+/// tables it writes again: new tuples through it go where node 0 sends
+/// them.
+fn a_restarted_node_sends_new_flows_where_the_others_do(setup: Setup) {
+    let manifest = balanced("lb", "10.96.0.20", LB_IP, Some((CILIUM, "maglev")), &["a", "b", "c"]);
+    let (mut lab, ext) = two_node_web_cluster(setup, &manifest, &[]);
+    let addr = format!("{LB_IP}:53");
+    lab.route_external_via(&ext, 0).unwrap();
+    let via_0 = pods_by_port(&lab, &ext, "udp", &addr, 46000, 60);
+
+    lab.kill_agent_on(1);
+    let before = lab.agent_log_on(1).len();
+    lab.start_agent_on(1, &[]).unwrap();
+    let log = lab.agent_log_on(1)[before..].to_string();
+    assert!(log.contains("the previous agent's service maps adopted"), "{log}");
+    lab.route_external_via(&ext, 1).unwrap();
+    let via_1 = pods_by_port(&lab, &ext, "udp", &addr, 46000, 60);
+    assert_eq!(differing(&via_0, &via_1), 0, "{via_0:?}\n{via_1:?}");
 }
 
 fn the_node_default_and_an_unknown_annotation(setup: Setup) {

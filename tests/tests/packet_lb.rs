@@ -256,15 +256,32 @@ fn load_balancer_and_external_ips_with_source_ranges(setup: Setup) {
         .external_ips(&["10.200.0.11"])
         .source_ranges(&[&format!("{EXT_IP}/32")])
         .ingress_ip("10.200.0.10");
-    let c = cluster(setup, &over(lb, &["a", "b", "c"]));
-
-    let admitted = c.lab.client_outside(&c.ext).tcp("10.200.0.10:80", 30).unwrap();
-    assert_eq!(tally(&admitted).len(), 3, "the LB IP reaches the service: {admitted:?}");
-    let refused = c.lab.client_outside(&c.ext2).timeout_ms(500).tcp("10.200.0.10:80", 1).unwrap();
-    assert!(matches!(&refused[0], Attempt::Err { kind, .. } if kind == "TimedOut"), "{refused:?}");
-    // The source ranges guard the LB IP only, as in kube-proxy.
-    answered(&c.lab.client_outside(&c.ext2).tcp("10.200.0.11:80", 10).unwrap());
-    answered(&c.lab.client_outside(&c.ext2).tcp(&node_port(30090), 10).unwrap());
+    let mut c = cluster(setup, &over(lb, &["a", "b", "c"]));
+    let guarded = |c: &Cluster| {
+        let admitted = c.lab.client_outside(&c.ext).tcp("10.200.0.10:80", 30).unwrap();
+        assert_eq!(tally(&admitted).len(), 3, "the LB IP reaches the service: {admitted:?}");
+        let refused =
+            c.lab.client_outside(&c.ext2).timeout_ms(500).tcp("10.200.0.10:80", 1).unwrap();
+        assert!(
+            matches!(&refused[0], Attempt::Err { kind, .. } if kind == "TimedOut"),
+            "{refused:?}"
+        );
+        // The source ranges guard the LB IP only, as in kube-proxy.
+        answered(&c.lab.client_outside(&c.ext2).tcp("10.200.0.11:80", 10).unwrap());
+        answered(&c.lab.client_outside(&c.ext2).tcp(&node_port(30090), 10).unwrap());
+    };
+    guarded(&c);
+    // So does the next agent (eBPF: on the service maps it adopts, read
+    // back exactly, source ranges included: nothing to write).
+    c.lab.kill_agent_on(0);
+    let before = c.lab.agent_log_on(0).len();
+    c.lab.start_agent_on(0, &["--cluster-cidr", CLUSTER_CIDR]).unwrap();
+    guarded(&c);
+    if setup.mode == Mode::Ebpf {
+        let log = c.lab.agent_log_on(0)[before..].to_string();
+        let whole = log.lines().find(|l| l.contains("datapath synced") && l.contains("whole"));
+        assert!(whole.is_some_and(|l| l.contains(" writes=0 ")), "{log}");
+    }
 }
 
 fn hairpin_a_pod_reaches_itself_through_its_cluster_ip(setup: Setup) {

@@ -300,6 +300,11 @@ fn flows_survive_an_agent_crash_and_restart(setup: Setup) {
     c.crash_and_restart();
     flows.check(&c.lab, &c.lab.agent_log());
     if setup.mode == Mode::Ebpf {
+        // The previous agent's service maps as they were: nothing to write.
+        let log = c.lab.agent_log();
+        let restart = &log[log.find("service maps adopted").expect(&log)..];
+        let synced = restart.lines().find(|l| l.contains("datapath synced") && l.contains("whole"));
+        assert!(synced.is_some_and(|l| l.contains(" writes=0 ")), "{restart}");
         let metrics = c.lab.metrics().unwrap();
         for map in ["CONNTRACK", "AFFINITY", "SOCK_REV_NAT", "FRAGMENTS"] {
             let line = format!(r#"proxy_state_map_carried{{map="{map}",outcome="reused"}} 1"#);

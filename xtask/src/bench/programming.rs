@@ -138,7 +138,9 @@ pub(super) fn programming_with(
                 json!(lab.agent_pid_on(0).map_or(f64::NAN, peak_rss_mib));
             result["map_memory_mib"] = json!(map_memory_mib(&lab));
             if mode == Mode::Ebpf && feed == Feed::ApiServer {
-                result["restart_to_serving_s"] = restart(&mut lab, extra, limit)?;
+                let (serving, peak) = restart(&mut lab, extra, limit)?;
+                result["restart_to_serving_s"] = serving;
+                result["restart_peak_rss_mib"] = json!(peak);
             }
         }
         // A measured limit (the size is too large for the mode), not a
@@ -151,17 +153,19 @@ pub(super) fn programming_with(
 }
 
 /// From a restart after a crash (`kill -9`: the state maps and the
-/// serving programs carried over) to serving again.
-fn restart(lab: &mut Lab, extra: &[&str], limit: Duration) -> anyhow::Result<Value> {
+/// serving programs carried over) to serving again; and the new agent's
+/// peak RSS by then.
+fn restart(lab: &mut Lab, extra: &[&str], limit: Duration) -> anyhow::Result<(Value, f64)> {
     lab.kill_agent_on(0);
     let from = lab.agent_log().len();
     let start = Instant::now();
     lab.spawn_agent_on(0, extra)?;
-    Ok(match wait_serving(lab, from, start, limit).0 {
+    let serving = match wait_serving(lab, from, start, limit).0 {
         Programmed::Serving => json!(start.elapsed().as_secs_f64()),
         Programmed::OverLimit(_) => json!("over the limit"),
         Programmed::Failed(why) => json!(why),
-    })
+    };
+    Ok((serving, lab.agent_pid_on(0).map_or(f64::NAN, peak_rss_mib)))
 }
 
 /// Waits for the agent spawned at `start` to serve, reading its log from

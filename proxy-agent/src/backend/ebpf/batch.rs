@@ -103,14 +103,17 @@ fn batched(len: usize, call: impl Fn(Range<usize>) -> (usize, io::Result<()>)) -
     Some((done, Ok(())))
 }
 
-/// Every entry of a hash map (plain or LRU), read in batches; `None` where
-/// the kernel has no batches. The map moves on meanwhile: an entry may be
-/// missed or be a moment old, as with an iteration.
-pub fn lookup_all<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>) -> Option<io::Result<Vec<(K, V)>>> {
+/// Every entry of a hash map (plain or LRU), read in batches and handed to
+/// `each` as its batch is read; `None` where the kernel has no batches. The
+/// map moves on meanwhile: an entry may be missed or be a moment old, as
+/// with an iteration.
+pub fn lookup_each<K: aya::Pod, V: aya::Pod>(
+    fd: BorrowedFd<'_>,
+    mut each: impl FnMut(K, V),
+) -> Option<io::Result<()>> {
     if !supported() {
         return None;
     }
-    let mut entries = Vec::new();
     // The kernel's position in the map (a bucket index for hash maps).
     let (mut token, mut first) = (0u64, true);
     let mut keys: Vec<K> = Vec::with_capacity(CHUNK);
@@ -126,9 +129,11 @@ pub fn lookup_all<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>) -> Option<io::Re
             }
             Err(e) => return Some(Err(e)),
         };
-        entries.extend(keys.drain(..count).zip(values.drain(..count)));
+        for (key, value) in keys.drain(..count).zip(values.drain(..count)) {
+            each(key, value);
+        }
         if done {
-            return Some(Ok(entries));
+            return Some(Ok(()));
         }
         (token, first) = (next, false);
     }

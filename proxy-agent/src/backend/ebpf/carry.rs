@@ -196,6 +196,11 @@ impl Pinned {
         Ok(Pinned { maps, layouts })
     }
 
+    /// Its layouts; `None` when there are no pins.
+    pub fn layouts(&self) -> Option<Layouts> {
+        self.layouts
+    }
+
     pub fn path(&self, name: &str) -> PathBuf {
         self.maps.join(name)
     }
@@ -343,6 +348,9 @@ fn open(dir: &Path, name: &str) -> Result<Map, MapError> {
 /// Which ids the frontends and backends of service maps being made keep.
 #[derive(Debug)]
 pub enum KeptIds {
+    /// The previous agent's maps themselves, adopted whole, their entries
+    /// read back ([`super::adopt`]): at the start, where they can be.
+    Adopted,
     /// The previous agent's, read from its pinned maps (if any): at the
     /// start.
     Pinned,

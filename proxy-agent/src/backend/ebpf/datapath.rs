@@ -17,8 +17,9 @@ use proxy_common::{Config, MAX_SERVICE_ENTRIES};
 
 use super::{
     BpfObject, CounterReader, MapSizes, TcAttach, TcRole,
+    adopt::{self, NotAdopted},
     attach::Interfaces,
-    carry::KeptIds,
+    carry::{KeptIds, Pinned},
     fit::{self, Capacity, Refusal},
     flows::Collected,
     frontend_stats,
@@ -140,6 +141,48 @@ impl Loading {
         Ok(object)
     }
 
+    /// The object an agent starts with: the previous agent's service maps
+    /// adopted where they can be ([`adopt`]), else maps of `capacity`
+    /// keeping the previous agent's ids; and the capacity it has.
+    fn prepare_first(
+        &self,
+        capacity: Capacity,
+        bound: usize,
+    ) -> anyhow::Result<(Capacity, BpfObject)> {
+        let bound = map_size(bound);
+        let alone = sys::hold_lock(&self.root).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, root = %self.root.display(), "could not lock the pins' directory");
+            false
+        });
+        let adoptable = match alone {
+            true => Pinned::open(&self.root).map_err(|_| NotAdopted::None),
+            false => Err(NotAdopted::InUse),
+        };
+        let adoptable = adoptable
+            .and_then(|pinned| adopt::adoptable(&pinned, bound, self.config.maglev_table_size));
+        match adoptable {
+            Ok(sizes) => {
+                let adopted = Capacity {
+                    services: sizes.services as usize,
+                    backends: sizes.backends as usize,
+                    rev_nat: sizes.rev_nat as usize,
+                    source_ranges: capacity.source_ranges,
+                };
+                match self.prepare(adopted, KeptIds::Adopted) {
+                    Ok(object) => return Ok((adopted, object)),
+                    Err(e) => tracing::warn!(
+                        "could not adopt the previous agent's service maps, making new ones: {e:#}"
+                    ),
+                }
+            }
+            Err(NotAdopted::None) => {}
+            Err(why) => tracing::info!(
+                "the previous agent's service maps are not adopted ({why}): new ones are made, its ids kept"
+            ),
+        }
+        Ok((capacity, self.prepare(capacity, KeptIds::Pinned)?))
+    }
+
     /// What verified programs are set up with: the reader of their decision
     /// records and the way sockets are ended.
     fn finish(&self, object: &mut BpfObject) {
@@ -256,7 +299,12 @@ impl EbpfDatapath {
             socket_destroy: settings.socket_destroy,
             terminate_tcp: settings.terminate_tcp_on_endpoint_removal,
         };
-        let object = loading.prepare(capacity, KeptIds::Pinned)?;
+        let (capacity, mut object) = loading.prepare_first(capacity, bound)?;
+        // Adopted maps are verified into as they are read back.
+        let verified = object.adopted();
+        if verified {
+            loading.finish(&mut object);
+        }
         let (min, max) = settings.snat_port_range;
         if let Some((low, high)) = sys::ephemeral_ports()
             && min <= high
@@ -284,12 +332,16 @@ impl EbpfDatapath {
                 "replies of per-packet flows only, at ingress (the socket LB translates every pod's connections)"
             }
         };
-        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, node_interfaces = "new flows to frontends and their replies, both directions", pod_interfaces, "BPF object prepared (its programs verified at the first sync, into maps of the size it needs)");
+        let programs = match verified {
+            true => "verified into the adopted service maps",
+            false => "verified at the first sync, into maps of the size it needs",
+        };
+        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, node_interfaces = "new flows to frontends and their replies, both directions", pod_interfaces, programs, "BPF object prepared");
         let pod_interfaces = settings.pod_interfaces.clone();
         let next_gc = Instant::now();
         Ok(EbpfDatapath {
             object,
-            verified: false,
+            verified,
             estimated: false,
             loading,
             cgroup,
@@ -337,6 +389,9 @@ impl EbpfDatapath {
         extent: Extent,
         metrics: &Metrics,
     ) -> anyhow::Result<SyncReport> {
+        // Nothing compared adopted maps with the plan before the sync of
+        // the whole: until it serves, it looks at every frontend.
+        let dirty = dirty.filter(|_| self.serving.is_some() || !self.object.adopted());
         if let (Extent::Partial { scale }, None) = (extent, &self.serving) {
             // The lists are still arriving, and their reading comes first:
             // on a node short of CPU, writing a part sooner is no gain if
@@ -432,6 +487,13 @@ impl EbpfDatapath {
                 return self.verify_first(plan, dirty, metrics);
             }
         }
+        if self.object.adopted() {
+            // A previous agent's programs serve from these maps: a part of
+            // the source is not written into them (its Services would lose
+            // the endpoints not listed yet). The sync of the whole writes
+            // what changed.
+            return Ok(SyncReport::default());
+        }
         match self.write(plan, dirty) {
             Err(SyncError::Capacity { .. }) if self.presize(expected(plan)) => {
                 Ok(self.write(plan, None)?)
@@ -479,24 +541,24 @@ impl EbpfDatapath {
             .installed_plan(|f| plan.frontends.get(f).map(|fp| fp.service.clone()))
     }
 
-    /// Writes `plan` into the maps; before serving, without touching what a
-    /// previous agent's programs read (see [`BpfObject::sync_unserved`]),
-    /// and the programs loaded on demand only once the others are
-    /// verified (the verification looks at the whole plan for them).
+    /// Writes `plan` into the maps; into maps nothing serves from yet,
+    /// without touching what a previous agent's programs read (see
+    /// [`BpfObject::sync_unserved`]), and the programs loaded on demand only
+    /// once the others are verified (the verification looks at the whole
+    /// plan for them). Adopted maps serve already: written as a serving
+    /// agent writes.
     fn write(
         &mut self,
         plan: &Plan,
         dirty: Option<&BTreeSet<Frontend>>,
     ) -> Result<SyncReport, SyncError> {
-        match self.serving {
-            Some(_) => self.object.sync(plan, dirty),
-            None => {
-                if self.verified {
-                    self.object.serve_on_demand(plan, dirty);
-                }
-                self.object.sync_unserved(plan, dirty)
-            }
+        if self.serving.is_some() || self.object.adopted() {
+            return self.object.sync(plan, dirty);
         }
+        if self.verified {
+            self.object.serve_on_demand(plan, dirty);
+        }
+        self.object.sync_unserved(plan, dirty)
     }
 
     /// Verifies the object's programs while its maps fill with `plan` (or
@@ -796,12 +858,13 @@ impl Datapath for EbpfDatapath {
             source,
             "datapath synced"
         );
-        if self.serving.is_none() {
+        if self.serving.is_none() && !self.object.adopted() {
             // The endpoints a sync before serving drops were in this
             // agent's maps only (a partial source's): flows and sockets
             // made through a previous agent's programs are not theirs (its
             // backends this agent does not serve are dealt with at the
-            // takeover).
+            // takeover). Adopted maps' endpoints are the previous agent's:
+            // those a sync drops left while no agent ran.
             return Ok(Synced { backends });
         }
         match self.object.flush_departed_flows(&report.departures) {

@@ -255,6 +255,17 @@ impl Backends {
         }
     }
 
+    /// Records backend `id`, which maps being adopted hold as `entry`: as
+    /// [`Backends::insert`] would, without looking for what no adopted
+    /// entry can be (an id recorded already).
+    pub fn adopt(&mut self, id: u32, entry: BackendEntry) {
+        if self.contains_id(id) {
+            return self.insert(id, entry);
+        }
+        let position = self.add(Backend { id, state: State::UNREFERENCED, entry });
+        self.written.push(position);
+    }
+
     /// Records backend `id` written as `entry` (a rewrite keeps its
     /// references; an entry written under a second id is found by that one).
     pub fn insert(&mut self, id: u32, entry: BackendEntry) {

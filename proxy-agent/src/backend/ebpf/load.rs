@@ -15,7 +15,7 @@ use aya::{
 use proxy_common::{Config, Layouts, TC_NEW_PROGRAMS, map_names};
 
 use super::{
-    BpfObject, EbpfError, MapSizes,
+    BpfObject, EbpfError, MapSizes, ServiceMaps, adopt,
     attach::TcAttach,
     carry,
     carry::{Carry, Conversion, KeptIds, Pinned, STATE_MAPS},
@@ -184,6 +184,10 @@ impl BpfObject {
             tracing::warn!(error = %e, "could not read the previous agent's map layouts; starting afresh");
             None
         });
+        let adopting = matches!(ids, KeptIds::Adopted);
+        if let (true, Some(pinned)) = (adopting, &pinned) {
+            adopt::reuse(pinned, &mut loader);
+        }
         let mut carried = Vec::new();
         let mut conversions = Vec::new();
         for map in &STATE_MAPS {
@@ -199,7 +203,12 @@ impl BpfObject {
         let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
         let mut maps = Maps::take(&mut ebpf)?;
         let mut state = Reconciler::with_capacity(sizes);
+        let service_maps = match adopting {
+            true => ServiceMaps::Adopted,
+            false => ServiceMaps::Made,
+        };
         match ids {
+            KeptIds::Adopted => adopt_while_verifying(&mut ebpf, &mut maps, &mut state)?,
             KeptIds::These(reserved) => state.reserve(reserved),
             KeptIds::Pinned => {
                 if let Some(reserved) = pinned.as_ref().and_then(previous_ids) {
@@ -233,6 +242,7 @@ impl BpfObject {
             on_demand: Stages::default(),
             xdp_interfaces: BTreeMap::new(),
             xdp6: None,
+            service_maps,
         })
     }
 
@@ -273,7 +283,8 @@ impl BpfObject {
             };
             (join(verifying), verifying6.map_or(Ok(()), join), synced)
         });
-        // Before serving: see `sync_unserved`.
+        // Before serving: see `sync_unserved` (adopted maps are verified
+        // into as they are read back, not here).
         drop(self.reconciler.take_affinity_purge());
         verified?;
         self.maps.fill_tc_new(&mut self.ebpf)?;
@@ -320,6 +331,36 @@ impl BpfObject {
     pub fn keep_records_reader(&mut self, reader: records::Reader) {
         self.records = Some(reader);
     }
+}
+
+/// Reads adopted maps back into `state` while the programs are verified
+/// into them (their size is the one they serve at: nothing waits for the
+/// source), and points `TC_NEW` at the verified programs.
+fn adopt_while_verifying(
+    ebpf: &mut Ebpf,
+    maps: &mut Maps,
+    state: &mut Reconciler,
+) -> Result<(), EbpfError> {
+    let started = std::time::Instant::now();
+    let (names, heaviest) = base_programs();
+    let [base] = pick(ebpf, [&names[..]])?;
+    let (verified, adopted) = std::thread::scope(|scope| {
+        let verifying = scope.spawn(|| verify_set(base, &heaviest));
+        let adopted = adopt::read_back(maps, state);
+        (verifying.join().unwrap_or(Err(EbpfError::VerifierThread)), adopted)
+    });
+    let adopt::Adopted { frontends, backends, service_entries } = adopted?;
+    verified?;
+    maps.fill_tc_new(ebpf)?;
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    tracing::info!(
+        frontends,
+        backends,
+        service_entries,
+        ms,
+        "the previous agent's service maps adopted, BPF programs verified into them: the first sync writes only what changed"
+    );
+    Ok(())
 }
 
 /// The ids the previous agent pinned under `pinned` gave, logged.

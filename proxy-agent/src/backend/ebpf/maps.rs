@@ -304,7 +304,20 @@ impl MapWriter for Maps {
 /// kernel has them (a pinned map of a million entries: well under a second,
 /// where two syscalls per entry took seconds), else one by one.
 pub(super) fn read_all<K: aya::Pod, V: aya::Pod>(map: &Map) -> Result<Vec<(K, V)>, MapError> {
-    if let Some(read) = hash_fd(map).and_then(super::batch::lookup_all) {
+    let mut entries = Vec::new();
+    read_each(map, |key, value| entries.push((key, value)))?;
+    Ok(entries)
+}
+
+/// [`read_all`], each entry handed to `each` as it is read: a map of a
+/// million entries is never held whole.
+pub(super) fn read_each<K: aya::Pod, V: aya::Pod>(
+    map: &Map,
+    mut each: impl FnMut(K, V),
+) -> Result<(), MapError> {
+    if let Some(fd) = hash_fd(map)
+        && let Some(read) = super::batch::lookup_each(fd, &mut each)
+    {
         return read.map_err(|io_error| {
             MapError::SyscallError(aya::sys::SyscallError {
                 call: "BPF_MAP_LOOKUP_BATCH",
@@ -313,7 +326,8 @@ pub(super) fn read_all<K: aya::Pod, V: aya::Pod>(map: &Map) -> Result<Vec<(K, V)
         });
     }
     let map = aya::maps::HashMap::<_, K, V>::try_from(map)?;
-    Ok(map.iter().filter_map(Result::ok).collect())
+    map.iter().filter_map(Result::ok).for_each(|(key, value)| each(key, value));
+    Ok(())
 }
 
 /// The fd of a hash map (plain or LRU), for the batched operations.

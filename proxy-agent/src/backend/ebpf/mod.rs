@@ -28,6 +28,7 @@
 //! ([`carry`]), attaches its programs beside the old ones (or in place of the
 //! old filters), then retires the old pins; `cleanup` removes them all.
 
+pub mod adopt;
 mod attach;
 pub mod batch;
 pub mod carry;
@@ -94,6 +95,8 @@ use crate::plan::{Frontend, Plan};
 pub enum EbpfError {
     #[error("loading the BPF object: {0}")]
     Load(#[from] aya::EbpfError),
+    #[error("adopting the previous agent's service maps: {0}")]
+    Adopt(#[from] adopt::AdoptError),
     #[error("BPF object has no {what} {name}")]
     Missing { what: &'static str, name: &'static str },
     #[error("program {name}: {source}")]
@@ -182,6 +185,18 @@ pub struct BpfObject {
     xdp_interfaces: BTreeMap<String, u32>,
     /// `XDP6`, holding `xdp_ingress6`, once the XDP programs are loaded.
     xdp6: Option<aya::maps::Map>,
+    /// Whose service maps its programs use.
+    service_maps: ServiceMaps,
+}
+
+/// Whose service maps an object's programs use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServiceMaps {
+    /// Its own, made with it: nothing serves from them before it does.
+    Made,
+    /// A previous agent's, adopted ([`adopt`]): its programs serve from
+    /// them until these take over, so every write is a serving one.
+    Adopted,
 }
 
 /// How many entries the service maps hold (`--bpf-lb-map-max`).
@@ -255,6 +270,12 @@ impl BpfObject {
         let (v4, v6) = (&mut self.maps.affinity, &mut self.maps.affinity6);
         purge_affinity::<AffinityKey>(v4, map_names::AFFINITY, |k| k.rev_nat_id, purge)?;
         purge_affinity::<AffinityKey6>(v6, map_names::AFFINITY6, |k| k.rev_nat_id, purge)
+    }
+
+    /// Whether its service maps are a previous agent's, which that
+    /// agent's programs serve from (see [`ServiceMaps`]).
+    pub fn adopted(&self) -> bool {
+        self.service_maps == ServiceMaps::Adopted
     }
 
     /// What the maps hold, as the reconciler records it.

@@ -711,6 +711,41 @@ impl Reconciler {
         }
     }
 
+    /// Records an entry of adopted maps (see [`super::adopt`]) as the write
+    /// that made it; slots after the backends they name and their
+    /// frontend's reverse-NAT entry.
+    pub fn adopt(&mut self, op: &MapOp) {
+        match op {
+            MapOp::PutBackend { id, backend } => self.backends.adopt(*id, *backend),
+            op => self.record(op),
+        }
+    }
+
+    /// Room for `frontends` and `backends`, before adopting them.
+    pub fn make_room(&mut self, frontends: usize, backends: usize) {
+        self.frontends.reserve(frontends);
+        self.backends.reserve(backends);
+    }
+
+    /// Records chunk `chunk` of an adopted frontend's Maglev table. What
+    /// it was computed from is not known: the first sync computes it again.
+    pub fn adopt_maglev_chunk(&mut self, frontend: &Frontend, chunk: u32) {
+        let entry = self.frontends.entry(*frontend).or_default();
+        entry.maglev_digest = None;
+        if chunk >= entry.maglev_chunks {
+            self.maglev_entries += (chunk + 1 - entry.maglev_chunks) as usize;
+            entry.maglev_chunks = chunk + 1;
+        }
+    }
+
+    /// Once every adopted entry is recorded: backends no slot names are
+    /// the next sync's to delete, and new ids go past the adopted ones.
+    pub fn adopted(&mut self) {
+        self.backends.settle();
+        self.last_backend_id = self.backends.installed().map(|(id, _)| id).max().unwrap_or(0);
+        self.last_rev_nat_id = self.rev_nat.last().copied().unwrap_or(0);
+    }
+
     /// The running counts and references agree with what is recorded.
     #[cfg(test)]
     fn assert_consistent(&self) {

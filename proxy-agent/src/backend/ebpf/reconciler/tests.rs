@@ -21,6 +21,7 @@ use crate::{
     plan::{BackendList, BackendPlan, Frontend, FrontendKind, FrontendPlan, Plan, Scope},
 };
 
+mod adopt;
 mod churn;
 
 /// The same frontend's entry in another slot.
@@ -45,6 +46,17 @@ struct Maps {
 }
 
 impl Maps {
+    /// Entries per map, in `Reconciler::map_entries`'s order.
+    fn sizes(&self) -> [usize; 5] {
+        [
+            self.services.len(),
+            self.backends.len(),
+            self.rev_nat.len(),
+            self.source_ranges.len(),
+            self.maglev.len(),
+        ]
+    }
+
     fn check(&self) {
         for (key, value) in self.services.iter().filter(|(k, _)| k.slot() == 0) {
             assert!(self.rev_nat.contains_key(&value.rev_nat_id), "{key:?} without rev nat");
@@ -163,6 +175,13 @@ fn plan(frontends: &[(Frontend, &[u8], Option<u32>)]) -> Plan {
         );
     }
     plan
+}
+
+/// The state's counts are those of the maps.
+fn assert_counts(state: &Reconciler, maps: &Maps) {
+    state.assert_consistent();
+    let counts = state.map_entries().map(|(_, n)| n);
+    assert_eq!(counts, maps.sizes());
 }
 
 /// What a program would choose from, per frontend: the backend addresses.

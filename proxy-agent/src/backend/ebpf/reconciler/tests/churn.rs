@@ -62,13 +62,7 @@ fn content(maps: &Maps) -> Content {
         .collect();
     let mut backends: Vec<BackendEntry> = maps.backends.values().copied().collect();
     backends.sort();
-    let sizes = [
-        maps.services.len(),
-        maps.backends.len(),
-        maps.rev_nat.len(),
-        maps.source_ranges.len(),
-        maps.maglev.len(),
-    ];
+    let sizes = maps.sizes();
     let tables = maps
         .services
         .iter()
@@ -88,20 +82,6 @@ fn fresh(plan: &Plan) -> Content {
     let mut maps = Maps { unchecked: true, ..Maps::default() };
     Reconciler::default().sync(plan, None, &mut maps).unwrap();
     content(&maps)
-}
-
-/// The state's counts are those of the maps.
-fn assert_counts(state: &Reconciler, maps: &Maps) {
-    state.assert_consistent();
-    let counts = state.map_entries().map(|(_, n)| n);
-    let sizes = [
-        maps.services.len(),
-        maps.backends.len(),
-        maps.rev_nat.len(),
-        maps.source_ranges.len(),
-        maps.maglev.len(),
-    ];
-    assert_eq!(counts, sizes);
 }
 
 /// A deterministic pseudo-random sequence (Knuth's MMIX LCG).
