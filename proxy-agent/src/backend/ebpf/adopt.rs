@@ -33,8 +33,8 @@ use super::{
     MapSizes,
     carry::Pinned,
     entries::{BackendEntry, RevNatEntry, SlotKey},
-    maps::{Maps, read_all, read_each},
-    prefilter::{self, Prefilter},
+    maps::{read_all, read_each},
+    prefilter,
     reconciler::{MapOp, Owner, Reconciler},
 };
 use crate::{
@@ -194,44 +194,134 @@ pub struct Adopted {
 /// An adopted map that could not be read back.
 #[derive(Debug, thiserror::Error)]
 pub enum AdoptError {
+    #[error("opening {name}: {source}")]
+    Open { name: &'static str, source: MapError },
     #[error("reading {name}: {source}")]
     Read { name: &'static str, source: MapError },
-    #[error("setting the pre-filter: {0}")]
-    Prefilter(MapError),
     #[error("reverse-NAT id {0} has no frontend info saying its protocol (an older agent's)")]
     Unnamed(u32),
+    #[error("the thread reading them back failed")]
+    Thread,
+}
+
+/// The adopted maps the record is read back from, opened from their pins
+/// (descriptors of their own, for a thread of their own).
+struct Pins {
+    services: Map,
+    services6: Map,
+    backends: Map,
+    backends6: Map,
+    rev_nat: Map,
+    rev_nat6: Map,
+    frontend_info: Map,
+    source_ranges: Map,
+    source_ranges6: Map,
+    maglev: Map,
+}
+
+impl Pins {
+    fn open(pinned: &Pinned) -> Result<Self, AdoptError> {
+        let open = |name| {
+            MapData::from_pin(pinned.path(name))
+                .and_then(Map::from_map_data)
+                .map_err(|source| AdoptError::Open { name, source })
+        };
+        Ok(Pins {
+            services: open(map_names::SERVICES)?,
+            services6: open(map_names::SERVICES6)?,
+            backends: open(map_names::BACKENDS)?,
+            backends6: open(map_names::BACKENDS6)?,
+            rev_nat: open(map_names::REV_NAT)?,
+            rev_nat6: open(map_names::REV_NAT6)?,
+            frontend_info: open(map_names::FRONTEND_INFO)?,
+            source_ranges: open(map_names::SOURCE_RANGES)?,
+            source_ranges6: open(map_names::SOURCE_RANGES6)?,
+            maglev: open(map_names::MAGLEV)?,
+        })
+    }
+}
+
+/// What reading adopted maps back gives: the record of what they hold,
+/// and the pre-filter bits their entries need.
+pub struct ReadBack {
+    pub record: Reconciler,
+    pub bits: Vec<u32>,
+    pub adopted: Adopted,
+}
+
+/// Adopted maps being read back on a thread of their own, while the agent
+/// reads its source (a second or two at 100,000 services: the loop must
+/// not wait for it before the source is whole).
+pub struct Adoption(std::thread::JoinHandle<Result<ReadBack, AdoptError>>);
+
+impl Adoption {
+    /// Reads the maps pinned under `pinned` back into `record` (empty).
+    pub fn start(pinned: &Pinned, mut record: Reconciler) -> Result<Self, AdoptError> {
+        let pins = Pins::open(pinned)?;
+        let read = move || {
+            let started = std::time::Instant::now();
+            let mut bits = Vec::new();
+            let adopted = read_back(&pins, &mut record, &mut bits)?;
+            let ms = started.elapsed().as_secs_f64() * 1000.0;
+            let Adopted { frontends, backends, service_entries } = adopted;
+            tracing::info!(
+                frontends,
+                backends,
+                service_entries,
+                ms,
+                "the previous agent's service maps adopted and read back: the first sync writes only what changed"
+            );
+            Ok(ReadBack { record, bits, adopted })
+        };
+        let thread = std::thread::Builder::new().name("adopt".into()).spawn(read);
+        thread.map(Adoption).map_err(|_| AdoptError::Thread)
+    }
+
+    /// The read-back, once done.
+    pub fn finish(self) -> Result<ReadBack, AdoptError> {
+        self.0.join().unwrap_or(Err(AdoptError::Thread))
+    }
 }
 
 /// Records the adopted maps' entries in `record` (empty), as the writes
-/// that made them, and sets the pre-filter's bits for them: backends first,
-/// then the frontends' reverse-NAT entries and infos, their slots, source
-/// ranges and Maglev tables. One map at a time, so that no more than one
-/// map's entries are held at once.
-pub(super) fn read_back(maps: &mut Maps, record: &mut Reconciler) -> Result<Adopted, AdoptError> {
+/// that made them, and collects the pre-filter's bits for them in `bits`:
+/// backends first, then the frontends' reverse-NAT entries and infos, their
+/// slots, source ranges and Maglev tables. Each map's entries as they are
+/// read, a batch at a time.
+fn read_back(
+    maps: &Pins,
+    record: &mut Reconciler,
+    bits: &mut Vec<u32>,
+) -> Result<Adopted, AdoptError> {
     let read = |name| move |source| AdoptError::Read { name, source };
     let by_id = frontends(maps)?;
     let backends = count::<Backend>(&maps.backends).map_err(read(map_names::BACKENDS))?
         + count::<Backend6>(&maps.backends6).map_err(read(map_names::BACKENDS6))?;
     record.make_room(by_id.len(), backends);
-    let mut replay = Replay { prefilter: &mut maps.prefilter, record, failed: None };
-    let v4 = |id, b| replay.op(MapOp::PutBackend { id, backend: BackendEntry::V4(b) });
+    let mut replay = |op: MapOp| {
+        // A frontend's bit once, from its slot 0 (its other slots share it).
+        if !matches!(&op, MapOp::PutService { key, .. } if key.slot() != 0) {
+            bits.extend(prefilter::bits_of(&op));
+        }
+        record.adopt(&op);
+    };
+    let v4 = |id, b| replay(MapOp::PutBackend { id, backend: BackendEntry::V4(b) });
     read_each(&maps.backends, v4).map_err(read(map_names::BACKENDS))?;
-    let v6 = |id, b| replay.op(MapOp::PutBackend { id, backend: BackendEntry::V6(b) });
+    let v6 = |id, b| replay(MapOp::PutBackend { id, backend: BackendEntry::V6(b) });
     read_each(&maps.backends6, v6).map_err(read(map_names::BACKENDS6))?;
     for (&id, (frontend, value, owner)) in &by_id {
         let owner = owner.clone();
-        replay.op(MapOp::PutRevNat { frontend: *frontend, id, value: *value, owner });
+        replay(MapOp::PutRevNat { frontend: *frontend, id, value: *value, owner });
     }
     let mut service_entries = 0;
     let mut slot = |key: SlotKey, value| {
         service_entries += 1;
-        replay.op(MapOp::PutService { key, value });
+        replay(MapOp::PutService { key, value });
     };
     read_each(&maps.services, |key, value| slot(SlotKey::V4(key), value))
         .map_err(read(map_names::SERVICES))?;
     read_each(&maps.services6, |key, value| slot(SlotKey::V6(key), value))
         .map_err(read(map_names::SERVICES6))?;
-    replay.done()?;
     for (rev_nat_id, cidr) in source_ranges(maps)? {
         if let Some((frontend, ..)) = by_id.get(&rev_nat_id) {
             record.adopt(&MapOp::PutSourceRange { frontend: *frontend, rev_nat_id, cidr });
@@ -256,39 +346,12 @@ fn count<B: aya::Pod>(map: &Map) -> Result<usize, MapError> {
     Ok(entries)
 }
 
-/// Entries recorded as the writes that made them, and the pre-filter's
-/// bits set for them; the first failure to set bits is kept (the rest are
-/// recorded all the same, and the object dropped).
-struct Replay<'a> {
-    prefilter: &'a mut Prefilter,
-    record: &'a mut Reconciler,
-    failed: Option<MapError>,
-}
-
-impl Replay<'_> {
-    fn op(&mut self, op: MapOp) {
-        // A frontend's bit once, from its slot 0 (its other slots share it).
-        let bits = match &op {
-            MapOp::PutService { key, .. } if key.slot() != 0 => Vec::new(),
-            op => prefilter::bits_of(op),
-        };
-        if let Err(e) = self.prefilter.set(bits) {
-            self.failed.get_or_insert(e);
-        }
-        self.record.adopt(&op);
-    }
-
-    fn done(self) -> Result<(), AdoptError> {
-        self.failed.map_or(Ok(()), |e| Err(AdoptError::Prefilter(e)))
-    }
-}
-
 /// A frontend as its reverse-NAT entry and info name it.
 type Named = (Frontend, RevNatEntry, Owner);
 
 /// The frontends by reverse-NAT id, from both families' entries and the
 /// infos that name them (one without its info is not adopted).
-fn frontends(maps: &Maps) -> Result<HashMap<u32, Named>, AdoptError> {
+fn frontends(maps: &Pins) -> Result<HashMap<u32, Named>, AdoptError> {
     let read = |name| move |source| AdoptError::Read { name, source };
     let infos: HashMap<u32, FrontendInfo> = read_all(&maps.frontend_info)
         .map_err(read(map_names::FRONTEND_INFO))?
@@ -311,7 +374,7 @@ fn frontends(maps: &Maps) -> Result<HashMap<u32, Named>, AdoptError> {
 }
 
 /// Both families' source ranges, by reverse-NAT id.
-fn source_ranges(maps: &Maps) -> Result<Vec<(u32, Cidr)>, AdoptError> {
+fn source_ranges(maps: &Pins) -> Result<Vec<(u32, Cidr)>, AdoptError> {
     let mut ranges = Vec::new();
     let v4 = |k: &SourceRangeKey| (k.rev_nat_id, k.address.into());
     read_trie(&maps.source_ranges, map_names::SOURCE_RANGES, v4, &mut ranges)?;

@@ -16,7 +16,7 @@ use hashbrown::HashMap;
 use proxy_common::{Config, MAX_SERVICE_ENTRIES};
 
 use super::{
-    BpfObject, CounterReader, MapSizes, TcAttach, TcRole,
+    BpfObject, CounterReader, EbpfError, MapSizes, TcAttach, TcRole,
     adopt::{self, NotAdopted},
     attach::Interfaces,
     carry::{KeptIds, Pinned},
@@ -24,6 +24,7 @@ use super::{
     flows::Collected,
     frontend_stats,
     pod_programs::PodPrograms,
+    reconciler::Reconciler,
     reconciler::{SyncError, SyncReport},
     settings::{Acceleration, PodInterfacePrograms, Settings, TcAttachChoice},
     sock_end::SocketDestroy,
@@ -70,6 +71,8 @@ fn gc_interval(entries: usize) -> Duration {
 /// The eBPF datapath and what looking after it needs.
 pub struct EbpfDatapath {
     object: BpfObject,
+    /// Where reading `object`'s adopted maps back stands.
+    adopting: Adopting,
     /// Whether `object`'s programs are verified: not before the first sync,
     /// which knows what size of maps the source needs (one verifier run).
     verified: bool,
@@ -110,6 +113,16 @@ pub struct EbpfDatapath {
     ipv6_outgrown_told: bool,
 }
 
+/// Where reading adopted service maps back stands.
+enum Adopting {
+    /// Read back, or none adopted.
+    No,
+    /// On its thread, while the source is read.
+    Reading(adopt::Adoption),
+    /// They could not be read back: new maps are to be made.
+    Unreadable,
+}
+
 /// What loading the programs takes, kept to load them again into larger
 /// maps.
 struct Loading {
@@ -142,34 +155,45 @@ impl Loading {
     }
 
     /// The object an agent starts with: the previous agent's service maps
-    /// adopted where they can be ([`adopt`]), else maps of `capacity`
-    /// keeping the previous agent's ids; and the capacity it has.
+    /// adopted where they can be ([`adopt`]: their entries then read back
+    /// on a thread of their own), else maps of `capacity` keeping the
+    /// previous agent's ids; and the capacity it has.
     fn prepare_first(
         &self,
         capacity: Capacity,
         bound: usize,
-    ) -> anyhow::Result<(Capacity, BpfObject)> {
+    ) -> anyhow::Result<(Capacity, BpfObject, Adopting)> {
         let bound = map_size(bound);
         let alone = sys::hold_lock(&self.root).unwrap_or_else(|e| {
             tracing::warn!(error = %e, root = %self.root.display(), "could not lock the pins' directory");
             false
         });
-        let adoptable = match alone {
+        let pinned = match alone {
             true => Pinned::open(&self.root).map_err(|_| NotAdopted::None),
             false => Err(NotAdopted::InUse),
         };
-        let adoptable = adoptable
-            .and_then(|pinned| adopt::adoptable(&pinned, bound, self.config.maglev_table_size));
+        let maglev = self.config.maglev_table_size;
+        let adoptable = pinned.and_then(|pinned| {
+            adopt::adoptable(&pinned, bound, maglev).map(|sizes| (pinned, sizes))
+        });
         match adoptable {
-            Ok(sizes) => {
+            Ok((pinned, sizes)) => {
                 let adopted = Capacity {
                     services: sizes.services as usize,
                     backends: sizes.backends as usize,
                     rev_nat: sizes.rev_nat as usize,
                     source_ranges: capacity.source_ranges,
                 };
-                match self.prepare(adopted, KeptIds::Adopted) {
-                    Ok(object) => return Ok((adopted, object)),
+                let mut record = Reconciler::with_capacity(sizes);
+                record.set_maglev_table_size(maglev);
+                let started = self.prepare(adopted, KeptIds::Adopted).and_then(|object| {
+                    let adoption = adopt::Adoption::start(&pinned, record)?;
+                    Ok((object, adoption))
+                });
+                match started {
+                    Ok((object, adoption)) => {
+                        return Ok((adopted, object, Adopting::Reading(adoption)));
+                    }
                     Err(e) => tracing::warn!(
                         "could not adopt the previous agent's service maps, making new ones: {e:#}"
                     ),
@@ -180,7 +204,7 @@ impl Loading {
                 "the previous agent's service maps are not adopted ({why}): new ones are made, its ids kept"
             ),
         }
-        Ok((capacity, self.prepare(capacity, KeptIds::Pinned)?))
+        Ok((capacity, self.prepare(capacity, KeptIds::Pinned)?, Adopting::No))
     }
 
     /// What verified programs are set up with: the reader of their decision
@@ -299,12 +323,7 @@ impl EbpfDatapath {
             socket_destroy: settings.socket_destroy,
             terminate_tcp: settings.terminate_tcp_on_endpoint_removal,
         };
-        let (capacity, mut object) = loading.prepare_first(capacity, bound)?;
-        // Adopted maps are verified into as they are read back.
-        let verified = object.adopted();
-        if verified {
-            loading.finish(&mut object);
-        }
+        let (capacity, object, adopting) = loading.prepare_first(capacity, bound)?;
         let (min, max) = settings.snat_port_range;
         if let Some((low, high)) = sys::ephemeral_ports()
             && min <= high
@@ -332,16 +351,17 @@ impl EbpfDatapath {
                 "replies of per-packet flows only, at ingress (the socket LB translates every pod's connections)"
             }
         };
-        let programs = match verified {
-            true => "verified into the adopted service maps",
-            false => "verified at the first sync, into maps of the size it needs",
+        let service_maps = match object.adopted() {
+            true => "the previous agent's, adopted",
+            false => "new",
         };
-        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, node_interfaces = "new flows to frontends and their replies, both directions", pod_interfaces, programs, "BPF object prepared");
+        tracing::info!(?tc_mode, cgroup = %cgroup.display(), bpffs = %loading.root.display(), socket_lb, ?bpf_log_level, node_interfaces = "new flows to frontends and their replies, both directions", pod_interfaces, service_maps, "BPF object prepared (its programs verified at the first sync, into maps of the size it needs)");
         let pod_interfaces = settings.pod_interfaces.clone();
         let next_gc = Instant::now();
         Ok(EbpfDatapath {
             object,
-            verified,
+            adopting,
+            verified: false,
             estimated: false,
             loading,
             cgroup,
@@ -392,6 +412,10 @@ impl EbpfDatapath {
         // Nothing compared adopted maps with the plan before the sync of
         // the whole: until it serves, it looks at every frontend.
         let dirty = dirty.filter(|_| self.serving.is_some() || !self.object.adopted());
+        let partial = matches!((extent, &self.serving), (Extent::Partial { .. }, None));
+        if !partial {
+            self.finish_adopting()?;
+        }
         if let (Extent::Partial { scale }, None) = (extent, &self.serving) {
             // The lists are still arriving, and their reading comes first:
             // on a node short of CPU, writing a part sooner is no gain if
@@ -453,7 +477,8 @@ impl EbpfDatapath {
         self.verify_and_fill(plan, dirty, None, metrics).inspect_err(|_| {
             // Some programs may be loaded: a retry starts afresh (a failed
             // growth restores its own object instead), writing everything.
-            if let Ok(fresh) = self.loading.prepare(self.capacity, self.kept_ids()) {
+            let ids = self.kept_ids();
+            if let Ok(fresh) = self.loading.prepare(self.capacity, ids) {
                 self.object = fresh;
             }
         })
@@ -484,6 +509,9 @@ impl EbpfDatapath {
                 dirty = None;
             }
             if !self.verified {
+                // Into adopted maps, nothing of a part of the source.
+                let nothing = BTreeSet::new();
+                let dirty = if self.object.adopted() { Some(&nothing) } else { dirty };
                 return self.verify_first(plan, dirty, metrics);
             }
         }
@@ -514,7 +542,8 @@ impl EbpfDatapath {
         let larger = fit::grown(self.capacity, expected, self.bound).filter(|_| self.growable);
         let Some(larger) = larger else { return false };
         tracing::info!(from = ?self.capacity, to = ?larger, "sizing the service maps for what the source is expected to hold");
-        match self.loading.prepare(larger, self.kept_ids()) {
+        let ids = self.kept_ids();
+        match self.loading.prepare(larger, ids) {
             Ok(object) => {
                 self.object = object;
                 self.capacity = larger;
@@ -529,9 +558,37 @@ impl EbpfDatapath {
         }
     }
 
-    /// The ids maps made to replace the current ones keep.
-    fn kept_ids(&self) -> KeptIds {
+    /// The ids maps made to replace the current ones keep (adopted maps'
+    /// once read back).
+    fn kept_ids(&mut self) -> KeptIds {
+        if let Err(e) = self.finish_adopting() {
+            tracing::warn!("could not make new service maps: {e:#}");
+        }
         KeptIds::These(self.object.reconciler().kept_ids())
+    }
+
+    /// Takes what the adopted maps hold once read back (waiting for it);
+    /// where they could not be read, makes new maps instead, the previous
+    /// agent's ids kept, which the first sync fills.
+    fn finish_adopting(&mut self) -> anyhow::Result<()> {
+        if let Adopting::Reading(adoption) = std::mem::replace(&mut self.adopting, Adopting::No) {
+            let read = adoption.finish();
+            match read.map_err(EbpfError::from).and_then(|read| self.object.take_adopted(read)) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::warn!(
+                        "could not read the adopted service maps back, making new ones: {e}"
+                    );
+                    self.adopting = Adopting::Unreadable;
+                }
+            }
+        }
+        if let Adopting::Unreadable = self.adopting {
+            self.object = self.loading.prepare(self.capacity, KeptIds::Pinned)?;
+            self.verified = false;
+            self.adopting = Adopting::No;
+        }
+        Ok(())
     }
 
     /// What the maps serve, named as `plan` names it.
@@ -639,7 +696,8 @@ impl EbpfDatapath {
                 tracing::info!(from = ?before, to = ?larger, "the services outgrew the maps: growing them")
             }
         }
-        let object = self.loading.prepare(larger, self.kept_ids())?;
+        let ids = self.kept_ids();
+        let object = self.loading.prepare(larger, ids)?;
         let old = std::mem::replace(&mut self.object, object);
         let was_verified = std::mem::replace(&mut self.verified, false);
         self.capacity = larger;

@@ -208,7 +208,8 @@ impl BpfObject {
             false => ServiceMaps::Made,
         };
         match ids {
-            KeptIds::Adopted => adopt_while_verifying(&mut ebpf, &mut maps, &mut state)?,
+            // Read back on a thread of their own (`adopt::Adoption`).
+            KeptIds::Adopted => {}
             KeptIds::These(reserved) => state.reserve(reserved),
             KeptIds::Pinned => {
                 if let Some(reserved) = pinned.as_ref().and_then(previous_ids) {
@@ -283,9 +284,13 @@ impl BpfObject {
             };
             (join(verifying), verifying6.map_or(Ok(()), join), synced)
         });
-        // Before serving: see `sync_unserved` (adopted maps are verified
-        // into as they are read back, not here).
-        drop(self.reconciler.take_affinity_purge());
+        match self.service_maps {
+            // Serving maps: affinity entries naming backends the sync took
+            // away go, as at any sync.
+            ServiceMaps::Adopted => self.purge_owed(),
+            // Before serving: see `sync_unserved`.
+            ServiceMaps::Made => drop(self.reconciler.take_affinity_purge()),
+        }
         verified?;
         self.maps.fill_tc_new(&mut self.ebpf)?;
         if ipv6 {
@@ -331,36 +336,6 @@ impl BpfObject {
     pub fn keep_records_reader(&mut self, reader: records::Reader) {
         self.records = Some(reader);
     }
-}
-
-/// Reads adopted maps back into `state` while the programs are verified
-/// into them (their size is the one they serve at: nothing waits for the
-/// source), and points `TC_NEW` at the verified programs.
-fn adopt_while_verifying(
-    ebpf: &mut Ebpf,
-    maps: &mut Maps,
-    state: &mut Reconciler,
-) -> Result<(), EbpfError> {
-    let started = std::time::Instant::now();
-    let (names, heaviest) = base_programs();
-    let [base] = pick(ebpf, [&names[..]])?;
-    let (verified, adopted) = std::thread::scope(|scope| {
-        let verifying = scope.spawn(|| verify_set(base, &heaviest));
-        let adopted = adopt::read_back(maps, state);
-        (verifying.join().unwrap_or(Err(EbpfError::VerifierThread)), adopted)
-    });
-    let adopt::Adopted { frontends, backends, service_entries } = adopted?;
-    verified?;
-    maps.fill_tc_new(ebpf)?;
-    let ms = started.elapsed().as_secs_f64() * 1000.0;
-    tracing::info!(
-        frontends,
-        backends,
-        service_entries,
-        ms,
-        "the previous agent's service maps adopted, BPF programs verified into them: the first sync writes only what changed"
-    );
-    Ok(())
 }
 
 /// The ids the previous agent pinned under `pinned` gave, logged.

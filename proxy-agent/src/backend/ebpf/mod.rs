@@ -278,6 +278,16 @@ impl BpfObject {
         self.service_maps == ServiceMaps::Adopted
     }
 
+    /// Takes what its adopted maps hold, read back: the record, and the
+    /// pre-filter's bits for it (before its programs serve).
+    pub fn take_adopted(&mut self, read: adopt::ReadBack) -> Result<(), EbpfError> {
+        let name = map_names::PREFILTER;
+        let err = |source| EbpfError::Map { name, source };
+        self.maps.prefilter.set(read.bits).map_err(err)?;
+        self.reconciler = read.record;
+        Ok(())
+    }
+
     /// What the maps hold, as the reconciler records it.
     pub fn reconciler(&self) -> &Reconciler {
         &self.reconciler
