@@ -370,12 +370,38 @@ fn sync_writes(log: &str, source: &str) -> Vec<u64> {
 }
 
 /// eBPF only (a rule-based mode's writes are live: it waits for the whole
-/// list). A restart on a slow list: what is listed is written into the new
-/// agent's maps as it comes, nothing of it serves, the previous agent's
-/// datapath serves meanwhile; once the list is whole, the sync writes only
-/// the rest, and then the new agent takes over.
+/// list). A restart on a slow list, onto new maps (Maglev tables of another
+/// size: the previous agent's maps are not adopted): what is listed is
+/// written into the new agent's maps as it comes, nothing of it serves, the
+/// previous agent's datapath serves meanwhile; once the list is whole, the
+/// sync writes only the rest, and then the new agent takes over.
 #[test]
 fn a_slow_list_is_written_as_it_comes_and_served_only_whole() {
+    let log = restart_on_a_slow_list(&["--bpf-lb-maglev-table-size", "251"]);
+    let (partial, whole) = (sync_writes(&log, "partial"), sync_writes(&log, "whole"));
+    assert!(partial.len() >= 2, "{log}");
+    let first_whole = *whole.first().expect(&log);
+    assert!(first_whole * 2 < partial.iter().sum::<u64>(), "{partial:?} then {first_whole}\n{log}");
+}
+
+/// The same restart onto the previous agent's maps, adopted: nothing is
+/// written while the list comes (the previous agent's programs serve from
+/// them), and the sync of the whole writes only what changed meanwhile.
+#[test]
+fn a_slow_list_on_adopted_maps_writes_only_what_changed_once_whole() {
+    let log = restart_on_a_slow_list(&[]);
+    assert!(log.contains("the previous agent's service maps adopted"), "{log}");
+    let (partial, whole) = (sync_writes(&log, "partial"), sync_writes(&log, "whole"));
+    assert!(partial.iter().all(|w| *w == 0), "{partial:?}\n{log}");
+    // `late`: its backend, reverse-NAT entry, frontend and slot.
+    assert_eq!(whole.first(), Some(&4), "{log}");
+}
+
+/// Restarts an agent (with `extra`) while the API server lists 4 pages of
+/// each kind a second apart, a new service `late` on the last; checks that
+/// it serves `late` only once whole, that the previous datapath served all
+/// along, and that the programs were verified once; returns its log.
+fn restart_on_a_slow_list(extra: &[&str]) -> String {
     let (mut lab, pods, client) = lab(Setup::API, 2);
     let late = service("lab", "late").cluster_ip("10.96.0.11").port(port("http", 80).target(8080));
     let late_slice = late.slice().port("http", 8080, Tcp).endpoints([ep(&pods[0].ip)]);
@@ -384,8 +410,7 @@ fn a_slow_list_is_written_as_it_comes_and_served_only_whole() {
     lab.start_agent(&[]).unwrap();
     assert_eq!(tally(&tcp(&lab, &client, "10.96.0.10:80", 4)).values().sum::<usize>(), 4);
 
-    // The previous agent's datapath stays; the new one lists 4 pages of
-    // each kind, a second apart, `late` on the last.
+    // The previous agent's datapath stays.
     lab.kill_agent();
     lab.write_manifest(&(before + &manifest(&[&late, &late_slice]))).unwrap();
     api(&lab).set_page_delay(Duration::from_secs(1));
@@ -395,7 +420,7 @@ fn a_slow_list_is_written_as_it_comes_and_served_only_whole() {
         .spawn(Request::tcp("10.96.0.10:80", 80).interval_ms(50))
         .unwrap();
     let restarted = lab.agent_log().len();
-    lab.spawn_agent_on(0, &[]).unwrap();
+    lab.spawn_agent_on(0, extra).unwrap();
     let log = || lab.agent_log()[restarted..].to_string();
     wait_for("a sync of the listed part", Duration::from_secs(20), || {
         !sync_writes(&log(), "partial").is_empty()
@@ -413,14 +438,9 @@ fn a_slow_list_is_written_as_it_comes_and_served_only_whole() {
     let attempts = attempts_of(&mut flow);
     let failed: Vec<_> = attempts.iter().filter(|a| a.pod().is_none()).collect();
     assert!(failed.is_empty(), "{failed:?}\n{}", log());
-
-    // Written as it came: the sync of the whole wrote the rest only.
     let log = log();
-    let (partial, whole) = (sync_writes(&log, "partial"), sync_writes(&log, "whole"));
-    assert!(partial.len() >= 2, "{log}");
-    let first_whole = *whole.first().expect(&log);
-    assert!(first_whole * 2 < partial.iter().sum::<u64>(), "{partial:?} then {first_whole}\n{log}");
     assert_eq!(log.matches("BPF programs verified").count(), 1, "{log}");
     let (read, synced) = (log.find("source read whole"), log.find("datapath holds the whole"));
     assert!(read < synced && synced < log.find("datapath ready; serving"), "{log}");
+    log
 }
