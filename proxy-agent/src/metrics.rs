@@ -619,7 +619,7 @@ impl Metrics {
         let carried = self.carried.lock().map(|c| c.clone()).unwrap_or_default();
         out.gauges(
             "proxy_state_map_carried",
-            "What became of the previous agent's state maps at this agent's start: reused, converted (another layout), reset (a layout this build cannot read) or none.",
+            "What became of the previous agent's maps at this agent's start: state maps reused, converted (another layout), reset (a layout this build cannot read) or none; service maps reused (adopted) or rebuilt (made again from the source, ids kept).",
             carried.into_iter().map(|(map, how)| (vec![("map", map.into()), ("outcome", how.into())], 1u64)),
         )?;
         out.counter(

@@ -306,7 +306,7 @@ fn flows_survive_an_agent_crash_and_restart(setup: Setup) {
         let synced = restart.lines().find(|l| l.contains("datapath synced") && l.contains("whole"));
         assert!(synced.is_some_and(|l| l.contains(" writes=0 ")), "{restart}");
         let metrics = c.lab.metrics().unwrap();
-        for map in ["CONNTRACK", "AFFINITY", "SOCK_REV_NAT", "FRAGMENTS"] {
+        for map in ["CONNTRACK", "AFFINITY", "SOCK_REV_NAT", "FRAGMENTS", "SERVICES", "BACKENDS"] {
             let line = format!(r#"proxy_state_map_carried{{map="{map}",outcome="reused"}} 1"#);
             assert!(metrics.contains(&line), "{line} in\n{metrics}");
         }

@@ -2,12 +2,13 @@
 //! new service maps and write every entry again (2.2 million at 100,000
 //! services × 10 endpoints, after reading a million ids to keep); where the
 //! pinned maps are what this build would make, its programs use them as they
-//! are, and the reconciler's record is read back from their entries. The
-//! first sync then writes only what changed while no agent ran.
+//! are, and the reconciler's record is read back from their entries (on a
+//! thread of its own, while the source is read). The sync of the whole
+//! source then writes only what changed while no agent ran.
 //!
 //! The previous agent's programs serve from those very maps until the new
-//! ones take over: the first sync's writes are make-before-break like any
-//! serving agent's, nothing is written before the source is read whole, and
+//! ones take over: the sync of the whole source writes make-before-break
+//! like any serving agent's, nothing is written before it, and
 //! what it takes away is flushed as at any endpoint removal. Maps that
 //! cannot be adopted (another layout or shape, larger than
 //! `--bpf-lb-map-max`, Maglev tables of another size) are made afresh, the
@@ -176,6 +177,11 @@ pub fn adoptable(
     Ok(sizes)
 }
 
+/// The service maps' names.
+pub fn names() -> impl Iterator<Item = &'static str> {
+    SERVICE_MAPS.iter().map(|map| map.name)
+}
+
 /// Points the loader at the pinned service maps: the programs use them.
 pub fn reuse(pinned: &Pinned, loader: &mut aya::EbpfLoader<'_>) {
     for map in &SERVICE_MAPS {
@@ -246,7 +252,6 @@ impl Pins {
 pub struct ReadBack {
     pub record: Reconciler,
     pub bits: Vec<u32>,
-    pub adopted: Adopted,
 }
 
 /// Adopted maps being read back on a thread of their own, while the agent
@@ -271,7 +276,7 @@ impl Adoption {
                 ms,
                 "the previous agent's service maps adopted and read back: the first sync writes only what changed"
             );
-            Ok(ReadBack { record, bits, adopted })
+            Ok(ReadBack { record, bits })
         };
         let thread = std::thread::Builder::new().name("adopt".into()).spawn(read);
         thread.map(Adoption).map_err(|_| AdoptError::Thread)

@@ -132,6 +132,9 @@ pub enum Carry {
     Convert { from: u32 },
     /// A layout this build cannot read: start empty.
     Reset { version: u32 },
+    /// A service map not adopted ([`super::adopt`]): made again from the
+    /// source, each frontend and backend under its previous id.
+    Rebuilt,
 }
 
 impl Carry {
@@ -141,6 +144,7 @@ impl Carry {
             Carry::Reuse => "reused",
             Carry::Convert { .. } => "converted",
             Carry::Reset { .. } => "reset",
+            Carry::Rebuilt => "rebuilt",
         }
     }
 }

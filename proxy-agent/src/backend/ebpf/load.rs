@@ -198,6 +198,10 @@ impl BpfObject {
             }
             carried.push((map.name, carry));
         }
+        if pinned.as_ref().is_some_and(|p| p.layouts().is_some()) {
+            let carry = if adopting { Carry::Reuse } else { Carry::Rebuilt };
+            carried.extend(adopt::names().map(|name| (name, carry)));
+        }
         // The kernel's types, for its kfuncs (absent: none is called).
         let kernel_btf = aya::Btf::from_sys_fs().ok();
         let mut ebpf = loader.load(&sock_end::resolve_kfunc(OBJECT, kernel_btf.as_ref()))?;
@@ -365,7 +369,8 @@ pub(super) fn carry_over(
 ) -> Option<Conversion> {
     let name = map.name;
     match carry {
-        Carry::Nothing => None,
+        // (`Rebuilt` is a service map's, never a state map's.)
+        Carry::Nothing | Carry::Rebuilt => None,
         Carry::Reuse => {
             tracing::info!(map = name, "carrying the previous agent's map over");
             loader.map_pin_path(name, pinned.path(name));
