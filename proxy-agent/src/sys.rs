@@ -77,24 +77,28 @@ pub fn ensure_bpffs_dir(root: &Path) -> io::Result<()> {
     private_dir(root)
 }
 
-/// Holds `root`'s lock (`flock`) for the rest of the agent's life; whether
-/// it was free: no other agent runs on these pins. Held by another, it is
-/// taken once that one exits (a thread waits for it).
+/// Holds `root`'s lock (`flock`) for the rest of the agent's life (its
+/// descriptor stays open until the process ends); whether it was free: no
+/// other agent runs on these pins. Held by another, it is taken once that
+/// one exits (a thread waits for it).
 pub fn hold_lock(root: &Path) -> io::Result<bool> {
     let dir = std::fs::File::open(root)?;
-    let free = match dir.try_lock() {
-        Ok(()) => true,
-        Err(std::fs::TryLockError::WouldBlock) => false,
-        Err(std::fs::TryLockError::Error(e)) => return Err(e),
-    };
-    std::thread::Builder::new().name("pins-lock".into()).spawn(move || {
-        if free || dir.lock().is_ok() {
-            loop {
-                std::thread::park();
-            }
+    match dir.try_lock() {
+        Ok(()) => {
+            std::mem::forget(dir);
+            Ok(true)
         }
-    })?;
-    Ok(free)
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let wait = move || {
+                if dir.lock().is_ok() {
+                    std::mem::forget(dir);
+                }
+            };
+            std::thread::Builder::new().name("pins-lock".into()).spawn(wait)?;
+            Ok(false)
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
+    }
 }
 
 /// Creates `dir` (and its missing parents) for root's eyes only: 0700 what
